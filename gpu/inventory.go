@@ -1,0 +1,618 @@
+package gpu
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// Options tunes New.
+type Options struct {
+	// NUMANode returns the NUMA node of a PCI device (bus id in sysfs form
+	// "0000:07:00.0"); nil means ask NVML (Device.GetNumaNodeId). -1 = unknown.
+	NUMANode func(busID string) (int, error)
+	// Logger receives what New skips or degrades; nil discards.
+	Logger *slog.Logger
+}
+
+// SysfsNUMA reads <root>/bus/pci/devices/<bus>/numa_node (root normally
+// "/sys"). The real backend uses it because GetNumaNodeId needs a recent
+// driver, while sysfs has had the answer for every PCI device for years.
+func SysfsNUMA(root string) func(busID string) (int, error) {
+	return func(busID string) (int, error) {
+		// The bus id becomes a path element: refuse anything that could step
+		// outside the devices directory.
+		if busID == "" || busID == "." || busID == ".." || strings.ContainsAny(busID, "/\\\x00") {
+			return -1, fmt.Errorf("numa node: invalid pci bus id %q", busID)
+		}
+		dir := filepath.Join(root, "bus", "pci", "devices", busID)
+		b, err := os.ReadFile(filepath.Join(dir, "numa_node"))
+		if errors.Is(err, fs.ErrNotExist) {
+			// Kernels built without CONFIG_NUMA have no numa_node attribute at
+			// all; that is "unknown", not a failure, as long as the device is there.
+			if _, serr := os.Stat(dir); serr == nil {
+				return -1, nil
+			}
+		}
+		if err != nil {
+			return -1, fmt.Errorf("numa node of %s: %w", busID, err)
+		}
+		n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		if err != nil {
+			return -1, fmt.Errorf("numa node of %s: %w", busID, err)
+		}
+		if n < 0 {
+			n = -1
+		}
+		return n, nil
+	}
+}
+
+// New builds the snapshot from an initialised nvml.Interface. It fails only
+// when nothing can be enumerated (DeviceGetCount fails). A GPU whose identity
+// (handle, UUID, name, memory, PCI info, minor number) cannot be read, or that
+// reports ERROR_GPU_IS_LOST on any call, is left out and recorded in
+// Inventory.Errors. Failures of optional facts (NUMA node, compute capability,
+// MIG mode, one MIG instance, one topology pair or NVLink) are recorded too,
+// but the GPU stays with that fact at its "unknown" value.
+func New(lib nvml.Interface, opts Options) (*Inventory, error) {
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	b := &builder{lib: lib, log: log, numa: opts.NUMANode}
+
+	count, ret := lib.DeviceGetCount()
+	if ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("nvml DeviceGetCount: %w", ret)
+	}
+	inv := &Inventory{GPUs: []GPU{}}
+	if v, ret := lib.SystemGetDriverVersion(); ret == nvml.SUCCESS {
+		inv.DriverVersion = v
+	} else {
+		log.Debug("driver version unavailable", "error", ret.Error())
+	}
+
+	devs := make([]nvml.Device, 0, count)
+	for i := range count {
+		g, dev, ok := b.readGPU(i)
+		if !ok {
+			continue
+		}
+		inv.GPUs = append(inv.GPUs, g)
+		devs = append(devs, dev)
+	}
+	inv.Topology = b.topology(devs, inv.GPUs)
+	inv.Errors = b.errs
+	return inv, nil
+}
+
+type builder struct {
+	lib  nvml.Interface
+	log  *slog.Logger
+	numa func(string) (int, error)
+	// errs in the order they happened: GPU by GPU, then topology, so that
+	// two snapshots of the same node list them identically.
+	errs []DeviceError
+}
+
+// gpuReader reads one GPU; its errors carry the GPU's index and, once known, UUID.
+type gpuReader struct {
+	b    *builder
+	idx  int
+	uuid string
+	dev  nvml.Device
+	// lost is set by the first ERROR_GPU_IS_LOST: the GPU is then left out.
+	lost bool
+}
+
+func (r *gpuReader) record(call string, err string) {
+	r.b.errs = append(r.b.errs, DeviceError{Index: r.idx, UUID: r.uuid, Call: call, Err: err})
+}
+
+// must handles a call the GPU cannot be listed without: false means the GPU is
+// left out (and the failure recorded).
+func (r *gpuReader) must(call string, ret nvml.Return) bool {
+	if ret == nvml.SUCCESS {
+		return true
+	}
+	r.record(call, ret.Error())
+	if ret == nvml.ERROR_GPU_IS_LOST {
+		r.lost = true
+	}
+	return false
+}
+
+// optional handles a call whose answer the GPU can do without: false means
+// use the "unknown" value. NOT_SUPPORTED is an answer, not an error; a lost GPU
+// is fatal whichever call notices it.
+func (r *gpuReader) optional(call string, ret nvml.Return) bool {
+	switch ret {
+	case nvml.SUCCESS:
+		return true
+	case nvml.ERROR_NOT_SUPPORTED:
+		return false
+	case nvml.ERROR_GPU_IS_LOST:
+		r.lost = true
+	}
+	r.record(call, ret.Error())
+	return false
+}
+
+func (b *builder) readGPU(i int) (GPU, nvml.Device, bool) {
+	r := &gpuReader{b: b, idx: i}
+	g, ok := r.read()
+	if !ok || r.lost {
+		b.log.Warn("gpu left out of inventory", "index", i, "uuid", r.uuid)
+		return GPU{}, nil, false
+	}
+	return g, r.dev, true
+}
+
+func (r *gpuReader) read() (GPU, bool) {
+	g := GPU{Index: r.idx, NUMANode: -1}
+	dev, ret := r.b.lib.DeviceGetHandleByIndex(r.idx)
+	if !r.must("DeviceGetHandleByIndex", ret) {
+		return g, false
+	}
+	r.dev = dev
+	if g.UUID, ret = dev.GetUUID(); !r.must("GetUUID", ret) {
+		return g, false
+	}
+	r.uuid = g.UUID
+	if g.Name, ret = dev.GetName(); !r.must("GetName", ret) {
+		return g, false
+	}
+	mem, ret := dev.GetMemoryInfo()
+	if !r.must("GetMemoryInfo", ret) {
+		return g, false
+	}
+	g.MemoryBytes = mem.Total
+	pci, ret := dev.GetPciInfo()
+	if !r.must("GetPciInfo", ret) {
+		return g, false
+	}
+	bus, err := pciBusID(pci)
+	if err != nil {
+		// Keep the GPU: the bus id only feeds NUMA and NVLink peer lookup.
+		r.record("GetPciInfo", err.Error())
+	}
+	g.PCIBusID = bus
+	if g.Minor, ret = dev.GetMinorNumber(); !r.must("GetMinorNumber", ret) {
+		return g, false
+	}
+
+	if major, minor, ret := dev.GetCudaComputeCapability(); r.optional("GetCudaComputeCapability", ret) {
+		g.ComputeCapability = ComputeCapability{Major: major, Minor: minor}
+	}
+	g.NUMANode = r.numaNode(g.PCIBusID)
+
+	cur, pend, ret := dev.GetMigMode()
+	if r.optional("GetMigMode", ret) {
+		g.MIGCapable = true
+		g.MIG = MIGMode{Current: cur == nvml.DEVICE_MIG_ENABLE, Pending: pend == nvml.DEVICE_MIG_ENABLE}
+	}
+	if g.MIG.Current {
+		g.Instances = r.migInstances(g.MemoryBytes)
+	}
+	return g, !r.lost
+}
+
+func (r *gpuReader) numaNode(bus string) int {
+	if r.b.numa == nil {
+		n, ret := r.dev.GetNumaNodeId()
+		if !r.optional("GetNumaNodeId", ret) || n < 0 {
+			return -1
+		}
+		return n
+	}
+	if bus == "" {
+		return -1
+	}
+	n, err := r.b.numa(bus)
+	if err != nil {
+		r.record("NUMA node of "+bus, err.Error())
+		return -1
+	}
+	return n
+}
+
+// migInstances walks the MIG device slots. A slot that cannot be read is
+// recorded and skipped: its profile decides the resource it would be served
+// under, so a half-read instance is worse than a missing one.
+func (r *gpuReader) migInstances(gpuMemory uint64) []MIGInstance {
+	slots, ret := r.dev.GetMaxMigDeviceCount()
+	if !r.optional("GetMaxMigDeviceCount", ret) {
+		return nil
+	}
+	var out []MIGInstance
+	for k := range slots {
+		mig, ret := r.dev.GetMigDeviceHandleByIndex(k)
+		if ret == nvml.ERROR_NOT_FOUND {
+			continue // empty slot
+		}
+		if !r.optional(fmt.Sprintf("GetMigDeviceHandleByIndex(%d)", k), ret) {
+			if r.lost {
+				return nil
+			}
+			continue
+		}
+		inst, ok := r.migInstance(k, mig, gpuMemory)
+		if r.lost {
+			return nil
+		}
+		if ok {
+			out = append(out, inst)
+		}
+	}
+	slices.SortFunc(out, func(a, b MIGInstance) int {
+		if a.GI != b.GI {
+			return a.GI - b.GI
+		}
+		if a.CI != b.CI {
+			return a.CI - b.CI
+		}
+		return a.Index - b.Index
+	})
+	return out
+}
+
+func (r *gpuReader) migInstance(k int, mig nvml.Device, gpuMemory uint64) (MIGInstance, bool) {
+	inst := MIGInstance{Index: k}
+	// call names the failing NVML call with the MIG slot it was for.
+	call := func(name string) string { return fmt.Sprintf("mig %d: %s", k, name) }
+	// A MIG device is useless to us without every one of these facts, so any
+	// failure (NOT_SUPPORTED included) skips it.
+	need := func(name string, ret nvml.Return) bool {
+		if ret == nvml.SUCCESS {
+			return true
+		}
+		if ret == nvml.ERROR_GPU_IS_LOST {
+			r.lost = true
+		}
+		r.record(call(name), ret.Error())
+		return false
+	}
+	var ret nvml.Return
+	if inst.UUID, ret = mig.GetUUID(); !need("GetUUID", ret) {
+		return inst, false
+	}
+	if inst.GI, ret = mig.GetGpuInstanceId(); !need("GetGpuInstanceId", ret) {
+		return inst, false
+	}
+	if inst.CI, ret = mig.GetComputeInstanceId(); !need("GetComputeInstanceId", ret) {
+		return inst, false
+	}
+	gi, ret := r.dev.GetGpuInstanceById(inst.GI)
+	if !need(fmt.Sprintf("GetGpuInstanceById(%d)", inst.GI), ret) {
+		return inst, false
+	}
+	giInfo, ret := gi.GetInfo()
+	if !need(fmt.Sprintf("gi %d: GetInfo", inst.GI), ret) {
+		return inst, false
+	}
+	inst.GIProfileID = int(giInfo.ProfileId)
+	inst.Placement = Placement{Start: int(giInfo.Placement.Start), Size: int(giInfo.Placement.Size)}
+	prof, ret := r.dev.GetGpuInstanceProfileInfo(inst.GIProfileID)
+	if !need(fmt.Sprintf("GetGpuInstanceProfileInfo(%d)", inst.GIProfileID), ret) {
+		return inst, false
+	}
+	inst.Profile = MIGProfileName(inst.GIProfileID, prof, gpuMemory)
+
+	ci, ret := gi.GetComputeInstanceById(inst.CI)
+	if !need(fmt.Sprintf("gi %d: GetComputeInstanceById(%d)", inst.GI, inst.CI), ret) {
+		return inst, false
+	}
+	ciInfo, ret := ci.GetInfo()
+	if !need(fmt.Sprintf("gi %d ci %d: GetInfo", inst.GI, inst.CI), ret) {
+		return inst, false
+	}
+	ciProf, ret := gi.GetComputeInstanceProfileInfo(int(ciInfo.ProfileId), nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+	if !need(fmt.Sprintf("gi %d: GetComputeInstanceProfileInfo(%d)", inst.GI, ciInfo.ProfileId), ret) {
+		return inst, false
+	}
+	if ciProf.SliceCount < prof.SliceCount {
+		inst.Profile = fmt.Sprintf("%dc.%s", ciProf.SliceCount, inst.Profile)
+	}
+
+	// The MIG device's own memory is what a container sees; the profile's
+	// size is the fallback for drivers that do not answer for MIG handles.
+	mem, ret := mig.GetMemoryInfo()
+	if ret == nvml.SUCCESS {
+		inst.MemoryBytes = mem.Total
+		return inst, true
+	}
+	if ret != nvml.ERROR_NOT_SUPPORTED && !need("GetMemoryInfo", ret) && r.lost {
+		return inst, false
+	}
+	inst.MemoryBytes = prof.MemorySizeMB << 20
+	return inst, true
+}
+
+// MIGProfileName names a GPU instance profile as users write it ("1g.10gb",
+// "1g.5gb+me", "7g.80gb"). NVML's MemorySizeMB is what is left after the
+// driver's reservations (4864 MiB on a 40 GB A100), so the advertised size is
+// recovered the way NVIDIA's tools do it: take the profile's share of the
+// GPU's memory, round it up to the next eighth (the memory slice), and round
+// that many bytes to whole GB.
+func MIGProfileName(profileID int, info nvml.GpuInstanceProfileInfo, gpuMemoryBytes uint64) string {
+	return fmt.Sprintf("%dg.%dgb%s", info.SliceCount, migMemoryGB(info.MemorySizeMB, gpuMemoryBytes>>20), profileSuffix(profileID))
+}
+
+// migMemoryGB does MIGProfileName's rounding in integers so that the name
+// never depends on floating point.
+func migMemoryGB(profileMiB, totalMiB uint64) uint64 {
+	if totalMiB == 0 {
+		return (profileMiB + 1023) / 1024
+	}
+	eighths := (8*profileMiB + totalMiB - 1) / totalMiB
+	// eighths/8 of totalMiB, in GiB, rounded half up: (eighths*total/8 + 512) / 1024.
+	return (eighths*totalMiB + 4096) / 8192
+}
+
+// profileSuffix marks the profile variants that share a slice count with the
+// plain profile but differ in media engines or graphics support.
+func profileSuffix(profileID int) string {
+	switch profileID {
+	case nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1:
+		return "+me"
+	case nvml.GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME, nvml.GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME:
+		return "+me.all"
+	case nvml.GPU_INSTANCE_PROFILE_1_SLICE_NO_ME, nvml.GPU_INSTANCE_PROFILE_2_SLICE_NO_ME:
+		return "-me"
+	case nvml.GPU_INSTANCE_PROFILE_1_SLICE_GFX, nvml.GPU_INSTANCE_PROFILE_2_SLICE_GFX,
+		nvml.GPU_INSTANCE_PROFILE_3_SLICE_GFX, nvml.GPU_INSTANCE_PROFILE_4_SLICE_GFX:
+		return "+gfx"
+	}
+	return ""
+}
+
+// pciBusID returns NVML's PCI address in sysfs form.
+func pciBusID(p nvml.PciInfo) (string, error) {
+	raw := cString(p.BusId[:])
+	if raw == "" {
+		raw = cString(p.BusIdLegacy[:])
+	}
+	if raw == "" {
+		return "", errors.New("empty pci bus id")
+	}
+	return NormalizeBusID(raw)
+}
+
+func cString(b []int8) string {
+	var sb strings.Builder
+	for _, c := range b {
+		if c == 0 {
+			break
+		}
+		sb.WriteByte(byte(c))
+	}
+	return sb.String()
+}
+
+// NormalizeBusID converts a PCI address to the form sysfs uses, lower case
+// with a 4-digit domain: NVML writes "00000000:07:00.0" (8-digit domain, upper
+// case hex), sysfs and the kubelet "0000:07:00.0". A domain above 0xffff (VMD)
+// keeps its extra digits, as in sysfs. An address without a domain gets 0000.
+func NormalizeBusID(s string) (string, error) {
+	parts := strings.Split(strings.TrimSpace(s), ":")
+	if len(parts) == 2 {
+		parts = append([]string{"0"}, parts...)
+	}
+	if len(parts) != 3 {
+		return "", fmt.Errorf("pci bus id %q: want domain:bus:device.function", s)
+	}
+	devfn := strings.Split(parts[2], ".")
+	if len(devfn) != 2 {
+		return "", fmt.Errorf("pci bus id %q: want domain:bus:device.function", s)
+	}
+	fields := []struct {
+		s    string
+		bits int
+		name string
+	}{{parts[0], 32, "domain"}, {parts[1], 8, "bus"}, {devfn[0], 5, "device"}, {devfn[1], 3, "function"}}
+	var v [4]uint64
+	for i, f := range fields {
+		if f.s == "" || len(f.s) > 8 {
+			return "", fmt.Errorf("pci bus id %q: bad %s %q", s, f.name, f.s)
+		}
+		n, err := strconv.ParseUint(f.s, 16, f.bits)
+		if err != nil {
+			return "", fmt.Errorf("pci bus id %q: bad %s %q", s, f.name, f.s)
+		}
+		v[i] = n
+	}
+	return fmt.Sprintf("%04x:%02x:%02x.%x", v[0], v[1], v[2], v[3]), nil
+}
+
+// topology reads the pair levels and NVLinks of the listed GPUs (devs[i] is
+// gpus[i]). Nothing here fails the inventory: a pair NVML cannot answer for is
+// recorded and treated as the most distant.
+func (b *builder) topology(devs []nvml.Device, gpus []GPU) *Topology {
+	n := len(gpus)
+	t := &Topology{
+		Level:       make([][]LinkLevel, n),
+		DirectLanes: make([][]int, n),
+		SwitchLanes: make([]int, n),
+		Fabric:      make([]int, n),
+	}
+	for i := range n {
+		t.Level[i] = make([]LinkLevel, n)
+		t.DirectLanes[i] = make([]int, n)
+	}
+	record := func(i int, call string, err string) {
+		b.errs = append(b.errs, DeviceError{Index: gpus[i].Index, UUID: gpus[i].UUID, Call: call, Err: err})
+	}
+
+	unsupported := false
+	for i := range n {
+		t.Level[i][i] = LevelInternal
+		for j := i + 1; j < n; j++ {
+			lvl, ret := devs[i].GetTopologyCommonAncestor(devs[j])
+			l := LinkLevel(lvl)
+			switch {
+			case ret == nvml.ERROR_NOT_SUPPORTED:
+				unsupported = true
+				l = LevelSystem
+			case ret != nvml.SUCCESS:
+				record(i, fmt.Sprintf("GetTopologyCommonAncestor(gpu %d)", gpus[j].Index), ret.Error())
+				l = LevelSystem
+			case l.String() == "?":
+				b.log.Warn("unknown topology level, using SYS", "gpu", gpus[i].Index, "peer", gpus[j].Index, "level", int(lvl))
+				l = LevelSystem
+			}
+			t.Level[i][j], t.Level[j][i] = l, l
+		}
+	}
+	if unsupported {
+		b.log.Info("NVML cannot tell the PCIe topology; treating every pair as SYS")
+	}
+
+	byBus := make(map[string]int, n)
+	for i, g := range gpus {
+		if g.PCIBusID != "" {
+			byBus[g.PCIBusID] = i
+		}
+	}
+	// Union-find over GPUs (0..n-1) and NVSwitches (n..): GPUs that reach a
+	// common switch, directly or through other GPUs' switches, share a fabric.
+	uf := newUnionFind(n)
+	switches := map[string]int{}
+	onSwitch := make([]bool, n)
+	for i := range n {
+		b.nvlinks(t, i, devs[i], gpus, byBus, record, func(bus string) {
+			s, ok := switches[bus]
+			if !ok {
+				s = uf.add()
+				switches[bus] = s
+			}
+			uf.union(i, s)
+			onSwitch[i] = true
+		})
+	}
+	// Fabric ids are numbered in GPU order so equal nodes get equal ids.
+	fabric := map[int]int{}
+	for i := range n {
+		t.Fabric[i] = -1
+		if !onSwitch[i] {
+			continue
+		}
+		root := uf.find(i)
+		id, ok := fabric[root]
+		if !ok {
+			id = len(fabric)
+			fabric[root] = id
+		}
+		t.Fabric[i] = id
+	}
+	return t
+}
+
+// nvlinks counts GPU i's active NVLink lanes into t and reports each switch it
+// reaches (by normalised bus id) to onSwitch.
+func (b *builder) nvlinks(t *Topology, i int, dev nvml.Device, gpus []GPU, byBus map[string]int,
+	record func(int, string, string), onSwitch func(string)) {
+	for link := range nvml.NVLINK_MAX_LINKS {
+		state, ret := dev.GetNvLinkState(link)
+		// NVML answers INVALID_ARGUMENT past the GPU's last link and
+		// NOT_SUPPORTED when it has none: either way there are no more.
+		if ret == nvml.ERROR_NOT_SUPPORTED || ret == nvml.ERROR_INVALID_ARGUMENT {
+			return
+		}
+		if ret != nvml.SUCCESS {
+			record(i, fmt.Sprintf("GetNvLinkState(link %d)", link), ret.Error())
+			if ret == nvml.ERROR_GPU_IS_LOST {
+				return
+			}
+			continue
+		}
+		if state != nvml.FEATURE_ENABLED {
+			continue
+		}
+		typ, typRet := dev.GetNvLinkRemoteDeviceType(link)
+		if typRet != nvml.SUCCESS && typRet != nvml.ERROR_NOT_SUPPORTED {
+			record(i, fmt.Sprintf("GetNvLinkRemoteDeviceType(link %d)", link), typRet.Error())
+			continue
+		}
+		pci, pciRet := dev.GetNvLinkRemotePciInfo(link)
+		var remote string
+		if pciRet == nvml.SUCCESS {
+			raw := cString(pci.BusId[:])
+			var err error
+			if remote, err = NormalizeBusID(raw); err != nil {
+				remote = raw
+			}
+		}
+		if typRet == nvml.SUCCESS && typ == nvml.NVLINK_DEVICE_TYPE_SWITCH {
+			t.SwitchLanes[i]++
+			if pciRet != nvml.SUCCESS {
+				record(i, fmt.Sprintf("GetNvLinkRemotePciInfo(link %d)", link), pciRet.Error())
+				continue
+			}
+			onSwitch(remote)
+			continue
+		}
+		if typRet == nvml.SUCCESS && typ != nvml.NVLINK_DEVICE_TYPE_GPU {
+			b.log.Debug("nvlink to a device that is neither GPU nor switch, ignored", "gpu", gpus[i].Index, "link", link, "type", int(typ))
+			continue
+		}
+		// A GPU lane, or (older drivers, no remote type) possibly one.
+		if pciRet != nvml.SUCCESS {
+			record(i, fmt.Sprintf("GetNvLinkRemotePciInfo(link %d)", link), pciRet.Error())
+			continue
+		}
+		peer, ok := byBus[remote]
+		if !ok || peer == i {
+			b.log.Warn("nvlink to an unknown device, ignored", "gpu", gpus[i].Index, "link", link, "remote", remote)
+			continue
+		}
+		t.DirectLanes[i][peer]++
+	}
+}
+
+type unionFind struct {
+	parent []int
+	size   []int
+}
+
+func newUnionFind(n int) *unionFind {
+	u := &unionFind{}
+	for range n {
+		u.add()
+	}
+	return u
+}
+
+func (u *unionFind) add() int {
+	u.parent = append(u.parent, len(u.parent))
+	u.size = append(u.size, 1)
+	return len(u.parent) - 1
+}
+
+func (u *unionFind) find(x int) int {
+	for u.parent[x] != x {
+		u.parent[x] = u.parent[u.parent[x]]
+		x = u.parent[x]
+	}
+	return x
+}
+
+func (u *unionFind) union(a, b int) {
+	a, b = u.find(a), u.find(b)
+	if a == b {
+		return
+	}
+	if u.size[a] < u.size[b] {
+		a, b = b, a
+	}
+	u.parent[b] = a
+	u.size[a] += u.size[b]
+}

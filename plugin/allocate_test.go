@@ -1,0 +1,347 @@
+package plugin
+
+import (
+	"errors"
+	"reflect"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/gpu-agent/gpu-agent/catalog"
+)
+
+const (
+	resGPU    = "example.com/gpu"
+	resShared = "example.com/gpu.shared"
+)
+
+func gpuDevice(i int, numa int) catalog.Device {
+	id := "GPU-" + string(rune('a'+i))
+	return catalog.Device{
+		ID: id, Healthy: true, NUMANode: numa, GPU: i,
+		Spec: catalog.AllocateSpec{VisibleID: id, DeviceNodes: []string{"/dev/nvidia" + string(rune('0'+i))}},
+	}
+}
+
+// testCatalog has four whole GPUs (NUMA 0, 0, 1, unknown) and three
+// time-sliced replicas, two of them on one GPU.
+func testCatalog() *catalog.Catalog {
+	common := catalog.AllocateSpec{
+		DeviceNodes: []string{"/dev/nvidiactl", "/dev/nvidia-uvm"},
+		Mounts:      []catalog.Mount{{HostPath: "/usr/lib/libcuda.so", ContainerPath: "/usr/lib/libcuda.so", ReadOnly: true}},
+	}
+	replica := func(gpu int, n string) catalog.Device {
+		d := gpuDevice(gpu, 0)
+		d.ID = d.ID + "::" + n
+		d.Spec.Env = map[string]string{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}
+		return d
+	}
+	return &catalog.Catalog{Resources: map[string]*catalog.Resource{
+		resGPU: {
+			Name:    resGPU,
+			Devices: []catalog.Device{gpuDevice(0, 0), gpuDevice(1, 0), gpuDevice(2, 1), gpuDevice(3, -1)},
+			Common:  common,
+		},
+		resShared: {
+			Name:    resShared,
+			Devices: []catalog.Device{replica(0, "0"), replica(0, "1"), replica(1, "0")},
+			Common:  common,
+		},
+	}}
+}
+
+// withHealth returns a copy of cat in which device id of resource res has the given health.
+func withHealth(cat *catalog.Catalog, res, id string, healthy bool, reason string) *catalog.Catalog {
+	out := &catalog.Catalog{Resources: map[string]*catalog.Resource{}}
+	for name, r := range cat.Resources {
+		c := *r
+		if name == res {
+			c.Devices = append([]catalog.Device(nil), r.Devices...)
+			for i := range c.Devices {
+				if c.Devices[i].ID == id {
+					c.Devices[i].Healthy, c.Devices[i].Reason = healthy, reason
+				}
+			}
+		}
+		out.Resources[name] = &c
+	}
+	return out
+}
+
+func allocReq(containers ...[]string) *pluginapi.AllocateRequest {
+	req := &pluginapi.AllocateRequest{}
+	for _, ids := range containers {
+		req.ContainerRequests = append(req.ContainerRequests, &pluginapi.ContainerAllocateRequest{DevicesIds: ids})
+	}
+	return req
+}
+
+type wantContainer struct {
+	env     map[string]string
+	devices []string // host paths, in order
+	mounts  []string // container paths, in order
+}
+
+func checkContainer(t *testing.T, got *pluginapi.ContainerAllocateResponse, want wantContainer) {
+	t.Helper()
+	if !reflect.DeepEqual(got.GetEnvs(), want.env) {
+		t.Errorf("env = %v, want %v", got.GetEnvs(), want.env)
+	}
+	var devs []string
+	for _, d := range got.GetDevices() {
+		if d.GetContainerPath() != d.GetHostPath() || d.GetPermissions() != "rw" {
+			t.Errorf("device spec %v: want ContainerPath=HostPath and rw", d)
+		}
+		devs = append(devs, d.GetHostPath())
+	}
+	if !reflect.DeepEqual(devs, want.devices) {
+		t.Errorf("devices = %v, want %v", devs, want.devices)
+	}
+	var mounts []string
+	for _, m := range got.GetMounts() {
+		mounts = append(mounts, m.GetContainerPath())
+	}
+	if !reflect.DeepEqual(mounts, want.mounts) {
+		t.Errorf("mounts = %v, want %v", mounts, want.mounts)
+	}
+}
+
+func TestAllocate(t *testing.T) {
+	cat := testCatalog()
+	ctl := []string{"/dev/nvidiactl", "/dev/nvidia-uvm"}
+	lib := []string{"/usr/lib/libcuda.so"}
+	tests := []struct {
+		name string
+		res  string
+		req  *pluginapi.AllocateRequest
+		want []wantContainer
+	}{
+		{
+			name: "one GPU",
+			res:  resGPU, req: allocReq([]string{"GPU-c"}),
+			want: []wantContainer{{
+				env:     map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-c"},
+				devices: append(ctl, "/dev/nvidia2"), mounts: lib,
+			}},
+		},
+		{
+			name: "request order kept, two containers",
+			res:  resGPU, req: allocReq([]string{"GPU-d", "GPU-a"}, []string{"GPU-b"}),
+			want: []wantContainer{
+				{env: map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-d,GPU-a"}, devices: append(ctl, "/dev/nvidia3", "/dev/nvidia0"), mounts: lib},
+				{env: map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-b"}, devices: append(ctl, "/dev/nvidia1"), mounts: lib},
+			},
+		},
+		{
+			name: "replicas of one GPU appear once",
+			res:  resShared, req: allocReq([]string{"GPU-b::0", "GPU-a::1", "GPU-a::0"}),
+			want: []wantContainer{{
+				env: map[string]string{
+					"NVIDIA_VISIBLE_DEVICES":            "GPU-b,GPU-a",
+					"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
+				},
+				devices: append(ctl, "/dev/nvidia1", "/dev/nvidia0"), mounts: lib,
+			}},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			resp, err := allocate(cat.Resources[tt.res], tt.req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(resp.GetContainerResponses()) != len(tt.want) {
+				t.Fatalf("%d container responses, want %d", len(resp.GetContainerResponses()), len(tt.want))
+			}
+			for i, w := range tt.want {
+				checkContainer(t, resp.GetContainerResponses()[i], w)
+			}
+		})
+	}
+}
+
+func TestAllocateErrors(t *testing.T) {
+	cat := withHealth(testCatalog(), resGPU, "GPU-b", false, "XID 79 (fallen off the bus)")
+	conflict := testCatalog()
+	shared := conflict.Resources[resShared]
+	shared.Devices = append([]catalog.Device(nil), shared.Devices...)
+	shared.Devices[2].Spec.Env = map[string]string{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+	mountClash := testCatalog()
+	gpus := mountClash.Resources[resGPU]
+	gpus.Devices = append([]catalog.Device(nil), gpus.Devices...)
+	gpus.Devices[0].Spec.Mounts = []catalog.Mount{{HostPath: "/other/libcuda.so", ContainerPath: "/usr/lib/libcuda.so"}}
+
+	tests := []struct {
+		name     string
+		res      *catalog.Resource
+		req      *pluginapi.AllocateRequest
+		code     codes.Code
+		contains []string
+	}{
+		{"unknown ID", cat.Resources[resGPU], allocReq([]string{"GPU-a", "GPU-zz"}), codes.NotFound,
+			[]string{`"GPU-zz"`, resGPU, "unknown"}},
+		{"unhealthy ID", cat.Resources[resGPU], allocReq([]string{"GPU-b"}), codes.FailedPrecondition,
+			[]string{`"GPU-b"`, resGPU, "unhealthy", "XID 79"}},
+		// The first container alone is valid: nothing may be returned for it.
+		{"second container bad", cat.Resources[resGPU], allocReq([]string{"GPU-a"}, []string{"GPU-b"}), codes.FailedPrecondition,
+			[]string{"container request 1", `"GPU-b"`}},
+		{"empty request", cat.Resources[resGPU], allocReq([]string{}), codes.InvalidArgument, []string{resGPU}},
+		{"env conflict", conflict.Resources[resShared], allocReq([]string{"GPU-a::0", "GPU-b::0"}), codes.InvalidArgument,
+			[]string{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "GPU-b::0", resShared}},
+		{"mount conflict", mountClash.Resources[resGPU], allocReq([]string{"GPU-a"}), codes.InvalidArgument,
+			[]string{"/usr/lib/libcuda.so", resGPU}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			resp, err := allocate(tt.res, tt.req)
+			if err == nil {
+				t.Fatalf("no error; response %v", resp)
+			}
+			if resp != nil {
+				t.Errorf("a response came with the error: %v", resp)
+			}
+			if got := status.Code(err); got != tt.code {
+				t.Errorf("code = %v, want %v (%v)", got, tt.code, err)
+			}
+			for _, s := range tt.contains {
+				if !strings.Contains(err.Error(), s) {
+					t.Errorf("error %q does not contain %q", err, s)
+				}
+			}
+		})
+	}
+}
+
+// preferFunc adapts a function to catalog.Preferrer.
+type preferFunc func(available, must []string, size int) ([]string, error)
+
+func (f preferFunc) Preferred(available, must []string, size int) ([]string, error) {
+	return f(available, must, size)
+}
+
+func prefReq(available, must []string, size int) *pluginapi.ContainerPreferredAllocationRequest {
+	return &pluginapi.ContainerPreferredAllocationRequest{AvailableDeviceIDs: available, MustIncludeDeviceIDs: must, AllocationSize: int32(size)}
+}
+
+func TestPreferredDefault(t *testing.T) {
+	res := testCatalog().Resources[resGPU]
+	all := []string{"GPU-d", "GPU-c", "GPU-b", "GPU-a"} // kubelet order need not be ours
+	tests := []struct {
+		name string
+		req  *pluginapi.ContainerPreferredAllocationRequest
+		want []string
+	}{
+		{"catalog order", prefReq(all, nil, 2), []string{"GPU-a", "GPU-b"}},
+		{"must-include first", prefReq(all, []string{"GPU-d"}, 2), []string{"GPU-d", "GPU-a"}},
+		{"skips unavailable", prefReq([]string{"GPU-c", "GPU-d", "GPU-b"}, nil, 2), []string{"GPU-b", "GPU-c"}},
+		{"all", prefReq(all, []string{"GPU-c", "GPU-a"}, 4), []string{"GPU-c", "GPU-a", "GPU-b", "GPU-d"}},
+		{"ID unknown to the catalog fills last", prefReq([]string{"GPU-new", "GPU-a"}, nil, 2), []string{"GPU-a", "GPU-new"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := preferred(res, tt.req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, tt.want) {
+				t.Errorf("got %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestPreferredInvalidRequest(t *testing.T) {
+	res := testCatalog().Resources[resGPU]
+	called := false
+	res.Preferred = preferFunc(func([]string, []string, int) ([]string, error) {
+		called = true
+		return nil, nil
+	})
+	tests := []struct {
+		name string
+		req  *pluginapi.ContainerPreferredAllocationRequest
+	}{
+		{"size zero", prefReq([]string{"GPU-a"}, nil, 0)},
+		{"size below must-include", prefReq([]string{"GPU-a", "GPU-b"}, []string{"GPU-a", "GPU-b"}, 1)},
+		{"must-include not available", prefReq([]string{"GPU-a", "GPU-b"}, []string{"GPU-c"}, 2)},
+		{"not enough available", prefReq([]string{"GPU-a", "GPU-b"}, nil, 3)},
+		{"duplicates do not count twice", prefReq([]string{"GPU-a", "GPU-a"}, nil, 2)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			called = false
+			_, err := preferred(res, tt.req)
+			if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), resGPU) {
+				t.Errorf("err = %v, want InvalidArgument naming %s", err, resGPU)
+			}
+			if called {
+				t.Error("Preferrer was asked about an invalid request")
+			}
+		})
+	}
+}
+
+func TestPreferredPreferrer(t *testing.T) {
+	avail := []string{"GPU-a", "GPU-b", "GPU-c", "GPU-d"}
+	tests := []struct {
+		name    string
+		answer  []string
+		err     error
+		wantErr string // "" = answer accepted
+	}{
+		{"valid answer used", []string{"GPU-c", "GPU-d"}, nil, ""},
+		{"too few", []string{"GPU-c"}, nil, "1 devices, want 2"},
+		{"too many", []string{"GPU-c", "GPU-d", "GPU-a"}, nil, "3 devices, want 2"},
+		{"duplicate", []string{"GPU-c", "GPU-c"}, nil, "twice"},
+		{"not available", []string{"GPU-c", "GPU-x"}, nil, `"GPU-x" is not available`},
+		{"must-include missing", []string{"GPU-c", "GPU-d"}, nil, `must-include device "GPU-a" missing`},
+		{"preferrer error", nil, errors.New("topology unknown"), "topology unknown"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			res := testCatalog().Resources[resGPU]
+			var gotArgs []any
+			res.Preferred = preferFunc(func(a, m []string, size int) ([]string, error) {
+				gotArgs = []any{a, m, size}
+				return tt.answer, tt.err
+			})
+			var must []string
+			if strings.HasPrefix(tt.name, "must-include") {
+				must = []string{"GPU-a"}
+			}
+			got, err := preferred(res, prefReq(avail, must, 2))
+			if !reflect.DeepEqual(gotArgs, []any{avail, must, 2}) {
+				t.Errorf("Preferrer called with %v", gotArgs)
+			}
+			if tt.wantErr == "" {
+				if err != nil || !reflect.DeepEqual(got, tt.answer) {
+					t.Fatalf("got %v, %v; want %v", got, err, tt.answer)
+				}
+				return
+			}
+			if err == nil {
+				t.Fatalf("answer %v accepted", got)
+			}
+			if !strings.Contains(err.Error(), tt.wantErr) || !strings.Contains(err.Error(), resGPU) {
+				t.Errorf("err = %v, want it to name %s and say %q", err, resGPU, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestDefaultSocketName(t *testing.T) {
+	tests := map[string]string{
+		"nvidia.com/gpu":              "gpu-agent-nvidia.com-gpu.sock",
+		"nvidia.com/mig-1g.10gb":      "gpu-agent-nvidia.com-mig-1g.10gb.sock",
+		"example.com/odd name:x":      "gpu-agent-example.com-odd_name_x.sock",
+		"nvidia.com/gpu.shared_extra": "gpu-agent-nvidia.com-gpu.shared_extra.sock",
+	}
+	for in, want := range tests {
+		if got := DefaultSocketName(in); got != want {
+			t.Errorf("DefaultSocketName(%q) = %q, want %q", in, got, want)
+		}
+	}
+}

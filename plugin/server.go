@@ -1,0 +1,210 @@
+package plugin
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/gpu-agent/gpu-agent/catalog"
+)
+
+// resource is one served resource name: the catalog entry it currently
+// answers from and its registration state. It outlives the gRPC servers that
+// serve it: a kubelet restart replaces the server, not the resource.
+type resource struct {
+	name   string
+	socket string // file name in Dir, the Endpoint sent to the kubelet
+	path   string
+	log    *slog.Logger
+
+	mu      sync.Mutex
+	cur     *catalog.Resource
+	changed chan struct{} // closed and replaced whenever the device list changes
+	// Registration state. gen counts (re)starts so that a registration
+	// attempt begun for an earlier server cannot mark a later one registered.
+	gen          uint64
+	registered   bool
+	registeredAt time.Time
+	lastErr      string
+
+	// Owned by the manager's Run goroutine.
+	srv       *grpc.Server
+	done      chan struct{} // closed when srv stops; ends its ListAndWatch streams
+	cancelReg context.CancelFunc
+}
+
+func newResource(name, socket, path string, res *catalog.Resource, log *slog.Logger) *resource {
+	return &resource{
+		name: name, socket: socket, path: path, cur: res,
+		changed: make(chan struct{}),
+		log:     log.With("resource", name),
+	}
+}
+
+// snapshot returns the catalog entry to answer from and the channel that is
+// closed when it next changes. Callers use it without holding the lock.
+func (r *resource) snapshot() (*catalog.Resource, <-chan struct{}) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.cur, r.changed
+}
+
+// update replaces the catalog entry in place; open ListAndWatch streams are
+// woken only when the kubelet-visible device list changed.
+func (r *resource) update(res *catalog.Resource) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	same := catalog.SameDevices(r.cur, res)
+	r.cur = res
+	if !same {
+		close(r.changed)
+		r.changed = make(chan struct{})
+	}
+	return !same
+}
+
+// restarted starts a new registration generation and returns it.
+func (r *resource) restarted(why string) uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.gen++
+	r.registered = false
+	r.lastErr = why
+	return r.gen
+}
+
+func (r *resource) setRegistered(gen uint64, at time.Time) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if gen != r.gen {
+		return false
+	}
+	r.registered, r.registeredAt, r.lastErr = true, at, ""
+	return true
+}
+
+func (r *resource) setError(gen uint64, msg string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if gen == r.gen {
+		r.lastErr = msg
+	}
+}
+
+func (r *resource) status() ResourceStatus {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st := ResourceStatus{
+		Name: r.name, Socket: r.path,
+		Registered: r.registered, RegisteredAt: r.registeredAt, LastError: r.lastErr,
+	}
+	st.Devices, st.Healthy = countDevices(r.cur)
+	return st
+}
+
+func (r *resource) isRegistered() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.registered
+}
+
+func countDevices(res *catalog.Resource) (devices, healthy int) {
+	if res == nil {
+		return 0, 0
+	}
+	for _, d := range res.Devices {
+		if d.Healthy {
+			healthy++
+		}
+	}
+	return len(res.Devices), healthy
+}
+
+// endpoint is the DevicePluginServer of one gRPC server instance. done is
+// that instance's, so streams of a stopped server end even if the kubelet
+// keeps its side open.
+type endpoint struct {
+	pluginapi.UnimplementedDevicePluginServer
+	r    *resource
+	done <-chan struct{}
+}
+
+func (e *endpoint) GetDevicePluginOptions(context.Context, *pluginapi.Empty) (*pluginapi.DevicePluginOptions, error) {
+	return pluginOptions(), nil
+}
+
+func pluginOptions() *pluginapi.DevicePluginOptions {
+	return &pluginapi.DevicePluginOptions{PreStartRequired: false, GetPreferredAllocationAvailable: true}
+}
+
+func (e *endpoint) ListAndWatch(_ *pluginapi.Empty, s grpc.ServerStreamingServer[pluginapi.ListAndWatchResponse]) error {
+	for {
+		res, changed := e.r.snapshot()
+		if err := s.Send(listResponse(res)); err != nil {
+			e.r.log.Warn("ListAndWatch send failed", "err", err)
+			return fmt.Errorf("resource %s: ListAndWatch send: %w", e.r.name, err)
+		}
+		select {
+		case <-changed:
+		case <-e.done:
+			return nil
+		case <-s.Context().Done():
+			return nil
+		}
+	}
+}
+
+func listResponse(res *catalog.Resource) *pluginapi.ListAndWatchResponse {
+	resp := &pluginapi.ListAndWatchResponse{Devices: make([]*pluginapi.Device, 0, len(res.Devices))}
+	for _, d := range res.Devices {
+		pd := &pluginapi.Device{ID: d.ID, Health: pluginapi.Healthy}
+		if !d.Healthy {
+			pd.Health = pluginapi.Unhealthy
+		}
+		// The kubelet's topology manager reads an absent Topology as "no
+		// NUMA affinity"; a node ID of -1 would be taken literally.
+		if d.NUMANode >= 0 {
+			pd.Topology = &pluginapi.TopologyInfo{Nodes: []*pluginapi.NUMANode{{ID: int64(d.NUMANode)}}}
+		}
+		resp.Devices = append(resp.Devices, pd)
+	}
+	return resp
+}
+
+func (e *endpoint) GetPreferredAllocation(_ context.Context, req *pluginapi.PreferredAllocationRequest) (*pluginapi.PreferredAllocationResponse, error) {
+	res, _ := e.r.snapshot()
+	resp := &pluginapi.PreferredAllocationResponse{}
+	for i, creq := range req.GetContainerRequests() {
+		ids, err := preferred(res, creq)
+		if err != nil {
+			e.r.log.Warn("GetPreferredAllocation failed", "container", i, "err", err)
+			return nil, err
+		}
+		resp.ContainerResponses = append(resp.ContainerResponses, &pluginapi.ContainerPreferredAllocationResponse{DeviceIDs: ids})
+	}
+	return resp, nil
+}
+
+func (e *endpoint) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
+	res, _ := e.r.snapshot()
+	resp, err := allocate(res, req)
+	if err != nil {
+		e.r.log.Warn("allocation refused", "err", err)
+		return nil, err
+	}
+	ids := make([][]string, len(req.GetContainerRequests()))
+	for i, c := range req.GetContainerRequests() {
+		ids[i] = c.GetDevicesIds()
+	}
+	e.r.log.Info("allocated", "devices", ids)
+	return resp, nil
+}
+
+func (e *endpoint) PreStartContainer(context.Context, *pluginapi.PreStartContainerRequest) (*pluginapi.PreStartContainerResponse, error) {
+	return &pluginapi.PreStartContainerResponse{}, nil
+}
