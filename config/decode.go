@@ -1,0 +1,278 @@
+package config
+
+import (
+	"fmt"
+	"reflect"
+	"strings"
+
+	"gopkg.in/yaml.v3"
+)
+
+// maxNodes bounds the work of expanding aliases: a few anchors referencing
+// each other can describe an exponentially large document ("billion laughs").
+const maxNodes = 50000
+
+// decoder maps a yaml.Node tree onto Go values by their yaml tags, strictly:
+// yaml.v3's KnownFields reports unknown fields without their path, and stops
+// at the first type error, so the walk is done here to report every problem
+// with the path and line it concerns.
+type decoder struct {
+	errs  ErrorList
+	lines map[string]int
+	nodes int
+}
+
+func newDecoder() *decoder { return &decoder{lines: map[string]int{}} }
+
+func (d *decoder) errorf(path string, line int, format string, args ...any) {
+	d.errs = append(d.errs, &FieldError{Path: path, Line: line, Msg: fmt.Sprintf(format, args...)})
+}
+
+var unmarshalerType = reflect.TypeFor[yaml.Unmarshaler]()
+
+// decode stores n into v (which must be settable) and records path's line.
+func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) {
+	d.nodes++
+	if d.nodes > maxNodes {
+		if d.nodes == maxNodes+1 {
+			d.errorf(path, n.Line, "document too large (more than %d nodes after expanding aliases)", maxNodes)
+		}
+		return
+	}
+	for depth := 0; n.Kind == yaml.AliasNode; depth++ {
+		if n.Alias == nil || depth > 100 {
+			d.errorf(path, n.Line, "unresolvable alias")
+			return
+		}
+		n = n.Alias
+	}
+	if _, ok := d.lines[path]; !ok {
+		d.lines[path] = n.Line
+	}
+	isNull := n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null"
+
+	if v.Kind() == reflect.Pointer {
+		if isNull {
+			v.SetZero()
+			return
+		}
+		if v.IsNil() {
+			v.Set(reflect.New(v.Type().Elem()))
+		}
+		d.decode(n, v.Elem(), path)
+		return
+	}
+	if v.CanAddr() && v.Addr().Type().Implements(unmarshalerType) {
+		if isNull {
+			v.SetZero()
+			return
+		}
+		if err := v.Addr().Interface().(yaml.Unmarshaler).UnmarshalYAML(n); err != nil {
+			msg := err.Error()
+			if strings.HasPrefix(msg, "[") {
+				// An element of a list field failed: put its index in the path.
+				if i := strings.Index(msg, "]: "); i > 0 {
+					d.errorf(path+msg[:i+1], n.Line, "%s", msg[i+3:])
+					return
+				}
+			}
+			d.errorf(path, n.Line, "%s", msg)
+		}
+		return
+	}
+
+	switch v.Kind() {
+	case reflect.Struct:
+		if isNull {
+			return
+		}
+		if n.Kind != yaml.MappingNode {
+			d.errorf(path, n.Line, "expected a mapping, got %s", describe(n))
+			return
+		}
+		fields := structFields(v.Type())
+		d.mapping(n, path, map[string]int{}, func(key string, kn, vn *yaml.Node) {
+			idx, ok := fields[key]
+			if !ok {
+				d.errorf(joinKey(path, key), kn.Line, "unknown field")
+				return
+			}
+			d.keyLine(joinKey(path, key), kn)
+			d.decode(vn, v.FieldByIndex(idx), joinKey(path, key))
+		})
+	case reflect.Map:
+		if isNull {
+			v.SetZero()
+			return
+		}
+		if n.Kind != yaml.MappingNode {
+			d.errorf(path, n.Line, "expected a mapping, got %s", describe(n))
+			return
+		}
+		if v.IsNil() {
+			v.Set(reflect.MakeMap(v.Type()))
+		}
+		d.mapping(n, path, map[string]int{}, func(key string, kn, vn *yaml.Node) {
+			d.keyLine(joinKey(path, key), kn)
+			elem := reflect.New(v.Type().Elem()).Elem()
+			d.decode(vn, elem, joinKey(path, key))
+			v.SetMapIndex(reflect.ValueOf(key).Convert(v.Type().Key()), elem)
+		})
+	case reflect.Slice:
+		if isNull {
+			v.SetZero()
+			return
+		}
+		if n.Kind != yaml.SequenceNode {
+			d.errorf(path, n.Line, "expected a list, got %s", describe(n))
+			return
+		}
+		s := reflect.MakeSlice(v.Type(), len(n.Content), len(n.Content))
+		for i, item := range n.Content {
+			d.decode(item, s.Index(i), joinIndex(path, i))
+		}
+		v.Set(s)
+	case reflect.String:
+		if n.Kind != yaml.ScalarNode {
+			d.errorf(path, n.Line, "expected a string, got %s", describe(n))
+			return
+		}
+		if isNull {
+			v.SetString("")
+			return
+		}
+		v.SetString(n.Value)
+	case reflect.Bool:
+		var b bool
+		if n.Kind != yaml.ScalarNode || n.ShortTag() != "!!bool" || n.Decode(&b) != nil {
+			d.errorf(path, n.Line, "expected true or false, got %s", describe(n))
+			return
+		}
+		v.SetBool(b)
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		var i int64
+		if n.Kind != yaml.ScalarNode || n.ShortTag() != "!!int" || n.Decode(&i) != nil || v.OverflowInt(i) {
+			d.errorf(path, n.Line, "expected an integer, got %s", describe(n))
+			return
+		}
+		v.SetInt(i)
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		var u uint64
+		if n.Kind != yaml.ScalarNode || n.ShortTag() != "!!int" || n.Decode(&u) != nil || v.OverflowUint(u) {
+			d.errorf(path, n.Line, "expected a non-negative integer, got %s", describe(n))
+			return
+		}
+		v.SetUint(u)
+	default:
+		// Only reachable by adding a field of a new kind to the schema.
+		d.errorf(path, n.Line, "internal error: cannot decode into %s", v.Type())
+	}
+}
+
+// keyLine records a mapping entry at its key's line: for a block value the
+// key is where a reader looks, the value starts on the next line.
+func (d *decoder) keyLine(path string, kn *yaml.Node) {
+	if _, ok := d.lines[path]; !ok {
+		d.lines[path] = kn.Line
+	}
+}
+
+// mapping calls fn for each key of n, following merge keys ("<<") and
+// reporting duplicate keys, which YAML forbids and yaml.v3 only detects when
+// decoding into Go values.
+func (d *decoder) mapping(n *yaml.Node, path string, seen map[string]int, fn func(key string, kn, vn *yaml.Node)) {
+	if len(n.Content)%2 != 0 {
+		d.errorf(path, n.Line, "malformed mapping")
+		return
+	}
+	// Explicit keys win over merged ones, so visit them first.
+	var merges []*yaml.Node
+	for i := 0; i < len(n.Content); i += 2 {
+		kn, vn := n.Content[i], n.Content[i+1]
+		if kn.Kind == yaml.ScalarNode && kn.ShortTag() == "!!merge" {
+			merges = append(merges, vn)
+			continue
+		}
+		if kn.Kind != yaml.ScalarNode {
+			d.errorf(path, kn.Line, "expected a string key, got %s", describe(kn))
+			continue
+		}
+		if first, dup := seen[kn.Value]; dup {
+			if first > 0 { // merged keys are recorded as 0: overriding them is allowed
+				d.errorf(joinKey(path, kn.Value), kn.Line, "duplicate key (first at line %d)", first)
+			}
+			continue
+		}
+		seen[kn.Value] = kn.Line
+		fn(kn.Value, kn, vn)
+	}
+	for _, m := range merges {
+		d.nodes++
+		if d.nodes > maxNodes {
+			return
+		}
+		for m.Kind == yaml.AliasNode && m.Alias != nil {
+			m = m.Alias
+		}
+		var sources []*yaml.Node
+		switch m.Kind {
+		case yaml.MappingNode:
+			sources = []*yaml.Node{m}
+		case yaml.SequenceNode:
+			sources = m.Content
+		default:
+			d.errorf(path, m.Line, "merge key (<<) needs a mapping or a list of mappings, got %s", describe(m))
+			continue
+		}
+		for _, src := range sources {
+			for src.Kind == yaml.AliasNode && src.Alias != nil {
+				src = src.Alias
+			}
+			if src.Kind != yaml.MappingNode {
+				d.errorf(path, src.Line, "merge key (<<) needs a mapping, got %s", describe(src))
+				continue
+			}
+			// Merged keys never override explicit ones, nor earlier merges.
+			mergedSeen := map[string]int{}
+			for k := range seen {
+				mergedSeen[k] = 0
+			}
+			d.mapping(src, path, mergedSeen, func(key string, kn, vn *yaml.Node) {
+				if _, ok := seen[key]; ok {
+					return
+				}
+				seen[key] = 0
+				fn(key, kn, vn)
+			})
+		}
+	}
+}
+
+// structFields maps yaml keys to field indices, following ",inline" structs.
+// It is recomputed per call rather than cached, to keep the package free of
+// shared mutable state; configs are small.
+func structFields(t reflect.Type) map[string][]int {
+	out := map[string][]int{}
+	for i := 0; i < t.NumField(); i++ {
+		f := t.Field(i)
+		if !f.IsExported() {
+			continue
+		}
+		tag := f.Tag.Get("yaml")
+		name, opts, _ := strings.Cut(tag, ",")
+		if name == "-" {
+			continue
+		}
+		if strings.Contains(","+opts+",", ",inline,") && f.Type.Kind() == reflect.Struct {
+			for k, idx := range structFields(f.Type) {
+				out[k] = append([]int{i}, idx...)
+			}
+			continue
+		}
+		if name == "" {
+			name = strings.ToLower(f.Name)
+		}
+		out[name] = []int{i}
+	}
+	return out
+}

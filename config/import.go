@@ -1,0 +1,232 @@
+package config
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+
+	"gopkg.in/yaml.v3"
+)
+
+// nvdpFile is the NVIDIA k8s-device-plugin config file (api/config/v1),
+// declared field by field so that a field of theirs is accepted, and a typo
+// is still an error. Fields the agent has no use for are declared too and
+// produce a warning when set (see nvdpIgnored).
+type nvdpFile struct {
+	Version   string        `yaml:"version"`
+	Flags     nvdpFlags     `yaml:"flags"`
+	Resources nvdpResources `yaml:"resources"`
+	Sharing   Sharing       `yaml:"sharing"`
+	Imex      nvdpImex      `yaml:"imex"`
+	Health    nvdpHealth    `yaml:"health"`
+}
+
+type nvdpFlags struct {
+	MigStrategy             *string          `yaml:"migStrategy"`
+	FailOnInitError         *bool            `yaml:"failOnInitError"`
+	MpsRoot                 *string          `yaml:"mpsRoot"`
+	NvidiaDriverRoot        *string          `yaml:"nvidiaDriverRoot"`
+	NvidiaDevRoot           *string          `yaml:"nvidiaDevRoot"`
+	GDRCopyEnabled          *bool            `yaml:"gdrcopyEnabled"`
+	GDSEnabled              *bool            `yaml:"gdsEnabled"`
+	MOFEDEnabled            *bool            `yaml:"mofedEnabled"`
+	UseNodeFeatureAPI       *bool            `yaml:"useNodeFeatureAPI"`
+	DeviceDiscoveryStrategy *string          `yaml:"deviceDiscoveryStrategy"`
+	Plugin                  *nvdpPluginFlags `yaml:"plugin"`
+	GFD                     *nvdpGFDFlags    `yaml:"gfd"`
+}
+
+type nvdpPluginFlags struct {
+	PassDeviceSpecs *bool `yaml:"passDeviceSpecs"`
+	// DeviceListStrategy is one string or a list in their schema.
+	DeviceListStrategy  *StringList `yaml:"deviceListStrategy"`
+	DeviceIDStrategy    *string     `yaml:"deviceIDStrategy"`
+	CDIAnnotationPrefix *string     `yaml:"cdiAnnotationPrefix"`
+	NvidiaCTKPath       *string     `yaml:"nvidiaCTKPath"`
+	ContainerDriverRoot *string     `yaml:"containerDriverRoot"`
+	KubeletSocket       *string     `yaml:"kubeletSocket"`
+	CDIFeatureFlags     *string     `yaml:"cdiFeatureFlags"`
+}
+
+type nvdpGFDFlags struct {
+	Oneshot         *bool     `yaml:"oneshot"`
+	NoTimestamp     *bool     `yaml:"noTimestamp"`
+	SleepInterval   *Duration `yaml:"sleepInterval"`
+	OutputFile      *string   `yaml:"outputFile"`
+	MachineTypeFile *string   `yaml:"machineTypeFile"`
+}
+
+type nvdpResources struct {
+	GPUs []nvdpResource `yaml:"gpus"`
+	MIGs []nvdpResource `yaml:"mig"`
+}
+
+type nvdpResource struct {
+	Pattern string `yaml:"pattern"`
+	Name    string `yaml:"name"`
+}
+
+type nvdpImex struct {
+	ChannelIDs []int `yaml:"channelIDs"`
+	Required   *bool `yaml:"required"`
+}
+
+type nvdpHealth struct {
+	Disabled     *bool      `yaml:"disabled"`
+	EventTypes   []string   `yaml:"eventTypes"`
+	IgnoredXIDs  []int      `yaml:"ignoredXIDs"`
+	CriticalXIDs *xidsOrAll `yaml:"criticalXIDs"`
+}
+
+// xidsOrAll is NVIDIA's criticalXIDs: "all" or a list of XIDs.
+type xidsOrAll struct {
+	All  bool
+	XIDs []int
+}
+
+func (x *xidsOrAll) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind == yaml.ScalarNode && strings.EqualFold(n.Value, "all") {
+		*x = xidsOrAll{All: true}
+		return nil
+	}
+	var xids []int
+	if n.Kind != yaml.SequenceNode || n.Decode(&xids) != nil {
+		return fmt.Errorf("expected \"all\" or a list of XIDs, got %s", describe(n))
+	}
+	*x = xidsOrAll{XIDs: xids}
+	return nil
+}
+
+// nvdpIgnored lists their fields the agent accepts but does not act on, with
+// why, so the warning tells the user what to do instead.
+func nvdpIgnored() map[string]string {
+	return map[string]string{
+		"flags.failOnInitError":            "the agent always keeps running and reports errors on /status",
+		"flags.mpsRoot":                    "use the agent's --mps-root flag",
+		"flags.nvidiaDriverRoot":           "not configurable in gpu-agent yet",
+		"flags.nvidiaDevRoot":              "not configurable in gpu-agent yet",
+		"flags.gdrcopyEnabled":             "not supported by gpu-agent",
+		"flags.gdsEnabled":                 "not supported by gpu-agent",
+		"flags.mofedEnabled":               "not supported by gpu-agent",
+		"flags.useNodeFeatureAPI":          "gpu-agent does not publish node features",
+		"flags.deviceDiscoveryStrategy":    "gpu-agent always discovers devices through NVML",
+		"flags.plugin.deviceIDStrategy":    "gpu-agent always uses device UUIDs",
+		"flags.plugin.cdiAnnotationPrefix": "CDI is not supported by gpu-agent yet",
+		"flags.plugin.nvidiaCTKPath":       "CDI is not supported by gpu-agent yet",
+		"flags.plugin.containerDriverRoot": "not configurable in gpu-agent yet",
+		"flags.plugin.kubeletSocket":       "use the agent's --device-plugin-dir flag",
+		"flags.plugin.cdiFeatureFlags":     "CDI is not supported by gpu-agent yet",
+		"flags.gfd":                        "gpu-agent does not include GPU feature discovery",
+		"resources":                        "resource names are NVIDIA's fixed names in gpu-agent",
+		"imex":                             "IMEX channels are not supported by gpu-agent",
+		"health.disabled":                  "gpu-agent always watches health; list XIDs in health.ignoredXIDs instead",
+		"health.eventTypes":                "gpu-agent always watches XID and ECC events",
+	}
+}
+
+// fromNVIDIA converts a device-plugin file into one config named "default".
+func fromNVIDIA(n *nvdpFile, lines map[string]int) (*File, []string) {
+	c := &Config{Sharing: n.Sharing}
+	if n.Flags.MigStrategy != nil {
+		c.MIG.Strategy = MIGStrategy(*n.Flags.MigStrategy)
+	}
+	if p := n.Flags.Plugin; p != nil {
+		if p.PassDeviceSpecs != nil {
+			c.DevicePlugin.PassDeviceSpecs = *p.PassDeviceSpecs
+		}
+		if p.DeviceListStrategy != nil {
+			// Several strategies at once are legal for NVIDIA; gpu-agent has
+			// only envvar, so anything else fails validation by name.
+			c.DevicePlugin.DeviceListStrategy = strings.Join(*p.DeviceListStrategy, ",")
+		}
+	}
+	// NVIDIA prefixes a bare name with nvidia.com/, so "gpu" means nvidia.com/gpu.
+	if ts := c.Sharing.TimeSlicing; ts != nil {
+		for i := range ts.Resources {
+			qualifyNVIDIA(&ts.Resources[i])
+		}
+	}
+	if mps := c.Sharing.MPS; mps != nil {
+		for i := range mps.Resources {
+			qualifyNVIDIA(&mps.Resources[i].ReplicatedResource)
+		}
+	}
+	var warnings []string
+	c.Health.IgnoredXids = n.Health.IgnoredXIDs
+	if len(n.Health.IgnoredXIDs) > 0 {
+		warnings = append(warnings, fmt.Sprintf("health.ignoredXIDs: added to the default ignored list %v (line %d)",
+			DefaultIgnoredXids(), lines["health.ignoredXIDs"]))
+	}
+	if x := n.Health.CriticalXIDs; x != nil && !x.All {
+		c.Health.FatalXids = x.XIDs
+	}
+
+	// Values that are what gpu-agent does anyway need no warning.
+	harmless := map[string]bool{}
+	if p := n.Flags.Plugin; p != nil && p.DeviceIDStrategy != nil && *p.DeviceIDStrategy == "uuid" {
+		harmless["flags.plugin.deviceIDStrategy"] = true
+	}
+	if r := n.Flags.NvidiaDriverRoot; r != nil && (*r == "/" || *r == "") {
+		harmless["flags.nvidiaDriverRoot"] = true
+	}
+	for path, why := range nvdpIgnored() {
+		if line, ok := lines[path]; ok && !harmless[path] {
+			warnings = append(warnings, fmt.Sprintf("%s: ignored: %s (line %d)", path, why, line))
+		}
+	}
+	sort.Strings(warnings)
+
+	version := n.Version
+	if version == "" {
+		version = Version // NVIDIA's plugin defaults a missing version to v1
+	}
+	def := joinKey("configs", DefaultConfigName)
+	return &File{
+		Version: version,
+		Configs: map[string]*Config{DefaultConfigName: c},
+		Format:  FormatNVIDIADevicePlugin,
+		rewrites: []pathRewrite{
+			{def + ".sharing", "sharing"},
+			{def + ".mig.strategy", "flags.migStrategy"},
+			{def + ".devicePlugin.passDeviceSpecs", "flags.plugin.passDeviceSpecs"},
+			{def + ".devicePlugin.deviceListStrategy", "flags.plugin.deviceListStrategy"},
+			{def + ".health.ignoredXids", "health.ignoredXIDs"},
+			{def + ".health.fatalXids", "health.criticalXIDs"},
+			{def, ""},
+		},
+	}, warnings
+}
+
+func qualifyNVIDIA(r *ReplicatedResource) {
+	if r.Name != "" && !strings.Contains(r.Name, "/") {
+		r.Name = "nvidia.com/" + r.Name
+	}
+	if r.Rename != "" && !strings.Contains(r.Rename, "/") {
+		r.Rename = "nvidia.com/" + r.Rename
+	}
+}
+
+// migPartedFile is mig-parted's config file (api/spec/v1).
+type migPartedFile struct {
+	Version    string               `yaml:"version"`
+	MigConfigs map[string]MigLayout `yaml:"mig-configs"`
+}
+
+// fromMigParted makes one config per mig-configs entry, each exposing its
+// layout with the mixed strategy, so an entry is picked like any named
+// config (nodes:, the node label, or one named "default").
+func fromMigParted(m *migPartedFile) *File {
+	f := &File{
+		Version:    m.Version,
+		Configs:    map[string]*Config{},
+		MigConfigs: m.MigConfigs,
+		Format:     FormatMigParted,
+	}
+	for name := range m.MigConfigs {
+		f.Configs[name] = &Config{MIG: MIG{Strategy: MIGStrategyMixed, MigPartedConfig: name}}
+		f.rewrites = append(f.rewrites, pathRewrite{joinKey("configs", name), joinKey("mig-configs", name)})
+	}
+	// Longest first, so no entry's prefix shadows another's.
+	sort.Slice(f.rewrites, func(i, j int) bool { return len(f.rewrites[i].from) > len(f.rewrites[j].from) })
+	return f
+}

@@ -1,0 +1,241 @@
+// Package config reads the agent's one configuration file (a ConfigMap key):
+// named configs for MIG, sharing, health and allocation, and which node uses
+// which. It decodes strictly, applies defaults, validates with field paths
+// and lines, accepts NVIDIA device-plugin and mig-parted files as they are,
+// and watches a mounted ConfigMap for changes.
+package config
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"reflect"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"gopkg.in/yaml.v3"
+)
+
+// Parse decodes a config file strictly, applies defaults and validates it.
+// The format (gpu-agent, NVIDIA device plugin, mig-parted) is detected from
+// the top-level keys. Warnings are for things that are accepted but probably
+// not what the author meant, or fields of another format that the agent
+// ignores. The error, when not nil, is an ErrorList.
+func Parse(data []byte) (*File, []string, error) {
+	root, err := parseNode(data)
+	if err != nil {
+		return nil, nil, err
+	}
+	format, err := detectFormat(root)
+	if err != nil {
+		return nil, nil, err
+	}
+
+	var f *File
+	var warnings []string
+	d := newDecoder()
+	switch format {
+	case FormatGPUAgent:
+		f = &File{}
+		d.decode(root, reflect.ValueOf(f).Elem(), "")
+		f.Format = FormatGPUAgent
+	case FormatNVIDIADevicePlugin:
+		var nf nvdpFile
+		d.decode(root, reflect.ValueOf(&nf).Elem(), "")
+		f, warnings = fromNVIDIA(&nf, d.lines)
+	case FormatMigParted:
+		var mf migPartedFile
+		d.decode(root, reflect.ValueOf(&mf).Elem(), "")
+		f = fromMigParted(&mf)
+	}
+	f.lines = d.lines
+	if d.nodes > maxNodes {
+		return nil, nil, d.errs.err() // validating a truncated document would only add noise
+	}
+
+	// Validate even after decode errors, so one run reports everything
+	// (a misspelt "replica" and the then missing "replicas"); but a field
+	// that failed to decode holds a zero value, so drop validation errors
+	// at or under a path that already has a decode error.
+	applyDefaults(f)
+	vw, verr := f.Validate()
+	warnings = append(warnings, vw...)
+	errs := d.errs
+	if verr != nil {
+		for _, e := range verr.(ErrorList) {
+			if !underAny(e.Path, d.errs) {
+				errs = append(errs, e)
+			}
+		}
+	}
+	if len(errs) > 0 {
+		return nil, warnings, errs.err()
+	}
+	return f, warnings, nil
+}
+
+// underAny reports whether path is, or is inside, the path of one of errs.
+func underAny(path string, errs ErrorList) bool {
+	for _, e := range errs {
+		if e.Path == "" || path == e.Path ||
+			strings.HasPrefix(path, e.Path+".") || strings.HasPrefix(path, e.Path+"[") {
+			return true
+		}
+	}
+	return false
+}
+
+// Load reads and parses a config file. Symlinks are followed, as a mounted
+// ConfigMap key is a symlink into the ..data directory.
+func Load(path string) (*File, []string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, nil, fmt.Errorf("config %s: %w", path, err)
+	}
+	f, warnings, err := Parse(data)
+	if err != nil {
+		return nil, warnings, fmt.Errorf("config %s: %w", path, err)
+	}
+	return f, warnings, nil
+}
+
+// Default is what the agent runs with when no config file is given: whole
+// GPUs, no MIG changes, no sharing, topology-aware allocation.
+func Default() *File {
+	f := &File{
+		Version: Version,
+		Format:  FormatGPUAgent,
+		Configs: map[string]*Config{DefaultConfigName: {}},
+	}
+	applyDefaults(f)
+	return f
+}
+
+// Marshal writes f in the gpu-agent format, whatever format it was read
+// from; Parse reads the result back to an equivalent File.
+func (f *File) Marshal() ([]byte, error) {
+	var buf bytes.Buffer
+	enc := yaml.NewEncoder(&buf)
+	enc.SetIndent(2)
+	if err := enc.Encode(f); err != nil {
+		return nil, fmt.Errorf("marshal config: %w", err)
+	}
+	if err := enc.Close(); err != nil {
+		return nil, fmt.Errorf("marshal config: %w", err)
+	}
+	return buf.Bytes(), nil
+}
+
+var reYAMLLine = regexp.MustCompile(`^yaml: line (\d+): (.*)$`)
+
+// parseNode parses exactly one YAML document into its root mapping.
+func parseNode(data []byte) (*yaml.Node, error) {
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	var doc yaml.Node
+	if err := dec.Decode(&doc); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, ErrorList{{Msg: "empty config file"}}
+		}
+		return nil, ErrorList{syntaxError(err)}
+	}
+	var extra yaml.Node
+	if err := dec.Decode(&extra); err == nil {
+		return nil, ErrorList{{Line: extra.Line, Msg: "more than one YAML document; a config file holds one"}}
+	} else if !errors.Is(err, io.EOF) {
+		return nil, ErrorList{syntaxError(err)}
+	}
+	if doc.Kind != yaml.DocumentNode || len(doc.Content) != 1 {
+		return nil, ErrorList{{Msg: "empty config file"}}
+	}
+	root := doc.Content[0]
+	if root.Kind != yaml.MappingNode {
+		return nil, ErrorList{{Line: root.Line, Msg: "expected a mapping at the top level, got " + describe(root)}}
+	}
+	return root, nil
+}
+
+func syntaxError(err error) *FieldError {
+	if m := reYAMLLine.FindStringSubmatch(err.Error()); m != nil {
+		line, _ := strconv.Atoi(m[1])
+		return &FieldError{Line: line, Msg: "invalid YAML: " + m[2]}
+	}
+	return &FieldError{Msg: "invalid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")}
+}
+
+// detectFormat looks at the top-level keys: configs/nodes are ours; flags,
+// sharing, resources, imex or health are the NVIDIA device plugin's;
+// mig-configs alone is mig-parted. Keys of two formats mixed are reported by
+// the strict decoder of the format chosen here.
+func detectFormat(root *yaml.Node) (Format, error) {
+	keys := map[string]bool{}
+	for i := 0; i+1 < len(root.Content); i += 2 {
+		keys[root.Content[i].Value] = true
+	}
+	switch {
+	case keys["configs"] || keys["nodes"]:
+		return FormatGPUAgent, nil
+	case keys["flags"] || keys["sharing"] || keys["resources"] || keys["imex"] || keys["health"]:
+		return FormatNVIDIADevicePlugin, nil
+	case keys["mig-configs"]:
+		return FormatMigParted, nil
+	}
+	return "", ErrorList{{Line: root.Line, Msg: "unrecognised config file: expected top-level configs: (gpu-agent), " +
+		"flags:/sharing: (NVIDIA device plugin) or mig-configs: (mig-parted)"}}
+}
+
+// applyDefaults fills every field left empty with its default, in one place.
+// It never overwrites a value the user set.
+func applyDefaults(f *File) {
+	for name, c := range f.Configs {
+		if c == nil {
+			c = &Config{}
+			f.Configs[name] = c
+		}
+		if c.DevicePlugin.DeviceListStrategy == "" {
+			c.DevicePlugin.DeviceListStrategy = DeviceListStrategyEnvvar
+		}
+		if c.Allocation.Policy == "" {
+			c.Allocation.Policy = PolicyTopology
+		}
+		if c.MIG.Strategy == "" {
+			c.MIG.Strategy = MIGStrategyNone
+		}
+		if ts := c.Sharing.TimeSlicing; ts != nil {
+			if ts.FailRequestsGreaterThanOne == nil {
+				ts.FailRequestsGreaterThanOne = new(false)
+			}
+			for i := range ts.Resources {
+				defaultReplicated(&ts.Resources[i], ts.RenameByDefault)
+			}
+		}
+		if mps := c.Sharing.MPS; mps != nil {
+			if mps.FailRequestsGreaterThanOne == nil {
+				mps.FailRequestsGreaterThanOne = new(true)
+			}
+			for i := range mps.Resources {
+				defaultReplicated(&mps.Resources[i].ReplicatedResource, mps.RenameByDefault)
+			}
+		}
+		if c.Health.RecoveryQuietPeriod == 0 {
+			c.Health.RecoveryQuietPeriod = Duration(DefaultRecoveryQuietPeriod)
+		}
+		if c.Health.ProbeInterval == 0 {
+			c.Health.ProbeInterval = Duration(DefaultProbeInterval)
+		}
+	}
+}
+
+// SharedSuffix is appended to a resource name by renameByDefault, as NVIDIA does.
+const SharedSuffix = ".shared"
+
+func defaultReplicated(r *ReplicatedResource, renameByDefault bool) {
+	if r.Devices.IsZero() {
+		r.Devices = ReplicaDevices{All: true}
+	}
+	if r.Rename == "" && renameByDefault && r.Name != "" {
+		r.Rename = r.Name + SharedSuffix
+	}
+}

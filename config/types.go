@@ -1,0 +1,514 @@
+package config
+
+import (
+	"fmt"
+	"math/big"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+)
+
+// Version is the only schema version this package reads, in all three formats.
+const Version = "v1"
+
+// ConfigLabel is the node label that picks a named config when the node has no
+// entry under nodes:.
+const ConfigLabel = "gpu-agent.io/config"
+
+// DefaultConfigName is the config used when nothing else selects one.
+const DefaultConfigName = "default"
+
+// Format says which kind of file a File was read from.
+type Format string
+
+// The formats Parse recognises from the file's top-level keys.
+const (
+	FormatGPUAgent           Format = "gpu-agent"
+	FormatNVIDIADevicePlugin Format = "nvidia-device-plugin"
+	FormatMigParted          Format = "mig-parted"
+)
+
+// File is a whole configuration file: named configs and how nodes pick one.
+// Files read in NVIDIA's device-plugin or mig-parted format are converted to
+// this shape, so consumers handle one type.
+type File struct {
+	Version string `yaml:"version"`
+	// Nodes maps a node name to a config name.
+	Nodes map[string]string `yaml:"nodes,omitempty"`
+	// Configs by name; DefaultConfigName is used when nothing else selects one.
+	Configs map[string]*Config `yaml:"configs"`
+	// MigConfigs is mig-parted's own table of named layouts, referenced by
+	// MIG.MigPartedConfig.
+	MigConfigs map[string]MigLayout `yaml:"mig-configs,omitempty"`
+	// Format the file was read in (not part of the schema).
+	Format Format `yaml:"-"`
+
+	// lines maps each decoded field path (in the file's own format) to its line,
+	// so validation errors found after decoding can still name a line.
+	lines map[string]int
+	// rewrites turn a path of the converted File back into the path the user
+	// wrote, for files imported from another format.
+	rewrites []pathRewrite
+}
+
+// Config is one named configuration of a node.
+type Config struct {
+	DevicePlugin DevicePlugin `yaml:"devicePlugin"`
+	Allocation   Allocation   `yaml:"allocation"`
+	MIG          MIG          `yaml:"mig"`
+	Sharing      Sharing      `yaml:"sharing"`
+	Health       Health       `yaml:"health"`
+}
+
+// DevicePlugin holds what the kubelet-facing servers do in Allocate.
+type DevicePlugin struct {
+	// PassDeviceSpecs adds /dev/nvidia* device specs to Allocate responses.
+	PassDeviceSpecs bool `yaml:"passDeviceSpecs"`
+	// DeviceListStrategy is how the allocated devices reach the container;
+	// only "envvar" (NVIDIA_VISIBLE_DEVICES) is implemented.
+	DeviceListStrategy string `yaml:"deviceListStrategy"`
+}
+
+// The values DevicePlugin.DeviceListStrategy accepts.
+const DeviceListStrategyEnvvar = "envvar"
+
+// AllocationPolicy chooses devices for GetPreferredAllocation.
+type AllocationPolicy string
+
+// Allocation policies.
+const (
+	PolicyTopology    AllocationPolicy = "topology"
+	PolicyPacked      AllocationPolicy = "packed"
+	PolicyDistributed AllocationPolicy = "distributed"
+)
+
+// Allocation configures GetPreferredAllocation.
+type Allocation struct {
+	Policy AllocationPolicy `yaml:"policy"`
+}
+
+// MIGStrategy is NVIDIA's way of exposing MIG devices: none ignores them,
+// single exposes one uniform profile as nvidia.com/gpu, mixed exposes
+// nvidia.com/mig-<profile> per profile.
+type MIGStrategy string
+
+// MIG strategies.
+const (
+	MIGStrategyNone   MIGStrategy = "none"
+	MIGStrategySingle MIGStrategy = "single"
+	MIGStrategyMixed  MIGStrategy = "mixed"
+)
+
+// MIG is the MIG part of a config: how instances are exposed and, optionally,
+// the layout the agent should create.
+type MIG struct {
+	Strategy MIGStrategy `yaml:"strategy"`
+	// Devices is a layout in mig-parted's list form. At most one of Devices
+	// and MigPartedConfig is set; with neither the agent leaves MIG alone.
+	Devices MigLayout `yaml:"devices,omitempty"`
+	// MigPartedConfig names an entry of File.MigConfigs.
+	MigPartedConfig string `yaml:"migPartedConfig,omitempty"`
+}
+
+// MigLayout is mig-parted's per-device layout list; the first entry that
+// matches a GPU (by index and device filter) applies to it.
+type MigLayout []MigDeviceConfig
+
+// MigDeviceConfig is one entry of a MigLayout, field names as in mig-parted.
+type MigDeviceConfig struct {
+	// DeviceFilter restricts the entry to GPUs with these PCI device ids
+	// (e.g. "0x20B010DE"); empty means any model.
+	DeviceFilter StringList `yaml:"device-filter,omitempty,flow"`
+	// Devices are the GPU indices the entry applies to.
+	Devices    DeviceIndices `yaml:"devices,flow"`
+	MigEnabled bool          `yaml:"mig-enabled"`
+	// MigDevices maps a profile ("1g.10gb") to how many instances to create.
+	MigDevices map[string]int `yaml:"mig-devices"`
+}
+
+// Sharing is the replica-based sharing of devices, NVIDIA's field names.
+type Sharing struct {
+	TimeSlicing *TimeSlicing `yaml:"timeSlicing,omitempty"`
+	MPS         *MPS         `yaml:"mps,omitempty"`
+}
+
+// TimeSlicing advertises each selected device several times; the CUDA time
+// slicer shares it between the containers.
+type TimeSlicing struct {
+	// RenameByDefault renames every resource without an explicit rename to
+	// <name>.shared.
+	RenameByDefault bool `yaml:"renameByDefault"`
+	// FailRequestsGreaterThanOne rejects requests for more than one replica,
+	// which would not give a container more GPU. Defaults to false.
+	FailRequestsGreaterThanOne *bool                `yaml:"failRequestsGreaterThanOne,omitempty"`
+	Resources                  []ReplicatedResource `yaml:"resources"`
+}
+
+// MPS shares devices through an MPS control daemon per GPU, with per-client
+// limits.
+type MPS struct {
+	RenameByDefault bool `yaml:"renameByDefault"`
+	// FailRequestsGreaterThanOne defaults to true for MPS, as in NVIDIA's
+	// plugin: a container given two replicas of one GPU gets one MPS client.
+	FailRequestsGreaterThanOne *bool         `yaml:"failRequestsGreaterThanOne,omitempty"`
+	Resources                  []MPSResource `yaml:"resources"`
+}
+
+// ReplicatedResource selects devices of one resource and how many replicas
+// each gets.
+type ReplicatedResource struct {
+	// Name is the resource whose devices are shared: nvidia.com/gpu or
+	// nvidia.com/mig-<profile>.
+	Name string `yaml:"name"`
+	// Rename is the resource the replicas are advertised under; empty keeps Name.
+	Rename  string         `yaml:"rename,omitempty"`
+	Devices ReplicaDevices `yaml:"devices,flow"`
+	// Replicas per device, at least 2.
+	Replicas int `yaml:"replicas"`
+}
+
+// MPSResource is a ReplicatedResource with the MPS client limits.
+type MPSResource struct {
+	ReplicatedResource `yaml:",inline"`
+	// ActiveThreadPercentage is CUDA_MPS_ACTIVE_THREAD_PERCENTAGE per client;
+	// nil means 100/replicas, computed by the mps package.
+	ActiveThreadPercentage *int `yaml:"activeThreadPercentage,omitempty"`
+	// PinnedDeviceMemoryLimit is CUDA_MPS_PINNED_DEVICE_MEM_LIMIT per client;
+	// nil means the GPU's memory divided by replicas, computed later.
+	PinnedDeviceMemoryLimit *Quantity `yaml:"pinnedDeviceMemoryLimit,omitempty"`
+}
+
+// Health is the XID policy and health probing.
+type Health struct {
+	// IgnoredXids are added to DefaultIgnoredXids (application errors that do
+	// not mean the GPU is broken).
+	IgnoredXids []int `yaml:"ignoredXids,omitempty,flow"`
+	// FatalXids are fatal even when listed as ignored by default.
+	FatalXids []int `yaml:"fatalXids,omitempty,flow"`
+	// DisableDefaultIgnored drops DefaultIgnoredXids, so only IgnoredXids are ignored.
+	DisableDefaultIgnored bool `yaml:"disableDefaultIgnored"`
+	// RecoveryQuietPeriod is how long a GPU must be free of fatal XIDs before
+	// it is offered again.
+	RecoveryQuietPeriod Duration `yaml:"recoveryQuietPeriod"`
+	// ProbeInterval is how often health is probed besides NVML events.
+	ProbeInterval Duration `yaml:"probeInterval"`
+}
+
+// Default durations of Health.
+const (
+	DefaultRecoveryQuietPeriod = 5 * time.Minute
+	DefaultProbeInterval       = 10 * time.Second
+)
+
+// DefaultIgnoredXids is NVIDIA's list of XIDs caused by applications rather
+// than the GPU (13 graphics engine exception, 31 memory page fault, 43 GPU
+// stopped processing, 45 preemptive cleanup, 68 video processor exception,
+// 109 context switch timeout). A function, so no caller can change it.
+func DefaultIgnoredXids() []int { return []int{13, 31, 43, 45, 68, 109} }
+
+// IsFatal reports whether an XID marks the GPU unhealthy under this policy.
+func (h *Health) IsFatal(xid int) bool {
+	for _, x := range h.FatalXids {
+		if x == xid {
+			return true
+		}
+	}
+	for _, x := range h.IgnoredXids {
+		if x == xid {
+			return false
+		}
+	}
+	if !h.DisableDefaultIgnored {
+		for _, x := range DefaultIgnoredXids() {
+			if x == xid {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// FailsRequestsGreaterThanOne reports the effective setting (default false).
+func (t *TimeSlicing) FailsRequestsGreaterThanOne() bool {
+	return t.FailRequestsGreaterThanOne != nil && *t.FailRequestsGreaterThanOne
+}
+
+// FailsRequestsGreaterThanOne reports the effective setting (default true).
+func (m *MPS) FailsRequestsGreaterThanOne() bool {
+	return m.FailRequestsGreaterThanOne == nil || *m.FailRequestsGreaterThanOne
+}
+
+// ReplicaDevices selects the devices of a resource to replicate: all of them,
+// the first Count, or an explicit list. Exactly one is set after defaults.
+type ReplicaDevices struct {
+	All   bool
+	Count int
+	// List holds GPU indices ("0"), MIG indices ("0:1"), GPU UUIDs
+	// ("GPU-<uuid>") or MIG UUIDs ("MIG-<uuid>", "MIG-GPU-<uuid>/<gi>/<ci>").
+	// Which device each names is resolved against the hardware later.
+	List []string
+}
+
+// IsZero reports whether no selection was made (so the default, all, applies).
+func (d ReplicaDevices) IsZero() bool { return !d.All && d.Count == 0 && d.List == nil }
+
+// UnmarshalYAML accepts "all", a count or a list of device references.
+func (d *ReplicaDevices) UnmarshalYAML(n *yaml.Node) error {
+	*d = ReplicaDevices{}
+	switch n.Kind {
+	case yaml.ScalarNode:
+		if n.ShortTag() == "!!int" {
+			c, err := strconv.Atoi(n.Value)
+			if err != nil {
+				return fmt.Errorf("invalid device count %q", n.Value)
+			}
+			if c <= 0 {
+				return fmt.Errorf("device count must be > 0, got %d", c)
+			}
+			d.Count = c
+			return nil
+		}
+		if n.Value != "all" {
+			return fmt.Errorf("expected \"all\", a count or a list of devices, got %q", n.Value)
+		}
+		d.All = true
+		return nil
+	case yaml.SequenceNode:
+		d.List = make([]string, 0, len(n.Content))
+		for i, item := range n.Content {
+			if item.Kind != yaml.ScalarNode || item.ShortTag() == "!!null" {
+				return fmt.Errorf("[%d]: expected a device index or UUID, got %s", i, describe(item))
+			}
+			ref := item.Value
+			if item.ShortTag() == "!!int" {
+				idx, err := strconv.ParseUint(ref, 10, 31)
+				if err != nil {
+					return fmt.Errorf("[%d]: invalid GPU index %q", i, ref)
+				}
+				ref = strconv.FormatUint(idx, 10)
+			}
+			if !IsDeviceRef(ref) {
+				return fmt.Errorf("[%d]: %q is not a GPU index, a \"gpu:mig\" index or a GPU/MIG UUID", i, ref)
+			}
+			d.List = append(d.List, ref)
+		}
+		return nil
+	}
+	return fmt.Errorf("expected \"all\", a count or a list of devices, got %s", describe(n))
+}
+
+// MarshalYAML writes the form UnmarshalYAML reads.
+func (d ReplicaDevices) MarshalYAML() (any, error) {
+	switch {
+	case d.Count > 0:
+		return d.Count, nil
+	case d.List != nil:
+		return d.List, nil
+	default:
+		return "all", nil
+	}
+}
+
+var (
+	reGPUIndex = regexp.MustCompile(`^[0-9]+$`)
+	reMIGIndex = regexp.MustCompile(`^[0-9]+:[0-9]+$`)
+	reUUID     = regexp.MustCompile(`^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$`)
+	reMIGLong  = regexp.MustCompile(`^MIG-GPU-([0-9a-fA-F-]+)/[0-9]+/[0-9]+$`)
+)
+
+// IsDeviceRef reports whether s is a syntactically valid device reference for
+// ReplicaDevices.List (whether the device exists is checked against hardware).
+func IsDeviceRef(s string) bool {
+	switch {
+	case reGPUIndex.MatchString(s), reMIGIndex.MatchString(s):
+		return true
+	case strings.HasPrefix(s, "GPU-"):
+		return reUUID.MatchString(s[len("GPU-"):])
+	case strings.HasPrefix(s, "MIG-GPU-"):
+		m := reMIGLong.FindStringSubmatch(s)
+		return m != nil && reUUID.MatchString(m[1])
+	case strings.HasPrefix(s, "MIG-"):
+		return reUUID.MatchString(s[len("MIG-"):])
+	}
+	return false
+}
+
+// DeviceIndices is mig-parted's devices field: "all" or a list of GPU indices.
+type DeviceIndices struct {
+	All     bool
+	Indices []int
+}
+
+// IsZero reports whether the field was absent.
+func (d DeviceIndices) IsZero() bool { return !d.All && d.Indices == nil }
+
+// UnmarshalYAML accepts "all" or a list of non-negative integers.
+func (d *DeviceIndices) UnmarshalYAML(n *yaml.Node) error {
+	*d = DeviceIndices{}
+	switch n.Kind {
+	case yaml.ScalarNode:
+		if n.Value != "all" || n.ShortTag() != "!!str" {
+			return fmt.Errorf("expected \"all\" or a list of GPU indices, got %q", n.Value)
+		}
+		d.All = true
+		return nil
+	case yaml.SequenceNode:
+		d.Indices = make([]int, 0, len(n.Content))
+		for i, item := range n.Content {
+			if item.Kind != yaml.ScalarNode || item.ShortTag() != "!!int" {
+				return fmt.Errorf("[%d]: expected a GPU index, got %s", i, describe(item))
+			}
+			idx, err := strconv.ParseUint(item.Value, 10, 31)
+			if err != nil {
+				return fmt.Errorf("[%d]: invalid GPU index %q", i, item.Value)
+			}
+			d.Indices = append(d.Indices, int(idx))
+		}
+		return nil
+	}
+	return fmt.Errorf("expected \"all\" or a list of GPU indices, got %s", describe(n))
+}
+
+// MarshalYAML writes the form UnmarshalYAML reads.
+func (d DeviceIndices) MarshalYAML() (any, error) {
+	if d.All || d.Indices == nil {
+		return "all", nil
+	}
+	return d.Indices, nil
+}
+
+// StringList is a field that may be written as one string or a list of them
+// (mig-parted's device-filter).
+type StringList []string
+
+// UnmarshalYAML accepts a string or a list of strings.
+func (s *StringList) UnmarshalYAML(n *yaml.Node) error {
+	switch n.Kind {
+	case yaml.ScalarNode:
+		if n.ShortTag() == "!!null" {
+			*s = nil
+			return nil
+		}
+		*s = StringList{n.Value}
+		return nil
+	case yaml.SequenceNode:
+		out := make(StringList, 0, len(n.Content))
+		for i, item := range n.Content {
+			if item.Kind != yaml.ScalarNode || item.ShortTag() == "!!null" {
+				return fmt.Errorf("[%d]: expected a string, got %s", i, describe(item))
+			}
+			out = append(out, item.Value)
+		}
+		*s = out
+		return nil
+	}
+	return fmt.Errorf("expected a string or a list of strings, got %s", describe(n))
+}
+
+// Quantity is a byte count written as plain bytes or with a Kubernetes-style
+// suffix: Ki, Mi, Gi, Ti, Pi (powers of 1024) or K (k), M, G, T, P (of 1000).
+type Quantity int64
+
+var reQuantity = regexp.MustCompile(`^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|K|M|G|T|P)?$`)
+
+// ParseQuantity parses a byte quantity such as "10Gi", "512M" or "1048576".
+// The result must be a whole number of bytes that fits in an int64.
+func ParseQuantity(s string) (Quantity, error) {
+	m := reQuantity.FindStringSubmatch(s)
+	if m == nil {
+		return 0, fmt.Errorf("invalid quantity %q: want bytes or a number with Ki/Mi/Gi/Ti or K/M/G/T", s)
+	}
+	r, ok := new(big.Rat).SetString(m[1])
+	if !ok {
+		return 0, fmt.Errorf("invalid quantity %q", s)
+	}
+	mult := map[string]int64{
+		"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
+		"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+	}[m[2]]
+	r.Mul(r, new(big.Rat).SetInt64(mult))
+	if !r.IsInt() {
+		return 0, fmt.Errorf("invalid quantity %q: not a whole number of bytes", s)
+	}
+	if !r.Num().IsInt64() {
+		return 0, fmt.Errorf("invalid quantity %q: too large", s)
+	}
+	return Quantity(r.Num().Int64()), nil
+}
+
+// UnmarshalYAML accepts an integer (bytes) or a string with a suffix.
+func (q *Quantity) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind != yaml.ScalarNode || n.ShortTag() == "!!null" {
+		return fmt.Errorf("expected a quantity like \"10Gi\", got %s", describe(n))
+	}
+	v, err := ParseQuantity(n.Value)
+	if err != nil {
+		return err
+	}
+	*q = v
+	return nil
+}
+
+// String writes the largest binary suffix that is exact, else plain bytes.
+func (q Quantity) String() string {
+	for _, u := range []struct {
+		suffix string
+		size   int64
+	}{{"Pi", 1 << 50}, {"Ti", 1 << 40}, {"Gi", 1 << 30}, {"Mi", 1 << 20}, {"Ki", 1 << 10}} {
+		if q != 0 && int64(q)%u.size == 0 {
+			return strconv.FormatInt(int64(q)/u.size, 10) + u.suffix
+		}
+	}
+	return strconv.FormatInt(int64(q), 10)
+}
+
+// MarshalYAML writes String's form, which ParseQuantity reads back exactly.
+func (q Quantity) MarshalYAML() (any, error) { return q.String(), nil }
+
+// Duration is a time.Duration written as a Go duration string ("5m", "10s").
+type Duration time.Duration
+
+// UnmarshalYAML accepts a Go duration string; a bare number is refused
+// because its unit would be a guess.
+func (d *Duration) UnmarshalYAML(n *yaml.Node) error {
+	if n.Kind != yaml.ScalarNode || n.ShortTag() != "!!str" {
+		return fmt.Errorf("expected a duration string like \"10s\", got %s", describe(n))
+	}
+	v, err := time.ParseDuration(n.Value)
+	if err != nil {
+		return fmt.Errorf("invalid duration %q: want a Go duration such as \"30s\" or \"5m\"", n.Value)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// MarshalYAML writes the Go duration string.
+func (d Duration) MarshalYAML() (any, error) { return time.Duration(d).String(), nil }
+
+// D returns d as a time.Duration.
+func (d Duration) D() time.Duration { return time.Duration(d) }
+
+// describe names a node's kind for type errors.
+func describe(n *yaml.Node) string {
+	switch n.Kind {
+	case yaml.MappingNode:
+		return "a mapping"
+	case yaml.SequenceNode:
+		return "a list"
+	case yaml.AliasNode:
+		return "an alias"
+	case yaml.DocumentNode:
+		return "a document"
+	}
+	if n.ShortTag() == "!!null" {
+		return "null"
+	}
+	v := n.Value
+	if len(v) > 40 {
+		v = v[:40] + "..."
+	}
+	return strconv.Quote(v)
+}

@@ -1,0 +1,235 @@
+package config
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// configMapDir lays a directory out the way the kubelet mounts a ConfigMap:
+//
+//	..2026_11_22_10_00_00.1/config.yaml
+//	..data -> ..2026_11_22_10_00_00.1
+//	config.yaml -> ..data/config.yaml
+//
+// and updates it as the kubelet's atomic writer does.
+type configMapDir struct {
+	t   *testing.T
+	dir string
+	n   int
+	cur string // current timestamped dir
+}
+
+func newConfigMapDir(t *testing.T, dir, content string) *configMapDir {
+	t.Helper()
+	c := &configMapDir{t: t, dir: dir}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	c.cur = c.writeVersion(content)
+	c.must(os.Symlink(c.cur, filepath.Join(dir, "..data")))
+	c.must(os.Symlink(filepath.Join("..data", "config.yaml"), filepath.Join(dir, "config.yaml")))
+	return c
+}
+
+func (c *configMapDir) must(err error) {
+	c.t.Helper()
+	if err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// writeVersion writes a new timestamped directory holding content.
+func (c *configMapDir) writeVersion(content string) string {
+	c.t.Helper()
+	c.n++
+	name := fmt.Sprintf("..2026_11_22_10_%02d_00.%d", c.n, c.n)
+	c.must(os.Mkdir(filepath.Join(c.dir, name), 0o755))
+	c.must(os.WriteFile(filepath.Join(c.dir, name, "config.yaml"), []byte(content), 0o644))
+	return name
+}
+
+// publish swaps in new content: new dir, ..data_tmp symlink renamed over
+// ..data (atomic), old dir removed.
+func (c *configMapDir) publish(content string) {
+	c.t.Helper()
+	next := c.writeVersion(content)
+	tmp := filepath.Join(c.dir, "..data_tmp")
+	c.must(os.Symlink(next, tmp))
+	c.must(os.Rename(tmp, filepath.Join(c.dir, "..data")))
+	c.must(os.RemoveAll(filepath.Join(c.dir, c.cur)))
+	c.cur = next
+}
+
+// startWatcher runs a fast watcher on path and stops it at the end of the
+// test. grace is its ErrorGrace: generous where a test relies on a short
+// absence not being reported, on a machine that may be loaded.
+func startWatcher(t *testing.T, path string, grace time.Duration) <-chan Update {
+	t.Helper()
+	w, err := NewWatcher(path, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.Debounce = 20 * time.Millisecond
+	w.ErrorGrace = grace
+	w.Rewatch = 50 * time.Millisecond
+	w.Resync = 0
+	ctx, cancel := context.WithCancel(context.Background())
+	out := make(chan Update)
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx, out) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run returned %v after cancel, want nil", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Error("Run did not return after cancel")
+		}
+	})
+	return out
+}
+
+func recv(t *testing.T, ch <-chan Update) Update {
+	t.Helper()
+	select {
+	case u := <-ch:
+		return u
+	case <-time.After(5 * time.Second):
+		t.Fatal("no update within 5s")
+		return Update{}
+	}
+}
+
+func expectData(t *testing.T, ch <-chan Update, want string) {
+	t.Helper()
+	u := recv(t, ch)
+	if u.Err != nil || string(u.Data) != want {
+		t.Fatalf("update = {%q, %v}, want %q", u.Data, u.Err, want)
+	}
+}
+
+// expectNone asserts that nothing arrives for a while (well beyond the
+// debounce), which is how "no update" is observable.
+func expectNone(t *testing.T, ch <-chan Update) {
+	t.Helper()
+	select {
+	case u := <-ch:
+		t.Fatalf("unexpected update {%q, %v}", u.Data, u.Err)
+	case <-time.After(400 * time.Millisecond):
+	}
+}
+
+func TestWatcherConfigMapSwap(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "config")
+	cm := newConfigMapDir(t, dir, "version: v1 # one\n")
+	ch := startWatcher(t, filepath.Join(dir, "config.yaml"), 300*time.Millisecond)
+
+	expectData(t, ch, "version: v1 # one\n")
+
+	cm.publish("version: v1 # two\n")
+	expectData(t, ch, "version: v1 # two\n")
+
+	// The kubelet rewrites on resync too; same content must not be re-sent.
+	cm.publish("version: v1 # two\n")
+	expectNone(t, ch)
+
+	cm.publish("version: v1 # three\n")
+	expectData(t, ch, "version: v1 # three\n")
+}
+
+func TestWatcherFileAbsent(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "config.yaml")
+	if err := os.WriteFile(path, []byte("a"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ch := startWatcher(t, path, time.Second)
+	expectData(t, ch, "a")
+
+	// Gone for a moment and back unchanged: nothing to report.
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if err := os.WriteFile(path, []byte("a"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	expectNone(t, ch)
+
+	// Gone for longer than ErrorGrace: one error.
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	if u := recv(t, ch); u.Err == nil || !os.IsNotExist(unwrapAll(u.Err)) {
+		t.Fatalf("update = {%q, %v}, want a not-exist error", u.Data, u.Err)
+	}
+	expectNone(t, ch)
+
+	// Back with the same content: sent again, as the consumer saw an error.
+	if err := os.WriteFile(path, []byte("a"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	expectData(t, ch, "a")
+}
+
+func unwrapAll(err error) error {
+	for {
+		u, ok := err.(interface{ Unwrap() error })
+		if !ok {
+			return err
+		}
+		err = u.Unwrap()
+	}
+}
+
+func TestWatcherDirRecreated(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "config")
+	newConfigMapDir(t, dir, "one")
+	ch := startWatcher(t, filepath.Join(dir, "config.yaml"), 300*time.Millisecond)
+	expectData(t, ch, "one")
+
+	// The volume is re-mounted: the directory disappears and a new one with
+	// the same name appears (a new inode, which the old watch does not see).
+	if err := os.RemoveAll(dir); err != nil {
+		t.Fatal(err)
+	}
+	cm := newConfigMapDir(t, dir, "two")
+	// Depending on timing an error may come first (if the directory stayed
+	// away past ErrorGrace); the content must follow.
+	for {
+		u := recv(t, ch)
+		if u.Err != nil {
+			continue
+		}
+		if string(u.Data) != "two" {
+			t.Fatalf("update = %q, want two", u.Data)
+		}
+		break
+	}
+	// And the new directory is watched.
+	cm.publish("three")
+	expectData(t, ch, "three")
+}
+
+func TestWatcherStartsWithoutDir(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "later")
+	ch := startWatcher(t, filepath.Join(dir, "config.yaml"), 300*time.Millisecond)
+	if u := recv(t, ch); u.Err == nil {
+		t.Fatalf("first update = %q, want the read error", u.Data)
+	}
+	newConfigMapDir(t, dir, "hello")
+	expectData(t, ch, "hello")
+}
+
+func TestNewWatcherRejectsEmptyPath(t *testing.T) {
+	if _, err := NewWatcher("", nil); err == nil {
+		t.Error("NewWatcher(\"\") succeeded")
+	}
+}
