@@ -112,6 +112,52 @@ type gpuReader struct {
 	dev  nvml.Device
 	// lost is set by the first ERROR_GPU_IS_LOST: the GPU is then left out.
 	lost bool
+	// giProfiles maps the profile id NVML reports in GpuInstanceInfo to the
+	// GPU_INSTANCE_PROFILE_* index it is asked for by; filled on first use.
+	giProfiles map[uint32]giProfile
+}
+
+type giProfile struct {
+	index int
+	info  nvml.GpuInstanceProfileInfo
+}
+
+// giProfileByID resolves a GPU instance's ProfileId. Drivers report their
+// own ids there (19 for A100 1g.5gb), not the GPU_INSTANCE_PROFILE_* index,
+// so the profiles are listed once per GPU and matched on info.Id.
+func (r *gpuReader) giProfileByID(id uint32) (giProfile, nvml.Return) {
+	if r.giProfiles == nil {
+		r.giProfiles = map[uint32]giProfile{}
+		for p := range nvml.GPU_INSTANCE_PROFILE_COUNT {
+			info, ret := r.dev.GetGpuInstanceProfileInfo(p)
+			switch ret {
+			case nvml.SUCCESS:
+				r.giProfiles[info.Id] = giProfile{index: p, info: info}
+			case nvml.ERROR_GPU_IS_LOST:
+				r.giProfiles = nil
+				return giProfile{}, ret
+			}
+		}
+	}
+	p, ok := r.giProfiles[id]
+	if !ok {
+		return giProfile{}, nvml.ERROR_NOT_FOUND
+	}
+	return p, nvml.SUCCESS
+}
+
+// ciProfileByID does the same for a GPU instance's compute instance profiles.
+func ciProfileByID(gi nvml.GpuInstance, id uint32) (nvml.ComputeInstanceProfileInfo, nvml.Return) {
+	for p := range nvml.COMPUTE_INSTANCE_PROFILE_COUNT {
+		info, ret := gi.GetComputeInstanceProfileInfo(p, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+		switch {
+		case ret == nvml.ERROR_GPU_IS_LOST:
+			return info, ret
+		case ret == nvml.SUCCESS && info.Id == id:
+			return info, ret
+		}
+	}
+	return nvml.ComputeInstanceProfileInfo{}, nvml.ERROR_NOT_FOUND
 }
 
 func (r *gpuReader) record(call string, err string) {
@@ -299,13 +345,14 @@ func (r *gpuReader) migInstance(k int, mig nvml.Device, gpuMemory uint64) (MIGIn
 	if !need(fmt.Sprintf("gi %d: GetInfo", inst.GI), ret) {
 		return inst, false
 	}
-	inst.GIProfileID = int(giInfo.ProfileId)
 	inst.Placement = Placement{Start: int(giInfo.Placement.Start), Size: int(giInfo.Placement.Size)}
-	prof, ret := r.dev.GetGpuInstanceProfileInfo(inst.GIProfileID)
-	if !need(fmt.Sprintf("GetGpuInstanceProfileInfo(%d)", inst.GIProfileID), ret) {
+	gp, ret := r.giProfileByID(giInfo.ProfileId)
+	if !need(fmt.Sprintf("GetGpuInstanceProfileInfo (profile id %d)", giInfo.ProfileId), ret) {
 		return inst, false
 	}
-	inst.Profile = MIGProfileName(inst.GIProfileID, prof, gpuMemory)
+	prof := gp.info
+	inst.GIProfileID = gp.index
+	inst.Profile = MIGProfileName(gp.index, prof, gpuMemory)
 
 	ci, ret := gi.GetComputeInstanceById(inst.CI)
 	if !need(fmt.Sprintf("gi %d: GetComputeInstanceById(%d)", inst.GI, inst.CI), ret) {
@@ -315,8 +362,8 @@ func (r *gpuReader) migInstance(k int, mig nvml.Device, gpuMemory uint64) (MIGIn
 	if !need(fmt.Sprintf("gi %d ci %d: GetInfo", inst.GI, inst.CI), ret) {
 		return inst, false
 	}
-	ciProf, ret := gi.GetComputeInstanceProfileInfo(int(ciInfo.ProfileId), nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
-	if !need(fmt.Sprintf("gi %d: GetComputeInstanceProfileInfo(%d)", inst.GI, ciInfo.ProfileId), ret) {
+	ciProf, ret := ciProfileByID(gi, ciInfo.ProfileId)
+	if !need(fmt.Sprintf("gi %d: GetComputeInstanceProfileInfo (profile id %d)", inst.GI, ciInfo.ProfileId), ret) {
 		return inst, false
 	}
 	if ciProf.SliceCount < prof.SliceCount {

@@ -452,7 +452,7 @@ func TestNewMIGFailures(t *testing.T) {
 		{"GetComputeInstanceById", nvml.ERROR_UNKNOWN, true, 0, "0/mig 0: gi 2: GetComputeInstanceById(0)/ERROR_UNKNOWN"},
 		{"GetGpuInstanceById", nvml.ERROR_NOT_SUPPORTED, true, 0, "0/mig 0: GetGpuInstanceById(2)/ERROR_NOT_SUPPORTED"},
 		{"GetMigDeviceHandleByIndex", nvml.ERROR_UNKNOWN, true, 0, "0/GetMigDeviceHandleByIndex(0)/ERROR_UNKNOWN"},
-		{"GetGpuInstanceProfileInfo", nvml.ERROR_GPU_IS_LOST, false, 0, "0/mig 0: GetGpuInstanceProfileInfo(2)/ERROR_GPU_IS_LOST"},
+		{"GetGpuInstanceProfileInfo", nvml.ERROR_GPU_IS_LOST, false, 0, "0/mig 0: GetGpuInstanceProfileInfo (profile id 2)/ERROR_GPU_IS_LOST"},
 		{"GetMaxMigDeviceCount", nvml.ERROR_NOT_SUPPORTED, true, 0, ""},
 	}
 	for _, tt := range tests {

@@ -82,7 +82,8 @@ type MIGInstance struct {
 	// "1g.10gb+me". A compute instance smaller than its GPU instance is
 	// written "1c.3g.40gb".
 	Profile string `json:"profile"`
-	// GIProfileID is NVML's GPU instance profile id (GPU_INSTANCE_PROFILE_*).
+	// GIProfileID is the GPU_INSTANCE_PROFILE_* index of the profile (the value
+	// GetGpuInstanceProfileInfo takes), not the id drivers report in GpuInstanceInfo.
 	GIProfileID int       `json:"giProfileID"`
 	GI          int       `json:"gi"`
 	CI          int       `json:"ci"`

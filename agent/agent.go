@@ -1,0 +1,288 @@
+// Package agent is gpu-agent's reconcile loop: one goroutine owns the node's
+// state and turns inputs (config changed, resync tick, health changed) into an
+// observe → plan → publish pass. Everything else reads immutable snapshots it
+// publishes.
+package agent
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+// Publisher serves a catalog (the plugin manager).
+type Publisher interface {
+	Update(c *catalog.Catalog)
+}
+
+// Options configure an Agent.
+type Options struct {
+	// Lib is an initialised NVML (real or simulated).
+	Lib              nvml.Interface
+	InventoryOptions gpu.Options
+	NodeName         string
+	// ConfigSource names where the config comes from, for /status ("" = built-in default).
+	ConfigSource string
+	// ConfigUpdates delivers the config file's content each time it changes;
+	// nil means the built-in default config forever.
+	ConfigUpdates <-chan config.Update
+	Publisher     Publisher
+	// ResyncInterval re-reads the inventory even without events (default 30s).
+	ResyncInterval time.Duration
+	Logger         *slog.Logger
+	// Registerer receives the agent's own metrics (nil: none).
+	Registerer prometheus.Registerer
+	// Now is the clock (nil: time.Now).
+	Now func() time.Time
+}
+
+// Agent owns the node state. Create with New, then Run.
+type Agent struct {
+	opts    Options
+	log     *slog.Logger
+	now     func() time.Time
+	status  atomic.Pointer[Status]
+	metrics *metrics
+
+	// Owned by the Run goroutine only.
+	file      *config.File
+	selected  config.Selected
+	cfgErr    error
+	cfgErrAt  time.Time
+	warnings  []string
+	gen       int
+	inv       *gpu.Inventory
+	cat       *catalog.Catalog
+	lastPass  time.Time
+	ready     bool
+	unhealthy map[string]string
+	failed    map[string]FailedGPU
+}
+
+// New returns an agent; it does nothing until Run.
+func New(opts Options) *Agent {
+	if opts.ResyncInterval <= 0 {
+		opts.ResyncInterval = 30 * time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	a := &Agent{opts: opts, log: opts.Logger, now: opts.Now, unhealthy: map[string]string{}}
+	a.metrics = newMetrics(opts.Registerer)
+	a.status.Store(&Status{Node: opts.NodeName})
+	return a
+}
+
+// Run loops until ctx is done. With no ConfigUpdates it uses the built-in
+// default config at once; otherwise it waits for the first content.
+func (a *Agent) Run(ctx context.Context) error {
+	if a.opts.Lib == nil || a.opts.Publisher == nil {
+		return errors.New("agent: Lib and Publisher are required")
+	}
+	updates := a.opts.ConfigUpdates
+	if updates == nil {
+		a.file = config.Default()
+		a.selectConfig()
+		a.reconcile("start")
+	}
+	tick := time.NewTicker(a.opts.ResyncInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case u, ok := <-updates:
+			if !ok {
+				updates = nil
+				continue
+			}
+			if a.applyConfig(u) {
+				a.reconcile("config changed")
+			}
+		case <-tick.C:
+			if a.file != nil {
+				a.reconcile("resync")
+			}
+		}
+	}
+}
+
+// Status returns the latest published status; safe from any goroutine.
+func (a *Agent) Status() *Status { return a.status.Load() }
+
+// Alive reports whether the loop completed a pass recently (liveness): a
+// loop stuck in NVML for several resync periods is dead to the kubelet too.
+func (a *Agent) Alive() bool {
+	s := a.status.Load()
+	if s.LastPass.IsZero() {
+		return true // still starting; readiness covers that
+	}
+	return a.now().Sub(s.LastPass) < 4*a.opts.ResyncInterval
+}
+
+// applyConfig takes new config content; it reports whether a new config is
+// in force (a rejected one leaves everything as it was).
+func (a *Agent) applyConfig(u config.Update) bool {
+	var f *config.File
+	var warnings []string
+	err := u.Err
+	if err == nil {
+		f, warnings, err = config.Parse(u.Data)
+	}
+	if err != nil {
+		a.metrics.configErrors.Inc()
+		a.metrics.configValid.Set(0)
+		if a.cfgErr == nil || a.cfgErr.Error() != err.Error() {
+			a.cfgErrAt = a.now()
+		}
+		a.cfgErr = err
+		if a.file == nil {
+			a.log.Error("config rejected and no earlier config to keep; serving nothing until it is fixed",
+				"source", a.opts.ConfigSource, "error", err)
+		} else {
+			a.log.Error("config rejected; keeping the last good config",
+				"source", a.opts.ConfigSource, "kept", a.selected.Name, "generation", a.gen, "error", err)
+		}
+		a.publishStatus()
+		return false
+	}
+	a.cfgErr = nil
+	a.metrics.configValid.Set(1)
+	a.metrics.configReloads.Inc()
+	a.file, a.warnings = f, warnings
+	a.gen++
+	for _, w := range warnings {
+		a.log.Warn("config warning", "source", a.opts.ConfigSource, "warning", w)
+	}
+	a.selectConfig()
+	return true
+}
+
+func (a *Agent) selectConfig() {
+	sel, err := a.file.Select(a.opts.NodeName, nil)
+	if err != nil {
+		a.cfgErr, a.cfgErrAt = err, a.now()
+		a.metrics.configValid.Set(0)
+		a.log.Error("no config applies to this node", "node", a.opts.NodeName, "error", err)
+		return
+	}
+	if sel.Name != a.selected.Name || sel.Reason != a.selected.Reason {
+		a.log.Info("config selected", "node", a.opts.NodeName, "config", sel.Name, "by", sel.Reason, "generation", a.gen)
+	}
+	a.selected = sel
+}
+
+// reconcile runs one observe → plan → publish pass.
+func (a *Agent) reconcile(why string) {
+	start := a.now()
+	inv, err := gpu.New(a.opts.Lib, a.opts.InventoryOptions)
+	if err != nil {
+		// Keep serving the last inventory: a transient NVML failure must not
+		// withdraw every device from the kubelet.
+		a.log.Error("inventory failed; keeping the last one", "reason", why, "error", err)
+		a.metrics.inventoryErrors.Inc()
+	} else {
+		for _, e := range inv.Errors {
+			a.log.Warn("inventory incomplete", "error", e.Error())
+		}
+		a.failed = carryFailed(a.inv, inv, a.failed)
+		for uuid, f := range a.failed {
+			a.log.Warn("GPU could not be read; offering it as unhealthy", "gpu", f.GPU.Index, "uuid", uuid, "reason", f.Reason)
+		}
+		a.inv = inv
+	}
+	if a.selected.Config == nil {
+		a.publishStatus()
+		return
+	}
+	in := PlanInput{
+		Inventory:       a.inv,
+		PassDeviceSpecs: a.selected.Config.DevicePlugin.PassDeviceSpecs,
+		Unhealthy:       a.unhealthy,
+		Failed:          a.failed,
+	}
+	cat := PlanCatalog(in)
+	changed := a.cat == nil || !sameCatalog(a.cat, cat)
+	a.cat = cat
+	a.opts.Publisher.Update(cat)
+	a.lastPass = a.now()
+	a.metrics.reconcileDuration.Observe(a.lastPass.Sub(start).Seconds())
+	a.metrics.devices.Reset()
+	for _, r := range cat.Resources {
+		healthy := 0
+		for _, d := range r.Devices {
+			if d.Healthy {
+				healthy++
+			}
+		}
+		a.metrics.devices.WithLabelValues(r.Name, "healthy").Set(float64(healthy))
+		a.metrics.devices.WithLabelValues(r.Name, "unhealthy").Set(float64(len(r.Devices) - healthy))
+	}
+	if changed {
+		a.log.Info("catalog published", "reason", why, "resources", resourceSummary(cat))
+	}
+	a.publishStatus()
+}
+
+func sameCatalog(a, b *catalog.Catalog) bool {
+	if len(a.Resources) != len(b.Resources) {
+		return false
+	}
+	for name, ra := range a.Resources {
+		rb, ok := b.Resources[name]
+		if !ok || !catalog.SameDevices(ra, rb) {
+			return false
+		}
+	}
+	return true
+}
+
+func resourceSummary(c *catalog.Catalog) map[string]int {
+	out := map[string]int{}
+	for name, r := range c.Resources {
+		out[name] = len(r.Devices)
+	}
+	return out
+}
+
+// carryFailed returns the GPUs known before (in prev or still failing from
+// an earlier pass) that next lacks, each with the inventory error that names
+// it by UUID or index. A GPU that is back in next is dropped from the result.
+func carryFailed(prev, next *gpu.Inventory, failing map[string]FailedGPU) map[string]FailedGPU {
+	known := map[string]gpu.GPU{}
+	for _, f := range failing {
+		known[f.GPU.UUID] = f.GPU
+	}
+	if prev != nil {
+		for _, g := range prev.GPUs {
+			known[g.UUID] = g
+		}
+	}
+	out := map[string]FailedGPU{}
+	for uuid, g := range known {
+		if _, ok := next.GPUByUUID(uuid); ok {
+			continue
+		}
+		reason := "no longer enumerated by NVML"
+		for _, e := range next.Errors {
+			if e.UUID == uuid || (e.UUID == "" && e.Index == g.Index) {
+				reason = e.Call + ": " + e.Err
+				break
+			}
+		}
+		out[uuid] = FailedGPU{GPU: g, Reason: reason}
+	}
+	return out
+}

@@ -1,0 +1,213 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+)
+
+// recorder is a Publisher that keeps every catalog it was given.
+type recorder struct {
+	mu   sync.Mutex
+	cats []*catalog.Catalog
+	got  chan struct{}
+}
+
+func newRecorder() *recorder { return &recorder{got: make(chan struct{}, 100)} }
+
+func (r *recorder) Update(c *catalog.Catalog) {
+	r.mu.Lock()
+	r.cats = append(r.cats, c)
+	r.mu.Unlock()
+	r.got <- struct{}{}
+}
+
+func (r *recorder) last() *catalog.Catalog {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.cats[len(r.cats)-1]
+}
+
+func (r *recorder) wait(t *testing.T) {
+	t.Helper()
+	select {
+	case <-r.got:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no catalog published")
+	}
+}
+
+func startAgent(t *testing.T, profile string, updates chan config.Update, reg prometheus.Registerer) (*Agent, *recorder) {
+	t.Helper()
+	node, err := sim.New(profile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	rec := newRecorder()
+	a := New(Options{Lib: node, NodeName: "node-a", ConfigSource: "test.yaml", ConfigUpdates: updates,
+		Publisher: rec, ResyncInterval: time.Hour, Registerer: reg})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
+	return a, rec
+}
+
+func TestAgentDefaultConfigServesWholeGPUs(t *testing.T) {
+	a, rec := startAgent(t, "dgx-a100", nil, nil)
+	rec.wait(t)
+	r := rec.last().Resources[ResourceGPU]
+	if r == nil || len(r.Devices) != 8 {
+		t.Fatalf("want 8 whole GPUs, got %+v", rec.last().Names())
+	}
+	for _, d := range r.Devices {
+		if !strings.HasPrefix(d.ID, "GPU-") || !d.Healthy || d.NUMANode < 0 {
+			t.Errorf("device %+v: want a healthy GPU UUID with its NUMA node", d)
+		}
+	}
+	waitFor(t, func() bool { return !a.Status().LastPass.IsZero() })
+	st := a.Status()
+	if len(st.GPUs) != 8 || st.Config.Source != "test.yaml" || st.Config.Name != "default" {
+		t.Errorf("status %+v", st)
+	}
+}
+
+func TestAgentKeepsLastGoodConfig(t *testing.T) {
+	updates := make(chan config.Update)
+	reg := prometheus.NewRegistry()
+	a, rec := startAgent(t, "pcie-4gpu", updates, reg)
+
+	good := "version: v1\nconfigs:\n  default:\n    devicePlugin:\n      passDeviceSpecs: true\n"
+	updates <- config.Update{Data: []byte(good)}
+	rec.wait(t)
+	first := rec.last()
+	if n := len(first.Resources[ResourceGPU].Devices); n != 4 {
+		t.Fatalf("want 4 GPUs, got %d", n)
+	}
+	if got := first.Resources[ResourceGPU].Devices[0].Spec.DeviceNodes; len(got) != 1 {
+		t.Fatalf("passDeviceSpecs not applied: %v", got)
+	}
+
+	updates <- config.Update{Data: []byte("version: v1\nconfigs:\n  default:\n    devicePlugin:\n      passDeviceSpec: true\n")}
+	waitFor(t, func() bool { return a.Status().Config.Error != "" })
+	st := a.Status()
+	if !strings.Contains(st.Config.Error, "passDeviceSpec") {
+		t.Errorf("error %q does not name the bad field", st.Config.Error)
+	}
+	if st.Config.Generation != 1 || st.Config.Name != "default" {
+		t.Errorf("last good config not kept: %+v", st.Config)
+	}
+	if got := testutil.ToFloat64(a.metrics.configValid); got != 0 {
+		t.Errorf("gpu_agent_config_valid = %v, want 0", got)
+	}
+	// The rejected edit must not have published anything.
+	select {
+	case <-rec.got:
+		t.Fatal("a rejected config published a catalog")
+	case <-time.After(50 * time.Millisecond):
+	}
+
+	updates <- config.Update{Err: errors.New("read config.yaml: no such file")}
+	waitFor(t, func() bool { return strings.Contains(a.Status().Config.Error, "no such file") })
+
+	updates <- config.Update{Data: []byte("version: v1\nconfigs:\n  default: {}\n")}
+	rec.wait(t)
+	waitFor(t, func() bool { return a.Status().Config.Generation == 2 })
+	if st := a.Status(); st.Config.Error != "" {
+		t.Errorf("after a good edit: %+v", st.Config)
+	}
+	if got := rec.last().Resources[ResourceGPU].Devices[0].Spec.DeviceNodes; len(got) != 0 {
+		t.Errorf("device specs still passed after the edit turned them off: %v", got)
+	}
+	if got := testutil.ToFloat64(a.metrics.configErrors); got != 2 {
+		t.Errorf("gpu_agent_config_errors_total = %v, want 2", got)
+	}
+}
+
+func TestAgentFirstConfigInvalidServesNothing(t *testing.T) {
+	updates := make(chan config.Update)
+	a, rec := startAgent(t, "pcie-4gpu", updates, nil)
+	updates <- config.Update{Data: []byte("version: v2\n")}
+	waitFor(t, func() bool { return a.Status().Config.Error != "" })
+	select {
+	case <-rec.got:
+		t.Fatal("published a catalog without any valid config")
+	case <-time.After(50 * time.Millisecond):
+	}
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met in 5s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestAgentLostGPUStaysUnhealthy(t *testing.T) {
+	node, err := sim.New("pcie-4gpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	rec := newRecorder()
+	a := New(Options{Lib: node, Publisher: rec, ResyncInterval: 20 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go a.Run(ctx)
+	rec.wait(t)
+
+	if err := node.SetLost(2, true); err != nil {
+		t.Fatal(err)
+	}
+	var lost catalog.Device
+	waitFor(t, func() bool {
+		d := findGPU(rec.last(), 2)
+		lost = d
+		return !d.Healthy
+	})
+	if n := len(rec.last().Resources[ResourceGPU].Devices); n != 4 {
+		t.Errorf("lost GPU removed from the catalog: %d devices, want 4", n)
+	}
+	if !strings.Contains(lost.Reason, "GPU_IS_LOST") {
+		t.Errorf("reason %q does not say the GPU is lost", lost.Reason)
+	}
+	for _, d := range rec.last().Resources[ResourceGPU].Devices {
+		if d.GPU != 2 && !d.Healthy {
+			t.Errorf("GPU %d marked unhealthy by another GPU's loss", d.GPU)
+		}
+	}
+
+	if err := node.Reset(2); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool { return findGPU(rec.last(), 2).Healthy })
+}
+
+func findGPU(c *catalog.Catalog, idx int) catalog.Device {
+	for _, d := range c.Resources[ResourceGPU].Devices {
+		if d.GPU == idx {
+			return d
+		}
+	}
+	return catalog.Device{}
+}

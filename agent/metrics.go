@@ -1,0 +1,47 @@
+package agent
+
+import "github.com/prometheus/client_golang/prometheus"
+
+type metrics struct {
+	configValid       prometheus.Gauge
+	configErrors      prometheus.Counter
+	configReloads     prometheus.Counter
+	inventoryErrors   prometheus.Counter
+	reconcileDuration prometheus.Histogram
+	devices           *prometheus.GaugeVec
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		configValid: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "gpu_agent_config_valid",
+			Help: "1 when the config file's latest content was accepted, 0 when it was rejected (the last good config is kept).",
+		}),
+		configErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "gpu_agent_config_errors_total",
+			Help: "Config contents rejected since start.",
+		}),
+		configReloads: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "gpu_agent_config_reloads_total",
+			Help: "Config contents accepted since start.",
+		}),
+		inventoryErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "gpu_agent_inventory_errors_total",
+			Help: "Inventory passes that failed entirely (the last inventory was kept).",
+		}),
+		reconcileDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "gpu_agent_reconcile_duration_seconds",
+			Help:    "Time of one observe-plan-publish pass.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 8),
+		}),
+		devices: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "gpu_agent_devices",
+			Help: "Devices offered to the kubelet, by resource and health.",
+		}, []string{"resource", "health"}),
+	}
+	m.configValid.Set(1)
+	if reg != nil {
+		reg.MustRegister(m.configValid, m.configErrors, m.configReloads, m.inventoryErrors, m.reconcileDuration, m.devices)
+	}
+	return m
+}

@@ -1,0 +1,101 @@
+package agent
+
+import (
+	"slices"
+	"time"
+
+	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+// Status is what /status serves and `gpu-agent status` prints.
+type Status struct {
+	Node     string          `json:"node"`
+	Backend  string          `json:"backend,omitempty"`
+	Config   ConfigStatus    `json:"config"`
+	GPUs     []gpu.GPU       `json:"gpus"`
+	Errors   []string        `json:"inventoryErrors,omitempty"`
+	Resource []ResourceState `json:"resources"`
+	LastPass time.Time       `json:"lastPass"`
+	// Filled by the HTTP layer from the plugin manager.
+	Registrations []Registration `json:"registrations,omitempty"`
+}
+
+// ConfigStatus says which config is in force and whether the file's latest
+// content was rejected.
+type ConfigStatus struct {
+	Source     string    `json:"source"`
+	Name       string    `json:"name,omitempty"`
+	SelectedBy string    `json:"selectedBy,omitempty"`
+	Generation int       `json:"generation"`
+	Warnings   []string  `json:"warnings,omitempty"`
+	Error      string    `json:"error,omitempty"`
+	ErrorSince time.Time `json:"errorSince,omitzero"`
+}
+
+// ResourceState is one served resource and its devices.
+type ResourceState struct {
+	Name    string        `json:"name"`
+	Devices []DeviceState `json:"devices"`
+}
+
+// DeviceState is one device as served to the kubelet.
+type DeviceState struct {
+	ID       string `json:"id"`
+	Healthy  bool   `json:"healthy"`
+	Reason   string `json:"reason,omitempty"`
+	GPU      int    `json:"gpu"`
+	NUMANode int    `json:"numaNode"`
+}
+
+// Registration is the kubelet registration state of one resource.
+type Registration struct {
+	Resource     string    `json:"resource"`
+	Socket       string    `json:"socket"`
+	Registered   bool      `json:"registered"`
+	RegisteredAt time.Time `json:"registeredAt,omitzero"`
+	LastError    string    `json:"lastError,omitempty"`
+}
+
+func (a *Agent) publishStatus() {
+	s := &Status{
+		Node:     a.opts.NodeName,
+		LastPass: a.lastPass,
+		Config: ConfigStatus{
+			Source:     a.opts.ConfigSource,
+			Name:       a.selected.Name,
+			SelectedBy: string(a.selected.Reason),
+			Generation: a.gen,
+			Warnings:   slices.Clone(a.warnings),
+		},
+	}
+	if s.Config.Source == "" {
+		s.Config.Source = "built-in default"
+	}
+	if a.cfgErr != nil {
+		s.Config.Error = a.cfgErr.Error()
+		s.Config.ErrorSince = a.cfgErrAt
+	}
+	if a.inv != nil {
+		s.GPUs = a.inv.GPUs
+		for _, e := range a.inv.Errors {
+			s.Errors = append(s.Errors, e.Error())
+		}
+	}
+	if a.cat != nil {
+		for _, name := range a.cat.Names() {
+			s.Resource = append(s.Resource, resourceState(a.cat.Resources[name]))
+		}
+	}
+	a.status.Store(s)
+}
+
+func resourceState(r *catalog.Resource) ResourceState {
+	rs := ResourceState{Name: r.Name, Devices: make([]DeviceState, 0, len(r.Devices))}
+	for _, d := range r.Devices {
+		rs.Devices = append(rs.Devices, DeviceState{ID: d.ID, Healthy: d.Healthy, Reason: d.Reason, GPU: d.GPU, NUMANode: d.NUMANode})
+	}
+	// By GPU for people; the catalog itself is ordered by ID for lookups.
+	slices.SortStableFunc(rs.Devices, func(a, b DeviceState) int { return a.GPU - b.GPU })
+	return rs
+}

@@ -1,0 +1,66 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+)
+
+// backend is an initialised NVML: the real library or a simulated node.
+type backend struct {
+	Name             string
+	Lib              nvml.Interface
+	InventoryOptions gpu.Options
+	// Sim is set for simulated nodes only (fault injection endpoints).
+	Sim   *sim.Node
+	close func()
+}
+
+func (b *backend) Close() {
+	if b.close != nil {
+		b.close()
+	}
+}
+
+// openBackend opens "nvml" or "sim:<profile>". nvmlLib is the libnvidia-ml
+// path for the real backend ("" = the loader's search path).
+func openBackend(spec, nvmlLib string) (*backend, error) {
+	switch {
+	case spec == "nvml":
+		var opts []nvml.LibraryOption
+		if nvmlLib != "" {
+			opts = append(opts, nvml.WithLibraryPath(nvmlLib))
+		}
+		lib := nvml.New(opts...)
+		if ret := lib.Init(); ret != nvml.SUCCESS {
+			return nil, fmt.Errorf("backend nvml: init NVML (library %q): %v", nvmlLibName(nvmlLib), ret.Error())
+		}
+		return &backend{
+			Name:             spec,
+			Lib:              lib,
+			InventoryOptions: gpu.Options{NUMANode: gpu.SysfsNUMA("/sys")},
+			close:            func() { lib.Shutdown() },
+		}, nil
+	case strings.HasPrefix(spec, "sim:"):
+		node, err := sim.New(strings.TrimPrefix(spec, "sim:"))
+		if err != nil {
+			return nil, fmt.Errorf("backend %s: %w", spec, err)
+		}
+		if ret := node.Init(); ret != nvml.SUCCESS {
+			return nil, fmt.Errorf("backend %s: init: %v", spec, ret)
+		}
+		return &backend{Name: spec, Lib: node, Sim: node}, nil
+	}
+	return nil, usageError{fmt.Sprintf("--backend %q: want nvml or sim:<profile> (see 'gpu-agent sim list')", spec)}
+}
+
+func nvmlLibName(p string) string {
+	if p == "" {
+		return "libnvidia-ml.so.1"
+	}
+	return p
+}

@@ -1,0 +1,69 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/plugin"
+)
+
+// statusSource is what the HTTP endpoints read from the agent.
+type statusSource interface {
+	Status() *agent.Status
+	Alive() bool
+}
+
+// registrations is what they read from the plugin manager.
+type registrations interface {
+	Status() []plugin.ResourceStatus
+	Ready() bool
+}
+
+// newHTTPHandler serves /metrics, /healthz, /readyz, /status and, on a
+// simulated node only, the /sim/ fault injection endpoints.
+func newHTTPHandler(ag statusSource, mgr registrations, reg *prometheus.Registry, be *backend) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if !ag.Alive() {
+			http.Error(w, "reconcile loop has not completed a pass recently", http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		st := ag.Status()
+		switch {
+		case st.LastPass.IsZero():
+			http.Error(w, "no reconcile pass yet", http.StatusServiceUnavailable)
+		case !mgr.Ready():
+			http.Error(w, "not every resource is registered with the kubelet", http.StatusServiceUnavailable)
+		default:
+			fmt.Fprintln(w, "ok")
+		}
+	})
+	mux.HandleFunc("GET /status", func(w http.ResponseWriter, _ *http.Request) {
+		st := *ag.Status()
+		st.Backend = be.Name
+		st.Registrations = nil
+		for _, r := range mgr.Status() {
+			st.Registrations = append(st.Registrations, agent.Registration{
+				Resource: r.Name, Socket: r.Socket, Registered: r.Registered,
+				RegisteredAt: r.RegisteredAt, LastError: r.LastError,
+			})
+		}
+		w.Header().Set("Content-Type", "application/json")
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(&st)
+	})
+	if be.Sim != nil {
+		mux.Handle("/sim/", be.Sim.Handler())
+	}
+	return mux
+}

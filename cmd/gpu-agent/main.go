@@ -1,0 +1,107 @@
+// Command gpu-agent is the Kubernetes GPU node agent: kubelet device plugin,
+// MIG repartitioning, sharing and DCGM-compatible metrics in one process.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+const usage = `gpu-agent: one node agent for Kubernetes GPU nodes.
+
+Usage:
+  gpu-agent run [flags]                    serve the node's GPUs to the kubelet
+  gpu-agent status [--addr URL]            show a running agent's state
+  gpu-agent config validate FILE [flags]   check a config file offline
+  gpu-agent inventory [--backend B] [-o table|json]
+                                           print the GPU inventory and topology
+  gpu-agent sim list                       list the simulated nodes
+
+Run 'gpu-agent COMMAND --help' for a command's flags.
+`
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	os.Exit(runMain(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// runMain dispatches a command line; it returns the process exit code.
+func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return 2
+	}
+	var err error
+	switch args[0] {
+	case "-h", "--help", "help":
+		fmt.Fprint(stdout, usage)
+		return 0
+	case "run":
+		err = cmdRun(ctx, args[1:], stdout, stderr)
+	case "status":
+		err = cmdStatus(ctx, args[1:], stdout, stderr)
+	case "config":
+		err = cmdConfig(ctx, args[1:], stdout, stderr)
+	case "inventory":
+		err = cmdInventory(args[1:], stdout, stderr)
+	case "sim":
+		err = cmdSim(args[1:], stdout, stderr)
+	default:
+		fmt.Fprintf(stderr, "gpu-agent: unknown command %q\n\n%s", args[0], usage)
+		return 2
+	}
+	switch {
+	case err == nil:
+		return 0
+	case errors.Is(err, flag.ErrHelp):
+		return 0
+	case errors.As(err, new(usageError)):
+		fmt.Fprintf(stderr, "gpu-agent %s: %v\n", args[0], err)
+		return 2
+	default:
+		fmt.Fprintf(stderr, "gpu-agent %s: %v\n", args[0], err)
+		return 1
+	}
+}
+
+// usageError is a bad command line (exit code 2).
+type usageError struct{ msg string }
+
+func (e usageError) Error() string { return e.msg }
+
+// newFlagSet returns a flag set that prints its usage to stderr and returns
+// errors instead of exiting.
+func newFlagSet(name, synopsis string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: gpu-agent %s\n\nFlags:\n", synopsis)
+		fs.PrintDefaults()
+	}
+	return fs
+}
+
+// envDefault returns the environment variable's value, or def when unset.
+func envDefault(name, def string) string {
+	if v, ok := os.LookupEnv(name); ok && v != "" {
+		return v
+	}
+	return def
+}
+
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageError{err.Error()}
+	}
+	return nil
+}

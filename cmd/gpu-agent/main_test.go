@@ -1,0 +1,277 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+func run(t *testing.T, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code = runMain(context.Background(), args, &out, &errb)
+	return code, out.String(), errb.String()
+}
+
+func TestSimList(t *testing.T) {
+	code, out, _ := run(t, "sim", "list")
+	if code != 0 {
+		t.Fatalf("exit %d", code)
+	}
+	for _, p := range []string{"sim:dgx-a100", "sim:dgx-h100", "sim:dgx1-v100", "sim:pcie-8gpu", "sim:pcie-4gpu", "sim:two-islands-16"} {
+		if !strings.Contains(out, p+" ") {
+			t.Errorf("sim list lacks %s:\n%s", p, out)
+		}
+	}
+}
+
+func TestUsageErrors(t *testing.T) {
+	tests := []struct {
+		args []string
+		code int
+		want string
+	}{
+		{nil, 2, "Usage"},
+		{[]string{"frobnicate"}, 2, `unknown command "frobnicate"`},
+		{[]string{"run", "--no-such-flag"}, 2, "no-such-flag"},
+		{[]string{"run", "--backend", "cuda"}, 2, `--backend "cuda"`},
+		{[]string{"run", "--backend", "sim:nope"}, 1, "nope"},
+		{[]string{"inventory", "--backend", "sim:dgx-a100", "-o", "yaml"}, 2, `-o "yaml"`},
+		{[]string{"config", "validate"}, 2, "FILE"},
+		{[]string{"config", "validate", "/nonexistent.yaml"}, 1, "nonexistent"},
+	}
+	for _, tt := range tests {
+		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
+			code, _, stderr := run(t, tt.args...)
+			if code != tt.code || !strings.Contains(stderr, tt.want) {
+				t.Errorf("exit %d stderr %q; want exit %d mentioning %q", code, stderr, tt.code, tt.want)
+			}
+		})
+	}
+}
+
+func TestHelpOnEveryCommand(t *testing.T) {
+	for _, args := range [][]string{{"--help"}, {"run", "--help"}, {"status", "--help"}, {"inventory", "--help"},
+		{"config", "--help"}, {"sim", "--help"}} {
+		code, out, errOut := run(t, args...)
+		if code != 0 || !strings.Contains(out+errOut, "Usage") {
+			t.Errorf("%v: exit %d, output %q", args, code, out+errOut)
+		}
+	}
+}
+
+func TestInventoryJSON(t *testing.T) {
+	code, out, stderr := run(t, "inventory", "--backend", "sim:dgx1-v100", "-o", "json")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	var inv gpu.Inventory
+	if err := json.Unmarshal([]byte(out), &inv); err != nil {
+		t.Fatal(err)
+	}
+	if len(inv.GPUs) != 8 || inv.Topology == nil || inv.Topology.Lanes(0, 3) != 2 {
+		t.Errorf("inventory: %d GPUs, topology %+v", len(inv.GPUs), inv.Topology)
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	dir := t.TempDir()
+	good := filepath.Join(dir, "good.yaml")
+	os.WriteFile(good, []byte("version: v1\nnodes:\n  n1: special\nconfigs:\n  default: {}\n  special:\n    devicePlugin:\n      passDeviceSpecs: true\n"), 0o644)
+	bad := filepath.Join(dir, "bad.yaml")
+	os.WriteFile(bad, []byte("version: v1\nconfigs:\n  default:\n    allocation:\n      policy: random\n"), 0o644)
+
+	code, out, stderr := run(t, "config", "validate", good, "--backend", "sim:pcie-4gpu", "--node-name", "n1")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	for _, want := range []string{`config "special"`, "nvidia.com/gpu", "4"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	code, _, stderr = run(t, "config", "validate", bad)
+	if code != 1 || !strings.Contains(stderr, "allocation.policy") {
+		t.Errorf("bad file: exit %d, stderr %q; want 1 naming allocation.policy", code, stderr)
+	}
+}
+
+func TestWriteStatus(t *testing.T) {
+	st := &agent.Status{
+		Node: "n1", Backend: "sim:x",
+		Config: agent.ConfigStatus{Source: "c.yaml", Name: "default", SelectedBy: "default", Error: "configs.default.x: unknown field (line 3)"},
+		GPUs:   []gpu.GPU{{Index: 0, UUID: "GPU-1", Name: "A100", MemoryBytes: 40 << 30, NUMANode: 3, MIGCapable: true}},
+		Resource: []agent.ResourceState{{Name: "nvidia.com/gpu", Devices: []agent.DeviceState{
+			{ID: "GPU-1", Healthy: false, Reason: "XID 79", NUMANode: 3}}}},
+		Registrations: []agent.Registration{{Resource: "nvidia.com/gpu", LastError: "kubelet.sock absent"}},
+	}
+	var b bytes.Buffer
+	if err := writeStatus(&b, st); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"unknown field (line 3)", "serving the last good config", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent"} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("status lacks %q:\n%s", want, b.String())
+		}
+	}
+}
+
+// fakeKubelet is the kubelet's registration service on kubelet.sock.
+type fakeKubelet struct {
+	pluginapi.UnimplementedRegistrationServer
+	mu   sync.Mutex
+	reqs []*pluginapi.RegisterRequest
+	srv  *grpc.Server
+}
+
+func (k *fakeKubelet) Register(_ context.Context, r *pluginapi.RegisterRequest) (*pluginapi.Empty, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.reqs = append(k.reqs, r)
+	return &pluginapi.Empty{}, nil
+}
+
+func (k *fakeKubelet) registered() []string {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	var out []string
+	for _, r := range k.reqs {
+		out = append(out, r.ResourceName)
+	}
+	return out
+}
+
+func startFakeKubelet(t *testing.T, dir string) *fakeKubelet {
+	t.Helper()
+	ln, err := net.Listen("unix", filepath.Join(dir, "kubelet.sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := &fakeKubelet{srv: grpc.NewServer()}
+	pluginapi.RegisterRegistrationServer(k.srv, k)
+	go k.srv.Serve(ln)
+	t.Cleanup(k.srv.Stop)
+	return k
+}
+
+// TestRunBinarySIGTERM runs the real binary on a simulated node against a
+// kubelet double: it registers nvidia.com/gpu, serves /status, /readyz and
+// /metrics, and on SIGTERM removes its sockets and exits 0.
+func TestRunBinarySIGTERM(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the binary")
+	}
+	bin := filepath.Join(t.TempDir(), "gpu-agent")
+	build := exec.Command("go", "build", "-o", bin, ".")
+	build.Env = append(os.Environ(), "CGO_CFLAGS=-Wno-deprecated-declarations")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s", err, out)
+	}
+	dir, err := os.MkdirTemp("", "ga")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	pluginDir := filepath.Join(dir, "dp")
+	os.Mkdir(pluginDir, 0o755)
+	kubelet := startFakeKubelet(t, pluginDir)
+
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	addr := ln.Addr().String()
+	ln.Close()
+	cmd := exec.Command(bin, "run", "--backend", "sim:pcie-4gpu", "--device-plugin-dir", pluginDir,
+		"--listen", addr, "--state-dir", filepath.Join(dir, "state"), "--node-name", "n1")
+	var logs bytes.Buffer
+	cmd.Stderr = &logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		if t.Failed() {
+			t.Logf("agent log:\n%s", logs.String())
+		}
+	})
+
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp, err := http.Get("http://" + addr + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/readyz never became ready (registered: %v)", kubelet.registered())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if got := kubelet.registered(); len(got) != 1 || got[0] != "nvidia.com/gpu" {
+		t.Fatalf("registered %v, want [nvidia.com/gpu]", got)
+	}
+	code, out, stderr := run(t, "status", "--addr", addr)
+	if code != 0 || !strings.Contains(out, "nvidia.com/gpu") || !strings.Contains(out, "registered") {
+		t.Errorf("status: exit %d\n%s%s", code, out, stderr)
+	}
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mb bytes.Buffer
+	mb.ReadFrom(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(mb.String(), `gpu_agent_devices{health="healthy",resource="nvidia.com/gpu"} 4`) {
+		t.Errorf("metrics lack the device gauge:\n%s", grepLines(mb.String(), "gpu_agent_"))
+	}
+	socks, _ := filepath.Glob(filepath.Join(pluginDir, "gpu-agent-*.sock"))
+	if len(socks) != 1 {
+		t.Fatalf("plugin sockets %v, want one", socks)
+	}
+
+	cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Fatalf("exit after SIGTERM: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("agent did not exit within 10s of SIGTERM")
+	}
+	socks, _ = filepath.Glob(filepath.Join(pluginDir, "gpu-agent-*.sock"))
+	if len(socks) != 0 {
+		t.Errorf("sockets left after SIGTERM: %v", socks)
+	}
+	if _, err := os.Stat(filepath.Join(pluginDir, "kubelet.sock")); err != nil {
+		t.Errorf("the kubelet's socket must be left alone: %v", err)
+	}
+}
+
+func grepLines(s, substr string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, substr) {
+			out = append(out, l)
+		}
+	}
+	return fmt.Sprint(strings.Join(out, "\n"))
+}

@@ -1,0 +1,177 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/plugin"
+)
+
+// runFlags are `gpu-agent run`'s flags; each has an environment variable.
+type runFlags struct {
+	backend, config, nodeName, pluginDir, podResources string
+	listen, stateDir, mpsRoot, nvmlLib                 string
+	logLevel, logFormat                                string
+	resync                                             time.Duration
+}
+
+func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) {
+	host, _ := os.Hostname()
+	fsAdd(&f.backend, "backend", "GPU_AGENT_BACKEND", "nvml", "GPU backend: nvml, or sim:<profile> for a simulated node")
+	fsAdd(&f.config, "config", "GPU_AGENT_CONFIG", "", "config file (the mounted ConfigMap key); empty: built-in default (whole GPUs)")
+	fsAdd(&f.nodeName, "node-name", "NODE_NAME", host, "this node's name, for per-node config selection")
+	fsAdd(&f.pluginDir, "device-plugin-dir", "GPU_AGENT_DEVICE_PLUGIN_DIR", "/var/lib/kubelet/device-plugins", "kubelet device plugin directory (holds kubelet.sock)")
+	fsAdd(&f.podResources, "pod-resources-socket", "GPU_AGENT_POD_RESOURCES_SOCKET", "/var/lib/kubelet/pod-resources/kubelet.sock", "kubelet pod-resources API socket")
+	fsAdd(&f.listen, "listen", "GPU_AGENT_LISTEN", ":9400", "HTTP address for /metrics, /healthz, /readyz, /status")
+	fsAdd(&f.stateDir, "state-dir", "GPU_AGENT_STATE_DIR", "/var/lib/gpu-agent", "directory for state that must survive restarts")
+	fsAdd(&f.mpsRoot, "mps-root", "GPU_AGENT_MPS_ROOT", "/run/gpu-agent/mps", "root of the MPS pipe and log directories")
+	fsAdd(&f.nvmlLib, "nvml-lib", "GPU_AGENT_NVML_LIB", "", "path of libnvidia-ml.so.1 for the nvml backend (empty: the loader's search path)")
+	fsAdd(&f.logLevel, "log-level", "GPU_AGENT_LOG_LEVEL", "info", "debug, info, warn or error")
+	fsAdd(&f.logFormat, "log-format", "GPU_AGENT_LOG_FORMAT", "text", "text or json")
+}
+
+func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("run", "run [flags]", stderr)
+	var f runFlags
+	f.register(func(p *string, name, env, def, help string) {
+		fs.StringVar(p, name, envDefault(env, def), fmt.Sprintf("%s [%s]", help, env))
+	})
+	resync, err := time.ParseDuration(envDefault("GPU_AGENT_RESYNC", "30s"))
+	if err != nil {
+		return usageError{fmt.Sprintf("GPU_AGENT_RESYNC: %v", err)}
+	}
+	fs.DurationVar(&f.resync, "resync", resync, "re-read the GPUs this often even without events [GPU_AGENT_RESYNC]")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageError{fmt.Sprintf("unexpected arguments: %s", strings.Join(fs.Args(), " "))}
+	}
+	logger, err := newLogger(stderr, f.logLevel, f.logFormat)
+	if err != nil {
+		return usageError{err.Error()}
+	}
+	return runAgent(ctx, f, logger)
+}
+
+func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
+	var lv slog.Level
+	if err := lv.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", level)
+	}
+	opts := &slog.HandlerOptions{Level: lv}
+	switch format {
+	case "text":
+		return slog.New(slog.NewTextHandler(w, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(w, opts)), nil
+	}
+	return nil, fmt.Errorf("--log-format %q: want text or json", format)
+}
+
+func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
+	be, err := openBackend(f.backend, f.nvmlLib)
+	if err != nil {
+		return err
+	}
+	defer be.Close()
+	if err := os.MkdirAll(f.stateDir, 0o755); err != nil {
+		return fmt.Errorf("--state-dir: %w", err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+
+	mgr, err := plugin.NewManager(plugin.Options{Dir: f.pluginDir, Logger: log.With("component", "plugin")})
+	if err != nil {
+		return err
+	}
+
+	var updates chan config.Update
+	var watcher *config.Watcher
+	if f.config != "" {
+		watcher, err = config.NewWatcher(f.config, log.With("component", "config"))
+		if err != nil {
+			return fmt.Errorf("--config %s: %w", f.config, err)
+		}
+		updates = make(chan config.Update)
+	}
+	ag := agent.New(agent.Options{
+		Lib:              be.Lib,
+		InventoryOptions: be.InventoryOptions,
+		NodeName:         f.nodeName,
+		ConfigSource:     f.config,
+		ConfigUpdates:    updates,
+		Publisher:        mgr,
+		ResyncInterval:   f.resync,
+		Logger:           log.With("component", "agent"),
+		Registerer:       reg,
+	})
+
+	ln, err := net.Listen("tcp", f.listen)
+	if err != nil {
+		return fmt.Errorf("--listen %s: %w", f.listen, err)
+	}
+	srv := &http.Server{
+		Handler:           newHTTPHandler(ag, mgr, reg, be),
+		ReadHeaderTimeout: 5 * time.Second,
+	}
+	log.Info("gpu-agent starting", "backend", be.Name, "node", f.nodeName, "listen", ln.Addr().String(),
+		"device-plugin-dir", f.pluginDir, "config", f.config)
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, 4)
+	goRun := func(name string, fn func() error) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := fn(); err != nil {
+				errs <- fmt.Errorf("%s: %w", name, err)
+				cancel()
+			}
+		}()
+	}
+	goRun("plugin manager", func() error { return mgr.Run(ctx) })
+	goRun("agent", func() error { return ag.Run(ctx) })
+	if watcher != nil {
+		goRun("config watcher", func() error { return watcher.Run(ctx, updates) })
+	}
+	goRun("http", func() error {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			return err
+		}
+		return nil
+	})
+
+	<-ctx.Done()
+	log.Info("gpu-agent stopping: removing plugin sockets")
+	shutdownCtx, done := context.WithTimeout(context.Background(), 5*time.Second)
+	defer done()
+	_ = srv.Shutdown(shutdownCtx)
+	wg.Wait()
+	close(errs)
+	var all []error
+	for err := range errs {
+		all = append(all, err)
+	}
+	if err := errors.Join(all...); err != nil {
+		return err
+	}
+	log.Info("gpu-agent stopped")
+	return nil
+}

@@ -1,0 +1,152 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/gpu-agent/gpu-agent/agent"
+)
+
+func cmdStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("status", "status [--addr URL] [-o table|json]", stderr)
+	addr := fs.String("addr", envDefault("GPU_AGENT_ADDR", "http://127.0.0.1:9400"), "the agent's HTTP address [GPU_AGENT_ADDR]")
+	out := fs.String("o", "table", "output: table or json")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if *out != "table" && *out != "json" {
+		return usageError{fmt.Sprintf("-o %q: want table or json", *out)}
+	}
+	base := *addr
+	if !strings.Contains(base, "://") {
+		base = "http://" + base
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(base, "/")+"/status", nil)
+	if err != nil {
+		return usageError{fmt.Sprintf("--addr %q: %v", *addr, err)}
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("cannot reach the agent at %s: %w", base, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return fmt.Errorf("read %s/status: %w", base, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s/status: %s: %s", base, resp.Status, strings.TrimSpace(string(body)))
+	}
+	if *out == "json" {
+		_, err := stdout.Write(body)
+		return err
+	}
+	var st agent.Status
+	if err := json.Unmarshal(body, &st); err != nil {
+		return fmt.Errorf("%s/status: not a gpu-agent status: %w", base, err)
+	}
+	return writeStatus(stdout, &st)
+}
+
+// writeStatus renders a status as readable tables.
+func writeStatus(w io.Writer, st *agent.Status) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "Node:\t%s\n", st.Node)
+	fmt.Fprintf(tw, "Backend:\t%s\n", st.Backend)
+	cfg := st.Config.Name
+	if st.Config.SelectedBy != "" {
+		cfg += " (by " + st.Config.SelectedBy + ")"
+	}
+	fmt.Fprintf(tw, "Config:\t%s from %s, generation %d\n", cfg, st.Config.Source, st.Config.Generation)
+	if st.Config.Error != "" {
+		fmt.Fprintf(tw, "Config error:\t%s (since %s; serving the last good config)\n",
+			st.Config.Error, st.Config.ErrorSince.Format(time.RFC3339))
+	}
+	for _, warn := range st.Config.Warnings {
+		fmt.Fprintf(tw, "Config warning:\t%s\n", warn)
+	}
+	if !st.LastPass.IsZero() {
+		fmt.Fprintf(tw, "Last reconcile:\t%s\n", st.LastPass.Format(time.RFC3339))
+	}
+	fmt.Fprintln(tw)
+
+	fmt.Fprintln(tw, "GPU\tNAME\tUUID\tMEMORY\tNUMA\tMIG")
+	for _, g := range st.GPUs {
+		mig := "-"
+		if g.MIGCapable {
+			mig = onOff(g.MIG.Current)
+			if g.MIG.Pending != g.MIG.Current {
+				mig += " (pending " + onOff(g.MIG.Pending) + ")"
+			}
+			if n := len(g.Instances); n > 0 {
+				mig += fmt.Sprintf(", %d instances", n)
+			}
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%.0f GiB\t%s\t%s\n", g.Index, g.Name, g.UUID,
+			float64(g.MemoryBytes)/(1<<30), numa(g.NUMANode), mig)
+	}
+	for _, e := range st.Errors {
+		fmt.Fprintf(tw, "!\t%s\n", e)
+	}
+	fmt.Fprintln(tw)
+
+	reg := map[string]agent.Registration{}
+	for _, r := range st.Registrations {
+		reg[r.Resource] = r
+	}
+	fmt.Fprintln(tw, "RESOURCE\tDEVICES\tHEALTHY\tKUBELET")
+	for _, r := range st.Resource {
+		healthy := 0
+		for _, d := range r.Devices {
+			if d.Healthy {
+				healthy++
+			}
+		}
+		state := "not registered"
+		if rr, ok := reg[r.Name]; ok {
+			if rr.Registered {
+				state = "registered " + rr.RegisteredAt.Format(time.RFC3339)
+			} else if rr.LastError != "" {
+				state = "not registered: " + rr.LastError
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", r.Name, len(r.Devices), healthy, state)
+	}
+	fmt.Fprintln(tw)
+	fmt.Fprintln(tw, "RESOURCE\tDEVICE\tGPU\tNUMA\tHEALTH")
+	for _, r := range st.Resource {
+		for _, d := range r.Devices {
+			h := "healthy"
+			if !d.Healthy {
+				h = "unhealthy"
+				if d.Reason != "" {
+					h += ": " + d.Reason
+				}
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", r.Name, d.ID, d.GPU, numa(d.NUMANode), h)
+		}
+	}
+	return tw.Flush()
+}
+
+func onOff(b bool) string {
+	if b {
+		return "on"
+	}
+	return "off"
+}
+
+func numa(n int) string {
+	if n < 0 {
+		return "-"
+	}
+	return fmt.Sprint(n)
+}

@@ -1,0 +1,177 @@
+package sim
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// maxRequestBytes bounds a fault-injection request body.
+const maxRequestBytes = 64 << 10
+
+// Handler serves fault injection over HTTP (see the package documentation
+// for the endpoints). It answers both with and without the "/sim" prefix,
+// so it can be mounted at "/sim/" with or without http.StripPrefix.
+func (n *Node) Handler() http.Handler {
+	return http.HandlerFunc(n.serveHTTP)
+}
+
+func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
+	path := strings.TrimPrefix(r.URL.Path, "/sim")
+	var route func(*Node, *json.Decoder) error
+	switch path {
+	case "/xid":
+		route = serveXID
+	case "/lost":
+		route = serveLost
+	case "/reset":
+		route = serveReset
+	case "/utilization":
+		route = serveUtilization
+	default:
+		writeJSON(w, http.StatusNotFound, map[string]string{"error": fmt.Sprintf("no such endpoint %q", r.URL.Path)})
+		return
+	}
+	if r.Method != http.MethodPost {
+		w.Header().Set("Allow", http.MethodPost)
+		writeJSON(w, http.StatusMethodNotAllowed, map[string]string{"error": r.Method + " not allowed, use POST"})
+		return
+	}
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxRequestBytes))
+	dec.DisallowUnknownFields()
+	if err := route(n, dec); err != nil {
+		writeJSON(w, http.StatusBadRequest, map[string]string{"error": err.Error()})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]bool{"ok": true})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v) // the client went away; nothing to do
+}
+
+// decode reads exactly one JSON object into v.
+func decode(dec *json.Decoder, v any) error {
+	if err := dec.Decode(v); err != nil {
+		if errors.Is(err, io.EOF) {
+			return errors.New("empty body, want a JSON object")
+		}
+		return fmt.Errorf("bad JSON: %w", err)
+	}
+	if err := dec.Decode(&struct{}{}); !errors.Is(err, io.EOF) {
+		return errors.New("bad JSON: more than one value in body")
+	}
+	return nil
+}
+
+func needGPU(gpu *int) (int, error) {
+	if gpu == nil {
+		return 0, errors.New(`missing "gpu"`)
+	}
+	return *gpu, nil
+}
+
+func serveXID(n *Node, dec *json.Decoder) error {
+	var req struct {
+		GPU *int    `json:"gpu"`
+		XID *uint64 `json:"xid"`
+		GI  *uint32 `json:"gi"`
+		CI  *uint32 `json:"ci"`
+	}
+	if err := decode(dec, &req); err != nil {
+		return err
+	}
+	gpu, err := needGPU(req.GPU)
+	if err != nil {
+		return err
+	}
+	if req.XID == nil {
+		return errors.New(`missing "xid"`)
+	}
+	e := Event{GPU: gpu, Type: nvml.EventTypeXidCriticalError, Data: *req.XID, GI: NoInstance, CI: NoInstance}
+	if req.GI != nil {
+		e.GI = *req.GI
+	}
+	if req.CI != nil {
+		e.CI = *req.CI
+	}
+	return n.InjectEvent(e)
+}
+
+func serveLost(n *Node, dec *json.Decoder) error {
+	var req struct {
+		GPU  *int  `json:"gpu"`
+		Lost *bool `json:"lost"`
+	}
+	if err := decode(dec, &req); err != nil {
+		return err
+	}
+	gpu, err := needGPU(req.GPU)
+	if err != nil {
+		return err
+	}
+	lost := req.Lost == nil || *req.Lost
+	return n.SetLost(gpu, lost)
+}
+
+func serveReset(n *Node, dec *json.Decoder) error {
+	var req struct {
+		GPU *int `json:"gpu"`
+	}
+	if err := decode(dec, &req); err != nil {
+		return err
+	}
+	gpu, err := needGPU(req.GPU)
+	if err != nil {
+		return err
+	}
+	return n.Reset(gpu)
+}
+
+func serveUtilization(n *Node, dec *json.Decoder) error {
+	var req struct {
+		GPU     *int    `json:"gpu"`
+		GPUUtil *uint32 `json:"gpu_util"`
+		MemUtil *uint32 `json:"mem_util"`
+		MemUsed *uint64 `json:"mem_used_bytes"`
+	}
+	if err := decode(dec, &req); err != nil {
+		return err
+	}
+	gpu, err := needGPU(req.GPU)
+	if err != nil {
+		return err
+	}
+	if req.GPUUtil == nil && req.MemUtil == nil && req.MemUsed == nil {
+		return errors.New(`nothing to set: give "gpu_util", "mem_util" or "mem_used_bytes"`)
+	}
+	// Apply under one lock so a bad field leaves the GPU unchanged.
+	return n.update(gpu, func(g *gpuState) error {
+		gu, mu := g.gpuUtil, g.memUtil
+		if req.GPUUtil != nil {
+			gu = *req.GPUUtil
+		}
+		if req.MemUtil != nil {
+			mu = *req.MemUtil
+		}
+		if gu > 100 || mu > 100 {
+			return fmt.Errorf("utilization %d%%/%d%% above 100%%", gu, mu)
+		}
+		used := g.memUsed
+		if req.MemUsed != nil {
+			used = *req.MemUsed
+		}
+		if total := n.spec.model.memMiB * mib; used > total {
+			return fmt.Errorf("memory used %d bytes exceeds total %d", used, total)
+		}
+		g.gpuUtil, g.memUtil, g.memUsed = gu, mu, used
+		return nil
+	})
+}

@@ -1,0 +1,93 @@
+package sim
+
+import (
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+func TestHTTPHandler(t *testing.T) {
+	tests := []struct {
+		name    string
+		method  string
+		path    string
+		body    string
+		status  int
+		errPart string // in the error message
+	}{
+		{"xid", "POST", "/sim/xid", `{"gpu":1,"xid":48}`, 200, ""},
+		{"xid with instance, prefix stripped", "POST", "/xid", `{"gpu":1,"xid":94,"gi":2,"ci":0}`, 200, ""},
+		{"xid missing gpu", "POST", "/sim/xid", `{"xid":48}`, 400, `missing "gpu"`},
+		{"xid missing xid", "POST", "/sim/xid", `{"gpu":1}`, 400, `missing "xid"`},
+		{"xid gpu out of range", "POST", "/sim/xid", `{"gpu":8,"xid":48}`, 400, "out of range"},
+		{"unknown field", "POST", "/sim/xid", `{"gpu":1,"xid":48,"extra":1}`, 400, "extra"},
+		{"negative gpu index", "POST", "/sim/xid", `{"gpu":-1,"xid":48}`, 400, "out of range"},
+		{"wrong type", "POST", "/sim/xid", `{"gpu":"one","xid":48}`, 400, "bad JSON"},
+		{"two objects", "POST", "/sim/reset", `{"gpu":1}{"gpu":2}`, 400, "more than one"},
+		{"empty body", "POST", "/sim/lost", ``, 400, "empty body"},
+		{"utilization", "POST", "/sim/utilization", `{"gpu":3,"gpu_util":80,"mem_used_bytes":1073741824,"mem_util":20}`, 200, ""},
+		{"utilization over 100", "POST", "/sim/utilization", `{"gpu":3,"gpu_util":180}`, 400, "above 100"},
+		{"utilization nothing to set", "POST", "/sim/utilization", `{"gpu":3}`, 400, "nothing to set"},
+		{"lost", "POST", "/sim/lost", `{"gpu":5}`, 200, ""},
+		{"reset", "POST", "/sim/reset", `{"gpu":6}`, 200, ""},
+		{"GET not allowed", "GET", "/sim/xid", ``, 405, "use POST"},
+		{"unknown path", "POST", "/sim/melt", `{}`, 404, "no such endpoint"},
+	}
+	n := newNode(t, "dgx-a100")
+	s := registered(t, n, nvml.EventTypeXidCriticalError, 1)
+	h := n.Handler()
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, httptest.NewRequest(tt.method, tt.path, strings.NewReader(tt.body)))
+			if rec.Code != tt.status {
+				t.Fatalf("status %d, want %d; body %s", rec.Code, tt.status, rec.Body)
+			}
+			if ct := rec.Header().Get("Content-Type"); ct != "application/json" {
+				t.Errorf("Content-Type %q", ct)
+			}
+			var resp struct {
+				OK    bool   `json:"ok"`
+				Error string `json:"error"`
+			}
+			if err := json.Unmarshal(rec.Body.Bytes(), &resp); err != nil {
+				t.Fatalf("response %q: %v", rec.Body, err)
+			}
+			if tt.status == 200 && !resp.OK || tt.status != 200 && !strings.Contains(resp.Error, tt.errPart) {
+				t.Errorf("response %+v, want error containing %q", resp, tt.errPart)
+			}
+			if tt.status == http.StatusMethodNotAllowed && rec.Header().Get("Allow") != "POST" {
+				t.Errorf("Allow header %q", rec.Header().Get("Allow"))
+			}
+		})
+	}
+
+	// The effects are visible through NVML.
+	for _, want := range []nvml.EventData{
+		{EventData: 48, GpuInstanceId: NoInstance, ComputeInstanceId: NoInstance},
+		{EventData: 94, GpuInstanceId: 2, ComputeInstanceId: 0},
+	} {
+		e, r := s.Wait(100)
+		if r != nvml.SUCCESS || e.EventData != want.EventData || e.GpuInstanceId != want.GpuInstanceId || e.ComputeInstanceId != want.ComputeInstanceId {
+			t.Errorf("event %+v, %v; want %+v", e, r, want)
+		}
+	}
+	if u, _ := handle(t, n, 3).GetUtilizationRates(); u != (nvml.Utilization{Gpu: 80, Memory: 20}) {
+		t.Errorf("utilization %+v", u)
+	}
+	if m, _ := handle(t, n, 3).GetMemoryInfo(); m.Used != 1<<30 {
+		t.Errorf("memory used %d", m.Used)
+	}
+	if _, r := n.DeviceGetHandleByIndex(5); r != nvml.ERROR_GPU_IS_LOST {
+		t.Errorf("GPU 5 after /sim/lost: %v", r)
+	}
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, httptest.NewRequest("POST", "/sim/lost", strings.NewReader(`{"gpu":5,"lost":false}`)))
+	if _, r := n.DeviceGetHandleByIndex(5); rec.Code != 200 || r != nvml.SUCCESS {
+		t.Errorf("GPU 5 after lost=false: %d %v", rec.Code, r)
+	}
+}

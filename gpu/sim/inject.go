@@ -1,0 +1,195 @@
+package sim
+
+import (
+	"fmt"
+	"slices"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// NoInstance in Event.GI or Event.CI marks an event that concerns the whole
+// GPU rather than one MIG instance (NVML's 0xFFFFFFFF).
+const NoInstance = 0xFFFFFFFF
+
+// xidFallenOffBus is the XID the driver logs when a GPU drops off the bus.
+const xidFallenOffBus = 79
+
+// Event is an NVML event to inject on one GPU.
+type Event struct {
+	GPU  int    // NVML index
+	Type uint64 // one nvml.EventType* bit
+	Data uint64 // the XID for EventTypeXidCriticalError
+	GI   uint32 // GPU instance id, or NoInstance
+	CI   uint32 // compute instance id, or NoInstance
+}
+
+// InjectXID delivers a GPU-wide XID critical error event on gpu.
+func (n *Node) InjectXID(gpu int, xid uint64) error {
+	return n.InjectEvent(Event{GPU: gpu, Type: nvml.EventTypeXidCriticalError, Data: xid, GI: NoInstance, CI: NoInstance})
+}
+
+// InjectEvent queues e on every event set that registered e.GPU for e.Type.
+// The event's Device is the GPU's handle, also for MIG instance events.
+func (n *Node) InjectEvent(e Event) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	g, err := n.gpu(e.GPU)
+	if err != nil {
+		return err
+	}
+	if e.Type == 0 {
+		return fmt.Errorf("sim gpu %d (%s): inject event: type is 0", g.index, g.uuid)
+	}
+	n.deliver(g.index, nvml.EventData{
+		Device: g.handle, EventType: e.Type, EventData: e.Data,
+		GpuInstanceId: e.GI, ComputeInstanceId: e.CI,
+	})
+	return nil
+}
+
+// SetLost makes every call on the GPU, its MIG devices and instances return
+// ERROR_GPU_IS_LOST (lost=false undoes it without a reset). Losing a GPU
+// also delivers XID 79 (fallen off the bus), as the driver reports it.
+func (n *Node) SetLost(gpu int, lost bool) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	g, err := n.gpu(gpu)
+	if err != nil {
+		return err
+	}
+	if lost && !g.lost {
+		n.deliver(g.index, nvml.EventData{
+			Device: g.handle, EventType: nvml.EventTypeXidCriticalError, EventData: xidFallenOffBus,
+			GpuInstanceId: NoInstance, ComputeInstanceId: NoInstance,
+		})
+	}
+	g.lost = lost
+	return nil
+}
+
+// Reset is a GPU reset: a pending MIG mode becomes current, MIG instances
+// are destroyed (they do not survive a reset, so their handles turn
+// invalid), the GPU is no longer lost, processes end, utilization and memory
+// use drop to zero and volatile ECC counters clear.
+func (n *Node) Reset(gpu int) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	g, err := n.gpu(gpu)
+	if err != nil {
+		return err
+	}
+	g.migCurrent = g.migPending
+	g.destroyAll()
+	g.lost = false
+	g.procs = nil
+	g.gpuUtil, g.memUtil, g.memUsed = 0, 0, 0
+	g.ecc[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.VOLATILE_ECC] = 0
+	g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC] = 0
+	return nil
+}
+
+// update runs set on GPU gpu under the node lock.
+func (n *Node) update(gpu int, set func(g *gpuState) error) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	g, err := n.gpu(gpu)
+	if err != nil {
+		return err
+	}
+	if err := set(g); err != nil {
+		return fmt.Errorf("sim gpu %d (%s): %w", g.index, g.uuid, err)
+	}
+	return nil
+}
+
+// SetUtilization sets GetUtilizationRates' percentages (0-100).
+func (n *Node) SetUtilization(gpu int, gpuUtil, memUtil uint32) error {
+	return n.update(gpu, func(g *gpuState) error {
+		if gpuUtil > 100 || memUtil > 100 {
+			return fmt.Errorf("utilization %d%%/%d%% above 100%%", gpuUtil, memUtil)
+		}
+		g.gpuUtil, g.memUtil = gpuUtil, memUtil
+		return nil
+	})
+}
+
+// SetMemoryUsed sets the used bytes GetMemoryInfo reports; free follows.
+func (n *Node) SetMemoryUsed(gpu int, bytes uint64) error {
+	return n.update(gpu, func(g *gpuState) error {
+		if total := n.spec.model.memMiB * mib; bytes > total {
+			return fmt.Errorf("memory used %d bytes exceeds total %d", bytes, total)
+		}
+		g.memUsed = bytes
+		return nil
+	})
+}
+
+// SetTemperature sets the GPU temperature in °C.
+func (n *Node) SetTemperature(gpu int, celsius uint32) error {
+	return n.update(gpu, func(g *gpuState) error {
+		if celsius > 200 {
+			return fmt.Errorf("temperature %d°C is not plausible", celsius)
+		}
+		g.tempC = celsius
+		return nil
+	})
+}
+
+// SetPower sets the power draw in milliwatts; the energy counter integrates
+// the old value up to now and the new one from now on.
+func (n *Node) SetPower(gpu int, milliwatts uint32) error {
+	return n.update(gpu, func(g *gpuState) error {
+		g.advanceEnergy(n)
+		g.powerMW = milliwatts
+		return nil
+	})
+}
+
+// SetClocks sets the current SM (and graphics) and memory clocks in MHz,
+// at most the model's maximum.
+func (n *Node) SetClocks(gpu int, smMHz, memMHz uint32) error {
+	return n.update(gpu, func(g *gpuState) error {
+		m := n.spec.model
+		if smMHz > m.maxSMMHz || memMHz > m.maxMemMHz {
+			return fmt.Errorf("clocks %d/%d MHz above the maximum %d/%d MHz", smMHz, memMHz, m.maxSMMHz, m.maxMemMHz)
+		}
+		g.smMHz, g.memMHz = smMHz, memMHz
+		return nil
+	})
+}
+
+// SetECC sets the corrected (single-bit) and uncorrected (double-bit) error
+// counts, volatile and aggregate alike; Reset clears only the volatile ones.
+func (n *Node) SetECC(gpu int, singleBit, doubleBit uint64) error {
+	return n.update(gpu, func(g *gpuState) error {
+		for _, c := range []nvml.EccCounterType{nvml.VOLATILE_ECC, nvml.AGGREGATE_ECC} {
+			g.ecc[nvml.MEMORY_ERROR_TYPE_CORRECTED][c] = singleBit
+			g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][c] = doubleBit
+		}
+		return nil
+	})
+}
+
+// SetRemappedRows sets what GetRemappedRows reports; GPUs older than Ampere
+// do not remap rows and refuse it.
+func (n *Node) SetRemappedRows(gpu int, corrected, uncorrected int, pending, failure bool) error {
+	return n.update(gpu, func(g *gpuState) error {
+		if !n.spec.model.rowRemap {
+			return fmt.Errorf("%s does not remap rows", n.spec.model.name)
+		}
+		if corrected < 0 || uncorrected < 0 {
+			return fmt.Errorf("negative remapped rows %d/%d", corrected, uncorrected)
+		}
+		g.remapCorr, g.remapUnc, g.remapPending, g.remapFailure = corrected, uncorrected, pending, failure
+		return nil
+	})
+}
+
+// SetProcesses sets the compute processes on the GPU. MIG processes carry
+// their GpuInstanceId and ComputeInstanceId; whole-GPU ones NoInstance.
+func (n *Node) SetProcesses(gpu int, procs []nvml.ProcessInfo) error {
+	return n.update(gpu, func(g *gpuState) error {
+		g.procs = slices.Clone(procs)
+		return nil
+	})
+}

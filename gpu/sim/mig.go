@@ -1,0 +1,790 @@
+package sim
+
+import (
+	"slices"
+	"strconv"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock"
+)
+
+// maxMigDevices is NVML's per-GPU MIG device limit on A100 and H100.
+const maxMigDevices = 7
+
+// gpuInstance is one MIG GPU instance (an nvml.GpuInstance handle). Guarded
+// by Node.mu; the handle turns invalid once destroyed.
+type gpuInstance struct {
+	mockGpuInstance
+	n         *Node
+	g         *gpuState
+	id        int
+	prof      *giProfile
+	placement nvml.GpuInstancePlacement
+	cis       []*computeInstance // ordered by id
+	destroyed bool
+}
+
+type mockGpuInstance struct{ *mock.GpuInstance }
+
+// computeInstance is one compute instance of a GPU instance, with the MIG
+// device handle that stands for it.
+type computeInstance struct {
+	mockComputeInstance
+	gi        *gpuInstance
+	id        int
+	prof      nvml.ComputeInstanceProfileInfo
+	placement nvml.ComputeInstancePlacement
+	dev       *device
+	destroyed bool
+}
+
+type mockComputeInstance struct{ *mock.ComputeInstance }
+
+var (
+	_ nvml.GpuInstance     = (*gpuInstance)(nil)
+	_ nvml.ComputeInstance = (*computeInstance)(nil)
+)
+
+// profileID is the id the node reports for p: the one real drivers report
+// (19 for A100 1g.5gb), which is not the GPU_INSTANCE_PROFILE_* index used to
+// ask for it. Callers that confuse the two fail here as on hardware.
+func (n *Node) profileID(p *giProfile) uint32 { return p.hwID }
+
+func (n *Node) giProfileInfo(p *giProfile) nvml.GpuInstanceProfileInfo {
+	return nvml.GpuInstanceProfileInfo{
+		Id: n.profileID(p), IsP2pSupported: 0, SliceCount: p.slice, InstanceCount: p.count,
+		MultiprocessorCount: p.sms, CopyEngineCount: p.ce, DecoderCount: p.dec, EncoderCount: p.enc,
+		JpegCount: p.jpeg, OfaCount: p.ofa, MemorySizeMB: p.memMiB,
+	}
+}
+
+// migProfile resolves a profile info argument to this model's profile.
+func (d *device) migProfile(info *nvml.GpuInstanceProfileInfo) (*giProfile, nvml.Return) {
+	if info == nil {
+		return nil, nvml.ERROR_INVALID_ARGUMENT
+	}
+	for i := range d.model().mig {
+		if p := &d.model().mig[i]; d.n.profileID(p) == info.Id {
+			return p, nvml.SUCCESS
+		}
+	}
+	return nil, nvml.ERROR_INVALID_ARGUMENT
+}
+
+// migGate is the check of MIG calls: the model must have MIG, and (when
+// needEnabled) MIG mode must currently be on.
+func (d *device) migGate(needEnabled bool) nvml.Return {
+	if d.model().mig == nil || (needEnabled && !d.g.migCurrent) {
+		return nvml.ERROR_NOT_SUPPORTED
+	}
+	return nvml.SUCCESS
+}
+
+func boolInt(b bool) int {
+	if b {
+		return nvml.DEVICE_MIG_ENABLE
+	}
+	return nvml.DEVICE_MIG_DISABLE
+}
+
+// GetMigMode returns (current, pending).
+func (d *device) GetMigMode() (int, int, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(false)
+	}
+	if r != nvml.SUCCESS {
+		return 0, 0, r
+	}
+	return boolInt(d.g.migCurrent), boolInt(d.g.migPending), nvml.SUCCESS
+}
+
+// SetMigMode returns (activationStatus, return) like go-nvml. A change is
+// refused with ERROR_IN_USE while GPU instances exist. Without
+// WithImmediateMIGModeChange it stays pending until Reset and the activation
+// status is ERROR_RESET_REQUIRED; with it, it applies at once unless
+// processes run on the GPU (activation status ERROR_IN_USE, still pending).
+func (d *device) SetMigMode(mode int) (nvml.Return, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(false)
+	}
+	if r == nvml.SUCCESS && mode != nvml.DEVICE_MIG_DISABLE && mode != nvml.DEVICE_MIG_ENABLE {
+		r = nvml.ERROR_INVALID_ARGUMENT
+	}
+	g := d.g
+	want := mode == nvml.DEVICE_MIG_ENABLE
+	if r == nvml.SUCCESS && want != g.migCurrent && len(g.gis) > 0 {
+		r = nvml.ERROR_IN_USE
+	}
+	if r != nvml.SUCCESS {
+		return r, r
+	}
+	g.migPending = want
+	switch {
+	case want == g.migCurrent:
+		return nvml.SUCCESS, nvml.SUCCESS
+	case !d.n.opts.migImmediate:
+		return nvml.ERROR_RESET_REQUIRED, nvml.SUCCESS
+	case len(g.procs) > 0:
+		return nvml.ERROR_IN_USE, nvml.SUCCESS
+	}
+	g.migCurrent = want
+	return nvml.SUCCESS, nvml.SUCCESS
+}
+
+// GetGpuInstanceProfileInfo takes a GPU_INSTANCE_PROFILE_* value; callers
+// probe from 0 until INVALID_ARGUMENT, and profiles the model lacks answer
+// NOT_SUPPORTED. It works whatever the MIG mode.
+func (d *device) GetGpuInstanceProfileInfo(profile int) (nvml.GpuInstanceProfileInfo, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(false)
+	}
+	if r != nvml.SUCCESS {
+		return nvml.GpuInstanceProfileInfo{}, r
+	}
+	if profile < 0 || profile >= nvml.GPU_INSTANCE_PROFILE_COUNT {
+		return nvml.GpuInstanceProfileInfo{}, nvml.ERROR_INVALID_ARGUMENT
+	}
+	for i := range d.model().mig {
+		if p := &d.model().mig[i]; p.enum == profile {
+			return d.n.giProfileInfo(p), nvml.SUCCESS
+		}
+	}
+	return nvml.GpuInstanceProfileInfo{}, nvml.ERROR_NOT_SUPPORTED
+}
+
+// GetGpuInstancePossiblePlacements lists every placement of the profile,
+// occupied or not, whatever the MIG mode (as NVML documents).
+func (d *device) GetGpuInstancePossiblePlacements(info *nvml.GpuInstanceProfileInfo) ([]nvml.GpuInstancePlacement, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(false)
+	}
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	p, r := d.migProfile(info)
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	out := make([]nvml.GpuInstancePlacement, len(p.starts))
+	for i, s := range p.starts {
+		out[i] = nvml.GpuInstancePlacement{Start: s, Size: p.size}
+	}
+	return out, nvml.SUCCESS
+}
+
+// occupied is the mask of memory slices held by GPU instances.
+func (g *gpuState) occupied() uint32 {
+	var m uint32
+	for _, gi := range g.gis {
+		m |= sliceMask(gi.placement.Start, gi.placement.Size)
+	}
+	return m
+}
+
+func sliceMask(start, size uint32) uint32 { return ((1 << size) - 1) << start }
+
+func (g *gpuState) countOf(p *giProfile) uint32 {
+	var c uint32
+	for _, gi := range g.gis {
+		if gi.prof == p {
+			c++
+		}
+	}
+	return c
+}
+
+// freeStarts are the placements of p that overlap no GPU instance. A
+// profile's placements never overlap each other, so all of them can be
+// created together.
+func (g *gpuState) freeStarts(p *giProfile) []uint32 {
+	occ := g.occupied()
+	var out []uint32
+	for _, s := range p.starts {
+		if occ&sliceMask(s, p.size) == 0 {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// GetGpuInstanceRemainingCapacity counts how many more instances of the
+// profile fit, bounded by its per-GPU count (one for the +me profile).
+func (d *device) GetGpuInstanceRemainingCapacity(info *nvml.GpuInstanceProfileInfo) (int, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(true)
+	}
+	if r != nvml.SUCCESS {
+		return 0, r
+	}
+	p, r := d.migProfile(info)
+	if r != nvml.SUCCESS {
+		return 0, r
+	}
+	left := int(p.count) - int(d.g.countOf(p))
+	return max(0, min(left, len(d.g.freeStarts(p)))), nvml.SUCCESS
+}
+
+// CreateGpuInstance takes the first free placement of the profile.
+func (d *device) CreateGpuInstance(info *nvml.GpuInstanceProfileInfo) (nvml.GpuInstance, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(true)
+	}
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	p, r := d.migProfile(info)
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	free := d.g.freeStarts(p)
+	if len(free) == 0 {
+		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
+	}
+	return d.createGI(p, free[0])
+}
+
+// CreateGpuInstanceWithPlacement: a placement that is not one of the
+// profile's possible ones is an invalid argument; one overlapping an
+// existing instance is INSUFFICIENT_RESOURCES.
+func (d *device) CreateGpuInstanceWithPlacement(info *nvml.GpuInstanceProfileInfo, pl *nvml.GpuInstancePlacement) (nvml.GpuInstance, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(true)
+	}
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	p, r := d.migProfile(info)
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	if pl == nil || pl.Size != p.size || !slices.Contains(p.starts, pl.Start) {
+		return nil, nvml.ERROR_INVALID_ARGUMENT
+	}
+	if d.g.occupied()&sliceMask(pl.Start, pl.Size) != 0 {
+		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
+	}
+	return d.createGI(p, pl.Start)
+}
+
+// createGI gives the instance the lowest free id from 1 (real drivers derive
+// ids from the placement; nothing may rely on either scheme).
+func (d *device) createGI(p *giProfile, start uint32) (nvml.GpuInstance, nvml.Return) {
+	g := d.g
+	if g.countOf(p) >= p.count {
+		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
+	}
+	id := 1
+	for _, gi := range g.gis { // ordered by id
+		if gi.id == id {
+			id++
+		}
+	}
+	gi := &gpuInstance{
+		mockGpuInstance: mockGpuInstance{&mock.GpuInstance{}},
+		n:               d.n, g: g, id: id, prof: p,
+		placement: nvml.GpuInstancePlacement{Start: start, Size: p.size},
+	}
+	fillFuncs(gi.GpuInstance, func() nvml.Return {
+		d.n.mu.Lock()
+		defer d.n.mu.Unlock()
+		if r := gi.check(); r != nvml.SUCCESS {
+			return r
+		}
+		return nvml.ERROR_NOT_SUPPORTED
+	})
+	g.gis = append(g.gis, gi)
+	slices.SortFunc(g.gis, func(a, b *gpuInstance) int { return a.id - b.id })
+	return gi, nvml.SUCCESS
+}
+
+// GetGpuInstances lists the instances of one profile, by id.
+func (d *device) GetGpuInstances(info *nvml.GpuInstanceProfileInfo) ([]nvml.GpuInstance, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(true)
+	}
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	p, r := d.migProfile(info)
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	out := []nvml.GpuInstance{}
+	for _, gi := range d.g.gis {
+		if gi.prof == p {
+			out = append(out, gi)
+		}
+	}
+	return out, nvml.SUCCESS
+}
+
+// GetGpuInstanceById returns ERROR_NOT_FOUND for ids not in use.
+func (d *device) GetGpuInstanceById(id int) (nvml.GpuInstance, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(true)
+	}
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	for _, gi := range d.g.gis {
+		if gi.id == id {
+			return gi, nvml.SUCCESS
+		}
+	}
+	return nil, nvml.ERROR_NOT_FOUND
+}
+
+// GetMaxMigDeviceCount is 7 on MIG-capable GPUs.
+func (d *device) GetMaxMigDeviceCount() (int, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(false)
+	}
+	if r != nvml.SUCCESS {
+		return 0, r
+	}
+	return maxMigDevices, nvml.SUCCESS
+}
+
+// GetMigDeviceHandleByIndex counts compute instances in GI id, then CI id,
+// order; past the last one it is ERROR_NOT_FOUND.
+func (d *device) GetMigDeviceHandleByIndex(index int) (nvml.Device, nvml.Return) {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS {
+		r = d.migGate(false)
+	}
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	if index < 0 || index >= maxMigDevices {
+		return nil, nvml.ERROR_INVALID_ARGUMENT
+	}
+	i := 0
+	for _, gi := range d.g.gis {
+		for _, ci := range gi.cis {
+			if i == index {
+				return ci.dev, nvml.SUCCESS
+			}
+			i++
+		}
+	}
+	return nil, nvml.ERROR_NOT_FOUND
+}
+
+// IsMigDeviceHandle tells MIG device handles from GPU handles.
+func (d *device) IsMigDeviceHandle() (bool, nvml.Return) {
+	r := d.lock(true)
+	defer d.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return false, r
+	}
+	return d.ci != nil, nvml.SUCCESS
+}
+
+// GetGpuInstanceId is only answered on MIG device handles.
+func (d *device) GetGpuInstanceId() (int, nvml.Return) {
+	r := d.lock(true)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS && d.ci == nil {
+		r = nvml.ERROR_NOT_SUPPORTED
+	}
+	if r != nvml.SUCCESS {
+		return 0, r
+	}
+	return d.ci.gi.id, nvml.SUCCESS
+}
+
+// GetComputeInstanceId is only answered on MIG device handles.
+func (d *device) GetComputeInstanceId() (int, nvml.Return) {
+	r := d.lock(true)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS && d.ci == nil {
+		r = nvml.ERROR_NOT_SUPPORTED
+	}
+	if r != nvml.SUCCESS {
+		return 0, r
+	}
+	return d.ci.id, nvml.SUCCESS
+}
+
+// GetDeviceHandleFromMigDeviceHandle: a GPU handle is an invalid argument.
+func (d *device) GetDeviceHandleFromMigDeviceHandle() (nvml.Device, nvml.Return) {
+	r := d.lock(true)
+	defer d.n.mu.Unlock()
+	if r == nvml.SUCCESS && d.ci == nil {
+		r = nvml.ERROR_INVALID_ARGUMENT
+	}
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	return d.g.handle, nvml.SUCCESS
+}
+
+// check gates every GPU instance call; callers hold n.mu.
+func (gi *gpuInstance) check() nvml.Return {
+	if r := gi.n.ready(); r != nvml.SUCCESS {
+		return r
+	}
+	if gi.g.lost {
+		return nvml.ERROR_GPU_IS_LOST
+	}
+	if gi.destroyed {
+		return nvml.ERROR_INVALID_ARGUMENT
+	}
+	return nvml.SUCCESS
+}
+
+// lock takes the node lock, which the caller releases, and runs check.
+func (gi *gpuInstance) lock() nvml.Return {
+	gi.n.mu.Lock()
+	return gi.check()
+}
+
+// GetInfo describes the instance.
+func (gi *gpuInstance) GetInfo() (nvml.GpuInstanceInfo, nvml.Return) {
+	r := gi.lock()
+	defer gi.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return nvml.GpuInstanceInfo{}, r
+	}
+	return nvml.GpuInstanceInfo{
+		Device: gi.g.handle, Id: uint32(gi.id), ProfileId: gi.n.profileID(gi.prof), Placement: gi.placement,
+	}, nvml.SUCCESS
+}
+
+// Destroy fails with ERROR_IN_USE while compute instances or processes exist.
+func (gi *gpuInstance) Destroy() nvml.Return {
+	r := gi.lock()
+	defer gi.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return r
+	}
+	if len(gi.cis) > 0 {
+		return nvml.ERROR_IN_USE
+	}
+	for _, p := range gi.g.procs {
+		if p.GpuInstanceId == uint32(gi.id) {
+			return nvml.ERROR_IN_USE
+		}
+	}
+	gi.destroyed = true
+	gi.g.gis = slices.DeleteFunc(gi.g.gis, func(x *gpuInstance) bool { return x == gi })
+	return nvml.SUCCESS
+}
+
+// ciSlices maps the COMPUTE_INSTANCE_PROFILE_* values the sim models to
+// their compute slices.
+func ciSlices(profile int) (uint32, bool) {
+	switch profile {
+	case nvml.COMPUTE_INSTANCE_PROFILE_1_SLICE:
+		return 1, true
+	case nvml.COMPUTE_INSTANCE_PROFILE_2_SLICE:
+		return 2, true
+	case nvml.COMPUTE_INSTANCE_PROFILE_3_SLICE:
+		return 3, true
+	case nvml.COMPUTE_INSTANCE_PROFILE_4_SLICE:
+		return 4, true
+	case nvml.COMPUTE_INSTANCE_PROFILE_7_SLICE:
+		return 7, true
+	}
+	return 0, false
+}
+
+// ciStarts are where a compute instance of size slices may start within a
+// GPU instance of giSlices compute slices; like GPU instance placements, the
+// starts of one size never overlap.
+func ciStarts(size, giSlices uint32) []uint32 {
+	var cands []uint32
+	switch size {
+	case 1:
+		cands = []uint32{0, 1, 2, 3, 4, 5, 6}
+	case 2:
+		cands = []uint32{0, 2, 4}
+	case 3:
+		cands = []uint32{0, 4}
+	default:
+		cands = []uint32{0}
+	}
+	var out []uint32
+	for _, s := range cands {
+		if s+size <= giSlices {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// ciProfile returns what a compute instance profile looks like in this GI,
+// or NOT_SUPPORTED when it does not fit.
+func (gi *gpuInstance) ciProfile(profile int) (nvml.ComputeInstanceProfileInfo, nvml.Return) {
+	size, ok := ciSlices(profile)
+	if !ok || size > gi.prof.slice {
+		return nvml.ComputeInstanceProfileInfo{}, nvml.ERROR_NOT_SUPPORTED
+	}
+	sms := size * gi.n.spec.model.mig[0].sms
+	if size == gi.prof.slice {
+		sms = gi.prof.sms
+	}
+	p := gi.prof
+	return nvml.ComputeInstanceProfileInfo{
+		Id: uint32(profile), SliceCount: size, InstanceCount: uint32(len(ciStarts(size, p.slice))),
+		MultiprocessorCount: sms, SharedCopyEngineCount: p.ce, SharedDecoderCount: p.dec,
+		SharedEncoderCount: p.enc, SharedJpegCount: p.jpeg, SharedOfaCount: p.ofa,
+	}, nvml.SUCCESS
+}
+
+// ciArg resolves a compute instance profile info argument.
+func (gi *gpuInstance) ciArg(info *nvml.ComputeInstanceProfileInfo) (nvml.ComputeInstanceProfileInfo, nvml.Return) {
+	if info == nil || info.Id >= nvml.COMPUTE_INSTANCE_PROFILE_COUNT {
+		return nvml.ComputeInstanceProfileInfo{}, nvml.ERROR_INVALID_ARGUMENT
+	}
+	return gi.ciProfile(int(info.Id))
+}
+
+// GetComputeInstanceProfileInfo supports the shared engine profile, the
+// only one NVML defines.
+func (gi *gpuInstance) GetComputeInstanceProfileInfo(profile, engProfile int) (nvml.ComputeInstanceProfileInfo, nvml.Return) {
+	r := gi.lock()
+	defer gi.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return nvml.ComputeInstanceProfileInfo{}, r
+	}
+	if profile < 0 || profile >= nvml.COMPUTE_INSTANCE_PROFILE_COUNT ||
+		engProfile < 0 || engProfile >= nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT {
+		return nvml.ComputeInstanceProfileInfo{}, nvml.ERROR_INVALID_ARGUMENT
+	}
+	return gi.ciProfile(profile)
+}
+
+// GetComputeInstancePossiblePlacements lists every placement, occupied or not.
+func (gi *gpuInstance) GetComputeInstancePossiblePlacements(info *nvml.ComputeInstanceProfileInfo) ([]nvml.ComputeInstancePlacement, nvml.Return) {
+	r := gi.lock()
+	defer gi.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	p, r := gi.ciArg(info)
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	var out []nvml.ComputeInstancePlacement
+	for _, s := range ciStarts(p.SliceCount, gi.prof.slice) {
+		out = append(out, nvml.ComputeInstancePlacement{Start: s, Size: p.SliceCount})
+	}
+	return out, nvml.SUCCESS
+}
+
+func (gi *gpuInstance) ciFreeStarts(size uint32) []uint32 {
+	var occ uint32
+	for _, ci := range gi.cis {
+		occ |= sliceMask(ci.placement.Start, ci.placement.Size)
+	}
+	var out []uint32
+	for _, s := range ciStarts(size, gi.prof.slice) {
+		if occ&sliceMask(s, size) == 0 {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// GetComputeInstanceRemainingCapacity counts free placements of the profile.
+func (gi *gpuInstance) GetComputeInstanceRemainingCapacity(info *nvml.ComputeInstanceProfileInfo) (int, nvml.Return) {
+	r := gi.lock()
+	defer gi.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return 0, r
+	}
+	p, r := gi.ciArg(info)
+	if r != nvml.SUCCESS {
+		return 0, r
+	}
+	return len(gi.ciFreeStarts(p.SliceCount)), nvml.SUCCESS
+}
+
+// CreateComputeInstance takes the first free placement.
+func (gi *gpuInstance) CreateComputeInstance(info *nvml.ComputeInstanceProfileInfo) (nvml.ComputeInstance, nvml.Return) {
+	r := gi.lock()
+	defer gi.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	p, r := gi.ciArg(info)
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	free := gi.ciFreeStarts(p.SliceCount)
+	if len(free) == 0 {
+		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
+	}
+	return gi.createCI(p, free[0]), nvml.SUCCESS
+}
+
+// CreateComputeInstanceWithPlacement follows the GPU instance rules.
+func (gi *gpuInstance) CreateComputeInstanceWithPlacement(info *nvml.ComputeInstanceProfileInfo, pl *nvml.ComputeInstancePlacement) (nvml.ComputeInstance, nvml.Return) {
+	r := gi.lock()
+	defer gi.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	p, r := gi.ciArg(info)
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	if pl == nil || pl.Size != p.SliceCount || !slices.Contains(ciStarts(p.SliceCount, gi.prof.slice), pl.Start) {
+		return nil, nvml.ERROR_INVALID_ARGUMENT
+	}
+	if !slices.Contains(gi.ciFreeStarts(p.SliceCount), pl.Start) {
+		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
+	}
+	return gi.createCI(p, pl.Start), nvml.SUCCESS
+}
+
+// createCI gives the compute instance the lowest free id from 0.
+func (gi *gpuInstance) createCI(p nvml.ComputeInstanceProfileInfo, start uint32) *computeInstance {
+	id := 0
+	for _, ci := range gi.cis { // ordered by id
+		if ci.id == id {
+			id++
+		}
+	}
+	ci := &computeInstance{
+		mockComputeInstance: mockComputeInstance{&mock.ComputeInstance{}},
+		gi:                  gi, id: id, prof: p,
+		placement: nvml.ComputeInstancePlacement{Start: start, Size: p.SliceCount},
+	}
+	n := gi.n
+	fillFuncs(ci.ComputeInstance, func() nvml.Return {
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		if r := ci.check(); r != nvml.SUCCESS {
+			return r
+		}
+		return nvml.ERROR_NOT_SUPPORTED
+	})
+	ci.dev = n.newDevice(gi.g, ci)
+	gi.cis = append(gi.cis, ci)
+	slices.SortFunc(gi.cis, func(a, b *computeInstance) int { return a.id - b.id })
+	return ci
+}
+
+// GetComputeInstances lists the compute instances of one profile, by id.
+func (gi *gpuInstance) GetComputeInstances(info *nvml.ComputeInstanceProfileInfo) ([]nvml.ComputeInstance, nvml.Return) {
+	r := gi.lock()
+	defer gi.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	p, r := gi.ciArg(info)
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	out := []nvml.ComputeInstance{}
+	for _, ci := range gi.cis {
+		if ci.prof.Id == p.Id {
+			out = append(out, ci)
+		}
+	}
+	return out, nvml.SUCCESS
+}
+
+// GetComputeInstanceById returns ERROR_NOT_FOUND for ids not in use.
+func (gi *gpuInstance) GetComputeInstanceById(id int) (nvml.ComputeInstance, nvml.Return) {
+	r := gi.lock()
+	defer gi.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return nil, r
+	}
+	for _, ci := range gi.cis {
+		if ci.id == id {
+			return ci, nvml.SUCCESS
+		}
+	}
+	return nil, nvml.ERROR_NOT_FOUND
+}
+
+// profileName is how users write the MIG device: the GI profile, prefixed
+// with "<n>c." when the compute instance is smaller than its GPU instance.
+func (ci *computeInstance) profileName() string {
+	if ci.prof.SliceCount == ci.gi.prof.slice {
+		return ci.gi.prof.name
+	}
+	return strconv.Itoa(int(ci.prof.SliceCount)) + "c." + ci.gi.prof.name
+}
+
+func (ci *computeInstance) check() nvml.Return {
+	n := ci.gi.n
+	if r := n.ready(); r != nvml.SUCCESS {
+		return r
+	}
+	if ci.gi.g.lost {
+		return nvml.ERROR_GPU_IS_LOST
+	}
+	if ci.destroyed {
+		return nvml.ERROR_INVALID_ARGUMENT
+	}
+	return nvml.SUCCESS
+}
+
+// GetInfo describes the compute instance; Device is the parent GPU.
+func (ci *computeInstance) GetInfo() (nvml.ComputeInstanceInfo, nvml.Return) {
+	n := ci.gi.n
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if r := ci.check(); r != nvml.SUCCESS {
+		return nvml.ComputeInstanceInfo{}, r
+	}
+	return nvml.ComputeInstanceInfo{
+		Device: ci.gi.g.handle, GpuInstance: ci.gi, Id: uint32(ci.id), ProfileId: ci.prof.Id, Placement: ci.placement,
+	}, nvml.SUCCESS
+}
+
+// Destroy fails with ERROR_IN_USE while processes run in the instance.
+func (ci *computeInstance) Destroy() nvml.Return {
+	n := ci.gi.n
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if r := ci.check(); r != nvml.SUCCESS {
+		return r
+	}
+	for _, p := range ci.gi.g.procs {
+		if p.GpuInstanceId == uint32(ci.gi.id) && p.ComputeInstanceId == uint32(ci.id) {
+			return nvml.ERROR_IN_USE
+		}
+	}
+	ci.destroyed = true
+	ci.gi.cis = slices.DeleteFunc(ci.gi.cis, func(x *computeInstance) bool { return x == ci })
+	return nvml.SUCCESS
+}
+
+// destroyAll drops every instance, as a GPU reset does; callers hold n.mu.
+func (g *gpuState) destroyAll() {
+	for _, gi := range g.gis {
+		for _, ci := range gi.cis {
+			ci.destroyed = true
+		}
+		gi.cis = nil
+		gi.destroyed = true
+	}
+	g.gis = nil
+}

@@ -1,0 +1,451 @@
+package sim
+
+import (
+	"fmt"
+	"slices"
+	"testing"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// nameGB recovers the "Ngb" of a profile name the way NVIDIA's tools do:
+// the profile's share of GPU memory rounded up to an eighth, in whole GiB.
+func nameGB(profileMiB, totalMiB uint64) uint64 {
+	eighths := (8*profileMiB + totalMiB - 1) / totalMiB
+	totalGiB := (totalMiB + 1023) / 1024
+	return (eighths*totalGiB + 4) / 8
+}
+
+func TestGPUInstanceProfilesAndPlacements(t *testing.T) {
+	type prof struct {
+		enum   int
+		name   string
+		slices uint32
+		count  uint32
+		starts []uint32
+		size   uint32
+	}
+	a100 := []prof{
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE, "1g.5gb", 1, 7, []uint32{0, 1, 2, 3, 4, 5, 6}, 1},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, "1g.5gb+me", 1, 1, []uint32{0, 1, 2, 3, 4, 5, 6}, 1},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, "1g.10gb", 1, 4, []uint32{0, 2, 4, 6}, 2},
+		{nvml.GPU_INSTANCE_PROFILE_2_SLICE, "2g.10gb", 2, 3, []uint32{0, 2, 4}, 2},
+		{nvml.GPU_INSTANCE_PROFILE_3_SLICE, "3g.20gb", 3, 2, []uint32{0, 4}, 4},
+		{nvml.GPU_INSTANCE_PROFILE_4_SLICE, "4g.20gb", 4, 1, []uint32{0}, 4},
+		{nvml.GPU_INSTANCE_PROFILE_7_SLICE, "7g.40gb", 7, 1, []uint32{0}, 8},
+	}
+	h100 := slices.Clone(a100)
+	for i, name := range []string{"1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"} {
+		h100[i].name = name
+	}
+	tests := []struct {
+		profile string
+		want    []prof
+	}{{"dgx-a100", a100}, {"dgx-h100", h100}}
+	for _, tt := range tests {
+		n := newNode(t, tt.profile) // MIG off: profiles and placements are still answered
+		d := handle(t, n, 0)
+		mem, _ := d.GetMemoryInfo()
+		for _, w := range tt.want {
+			info := giInfo(t, d, w.enum)
+			suffix := ""
+			if w.enum == nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1 {
+				suffix = "+me"
+			}
+			name := fmt.Sprintf("%dg.%dgb%s", info.SliceCount, nameGB(info.MemorySizeMB, mem.Total>>20), suffix)
+			// Real drivers report their own ids, not the index asked for.
+			hwIDs := map[int]uint32{0: 19, 7: 20, 9: 15, 1: 14, 2: 9, 3: 5, 4: 0}
+			if info.Id != hwIDs[w.enum] || name != w.name || info.SliceCount != w.slices || info.InstanceCount != w.count ||
+				info.MultiprocessorCount == 0 || info.CopyEngineCount == 0 {
+				t.Errorf("%s profile %d: %+v (named %s), want %+v", tt.profile, w.enum, *info, name, w)
+			}
+			pls, r := d.GetGpuInstancePossiblePlacements(info)
+			wantRet(t, "placements", r, nvml.SUCCESS)
+			var starts []uint32
+			for _, p := range pls {
+				starts = append(starts, p.Start)
+				if p.Size != w.size {
+					t.Errorf("%s %s: placement size %d, want %d", tt.profile, w.name, p.Size, w.size)
+				}
+			}
+			if !slices.Equal(starts, w.starts) {
+				t.Errorf("%s %s: starts %v, want %v", tt.profile, w.name, starts, w.starts)
+			}
+		}
+		for _, p := range []int{nvml.GPU_INSTANCE_PROFILE_6_SLICE, nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1} {
+			_, r := d.GetGpuInstanceProfileInfo(p)
+			wantRet(t, fmt.Sprintf("%s profile %d", tt.profile, p), r, nvml.ERROR_NOT_SUPPORTED)
+		}
+		_, r := d.GetGpuInstanceProfileInfo(nvml.GPU_INSTANCE_PROFILE_COUNT)
+		wantRet(t, "profile past the count", r, nvml.ERROR_INVALID_ARGUMENT)
+	}
+}
+
+func TestMIGRules(t *testing.T) {
+	type step struct {
+		profile int
+		start   int // -1: CreateGpuInstance without placement
+		size    uint32
+		want    nvml.Return
+	}
+	tests := []struct {
+		name  string
+		steps []step
+	}{
+		{"overlap rejected", []step{
+			{nvml.GPU_INSTANCE_PROFILE_3_SLICE, 4, 4, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 4, 2, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 6, 1, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_4_SLICE, 0, 4, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.ERROR_INSUFFICIENT_RESOURCES},
+		}},
+		{"placement not possible", []step{
+			{nvml.GPU_INSTANCE_PROFILE_3_SLICE, 2, 4, nvml.ERROR_INVALID_ARGUMENT},
+			{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 6, 2, nvml.ERROR_INVALID_ARGUMENT},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 7, 1, nvml.ERROR_INVALID_ARGUMENT},
+			{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 0, 1, nvml.ERROR_INVALID_ARGUMENT},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, 6, 2, nvml.SUCCESS},
+		}},
+		{"+me at most one", []step{
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 0, 1, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 1, 1, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, -1, 0, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 1, 1, nvml.SUCCESS},
+		}},
+		{"first free placement", []step{
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 0, 1, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_2_SLICE, -1, 0, nvml.SUCCESS}, // lands at 2
+			{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 2, 2, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 4, 2, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS}, // lands at 1
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 1, 1, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 6, 1, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.ERROR_INSUFFICIENT_RESOURCES},
+		}},
+		{"seven 1g", []step{
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS}, {nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS}, {nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS}, {nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, -1, 0, nvml.ERROR_INSUFFICIENT_RESOURCES},
+		}},
+	}
+	for _, profile := range []string{"dgx-a100", "dgx-h100"} {
+		for _, tt := range tests {
+			t.Run(profile+"/"+tt.name, func(t *testing.T) {
+				n := newNode(t, profile, WithMIGEnabled())
+				d := handle(t, n, 0)
+				for i, s := range tt.steps {
+					info := giInfo(t, d, s.profile)
+					var r nvml.Return
+					if s.start < 0 {
+						_, r = d.CreateGpuInstance(info)
+					} else {
+						_, r = d.CreateGpuInstanceWithPlacement(info, &nvml.GpuInstancePlacement{Start: uint32(s.start), Size: s.size})
+					}
+					wantRet(t, fmt.Sprintf("step %d (profile %d at %d)", i, s.profile, s.start), r, s.want)
+				}
+			})
+		}
+	}
+}
+
+func TestRemainingCapacity(t *testing.T) {
+	n := newNode(t, "dgx-a100", WithMIGEnabled())
+	d := handle(t, n, 0)
+	capOf := func(p int) int {
+		t.Helper()
+		c, r := d.GetGpuInstanceRemainingCapacity(giInfo(t, d, p))
+		wantRet(t, "GetGpuInstanceRemainingCapacity", r, nvml.SUCCESS)
+		return c
+	}
+	want := map[int]int{
+		nvml.GPU_INSTANCE_PROFILE_1_SLICE: 7, nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1: 1, nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2: 4,
+		nvml.GPU_INSTANCE_PROFILE_2_SLICE: 3, nvml.GPU_INSTANCE_PROFILE_3_SLICE: 2, nvml.GPU_INSTANCE_PROFILE_4_SLICE: 1,
+		nvml.GPU_INSTANCE_PROFILE_7_SLICE: 1,
+	}
+	for p, c := range want {
+		if got := capOf(p); got != c {
+			t.Errorf("empty GPU: capacity of %d = %d, want %d", p, got, c)
+		}
+	}
+	createGI(t, d, nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 2)
+	createGI(t, d, nvml.GPU_INSTANCE_PROFILE_3_SLICE, 4)
+	want = map[int]int{
+		nvml.GPU_INSTANCE_PROFILE_1_SLICE: 3, nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1: 0, nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2: 1,
+		nvml.GPU_INSTANCE_PROFILE_2_SLICE: 1, nvml.GPU_INSTANCE_PROFILE_3_SLICE: 0, nvml.GPU_INSTANCE_PROFILE_4_SLICE: 0,
+		nvml.GPU_INSTANCE_PROFILE_7_SLICE: 0,
+	}
+	for p, c := range want {
+		if got := capOf(p); got != c {
+			t.Errorf("with +me at 2 and 3g at 4: capacity of %d = %d, want %d", p, got, c)
+		}
+	}
+}
+
+func TestMIGModeOffAndNonMIG(t *testing.T) {
+	n := newNode(t, "dgx-a100")
+	d := handle(t, n, 0)
+	info := giInfo(t, d, nvml.GPU_INSTANCE_PROFILE_1_SLICE)
+	_, r := d.CreateGpuInstance(info)
+	wantRet(t, "create with MIG off", r, nvml.ERROR_NOT_SUPPORTED)
+	_, r = d.CreateGpuInstanceWithPlacement(info, &nvml.GpuInstancePlacement{Start: 0, Size: 1})
+	wantRet(t, "create at placement with MIG off", r, nvml.ERROR_NOT_SUPPORTED)
+	_, r = d.GetGpuInstanceRemainingCapacity(info)
+	wantRet(t, "capacity with MIG off", r, nvml.ERROR_NOT_SUPPORTED)
+	_, r = d.GetMigDeviceHandleByIndex(0)
+	wantRet(t, "MIG device with MIG off", r, nvml.ERROR_NOT_FOUND)
+
+	v := handle(t, newNode(t, "dgx1-v100", WithMIGEnabled()), 0)
+	_, _, r = v.GetMigMode()
+	wantRet(t, "V100 GetMigMode", r, nvml.ERROR_NOT_SUPPORTED)
+	_, r = v.SetMigMode(nvml.DEVICE_MIG_ENABLE)
+	wantRet(t, "V100 SetMigMode", r, nvml.ERROR_NOT_SUPPORTED)
+	_, r = v.GetGpuInstanceProfileInfo(nvml.GPU_INSTANCE_PROFILE_1_SLICE)
+	wantRet(t, "V100 profile info", r, nvml.ERROR_NOT_SUPPORTED)
+	_, r = v.GetMaxMigDeviceCount()
+	wantRet(t, "V100 max MIG devices", r, nvml.ERROR_NOT_SUPPORTED)
+	if isMig, r := v.IsMigDeviceHandle(); r != nvml.SUCCESS || isMig {
+		t.Errorf("V100 IsMigDeviceHandle = %v, %v", isMig, r)
+	}
+}
+
+func TestMIGModeChange(t *testing.T) {
+	mode := func(d nvml.Device) [2]int {
+		t.Helper()
+		c, p, r := d.GetMigMode()
+		wantRet(t, "GetMigMode", r, nvml.SUCCESS)
+		return [2]int{c, p}
+	}
+	on, off, pendingOn, pendingOff := [2]int{1, 1}, [2]int{0, 0}, [2]int{0, 1}, [2]int{1, 0}
+
+	t.Run("pending until reset", func(t *testing.T) {
+		n := newNode(t, "dgx-h100")
+		d := handle(t, n, 3)
+		act, r := d.SetMigMode(nvml.DEVICE_MIG_ENABLE)
+		wantRet(t, "SetMigMode", r, nvml.SUCCESS)
+		wantRet(t, "activation", act, nvml.ERROR_RESET_REQUIRED)
+		if m := mode(d); m != pendingOn {
+			t.Fatalf("mode %v, want %v", m, pendingOn)
+		}
+		_, r = d.CreateGpuInstance(giInfo(t, d, nvml.GPU_INSTANCE_PROFILE_7_SLICE))
+		wantRet(t, "create while pending", r, nvml.ERROR_NOT_SUPPORTED)
+		if err := n.Reset(3); err != nil {
+			t.Fatal(err)
+		}
+		if m := mode(d); m != on {
+			t.Fatalf("after reset mode %v, want %v", m, on)
+		}
+		if m := mode(handle(t, n, 2)); m != off {
+			t.Errorf("other GPU changed: %v", m)
+		}
+		gi := createGI(t, d, nvml.GPU_INSTANCE_PROFILE_7_SLICE, 0)
+		_, r = d.SetMigMode(nvml.DEVICE_MIG_DISABLE)
+		wantRet(t, "disable with a GPU instance", r, nvml.ERROR_IN_USE)
+		if m := mode(d); m != on {
+			t.Errorf("refused change altered mode: %v", m)
+		}
+		wantRet(t, "destroy", gi.Destroy(), nvml.SUCCESS)
+		d.SetMigMode(nvml.DEVICE_MIG_DISABLE)
+		if m := mode(d); m != pendingOff {
+			t.Errorf("mode %v, want %v", m, pendingOff)
+		}
+		d.SetMigMode(nvml.DEVICE_MIG_ENABLE) // back to current: nothing pending
+		if m := mode(d); m != on {
+			t.Errorf("mode %v, want %v", m, on)
+		}
+		_, r = d.SetMigMode(2)
+		wantRet(t, "mode 2", r, nvml.ERROR_INVALID_ARGUMENT)
+	})
+
+	t.Run("immediate", func(t *testing.T) {
+		n := newNode(t, "dgx-a100", WithImmediateMIGModeChange())
+		d := handle(t, n, 0)
+		act, r := d.SetMigMode(nvml.DEVICE_MIG_ENABLE)
+		if r != nvml.SUCCESS || act != nvml.SUCCESS || mode(d) != on {
+			t.Fatalf("SetMigMode = %v, %v; mode %v", act, r, mode(d))
+		}
+		n.SetProcesses(0, []nvml.ProcessInfo{{Pid: 42, GpuInstanceId: NoInstance, ComputeInstanceId: NoInstance}})
+		act, r = d.SetMigMode(nvml.DEVICE_MIG_DISABLE)
+		if r != nvml.SUCCESS || act != nvml.ERROR_IN_USE || mode(d) != pendingOff {
+			t.Errorf("busy GPU: SetMigMode = %v, %v; mode %v", act, r, mode(d))
+		}
+	})
+}
+
+func TestGPUAndComputeInstances(t *testing.T) {
+	n := newNode(t, "dgx-a100", WithMIGEnabled())
+	d := handle(t, n, 5)
+	gi3 := createGI(t, d, nvml.GPU_INSTANCE_PROFILE_3_SLICE, 4)
+	gi1 := createGI(t, d, nvml.GPU_INSTANCE_PROFILE_1_SLICE, 0)
+	gi2 := createGI(t, d, nvml.GPU_INSTANCE_PROFILE_2_SLICE, 2)
+	for want, gi := range []nvml.GpuInstance{gi3, gi1, gi2} {
+		info, r := gi.GetInfo()
+		if r != nvml.SUCCESS || int(info.Id) != want+1 || info.Device != d {
+			t.Errorf("gi %d: %+v, %v", want+1, info, r)
+		}
+	}
+	info3, _ := gi3.GetInfo()
+	if info3.ProfileId != 9 /* 3g hardware id */ || info3.Placement != (nvml.GpuInstancePlacement{Start: 4, Size: 4}) {
+		t.Errorf("3g info %+v", info3)
+	}
+	if got, r := d.GetGpuInstanceById(3); r != nvml.SUCCESS || got != gi2 {
+		t.Errorf("GetGpuInstanceById(3) = %v, %v", got, r)
+	}
+	_, r := d.GetGpuInstanceById(4)
+	wantRet(t, "GetGpuInstanceById(4)", r, nvml.ERROR_NOT_FOUND)
+	if gis, r := d.GetGpuInstances(giInfo(t, d, nvml.GPU_INSTANCE_PROFILE_1_SLICE)); r != nvml.SUCCESS || len(gis) != 1 || gis[0] != gi1 {
+		t.Errorf("GetGpuInstances(1g) = %v, %v", gis, r)
+	}
+
+	// Compute instances: two 1c in the 3g, then the full-size one on the others.
+	c1, r := gi3.GetComputeInstanceProfileInfo(nvml.COMPUTE_INSTANCE_PROFILE_1_SLICE, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+	wantRet(t, "1c profile", r, nvml.SUCCESS)
+	_, r = gi3.GetComputeInstanceProfileInfo(nvml.COMPUTE_INSTANCE_PROFILE_4_SLICE, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+	wantRet(t, "4c in a 3g", r, nvml.ERROR_NOT_SUPPORTED)
+	_, r = gi3.GetComputeInstanceProfileInfo(nvml.COMPUTE_INSTANCE_PROFILE_1_SLICE, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT)
+	wantRet(t, "bad engine profile", r, nvml.ERROR_INVALID_ARGUMENT)
+	ciA, _ := gi3.CreateComputeInstance(&c1)
+	ciB, r := gi3.CreateComputeInstanceWithPlacement(&c1, &nvml.ComputeInstancePlacement{Start: 2, Size: 1})
+	wantRet(t, "1c at 2", r, nvml.SUCCESS)
+	_, r = gi3.CreateComputeInstanceWithPlacement(&c1, &nvml.ComputeInstancePlacement{Start: 2, Size: 1})
+	wantRet(t, "1c at 2 again", r, nvml.ERROR_INSUFFICIENT_RESOURCES)
+	_, r = gi3.CreateComputeInstanceWithPlacement(&c1, &nvml.ComputeInstancePlacement{Start: 3, Size: 1})
+	wantRet(t, "1c at 3 of a 3g", r, nvml.ERROR_INVALID_ARGUMENT)
+	if left, _ := gi3.GetComputeInstanceRemainingCapacity(&c1); left != 1 {
+		t.Errorf("1c capacity left %d, want 1", left)
+	}
+	for want, ci := range []nvml.ComputeInstance{ciA, ciB} {
+		info, r := ci.GetInfo()
+		if r != nvml.SUCCESS || int(info.Id) != want || info.GpuInstance != gi3 || info.Device != d {
+			t.Errorf("ci %d: %+v, %v", want, info, r)
+		}
+	}
+	createFullCI(t, gi1)
+	createFullCI(t, gi2)
+
+	// MIG devices in GI, then CI, order: the 3g (id 1) holds CIs 0 and 1.
+	wantOrder := [][3]any{{1, 0, "1c.3g.20gb"}, {1, 1, "1c.3g.20gb"}, {2, 0, "1g.5gb"}, {3, 0, "2g.10gb"}}
+	seen := map[string]bool{}
+	for i, w := range wantOrder {
+		m, r := d.GetMigDeviceHandleByIndex(i)
+		wantRet(t, fmt.Sprintf("MIG device %d", i), r, nvml.SUCCESS)
+		giID, _ := m.GetGpuInstanceId()
+		ciID, _ := m.GetComputeInstanceId()
+		name, _ := m.GetName()
+		uuid, _ := m.GetUUID()
+		isMig, _ := m.IsMigDeviceHandle()
+		parent, _ := m.GetDeviceHandleFromMigDeviceHandle()
+		if giID != w[0] || ciID != w[1] || name != "NVIDIA A100-SXM4-40GB MIG "+w[2].(string) || !isMig || parent != d || seen[uuid] {
+			t.Errorf("MIG device %d: gi %d ci %d name %q mig %v parent ok %v uuid %s", i, giID, ciID, name, isMig, parent == d, uuid)
+		}
+		seen[uuid] = true
+		if h, r := n.DeviceGetHandleByUUID(uuid); r != nvml.SUCCESS || h != m {
+			t.Errorf("DeviceGetHandleByUUID(%s) = %v, %v", uuid, h, r)
+		}
+	}
+	_, r = d.GetMigDeviceHandleByIndex(len(wantOrder))
+	wantRet(t, "past the last MIG device", r, nvml.ERROR_NOT_FOUND)
+	_, r = d.GetMigDeviceHandleByIndex(maxMigDevices)
+	wantRet(t, "past the maximum", r, nvml.ERROR_INVALID_ARGUMENT)
+
+	m0, _ := d.GetMigDeviceHandleByIndex(2)
+	if mem, r := m0.GetMemoryInfo(); r != nvml.SUCCESS || mem.Total != 4864<<20 {
+		t.Errorf("1g.5gb memory %+v, %v", mem, r)
+	}
+	if a, r := m0.GetAttributes(); r != nvml.SUCCESS || a.GpuInstanceSliceCount != 1 || a.MemorySizeMB != 4864 {
+		t.Errorf("1g.5gb attributes %+v, %v", a, r)
+	}
+	m1c, _ := d.GetMigDeviceHandleByIndex(1)
+	if a, r := m1c.GetAttributes(); r != nvml.SUCCESS || a.GpuInstanceSliceCount != 3 || a.ComputeInstanceSliceCount != 1 || a.MultiprocessorCount != 14 {
+		t.Errorf("1c.3g.20gb attributes %+v, %v", a, r)
+	}
+	_, r = m0.GetPciInfo()
+	wantRet(t, "GetPciInfo on a MIG device", r, nvml.ERROR_NOT_SUPPORTED)
+	_, r = d.GetGpuInstanceId()
+	wantRet(t, "GetGpuInstanceId on a GPU", r, nvml.ERROR_NOT_SUPPORTED)
+	_, r = d.GetDeviceHandleFromMigDeviceHandle()
+	wantRet(t, "parent of a GPU", r, nvml.ERROR_INVALID_ARGUMENT)
+
+	// Destroy order: a GPU instance holding compute instances is in use.
+	wantRet(t, "destroy 3g with CIs", gi3.Destroy(), nvml.ERROR_IN_USE)
+	n.SetProcesses(5, []nvml.ProcessInfo{{Pid: 7, UsedGpuMemory: 1 << 30, GpuInstanceId: 1, ComputeInstanceId: 1}})
+	wantRet(t, "destroy CI with a process", ciB.Destroy(), nvml.ERROR_IN_USE)
+	m3 := m1c
+	if procs, r := m3.GetComputeRunningProcesses(); r != nvml.SUCCESS || len(procs) != 1 || procs[0].Pid != 7 {
+		t.Errorf("processes on 1/1: %v, %v", procs, r)
+	}
+	if mem, _ := m3.GetMemoryInfo(); mem.Used != 1<<30 || mem.Free != mem.Total-mem.Used {
+		t.Errorf("memory of 1/1 with a 1 GiB process: %+v", mem)
+	}
+	if procs, _ := m0.GetComputeRunningProcesses(); len(procs) != 0 {
+		t.Errorf("processes on 2/0: %v", procs)
+	}
+	n.SetProcesses(5, nil)
+	wantRet(t, "destroy CI 0", ciA.Destroy(), nvml.SUCCESS)
+	wantRet(t, "destroy CI 0 again", ciA.Destroy(), nvml.ERROR_INVALID_ARGUMENT)
+	wantRet(t, "destroy CI 1", ciB.Destroy(), nvml.SUCCESS)
+	_, r = m3.GetUUID()
+	wantRet(t, "stale MIG device handle", r, nvml.ERROR_INVALID_ARGUMENT)
+	wantRet(t, "destroy empty 3g", gi3.Destroy(), nvml.SUCCESS)
+	_, r = gi3.GetInfo()
+	wantRet(t, "stale GI handle", r, nvml.ERROR_INVALID_ARGUMENT)
+	// The freed id 1 and slices 4-7 are reused.
+	gi := createGI(t, d, nvml.GPU_INSTANCE_PROFILE_3_SLICE, 4)
+	if info, _ := gi.GetInfo(); info.Id != 1 {
+		t.Errorf("re-created 3g has id %d, want 1", info.Id)
+	}
+}
+
+func TestGIIDsLowestFree(t *testing.T) {
+	n := newNode(t, "dgx-h100", WithMIGEnabled())
+	d := handle(t, n, 0)
+	var gis []nvml.GpuInstance
+	for range 7 {
+		gi, r := d.CreateGpuInstance(giInfo(t, d, nvml.GPU_INSTANCE_PROFILE_1_SLICE))
+		wantRet(t, "create 1g", r, nvml.SUCCESS)
+		gis = append(gis, gi)
+	}
+	gis[1].Destroy() // id 2
+	gis[4].Destroy() // id 5
+	gi, _ := d.CreateGpuInstance(giInfo(t, d, nvml.GPU_INSTANCE_PROFILE_1_SLICE))
+	if info, _ := gi.GetInfo(); info.Id != 2 || info.Placement.Start != 1 {
+		t.Errorf("new GI %+v, want id 2 at slice 1", info)
+	}
+}
+
+func TestResetDestroysInstances(t *testing.T) {
+	n := newNode(t, "dgx-a100", WithMIGEnabled())
+	d := handle(t, n, 0)
+	gi := createGI(t, d, nvml.GPU_INSTANCE_PROFILE_7_SLICE, 0)
+	createFullCI(t, gi)
+	m, _ := d.GetMigDeviceHandleByIndex(0)
+	n.Reset(0)
+	if _, r := gi.GetInfo(); r != nvml.ERROR_INVALID_ARGUMENT {
+		t.Errorf("GI after reset: %v", r)
+	}
+	if _, r := m.GetUUID(); r != nvml.ERROR_INVALID_ARGUMENT {
+		t.Errorf("MIG device after reset: %v", r)
+	}
+	if c, p, _ := d.GetMigMode(); c != 1 || p != 1 {
+		t.Errorf("MIG mode after reset %d/%d", c, p)
+	}
+	createGI(t, d, nvml.GPU_INSTANCE_PROFILE_7_SLICE, 0)
+}
+
+func TestHardwareProfileIDs(t *testing.T) {
+	n := newNode(t, "dgx-a100", WithMIGEnabled())
+	d := handle(t, n, 0)
+	info := giInfo(t, d, nvml.GPU_INSTANCE_PROFILE_1_SLICE)
+	if info.Id != 19 {
+		t.Fatalf("1g.5gb id %d, want 19", info.Id)
+	}
+	gi, r := d.CreateGpuInstance(info)
+	wantRet(t, "create by hardware id", r, nvml.SUCCESS)
+	if gii, _ := gi.GetInfo(); gii.ProfileId != 19 {
+		t.Errorf("GI ProfileId %d, want 19", gii.ProfileId)
+	}
+	_, r = d.CreateGpuInstance(&nvml.GpuInstanceProfileInfo{Id: nvml.GPU_INSTANCE_PROFILE_3_SLICE})
+	wantRet(t, "create by enum value 2 (no such hardware id)", r, nvml.ERROR_INVALID_ARGUMENT)
+}

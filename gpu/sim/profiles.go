@@ -1,0 +1,326 @@
+package sim
+
+import (
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// Profile names a simulated node layout that New accepts.
+type Profile struct {
+	Name        string
+	Description string
+}
+
+// model is one GPU product: what NVML reports about it and how it splits into
+// MIG instances.
+type model struct {
+	name         string
+	memMiB       uint64
+	ccMajor      int
+	ccMinor      int
+	arch         nvml.DeviceArchitecture
+	brand        nvml.BrandType
+	pciDeviceID  uint32 // device id << 16 | vendor id, as nvmlPciInfo_t.pciDeviceId
+	pciSubsystem uint32
+	sms          uint32
+	copyEngines  uint32
+	maxSMMHz     uint32
+	maxMemMHz    uint32
+	idleSMMHz    uint32
+	idlePowerMW  uint32
+	powerLimitMW uint32
+	idleTempC    uint32
+	// nvlinks is the number of NVLink lanes (0: none), nvlinkVersion their generation.
+	nvlinks       int
+	nvlinkVersion uint32
+	// rowRemap: Ampere and newer remap rows; Volta retires pages instead.
+	rowRemap bool
+	// mig is nil for GPUs without MIG.
+	mig []giProfile
+}
+
+// giProfile is one GPU instance profile of a MIG-capable model.
+type giProfile struct {
+	enum  int    // nvml.GPU_INSTANCE_PROFILE_*
+	hwID  uint32 // the id a real driver reports in nvmlGpuInstanceProfileInfo_t.id
+	name  string // "1g.5gb+me"
+	slice uint32 // compute slices
+	// size is the number of memory slices (of 8) a placement occupies and
+	// starts the placements' first slices: NVML's possible placements.
+	size    uint32
+	starts  []uint32
+	count   uint32 // max instances per GPU
+	memMiB  uint64
+	sms     uint32
+	ce, dec uint32
+	enc     uint32
+	jpeg    uint32
+	ofa     uint32
+}
+
+// migShape is what A100 and H100 share: profile, compute slices, memory
+// slices per placement, possible starts, max count, and the hardware id.
+type migShape struct {
+	enum   int
+	hwID   uint32
+	suffix string
+	slice  uint32
+	size   uint32
+	starts []uint32
+	count  uint32
+}
+
+var migShapes = [...]migShape{
+	{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 19, "", 1, 1, []uint32{0, 1, 2, 3, 4, 5, 6}, 7},
+	{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 20, "+me", 1, 1, []uint32{0, 1, 2, 3, 4, 5, 6}, 1},
+	{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, 15, "", 1, 2, []uint32{0, 2, 4, 6}, 4},
+	{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 14, "", 2, 2, []uint32{0, 2, 4}, 3},
+	{nvml.GPU_INSTANCE_PROFILE_3_SLICE, 9, "", 3, 4, []uint32{0, 4}, 2},
+	{nvml.GPU_INSTANCE_PROFILE_4_SLICE, 5, "", 4, 4, []uint32{0}, 1},
+	{nvml.GPU_INSTANCE_PROFILE_7_SLICE, 0, "", 7, 8, []uint32{0}, 1},
+}
+
+// migEngines are per-shape (in migShapes order) memory, SMs and engines.
+type migEngines struct {
+	memGB                     uint64 // the name's "Ngb"
+	memMiB                    uint64
+	sms, ce, dec, enc, jpg, o uint32
+}
+
+func buildMIG(engines [len(migShapes)]migEngines) []giProfile {
+	out := make([]giProfile, len(migShapes))
+	for i, s := range migShapes {
+		e := engines[i]
+		out[i] = giProfile{
+			enum: s.enum, hwID: s.hwID,
+			name:  strconv.Itoa(int(s.slice)) + "g." + strconv.Itoa(int(e.memGB)) + "gb" + s.suffix,
+			slice: s.slice, size: s.size, starts: s.starts, count: s.count,
+			memMiB: e.memMiB, sms: e.sms, ce: e.ce, dec: e.dec, enc: e.enc, jpeg: e.jpg, ofa: e.o,
+		}
+	}
+	return out
+}
+
+// Memory sizes are what the drivers report (nvidia-smi mig -lgip); each
+// rounds to the name's size with the fraction-of-eighths rule tools use.
+var (
+	a100 = &model{
+		name: "NVIDIA A100-SXM4-40GB", memMiB: 40960, ccMajor: 8, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_AMPERE, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x20B010DE, pciSubsystem: 0x134F10DE, sms: 108, copyEngines: 7,
+		maxSMMHz: 1410, maxMemMHz: 1215, idleSMMHz: 210, idlePowerMW: 55_000, powerLimitMW: 400_000,
+		idleTempC: 31, nvlinks: 12, nvlinkVersion: 3, rowRemap: true,
+		mig: buildMIG([len(migShapes)]migEngines{
+			{5, 4864, 14, 1, 0, 0, 0, 0},
+			{5, 4864, 14, 1, 1, 0, 1, 1},
+			{10, 9856, 14, 1, 1, 0, 0, 0},
+			{10, 9856, 28, 2, 1, 0, 0, 0},
+			{20, 19968, 42, 3, 2, 0, 0, 0},
+			{20, 19968, 56, 4, 2, 0, 0, 0},
+			{40, 40192, 98, 7, 5, 0, 1, 1},
+		}),
+	}
+	h100 = &model{
+		name: "NVIDIA H100 80GB HBM3", memMiB: 81559, ccMajor: 9, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_HOPPER, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x233010DE, pciSubsystem: 0x16C110DE, sms: 132, copyEngines: 8,
+		maxSMMHz: 1980, maxMemMHz: 2619, idleSMMHz: 345, idlePowerMW: 70_000, powerLimitMW: 700_000,
+		idleTempC: 29, nvlinks: 18, nvlinkVersion: 4, rowRemap: true,
+		mig: buildMIG([len(migShapes)]migEngines{
+			{10, 9984, 16, 1, 1, 0, 1, 0},
+			{10, 9984, 16, 1, 1, 0, 1, 1},
+			{20, 20096, 16, 1, 1, 0, 1, 0},
+			{20, 20096, 32, 2, 2, 0, 2, 0},
+			{40, 40448, 60, 3, 3, 0, 3, 0},
+			{40, 40448, 64, 4, 4, 0, 4, 0},
+			{80, 81152, 132, 8, 7, 0, 7, 1},
+		}),
+	}
+	v100 = &model{
+		name: "Tesla V100-SXM2-32GB", memMiB: 32768, ccMajor: 7, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_VOLTA, brand: nvml.BRAND_TESLA,
+		pciDeviceID: 0x1DB510DE, pciSubsystem: 0x124910DE, sms: 80, copyEngines: 8,
+		maxSMMHz: 1530, maxMemMHz: 877, idleSMMHz: 135, idlePowerMW: 42_000, powerLimitMW: 300_000,
+		idleTempC: 34, nvlinks: 6, nvlinkVersion: 2,
+	}
+	l40s = &model{
+		name: "NVIDIA L40S", memMiB: 46068, ccMajor: 8, ccMinor: 9,
+		arch: nvml.DEVICE_ARCH_ADA, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x26B910DE, pciSubsystem: 0x185110DE, sms: 142, copyEngines: 2,
+		maxSMMHz: 2520, maxMemMHz: 9001, idleSMMHz: 210, idlePowerMW: 35_000, powerLimitMW: 350_000,
+		idleTempC: 27, rowRemap: true,
+	}
+)
+
+// linkEnd is the far end of one NVLink lane: a GPU (by index) or an NVSwitch.
+type linkEnd struct {
+	gpu int // -1 when the lane ends at a switch
+	sw  int // switch index when gpu == -1
+}
+
+// nodeSpec is a whole simulated node.
+type nodeSpec struct {
+	name, desc string
+	model      *model
+	// bus holds each GPU's PCI bus number, ascending: NVML indexes GPUs in
+	// PCI bus order.
+	bus        []uint32
+	numa       func(i int) int
+	level      func(i, j int) nvml.GpuTopologyLevel
+	links      func(n int) [][]linkEnd
+	switchBus  []uint32
+	switchPCIx uint32 // NVSwitch pciDeviceId
+}
+
+func pairs(i, j int) bool { return i/2 == j/2 }
+
+// dgxPCIe: GPU pairs share a PCIe switch tree, everything else crosses the SMP link.
+func dgxPCIe(i, j int) nvml.GpuTopologyLevel {
+	if pairs(i, j) {
+		return nvml.TOPOLOGY_MULTIPLE
+	}
+	return nvml.TOPOLOGY_SYSTEM
+}
+
+// cubeMesh is the DGX-1 hybrid cube-mesh: {a, b, lanes}.
+var cubeMesh = [...][3]int{
+	{0, 1, 1}, {0, 2, 1}, {0, 3, 2}, {0, 4, 2}, {1, 2, 2}, {1, 3, 1}, {1, 5, 2}, {2, 3, 2},
+	{2, 6, 1}, {3, 7, 1}, {4, 5, 1}, {4, 6, 1}, {4, 7, 2}, {5, 6, 2}, {5, 7, 1}, {6, 7, 2},
+}
+
+// cubeMeshLinks wires islands of 8 GPUs; each lane takes the next free link
+// index on both of its ends, so link numbers follow the table's order.
+func cubeMeshLinks(n int) [][]linkEnd {
+	out := make([][]linkEnd, n)
+	for base := 0; base+8 <= n; base += 8 {
+		for _, e := range cubeMesh {
+			a, b := base+e[0], base+e[1]
+			for range e[2] {
+				out[a] = append(out[a], linkEnd{gpu: b})
+				out[b] = append(out[b], linkEnd{gpu: a})
+			}
+		}
+	}
+	return out
+}
+
+// switchLinks gives every GPU the same lanes-per-switch split.
+func switchLinks(perSwitch []int) func(n int) [][]linkEnd {
+	return func(n int) [][]linkEnd {
+		out := make([][]linkEnd, n)
+		for i := range out {
+			for sw, lanes := range perSwitch {
+				for range lanes {
+					out[i] = append(out[i], linkEnd{gpu: -1, sw: sw})
+				}
+			}
+		}
+		return out
+	}
+}
+
+func noLinks(n int) [][]linkEnd { return make([][]linkEnd, n) }
+
+var nodeSpecs = []*nodeSpec{
+	{
+		name: "dgx-a100", desc: "8x A100-SXM4-40GB, 6 NVSwitches (12 lanes per GPU), 4 NUMA nodes, MIG capable",
+		model: a100,
+		bus:   []uint32{0x07, 0x0F, 0x47, 0x4E, 0x87, 0x90, 0xB7, 0xBD},
+		numa: func(i int) int {
+			return [...]int{3, 3, 1, 1, 7, 7, 5, 5}[i]
+		},
+		level:      dgxPCIe,
+		links:      switchLinks([]int{2, 2, 2, 2, 2, 2}),
+		switchBus:  []uint32{0xC4, 0xC5, 0xC6, 0xC7, 0xC8, 0xC9},
+		switchPCIx: 0x1AF110DE,
+	},
+	{
+		name: "dgx-h100", desc: "8x H100 80GB HBM3, 4 NVSwitches (18 lanes per GPU), 2 NUMA nodes, MIG capable",
+		model:      h100,
+		bus:        []uint32{0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB},
+		numa:       func(i int) int { return i / 4 },
+		level:      dgxPCIe,
+		links:      switchLinks([]int{5, 4, 4, 5}),
+		switchBus:  []uint32{0xE4, 0xE5, 0xE6, 0xE7},
+		switchPCIx: 0x22A310DE,
+	},
+	{
+		name: "dgx1-v100", desc: "8x Tesla V100-SXM2-32GB, NVLink hybrid cube-mesh, 2 NUMA nodes, no MIG",
+		model: v100,
+		bus:   []uint32{0x06, 0x07, 0x0A, 0x0B, 0x85, 0x86, 0x89, 0x8A},
+		numa:  func(i int) int { return i / 4 },
+		level: func(i, j int) nvml.GpuTopologyLevel {
+			switch {
+			case pairs(i, j):
+				return nvml.TOPOLOGY_SINGLE
+			case i/4 == j/4:
+				return nvml.TOPOLOGY_HOSTBRIDGE
+			}
+			return nvml.TOPOLOGY_SYSTEM
+		},
+		links: cubeMeshLinks,
+	},
+	{
+		name: "pcie-8gpu", desc: "8x L40S on 4 PCIe switches, no NVLink, 2 NUMA nodes",
+		model: l40s,
+		bus:   []uint32{0x1B, 0x1C, 0x3D, 0x3E, 0x9B, 0x9C, 0xBD, 0xBE},
+		numa:  func(i int) int { return i / 4 },
+		level: func(i, j int) nvml.GpuTopologyLevel {
+			switch {
+			case pairs(i, j):
+				return nvml.TOPOLOGY_SINGLE
+			case i/4 == j/4:
+				return nvml.TOPOLOGY_NODE
+			}
+			return nvml.TOPOLOGY_SYSTEM
+		},
+		links: noLinks,
+	},
+	{
+		name: "pcie-4gpu", desc: "4x L40S on 2 PCIe switches, no NVLink, 2 NUMA nodes",
+		model: l40s,
+		bus:   []uint32{0x41, 0x42, 0xC1, 0xC2},
+		numa:  func(i int) int { return i / 2 },
+		level: func(i, j int) nvml.GpuTopologyLevel {
+			if pairs(i, j) {
+				return nvml.TOPOLOGY_SINGLE
+			}
+			return nvml.TOPOLOGY_SYSTEM
+		},
+		links: noLinks,
+	},
+	{
+		name: "two-islands-16", desc: "16x Tesla V100-SXM2-32GB as two 8-GPU NVLink cube-mesh islands, 2 NUMA nodes, no MIG",
+		model: v100,
+		bus: []uint32{
+			0x06, 0x07, 0x0A, 0x0B, 0x1A, 0x1B, 0x1E, 0x1F,
+			0x86, 0x87, 0x8A, 0x8B, 0x9A, 0x9B, 0x9E, 0x9F,
+		},
+		numa: func(i int) int { return i / 8 },
+		level: func(i, j int) nvml.GpuTopologyLevel {
+			switch {
+			case pairs(i, j):
+				return nvml.TOPOLOGY_SINGLE
+			case i/4 == j/4:
+				return nvml.TOPOLOGY_MULTIPLE
+			case i/8 == j/8:
+				return nvml.TOPOLOGY_NODE
+			}
+			return nvml.TOPOLOGY_SYSTEM
+		},
+		links: cubeMeshLinks,
+	},
+}
+
+// Profiles lists the simulated nodes New accepts, sorted by name.
+func Profiles() []Profile {
+	out := make([]Profile, 0, len(nodeSpecs))
+	for _, s := range nodeSpecs {
+		out = append(out, Profile{Name: s.name, Description: s.desc})
+	}
+	slices.SortFunc(out, func(a, b Profile) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
