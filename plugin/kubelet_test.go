@@ -162,7 +162,15 @@ func shortDir(t testing.TB) string {
 // cleanup checks that Run returns nil.
 func startManager(t testing.TB, dir string, cat *catalog.Catalog) (*Manager, context.CancelFunc) {
 	t.Helper()
-	m, err := NewManager(Options{Dir: dir, RetryBackoff: 10 * time.Millisecond})
+	return startManagerWith(t, cat, Options{Dir: dir})
+}
+
+// startManagerWith is startManager with options (Dir set by the caller).
+func startManagerWith(t testing.TB, cat *catalog.Catalog, opts Options) (*Manager, context.CancelFunc) {
+	t.Helper()
+	dir := opts.Dir
+	opts.RetryBackoff = 10 * time.Millisecond
+	m, err := NewManager(opts)
 	if err != nil {
 		t.Fatal(err)
 	}

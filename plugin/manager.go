@@ -51,6 +51,10 @@ type Options struct {
 	// RetryBackoff is the first delay between registration attempts; it
 	// doubles up to 10 s (default 250 ms).
 	RetryBackoff time.Duration
+	// OnAllocate, when set, is called after every successful Allocate (from
+	// the gRPC goroutine; it must not block): pod attribution refreshes then
+	// instead of polling the kubelet.
+	OnAllocate func(resource string)
 }
 
 // ResourceStatus is the serving and registration state of one resource.
@@ -356,6 +360,7 @@ func (m *Manager) add(ctx context.Context, name string, res *catalog.Resource) {
 		return
 	}
 	r := newResource(name, socket, filepath.Join(m.opts.Dir, socket), res, m.log)
+	r.onAllocate = m.opts.OnAllocate
 	m.mu.Lock()
 	m.served[name] = r
 	m.mu.Unlock()

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -194,6 +195,29 @@ func TestAllocateOverSocket(t *testing.T) {
 		_, err := c.Allocate(ctx, allocReq([]string{"GPU-b::0"}))
 		return status.Code(err) == codes.FailedPrecondition && strings.Contains(err.Error(), "GPU lost")
 	})
+}
+
+func TestOnAllocateCalledAfterSuccessOnly(t *testing.T) {
+	dir := shortDir(t)
+	var mu sync.Mutex
+	var got []string
+	startManagerWith(t, testCatalog(), Options{Dir: dir, OnAllocate: func(res string) {
+		mu.Lock()
+		got = append(got, res)
+		mu.Unlock()
+	}})
+	c := dialPlugin(t, filepath.Join(dir, sockShared))
+	if _, err := c.Allocate(context.Background(), allocReq([]string{"GPU-q::0"})); err == nil {
+		t.Fatal("unknown ID allocated")
+	}
+	if _, err := c.Allocate(context.Background(), allocReq([]string{"GPU-a::0"})); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(got) != 1 || got[0] != resShared {
+		t.Errorf("OnAllocate calls %v, want one for %s (refused allocations do not count)", got, resShared)
+	}
 }
 
 func TestResourceAddedAndRemoved(t *testing.T) {

@@ -21,6 +21,8 @@ type resource struct {
 	socket string // file name in Dir, the Endpoint sent to the kubelet
 	path   string
 	log    *slog.Logger
+	// onAllocate is Options.OnAllocate (nil: none).
+	onAllocate func(resource string)
 
 	mu      sync.Mutex
 	cur     *catalog.Resource
@@ -202,6 +204,9 @@ func (e *endpoint) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (
 		ids[i] = c.GetDevicesIds()
 	}
 	e.r.log.Info("allocated", "devices", ids)
+	if e.r.onAllocate != nil {
+		e.r.onAllocate(e.r.name)
+	}
 	return resp, nil
 }
 

@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"encoding/binary"
 	"fmt"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -536,6 +537,29 @@ func (d *device) GetRemappedRows() (int, int, bool, bool, nvml.Return) {
 	}
 	g := d.g
 	return g.remapCorr, g.remapUnc, g.remapPending, g.remapFailure, nvml.SUCCESS
+}
+
+// GetFieldValues answers FI_DEV_GET_GPU_RECOVERY_ACTION (what the driver
+// asks an admin to do after an error; cleared by a reset). Other fields are
+// NOT_SUPPORTED, per value, as NVML reports them.
+func (d *device) GetFieldValues(values []nvml.FieldValue) nvml.Return {
+	r := d.lock(false)
+	defer d.n.mu.Unlock()
+	if r != nvml.SUCCESS {
+		return r
+	}
+	for i := range values {
+		v := &values[i]
+		v.Timestamp = d.n.opts.now().UnixMicro()
+		if v.FieldId != nvml.FI_DEV_GET_GPU_RECOVERY_ACTION {
+			v.NvmlReturn = uint32(nvml.ERROR_NOT_SUPPORTED)
+			continue
+		}
+		v.ValueType = uint32(nvml.VALUE_TYPE_UNSIGNED_INT)
+		v.NvmlReturn = uint32(nvml.SUCCESS)
+		binary.NativeEndian.PutUint32(v.Value[:4], uint32(d.g.recovery))
+	}
+	return nvml.SUCCESS
 }
 
 // GetComputeRunningProcesses returns what SetProcesses set; a MIG device

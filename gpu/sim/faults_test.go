@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"encoding/binary"
 	"sync"
 	"testing"
 	"time"
@@ -349,5 +350,48 @@ func TestConcurrentUse(t *testing.T) {
 	wg.Wait()
 	if got := <-drained; got != 400 {
 		t.Errorf("drained %d events, want 400", got)
+	}
+}
+
+func TestRecoveryActionAndDBE(t *testing.T) {
+	n := newNode(t, "dgx-h100")
+	d := handle(t, n, 3)
+	action := func() uint32 {
+		t.Helper()
+		fv := []nvml.FieldValue{{FieldId: nvml.FI_DEV_GET_GPU_RECOVERY_ACTION}, {FieldId: nvml.FI_DEV_ECC_CURRENT}}
+		if r := d.GetFieldValues(fv); r != nvml.SUCCESS {
+			t.Fatalf("GetFieldValues: %v", r)
+		}
+		if nvml.Return(fv[1].NvmlReturn) != nvml.ERROR_NOT_SUPPORTED {
+			t.Errorf("unmodelled field: %v, want NOT_SUPPORTED", nvml.Return(fv[1].NvmlReturn))
+		}
+		return binary.NativeEndian.Uint32(fv[0].Value[:4])
+	}
+	if got := action(); got != uint32(nvml.GPU_RECOVERY_ACTION_NONE) {
+		t.Fatalf("initial recovery action %d", got)
+	}
+	if err := n.SetRecoveryAction(3, nvml.GPU_RECOVERY_ACTION_GPU_RESET); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.InjectXID(3, 48); err != nil {
+		t.Fatal(err)
+	}
+	if got := action(); got != uint32(nvml.GPU_RECOVERY_ACTION_GPU_RESET) {
+		t.Errorf("recovery action %d, want GPU_RESET", got)
+	}
+	if dbe, _ := d.GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_UNCORRECTED, nvml.VOLATILE_ECC); dbe != 1 {
+		t.Errorf("volatile DBE after XID 48: %d, want 1", dbe)
+	}
+	if err := n.Reset(3); err != nil {
+		t.Fatal(err)
+	}
+	if got := action(); got != uint32(nvml.GPU_RECOVERY_ACTION_NONE) {
+		t.Errorf("recovery action after reset %d, want NONE", got)
+	}
+	if dbe, _ := d.GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_UNCORRECTED, nvml.VOLATILE_ECC); dbe != 0 {
+		t.Errorf("volatile DBE after reset: %d", dbe)
+	}
+	if agg, _ := d.GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_UNCORRECTED, nvml.AGGREGATE_ECC); agg != 1 {
+		t.Errorf("aggregate DBE after reset: %d, want 1 (survives resets)", agg)
 	}
 }

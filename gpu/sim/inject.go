@@ -40,6 +40,12 @@ func (n *Node) InjectEvent(e Event) error {
 	if e.Type == 0 {
 		return fmt.Errorf("sim gpu %d (%s): inject event: type is 0", g.index, g.uuid)
 	}
+	// XID 48 is the driver reporting a double-bit ECC error: the counters
+	// move with it, as on hardware (a reset clears the volatile one).
+	if e.Type == nvml.EventTypeXidCriticalError && e.Data == 48 {
+		g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC]++
+		g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.AGGREGATE_ECC]++
+	}
 	n.deliver(g.index, nvml.EventData{
 		Device: g.handle, EventType: e.Type, EventData: e.Data,
 		GpuInstanceId: e.GI, ComputeInstanceId: e.CI,
@@ -85,7 +91,18 @@ func (n *Node) Reset(gpu int) error {
 	g.gpuUtil, g.memUtil, g.memUsed = 0, 0, 0
 	g.ecc[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.VOLATILE_ECC] = 0
 	g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC] = 0
+	g.recovery = nvml.GPU_RECOVERY_ACTION_NONE
 	return nil
+}
+
+// SetRecoveryAction sets what NVML's FI_DEV_GET_GPU_RECOVERY_ACTION field
+// reports for the GPU (drivers set it with the XID that needs it); Reset
+// clears it.
+func (n *Node) SetRecoveryAction(gpu int, action nvml.DeviceGpuRecoveryAction) error {
+	return n.update(gpu, func(g *gpuState) error {
+		g.recovery = action
+		return nil
+	})
 }
 
 // update runs set on GPU gpu under the node lock.

@@ -44,7 +44,6 @@ func WithImmediateMIGModeChange() Option { return func(o *options) { o.migImmedi
 // WithClock sets the clock that advances the energy counter (default time.Now).
 func WithClock(now func() time.Time) Option { return func(o *options) { o.now = now } }
 
-
 // Node is a simulated GPU node. It implements nvml.Interface; calls it does
 // not model return ERROR_NOT_SUPPORTED. It is safe for concurrent use: all
 // state sits behind one mutex.
@@ -90,11 +89,13 @@ type gpuState struct {
 	energyAt         time.Time
 	smMHz, memMHz    uint32
 	ecc              [2][2]uint64 // [MemoryErrorType][EccCounterType]
-	remapCorr        int
-	remapUnc         int
-	remapPending     bool
-	remapFailure     bool
-	procs            []nvml.ProcessInfo
+	// recovery is what FI_DEV_GET_GPU_RECOVERY_ACTION reports (NONE = 0).
+	recovery     nvml.DeviceGpuRecoveryAction
+	remapCorr    int
+	remapUnc     int
+	remapPending bool
+	remapFailure bool
+	procs        []nvml.ProcessInfo
 }
 
 // New builds the simulated node named profile (see Profiles).

@@ -1,0 +1,240 @@
+package health
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
+)
+
+// Holder is a container that holds a device (or a replica of it).
+type Holder struct {
+	Namespace string
+	Pod       string
+	Container string
+}
+
+func (h Holder) compare(o Holder) int {
+	return cmp.Or(cmp.Compare(h.Namespace, o.Namespace), cmp.Compare(h.Pod, o.Pod), cmp.Compare(h.Container, o.Container))
+}
+
+// Attribution says which containers hold which devices; immutable. Device
+// IDs are what the kubelet allocated: GPU or MIG UUIDs and replica IDs
+// ("<uuid>::<n>"), which count for their device.
+type Attribution struct {
+	holders map[string][]Holder // by device UUID, sorted, distinct
+	held    map[string]int      // by device UUID: distinct IDs (replicas) held
+	byRes   map[string]map[Holder]int
+}
+
+// NewAttribution indexes a pod-resources List answer. Resources other than
+// those accepted by keep (nil: all) are left out.
+func NewAttribution(pods []*podresourcesv1.PodResources, keep func(resource string) bool) *Attribution {
+	a := &Attribution{holders: map[string][]Holder{}, held: map[string]int{}, byRes: map[string]map[Holder]int{}}
+	seen := map[string]bool{}
+	for _, p := range pods {
+		for _, c := range p.GetContainers() {
+			h := Holder{Namespace: p.GetNamespace(), Pod: p.GetName(), Container: c.GetName()}
+			for _, d := range c.GetDevices() {
+				res := d.GetResourceName()
+				if keep != nil && !keep(res) {
+					continue
+				}
+				for _, id := range d.GetDeviceIds() {
+					uuid, _, _ := strings.Cut(id, "::")
+					if !slices.Contains(a.holders[uuid], h) {
+						a.holders[uuid] = append(a.holders[uuid], h)
+					}
+					if !seen[id] {
+						seen[id] = true
+						a.held[uuid]++
+					}
+					if a.byRes[res] == nil {
+						a.byRes[res] = map[Holder]int{}
+					}
+					a.byRes[res][h]++
+				}
+			}
+		}
+	}
+	for _, hs := range a.holders {
+		slices.SortFunc(hs, Holder.compare)
+	}
+	return a
+}
+
+// Holders returns the containers holding the device or any of its replicas,
+// sorted; nil when none (or a is nil).
+func (a *Attribution) Holders(uuid string) []Holder {
+	if a == nil {
+		return nil
+	}
+	return a.holders[uuid]
+}
+
+// Held returns how many distinct IDs of the device (replicas, or 1 for the
+// device itself) are allocated.
+func (a *Attribution) Held(uuid string) int {
+	if a == nil {
+		return 0
+	}
+	return a.held[uuid]
+}
+
+// Allocation is how many device IDs of one resource a container holds.
+type Allocation struct {
+	Resource string
+	Holder   Holder
+	Devices  int
+}
+
+// Allocations lists every container's holdings, by resource then holder.
+func (a *Attribution) Allocations() []Allocation {
+	if a == nil {
+		return nil
+	}
+	var out []Allocation
+	for res, hs := range a.byRes {
+		for h, n := range hs {
+			out = append(out, Allocation{Resource: res, Holder: h, Devices: n})
+		}
+	}
+	slices.SortFunc(out, func(x, y Allocation) int {
+		return cmp.Or(cmp.Compare(x.Resource, y.Resource), x.Holder.compare(y.Holder))
+	})
+	return out
+}
+
+// IsGPUResource accepts NVIDIA's resource names and renamed shared ones
+// ("nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "nvidia.com/gpu.shared").
+func IsGPUResource(name string) bool { return strings.HasPrefix(name, "nvidia.com/") }
+
+// PodResourcesOptions tune a PodResources.
+type PodResourcesOptions struct {
+	// Socket is the kubelet's pod-resources socket path.
+	Socket string
+	// MinInterval is the least time between two List calls, however often
+	// Invalidate is called (default 2s).
+	MinInterval time.Duration
+	// MaxAge refreshes the cache even without Invalidate, to see pods that
+	// ended (default 30s).
+	MaxAge time.Duration
+	// Timeout bounds one List call (default 5s).
+	Timeout time.Duration
+	// Keep selects the resources attributed (nil: IsGPUResource).
+	Keep   func(resource string) bool
+	Logger *slog.Logger
+}
+
+// PodResources keeps an Attribution from the kubelet's pod-resources API
+// fresh: one connection, a List after each Invalidate (rate limited) and
+// every MaxAge. Scrapes read the cache; they never dial the kubelet.
+type PodResources struct {
+	opts  PodResourcesOptions
+	log   *slog.Logger
+	cur   atomic.Pointer[Attribution]
+	kick  chan struct{}
+	lists atomic.Int64
+}
+
+// NewPodResources returns an attribution source; it lists nothing until Run.
+func NewPodResources(opts PodResourcesOptions) *PodResources {
+	if opts.MinInterval <= 0 {
+		opts.MinInterval = 2 * time.Second
+	}
+	if opts.MaxAge <= 0 {
+		opts.MaxAge = 30 * time.Second
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = 5 * time.Second
+	}
+	if opts.Keep == nil {
+		opts.Keep = IsGPUResource
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	p := &PodResources{opts: opts, log: opts.Logger, kick: make(chan struct{}, 1)}
+	p.cur.Store(NewAttribution(nil, nil))
+	return p
+}
+
+// Attribution returns the cached attribution; safe from any goroutine.
+func (p *PodResources) Attribution() *Attribution { return p.cur.Load() }
+
+// Invalidate asks for a refresh: call it after an Allocate, when the
+// kubelet's answer is about to change.
+func (p *PodResources) Invalidate() {
+	select {
+	case p.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Lists returns how many List calls were made (for tests and /status).
+func (p *PodResources) Lists() int64 { return p.lists.Load() }
+
+// Run refreshes the cache until ctx is done.
+func (p *PodResources) Run(ctx context.Context) error {
+	conn, err := grpc.NewClient("unix://"+p.opts.Socket,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(16<<20)))
+	if err != nil {
+		return fmt.Errorf("pod-resources %s: %w", p.opts.Socket, err)
+	}
+	defer conn.Close()
+	client := podresourcesv1.NewPodResourcesListerClient(conn)
+	var lastErr string
+	age := time.NewTimer(0)
+	defer age.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-p.kick:
+		case <-age.C:
+		}
+		start := time.Now()
+		lctx, cancel := context.WithTimeout(ctx, p.opts.Timeout)
+		resp, err := client.List(lctx, &podresourcesv1.ListPodResourcesRequest{})
+		cancel()
+		p.lists.Add(1)
+		switch {
+		case err != nil && ctx.Err() != nil:
+			return nil
+		case err != nil:
+			// Keep the last answer: pods rarely all vanish, and metrics
+			// without their pods are worse than slightly stale ones.
+			if msg := err.Error(); msg != lastErr {
+				p.log.Warn("pod-resources List failed; keeping the last attribution", "socket", p.opts.Socket, "error", err)
+				lastErr = msg
+			}
+		default:
+			if lastErr != "" {
+				p.log.Info("pod-resources List works again", "socket", p.opts.Socket)
+				lastErr = ""
+			}
+			p.cur.Store(NewAttribution(resp.GetPodResources(), p.opts.Keep))
+		}
+		if !age.Stop() {
+			select {
+			case <-age.C:
+			default:
+			}
+		}
+		age.Reset(p.opts.MaxAge)
+		// Rate limit: wait out MinInterval before the next List; an
+		// Invalidate meanwhile stays queued in kick.
+		if wait := p.opts.MinInterval - time.Since(start); wait > 0 {
+			sleep(ctx, wait)
+		}
+	}
+}

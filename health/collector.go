@@ -1,0 +1,260 @@
+package health
+
+import (
+	"cmp"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/gpu-agent/gpu-agent/catalog"
+)
+
+// Sources the Collector reads; each is a cache another loop keeps fresh, so
+// a scrape never calls NVML or the kubelet.
+type (
+	// SampleSource is the Sampler.
+	SampleSource interface{ Snapshot() *Snapshot }
+	// HealthSource is the Watcher.
+	HealthSource interface{ State() *State }
+	// AttributionSource is PodResources (or a fake in tests).
+	AttributionSource interface{ Attribution() *Attribution }
+	// CatalogSource returns the catalog last published to the kubelet.
+	CatalogSource interface{ Catalog() *catalog.Catalog }
+)
+
+// CollectorOptions wire a Collector; only Samples is required.
+type CollectorOptions struct {
+	Samples     SampleSource
+	Health      HealthSource
+	Attribution AttributionSource
+	Catalog     CatalogSource
+	// Hostname fills dcgm-exporter's Hostname label (the node name).
+	Hostname string
+}
+
+// dcgmLabels are dcgm-exporter's labels, in its order. One metric family
+// needs one label set, so labels a series lacks (GPU_I_* on a whole GPU, pod
+// labels on an unallocated device) are empty, which PromQL treats as absent.
+var dcgmLabels = []string{"gpu", "UUID", "pci_bus_id", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID",
+	"Hostname", "DCGM_FI_DRIVER_VERSION", "container", "namespace", "pod"}
+
+type dcgmDef struct {
+	field Field
+	name  string
+	help  string
+	typ   prometheus.ValueType
+	// mig: NVML gives the value per MIG device too.
+	mig  bool
+	desc *prometheus.Desc
+}
+
+// dcgmDefs are the dcgm-exporter fields NVML can supply, with its names and
+// units, so existing dashboards keep working.
+var dcgmDefs = []dcgmDef{
+	{field: FieldSMClock, name: "DCGM_FI_DEV_SM_CLOCK", help: "SM clock frequency in MHz.", typ: prometheus.GaugeValue},
+	{field: FieldMemClock, name: "DCGM_FI_DEV_MEM_CLOCK", help: "Memory clock frequency in MHz.", typ: prometheus.GaugeValue},
+	{field: FieldGPUTemp, name: "DCGM_FI_DEV_GPU_TEMP", help: "GPU temperature in degrees C.", typ: prometheus.GaugeValue},
+	{field: FieldPower, name: "DCGM_FI_DEV_POWER_USAGE", help: "Power draw in W.", typ: prometheus.GaugeValue},
+	{field: FieldEnergy, name: "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", help: "Energy consumed since the driver was loaded, in mJ.", typ: prometheus.CounterValue},
+	{field: FieldGPUUtil, name: "DCGM_FI_DEV_GPU_UTIL", help: "GPU utilization in %.", typ: prometheus.GaugeValue},
+	{field: FieldMemCopyUtil, name: "DCGM_FI_DEV_MEM_COPY_UTIL", help: "Memory (copy) utilization in %.", typ: prometheus.GaugeValue},
+	{field: FieldFBFree, name: "DCGM_FI_DEV_FB_FREE", help: "Free framebuffer memory in MiB.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldFBUsed, name: "DCGM_FI_DEV_FB_USED", help: "Used framebuffer memory in MiB.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldECCSBEVolatile, name: "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", help: "Single-bit ECC errors since the last reset.", typ: prometheus.CounterValue},
+	{field: FieldECCDBEVolatile, name: "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", help: "Double-bit ECC errors since the last reset.", typ: prometheus.CounterValue},
+	{field: FieldECCSBEAggregate, name: "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", help: "Single-bit ECC errors over the GPU's lifetime.", typ: prometheus.CounterValue},
+	{field: FieldECCDBEAggregate, name: "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", help: "Double-bit ECC errors over the GPU's lifetime.", typ: prometheus.CounterValue},
+	{field: FieldRemappedUncorrectable, name: "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", help: "Rows remapped for uncorrectable errors.", typ: prometheus.CounterValue},
+	{field: FieldRemappedCorrectable, name: "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", help: "Rows remapped for correctable errors.", typ: prometheus.CounterValue},
+	{field: FieldRemapFailure, name: "DCGM_FI_DEV_ROW_REMAP_FAILURE", help: "1 when a row remapping failed.", typ: prometheus.GaugeValue},
+	{field: FieldRemapPending, name: "DCGM_FI_DEV_ROW_REMAP_PENDING", help: "1 when a remapped row waits for a GPU reset.", typ: prometheus.GaugeValue},
+}
+
+// Collector is a prometheus.Collector for the node's GPUs: dcgm-exporter's
+// metrics from the Sampler's cache, attributed to pods, plus gpu-agent's own
+// health, MIG and sharing metrics. Register it on the agent's registry.
+type Collector struct {
+	opts CollectorOptions
+	defs []dcgmDef
+	xid  *prometheus.Desc
+
+	healthy, causes, xids, ecc      *prometheus.Desc
+	migMode, migDevices             *prometheus.Desc
+	holders, held, replicas, allocs *prometheus.Desc
+	sampleTime                      *prometheus.Desc
+}
+
+// NewCollector returns a collector reading opts' sources.
+func NewCollector(opts CollectorOptions) *Collector {
+	c := &Collector{opts: opts, defs: slices.Clone(dcgmDefs)}
+	for i := range c.defs {
+		c.defs[i].desc = prometheus.NewDesc(c.defs[i].name, c.defs[i].help, dcgmLabels, nil)
+	}
+	c.xid = prometheus.NewDesc("DCGM_FI_DEV_XID_ERRORS", "The latest XID the GPU reported (0: none since the agent started).", dcgmLabels, nil)
+	dev := []string{"gpu", "UUID", "GPU_I_PROFILE", "GPU_I_ID"}
+	gpuL := []string{"gpu", "UUID"}
+	c.healthy = prometheus.NewDesc("gpu_agent_device_healthy", "1 when the GPU or MIG device (and its replicas) is healthy, 0 when the health watcher marked it.", dev, nil)
+	c.causes = prometheus.NewDesc("gpu_agent_health_causes", "Active reasons for devices of a GPU to be unhealthy, by kind and what clears them.", append(slices.Clone(gpuL), "kind", "class"), nil)
+	c.xids = prometheus.NewDesc("gpu_agent_xid_events_total", "XID events seen since the agent started, fatal or not.", append(slices.Clone(gpuL), "xid"), nil)
+	c.ecc = prometheus.NewDesc("gpu_agent_ecc_events_total", "ECC error events seen since the agent started.", append(slices.Clone(gpuL), "type"), nil)
+	c.migMode = prometheus.NewDesc("gpu_agent_mig_mode", "1 when MIG mode is on; state current is in force, pending applies after a GPU reset.", append(slices.Clone(gpuL), "state"), nil)
+	c.migDevices = prometheus.NewDesc("gpu_agent_mig_devices", "MIG devices on the GPU, by profile.", append(slices.Clone(gpuL), "profile"), nil)
+	c.holders = prometheus.NewDesc("gpu_agent_device_holders", "Containers holding the GPU or MIG device or a replica of it.", dev, nil)
+	c.held = prometheus.NewDesc("gpu_agent_device_allocated_ids", "Allocated IDs of the device: 1 for the device itself, or how many of its replicas.", dev, nil)
+	c.replicas = prometheus.NewDesc("gpu_agent_replicas", "Replicas offered of a device under a shared resource.", []string{"resource", "UUID"}, nil)
+	c.allocs = prometheus.NewDesc("gpu_agent_allocated_devices", "Device IDs of a resource a container holds.", []string{"resource", "namespace", "pod", "container"}, nil)
+	c.sampleTime = prometheus.NewDesc("gpu_agent_metrics_sample_timestamp_seconds", "When the GPU metrics were last sampled from NVML.", nil, nil)
+	return c
+}
+
+// Describe sends every metric's description.
+func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range c.defs {
+		ch <- d.desc
+	}
+	for _, d := range []*prometheus.Desc{c.xid, c.healthy, c.causes, c.xids, c.ecc, c.migMode, c.migDevices,
+		c.holders, c.held, c.replicas, c.allocs, c.sampleTime} {
+		ch <- d
+	}
+}
+
+// Collect reads the caches and sends the metrics.
+func (c *Collector) Collect(ch chan<- prometheus.Metric) {
+	snap := c.opts.Samples.Snapshot()
+	var st *State
+	if c.opts.Health != nil {
+		st = c.opts.Health.State()
+	}
+	var attr *Attribution
+	if c.opts.Attribution != nil {
+		attr = c.opts.Attribution.Attribution()
+	}
+	if !snap.Time.IsZero() {
+		ch <- prometheus.MustNewConstMetric(c.sampleTime, prometheus.GaugeValue, float64(snap.Time.UnixNano())/1e9)
+	}
+	lv := make([]string, len(dcgmLabels))
+	for i := range snap.GPUs {
+		g := &snap.GPUs[i]
+		idx := strconv.Itoa(g.Index)
+		lv[0], lv[1], lv[2], lv[3], lv[4] = idx, g.UUID, g.PCIBusID, "nvidia"+strconv.Itoa(g.Minor), g.Name
+		lv[5], lv[6], lv[7], lv[8] = "", "", c.opts.Hostname, snap.DriverVersion
+		c.gpuAgent(ch, g, idx, st, attr)
+		if g.Lost {
+			continue // no value beats a stale one
+		}
+		// A MIG-enabled GPU is never allocated whole: its series carry no pod.
+		var hs []Holder
+		if !g.MIG.Current {
+			hs = attr.Holders(g.UUID)
+		}
+		for j := range c.defs {
+			d := &c.defs[j]
+			if v, ok := g.Values.Get(d.field); ok {
+				emit(ch, d.desc, d.typ, v, lv, hs)
+			}
+		}
+		var last uint64
+		if s, ok := st.Stats(g.UUID); ok {
+			last = s.LastXID
+		}
+		emit(ch, c.xid, prometheus.GaugeValue, float64(last), lv, hs)
+		for k := range g.Instances {
+			in := &g.Instances[k]
+			lv[5], lv[6] = in.Profile, strconv.Itoa(in.GI)
+			hs := attr.Holders(in.UUID)
+			for j := range c.defs {
+				d := &c.defs[j]
+				if !d.mig {
+					continue
+				}
+				if v, ok := in.Values.Get(d.field); ok {
+					emit(ch, d.desc, d.typ, v, lv, hs)
+				}
+			}
+		}
+	}
+	c.sharing(ch, attr)
+}
+
+// emit sends one series per holder, or one without pod labels when none.
+func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueType, v float64, lv []string, hs []Holder) {
+	n := len(lv)
+	if len(hs) == 0 {
+		lv[n-3], lv[n-2], lv[n-1] = "", "", ""
+		ch <- prometheus.MustNewConstMetric(d, typ, v, lv...)
+		return
+	}
+	for _, h := range hs {
+		lv[n-3], lv[n-2], lv[n-1] = h.Container, h.Namespace, h.Pod
+		ch <- prometheus.MustNewConstMetric(d, typ, v, lv...)
+	}
+}
+
+// gpuAgent sends gpu-agent's own per-GPU metrics.
+func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx string, st *State, attr *Attribution) {
+	device := func(uuid, profile, gi string) {
+		h := 1.0
+		if _, bad := st.Unhealthy(uuid); bad {
+			h = 0
+		}
+		ch <- prometheus.MustNewConstMetric(c.healthy, prometheus.GaugeValue, h, idx, g.UUID, profile, gi)
+		ch <- prometheus.MustNewConstMetric(c.holders, prometheus.GaugeValue, float64(len(attr.Holders(uuid))), idx, g.UUID, profile, gi)
+		ch <- prometheus.MustNewConstMetric(c.held, prometheus.GaugeValue, float64(attr.Held(uuid)), idx, g.UUID, profile, gi)
+	}
+	device(g.UUID, "", "")
+	profiles := map[string]int{}
+	for _, in := range g.Instances {
+		device(in.UUID, in.Profile, strconv.Itoa(in.GI))
+		profiles[in.Profile]++
+	}
+	for _, p := range slices.Sorted(maps.Keys(profiles)) {
+		ch <- prometheus.MustNewConstMetric(c.migDevices, prometheus.GaugeValue, float64(profiles[p]), idx, g.UUID, p)
+	}
+	ch <- prometheus.MustNewConstMetric(c.migMode, prometheus.GaugeValue, b2f(g.MIG.Current), idx, g.UUID, "current")
+	ch <- prometheus.MustNewConstMetric(c.migMode, prometheus.GaugeValue, b2f(g.MIG.Pending), idx, g.UUID, "pending")
+	if st == nil {
+		return
+	}
+	type kc struct{ kind, class string }
+	counts := map[kc]int{}
+	for _, cs := range st.byGPU[g.UUID] {
+		counts[kc{string(cs.Kind), cs.Class.String()}]++
+	}
+	for _, k := range slices.SortedFunc(maps.Keys(counts), func(a, b kc) int {
+		return cmp.Or(strings.Compare(a.kind, b.kind), strings.Compare(a.class, b.class))
+	}) {
+		ch <- prometheus.MustNewConstMetric(c.causes, prometheus.GaugeValue, float64(counts[k]), idx, g.UUID, k.kind, k.class)
+	}
+	if s, ok := st.Stats(g.UUID); ok {
+		for _, x := range slices.Sorted(maps.Keys(s.XIDs)) {
+			ch <- prometheus.MustNewConstMetric(c.xids, prometheus.CounterValue, float64(s.XIDs[x]), idx, g.UUID, strconv.FormatUint(x, 10))
+		}
+		ch <- prometheus.MustNewConstMetric(c.ecc, prometheus.CounterValue, float64(s.SingleBitEvents), idx, g.UUID, "single-bit")
+		ch <- prometheus.MustNewConstMetric(c.ecc, prometheus.CounterValue, float64(s.DoubleBitEvents), idx, g.UUID, "double-bit")
+	}
+}
+
+// sharing sends replicas per shared device and allocations per container.
+func (c *Collector) sharing(ch chan<- prometheus.Metric, attr *Attribution) {
+	if c.opts.Catalog != nil {
+		if cat := c.opts.Catalog.Catalog(); cat != nil {
+			for _, name := range cat.Names() {
+				counts := map[string]int{}
+				for _, d := range cat.Resources[name].Devices {
+					if base, _, ok := strings.Cut(d.ID, "::"); ok {
+						counts[base]++
+					}
+				}
+				for _, uuid := range slices.Sorted(maps.Keys(counts)) {
+					ch <- prometheus.MustNewConstMetric(c.replicas, prometheus.GaugeValue, float64(counts[uuid]), name, uuid)
+				}
+			}
+		}
+	}
+	for _, a := range attr.Allocations() {
+		ch <- prometheus.MustNewConstMetric(c.allocs, prometheus.GaugeValue, float64(a.Devices), a.Resource, a.Holder.Namespace, a.Holder.Pod, a.Holder.Container)
+	}
+}

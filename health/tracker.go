@@ -1,0 +1,336 @@
+package health
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+// maxLogEntries bounds the event log: a GPU flooding XIDs must not grow the
+// agent's memory.
+const maxLogEntries = 256
+
+// reach is what a probe learned about a GPU's reachability.
+type reach int
+
+const (
+	reachOK reach = iota
+	reachLost
+	reachResetRequired
+	// reachUnknown: the probe failed for another reason; nothing is concluded.
+	reachUnknown
+)
+
+// probeResult is one probe of one GPU.
+type probeResult struct {
+	reach reach
+	// dbeVolatile is the volatile double-bit ECC count, read while a
+	// reset-class cause is active (a reset clears it).
+	dbeVolatile uint64
+	dbeKnown    bool
+	action      int // nvml.DeviceGpuRecoveryAction
+	actionKnown bool
+	detail      string
+}
+
+// tracker is the health state machine. It does no I/O, so every transition
+// is tested without NVML; the Watcher feeds it and owns it (one goroutine).
+type tracker struct {
+	policy Policy
+	log    *slog.Logger
+	gpus   map[string]*gpuTrack
+	mig    map[string]migRef
+	// migOf keeps each GPU's MIG devices, so a GPU missing from a later
+	// inventory (lost) keeps the ones it had.
+	migOf   map[string]map[string]migRef
+	entries []Entry
+	changed bool
+}
+
+type gpuTrack struct {
+	uuid   string
+	index  int
+	causes []*cause
+	stats  GPUStats
+}
+
+type cause struct {
+	Cause
+	// sawDown: the GPU was seen unreachable while this cause was active.
+	sawDown bool
+	// dbeMax is the highest volatile double-bit count seen while active.
+	dbeMax   uint64
+	dbeKnown bool
+	// actionSeen: NVML reported a pending recovery action while active.
+	actionSeen bool
+}
+
+func newTracker(p Policy, log *slog.Logger) *tracker {
+	return &tracker{
+		policy: p.withDefaults(), log: log,
+		gpus: map[string]*gpuTrack{}, mig: map[string]migRef{}, migOf: map[string]map[string]migRef{},
+	}
+}
+
+// setInventory learns the GPUs and MIG devices. GPUs are never forgotten: a
+// lost GPU drops out of the inventory but must stay unhealthy, and be seen
+// coming back.
+func (t *tracker) setInventory(inv *gpu.Inventory) {
+	if inv == nil {
+		return
+	}
+	for _, g := range inv.GPUs {
+		gt := t.gpus[g.UUID]
+		if gt == nil {
+			gt = &gpuTrack{uuid: g.UUID, stats: GPUStats{XIDs: map[uint64]uint64{}}}
+			t.gpus[g.UUID] = gt
+		}
+		gt.index, gt.stats.Index = g.Index, g.Index
+		m := make(map[string]migRef, len(g.Instances))
+		for _, in := range g.Instances {
+			m[in.UUID] = migRef{gpu: g.UUID, gi: in.GI, ci: in.CI}
+		}
+		t.migOf[g.UUID] = m
+	}
+	t.mig = map[string]migRef{}
+	for _, m := range t.migOf {
+		maps.Copy(t.mig, m)
+	}
+	t.changed = true
+}
+
+// setPolicy applies a new policy; XID causes it no longer calls fatal clear.
+func (t *tracker) setPolicy(p Policy, now time.Time) {
+	t.policy = p.withDefaults()
+	for _, g := range t.sortedGPUs() {
+		g.causes = slices.DeleteFunc(g.causes, func(c *cause) bool {
+			if c.Kind == CauseXID && !t.policy.Fatal(c.XID) {
+				t.record(now, g, ActionHealthy, fmt.Sprintf("cleared XID %d: the policy now ignores it", c.XID))
+				return true
+			}
+			return false
+		})
+	}
+	t.changed = true
+}
+
+func (t *tracker) gpu(uuid string) *gpuTrack { return t.gpus[uuid] }
+
+// xid handles an XID critical error event.
+func (t *tracker) xid(uuid string, xid uint64, gi, ci int, now time.Time) {
+	g := t.gpu(uuid)
+	if g == nil {
+		return
+	}
+	g.stats.LastXID = xid
+	g.stats.XIDs[xid]++
+	t.changed = true
+	class, desc := XIDClass(xid)
+	what := fmt.Sprintf("XID %d", xid)
+	if desc != "" {
+		what += " (" + desc + ")"
+	}
+	if !t.policy.Fatal(xid) {
+		t.record(now, g, ActionIgnored, what+scopeText(gi, ci)+": ignored by policy")
+		return
+	}
+	t.add(g, Cause{Kind: CauseXID, XID: xid, Class: class, GI: gi, CI: ci,
+		Reason: fmt.Sprintf("%s, needs %s", what, class)}, now)
+}
+
+// ecc handles an ECC error event; only double-bit errors mark devices.
+func (t *tracker) ecc(uuid string, doubleBit bool, gi, ci int, now time.Time) {
+	g := t.gpu(uuid)
+	if g == nil {
+		return
+	}
+	t.changed = true
+	if !doubleBit {
+		g.stats.SingleBitEvents++
+		return
+	}
+	g.stats.DoubleBitEvents++
+	t.add(g, Cause{Kind: CauseDoubleBitECC, Class: ClassReset, GI: gi, CI: ci,
+		Reason: "double-bit ECC error, needs " + ClassReset.String()}, now)
+}
+
+// add records a cause, merging it into an identical active one.
+func (t *tracker) add(g *gpuTrack, c Cause, now time.Time) {
+	for _, old := range g.causes {
+		if old.Kind == c.Kind && old.XID == c.XID && old.GI == c.GI && old.CI == c.CI {
+			old.Last = now
+			old.Count++
+			return
+		}
+	}
+	c.GPU, c.Index, c.Since, c.Last, c.Count = g.uuid, g.index, now, now, 1
+	g.causes = append(g.causes, &cause{Cause: c})
+	t.changed = true
+	t.record(now, g, ActionUnhealthy, c.Reason+scopeText(c.GI, c.CI))
+}
+
+// recover drops the causes keep rejects, logging why.
+func (t *tracker) recover(g *gpuTrack, now time.Time, why func(c *cause) string) {
+	g.causes = slices.DeleteFunc(g.causes, func(c *cause) bool {
+		reason := why(c)
+		if reason == "" {
+			return false
+		}
+		t.changed = true
+		t.record(now, g, ActionHealthy, fmt.Sprintf("cleared %q%s: %s", c.Reason, scopeText(c.GI, c.CI), reason))
+		return true
+	})
+}
+
+// probe applies what a probe learned.
+func (t *tracker) probe(uuid string, r probeResult, now time.Time) {
+	g := t.gpu(uuid)
+	if g == nil {
+		return
+	}
+	switch r.reach {
+	case reachLost, reachResetRequired:
+		kind, class, reason := CauseLost, ClassReboot, "GPU is lost (NVML: GPU is lost)"
+		if r.reach == reachResetRequired {
+			kind, class, reason = CauseResetRequired, ClassReset, "GPU requires a reset (NVML: reset required)"
+		}
+		if r.detail != "" {
+			reason += ": " + r.detail
+		}
+		t.add(g, Cause{Kind: kind, Class: class, GI: AllInstances, CI: AllInstances, Reason: reason}, now)
+		for _, c := range g.causes {
+			c.sawDown = true
+		}
+		return
+	case reachUnknown:
+		return
+	}
+	t.recover(g, now, func(c *cause) string {
+		switch {
+		case c.Kind == CauseLost || c.Kind == CauseResetRequired:
+			return "GPU answers NVML again"
+		case c.Class >= ClassReset && c.sawDown:
+			return "GPU answers NVML again after being unreachable (reset or re-attached)"
+		case c.Class == ClassReset && r.dbeKnown && c.dbeKnown && r.dbeVolatile < c.dbeMax:
+			return fmt.Sprintf("volatile double-bit ECC count dropped from %d to %d: the GPU was reset", c.dbeMax, r.dbeVolatile)
+		case c.Class >= ClassReset && r.actionKnown && r.action == 0 && c.actionSeen:
+			return "NVML reports no recovery action pending any more"
+		}
+		return ""
+	})
+	for _, c := range g.causes {
+		if r.dbeKnown && (!c.dbeKnown || r.dbeVolatile > c.dbeMax) {
+			c.dbeMax, c.dbeKnown = r.dbeVolatile, true
+		}
+		if r.actionKnown && r.action != 0 {
+			c.actionSeen = true
+		}
+	}
+}
+
+// wantsResetEvidence reports whether probes of the GPU should read the
+// counters that show a reset happened.
+func (t *tracker) wantsResetEvidence(uuid string) bool {
+	g := t.gpu(uuid)
+	if g == nil {
+		return false
+	}
+	for _, c := range g.causes {
+		if c.Class >= ClassReset {
+			return true
+		}
+	}
+	return false
+}
+
+// noteReset is told that the agent itself reset the GPU.
+func (t *tracker) noteReset(uuid string, now time.Time) {
+	g := t.gpu(uuid)
+	if g == nil {
+		return
+	}
+	t.recover(g, now, func(c *cause) string {
+		if c.Class <= ClassReset && c.Kind != CauseResetRequired {
+			return "the agent reset the GPU"
+		}
+		return ""
+	})
+}
+
+// tick clears application-class causes whose quiet period has passed.
+func (t *tracker) tick(now time.Time) {
+	for _, g := range t.gpus {
+		t.recover(g, now, func(c *cause) string {
+			if c.Class == ClassApp && now.Sub(c.Last) >= t.policy.QuietPeriod {
+				return fmt.Sprintf("no recurrence for %s", t.policy.QuietPeriod)
+			}
+			return ""
+		})
+	}
+}
+
+func (t *tracker) record(now time.Time, g *gpuTrack, action, msg string) {
+	level := slog.LevelWarn
+	switch action {
+	case ActionHealthy:
+		level = slog.LevelInfo
+	case ActionIgnored:
+		level = slog.LevelDebug
+	}
+	t.log.Log(context.Background(), level, "gpu health: "+action, "gpu", g.index, "uuid", g.uuid, "why", msg)
+	if len(t.entries) >= maxLogEntries {
+		t.entries = slices.Delete(t.entries, 0, len(t.entries)-maxLogEntries+1)
+	}
+	t.entries = append(t.entries, Entry{Time: now, GPU: g.uuid, Index: g.index, Action: action, Message: msg})
+}
+
+func (t *tracker) sortedGPUs() []*gpuTrack {
+	out := slices.Collect(maps.Values(t.gpus))
+	slices.SortFunc(out, func(a, b *gpuTrack) int { return cmp.Compare(a.index, b.index) })
+	return out
+}
+
+// state snapshots the tracker.
+func (t *tracker) state() *State {
+	s := &State{
+		Log:   slices.Clone(t.entries),
+		byGPU: map[string][]Cause{},
+		mig:   maps.Clone(t.mig),
+		stats: make(map[string]GPUStats, len(t.gpus)),
+	}
+	for _, g := range t.sortedGPUs() {
+		st := g.stats
+		st.XIDs = maps.Clone(g.stats.XIDs)
+		s.stats[g.uuid] = st
+		if len(g.causes) == 0 {
+			continue
+		}
+		cs := make([]Cause, 0, len(g.causes))
+		for _, c := range g.causes {
+			cs = append(cs, c.Cause)
+		}
+		// Most severe first, so Unhealthy names the cause that takes longest to clear.
+		slices.SortStableFunc(cs, func(a, b Cause) int {
+			return cmp.Or(cmp.Compare(b.Class, a.Class), a.Since.Compare(b.Since))
+		})
+		s.byGPU[g.uuid] = cs
+		s.Causes = append(s.Causes, cs...)
+	}
+	return s
+}
+
+func scopeText(gi, ci int) string {
+	switch {
+	case gi == AllInstances:
+		return ""
+	case ci == AllInstances:
+		return fmt.Sprintf(" on GPU instance %d", gi)
+	}
+	return fmt.Sprintf(" on GPU instance %d compute instance %d", gi, ci)
+}

@@ -1,0 +1,393 @@
+package health
+
+import (
+	"context"
+	"encoding/binary"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+// wantedEvents are the event types the watcher asks for on every GPU.
+var wantedEvents = []uint64{
+	nvml.EventTypeXidCriticalError,
+	nvml.EventTypeDoubleBitEccError,
+	nvml.EventTypeSingleBitEccError,
+}
+
+// noInstance is NVML's GI/CI id in events that concern the whole GPU.
+const noInstance = 0xFFFFFFFF
+
+// WatcherOptions tune a Watcher.
+type WatcherOptions struct {
+	// Logger receives state changes and NVML trouble; nil discards.
+	Logger *slog.Logger
+	// Now is the clock for causes and quiet periods (nil: time.Now).
+	Now func() time.Time
+	// OnChange is called from the watcher's goroutine with each new State;
+	// it must not block for long.
+	OnChange func(*State)
+	// WaitTimeout bounds one wait for NVML events, and so how late the
+	// watcher notices ctx, inventory or policy changes (default 1s).
+	WaitTimeout time.Duration
+}
+
+// Watcher turns NVML events and reachability probes into device health.
+// Create with NewWatcher, then Run in one goroutine; the other methods are
+// safe from any goroutine.
+type Watcher struct {
+	lib   nvml.Interface
+	opts  WatcherOptions
+	log   *slog.Logger
+	state atomic.Pointer[State]
+
+	mu         sync.Mutex
+	pendInv    *gpu.Inventory
+	pendPolicy *Policy
+	pendResets []string
+
+	// Owned by Run.
+	tr   *tracker
+	devs map[string]*watchedGPU
+	// byHandle maps the GPU handle in an event to its UUID. A lost GPU cannot
+	// be asked for its UUID, and its XID 79 must still be placed.
+	byHandle map[nvml.Device]string
+}
+
+type watchedGPU struct {
+	uuid       string
+	index      int
+	dev        nvml.Device
+	registered uint64 // event types registered
+	skipped    uint64 // event types the GPU does not support
+	noTemp     bool   // GetTemperature is unsupported: probe with GetMemoryInfo
+	noECC      bool
+	noAction   bool
+}
+
+// NewWatcher returns a watcher for lib (initialised) under policy.
+func NewWatcher(lib nvml.Interface, policy Policy, opts WatcherOptions) *Watcher {
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.WaitTimeout <= 0 {
+		opts.WaitTimeout = time.Second
+	}
+	w := &Watcher{
+		lib: lib, opts: opts, log: opts.Logger,
+		tr:   newTracker(policy, opts.Logger),
+		devs: map[string]*watchedGPU{}, byHandle: map[nvml.Device]string{},
+	}
+	w.state.Store(w.tr.state())
+	return w
+}
+
+// SetInventory tells the watcher which GPUs and MIG devices exist; new GPUs
+// are registered for events on the watcher's next turn.
+func (w *Watcher) SetInventory(inv *gpu.Inventory) {
+	w.mu.Lock()
+	w.pendInv = inv
+	w.mu.Unlock()
+}
+
+// SetPolicy replaces the XID policy (a config change).
+func (w *Watcher) SetPolicy(p Policy) {
+	w.mu.Lock()
+	w.pendPolicy = &p
+	w.mu.Unlock()
+}
+
+// NoteReset tells the watcher the agent reset this GPU (e.g. to apply a MIG
+// mode change), which clears its application- and reset-class causes.
+func (w *Watcher) NoteReset(gpuUUID string) {
+	w.mu.Lock()
+	w.pendResets = append(w.pendResets, gpuUUID)
+	w.mu.Unlock()
+}
+
+// State returns the latest health snapshot; safe from any goroutine.
+func (w *Watcher) State() *State { return w.state.Load() }
+
+// Run watches until ctx is done. Without NVML events (EventSetCreate fails)
+// it still probes, so a lost GPU is found either way.
+func (w *Watcher) Run(ctx context.Context) error {
+	set, ret := w.lib.EventSetCreate()
+	if ret != nvml.SUCCESS {
+		w.log.Warn("NVML events unavailable; health relies on probing alone", "error", ret.Error())
+		set = nil
+	} else {
+		defer set.Free()
+	}
+	waitMs := uint32(w.opts.WaitTimeout / time.Millisecond)
+	var lastProbe time.Time
+	for ctx.Err() == nil {
+		w.applyPending(set)
+		if interval := w.tr.policy.ProbeInterval; time.Since(lastProbe) >= interval {
+			w.probeAll()
+			lastProbe = time.Now()
+		}
+		w.tr.tick(w.opts.Now())
+		w.publish()
+		if set == nil {
+			sleep(ctx, w.opts.WaitTimeout)
+			continue
+		}
+		ev, ret := set.Wait(waitMs)
+		switch ret {
+		case nvml.SUCCESS:
+			w.handle(ev)
+		case nvml.ERROR_TIMEOUT:
+		case nvml.ERROR_GPU_IS_LOST:
+			// NVML says a registered GPU is gone before any event says which:
+			// probe now rather than at the next interval.
+			lastProbe = time.Time{}
+		default:
+			w.log.Warn("waiting for NVML events failed", "error", ret.Error())
+			sleep(ctx, w.opts.WaitTimeout)
+		}
+	}
+	return nil
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
+
+func (w *Watcher) publish() {
+	if !w.tr.changed {
+		return
+	}
+	w.tr.changed = false
+	s := w.tr.state()
+	w.state.Store(s)
+	if w.opts.OnChange != nil {
+		w.opts.OnChange(s)
+	}
+}
+
+// applyPending takes what other goroutines handed in since the last turn.
+func (w *Watcher) applyPending(set nvml.EventSet) {
+	w.mu.Lock()
+	inv, pol, resets := w.pendInv, w.pendPolicy, w.pendResets
+	w.pendInv, w.pendPolicy, w.pendResets = nil, nil, nil
+	w.mu.Unlock()
+	now := w.opts.Now()
+	if pol != nil {
+		w.tr.setPolicy(*pol, now)
+	}
+	if inv != nil {
+		w.tr.setInventory(inv)
+		for _, g := range inv.GPUs {
+			d := w.devs[g.UUID]
+			if d == nil {
+				d = &watchedGPU{uuid: g.UUID}
+				w.devs[g.UUID] = d
+			}
+			d.index = g.Index
+		}
+	}
+	for _, uuid := range resets {
+		w.tr.noteReset(uuid, now)
+	}
+	if set != nil {
+		for _, d := range w.devs {
+			w.register(set, d)
+		}
+	}
+}
+
+// handleOf returns the GPU's handle, looking it up again when unknown.
+func (w *Watcher) handleOf(d *watchedGPU) (nvml.Device, nvml.Return) {
+	if d.dev != nil {
+		return d.dev, nvml.SUCCESS
+	}
+	dev, ret := w.lib.DeviceGetHandleByUUID(d.uuid)
+	if ret != nvml.SUCCESS {
+		return nil, ret
+	}
+	d.dev = dev
+	w.byHandle[dev] = d.uuid
+	return dev, nvml.SUCCESS
+}
+
+// register asks for the wanted event types the GPU supports. NVML refuses a
+// whole mask if one type in it is unsupported, so on refusal each type is
+// tried alone; what a GPU cannot deliver is skipped for that GPU only.
+func (w *Watcher) register(set nvml.EventSet, d *watchedGPU) {
+	var missing uint64
+	for _, t := range wantedEvents {
+		if d.registered&t == 0 && d.skipped&t == 0 {
+			missing |= t
+		}
+	}
+	if missing == 0 {
+		return
+	}
+	dev, ret := w.handleOf(d)
+	if ret != nvml.SUCCESS {
+		return // lost or not yet there: the probe reports it; retried next turn
+	}
+	if sup, ret := dev.GetSupportedEventTypes(); ret == nvml.SUCCESS {
+		if skip := missing &^ sup; skip != 0 {
+			d.skipped |= skip
+			w.log.Info("GPU does not support some health events; skipping them", "gpu", d.index, "uuid", d.uuid, "eventTypes", skip)
+		}
+		missing &= sup
+	}
+	if missing == 0 {
+		return
+	}
+	if ret := dev.RegisterEvents(missing, set); ret == nvml.SUCCESS {
+		d.registered |= missing
+		return
+	}
+	for _, t := range wantedEvents {
+		if missing&t == 0 {
+			continue
+		}
+		switch ret := dev.RegisterEvents(t, set); ret {
+		case nvml.SUCCESS:
+			d.registered |= t
+		case nvml.ERROR_NOT_SUPPORTED:
+			d.skipped |= t
+			w.log.Info("GPU does not support a health event type; skipping it", "gpu", d.index, "uuid", d.uuid, "eventType", t)
+		default:
+			w.log.Warn("registering health events failed; retrying later", "gpu", d.index, "uuid", d.uuid, "eventType", t, "error", ret.Error())
+		}
+	}
+}
+
+func instanceID(id uint32) int {
+	if id == noInstance {
+		return AllInstances
+	}
+	return int(id)
+}
+
+// handle applies one event.
+func (w *Watcher) handle(ev nvml.EventData) {
+	uuid, ok := w.byHandle[ev.Device]
+	if !ok && ev.Device != nil {
+		if u, ret := ev.Device.GetUUID(); ret == nvml.SUCCESS {
+			uuid, ok = u, true
+		}
+	}
+	if !ok {
+		w.log.Warn("NVML event for an unknown device; dropped", "eventType", ev.EventType, "data", ev.EventData)
+		return
+	}
+	gi, ci := instanceID(ev.GpuInstanceId), instanceID(ev.ComputeInstanceId)
+	if gi == AllInstances {
+		ci = AllInstances
+	}
+	now := w.opts.Now()
+	switch ev.EventType {
+	case nvml.EventTypeXidCriticalError:
+		w.tr.xid(uuid, ev.EventData, gi, ci, now)
+	case nvml.EventTypeDoubleBitEccError:
+		w.tr.ecc(uuid, true, gi, ci, now)
+	case nvml.EventTypeSingleBitEccError:
+		w.tr.ecc(uuid, false, gi, ci, now)
+	}
+	// Read the reset evidence (ECC count, recovery action) at once: a reset
+	// done before the next periodic probe would otherwise leave no trace,
+	// and the device would stay unhealthy until the agent restarts.
+	if w.tr.wantsResetEvidence(uuid) {
+		for _, d := range w.devs {
+			if d.uuid == uuid {
+				w.tr.probe(uuid, w.probe(d), now)
+			}
+		}
+	}
+}
+
+// probeAll checks every known GPU with one cheap call, plus the reset
+// evidence where a reset-class cause is waiting for it.
+func (w *Watcher) probeAll() {
+	now := w.opts.Now()
+	for _, d := range w.devs {
+		w.tr.probe(d.uuid, w.probe(d), now)
+	}
+}
+
+func (w *Watcher) probe(d *watchedGPU) probeResult {
+	dev, ret := w.handleOf(d)
+	if ret == nvml.SUCCESS {
+		ret = w.ping(d, dev)
+		if ret == nvml.ERROR_INVALID_ARGUMENT || ret == nvml.ERROR_UNINITIALIZED {
+			// A stale handle (the GPU was reset or re-attached): look it up again.
+			delete(w.byHandle, d.dev)
+			d.dev = nil
+			if dev, ret = w.handleOf(d); ret == nvml.SUCCESS {
+				ret = w.ping(d, dev)
+			}
+		}
+	}
+	var r probeResult
+	switch ret {
+	case nvml.SUCCESS:
+		r.reach = reachOK
+	case nvml.ERROR_GPU_IS_LOST:
+		r.reach = reachLost
+		return r
+	case nvml.ERROR_RESET_REQUIRED:
+		r.reach = reachResetRequired
+		return r
+	default:
+		w.log.Debug("health probe inconclusive", "gpu", d.index, "uuid", d.uuid, "error", ret.Error())
+		r.reach = reachUnknown
+		return r
+	}
+	if !w.tr.wantsResetEvidence(d.uuid) {
+		return r
+	}
+	if !d.noECC {
+		n, ret := dev.GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_UNCORRECTED, nvml.VOLATILE_ECC)
+		switch ret {
+		case nvml.SUCCESS:
+			r.dbeVolatile, r.dbeKnown = n, true
+		case nvml.ERROR_NOT_SUPPORTED:
+			d.noECC = true
+		}
+	}
+	if !d.noAction {
+		fv := []nvml.FieldValue{{FieldId: nvml.FI_DEV_GET_GPU_RECOVERY_ACTION}}
+		ret := dev.GetFieldValues(fv)
+		if ret == nvml.SUCCESS {
+			ret = nvml.Return(fv[0].NvmlReturn)
+		}
+		switch ret {
+		case nvml.SUCCESS:
+			r.action, r.actionKnown = int(binary.NativeEndian.Uint32(fv[0].Value[:4])), true
+		case nvml.ERROR_NOT_SUPPORTED, nvml.ERROR_INVALID_ARGUMENT:
+			d.noAction = true
+		}
+	}
+	return r
+}
+
+// ping is the cheap call that tells whether the GPU answers.
+func (w *Watcher) ping(d *watchedGPU, dev nvml.Device) nvml.Return {
+	if !d.noTemp {
+		_, ret := dev.GetTemperature(nvml.TEMPERATURE_GPU)
+		if ret != nvml.ERROR_NOT_SUPPORTED {
+			return ret
+		}
+		d.noTemp = true
+	}
+	_, ret := dev.GetMemoryInfo()
+	return ret
+}
