@@ -17,11 +17,20 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/plugin/topology"
 )
 
 // Publisher serves a catalog (the plugin manager).
 type Publisher interface {
 	Update(c *catalog.Catalog)
+}
+
+// HealthWatcher is the part of health.Watcher the agent drives.
+type HealthWatcher interface {
+	SetInventory(inv *gpu.Inventory)
+	SetPolicy(p health.Policy)
+	State() *health.State
 }
 
 // Options configure an Agent.
@@ -36,6 +45,12 @@ type Options struct {
 	// nil means the built-in default config forever.
 	ConfigUpdates <-chan config.Update
 	Publisher     Publisher
+	// Health marks devices unhealthy (nil: all healthy unless unreadable).
+	Health HealthWatcher
+	// HealthChanged wakes the loop when Health's state changed.
+	HealthChanged <-chan struct{}
+	// InventoryObservers get every new inventory (the metrics sampler).
+	InventoryObservers []func(*gpu.Inventory)
 	// ResyncInterval re-reads the inventory even without events (default 30s).
 	ResyncInterval time.Duration
 	Logger         *slog.Logger
@@ -51,21 +66,25 @@ type Agent struct {
 	log     *slog.Logger
 	now     func() time.Time
 	status  atomic.Pointer[Status]
+	catalog atomic.Pointer[catalog.Catalog]
 	metrics *metrics
 
 	// Owned by the Run goroutine only.
-	file      *config.File
-	selected  config.Selected
-	cfgErr    error
-	cfgErrAt  time.Time
-	warnings  []string
-	gen       int
-	inv       *gpu.Inventory
-	cat       *catalog.Catalog
-	lastPass  time.Time
-	ready     bool
-	unhealthy map[string]string
-	failed    map[string]FailedGPU
+	file     *config.File
+	selected config.Selected
+	cfgErr   error
+	cfgErrAt time.Time
+	warnings []string
+	gen      int
+	inv      *gpu.Inventory
+	cat      *catalog.Catalog
+	lastPass time.Time
+	failed   map[string]FailedGPU
+	// pref answers GetPreferredAllocation for whole GPUs; built once per
+	// inventory and policy (prefInv, prefPolicy), never per request.
+	pref       *topology.Preferrer
+	prefInv    *gpu.Inventory
+	prefPolicy topology.Policy
 }
 
 // New returns an agent; it does nothing until Run.
@@ -79,7 +98,7 @@ func New(opts Options) *Agent {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	a := &Agent{opts: opts, log: opts.Logger, now: opts.Now, unhealthy: map[string]string{}}
+	a := &Agent{opts: opts, log: opts.Logger, now: opts.Now}
 	a.metrics = newMetrics(opts.Registerer)
 	a.status.Store(&Status{Node: opts.NodeName})
 	return a
@@ -111,6 +130,10 @@ func (a *Agent) Run(ctx context.Context) error {
 			if a.applyConfig(u) {
 				a.reconcile("config changed")
 			}
+		case <-a.opts.HealthChanged:
+			if a.file != nil {
+				a.plan("health changed")
+			}
 		case <-tick.C:
 			if a.file != nil {
 				a.reconcile("resync")
@@ -118,6 +141,10 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 	}
 }
+
+// Catalog returns the catalog last published (nil before the first); safe
+// from any goroutine.
+func (a *Agent) Catalog() *catalog.Catalog { return a.catalog.Load() }
 
 // Status returns the latest published status; safe from any goroutine.
 func (a *Agent) Status() *Status { return a.status.Load() }
@@ -178,6 +205,9 @@ func (a *Agent) selectConfig() {
 		a.log.Error("no config applies to this node", "node", a.opts.NodeName, "error", err)
 		return
 	}
+	if a.opts.Health != nil {
+		a.opts.Health.SetPolicy(health.PolicyFromConfig(sel.Config.Health))
+	}
 	if sel.Name != a.selected.Name || sel.Reason != a.selected.Reason {
 		a.log.Info("config selected", "node", a.opts.NodeName, "config", sel.Name, "by", sel.Reason, "generation", a.gen)
 	}
@@ -186,7 +216,13 @@ func (a *Agent) selectConfig() {
 
 // reconcile runs one observe → plan → publish pass.
 func (a *Agent) reconcile(why string) {
-	start := a.now()
+	a.observe(why)
+	a.plan(why)
+}
+
+// observe reads a new inventory and hands it to the health watcher and the
+// observers; on failure the last inventory stays.
+func (a *Agent) observe(why string) {
 	inv, err := gpu.New(a.opts.Lib, a.opts.InventoryOptions)
 	if err != nil {
 		// Keep serving the last inventory: a transient NVML failure must not
@@ -202,20 +238,40 @@ func (a *Agent) reconcile(why string) {
 			a.log.Warn("GPU could not be read; offering it as unhealthy", "gpu", f.GPU.Index, "uuid", uuid, "reason", f.Reason)
 		}
 		a.inv = inv
+		if a.opts.Health != nil {
+			a.opts.Health.SetInventory(inv)
+		}
+		for _, o := range a.opts.InventoryObservers {
+			o(inv)
+		}
 	}
+}
+
+// plan derives the catalog from the current inventory, config and health,
+// and publishes it.
+func (a *Agent) plan(why string) {
+	start := a.now()
 	if a.selected.Config == nil {
 		a.publishStatus()
 		return
 	}
+	unhealthy := map[string]string{}
+	if a.opts.Health != nil {
+		if st := a.opts.Health.State(); st != nil {
+			unhealthy = st.UnhealthyDevices()
+		}
+	}
 	in := PlanInput{
 		Inventory:       a.inv,
 		PassDeviceSpecs: a.selected.Config.DevicePlugin.PassDeviceSpecs,
-		Unhealthy:       a.unhealthy,
+		Unhealthy:       unhealthy,
 		Failed:          a.failed,
+		Preferred:       a.preferrer(),
 	}
 	cat := PlanCatalog(in)
 	changed := a.cat == nil || !sameCatalog(a.cat, cat)
 	a.cat = cat
+	a.catalog.Store(cat)
 	a.opts.Publisher.Update(cat)
 	a.lastPass = a.now()
 	a.metrics.reconcileDuration.Observe(a.lastPass.Sub(start).Seconds())
@@ -285,4 +341,22 @@ func carryFailed(prev, next *gpu.Inventory, failing map[string]FailedGPU) map[st
 		out[uuid] = FailedGPU{GPU: g, Reason: reason}
 	}
 	return out
+}
+
+// preferrer returns the topology-aware chooser for the current inventory and
+// the selected config's allocation policy.
+func (a *Agent) preferrer() catalog.Preferrer {
+	if a.inv == nil {
+		return nil
+	}
+	policy, err := topology.ParsePolicy(string(a.selected.Config.Allocation.Policy))
+	if err != nil {
+		// Validation rejects unknown policies; keep serving with the default.
+		a.log.Error("allocation policy not understood; using topology", "error", err)
+		policy = topology.PolicyTopology
+	}
+	if a.pref == nil || a.prefInv != a.inv || a.prefPolicy != policy {
+		a.pref, a.prefInv, a.prefPolicy = topology.NewGPUPreferrer(a.inv, policy), a.inv, policy
+	}
+	return a.pref
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/health"
 )
 
 // recorder is a Publisher that keeps every catalog it was given.
@@ -210,4 +211,63 @@ func findGPU(c *catalog.Catalog, idx int) catalog.Device {
 		}
 	}
 	return catalog.Device{}
+}
+
+func TestAgentHealthMarksAndRecovers(t *testing.T) {
+	node, err := sim.New("dgx-a100")
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	changed := make(chan struct{}, 1)
+	w := health.NewWatcher(node, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
+		WaitTimeout: 10 * time.Millisecond,
+		OnChange: func(*health.State) {
+			select {
+			case changed <- struct{}{}:
+			default:
+			}
+		},
+	})
+	rec := newRecorder()
+	updates := make(chan config.Update, 1)
+	// The config's health section reaches the watcher: probe often, so the
+	// reset is noticed within the test.
+	updates <- config.Update{Data: []byte("version: v1\nconfigs:\n  default:\n    health:\n      probeInterval: 50ms\n")}
+	a := New(Options{Lib: node, Publisher: rec, Health: w, HealthChanged: changed, ConfigUpdates: updates, ResyncInterval: time.Hour})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go w.Run(ctx)
+	go a.Run(ctx)
+	rec.wait(t)
+
+	// An application XID (13) is ignored by default; a fatal one (48, double-bit ECC) marks only its GPU.
+	// The watcher registers for events on its own schedule after it gets the
+	// inventory: inject until the XIDs are seen.
+	waitFor(t, func() bool {
+		node.InjectXID(0, 13)
+		node.InjectXID(1, 48)
+		time.Sleep(20 * time.Millisecond)
+		return !findGPU(rec.last(), 1).Healthy
+	})
+	for _, d := range rec.last().Resources[ResourceGPU].Devices {
+		if d.GPU != 1 && !d.Healthy {
+			t.Errorf("GPU %d unhealthy (%s); only GPU 1 had a fatal XID", d.GPU, d.Reason)
+		}
+	}
+	if r := findGPU(rec.last(), 1).Reason; !strings.Contains(r, "48") {
+		t.Errorf("reason %q does not name XID 48", r)
+	}
+	waitFor(t, func() bool { return len(a.Status().HealthCauses) == 1 })
+
+	// A reset clears a reset-class XID.
+	node.Reset(1)
+	deadline := time.Now().Add(5 * time.Second)
+	for !findGPU(rec.last(), 1).Healthy {
+		if time.Now().After(deadline) {
+			st := w.State()
+			t.Fatalf("GPU 1 not healthy after reset: causes %+v log %+v", st.Causes, st.Log)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }

@@ -1,11 +1,14 @@
 package agent
 
 import (
+	"context"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
 )
 
 func testInventory() *gpu.Inventory {
@@ -108,5 +111,40 @@ func TestSameCatalog(t *testing.T) {
 	}
 	if sameCatalog(a, &catalog.Catalog{Resources: map[string]*catalog.Resource{}}) {
 		t.Fatal("removal not seen as a change")
+	}
+}
+
+func TestAgentPreferredUsesTopology(t *testing.T) {
+	node, err := sim.New("dgx1-v100")
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	rec := newRecorder()
+	a := New(Options{Lib: node, Publisher: rec, ResyncInterval: time.Hour})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go a.Run(ctx)
+	rec.wait(t)
+	r := rec.last().Resources[ResourceGPU]
+	if r.Preferred == nil {
+		t.Fatal("no topology preferrer on nvidia.com/gpu")
+	}
+	uuid := map[int]string{}
+	for _, d := range r.Devices {
+		uuid[d.GPU] = d.ID
+	}
+	// The cube-mesh case from the topology issue: of {1,2,3,4} with 1 required,
+	// {1,2} (2 NVLink lanes) beats {1,4} (no NVLink).
+	got, err := r.Preferred.Preferred([]string{uuid[1], uuid[2], uuid[3], uuid[4]}, []string{uuid[1]}, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 || !slices.Contains(got, uuid[1]) || !slices.Contains(got, uuid[2]) {
+		t.Errorf("preferred %v, want GPUs 1 and 2 (%s, %s)", got, uuid[1], uuid[2])
+	}
+	// The same preferrer is reused while the inventory is unchanged.
+	if a.preferrerForTest() != a.preferrerForTest() {
+		t.Error("preferrer rebuilt without an inventory change")
 	}
 }

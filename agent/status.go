@@ -6,6 +6,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/health"
 )
 
 // Status is what /status serves and `gpu-agent status` prints.
@@ -17,6 +18,9 @@ type Status struct {
 	Errors   []string        `json:"inventoryErrors,omitempty"`
 	Resource []ResourceState `json:"resources"`
 	LastPass time.Time       `json:"lastPass"`
+	// Health causes in force and the recent health event log.
+	HealthCauses []health.Cause `json:"healthCauses,omitempty"`
+	HealthLog    []health.Entry `json:"healthLog,omitempty"`
 	// Filled by the HTTP layer from the plugin manager.
 	Registrations []Registration `json:"registrations,omitempty"`
 }
@@ -80,6 +84,13 @@ func (a *Agent) publishStatus() {
 		s.GPUs = a.inv.GPUs
 		for _, e := range a.inv.Errors {
 			s.Errors = append(s.Errors, e.Error())
+		}
+	}
+	if a.opts.Health != nil {
+		if hs := a.opts.Health.State(); hs != nil {
+			s.HealthCauses = hs.Causes
+			// The newest entries; the full log is bounded by the watcher.
+			s.HealthLog = hs.Log[max(0, len(hs.Log)-20):]
 		}
 	}
 	if a.cat != nil {

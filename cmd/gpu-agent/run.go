@@ -18,6 +18,8 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/plugin"
 )
 
@@ -95,31 +97,56 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
-	mgr, err := plugin.NewManager(plugin.Options{Dir: f.pluginDir, Logger: log.With("component", "plugin")})
+	// Health and metrics: the watcher marks devices, the sampler caches
+	// telemetry for scrapes, pod-resources attributes devices to pods.
+	healthChanged := make(chan struct{}, 1)
+	watcher := health.NewWatcher(be.Lib, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
+		Logger: log.With("component", "health"),
+		OnChange: func(*health.State) {
+			select {
+			case healthChanged <- struct{}{}:
+			default: // the loop reads the latest state anyway
+			}
+		},
+	})
+	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
+	podres := health.NewPodResources(health.PodResourcesOptions{Socket: f.podResources, Logger: log.With("component", "pod-resources")})
+
+	mgr, err := plugin.NewManager(plugin.Options{
+		Dir: f.pluginDir, Logger: log.With("component", "plugin"),
+		OnAllocate: func(string) { podres.Invalidate() },
+	})
 	if err != nil {
 		return err
 	}
 
 	var updates chan config.Update
-	var watcher *config.Watcher
+	var cfgWatcher *config.Watcher
 	if f.config != "" {
-		watcher, err = config.NewWatcher(f.config, log.With("component", "config"))
+		cfgWatcher, err = config.NewWatcher(f.config, log.With("component", "config"))
 		if err != nil {
 			return fmt.Errorf("--config %s: %w", f.config, err)
 		}
 		updates = make(chan config.Update)
 	}
 	ag := agent.New(agent.Options{
-		Lib:              be.Lib,
-		InventoryOptions: be.InventoryOptions,
-		NodeName:         f.nodeName,
-		ConfigSource:     f.config,
-		ConfigUpdates:    updates,
-		Publisher:        mgr,
-		ResyncInterval:   f.resync,
-		Logger:           log.With("component", "agent"),
-		Registerer:       reg,
+		Lib:                be.Lib,
+		InventoryOptions:   be.InventoryOptions,
+		NodeName:           f.nodeName,
+		ConfigSource:       f.config,
+		ConfigUpdates:      updates,
+		Publisher:          mgr,
+		Health:             watcher,
+		HealthChanged:      healthChanged,
+		InventoryObservers: []func(*gpu.Inventory){sampler.SetInventory},
+		ResyncInterval:     f.resync,
+		Logger:             log.With("component", "agent"),
+		Registerer:         reg,
 	})
+
+	reg.MustRegister(health.NewCollector(health.CollectorOptions{
+		Samples: sampler, Health: watcher, Attribution: podres, Catalog: ag, Hostname: f.nodeName,
+	}))
 
 	ln, err := net.Listen("tcp", f.listen)
 	if err != nil {
@@ -135,7 +162,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
-	errs := make(chan error, 4)
+	errs := make(chan error, 8)
 	goRun := func(name string, fn func() error) {
 		wg.Add(1)
 		go func() {
@@ -148,8 +175,11 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	}
 	goRun("plugin manager", func() error { return mgr.Run(ctx) })
 	goRun("agent", func() error { return ag.Run(ctx) })
-	if watcher != nil {
-		goRun("config watcher", func() error { return watcher.Run(ctx, updates) })
+	goRun("health watcher", func() error { return watcher.Run(ctx) })
+	goRun("metrics sampler", func() error { return sampler.Run(ctx) })
+	goRun("pod-resources", func() error { return podres.Run(ctx) })
+	if cfgWatcher != nil {
+		goRun("config watcher", func() error { return cfgWatcher.Run(ctx, updates) })
 	}
 	goRun("http", func() error {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {

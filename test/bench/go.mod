@@ -1,0 +1,16 @@
+module github.com/gpu-agent/gpu-agent/test/bench
+
+go 1.26.8
+
+replace github.com/gpu-agent/gpu-agent => ../..
+
+require (
+	github.com/NVIDIA/go-gpuallocator v0.6.0
+	github.com/NVIDIA/go-nvml v0.13.3-1
+	github.com/gpu-agent/gpu-agent v0.0.0-00010101000000-000000000000
+)
+
+require (
+	github.com/NVIDIA/go-nvlib v0.12.0 // indirect
+	github.com/google/uuid v1.6.0 // indirect
+)
