@@ -6,23 +6,31 @@ BIN := bin/gpu-agent
 # Where `make run` keeps its sockets and state, so it needs no root.
 RUN_DIR ?= $(CURDIR)/.run
 
-.PHONY: all build test unit lint fmt bench run fuzz clean
+.PHONY: all build test unit lint fmt bench run fuzz clean e2e
 
 all: build
 
 build:
 	$(GO) build -o $(BIN) ./cmd/gpu-agent
 
-# The README's test command; .ci/run calls exactly this.
-test: lint unit
+# The README's test command; .ci/run calls exactly this. e2e needs root (it
+# runs a real kubelet and containerd) and installs its Debian packages.
+test: lint unit e2e
 
 lint:
 	@out="$$(gofmt -l .)"; \
 	if [ -n "$$out" ]; then echo "gofmt needed on:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
+	cd test/bench && $(GO) vet ./...
+	cd test/e2e && $(GO) vet -tags e2e ./...
 
 unit:
 	$(GO) test -race -count=1 ./...
+
+# A real kubelet (built from k8s.io/kubernetes, cached) with containerd and
+# runc starts static pods that request gpu-agent's resources.
+e2e:
+	cd test/e2e && ./run.sh
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')

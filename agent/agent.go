@@ -74,17 +74,20 @@ type Agent struct {
 	selected config.Selected
 	cfgErr   error
 	cfgErrAt time.Time
-	warnings []string
-	gen      int
-	inv      *gpu.Inventory
-	cat      *catalog.Catalog
-	lastPass time.Time
-	failed   map[string]FailedGPU
-	// pref answers GetPreferredAllocation for whole GPUs; built once per
-	// inventory and policy (prefInv, prefPolicy), never per request.
-	pref       *topology.Preferrer
-	prefInv    *gpu.Inventory
-	prefPolicy topology.Policy
+	// planErr: the selected config does not fit this node (set by plan).
+	planErr   error
+	planErrAt time.Time
+	warnings  []string
+	gen       int
+	inv       *gpu.Inventory
+	cat       *catalog.Catalog
+	lastPass  time.Time
+	failed    map[string]FailedGPU
+	// scorerCache ranks GPU sets for GetPreferredAllocation; built once per
+	// inventory and policy (scorerInv, scorerPolicy), never per request.
+	scorerCache  *topology.Scorer
+	scorerInv    *gpu.Inventory
+	scorerPolicy topology.Policy
 }
 
 // New returns an agent; it does nothing until Run.
@@ -261,14 +264,38 @@ func (a *Agent) plan(why string) {
 			unhealthy = st.UnhealthyDevices()
 		}
 	}
+	cfg := a.selected.Config
 	in := PlanInput{
 		Inventory:       a.inv,
-		PassDeviceSpecs: a.selected.Config.DevicePlugin.PassDeviceSpecs,
+		ConfigName:      a.selected.Name,
+		PassDeviceSpecs: cfg.DevicePlugin.PassDeviceSpecs,
+		MIGStrategy:     cfg.MIG.Strategy,
+		Sharing:         cfg.Sharing,
 		Unhealthy:       unhealthy,
 		Failed:          a.failed,
-		Preferred:       a.preferrer(),
+		Scorer:          a.scorer(),
 	}
-	cat := PlanCatalog(in)
+	cat, err := PlanCatalog(in)
+	if err != nil {
+		// The config is valid on its own but does not fit this node (a GPU
+		// index it lacks, ...): same treatment as an invalid config.
+		a.metrics.configValid.Set(0)
+		if a.planErr == nil || a.planErr.Error() != err.Error() {
+			a.planErrAt = a.now()
+			a.metrics.configErrors.Inc()
+			a.log.Error("config cannot be applied to this node; keeping what is served", "config", a.selected.Name, "error", err)
+		}
+		a.planErr = err
+		a.publishStatus()
+		return
+	}
+	if a.planErr != nil {
+		a.log.Info("config applies to this node again", "config", a.selected.Name)
+		a.planErr = nil
+		if a.cfgErr == nil {
+			a.metrics.configValid.Set(1)
+		}
+	}
 	changed := a.cat == nil || !sameCatalog(a.cat, cat)
 	a.cat = cat
 	a.catalog.Store(cat)
@@ -343,9 +370,9 @@ func carryFailed(prev, next *gpu.Inventory, failing map[string]FailedGPU) map[st
 	return out
 }
 
-// preferrer returns the topology-aware chooser for the current inventory and
-// the selected config's allocation policy.
-func (a *Agent) preferrer() catalog.Preferrer {
+// scorer returns the topology scorer for the current inventory and the
+// selected config's allocation policy.
+func (a *Agent) scorer() *topology.Scorer {
 	if a.inv == nil {
 		return nil
 	}
@@ -355,8 +382,8 @@ func (a *Agent) preferrer() catalog.Preferrer {
 		a.log.Error("allocation policy not understood; using topology", "error", err)
 		policy = topology.PolicyTopology
 	}
-	if a.pref == nil || a.prefInv != a.inv || a.prefPolicy != policy {
-		a.pref, a.prefInv, a.prefPolicy = topology.NewGPUPreferrer(a.inv, policy), a.inv, policy
+	if a.scorerCache == nil || a.scorerInv != a.inv || a.scorerPolicy != policy {
+		a.scorerCache, a.scorerInv, a.scorerPolicy = topology.FromInventory(a.inv, policy), a.inv, policy
 	}
-	return a.pref
+	return a.scorerCache
 }

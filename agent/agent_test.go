@@ -271,3 +271,28 @@ func TestAgentHealthMarksAndRecovers(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+func TestAgentConfigThatDoesNotFitKeepsServing(t *testing.T) {
+	updates := make(chan config.Update)
+	a, rec := startAgent(t, "pcie-4gpu", updates, nil)
+	updates <- config.Update{Data: []byte("version: v1\nconfigs:\n  default: {}\n")}
+	rec.wait(t)
+	misfit := "version: v1\nconfigs:\n  default:\n    sharing:\n      timeSlicing:\n        resources:\n        - name: nvidia.com/gpu\n          devices: [\"7\"]\n          replicas: 2\n"
+	updates <- config.Update{Data: []byte(misfit)}
+	waitFor(t, func() bool { return strings.Contains(a.Status().Config.Error, "devices[0]") })
+	select {
+	case <-rec.got:
+		t.Fatal("a config that does not fit the node was published")
+	case <-time.After(50 * time.Millisecond):
+	}
+	if n := len(a.Status().Resource[0].Devices); n != 4 {
+		t.Errorf("status shows %d devices, want the 4 still served", n)
+	}
+	fits := strings.Replace(misfit, `["7"]`, `["3"]`, 1)
+	updates <- config.Update{Data: []byte(fits)}
+	rec.wait(t)
+	waitFor(t, func() bool { return a.Status().Config.Error == "" })
+	if n := len(rec.last().Resources[ResourceGPU].Devices); n != 5 {
+		t.Errorf("after the fix: %d devices, want 3 whole GPUs + 2 replicas", n)
+	}
+}

@@ -1,7 +1,7 @@
 package agent
 
-import "github.com/gpu-agent/gpu-agent/catalog"
+import "github.com/gpu-agent/gpu-agent/plugin/topology"
 
-// preferrerForTest reads the cached preferrer; only safe once Run has
-// published (the test reads it after, with no reconcile in flight).
-func (a *Agent) preferrerForTest() catalog.Preferrer { return a.pref }
+// scorerForTest reads the cached scorer; only safe once Run has published
+// (the test reads it after, with no reconcile in flight).
+func (a *Agent) scorerForTest() *topology.Scorer { return a.scorerCache }

@@ -1,16 +1,24 @@
 package agent
 
 import (
+	"cmp"
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/plugin/topology"
+	"github.com/gpu-agent/gpu-agent/timeslice"
 )
 
 // ResourceGPU is the whole-GPU resource name pods written for NVIDIA's stack request.
 const ResourceGPU = "nvidia.com/gpu"
+
+// resourceMIGPrefix names a MIG profile's resource under the mixed strategy.
+const resourceMIGPrefix = "nvidia.com/mig-"
 
 // Control device nodes every CUDA container needs besides its /dev/nvidiaN.
 var controlDeviceNodes = []string{"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
@@ -19,18 +27,25 @@ var controlDeviceNodes = []string{"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvi
 // same input always plans the same catalog.
 type PlanInput struct {
 	Inventory *gpu.Inventory
+	// ConfigName names the selected config in error messages (field paths).
+	ConfigName string
 	// PassDeviceSpecs adds /dev/nvidia* device nodes to Allocate responses
 	// (needed where the container runtime does not inject them itself).
 	PassDeviceSpecs bool
-	// Unhealthy maps a GPU UUID to the reason it is unhealthy.
+	// MIGStrategy decides how existing MIG devices are offered: none (not at
+	// all), single (as nvidia.com/gpu), mixed (as nvidia.com/mig-<profile>).
+	MIGStrategy config.MIGStrategy
+	// Sharing turns selected devices into replicas.
+	Sharing config.Sharing
+	// Unhealthy maps a GPU or MIG UUID to the reason it is unhealthy.
 	Unhealthy map[string]string
 	// Failed are GPUs of an earlier inventory that the latest one could not
 	// read (lost, NVML errors), keyed by UUID with the reason. They stay
 	// offered, unhealthy: a device that vanishes from ListAndWatch looks to
 	// the kubelet like a removal, not a failure, and nobody is told why.
 	Failed map[string]FailedGPU
-	// Preferred answers GetPreferredAllocation for whole GPUs (nil: plugin default).
-	Preferred catalog.Preferrer
+	// Scorer ranks GPU sets for GetPreferredAllocation (nil: plugin default).
+	Scorer *topology.Scorer
 }
 
 // FailedGPU is a GPU last seen in an earlier inventory.
@@ -41,58 +56,144 @@ type FailedGPU struct {
 
 // PlanCatalog decides what the node offers. MIG-enabled GPUs are not offered
 // as whole GPUs: their memory and SMs belong to their instances, and handing
-// the parent to a pod would give it a GPU it cannot use.
-func PlanCatalog(in PlanInput) *catalog.Catalog {
+// the parent to a pod would give it a GPU it cannot use. An error names the
+// config field that cannot be applied to this node; the caller keeps
+// serving what it served before.
+func PlanCatalog(in PlanInput) (*catalog.Catalog, error) {
 	c := &catalog.Catalog{Resources: map[string]*catalog.Resource{}}
 	if in.Inventory == nil {
-		return c
+		return c, nil
 	}
-	whole := &catalog.Resource{Name: ResourceGPU, Preferred: in.Preferred}
-	if in.PassDeviceSpecs {
-		whole.Common.DeviceNodes = slices.Clone(controlDeviceNodes)
-	}
-	gpus := slices.Clone(in.Inventory.GPUs)
 	unhealthy := in.Unhealthy
+	gpus := slices.Clone(in.Inventory.GPUs)
 	if len(in.Failed) > 0 {
 		unhealthy = maps.Clone(in.Unhealthy)
 		if unhealthy == nil {
 			unhealthy = map[string]string{}
 		}
-		for uuid, f := range in.Failed {
+		for _, uuid := range slices.Sorted(maps.Keys(in.Failed)) {
+			f := in.Failed[uuid]
 			gpus = append(gpus, f.GPU)
 			unhealthy[uuid] = f.Reason
 		}
 	}
-	for _, g := range gpus {
-		if g.MIG.Current {
-			continue
+	add := func(name string, d catalog.Device) {
+		r := c.Resources[name]
+		if r == nil {
+			r = &catalog.Resource{Name: name}
+			if in.PassDeviceSpecs {
+				r.Common.DeviceNodes = slices.Clone(controlDeviceNodes)
+			}
+			c.Resources[name] = r
 		}
-		d := catalog.Device{
-			ID:       g.UUID,
-			Healthy:  true,
-			NUMANode: g.NUMANode,
-			GPU:      g.Index,
-			Spec:     catalog.AllocateSpec{VisibleID: g.UUID},
-		}
-		if reason, bad := unhealthy[g.UUID]; bad {
+		if reason, bad := unhealthy[d.ID]; bad {
+			d.Healthy, d.Reason = false, reason
+		} else if reason, bad := unhealthy[d.Spec.VisibleID]; bad {
 			d.Healthy, d.Reason = false, reason
 		}
+		r.Devices = append(r.Devices, d)
+	}
+	for _, g := range gpus {
+		nodes := []string(nil)
 		if in.PassDeviceSpecs {
-			d.Spec.DeviceNodes = []string{fmt.Sprintf("/dev/nvidia%d", g.Minor)}
+			nodes = []string{fmt.Sprintf("/dev/nvidia%d", g.Minor)}
 		}
-		whole.Devices = append(whole.Devices, d)
-	}
-	if len(whole.Devices) > 0 {
-		slices.SortFunc(whole.Devices, func(a, b catalog.Device) int {
-			switch {
-			case a.ID < b.ID:
-				return -1
-			case a.ID > b.ID:
-				return 1
+		if !g.MIG.Current {
+			add(ResourceGPU, catalog.Device{ID: g.UUID, Healthy: true, NUMANode: g.NUMANode, GPU: g.Index,
+				Spec: catalog.AllocateSpec{VisibleID: g.UUID, DeviceNodes: nodes}})
+			continue
+		}
+		if in.MIGStrategy == config.MIGStrategyNone || in.MIGStrategy == "" {
+			continue
+		}
+		for _, m := range g.Instances {
+			name := ResourceGPU
+			if in.MIGStrategy == config.MIGStrategyMixed {
+				name = MIGResourceName(m.Profile)
 			}
-			return 0
-		})
-		c.Resources[whole.Name] = whole
+			d := catalog.Device{ID: m.UUID, Healthy: true, NUMANode: g.NUMANode, GPU: g.Index,
+				Spec: catalog.AllocateSpec{VisibleID: m.UUID, DeviceNodes: nodes}}
+			// A fault on the parent GPU takes its instances with it.
+			if reason, bad := unhealthy[g.UUID]; bad {
+				d.Healthy, d.Reason = false, reason
+			}
+			add(name, d)
+		}
 	}
-	return c
+	if err := applySharing(c, in); err != nil {
+		return nil, err
+	}
+	for name, r := range c.Resources {
+		if len(r.Devices) == 0 {
+			delete(c.Resources, name) // a resource without devices would register and offer nothing
+			continue
+		}
+		slices.SortFunc(r.Devices, func(a, b catalog.Device) int { return cmp.Compare(a.ID, b.ID) })
+		if in.Scorer != nil {
+			r.Preferred = topology.NewPreferrer(in.Scorer, r.Devices)
+		}
+	}
+	return c, nil
+}
+
+// MIGResourceName is the mixed-strategy resource of a MIG profile: NVIDIA's
+// names, with "+" (not allowed in resource names) written as ".".
+func MIGResourceName(profile string) string {
+	return resourceMIGPrefix + strings.ReplaceAll(profile, "+", ".")
+}
+
+// applySharing replaces the devices each time-slicing entry selects by their
+// replicas, under the entry's rename or its own name.
+func applySharing(c *catalog.Catalog, in PlanInput) error {
+	field := fmt.Sprintf("configs.%s.sharing", in.ConfigName)
+	if m := in.Sharing.MPS; m != nil && len(m.Resources) > 0 {
+		return fmt.Errorf("%s.mps: MPS sharing is not supported by this version of gpu-agent yet; use timeSlicing", field)
+	}
+	ts := in.Sharing.TimeSlicing
+	if ts == nil {
+		return nil
+	}
+	type group struct {
+		name, target string
+		devs         []catalog.Device
+		replicas     int
+	}
+	var groups []group
+	for i, e := range ts.Resources {
+		f := fmt.Sprintf("%s.timeSlicing.resources[%d]", field, i)
+		src := c.Resources[e.Name]
+		if src == nil {
+			return fmt.Errorf("%s.name: this node offers no %s (it offers %s)", f, e.Name, strings.Join(c.Names(), ", "))
+		}
+		sel, err := timeslice.Select(e.Devices, byGPU(src.Devices), f+".devices")
+		if err != nil {
+			return err
+		}
+		target := cmp.Or(e.Rename, e.Name)
+		if other := c.Resources[target]; target != e.Name && other != nil {
+			return fmt.Errorf("%s.rename: %s is already offered by this node; choose another name", f, target)
+		}
+		src.Devices = slices.DeleteFunc(src.Devices, func(d catalog.Device) bool {
+			return slices.ContainsFunc(sel, func(s catalog.Device) bool { return s.ID == d.ID })
+		})
+		groups = append(groups, group{name: e.Name, target: target, devs: sel, replicas: e.Replicas})
+	}
+	for _, g := range groups {
+		r := c.Resources[g.target]
+		if r == nil {
+			r = &catalog.Resource{Name: g.target, Common: c.Resources[g.name].Common}
+			c.Resources[g.target] = r
+		}
+		r.Devices = append(r.Devices, timeslice.Expand(g.devs, g.replicas)...)
+		if ts.FailsRequestsGreaterThanOne() {
+			r.MaxPerContainer = 1
+		}
+	}
+	return nil
+}
+
+func byGPU(devs []catalog.Device) []catalog.Device {
+	out := slices.Clone(devs)
+	slices.SortStableFunc(out, func(a, b catalog.Device) int { return cmp.Compare(a.GPU, b.GPU) })
+	return out
 }

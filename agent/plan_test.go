@@ -3,10 +3,12 @@ package agent
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 )
@@ -54,7 +56,10 @@ func TestPlanCatalogWholeGPUs(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c := PlanCatalog(tt.in)
+			c, err := PlanCatalog(tt.in)
+			if err != nil {
+				t.Fatal(err)
+			}
 			r, ok := c.Resources[ResourceGPU]
 			if !ok {
 				t.Fatalf("no %s resource; got %v", ResourceGPU, c.Names())
@@ -92,7 +97,7 @@ func TestPlanCatalogWholeGPUs(t *testing.T) {
 func TestPlanCatalogNoWholeGPUs(t *testing.T) {
 	inv := &gpu.Inventory{GPUs: []gpu.GPU{{Index: 0, UUID: "GPU-x", MIGCapable: true, MIG: gpu.MIGMode{Current: true}}}}
 	for name, in := range map[string]PlanInput{"all MIG": {Inventory: inv}, "no inventory": {}} {
-		c := PlanCatalog(in)
+		c, _ := PlanCatalog(in)
 		if len(c.Resources) != 0 {
 			t.Errorf("%s: resources %v, want none (an empty resource would register with no devices)", name, c.Names())
 		}
@@ -100,12 +105,12 @@ func TestPlanCatalogNoWholeGPUs(t *testing.T) {
 }
 
 func TestSameCatalog(t *testing.T) {
-	a := PlanCatalog(PlanInput{Inventory: testInventory()})
-	b := PlanCatalog(PlanInput{Inventory: testInventory()})
+	a, _ := PlanCatalog(PlanInput{Inventory: testInventory()})
+	b, _ := PlanCatalog(PlanInput{Inventory: testInventory()})
 	if !sameCatalog(a, b) {
 		t.Fatal("identical plans differ")
 	}
-	c := PlanCatalog(PlanInput{Inventory: testInventory(), Unhealthy: map[string]string{"GPU-a": "lost"}})
+	c, _ := PlanCatalog(PlanInput{Inventory: testInventory(), Unhealthy: map[string]string{"GPU-a": "lost"}})
 	if sameCatalog(a, c) {
 		t.Fatal("health change not seen as a change")
 	}
@@ -143,8 +148,139 @@ func TestAgentPreferredUsesTopology(t *testing.T) {
 	if len(got) != 2 || !slices.Contains(got, uuid[1]) || !slices.Contains(got, uuid[2]) {
 		t.Errorf("preferred %v, want GPUs 1 and 2 (%s, %s)", got, uuid[1], uuid[2])
 	}
-	// The same preferrer is reused while the inventory is unchanged.
-	if a.preferrerForTest() != a.preferrerForTest() {
-		t.Error("preferrer rebuilt without an inventory change")
+	// The scorer is built once per inventory, not per request.
+	if s := a.scorerForTest(); s == nil || s.Policy() != "topology" {
+		t.Errorf("scorer %v, want the topology policy's", s)
+	}
+}
+
+func migInventory() *gpu.Inventory {
+	inv := testInventory()
+	inv.GPUs[2].Instances = []gpu.MIGInstance{
+		{UUID: "MIG-1", Profile: "3g.20gb", GI: 1},
+		{UUID: "MIG-2", Profile: "1g.5gb+me", GI: 2},
+	}
+	return inv
+}
+
+func boolPtr(b bool) *bool { return &b }
+
+func TestPlanCatalogSharingAndMIG(t *testing.T) {
+	ts := func(rs ...config.ReplicatedResource) config.Sharing {
+		return config.Sharing{TimeSlicing: &config.TimeSlicing{Resources: rs}}
+	}
+	tests := []struct {
+		name    string
+		in      PlanInput
+		want    map[string][]string // resource -> device IDs
+		max     map[string]int      // resource -> MaxPerContainer
+		wantErr string
+	}{
+		{
+			name: "all GPUs time-sliced in place",
+			in:   PlanInput{Sharing: ts(config.ReplicatedResource{Name: ResourceGPU, Devices: config.ReplicaDevices{All: true}, Replicas: 2})},
+			want: map[string][]string{ResourceGPU: {"GPU-a::0", "GPU-a::1", "GPU-b::0", "GPU-b::1", "GPU-d::0", "GPU-d::1"}},
+		},
+		{
+			name: "some GPUs renamed, the rest stay whole; limit only when asked",
+			in: PlanInput{Sharing: config.Sharing{TimeSlicing: &config.TimeSlicing{FailRequestsGreaterThanOne: boolPtr(true),
+				Resources: []config.ReplicatedResource{{Name: ResourceGPU, Rename: "nvidia.com/gpu.shared",
+					Devices: config.ReplicaDevices{List: []string{"3"}}, Replicas: 3}}}}},
+			want: map[string][]string{ResourceGPU: {"GPU-a", "GPU-b"}, "nvidia.com/gpu.shared": {"GPU-d::0", "GPU-d::1", "GPU-d::2"}},
+			max:  map[string]int{ResourceGPU: 0, "nvidia.com/gpu.shared": 1},
+		},
+		{
+			name: "mixed strategy: one resource per profile, + written as .",
+			in:   PlanInput{Inventory: migInventory(), MIGStrategy: config.MIGStrategyMixed},
+			want: map[string][]string{ResourceGPU: {"GPU-a", "GPU-b", "GPU-d"}, "nvidia.com/mig-3g.20gb": {"MIG-1"}, "nvidia.com/mig-1g.5gb.me": {"MIG-2"}},
+		},
+		{
+			name: "single strategy: MIG devices are nvidia.com/gpu",
+			in:   PlanInput{Inventory: migInventory(), MIGStrategy: config.MIGStrategySingle},
+			want: map[string][]string{ResourceGPU: {"GPU-a", "GPU-b", "GPU-d", "MIG-1", "MIG-2"}},
+		},
+		{
+			name: "MIG devices time-sliced",
+			in: PlanInput{Inventory: migInventory(), MIGStrategy: config.MIGStrategyMixed,
+				Sharing: ts(config.ReplicatedResource{Name: "nvidia.com/mig-3g.20gb", Devices: config.ReplicaDevices{All: true}, Replicas: 2})},
+			want: map[string][]string{ResourceGPU: {"GPU-a", "GPU-b", "GPU-d"}, "nvidia.com/mig-3g.20gb": {"MIG-1::0", "MIG-1::1"}, "nvidia.com/mig-1g.5gb.me": {"MIG-2"}},
+		},
+		{
+			name:    "unknown GPU index names the field",
+			in:      PlanInput{Sharing: ts(config.ReplicatedResource{Name: ResourceGPU, Devices: config.ReplicaDevices{List: []string{"9"}}, Replicas: 2})},
+			wantErr: `configs.default.sharing.timeSlicing.resources[0].devices[0]: "9" names no device`,
+		},
+		{
+			name:    "resource the node does not offer",
+			in:      PlanInput{Sharing: ts(config.ReplicatedResource{Name: "nvidia.com/mig-1g.10gb", Devices: config.ReplicaDevices{All: true}, Replicas: 2})},
+			wantErr: "resources[0].name: this node offers no nvidia.com/mig-1g.10gb",
+		},
+		{
+			name: "rename onto another offered resource",
+			in: PlanInput{Inventory: migInventory(), MIGStrategy: config.MIGStrategyMixed,
+				Sharing: ts(config.ReplicatedResource{Name: "nvidia.com/mig-3g.20gb", Rename: ResourceGPU, Devices: config.ReplicaDevices{All: true}, Replicas: 2})},
+			wantErr: "resources[0].rename: nvidia.com/gpu is already offered",
+		},
+		{
+			name:    "MPS is refused, not ignored",
+			in:      PlanInput{Sharing: config.Sharing{MPS: &config.MPS{Resources: []config.MPSResource{{ReplicatedResource: config.ReplicatedResource{Name: ResourceGPU, Replicas: 2}}}}}},
+			wantErr: "configs.default.sharing.mps: MPS sharing is not supported",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if tt.in.Inventory == nil {
+				tt.in.Inventory = testInventory()
+			}
+			tt.in.ConfigName = "default"
+			c, err := PlanCatalog(tt.in)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("err %v, want %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := map[string][]string{}
+			for name, r := range c.Resources {
+				for _, d := range r.Devices {
+					got[name] = append(got[name], d.ID)
+					if parent, _, ok := strings.Cut(d.ID, "::"); ok && d.Spec.VisibleID != parent {
+						t.Errorf("%s: visible %q, want %q", d.ID, d.Spec.VisibleID, parent)
+					}
+				}
+				if want, ok := tt.max[name]; ok && r.MaxPerContainer != want {
+					t.Errorf("%s: MaxPerContainer %d, want %d", name, r.MaxPerContainer, want)
+				}
+			}
+			if len(got) != len(tt.want) {
+				t.Errorf("resources %v, want %v", got, tt.want)
+			}
+			for name, ids := range tt.want {
+				if !slices.Equal(got[name], ids) {
+					t.Errorf("%s: %v, want %v", name, got[name], ids)
+				}
+			}
+		})
+	}
+}
+
+func TestPlanCatalogParentFaultMarksMIGAndReplicas(t *testing.T) {
+	c, err := PlanCatalog(PlanInput{Inventory: migInventory(), MIGStrategy: config.MIGStrategyMixed,
+		Unhealthy: map[string]string{"GPU-c": "XID 79", "GPU-a": "XID 48"},
+		Sharing: config.Sharing{TimeSlicing: &config.TimeSlicing{Resources: []config.ReplicatedResource{
+			{Name: ResourceGPU, Devices: config.ReplicaDevices{List: []string{"GPU-a"}}, Replicas: 2}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, r := range c.Resources {
+		for _, d := range r.Devices {
+			wantBad := strings.HasPrefix(d.ID, "MIG-") || strings.HasPrefix(d.ID, "GPU-a")
+			if d.Healthy == wantBad {
+				t.Errorf("%s %s: healthy %v", name, d.ID, d.Healthy)
+			}
+		}
 	}
 }

@@ -23,6 +23,9 @@ type Status struct {
 	HealthLog    []health.Entry `json:"healthLog,omitempty"`
 	// Filled by the HTTP layer from the plugin manager.
 	Registrations []Registration `json:"registrations,omitempty"`
+	// HealthEvents lists the GPUs NVML delivers health events for (filled
+	// by the HTTP layer from the health watcher).
+	HealthEvents []string `json:"healthEvents,omitempty"`
 }
 
 // ConfigStatus says which config is in force and whether the file's latest
@@ -76,9 +79,13 @@ func (a *Agent) publishStatus() {
 	if s.Config.Source == "" {
 		s.Config.Source = "built-in default"
 	}
-	if a.cfgErr != nil {
+	switch {
+	case a.cfgErr != nil:
 		s.Config.Error = a.cfgErr.Error()
 		s.Config.ErrorSince = a.cfgErrAt
+	case a.planErr != nil:
+		s.Config.Error = a.planErr.Error()
+		s.Config.ErrorSince = a.planErrAt
 	}
 	if a.inv != nil {
 		s.GPUs = a.inv.GPUs

@@ -26,6 +26,10 @@ type Resource struct {
 	// Common is added to every container that gets at least one device of
 	// this resource (e.g. /dev/nvidiactl).
 	Common AllocateSpec
+	// MaxPerContainer refuses Allocate requests for more devices than this
+	// per container (0: no limit). Shared resources set it to 1 when asked
+	// to (failRequestsGreaterThanOne): two replicas give no more GPU.
+	MaxPerContainer int
 }
 
 // Preferrer chooses which devices to offer the kubelet for a request.
@@ -98,7 +102,7 @@ func SameDevices(a, b *Resource) bool {
 			return false
 		}
 	}
-	return sameSpec(a.Common, b.Common)
+	return sameSpec(a.Common, b.Common) && a.MaxPerContainer == b.MaxPerContainer
 }
 
 func sameDevice(a, b Device) bool {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -45,6 +46,8 @@ type Watcher struct {
 	opts  WatcherOptions
 	log   *slog.Logger
 	state atomic.Pointer[State]
+	// watched: GPUs registered for events (Watched).
+	watched atomic.Pointer[[]string]
 
 	mu         sync.Mutex
 	pendInv    *gpu.Inventory
@@ -207,6 +210,24 @@ func (w *Watcher) applyPending(set nvml.EventSet) {
 			w.register(set, d)
 		}
 	}
+	watched := make([]string, 0, len(w.devs))
+	for _, d := range w.devs {
+		if d.registered != 0 {
+			watched = append(watched, d.uuid)
+		}
+	}
+	slices.Sort(watched)
+	w.watched.Store(&watched)
+}
+
+// Watched returns the UUIDs of the GPUs NVML delivers health events for, in
+// order; events that happen on a GPU before it is listed here are not seen
+// (only the periodic probe catches their effect). Safe from any goroutine.
+func (w *Watcher) Watched() []string {
+	if p := w.watched.Load(); p != nil {
+		return *p
+	}
+	return nil
 }
 
 // handleOf returns the GPU's handle, looking it up again when unknown.

@@ -40,6 +40,11 @@ func allocateContainer(res *catalog.Resource, ids []string) (*pluginapi.Containe
 	if len(ids) == 0 {
 		return nil, status.Errorf(codes.InvalidArgument, "resource %s: no device IDs requested", res.Name)
 	}
+	if res.MaxPerContainer > 0 && len(ids) > res.MaxPerContainer {
+		// NVIDIA's wording, so runbooks that match on it keep working.
+		return nil, status.Errorf(codes.InvalidArgument, "request for '%s: %d' too large: maximum request size for shared resources is %d",
+			res.Name, len(ids), res.MaxPerContainer)
+	}
 	devs := make([]catalog.Device, 0, len(ids))
 	for _, id := range ids {
 		d, ok := res.Device(id)

@@ -169,6 +169,9 @@ func TestAllocateErrors(t *testing.T) {
 	shared := conflict.Resources[resShared]
 	shared.Devices = append([]catalog.Device(nil), shared.Devices...)
 	shared.Devices[2].Spec.Env = map[string]string{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+	limited := testCatalog()
+	limitedShared := *limited.Resources[resShared]
+	limitedShared.MaxPerContainer = 1
 	mountClash := testCatalog()
 	gpus := mountClash.Resources[resGPU]
 	gpus.Devices = append([]catalog.Device(nil), gpus.Devices...)
@@ -191,6 +194,8 @@ func TestAllocateErrors(t *testing.T) {
 		{"empty request", cat.Resources[resGPU], allocReq([]string{}), codes.InvalidArgument, []string{resGPU}},
 		{"env conflict", conflict.Resources[resShared], allocReq([]string{"GPU-a::0", "GPU-b::0"}), codes.InvalidArgument,
 			[]string{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "GPU-b::0", resShared}},
+		{"more than one shared replica", &limitedShared, allocReq([]string{"GPU-a::0"}, []string{"GPU-a::0", "GPU-b::0"}), codes.InvalidArgument,
+			[]string{"container request 1", "request for '" + resShared + ": 2' too large: maximum request size for shared resources is 1"}},
 		{"mount conflict", mountClash.Resources[resGPU], allocReq([]string{"GPU-a"}), codes.InvalidArgument,
 			[]string{"/usr/lib/libcuda.so", resGPU}},
 	}

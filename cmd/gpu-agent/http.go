@@ -24,9 +24,12 @@ type registrations interface {
 	Ready() bool
 }
 
+// eventWatch is what they read from the health watcher.
+type eventWatch interface{ Watched() []string }
+
 // newHTTPHandler serves /metrics, /healthz, /readyz, /status and, on a
 // simulated node only, the /sim/ fault injection endpoints.
-func newHTTPHandler(ag statusSource, mgr registrations, reg *prometheus.Registry, be *backend) http.Handler {
+func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, reg *prometheus.Registry, be *backend) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -57,6 +60,7 @@ func newHTTPHandler(ag statusSource, mgr registrations, reg *prometheus.Registry
 				RegisteredAt: r.RegisteredAt, LastError: r.LastError,
 			})
 		}
+		st.HealthEvents = hw.Watched()
 		w.Header().Set("Content-Type", "application/json")
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")

@@ -153,7 +153,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
 	srv := &http.Server{
-		Handler:           newHTTPHandler(ag, mgr, reg, be),
+		Handler:           newHTTPHandler(ag, mgr, watcher, reg, be),
 		ReadHeaderTimeout: 5 * time.Second,
 	}
 	log.Info("gpu-agent starting", "backend", be.Name, "node", f.nodeName, "listen", ln.Addr().String(),
