@@ -38,9 +38,13 @@ fmt:
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem ./...
 
-# Short fuzzing of every parser of outside input.
+# Short fuzzing of every parser of outside input (the seed corpora also run
+# in every `go test`).
+FUZZTIME ?= 30s
 fuzz:
-	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 30s ./config
+	$(GO) test -run '^$$' -fuzz FuzzParse -fuzztime $(FUZZTIME) ./config
+	$(GO) test -run '^$$' -fuzz FuzzNormalizeBusID -fuzztime $(FUZZTIME) ./gpu
+	$(GO) test -run '^$$' -fuzz FuzzParent -fuzztime $(FUZZTIME) ./timeslice
 
 # Runs the agent on a simulated DGX A100 with its sockets under $(RUN_DIR).
 run: build

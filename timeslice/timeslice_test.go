@@ -103,3 +103,23 @@ func TestSelect(t *testing.T) {
 		})
 	}
 }
+
+// FuzzParent checks replica ID parsing, which reads device IDs the kubelet
+// sends: it never panics, and what it accepts is exactly what ReplicaID writes.
+func FuzzParent(f *testing.F) {
+	for _, s := range []string{"GPU-1::0", "MIG-x::12", "GPU-1", "::", "a::-1", "a::01", "a::b::1", "a::99999999999999999999"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, id string) {
+		parent, n, ok := Parent(id)
+		if !ok {
+			return
+		}
+		if parent == "" || n < 0 {
+			t.Fatalf("Parent(%q) = %q, %d", id, parent, n)
+		}
+		if ReplicaID(parent, n) != id {
+			t.Fatalf("Parent(%q) = %q, %d, which ReplicaID writes as %q", id, parent, n, ReplicaID(parent, n))
+		}
+	})
+}

@@ -275,3 +275,43 @@ func grepLines(s, substr string) string {
 	}
 	return fmt.Sprint(strings.Join(out, "\n"))
 }
+
+// TestReadmeConfigExample keeps the README's config example valid and
+// doing what the README says it does.
+func TestReadmeConfigExample(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(readme), "## Configuration")
+	if !ok {
+		t.Fatal("README has no Configuration section")
+	}
+	_, rest, ok = strings.Cut(rest, "```yaml\n")
+	example, _, ok2 := strings.Cut(rest, "```")
+	if !ok || !ok2 {
+		t.Fatal("README's Configuration section has no yaml example")
+	}
+	file := filepath.Join(t.TempDir(), "example.yaml")
+	os.WriteFile(file, []byte(example), 0o644)
+	code, out, stderr := run(t, "config", "validate", file, "--backend", "sim:dgx-a100")
+	if code != 0 {
+		t.Fatalf("README example: exit %d: %s", code, stderr)
+	}
+	for _, want := range []string{"nvidia.com/gpu         4", "nvidia.com/gpu.shared  16"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("README example output lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestConfigValidateMIGMixedTimeSliced(t *testing.T) {
+	code, out, stderr := run(t, "config", "validate", "testdata/mig-mixed-timesliced.yaml", "--backend", "sim:dgx-h100-mig")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	// 8 GPUs x 7 1g.10gb instances x 4 replicas; the GPUs themselves are not offered whole.
+	if !strings.Contains(out, "nvidia.com/mig-1g.10gb  224") || strings.Contains(out, "nvidia.com/gpu ") {
+		t.Errorf("output:\n%s", out)
+	}
+}

@@ -188,3 +188,37 @@ func BenchmarkInventoryTwoIslands16(b *testing.B) {
 		}
 	}
 }
+
+func TestInventoryMIGProfileVariant(t *testing.T) {
+	n, err := sim.New("dgx-h100-mig")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.Init()
+	defer n.Shutdown()
+	inv, err := gpu.New(n, gpu.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(inv.Errors) != 0 || len(inv.GPUs) != 8 {
+		t.Fatalf("%d GPUs, errors %v", len(inv.GPUs), inv.Errors)
+	}
+	seen := map[string]bool{}
+	for _, g := range inv.GPUs {
+		if !g.MIG.Current || len(g.Instances) != 7 {
+			t.Fatalf("GPU %d: MIG %+v with %d instances, want on with 7", g.Index, g.MIG, len(g.Instances))
+		}
+		for i, m := range g.Instances {
+			if m.Profile != "1g.10gb" || m.Placement.Start != i || seen[m.UUID] {
+				t.Errorf("GPU %d instance %d: %+v", g.Index, i, m)
+			}
+			seen[m.UUID] = true
+		}
+	}
+	// A full GPU leaves no room: the layout obeys the same rules as later creates.
+	d, _ := n.DeviceGetHandleByIndex(0)
+	info, _ := d.GetGpuInstanceProfileInfo(nvml.GPU_INSTANCE_PROFILE_1_SLICE)
+	if _, r := d.CreateGpuInstance(&info); r != nvml.ERROR_INSUFFICIENT_RESOURCES {
+		t.Errorf("an eighth 1g instance: %v, want ERROR_INSUFFICIENT_RESOURCES", r)
+	}
+}

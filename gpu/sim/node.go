@@ -148,7 +148,45 @@ func New(profile string, opts ...Option) (*Node, error) {
 		g.handle = n.newDevice(g, nil)
 		n.gpus = append(n.gpus, g)
 	}
+	if spec.migLayout != nil {
+		if err := n.createLayout(spec.migLayout); err != nil {
+			return nil, fmt.Errorf("sim %s: %w", spec.name, err)
+		}
+	}
 	return n, nil
+}
+
+// createLayout turns MIG on and creates the GPU instances of layout, each
+// with its full compute instance, on every GPU, through the node's NVML API
+// so that they obey the same rules as instances made later.
+func (n *Node) createLayout(layout []int) error {
+	for _, g := range n.gpus {
+		g.migCurrent, g.migPending = true, true
+	}
+	n.Init()
+	defer n.Shutdown()
+	ciProfile := map[uint32]int{1: nvml.COMPUTE_INSTANCE_PROFILE_1_SLICE, 2: nvml.COMPUTE_INSTANCE_PROFILE_2_SLICE,
+		3: nvml.COMPUTE_INSTANCE_PROFILE_3_SLICE, 4: nvml.COMPUTE_INSTANCE_PROFILE_4_SLICE, 7: nvml.COMPUTE_INSTANCE_PROFILE_7_SLICE}
+	for _, g := range n.gpus {
+		for _, p := range layout {
+			info, r := g.handle.GetGpuInstanceProfileInfo(p)
+			if r != nvml.SUCCESS {
+				return fmt.Errorf("gpu %d: profile %d: %v", g.index, p, r)
+			}
+			gi, r := g.handle.CreateGpuInstance(&info)
+			if r != nvml.SUCCESS {
+				return fmt.Errorf("gpu %d: create profile %d: %v", g.index, p, r)
+			}
+			ci, r := gi.GetComputeInstanceProfileInfo(ciProfile[info.SliceCount], nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+			if r != nvml.SUCCESS {
+				return fmt.Errorf("gpu %d: compute profile for %d slices: %v", g.index, info.SliceCount, r)
+			}
+			if _, r := gi.CreateComputeInstance(&ci); r != nvml.SUCCESS {
+				return fmt.Errorf("gpu %d: create compute instance: %v", g.index, r)
+			}
+		}
+	}
+	return nil
 }
 
 // Profile returns the name of the profile the node was built from.

@@ -18,7 +18,7 @@ func hasMethod(t reflect.Type, name string) bool {
 
 func TestProfilesSortedAndBuildable(t *testing.T) {
 	ps := Profiles()
-	want := []string{"dgx-a100", "dgx-h100", "dgx1-v100", "pcie-4gpu", "pcie-8gpu", "two-islands-16"}
+	want := []string{"dgx-a100", "dgx-h100", "dgx-h100-mig", "dgx1-v100", "pcie-4gpu", "pcie-8gpu", "two-islands-16"}
 	var got []string
 	for _, p := range ps {
 		got = append(got, p.Name)

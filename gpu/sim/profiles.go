@@ -173,6 +173,24 @@ type nodeSpec struct {
 	links      func(n int) [][]linkEnd
 	switchBus  []uint32
 	switchPCIx uint32 // NVSwitch pciDeviceId
+	// migLayout, when set, starts every GPU with MIG on and these GPU
+	// instance profiles (GPU_INSTANCE_PROFILE_* indices) created, each with
+	// one full compute instance, through the node's own NVML calls.
+	migLayout []int
+}
+
+// withMIGVariant adds a copy of the spec named base as name, with MIG on
+// and layout created on every GPU: a node with MIG devices from the start,
+// for `gpu-agent run` and benchmarks that need them.
+func withMIGVariant(specs []*nodeSpec, base, name, desc string, layout []int) []*nodeSpec {
+	for _, s := range specs {
+		if s.name == base {
+			v := *s
+			v.name, v.desc, v.migLayout = name, desc, layout
+			return append(specs, &v)
+		}
+	}
+	panic("sim: no profile " + base) // a programming error in the table below
 }
 
 func pairs(i, j int) bool { return i/2 == j/2 }
@@ -224,7 +242,7 @@ func switchLinks(perSwitch []int) func(n int) [][]linkEnd {
 
 func noLinks(n int) [][]linkEnd { return make([][]linkEnd, n) }
 
-var nodeSpecs = []*nodeSpec{
+var nodeSpecs = withMIGVariant([]*nodeSpec{
 	{
 		name: "dgx-a100", desc: "8x A100-SXM4-40GB, 6 NVSwitches (12 lanes per GPU), 4 NUMA nodes, MIG capable",
 		model: a100,
@@ -313,7 +331,7 @@ var nodeSpecs = []*nodeSpec{
 		},
 		links: cubeMeshLinks,
 	},
-}
+}, "dgx-h100", "dgx-h100-mig", "dgx-h100 with MIG on and 7x 1g.10gb instances per GPU", slices.Repeat([]int{nvml.GPU_INSTANCE_PROFILE_1_SLICE}, 7))
 
 // Profiles lists the simulated nodes New accepts, sorted by name.
 func Profiles() []Profile {
