@@ -82,7 +82,11 @@ type Agent struct {
 	inv       *gpu.Inventory
 	cat       *catalog.Catalog
 	lastPass  time.Time
-	failed    map[string]FailedGPU
+	lastLoop  time.Time
+	// lastGood is the last selection that planned on this node; it is
+	// served while a newer one does not fit.
+	lastGood config.Selected
+	failed   map[string]FailedGPU
 	// scorerCache ranks GPU sets for GetPreferredAllocation; built once per
 	// inventory and policy (scorerInv, scorerPolicy), never per request.
 	scorerCache  *topology.Scorer
@@ -140,6 +144,9 @@ func (a *Agent) Run(ctx context.Context) error {
 		case <-tick.C:
 			if a.file != nil {
 				a.reconcile("resync")
+			} else {
+				a.lastLoop = a.now() // waiting for a valid config is being alive
+				a.publishStatus()
 			}
 		}
 	}
@@ -156,10 +163,10 @@ func (a *Agent) Status() *Status { return a.status.Load() }
 // loop stuck in NVML for several resync periods is dead to the kubelet too.
 func (a *Agent) Alive() bool {
 	s := a.status.Load()
-	if s.LastPass.IsZero() {
+	if s.LastLoop.IsZero() {
 		return true // still starting; readiness covers that
 	}
-	return a.now().Sub(s.LastPass) < 4*a.opts.ResyncInterval
+	return a.now().Sub(s.LastLoop) < 4*a.opts.ResyncInterval
 }
 
 // applyConfig takes new config content; it reports whether a new config is
@@ -208,9 +215,6 @@ func (a *Agent) selectConfig() {
 		a.log.Error("no config applies to this node", "node", a.opts.NodeName, "error", err)
 		return
 	}
-	if a.opts.Health != nil {
-		a.opts.Health.SetPolicy(health.PolicyFromConfig(sel.Config.Health))
-	}
 	if sel.Name != a.selected.Name || sel.Reason != a.selected.Reason {
 		a.log.Info("config selected", "node", a.opts.NodeName, "config", sel.Name, "by", sel.Reason, "generation", a.gen)
 	}
@@ -236,10 +240,18 @@ func (a *Agent) observe(why string) {
 		for _, e := range inv.Errors {
 			a.log.Warn("inventory incomplete", "error", e.Error())
 		}
-		a.failed = carryFailed(a.inv, inv, a.failed)
-		for uuid, f := range a.failed {
-			a.log.Warn("GPU could not be read; offering it as unhealthy", "gpu", f.GPU.Index, "uuid", uuid, "reason", f.Reason)
+		failed := carryFailed(a.inv, inv, a.failed)
+		for uuid, f := range failed {
+			if _, known := a.failed[uuid]; !known {
+				a.log.Warn("GPU could not be read; offering it as unhealthy", "gpu", f.GPU.Index, "uuid", uuid, "reason", f.Reason)
+			}
 		}
+		for uuid, f := range a.failed {
+			if _, still := failed[uuid]; !still {
+				a.log.Info("GPU readable again", "gpu", f.GPU.Index, "uuid", uuid)
+			}
+		}
+		a.failed = failed
 		a.inv = inv
 		if a.opts.Health != nil {
 			a.opts.Health.SetInventory(inv)
@@ -254,28 +266,14 @@ func (a *Agent) observe(why string) {
 // and publishes it.
 func (a *Agent) plan(why string) {
 	start := a.now()
+	// Liveness is the loop turning, whether or not it could publish: a
+	// config that does not fit must not get the pod restarted (which would
+	// withdraw every device).
+	defer func() { a.lastLoop = a.now(); a.publishStatus() }()
 	if a.selected.Config == nil {
-		a.publishStatus()
 		return
 	}
-	unhealthy := map[string]string{}
-	if a.opts.Health != nil {
-		if st := a.opts.Health.State(); st != nil {
-			unhealthy = st.UnhealthyDevices()
-		}
-	}
-	cfg := a.selected.Config
-	in := PlanInput{
-		Inventory:       a.inv,
-		ConfigName:      a.selected.Name,
-		PassDeviceSpecs: cfg.DevicePlugin.PassDeviceSpecs,
-		MIGStrategy:     cfg.MIG.Strategy,
-		Sharing:         cfg.Sharing,
-		Unhealthy:       unhealthy,
-		Failed:          a.failed,
-		Scorer:          a.scorer(),
-	}
-	cat, err := PlanCatalog(in)
+	cat, err := a.planWith(a.selected)
 	if err != nil {
 		// The config is valid on its own but does not fit this node (a GPU
 		// index it lacks, ...): same treatment as an invalid config.
@@ -283,17 +281,34 @@ func (a *Agent) plan(why string) {
 		if a.planErr == nil || a.planErr.Error() != err.Error() {
 			a.planErrAt = a.now()
 			a.metrics.configErrors.Inc()
-			a.log.Error("config cannot be applied to this node; keeping what is served", "config", a.selected.Name, "error", err)
+			a.log.Error("config cannot be applied to this node; serving the last config that could", "config", a.selected.Name,
+				"serving", a.lastGood.Name, "error", err)
 		}
 		a.planErr = err
-		a.publishStatus()
-		return
-	}
-	if a.planErr != nil {
-		a.log.Info("config applies to this node again", "config", a.selected.Name)
-		a.planErr = nil
-		if a.cfgErr == nil {
-			a.metrics.configValid.Set(1)
+		if a.lastGood.Config == nil || a.lastGood.Config == a.selected.Config {
+			return // nothing else to plan with: what is served stays as it is
+		}
+		// Keep planning with the last config that fitted, so health and
+		// inventory changes still reach the kubelet.
+		if cat, err = a.planWith(a.lastGood); err != nil {
+			a.log.Error("the last good config no longer fits this node either", "config", a.lastGood.Name, "error", err)
+			return
+		}
+	} else {
+		if a.planErr != nil {
+			a.log.Info("config applies to this node again", "config", a.selected.Name)
+			a.planErr = nil
+			if a.cfgErr == nil {
+				a.metrics.configValid.Set(1)
+			}
+		}
+		if a.lastGood.Config != a.selected.Config {
+			a.lastGood = a.selected
+			// The health policy changes with the rest of the config, only
+			// once the config is in force.
+			if a.opts.Health != nil {
+				a.opts.Health.SetPolicy(health.PolicyFromConfig(a.selected.Config.Health))
+			}
 		}
 	}
 	changed := a.cat == nil || !sameCatalog(a.cat, cat)
@@ -316,7 +331,27 @@ func (a *Agent) plan(why string) {
 	if changed {
 		a.log.Info("catalog published", "reason", why, "resources", resourceSummary(cat))
 	}
-	a.publishStatus()
+}
+
+// planWith plans the catalog for sel against the current inventory and health.
+func (a *Agent) planWith(sel config.Selected) (*catalog.Catalog, error) {
+	unhealthy := map[string]string{}
+	if a.opts.Health != nil {
+		if st := a.opts.Health.State(); st != nil {
+			unhealthy = st.UnhealthyDevices()
+		}
+	}
+	cfg := sel.Config
+	return PlanCatalog(PlanInput{
+		Inventory:       a.inv,
+		ConfigName:      sel.Name,
+		PassDeviceSpecs: cfg.DevicePlugin.PassDeviceSpecs,
+		MIGStrategy:     cfg.MIG.Strategy,
+		Sharing:         cfg.Sharing,
+		Unhealthy:       unhealthy,
+		Failed:          a.failed,
+		Scorer:          a.scorer(sel),
+	})
 }
 
 func sameCatalog(a, b *catalog.Catalog) bool {
@@ -372,11 +407,11 @@ func carryFailed(prev, next *gpu.Inventory, failing map[string]FailedGPU) map[st
 
 // scorer returns the topology scorer for the current inventory and the
 // selected config's allocation policy.
-func (a *Agent) scorer() *topology.Scorer {
+func (a *Agent) scorer(sel config.Selected) *topology.Scorer {
 	if a.inv == nil {
 		return nil
 	}
-	policy, err := topology.ParsePolicy(string(a.selected.Config.Allocation.Policy))
+	policy, err := topology.ParsePolicy(string(sel.Config.Allocation.Policy))
 	if err != nil {
 		// Validation rejects unknown policies; keep serving with the default.
 		a.log.Error("allocation policy not understood; using topology", "error", err)

@@ -273,26 +273,54 @@ func TestAgentHealthMarksAndRecovers(t *testing.T) {
 }
 
 func TestAgentConfigThatDoesNotFitKeepsServing(t *testing.T) {
+	node, err := sim.New("pcie-4gpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	changed := make(chan struct{}, 1)
+	w := health.NewWatcher(node, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
+		WaitTimeout: 10 * time.Millisecond,
+		OnChange: func(*health.State) {
+			select {
+			case changed <- struct{}{}:
+			default:
+			}
+		},
+	})
 	updates := make(chan config.Update)
-	a, rec := startAgent(t, "pcie-4gpu", updates, nil)
+	rec := newRecorder()
+	resync := 20 * time.Millisecond
+	a := New(Options{Lib: node, Publisher: rec, Health: w, HealthChanged: changed, ConfigUpdates: updates, ResyncInterval: resync})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go w.Run(ctx)
+	go a.Run(ctx)
+
 	updates <- config.Update{Data: []byte("version: v1\nconfigs:\n  default: {}\n")}
 	rec.wait(t)
 	misfit := "version: v1\nconfigs:\n  default:\n    sharing:\n      timeSlicing:\n        resources:\n        - name: nvidia.com/gpu\n          devices: [\"7\"]\n          replicas: 2\n"
 	updates <- config.Update{Data: []byte(misfit)}
 	waitFor(t, func() bool { return strings.Contains(a.Status().Config.Error, "devices[0]") })
-	select {
-	case <-rec.got:
-		t.Fatal("a config that does not fit the node was published")
-	case <-time.After(50 * time.Millisecond):
+	if n := len(rec.last().Resources[ResourceGPU].Devices); n != 4 {
+		t.Errorf("serving %d devices after a misfit config, want the last good 4 whole GPUs", n)
 	}
-	if n := len(a.Status().Resource[0].Devices); n != 4 {
-		t.Errorf("status shows %d devices, want the 4 still served", n)
+
+	// Health keeps reaching the kubelet while the misfit config is in the file.
+	waitFor(t, func() bool {
+		node.InjectXID(1, 48)
+		time.Sleep(20 * time.Millisecond)
+		return !findGPU(rec.last(), 1).Healthy
+	})
+	// And the loop stays alive: a liveness restart would withdraw every device.
+	time.Sleep(5 * resync)
+	if !a.Alive() {
+		t.Error("agent not alive while serving the last good config")
 	}
+
 	fits := strings.Replace(misfit, `["7"]`, `["3"]`, 1)
 	updates <- config.Update{Data: []byte(fits)}
-	rec.wait(t)
-	waitFor(t, func() bool { return a.Status().Config.Error == "" })
-	if n := len(rec.last().Resources[ResourceGPU].Devices); n != 5 {
-		t.Errorf("after the fix: %d devices, want 3 whole GPUs + 2 replicas", n)
-	}
+	waitFor(t, func() bool {
+		return a.Status().Config.Error == "" && len(rec.last().Resources[ResourceGPU].Devices) == 5
+	})
 }

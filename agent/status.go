@@ -17,7 +17,10 @@ type Status struct {
 	GPUs     []gpu.GPU       `json:"gpus"`
 	Errors   []string        `json:"inventoryErrors,omitempty"`
 	Resource []ResourceState `json:"resources"`
-	LastPass time.Time       `json:"lastPass"`
+	// LastPass is the last catalog published; LastLoop the last turn of the
+	// loop, published or not (liveness).
+	LastPass time.Time `json:"lastPass"`
+	LastLoop time.Time `json:"lastLoop"`
 	// Health causes in force and the recent health event log.
 	HealthCauses []health.Cause `json:"healthCauses,omitempty"`
 	HealthLog    []health.Entry `json:"healthLog,omitempty"`
@@ -68,6 +71,7 @@ func (a *Agent) publishStatus() {
 	s := &Status{
 		Node:     a.opts.NodeName,
 		LastPass: a.lastPass,
+		LastLoop: a.lastLoop,
 		Config: ConfigStatus{
 			Source:     a.opts.ConfigSource,
 			Name:       a.selected.Name,

@@ -27,8 +27,10 @@ type Resource struct {
 	// this resource (e.g. /dev/nvidiactl).
 	Common AllocateSpec
 	// MaxPerContainer refuses Allocate requests for more devices than this
-	// per container (0: no limit). Shared resources set it to 1 when asked
-	// to (failRequestsGreaterThanOne): two replicas give no more GPU.
+	// per container when they include a replica (0: no limit). Shared
+	// resources set it to 1 when asked to (failRequestsGreaterThanOne): two
+	// replicas give no more GPU. Requests for whole devices only are not
+	// limited, as in NVIDIA's plugin.
 	MaxPerContainer int
 }
 
@@ -48,6 +50,9 @@ type Device struct {
 	GPU int
 	// Reason says why the device is unhealthy ("" when healthy).
 	Reason string
+	// Replica marks a shared replica of a device (time-slicing): the
+	// resource's MaxPerContainer applies to requests that hold one.
+	Replica bool
 	// Spec is what a container that gets this device receives.
 	Spec AllocateSpec
 }
@@ -107,7 +112,7 @@ func SameDevices(a, b *Resource) bool {
 
 func sameDevice(a, b Device) bool {
 	return a.ID == b.ID && a.Healthy == b.Healthy && a.NUMANode == b.NUMANode &&
-		a.GPU == b.GPU && a.Reason == b.Reason && sameSpec(a.Spec, b.Spec)
+		a.GPU == b.GPU && a.Reason == b.Reason && a.Replica == b.Replica && sameSpec(a.Spec, b.Spec)
 }
 
 func sameSpec(a, b AllocateSpec) bool {

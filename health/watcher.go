@@ -352,6 +352,9 @@ func (w *Watcher) probe(d *watchedGPU) probeResult {
 			// A stale handle (the GPU was reset or re-attached): look it up again.
 			delete(w.byHandle, d.dev)
 			d.dev = nil
+			// Event registrations belonged to the old handle: register the
+			// new one on the next turn, or its XIDs would go unseen.
+			d.registered, d.skipped = 0, 0
 			if dev, ret = w.handleOf(d); ret == nvml.SUCCESS {
 				ret = w.ping(d, dev)
 			}

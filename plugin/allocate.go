@@ -40,11 +40,6 @@ func allocateContainer(res *catalog.Resource, ids []string) (*pluginapi.Containe
 	if len(ids) == 0 {
 		return nil, status.Errorf(codes.InvalidArgument, "resource %s: no device IDs requested", res.Name)
 	}
-	if res.MaxPerContainer > 0 && len(ids) > res.MaxPerContainer {
-		// NVIDIA's wording, so runbooks that match on it keep working.
-		return nil, status.Errorf(codes.InvalidArgument, "request for '%s: %d' too large: maximum request size for shared resources is %d",
-			res.Name, len(ids), res.MaxPerContainer)
-	}
 	devs := make([]catalog.Device, 0, len(ids))
 	for _, id := range ids {
 		d, ok := res.Device(id)
@@ -59,6 +54,12 @@ func allocateContainer(res *catalog.Resource, ids []string) (*pluginapi.Containe
 			return nil, status.Errorf(codes.FailedPrecondition, "resource %s: device %q is unhealthy: %s", res.Name, id, reason)
 		}
 		devs = append(devs, d)
+	}
+	if res.MaxPerContainer > 0 && len(ids) > res.MaxPerContainer &&
+		slices.ContainsFunc(devs, func(d catalog.Device) bool { return d.Replica }) {
+		// NVIDIA's wording, so runbooks that match on it keep working.
+		return nil, status.Errorf(codes.InvalidArgument, "request for '%s: %d' too large: maximum request size for shared resources is %d",
+			res.Name, len(ids), res.MaxPerContainer)
 	}
 
 	b := specBuilder{res: res.Name, env: map[string]string{}, nodes: map[string]bool{}, mounts: map[string]catalog.Mount{}}

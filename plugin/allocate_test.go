@@ -3,6 +3,7 @@ package plugin
 import (
 	"errors"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -36,6 +37,7 @@ func testCatalog() *catalog.Catalog {
 	replica := func(gpu int, n string) catalog.Device {
 		d := gpuDevice(gpu, 0)
 		d.ID = d.ID + "::" + n
+		d.Replica = true
 		d.Spec.Env = map[string]string{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}
 		return d
 	}
@@ -172,6 +174,11 @@ func TestAllocateErrors(t *testing.T) {
 	limited := testCatalog()
 	limitedShared := *limited.Resources[resShared]
 	limitedShared.MaxPerContainer = 1
+	// Whole GPUs and replicas under one name (time-slicing some GPUs without rename).
+	limitedMixed := *limited.Resources[resGPU]
+	limitedMixed.MaxPerContainer = 1
+	limitedMixed.Devices = append(append([]catalog.Device(nil), limitedMixed.Devices...), limitedShared.Devices...)
+	slices.SortFunc(limitedMixed.Devices, func(a, b catalog.Device) int { return strings.Compare(a.ID, b.ID) })
 	mountClash := testCatalog()
 	gpus := mountClash.Resources[resGPU]
 	gpus.Devices = append([]catalog.Device(nil), gpus.Devices...)
@@ -194,6 +201,8 @@ func TestAllocateErrors(t *testing.T) {
 		{"empty request", cat.Resources[resGPU], allocReq([]string{}), codes.InvalidArgument, []string{resGPU}},
 		{"env conflict", conflict.Resources[resShared], allocReq([]string{"GPU-a::0", "GPU-b::0"}), codes.InvalidArgument,
 			[]string{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "GPU-b::0", resShared}},
+		{"whole devices are not limited, a replica among them is", &limitedMixed, allocReq([]string{"GPU-a", "GPU-b"}, []string{"GPU-a", "GPU-a::0"}), codes.InvalidArgument,
+			[]string{"container request 1", "too large: maximum request size for shared resources is 1"}},
 		{"more than one shared replica", &limitedShared, allocReq([]string{"GPU-a::0"}, []string{"GPU-a::0", "GPU-b::0"}), codes.InvalidArgument,
 			[]string{"container request 1", "request for '" + resShared + ": 2' too large: maximum request size for shared resources is 1"}},
 		{"mount conflict", mountClash.Resources[resGPU], allocReq([]string{"GPU-a"}), codes.InvalidArgument,
@@ -348,5 +357,14 @@ func TestDefaultSocketName(t *testing.T) {
 		if got := DefaultSocketName(in); got != want {
 			t.Errorf("DefaultSocketName(%q) = %q, want %q", in, got, want)
 		}
+	}
+}
+
+func TestMaxPerContainerOnlyLimitsReplicas(t *testing.T) {
+	cat := testCatalog()
+	mixed := *cat.Resources[resGPU]
+	mixed.MaxPerContainer = 1
+	if _, err := allocate(&mixed, allocReq([]string{"GPU-a", "GPU-b"})); err != nil {
+		t.Errorf("two whole GPUs refused by a replica limit: %v", err)
 	}
 }

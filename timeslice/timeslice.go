@@ -42,7 +42,7 @@ func Expand(devs []catalog.Device, replicas int) []catalog.Device {
 	for _, d := range devs {
 		for n := range replicas {
 			r := d
-			r.ID = ReplicaID(d.ID, n)
+			r.ID, r.Replica = ReplicaID(d.ID, n), true
 			out = append(out, r)
 		}
 	}
@@ -65,6 +65,11 @@ func Select(sel config.ReplicaDevices, devs []catalog.Device, field string) ([]c
 	}
 	var out []catalog.Device
 	for i, ref := range sel.List {
+		if strings.Contains(ref, ":") || strings.HasPrefix(ref, "MIG-GPU-") {
+			// Resolving "gpu:mig" indices needs the MIG device index, which
+			// the catalog does not carry yet; say so rather than guess.
+			return nil, fmt.Errorf("%s[%d]: %q: MIG index references are not supported yet; name the MIG device by its UUID (MIG-...)", field, i, ref)
+		}
 		idx := slices.IndexFunc(devs, func(d catalog.Device) bool { return matches(d, ref) })
 		if idx < 0 {
 			return nil, fmt.Errorf("%s[%d]: %q names no device of this resource on this node", field, i, ref)
@@ -79,7 +84,8 @@ func Select(sel config.ReplicaDevices, devs []catalog.Device, field string) ([]c
 
 func matches(d catalog.Device, ref string) bool {
 	if n, err := strconv.Atoi(ref); err == nil {
-		return n == d.GPU && d.Spec.VisibleID == d.ID // an index names a whole GPU
+		// An index names a whole GPU, never one of its MIG devices.
+		return n == d.GPU && strings.HasPrefix(d.ID, "GPU-")
 	}
 	return ref == d.ID || ref == d.Spec.VisibleID
 }

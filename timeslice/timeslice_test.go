@@ -66,19 +66,23 @@ func TestExpandInherits(t *testing.T) {
 }
 
 func TestSelect(t *testing.T) {
-	devs := gpus(4)
+	// GPU 4 is in MIG mode: its device is a MIG instance on GPU index 4.
+	devs := append(gpus(4), catalog.Device{ID: "MIG-x", GPU: 4, Healthy: true, Spec: catalog.AllocateSpec{VisibleID: "MIG-x"}})
 	tests := []struct {
 		name    string
 		sel     config.ReplicaDevices
 		want    []string
 		wantErr string
 	}{
-		{"all", config.ReplicaDevices{All: true}, []string{"GPU-a", "GPU-b", "GPU-c", "GPU-d"}, ""},
+		{"all", config.ReplicaDevices{All: true}, []string{"GPU-a", "GPU-b", "GPU-c", "GPU-d", "MIG-x"}, ""},
+		{"MIG UUID", config.ReplicaDevices{List: []string{"MIG-x"}}, []string{"MIG-x"}, ""},
 		{"count", config.ReplicaDevices{Count: 2}, []string{"GPU-a", "GPU-b"}, ""},
 		{"indices and UUIDs in list order", config.ReplicaDevices{List: []string{"3", "GPU-a"}}, []string{"GPU-d", "GPU-a"}, ""},
-		{"count too large", config.ReplicaDevices{Count: 5}, nil, "5 devices asked for, the node has 4"},
+		{"count too large", config.ReplicaDevices{Count: 6}, nil, "6 devices asked for, the node has 5"},
 		{"unknown index", config.ReplicaDevices{List: []string{"0", "7"}}, nil, `f[1]: "7" names no device`},
 		{"unknown UUID", config.ReplicaDevices{List: []string{"GPU-zz"}}, nil, `f[0]: "GPU-zz"`},
+		{"MIG index reference", config.ReplicaDevices{List: []string{"0:1"}}, nil, `f[0]: "0:1": MIG index references are not supported yet`},
+		{"index does not name a MIG device", config.ReplicaDevices{List: []string{"4"}}, nil, `f[0]: "4" names no device`},
 		{"same GPU twice", config.ReplicaDevices{List: []string{"2", "GPU-c"}}, nil, `f[1]: "GPU-c" selects a device already selected`},
 	}
 	for _, tt := range tests {

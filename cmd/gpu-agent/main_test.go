@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"syscall"
@@ -230,7 +231,7 @@ func TestRunBinarySIGTERM(t *testing.T) {
 		t.Fatalf("registered %v, want [nvidia.com/gpu]", got)
 	}
 	code, out, stderr := run(t, "status", "--addr", addr)
-	if code != 0 || !strings.Contains(out, "nvidia.com/gpu") || !strings.Contains(out, "registered") {
+	if code != 0 || !regexp.MustCompile(`nvidia.com/gpu +4 +4 +registered 20`).MatchString(out) {
 		t.Errorf("status: exit %d\n%s%s", code, out, stderr)
 	}
 	resp, err := http.Get("http://" + addr + "/metrics")

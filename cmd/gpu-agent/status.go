@@ -67,8 +67,12 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 	}
 	fmt.Fprintf(tw, "Config:\t%s from %s, generation %d\n", cfg, st.Config.Source, st.Config.Generation)
 	if st.Config.Error != "" {
-		fmt.Fprintf(tw, "Config error:\t%s (since %s; serving the last good config)\n",
-			st.Config.Error, st.Config.ErrorSince.Format(time.RFC3339))
+		kept := "serving the last good config"
+		if len(st.Resource) == 0 {
+			kept = "nothing served until a config applies"
+		}
+		fmt.Fprintf(tw, "Config error:\t%s (since %s; %s)\n",
+			st.Config.Error, st.Config.ErrorSince.Format(time.RFC3339), kept)
 	}
 	for _, warn := range st.Config.Warnings {
 		fmt.Fprintf(tw, "Config warning:\t%s\n", warn)
