@@ -8,6 +8,8 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"slices"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -33,6 +35,11 @@ type HealthWatcher interface {
 	State() *health.State
 }
 
+// Holdings is the part of health.PodResources the agent reads.
+type Holdings interface {
+	Attribution() *health.Attribution
+}
+
 // Options configure an Agent.
 type Options struct {
 	// Lib is an initialised NVML (real or simulated).
@@ -49,6 +56,9 @@ type Options struct {
 	Health HealthWatcher
 	// HealthChanged wakes the loop when Health's state changed.
 	HealthChanged <-chan struct{}
+	// Holdings says which devices running containers hold (the kubelet's
+	// pod-resources API); nil: unknown, nothing is kept for holders.
+	Holdings Holdings
 	// InventoryObservers get every new inventory (the metrics sampler).
 	InventoryObservers []func(*gpu.Inventory)
 	// ResyncInterval re-reads the inventory even without events (default 30s).
@@ -311,6 +321,7 @@ func (a *Agent) plan(why string) {
 			}
 		}
 	}
+	a.keepHeld(cat)
 	changed := a.cat == nil || !sameCatalog(a.cat, cat)
 	a.cat = cat
 	a.catalog.Store(cat)
@@ -421,4 +432,45 @@ func (a *Agent) scorer(sel config.Selected) *topology.Scorer {
 		a.scorerCache, a.scorerInv, a.scorerPolicy = topology.FromInventory(a.inv, policy), a.inv, policy
 	}
 	return a.scorerCache
+}
+
+// keepHeld puts back, unhealthy, every device of the last published catalog
+// that a running container holds but the new plan no longer offers (a
+// config edit took a GPU out of a shared pool, ...). The kubelet keeps such
+// a pod's allocation either way; advertising the device until the pod
+// releases it keeps its accounting honest and says on /status who holds it,
+// instead of silently handing the same device out under a new name.
+func (a *Agent) keepHeld(cat *catalog.Catalog) {
+	if a.opts.Holdings == nil || a.cat == nil {
+		return
+	}
+	att := a.opts.Holdings.Attribution()
+	for name, old := range a.cat.Resources {
+		held := att.HeldIDs(name)
+		if len(held) == 0 {
+			continue
+		}
+		cur := cat.Resources[name]
+		for _, d := range old.Devices {
+			h, ok := held[d.ID]
+			if !ok {
+				continue
+			}
+			if cur != nil {
+				if _, offered := cur.Device(d.ID); offered {
+					continue
+				}
+			}
+			if cur == nil {
+				cur = &catalog.Resource{Name: name, Common: old.Common, MaxPerContainer: old.MaxPerContainer}
+				cat.Resources[name] = cur
+			}
+			d.Healthy = false
+			d.Reason = "held by " + h.String() + "; no longer offered by the config, withdrawn once released"
+			cur.Devices = append(cur.Devices, d)
+		}
+		if cur != nil {
+			slices.SortFunc(cur.Devices, func(x, y catalog.Device) int { return strings.Compare(x.ID, y.ID) })
+		}
+	}
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
@@ -323,4 +324,65 @@ func TestAgentConfigThatDoesNotFitKeepsServing(t *testing.T) {
 	waitFor(t, func() bool {
 		return a.Status().Config.Error == "" && len(rec.last().Resources[ResourceGPU].Devices) == 5
 	})
+}
+
+// fakeHoldings is a pod-resources answer the test can change.
+type fakeHoldings struct {
+	mu  sync.Mutex
+	att *health.Attribution
+}
+
+func (f *fakeHoldings) Attribution() *health.Attribution {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.att
+}
+
+func (f *fakeHoldings) set(resource string, ids ...string) {
+	pods := []*podresourcesv1.PodResources{{Name: "trainer", Namespace: "ml", Containers: []*podresourcesv1.ContainerResources{{
+		Name: "main", Devices: []*podresourcesv1.ContainerDevices{{ResourceName: resource, DeviceIds: ids}}}}}}
+	if len(ids) == 0 {
+		pods = nil
+	}
+	f.mu.Lock()
+	f.att = health.NewAttribution(pods, nil)
+	f.mu.Unlock()
+}
+
+func TestAgentKeepsHeldReplicasAdvertised(t *testing.T) {
+	node, err := sim.New("pcie-4gpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	holdings := &fakeHoldings{}
+	updates := make(chan config.Update)
+	rec := newRecorder()
+	a := New(Options{Lib: node, Publisher: rec, Holdings: holdings, ConfigUpdates: updates, ResyncInterval: 20 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go a.Run(ctx)
+
+	updates <- config.Update{Data: []byte("version: v1\nconfigs:\n  default:\n    sharing:\n      timeSlicing:\n        resources:\n        - name: nvidia.com/gpu\n          replicas: 2\n")}
+	rec.wait(t)
+	held := rec.last().Resources[ResourceGPU].Devices[0].ID
+	holdings.set(ResourceGPU, held)
+
+	updates <- config.Update{Data: []byte("version: v1\nconfigs:\n  default: {}\n")}
+	waitFor(t, func() bool {
+		return a.Status().Config.Generation == 2 && len(rec.last().Resources[ResourceGPU].Devices) == 5
+	})
+	d, ok := rec.last().Resources[ResourceGPU].Device(held)
+	if !ok || d.Healthy || !strings.Contains(d.Reason, "held by ml/trainer (main)") {
+		t.Fatalf("held replica %s: %+v (present %v); want it advertised unhealthy, naming its holder", held, d, ok)
+	}
+	for _, d := range rec.last().Resources[ResourceGPU].Devices {
+		if d.ID != held && (!d.Healthy || strings.Contains(d.ID, "::")) {
+			t.Errorf("device %+v: want the 4 whole GPUs healthy", d)
+		}
+	}
+
+	// Released: the next pass withdraws it.
+	holdings.set(ResourceGPU)
+	waitFor(t, func() bool { return len(rec.last().Resources[ResourceGPU].Devices) == 4 })
 }

@@ -33,12 +33,14 @@ type Attribution struct {
 	holders map[string][]Holder // by device UUID, sorted, distinct
 	held    map[string]int      // by device UUID: distinct IDs (replicas) held
 	byRes   map[string]map[Holder]int
+	ids     map[string]map[string]Holder // resource → device ID as allocated → first holder
 }
 
 // NewAttribution indexes a pod-resources List answer. Resources other than
 // those accepted by keep (nil: all) are left out.
 func NewAttribution(pods []*podresourcesv1.PodResources, keep func(resource string) bool) *Attribution {
-	a := &Attribution{holders: map[string][]Holder{}, held: map[string]int{}, byRes: map[string]map[Holder]int{}}
+	a := &Attribution{holders: map[string][]Holder{}, held: map[string]int{}, byRes: map[string]map[Holder]int{},
+		ids: map[string]map[string]Holder{}}
 	seen := map[string]bool{}
 	for _, p := range pods {
 		for _, c := range p.GetContainers() {
@@ -49,6 +51,12 @@ func NewAttribution(pods []*podresourcesv1.PodResources, keep func(resource stri
 					continue
 				}
 				for _, id := range d.GetDeviceIds() {
+					if a.ids[res] == nil {
+						a.ids[res] = map[string]Holder{}
+					}
+					if _, ok := a.ids[res][id]; !ok {
+						a.ids[res][id] = h
+					}
 					uuid, _, _ := strings.Cut(id, "::")
 					if !slices.Contains(a.holders[uuid], h) {
 						a.holders[uuid] = append(a.holders[uuid], h)
@@ -70,6 +78,18 @@ func NewAttribution(pods []*podresourcesv1.PodResources, keep func(resource stri
 	}
 	return a
 }
+
+// HeldIDs returns the device IDs of resource that containers hold, exactly
+// as the kubelet allocated them (replica IDs included), each with a holder.
+func (a *Attribution) HeldIDs(resource string) map[string]Holder {
+	if a == nil {
+		return nil
+	}
+	return a.ids[resource]
+}
+
+// String names the holder as "namespace/pod (container)".
+func (h Holder) String() string { return h.Namespace + "/" + h.Pod + " (" + h.Container + ")" }
 
 // Holders returns the containers holding the device or any of its replicas,
 // sorted; nil when none (or a is nil).

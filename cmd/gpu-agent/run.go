@@ -137,6 +137,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		ConfigUpdates:      updates,
 		Publisher:          mgr,
 		Health:             watcher,
+		Holdings:           podres,
 		HealthChanged:      healthChanged,
 		InventoryObservers: []func(*gpu.Inventory){sampler.SetInventory},
 		ResyncInterval:     f.resync,
