@@ -382,6 +382,16 @@ func TestAgentKeepsHeldReplicasAdvertised(t *testing.T) {
 		}
 	}
 
+	heldBy := ""
+	for _, d := range a.Status().Resource[0].Devices {
+		if d.ID == held {
+			heldBy = d.HeldBy
+		}
+	}
+	if heldBy != "ml/trainer (main)" {
+		t.Errorf("/status says %s is held by %q, want ml/trainer (main)", held, heldBy)
+	}
+
 	// Released: the next pass withdraws it.
 	holdings.set(ResourceGPU)
 	waitFor(t, func() bool { return len(rec.last().Resources[ResourceGPU].Devices) == 4 })

@@ -56,6 +56,9 @@ type DeviceState struct {
 	Reason   string `json:"reason,omitempty"`
 	GPU      int    `json:"gpu"`
 	NUMANode int    `json:"numaNode"`
+	// HeldBy names the container holding the device ("ns/pod (container)"),
+	// from the kubelet's pod-resources API; empty when free or unknown.
+	HeldBy string `json:"heldBy,omitempty"`
 }
 
 // Registration is the kubelet registration state of one resource.
@@ -105,17 +108,25 @@ func (a *Agent) publishStatus() {
 		}
 	}
 	if a.cat != nil {
+		var att *health.Attribution
+		if a.opts.Holdings != nil {
+			att = a.opts.Holdings.Attribution()
+		}
 		for _, name := range a.cat.Names() {
-			s.Resource = append(s.Resource, resourceState(a.cat.Resources[name]))
+			s.Resource = append(s.Resource, resourceState(a.cat.Resources[name], att.HeldIDs(name)))
 		}
 	}
 	a.status.Store(s)
 }
 
-func resourceState(r *catalog.Resource) ResourceState {
+func resourceState(r *catalog.Resource, held map[string]health.Holder) ResourceState {
 	rs := ResourceState{Name: r.Name, Devices: make([]DeviceState, 0, len(r.Devices))}
 	for _, d := range r.Devices {
-		rs.Devices = append(rs.Devices, DeviceState{ID: d.ID, Healthy: d.Healthy, Reason: d.Reason, GPU: d.GPU, NUMANode: d.NUMANode})
+		ds := DeviceState{ID: d.ID, Healthy: d.Healthy, Reason: d.Reason, GPU: d.GPU, NUMANode: d.NUMANode}
+		if h, ok := held[d.ID]; ok {
+			ds.HeldBy = h.String()
+		}
+		rs.Devices = append(rs.Devices, ds)
 	}
 	// By GPU for people; the catalog itself is ordered by ID for lookups.
 	slices.SortStableFunc(rs.Devices, func(a, b DeviceState) int { return a.GPU - b.GPU })

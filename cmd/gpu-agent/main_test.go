@@ -120,14 +120,14 @@ func TestWriteStatus(t *testing.T) {
 		Config: agent.ConfigStatus{Source: "c.yaml", Name: "default", SelectedBy: "default", Error: "configs.default.x: unknown field (line 3)"},
 		GPUs:   []gpu.GPU{{Index: 0, UUID: "GPU-1", Name: "A100", MemoryBytes: 40 << 30, NUMANode: 3, MIGCapable: true}},
 		Resource: []agent.ResourceState{{Name: "nvidia.com/gpu", Devices: []agent.DeviceState{
-			{ID: "GPU-1", Healthy: false, Reason: "XID 79", NUMANode: 3}}}},
+			{ID: "GPU-1", Healthy: false, Reason: "XID 79", NUMANode: 3, HeldBy: "ml/trainer (main)"}}}},
 		Registrations: []agent.Registration{{Resource: "nvidia.com/gpu", LastError: "kubelet.sock absent"}},
 	}
 	var b bytes.Buffer
 	if err := writeStatus(&b, st); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"unknown field (line 3)", "serving the last good config", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent"} {
+	for _, want := range []string{"ml/trainer (main)", "unknown field (line 3)", "serving the last good config", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent"} {
 		if !strings.Contains(b.String(), want) {
 			t.Errorf("status lacks %q:\n%s", want, b.String())
 		}

@@ -125,7 +125,7 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", r.Name, len(r.Devices), healthy, state)
 	}
 	fmt.Fprintln(tw)
-	fmt.Fprintln(tw, "RESOURCE\tDEVICE\tGPU\tNUMA\tHEALTH")
+	fmt.Fprintln(tw, "RESOURCE\tDEVICE\tGPU\tNUMA\tHELD BY\tHEALTH")
 	for _, r := range st.Resource {
 		for _, d := range r.Devices {
 			h := "healthy"
@@ -135,7 +135,11 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 					h += ": " + d.Reason
 				}
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", r.Name, d.ID, d.GPU, numa(d.NUMANode), h)
+			held := d.HeldBy
+			if held == "" {
+				held = "-"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", r.Name, d.ID, d.GPU, numa(d.NUMANode), held, h)
 		}
 	}
 	return tw.Flush()
