@@ -651,3 +651,84 @@ func TestFatalXIDAndRecovery(t *testing.T) {
 		t.Fatalf("gpu-agent restarted or exited (exited=%v: %v)", done, err)
 	}
 }
+
+// packedSharedConfig time-slices every GPU into replicas and packs pods onto as few GPUs as possible.
+func packedSharedConfig(replicas int) string {
+	return fmt.Sprintf(`version: v1
+configs:
+  default:
+    allocation:
+      policy: packed
+    sharing:
+      timeSlicing:
+        resources:
+        - name: nvidia.com/gpu
+          replicas: %d
+`, replicas)
+}
+
+// Two pods on replicas of one GPU (the packed policy puts the second next to the first) both see that GPU's
+// UUID; a replica count edit reaches the kubelet live while they run.
+func TestTimeSlicedReplicas(t *testing.T) {
+	uuids := nodeUUIDs(t)
+	e := start(t, packedSharedConfig(2))
+	waitAllocatable(t, e, 2*nodeGPUs)
+	agentPID := e.Agent().PID()
+
+	addPod(t, e, "slice-a", 1)
+	a := visibleDevicesOf(t, e, "slice-a")
+	addPod(t, e, "slice-b", 1)
+	b := visibleDevicesOf(t, e, "slice-b")
+	if a.visible != b.visible || !slices.Contains(uuids, a.visible) {
+		t.Fatalf("slice-a sees %q, slice-b sees %q: want both the same GPU of this node (packed)", a.visible, b.visible)
+	}
+	if a.id == b.id || !strings.HasPrefix(a.id, a.visible+"::") || !strings.HasPrefix(b.id, b.visible+"::") {
+		t.Fatalf("slice-a holds %q, slice-b holds %q: want two distinct replicas of %s", a.id, b.id, a.visible)
+	}
+
+	gen := loadedConfig(t, e, 0)
+	if err := e.UpdateAgentConfig(packedSharedConfig(3)); err != nil {
+		t.Fatal(err)
+	}
+	loadedConfig(t, e, gen)
+	// 24 replicas, of which the kubelet counts those the running pods hold as allocatable too.
+	ids := waitAllocatable(t, e, 3*nodeGPUs)
+	for _, held := range []string{a.id, b.id} {
+		if !slices.Contains(ids, held) {
+			t.Errorf("replica %s held by a running pod is gone after the edit: %v", held, ids)
+		}
+	}
+	for _, pod := range []string{"slice-a", "slice-b"} {
+		if p, err := e.Pod(stepCtx(t), pod); err != nil || p.Status.Phase != corev1.PodRunning {
+			t.Fatalf("pod %s after the edit: %v %v", pod, err, harness.DescribePod(p))
+		}
+	}
+	if done, err := e.Agent().Exited(); done || e.Agent().PID() != agentPID {
+		t.Fatalf("gpu-agent restarted or exited (exited=%v: %v)", done, err)
+	}
+}
+
+type podDevice struct{ id, visible string }
+
+// visibleDevicesOf runs a one-replica pod and returns the replica ID the kubelet gave it and the
+// NVIDIA_VISIBLE_DEVICES its container saw.
+func visibleDevicesOf(t *testing.T, e *harness.Env, name string) podDevice {
+	t.Helper()
+	ctx := stepCtx(t)
+	if _, err := e.WaitRunning(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	env, err := e.ContainerEnv(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	listed, err := e.PodDevices(ctx, name, gpuResource)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(listed) != 1 {
+		t.Fatalf("pod %s holds %v, want one replica", name, listed)
+	}
+	t.Logf("pod %s: holds %s, container got NVIDIA_VISIBLE_DEVICES=%s", name, listed[0], env["NVIDIA_VISIBLE_DEVICES"])
+	return podDevice{id: listed[0], visible: env["NVIDIA_VISIBLE_DEVICES"]}
+}
