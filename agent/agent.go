@@ -7,6 +7,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"slices"
 	"strings"
@@ -20,6 +21,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
 )
 
@@ -33,6 +35,12 @@ type HealthWatcher interface {
 	SetInventory(inv *gpu.Inventory)
 	SetPolicy(p health.Policy)
 	State() *health.State
+}
+
+// MPSSupervisor is the part of mps.Supervisor the agent drives.
+type MPSSupervisor interface {
+	Set(daemons []mps.Daemon) error
+	Healthy(device string) (bool, string)
 }
 
 // Holdings is the part of health.PodResources the agent reads.
@@ -59,6 +67,13 @@ type Options struct {
 	// Holdings says which devices running containers hold (the kubelet's
 	// pod-resources API); nil: unknown, nothing is kept for holders.
 	Holdings Holdings
+	// MPS runs the MPS control daemons (nil: MPS sharing is refused).
+	MPS MPSSupervisor
+	// MPSChanged wakes the loop when a daemon's health changed.
+	MPSChanged <-chan struct{}
+	// MPSRoot and MPSShmDir: where daemons keep their pipes, and the host
+	// directory MPS clients get as /dev/shm.
+	MPSRoot, MPSShmDir string
 	// InventoryObservers get every new inventory (the metrics sampler).
 	InventoryObservers []func(*gpu.Inventory)
 	// ResyncInterval re-reads the inventory even without events (default 30s).
@@ -150,6 +165,10 @@ func (a *Agent) Run(ctx context.Context) error {
 		case <-a.opts.HealthChanged:
 			if a.file != nil {
 				a.plan("health changed")
+			}
+		case <-a.opts.MPSChanged:
+			if a.file != nil {
+				a.plan("MPS daemon health changed")
 			}
 		case <-tick.C:
 			if a.file != nil {
@@ -283,7 +302,7 @@ func (a *Agent) plan(why string) {
 	if a.selected.Config == nil {
 		return
 	}
-	cat, err := a.planWith(a.selected)
+	planned, err := a.planWith(a.selected)
 	if err != nil {
 		// The config is valid on its own but does not fit this node (a GPU
 		// index it lacks, ...): same treatment as an invalid config.
@@ -300,7 +319,7 @@ func (a *Agent) plan(why string) {
 		}
 		// Keep planning with the last config that fitted, so health and
 		// inventory changes still reach the kubelet.
-		if cat, err = a.planWith(a.lastGood); err != nil {
+		if planned, err = a.planWith(a.lastGood); err != nil {
 			a.log.Error("the last good config no longer fits this node either", "config", a.lastGood.Name, "error", err)
 			return
 		}
@@ -321,6 +340,14 @@ func (a *Agent) plan(why string) {
 			}
 		}
 	}
+	if a.opts.MPS != nil {
+		// Apply before publishing: replicas whose daemon does not answer yet
+		// are unhealthy in this catalog and turn healthy on its signal.
+		if err := a.opts.MPS.Set(planned.MPSDaemons); err != nil {
+			a.log.Error("MPS daemons not updated", "error", err)
+		}
+	}
+	cat := planned.Catalog
 	a.keepHeld(cat)
 	changed := a.cat == nil || !sameCatalog(a.cat, cat)
 	a.cat = cat
@@ -345,7 +372,7 @@ func (a *Agent) plan(why string) {
 }
 
 // planWith plans the catalog for sel against the current inventory and health.
-func (a *Agent) planWith(sel config.Selected) (*catalog.Catalog, error) {
+func (a *Agent) planWith(sel config.Selected) (Planned, error) {
 	unhealthy := map[string]string{}
 	if a.opts.Health != nil {
 		if st := a.opts.Health.State(); st != nil {
@@ -353,7 +380,14 @@ func (a *Agent) planWith(sel config.Selected) (*catalog.Catalog, error) {
 		}
 	}
 	cfg := sel.Config
-	return PlanCatalog(PlanInput{
+	if cfg.Sharing.MPS != nil && len(cfg.Sharing.MPS.Resources) > 0 && a.opts.MPS == nil {
+		return Planned{}, fmt.Errorf("configs.%s.sharing.mps: this agent runs no MPS supervisor", sel.Name)
+	}
+	var mpsHealthy func(string) (bool, string)
+	if a.opts.MPS != nil {
+		mpsHealthy = a.opts.MPS.Healthy
+	}
+	return Plan(PlanInput{
 		Inventory:       a.inv,
 		ConfigName:      sel.Name,
 		PassDeviceSpecs: cfg.DevicePlugin.PassDeviceSpecs,
@@ -362,6 +396,7 @@ func (a *Agent) planWith(sel config.Selected) (*catalog.Catalog, error) {
 		Unhealthy:       unhealthy,
 		Failed:          a.failed,
 		Scorer:          a.scorer(sel),
+		MPS:             MPSInput{Root: a.opts.MPSRoot, ShmDir: a.opts.MPSShmDir, Healthy: mpsHealthy},
 	})
 }
 

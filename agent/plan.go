@@ -10,6 +10,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
 	"github.com/gpu-agent/gpu-agent/timeslice"
 )
@@ -46,6 +47,26 @@ type PlanInput struct {
 	Failed map[string]FailedGPU
 	// Scorer ranks GPU sets for GetPreferredAllocation (nil: plugin default).
 	Scorer *topology.Scorer
+	// MPS is where MPS daemons live and how they are doing.
+	MPS MPSInput
+}
+
+// MPSInput is what planning MPS sharing needs besides the config.
+type MPSInput struct {
+	// Root holds each daemon's pipe and log directories (--mps-root).
+	Root string
+	// ShmDir is the host directory mounted as /dev/shm in MPS clients ("":
+	// none), shared with the daemons.
+	ShmDir string
+	// Healthy says whether the daemon of a device answers (nil: assume so).
+	Healthy func(device string) (bool, string)
+}
+
+// Planned is what the node should offer and run.
+type Planned struct {
+	Catalog *catalog.Catalog
+	// MPSDaemons are the MPS control daemons the catalog's MPS replicas need.
+	MPSDaemons []mps.Daemon
 }
 
 // FailedGPU is a GPU last seen in an earlier inventory.
@@ -60,9 +81,15 @@ type FailedGPU struct {
 // config field that cannot be applied to this node; the caller keeps
 // serving what it served before.
 func PlanCatalog(in PlanInput) (*catalog.Catalog, error) {
+	p, err := Plan(in)
+	return p.Catalog, err
+}
+
+// Plan is PlanCatalog plus the MPS daemons its replicas need.
+func Plan(in PlanInput) (Planned, error) {
 	c := &catalog.Catalog{Resources: map[string]*catalog.Resource{}}
 	if in.Inventory == nil {
-		return c, nil
+		return Planned{Catalog: c}, nil
 	}
 	unhealthy := in.Unhealthy
 	gpus := slices.Clone(in.Inventory.GPUs)
@@ -120,8 +147,9 @@ func PlanCatalog(in PlanInput) (*catalog.Catalog, error) {
 			add(name, d)
 		}
 	}
-	if err := applySharing(c, in); err != nil {
-		return nil, err
+	daemons, err := applySharing(c, in)
+	if err != nil {
+		return Planned{}, err
 	}
 	for name, r := range c.Resources {
 		if len(r.Devices) == 0 {
@@ -133,7 +161,7 @@ func PlanCatalog(in PlanInput) (*catalog.Catalog, error) {
 			r.Preferred = topology.NewPreferrer(in.Scorer, r.Devices)
 		}
 	}
-	return c, nil
+	return Planned{Catalog: c, MPSDaemons: daemons}, nil
 }
 
 // MIGResourceName is the mixed-strategy resource of a MIG profile: NVIDIA's
@@ -142,41 +170,81 @@ func MIGResourceName(profile string) string {
 	return resourceMIGPrefix + strings.ReplaceAll(profile, "+", ".")
 }
 
-// applySharing replaces the devices each time-slicing entry selects by their
-// replicas, under the entry's rename or its own name.
-func applySharing(c *catalog.Catalog, in PlanInput) error {
+// applySharing replaces the devices each time-slicing or MPS entry selects
+// by their replicas, under the entry's rename or its own name, and returns
+// the MPS daemons the MPS replicas need.
+func applySharing(c *catalog.Catalog, in PlanInput) ([]mps.Daemon, error) {
 	field := fmt.Sprintf("configs.%s.sharing", in.ConfigName)
-	if m := in.Sharing.MPS; m != nil && len(m.Resources) > 0 {
-		return fmt.Errorf("%s.mps: MPS sharing is not supported by this version of gpu-agent yet; use timeSlicing", field)
-	}
-	ts := in.Sharing.TimeSlicing
-	if ts == nil {
-		return nil
-	}
 	type group struct {
 		name, target string
 		devs         []catalog.Device
 		replicas     int
+		limit        bool
 	}
 	var groups []group
-	for i, e := range ts.Resources {
-		f := fmt.Sprintf("%s.timeSlicing.resources[%d]", field, i)
+	// take moves the devices an entry selects out of its resource.
+	take := func(f string, e config.ReplicatedResource) ([]catalog.Device, string, error) {
 		src := c.Resources[e.Name]
 		if src == nil {
-			return fmt.Errorf("%s.name: this node offers no %s (it offers %s)", f, e.Name, strings.Join(c.Names(), ", "))
+			return nil, "", fmt.Errorf("%s.name: this node offers no %s (it offers %s)", f, e.Name, strings.Join(c.Names(), ", "))
 		}
 		sel, err := timeslice.Select(e.Devices, byGPU(src.Devices), f+".devices")
 		if err != nil {
-			return err
+			return nil, "", err
 		}
 		target := cmp.Or(e.Rename, e.Name)
 		if other := c.Resources[target]; target != e.Name && other != nil {
-			return fmt.Errorf("%s.rename: %s is already offered by this node; choose another name", f, target)
+			return nil, "", fmt.Errorf("%s.rename: %s is already offered by this node; choose another name", f, target)
 		}
 		src.Devices = slices.DeleteFunc(src.Devices, func(d catalog.Device) bool {
 			return slices.ContainsFunc(sel, func(s catalog.Device) bool { return s.ID == d.ID })
 		})
-		groups = append(groups, group{name: e.Name, target: target, devs: sel, replicas: e.Replicas})
+		return sel, target, nil
+	}
+	if ts := in.Sharing.TimeSlicing; ts != nil {
+		for i, e := range ts.Resources {
+			sel, target, err := take(fmt.Sprintf("%s.timeSlicing.resources[%d]", field, i), e)
+			if err != nil {
+				return nil, err
+			}
+			groups = append(groups, group{name: e.Name, target: target, devs: sel, replicas: e.Replicas, limit: ts.FailsRequestsGreaterThanOne()})
+		}
+	}
+	var daemons []mps.Daemon
+	if m := in.Sharing.MPS; m != nil {
+		for i, e := range m.Resources {
+			f := fmt.Sprintf("%s.mps.resources[%d]", field, i)
+			sel, target, err := take(f, e.ReplicatedResource)
+			if err != nil {
+				return nil, err
+			}
+			for j, d := range sel {
+				g, mem := deviceOf(in.Inventory, d.Spec.VisibleID)
+				if err := mps.ValidateReplicas(e.Replicas, g.ComputeCapability); err != nil {
+					return nil, fmt.Errorf("%s.replicas: GPU %d (%s): %w", f, g.Index, g.Name, err)
+				}
+				dm := mps.DefaultDaemon(d.Spec.VisibleID, d.GPU, mem, e.Replicas)
+				if e.ActiveThreadPercentage != nil {
+					dm.ActiveThreadPercentage = *e.ActiveThreadPercentage
+				}
+				if e.PinnedDeviceMemoryLimit != nil {
+					dm.PinnedMemLimitBytes = uint64(*e.PinnedDeviceMemoryLimit)
+				}
+				if err := dm.Validate(); err != nil {
+					return nil, fmt.Errorf("%s: %w", f, err)
+				}
+				daemons = append(daemons, dm)
+				env, mounts := mps.ContainerSpec(in.MPS.Root, in.MPS.ShmDir, dm)
+				d.Spec.Env, d.Spec.Mounts = env, append(slices.Clone(d.Spec.Mounts), mounts...)
+				if in.MPS.Healthy != nil && d.Healthy {
+					if ok, why := in.MPS.Healthy(dm.Device); !ok {
+						d.Healthy, d.Reason = false, "MPS daemon: "+why
+					}
+				}
+				sel[j] = d
+			}
+			groups = append(groups, group{name: e.Name, target: target, devs: sel, replicas: e.Replicas, limit: m.FailsRequestsGreaterThanOne()})
+		}
 	}
 	for _, g := range groups {
 		r := c.Resources[g.target]
@@ -185,11 +253,27 @@ func applySharing(c *catalog.Catalog, in PlanInput) error {
 			c.Resources[g.target] = r
 		}
 		r.Devices = append(r.Devices, timeslice.Expand(g.devs, g.replicas)...)
-		if ts.FailsRequestsGreaterThanOne() {
+		if g.limit {
 			r.MaxPerContainer = 1
 		}
 	}
-	return nil
+	return daemons, nil
+}
+
+// deviceOf finds the GPU that a GPU or MIG UUID belongs to, and the memory
+// of that device (the instance's for a MIG device).
+func deviceOf(inv *gpu.Inventory, uuid string) (gpu.GPU, uint64) {
+	for _, g := range inv.GPUs {
+		if g.UUID == uuid {
+			return g, g.MemoryBytes
+		}
+		for _, m := range g.Instances {
+			if m.UUID == uuid {
+				return g, m.MemoryBytes
+			}
+		}
+	}
+	return gpu.GPU{}, 0
 }
 
 func byGPU(devs []catalog.Device) []catalog.Device {

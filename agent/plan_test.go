@@ -221,11 +221,6 @@ func TestPlanCatalogSharingAndMIG(t *testing.T) {
 				Sharing: ts(config.ReplicatedResource{Name: "nvidia.com/mig-3g.20gb", Rename: ResourceGPU, Devices: config.ReplicaDevices{All: true}, Replicas: 2})},
 			wantErr: "resources[0].rename: nvidia.com/gpu is already offered",
 		},
-		{
-			name:    "MPS is refused, not ignored",
-			in:      PlanInput{Sharing: config.Sharing{MPS: &config.MPS{Resources: []config.MPSResource{{ReplicatedResource: config.ReplicatedResource{Name: ResourceGPU, Replicas: 2}}}}}},
-			wantErr: "configs.default.sharing.mps: MPS sharing is not supported",
-		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -282,5 +277,74 @@ func TestPlanCatalogParentFaultMarksMIGAndReplicas(t *testing.T) {
 				t.Errorf("%s %s: healthy %v", name, d.ID, d.Healthy)
 			}
 		}
+	}
+}
+
+func mpsInventory() *gpu.Inventory {
+	return &gpu.Inventory{GPUs: []gpu.GPU{
+		{Index: 0, UUID: "GPU-a", NUMANode: 0, MemoryBytes: 40 << 30, ComputeCapability: gpu.ComputeCapability{Major: 8}},
+		{Index: 1, UUID: "GPU-b", NUMANode: 0, MemoryBytes: 40 << 30, ComputeCapability: gpu.ComputeCapability{Major: 8}},
+		{Index: 2, UUID: "GPU-old", NUMANode: 0, MemoryBytes: 16 << 30, ComputeCapability: gpu.ComputeCapability{Major: 6}},
+	}}
+}
+
+func TestPlanMPS(t *testing.T) {
+	pct := 30
+	limit := config.Quantity(8 << 30)
+	entry := func(devs []string, replicas int) config.MPSResource {
+		return config.MPSResource{ReplicatedResource: config.ReplicatedResource{Name: ResourceGPU, Rename: "nvidia.com/gpu.mps",
+			Devices: config.ReplicaDevices{List: devs}, Replicas: replicas}}
+	}
+	custom := entry([]string{"1"}, 4)
+	custom.ActiveThreadPercentage, custom.PinnedDeviceMemoryLimit = &pct, &limit
+	in := PlanInput{Inventory: mpsInventory(), ConfigName: "default",
+		MPS: MPSInput{Root: "/run/mps", ShmDir: "/dev/shm", Healthy: func(dev string) (bool, string) {
+			return dev != "GPU-b", "not answering"
+		}},
+		Sharing: config.Sharing{MPS: &config.MPS{Resources: []config.MPSResource{entry([]string{"0"}, 2), custom}}}}
+	// Two entries renaming onto one resource is refused by config validation; plan them apart.
+	in.Sharing.MPS.Resources[1].Rename = "nvidia.com/gpu.mps-small"
+	p, err := Plan(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(p.MPSDaemons) != 2 {
+		t.Fatalf("daemons %+v, want one per shared GPU", p.MPSDaemons)
+	}
+	d0, d1 := p.MPSDaemons[0], p.MPSDaemons[1]
+	if d0.Device != "GPU-a" || d0.ActiveThreadPercentage != 50 || d0.PinnedMemLimitBytes != 20<<30 {
+		t.Errorf("GPU-a daemon %+v: want the defaults 100/2 %% and memory/2", d0)
+	}
+	if d1.Device != "GPU-b" || d1.ActiveThreadPercentage != 30 || d1.PinnedMemLimitBytes != 8<<30 {
+		t.Errorf("GPU-b daemon %+v: want the overrides 30 %% and 8Gi", d1)
+	}
+	r := p.Catalog.Resources["nvidia.com/gpu.mps"]
+	if r == nil || len(r.Devices) != 2 || r.MaxPerContainer != 1 {
+		t.Fatalf("nvidia.com/gpu.mps: %+v; want 2 replicas limited to one per container (MPS default)", r)
+	}
+	env := r.Devices[0].Spec.Env
+	if env["CUDA_MPS_PIPE_DIRECTORY"] == "" || env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "50" || env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "" {
+		t.Errorf("MPS env %v", env)
+	}
+	var shm bool
+	for _, m := range r.Devices[0].Spec.Mounts {
+		shm = shm || m.ContainerPath == "/dev/shm"
+	}
+	if !shm || r.Devices[0].Spec.VisibleID != "GPU-a" {
+		t.Errorf("replica spec %+v: want /dev/shm mounted and the GPU visible", r.Devices[0].Spec)
+	}
+	for _, d := range p.Catalog.Resources["nvidia.com/gpu.mps-small"].Devices {
+		if d.Healthy || !strings.Contains(d.Reason, "MPS daemon: not answering") {
+			t.Errorf("%s: healthy %v reason %q; its daemon does not answer", d.ID, d.Healthy, d.Reason)
+		}
+	}
+	if ids := p.Catalog.Resources[ResourceGPU].Devices; len(ids) != 1 || ids[0].ID != "GPU-old" {
+		t.Errorf("whole GPUs left %+v, want GPU-old only", ids)
+	}
+
+	// Too many clients for the GPU generation: the error names the field and the GPU.
+	in.Sharing.MPS.Resources = []config.MPSResource{entry([]string{"2"}, 20)}
+	if _, err := Plan(in); err == nil || !strings.Contains(err.Error(), "sharing.mps.resources[0].replicas: GPU 2") {
+		t.Errorf("20 MPS clients on a compute capability 6.0 GPU: %v", err)
 	}
 }

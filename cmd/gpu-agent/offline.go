@@ -64,7 +64,7 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return fmt.Errorf("inventory of %s: %w", be.Name, err)
 	}
-	cat, err := agent.PlanCatalog(agent.PlanInput{
+	planned, err := agent.Plan(agent.PlanInput{
 		Inventory: inv, ConfigName: sel.Name,
 		PassDeviceSpecs: sel.Config.DevicePlugin.PassDeviceSpecs,
 		MIGStrategy:     sel.Config.MIG.Strategy,
@@ -73,6 +73,7 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return fmt.Errorf("%s: does not fit %s: %w", file, be.Name, err)
 	}
+	cat := planned.Catalog
 	fmt.Fprintf(stdout, "%s: valid (%s format); node %s uses config %q (by %s)\n", file, f.Format, *node, sel.Name, sel.Reason)
 	fmt.Fprintf(stdout, "On %s it would offer:\n", be.Name)
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)

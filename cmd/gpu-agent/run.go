@@ -20,6 +20,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
 )
 
@@ -27,6 +28,7 @@ import (
 type runFlags struct {
 	backend, config, nodeName, pluginDir, podResources string
 	listen, stateDir, mpsRoot, nvmlLib                 string
+	mpsBinary, mpsShmDir                               string
 	logLevel, logFormat                                string
 	resync                                             time.Duration
 }
@@ -41,6 +43,8 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.listen, "listen", "GPU_AGENT_LISTEN", ":9400", "HTTP address for /metrics, /healthz, /readyz, /status")
 	fsAdd(&f.stateDir, "state-dir", "GPU_AGENT_STATE_DIR", "/var/lib/gpu-agent", "directory for state that must survive restarts")
 	fsAdd(&f.mpsRoot, "mps-root", "GPU_AGENT_MPS_ROOT", "/run/gpu-agent/mps", "root of the MPS pipe and log directories")
+	fsAdd(&f.mpsBinary, "mps-binary", "GPU_AGENT_MPS_BINARY", mps.DefaultBinary, "MPS control program, by path or found on PATH")
+	fsAdd(&f.mpsShmDir, "mps-shm-dir", "GPU_AGENT_MPS_SHM_DIR", "/dev/shm", "host directory MPS daemons and their clients share as /dev/shm")
 	fsAdd(&f.nvmlLib, "nvml-lib", "GPU_AGENT_NVML_LIB", "", "path of libnvidia-ml.so.1 for the nvml backend (empty: the loader's search path)")
 	fsAdd(&f.logLevel, "log-level", "GPU_AGENT_LOG_LEVEL", "info", "debug, info, warn or error")
 	fsAdd(&f.logFormat, "log-format", "GPU_AGENT_LOG_FORMAT", "text", "text or json")
@@ -112,6 +116,8 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
 	podres := health.NewPodResources(health.PodResourcesOptions{Socket: f.podResources, Logger: log.With("component", "pod-resources")})
 
+	mpsSup := mps.NewSupervisor(mps.Options{Binary: f.mpsBinary, Root: f.mpsRoot, Logger: log.With("component", "mps")})
+
 	mgr, err := plugin.NewManager(plugin.Options{
 		Dir: f.pluginDir, Logger: log.With("component", "plugin"),
 		OnAllocate: func(string) { podres.Invalidate() },
@@ -138,6 +144,10 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Publisher:          mgr,
 		Health:             watcher,
 		Holdings:           podres,
+		MPS:                mpsSup,
+		MPSChanged:         mpsSup.Changes(),
+		MPSRoot:            f.mpsRoot,
+		MPSShmDir:          f.mpsShmDir,
 		HealthChanged:      healthChanged,
 		InventoryObservers: []func(*gpu.Inventory){sampler.SetInventory},
 		ResyncInterval:     f.resync,
@@ -179,6 +189,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	goRun("health watcher", func() error { return watcher.Run(ctx) })
 	goRun("metrics sampler", func() error { return sampler.Run(ctx) })
 	goRun("pod-resources", func() error { return podres.Run(ctx) })
+	goRun("mps supervisor", func() error { return mpsSup.Run(ctx) })
 	if cfgWatcher != nil {
 		goRun("config watcher", func() error { return cfgWatcher.Run(ctx, updates) })
 	}

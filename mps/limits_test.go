@@ -1,0 +1,124 @@
+package mps
+
+import (
+	"maps"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+func TestMaxClientsAndValidateReplicas(t *testing.T) {
+	tests := []struct {
+		cc       gpu.ComputeCapability
+		max      int
+		replicas int
+		wantErr  string
+	}{
+		{gpu.ComputeCapability{Major: 9}, 48, 48, ""},
+		{gpu.ComputeCapability{Major: 8}, 48, 49, "above the 48 clients"},
+		{gpu.ComputeCapability{Major: 7}, 48, 20, ""},
+		{gpu.ComputeCapability{Major: 6, Minor: 1}, 16, 16, ""},
+		{gpu.ComputeCapability{Major: 6}, 16, 17, "above the 16 clients"},
+		{gpu.ComputeCapability{Major: 3, Minor: 5}, 16, 2, ""},
+		{gpu.ComputeCapability{Major: 3}, 0, 2, "not supported"},
+		{gpu.ComputeCapability{Major: 8}, 48, 0, "at least 1"},
+	}
+	for _, tt := range tests {
+		if got := MaxClients(tt.cc); got != tt.max {
+			t.Errorf("MaxClients(%s) = %d, want %d", tt.cc, got, tt.max)
+		}
+		err := ValidateReplicas(tt.replicas, tt.cc)
+		if tt.wantErr == "" && err != nil || tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+			t.Errorf("ValidateReplicas(%d, %s) = %v, want error containing %q", tt.replicas, tt.cc, err, tt.wantErr)
+		}
+	}
+}
+
+func TestDefaultDaemon(t *testing.T) {
+	tests := []struct {
+		replicas int
+		want     Daemon
+	}{
+		{4, Daemon{Device: "GPU-a", Index: 1, ActiveThreadPercentage: 25, PinnedMemLimitBytes: 10 << 30}},
+		{3, Daemon{Device: "GPU-a", Index: 1, ActiveThreadPercentage: 33, PinnedMemLimitBytes: 40 << 30 / 3}},
+		{200, Daemon{Device: "GPU-a", Index: 1, ActiveThreadPercentage: 1, PinnedMemLimitBytes: 40 << 30 / 200}},
+		{0, Daemon{Device: "GPU-a", Index: 1}},
+	}
+	for _, tt := range tests {
+		if got := DefaultDaemon("GPU-a", 1, 40<<30, tt.replicas); got != tt.want {
+			t.Errorf("DefaultDaemon(replicas %d) = %+v, want %+v", tt.replicas, got, tt.want)
+		}
+	}
+}
+
+func TestDaemonValidate(t *testing.T) {
+	tests := []struct {
+		d       Daemon
+		wantErr string
+	}{
+		{Daemon{Device: "GPU-a", ActiveThreadPercentage: 100, PinnedMemLimitBytes: 1 << 20}, ""},
+		{Daemon{}, "empty device"},
+		{Daemon{Device: "GPU-a", ActiveThreadPercentage: 101}, "0..100"},
+		{Daemon{Device: "GPU-a", ActiveThreadPercentage: -1}, "0..100"},
+		{Daemon{Device: "GPU-a", PinnedMemLimitBytes: 1000}, "below 1 MiB"},
+	}
+	for _, tt := range tests {
+		err := tt.d.Validate()
+		if tt.wantErr == "" && err != nil || tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+			t.Errorf("%+v.Validate() = %v, want error containing %q", tt.d, err, tt.wantErr)
+		}
+	}
+}
+
+func TestContainerSpec(t *testing.T) {
+	tests := []struct {
+		name       string
+		shm        string
+		d          Daemon
+		wantEnv    map[string]string
+		wantMounts []catalog.Mount
+	}{
+		{
+			name: "limits and shm",
+			shm:  "/run/gpu-agent/shm",
+			d:    Daemon{Device: "GPU-a", ActiveThreadPercentage: 25, PinnedMemLimitBytes: 10<<30 + 123},
+			wantEnv: map[string]string{
+				"CUDA_MPS_PIPE_DIRECTORY":           "/mps/GPU-a/pipe",
+				"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
+				"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT":  "0=10240M",
+			},
+			wantMounts: []catalog.Mount{
+				{HostPath: "/mps/GPU-a/pipe", ContainerPath: "/mps/GPU-a/pipe"},
+				{HostPath: "/run/gpu-agent/shm", ContainerPath: "/dev/shm"},
+			},
+		},
+		{
+			name:       "no limits, no shm, old MIG UUID",
+			d:          Daemon{Device: "MIG-GPU-x/1/0"},
+			wantEnv:    map[string]string{"CUDA_MPS_PIPE_DIRECTORY": "/mps/MIG-GPU-x_1_0/pipe"},
+			wantMounts: []catalog.Mount{{HostPath: "/mps/MIG-GPU-x_1_0/pipe", ContainerPath: "/mps/MIG-GPU-x_1_0/pipe"}},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			env, mounts := ContainerSpec("/mps", tt.shm, tt.d)
+			if !maps.Equal(env, tt.wantEnv) {
+				t.Errorf("env = %v, want %v", env, tt.wantEnv)
+			}
+			if !slices.Equal(mounts, tt.wantMounts) {
+				t.Errorf("mounts = %+v, want %+v", mounts, tt.wantMounts)
+			}
+		})
+	}
+}
+
+func TestDirNameStaysUnderRoot(t *testing.T) {
+	for _, dev := range []string{"../../etc", "MIG-GPU-x/1/0", "a/../../b"} {
+		if got := PipeDir("/mps", dev); !strings.HasPrefix(got, "/mps/") || strings.Count(got, "/") != 3 {
+			t.Errorf("PipeDir(/mps, %q) = %q, want one folder under /mps", dev, got)
+		}
+	}
+}
