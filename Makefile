@@ -6,7 +6,7 @@ BIN := bin/gpu-agent
 # Where `make run` keeps its sockets and state, so it needs no root.
 RUN_DIR ?= $(CURDIR)/.run
 
-.PHONY: all build test unit lint fmt bench run fuzz clean e2e
+.PHONY: all build test unit lint fmt bench run fuzz clean e2e image deploy-test
 
 all: build
 
@@ -15,7 +15,7 @@ build:
 
 # The README's test command; .ci/run calls exactly this. e2e needs root (it
 # runs a real kubelet and containerd) and installs its Debian packages.
-test: lint unit e2e
+test: lint unit deploy-test e2e
 
 lint:
 	@out="$$(gofmt -l .)"; \
@@ -23,9 +23,23 @@ lint:
 	$(GO) vet ./...
 	cd test/bench && $(GO) vet ./...
 	cd test/e2e && $(GO) vet -tags e2e ./...
+	cd test/deploy && $(GO) vet ./...
 
 unit:
 	$(GO) test -race -count=1 ./...
+
+IMAGE ?= ghcr.io/gpu-agent/gpu-agent
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+
+# The image needs a Docker engine (not on these machines); test/deploy checks
+# the Dockerfile instead.
+image:
+	docker build --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
+
+# Install artefacts: manifests and chart variants decoded strictly, examples
+# validated, the Dockerfile checked, the DaemonSet's own args run on a sim.
+deploy-test:
+	cd test/deploy && $(GO) test -race -count=1 ./...
 
 # A real kubelet (built from k8s.io/kubernetes, cached) with containerd and
 # runc starts static pods that request gpu-agent's resources.

@@ -1,0 +1,40 @@
+{{- define "gpu-agent.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpu-agent.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "gpu-agent.labels" -}}
+{{ include "gpu-agent.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "gpu-agent.configMapName" -}}
+{{- if .Values.config.name -}}
+{{- .Values.config.name -}}
+{{- else -}}
+{{- printf "%s-config" (include "gpu-agent.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The container is privileged where a feature cannot work otherwise (see values.yaml). */}}
+{{- define "gpu-agent.privileged" -}}
+{{- if or (eq .Values.mig.access "manage") .Values.driver.root -}}true{{- end -}}
+{{- end -}}
+
+{{- define "gpu-agent.nvmlLib" -}}
+{{- if .Values.driver.nvmlLib -}}
+{{- .Values.driver.nvmlLib -}}
+{{- else if .Values.driver.root -}}
+{{- printf "/driver-root/%s" (.Values.driver.libPath | trimPrefix "/") -}}
+{{- end -}}
+{{- end -}}

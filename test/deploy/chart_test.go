@@ -1,0 +1,310 @@
+package deploy
+
+import (
+	"os/exec"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+
+	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/chartutil"
+	"helm.sh/helm/v3/pkg/engine"
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/yaml"
+)
+
+// renderChart renders the chart as `helm template` would, with values given
+// as YAML (merged over values.yaml), and decodes every document strictly.
+func renderChart(t *testing.T, values string) (*objects, error) {
+	t.Helper()
+	chrt, err := loader.Load(repoPath("deploy", "helm", "gpu-agent"))
+	if err != nil {
+		t.Fatalf("load chart: %v", err)
+	}
+	vals := map[string]any{}
+	if err := yaml.Unmarshal([]byte(values), &vals); err != nil {
+		t.Fatalf("values: %v", err)
+	}
+	rv, err := chartutil.ToRenderValues(chrt, vals, chartutil.ReleaseOptions{
+		Name: "gpu-agent", Namespace: "gpu-system", IsInstall: true, Revision: 1,
+	}, chartutil.DefaultCapabilities)
+	if err != nil {
+		t.Fatalf("render values: %v", err)
+	}
+	files, err := engine.Render(chrt, rv)
+	if err != nil {
+		return nil, err
+	}
+	names := make([]string, 0, len(files))
+	for name := range files {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	o := &objects{}
+	for _, name := range names {
+		if strings.HasSuffix(name, ".tpl") || strings.HasSuffix(name, "NOTES.txt") {
+			continue
+		}
+		if err := decodeStrict(name, []byte(files[name]), o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return o, nil
+}
+
+func container(o *objects) corev1.Container { return o.DaemonSets[0].Spec.Template.Spec.Containers[0] }
+
+func envValue(c corev1.Container, name string) (string, bool) {
+	for _, e := range c.Env {
+		if e.Name == name {
+			return e.Value, true
+		}
+	}
+	return "", false
+}
+
+func TestChartVariants(t *testing.T) {
+	tests := []struct {
+		name, values   string
+		serviceMonitor bool
+		namespace      bool
+		privileged     bool
+		addCaps        []corev1.Capability
+		// env wants these variables set ("" value: must be absent).
+		env   map[string]string
+		check func(t *testing.T, o *objects)
+	}{
+		{
+			name: "defaults", addCaps: []corev1.Capability{"SYS_ADMIN"},
+			env: map[string]string{"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility",
+				"NVIDIA_MIG_MONITOR_DEVICES": "all", "NVIDIA_MIG_CONFIG_DEVICES": ""},
+			check: func(t *testing.T, o *objects) {
+				if slices.ContainsFunc(container(o).Args, func(a string) bool { return strings.HasPrefix(a, "--nvml-lib") }) {
+					t.Error("--nvml-lib set by default; the toolkit puts the library on the loader path")
+				}
+			},
+		},
+		{
+			name: "service monitor and namespace", values: "metrics: {serviceMonitor: {enabled: true, labels: {release: prom}}}\ncreateNamespace: true",
+			serviceMonitor: true, namespace: true, addCaps: []corev1.Capability{"SYS_ADMIN"},
+			check: func(t *testing.T, o *objects) {
+				if o.ServiceMonitors[0].Metadata.Labels["release"] != "prom" {
+					t.Errorf("ServiceMonitor labels %v lack release=prom", o.ServiceMonitors[0].Metadata.Labels)
+				}
+			},
+		},
+		{
+			name: "no MIG", values: "mig: {access: none}",
+			env: map[string]string{"NVIDIA_MIG_MONITOR_DEVICES": "", "NVIDIA_MIG_CONFIG_DEVICES": ""},
+		},
+		{
+			name: "MIG manager", values: "mig: {access: manage}", privileged: true,
+			env: map[string]string{"NVIDIA_MIG_MONITOR_DEVICES": "all", "NVIDIA_MIG_CONFIG_DEVICES": "all"},
+		},
+		{
+			name: "driver root", values: "driver: {root: /run/nvidia/driver}", privileged: true,
+			env: map[string]string{"NVIDIA_VISIBLE_DEVICES": ""},
+			check: func(t *testing.T, o *objects) {
+				c := container(o)
+				if !slices.Contains(c.Args, "--nvml-lib=/driver-root/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1") {
+					t.Errorf("args %v lack --nvml-lib under /driver-root", c.Args)
+				}
+				if !slices.ContainsFunc(o.DaemonSets[0].Spec.Template.Spec.Volumes, func(v corev1.Volume) bool {
+					return v.HostPath != nil && v.HostPath.Path == "/run/nvidia/driver"
+				}) || !slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool {
+					return m.MountPath == "/driver-root" && m.ReadOnly
+				}) {
+					t.Errorf("the driver root is not mounted read-only at /driver-root")
+				}
+			},
+		},
+		{
+			name: "existing ConfigMap", values: "config: {create: false, name: site-gpu-config, key: gpu.yaml}",
+			addCaps: []corev1.Capability{"SYS_ADMIN"},
+			check: func(t *testing.T, o *objects) {
+				if len(o.ConfigMaps) != 0 || configMapVolume(o.DaemonSets[0]) != "site-gpu-config" ||
+					!slices.Contains(container(o).Args, "--config=/etc/gpu-agent/gpu.yaml") {
+					t.Errorf("want the existing ConfigMap site-gpu-config mounted and its key gpu.yaml read; got %d ConfigMaps, volume %q, args %v",
+						len(o.ConfigMaps), configMapVolume(o.DaemonSets[0]), container(o).Args)
+				}
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			o, err := renderChart(t, tt.values)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkInstall(t, o, tt.serviceMonitor)
+			if got := len(o.Namespaces) == 1; got != tt.namespace {
+				t.Errorf("Namespace rendered: %v, want %v", got, tt.namespace)
+			}
+			c := container(o)
+			sc := c.SecurityContext
+			if got := sc.Privileged != nil && *sc.Privileged; got != tt.privileged {
+				t.Errorf("privileged = %v, want %v", got, tt.privileged)
+			}
+			if !tt.privileged {
+				if sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
+					!slices.Equal(sc.Capabilities.Add, tt.addCaps) {
+					t.Errorf("capabilities = %+v, want drop ALL, add %v", sc.Capabilities, tt.addCaps)
+				}
+				if sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+					t.Error("allowPrivilegeEscalation is not false")
+				}
+			}
+			for name, want := range tt.env {
+				got, ok := envValue(c, name)
+				if want == "" && ok {
+					t.Errorf("env %s=%q set, want it absent", name, got)
+				} else if want != "" && got != want {
+					t.Errorf("env %s = %q, want %q", name, got, want)
+				}
+			}
+			if len(o.ConfigMaps) == 1 {
+				key := strings.TrimPrefix(flagValue(c.Args, "--config"), "/etc/gpu-agent/")
+				validateConfig(t, "chart ConfigMap", []byte(o.ConfigMaps[0].Data[key]), "sim:dgx-a100", "")
+			}
+			if tt.check != nil {
+				tt.check(t, o)
+			}
+		})
+	}
+}
+
+func TestChartRejectsBadMIGAccess(t *testing.T) {
+	if _, err := renderChart(t, "mig: {access: all}"); err == nil || !strings.Contains(err.Error(), "mig.access") {
+		t.Fatalf("render with mig.access=all: %v, want an error naming mig.access", err)
+	}
+}
+
+func flagValue(args []string, flag string) string {
+	for _, a := range args {
+		if v, ok := strings.CutPrefix(a, flag+"="); ok {
+			return v
+		}
+	}
+	return ""
+}
+
+// runFlags lists `gpu-agent run`'s flags and their environment variables from
+// the binary's own help, so a new flag without a chart value fails this test.
+func runFlags(t *testing.T) map[string]string {
+	t.Helper()
+	out, _ := exec.Command(agentBin, "run", "-h").CombinedOutput()
+	flags := map[string]string{}
+	re := regexp.MustCompile(`(?m)^\s+-([a-z-]+) \S+\n\s+.*\[([A-Z_]+)\]`)
+	for _, m := range re.FindAllStringSubmatch(string(out), -1) {
+		flags[m[1]] = m[2]
+	}
+	if len(flags) < 10 {
+		t.Fatalf("found only %d flags in `gpu-agent run -h`:\n%s", len(flags), out)
+	}
+	return flags
+}
+
+// TestChartValuesCoverFlags sets every value that feeds a flag to a marker and
+// checks that each `gpu-agent run` flag reaches the container with it.
+func TestChartValuesCoverFlags(t *testing.T) {
+	values := `
+backend: sim:dgx-h100
+logLevel: debug
+logFormat: text
+resync: 45s
+config: {key: marker.yaml}
+paths:
+  devicePluginDir: /marker/device-plugins
+  podResourcesDir: /marker/pod-resources
+  stateDir: /marker/state
+  mpsRoot: /marker/mps
+mps: {binary: /marker/mps-control, shmDir: /marker/shm}
+driver: {nvmlLib: /marker/libnvidia-ml.so.1}
+metrics: {port: 9555}
+`
+	want := map[string]string{
+		"backend":              "sim:dgx-h100",
+		"log-level":            "debug",
+		"log-format":           "text",
+		"resync":               "45s",
+		"config":               "/etc/gpu-agent/marker.yaml",
+		"device-plugin-dir":    "/marker/device-plugins",
+		"pod-resources-socket": "/marker/pod-resources/kubelet.sock",
+		"state-dir":            "/marker/state",
+		"mps-root":             "/marker/mps",
+		"mps-binary":           "/marker/mps-control",
+		"mps-shm-dir":          "/marker/shm",
+		"nvml-lib":             "/marker/libnvidia-ml.so.1",
+		"listen":               ":9555",
+	}
+	o, err := renderChart(t, values)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := container(o)
+	for flag, env := range runFlags(t) {
+		if flag == "node-name" {
+			// NODE_NAME comes from the downward API (checkDaemonSet).
+			if !slices.ContainsFunc(c.Env, func(e corev1.EnvVar) bool { return e.Name == env }) {
+				t.Errorf("--node-name: %s is not set", env)
+			}
+			continue
+		}
+		w, ok := want[flag]
+		if !ok {
+			t.Errorf("--%s [%s] has no chart value (add one to values.yaml and this test)", flag, env)
+			continue
+		}
+		if got := flagValue(c.Args, "--"+flag); got != w {
+			t.Errorf("--%s = %q, want %q from the values", flag, got, w)
+		}
+	}
+	if c.Ports[0].ContainerPort != 9555 || o.Services[0].Spec.Ports[0].Port != 9555 {
+		t.Errorf("metrics.port does not reach the container port (%d) and Service (%d)", c.Ports[0].ContainerPort, o.Services[0].Spec.Ports[0].Port)
+	}
+	for _, m := range c.VolumeMounts {
+		if strings.HasPrefix(m.MountPath, "/var/lib") || strings.HasPrefix(m.MountPath, "/run/") {
+			t.Errorf("volume %s still mounted at default path %s", m.Name, m.MountPath)
+		}
+	}
+}
+
+// TestChartMatchesManifests: the chart with default values runs the agent as
+// the plain manifests do (same args, mounts, env, probes, security).
+func TestChartMatchesManifests(t *testing.T) {
+	m, _ := loadManifests(t)
+	h, err := renderChart(t, "logFormat: json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mc, hc := container(m), container(h)
+	for _, a := range mc.Args {
+		if !slices.Contains(hc.Args, a) {
+			t.Errorf("manifests pass %s, the chart does not (chart args %v)", a, hc.Args)
+		}
+	}
+	for _, e := range mc.Env {
+		if v, ok := envValue(hc, e.Name); e.Name != "NODE_NAME" && e.Name != "GPU_AGENT_LOG_FORMAT" && (!ok || v != e.Value) {
+			t.Errorf("manifests set %s=%s, the chart %q", e.Name, e.Value, v)
+		}
+	}
+	if flagValue(hc.Args, "--log-format") != "json" {
+		t.Errorf("chart --log-format = %q, manifests use json", flagValue(hc.Args, "--log-format"))
+	}
+	mountPaths := func(c corev1.Container) []string {
+		var out []string
+		for _, vm := range c.VolumeMounts {
+			out = append(out, vm.MountPath)
+		}
+		sort.Strings(out)
+		return out
+	}
+	if !slices.Equal(mountPaths(mc), mountPaths(hc)) {
+		t.Errorf("mount paths differ: manifests %v, chart %v", mountPaths(mc), mountPaths(hc))
+	}
+	if !slices.Equal(mc.SecurityContext.Capabilities.Add, hc.SecurityContext.Capabilities.Add) {
+		t.Errorf("capabilities differ: manifests %v, chart %v", mc.SecurityContext.Capabilities.Add, hc.SecurityContext.Capabilities.Add)
+	}
+}

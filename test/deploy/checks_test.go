@@ -1,0 +1,222 @@
+package deploy
+
+import (
+	"slices"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+)
+
+// hostDirs are the host directories the agent needs, by the flag that names
+// the path inside the container (the pod-resources socket lives in its dir).
+var hostDirFlags = map[string]string{
+	"/var/lib/kubelet/device-plugins": "--device-plugin-dir",
+	"/var/lib/kubelet/pod-resources":  "--pod-resources-socket",
+	"/var/lib/gpu-agent":              "--state-dir",
+	"/run/gpu-agent/mps":              "--mps-root",
+}
+
+// checkInstall asserts what issue 9 asks of every install variant: the parts
+// that must agree with each other (DaemonSet, Service, ServiceMonitor, RBAC).
+func checkInstall(t *testing.T, o *objects, wantServiceMonitor bool) {
+	t.Helper()
+	if len(o.DaemonSets) != 1 {
+		t.Fatalf("got %d DaemonSets, want 1", len(o.DaemonSets))
+	}
+	ds := o.DaemonSets[0]
+	checkDaemonSet(t, ds)
+	if len(o.ServiceAccounts) != 1 || o.ServiceAccounts[0].Name != ds.Spec.Template.Spec.ServiceAccountName {
+		t.Errorf("ServiceAccount %v does not match the DaemonSet's %q", o.ServiceAccounts, ds.Spec.Template.Spec.ServiceAccountName)
+	}
+	checkRBAC(t, o, ds.Spec.Template.Spec.ServiceAccountName, ds.Namespace)
+
+	podLabels := ds.Spec.Template.Labels
+	if len(o.Services) != 1 {
+		t.Fatalf("got %d Services, want 1", len(o.Services))
+	}
+	svc := o.Services[0]
+	if !selects(svc.Spec.Selector, podLabels) {
+		t.Errorf("Service selector %v does not select the pods %v", svc.Spec.Selector, podLabels)
+	}
+	if len(svc.Spec.Ports) != 1 || svc.Spec.Ports[0].Name != "metrics" || svc.Spec.Ports[0].Port != 9400 ||
+		svc.Spec.Ports[0].TargetPort.String() != "metrics" {
+		t.Errorf("Service ports = %+v, want metrics 9400 -> metrics", svc.Spec.Ports)
+	}
+	if !wantServiceMonitor {
+		if len(o.ServiceMonitors) != 0 {
+			t.Errorf("got %d ServiceMonitors, want none", len(o.ServiceMonitors))
+		}
+		return
+	}
+	if len(o.ServiceMonitors) != 1 {
+		t.Fatalf("got %d ServiceMonitors, want 1", len(o.ServiceMonitors))
+	}
+	sm := o.ServiceMonitors[0]
+	if !selects(sm.Spec.Selector.MatchLabels, svc.Labels) || sm.Metadata.Namespace != svc.Namespace {
+		t.Errorf("ServiceMonitor selector %v (namespace %q) does not select the Service %v (%q)",
+			sm.Spec.Selector.MatchLabels, sm.Metadata.Namespace, svc.Labels, svc.Namespace)
+	}
+	if len(sm.Spec.Endpoints) != 1 || sm.Spec.Endpoints[0].Port != "metrics" || sm.Spec.Endpoints[0].Path != "/metrics" {
+		t.Errorf("ServiceMonitor endpoints = %+v, want port metrics, path /metrics", sm.Spec.Endpoints)
+	}
+}
+
+func selects(selector, labels map[string]string) bool {
+	if len(selector) == 0 {
+		return false
+	}
+	for k, v := range selector {
+		if labels[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {
+	t.Helper()
+	if !selects(ds.Spec.Selector.MatchLabels, ds.Spec.Template.Labels) {
+		t.Errorf("selector %v does not select the template labels %v", ds.Spec.Selector.MatchLabels, ds.Spec.Template.Labels)
+	}
+	us := ds.Spec.UpdateStrategy
+	if us.Type != appsv1.RollingUpdateDaemonSetStrategyType || us.RollingUpdate == nil ||
+		us.RollingUpdate.MaxUnavailable == nil || us.RollingUpdate.MaxUnavailable.String() != "1" {
+		t.Errorf("updateStrategy = %+v, want RollingUpdate with maxUnavailable 1", us)
+	}
+	ps := ds.Spec.Template.Spec
+	if ps.PriorityClassName != "system-node-critical" {
+		t.Errorf("priorityClassName = %q, want system-node-critical", ps.PriorityClassName)
+	}
+	if ps.NodeSelector["nvidia.com/gpu.present"] != "true" {
+		t.Errorf("nodeSelector = %v, want nvidia.com/gpu.present=true", ps.NodeSelector)
+	}
+	if !slices.ContainsFunc(ps.Tolerations, func(tol corev1.Toleration) bool {
+		return tol.Key == "nvidia.com/gpu" && tol.Operator == corev1.TolerationOpExists
+	}) {
+		t.Errorf("tolerations %+v do not tolerate nvidia.com/gpu taints", ps.Tolerations)
+	}
+	if ps.HostNetwork || ps.HostPID {
+		t.Errorf("hostNetwork/hostPID set; the agent needs neither")
+	}
+	if len(ps.Containers) != 1 {
+		t.Fatalf("got %d containers, want 1", len(ps.Containers))
+	}
+	c := ps.Containers[0]
+	if len(c.Args) == 0 || c.Args[0] != "run" {
+		t.Errorf("args = %v, want the run subcommand first", c.Args)
+	}
+
+	volumes := map[string]corev1.Volume{}
+	for _, v := range ps.Volumes {
+		volumes[v.Name] = v
+	}
+	mounted := map[string]corev1.VolumeMount{} // by host path
+	var configMount *corev1.VolumeMount
+	for _, m := range c.VolumeMounts {
+		v, ok := volumes[m.Name]
+		if !ok {
+			t.Errorf("volumeMount %q has no volume", m.Name)
+			continue
+		}
+		if m.SubPath != "" {
+			t.Errorf("volumeMount %q uses subPath: a ConfigMap edit would never reach it", m.Name)
+		}
+		switch {
+		case v.HostPath != nil:
+			mounted[v.HostPath.Path] = m
+		case v.ConfigMap != nil:
+			configMount = &m
+		}
+	}
+	for dir, flag := range hostDirFlags {
+		m, ok := mounted[dir]
+		if !ok {
+			t.Errorf("host directory %s is not mounted", dir)
+			continue
+		}
+		if !slices.ContainsFunc(c.Args, func(a string) bool { return strings.HasPrefix(a, flag+"="+m.MountPath) }) {
+			t.Errorf("%s is mounted at %s but no %s flag points there (args %v)", dir, m.MountPath, flag, c.Args)
+		}
+	}
+	if configMount == nil {
+		t.Errorf("the config ConfigMap is not mounted")
+	} else if !slices.ContainsFunc(c.Args, func(a string) bool {
+		return strings.HasPrefix(a, "--config="+configMount.MountPath+"/")
+	}) {
+		t.Errorf("--config does not point into the ConfigMap mount %s (args %v)", configMount.MountPath, c.Args)
+	}
+
+	if !slices.ContainsFunc(c.Env, func(e corev1.EnvVar) bool {
+		return e.Name == "NODE_NAME" && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "spec.nodeName"
+	}) {
+		t.Errorf("NODE_NAME does not come from the downward API spec.nodeName (env %+v)", c.Env)
+	}
+	if len(c.Ports) != 1 || c.Ports[0].Name != "metrics" || c.Ports[0].ContainerPort != 9400 ||
+		!slices.Contains(c.Args, "--listen=:9400") {
+		t.Errorf("ports %+v / args %v: want the metrics port 9400 that --listen serves", c.Ports, c.Args)
+	}
+	for _, p := range []struct {
+		name  string
+		probe *corev1.Probe
+		path  string
+	}{{"liveness", c.LivenessProbe, "/healthz"}, {"readiness", c.ReadinessProbe, "/readyz"}} {
+		if p.probe == nil || p.probe.HTTPGet == nil || p.probe.HTTPGet.Path != p.path || p.probe.HTTPGet.Port.String() != "metrics" {
+			t.Errorf("%s probe = %+v, want GET %s on the metrics port", p.name, p.probe, p.path)
+		}
+	}
+	for _, r := range []struct {
+		what string
+		list corev1.ResourceList
+		want string
+	}{{"memory request", c.Resources.Requests, "64Mi"}, {"memory limit", c.Resources.Limits, "128Mi"}} {
+		got := r.list[corev1.ResourceMemory]
+		if got.Cmp(resource.MustParse(r.want)) != 0 {
+			t.Errorf("%s = %s, want %s", r.what, got.String(), r.want)
+		}
+	}
+	sc := c.SecurityContext
+	if sc == nil || sc.RunAsUser == nil || *sc.RunAsUser != 0 {
+		t.Errorf("securityContext %+v: want runAsUser 0 (the kubelet's directories are root-owned)", sc)
+	}
+}
+
+// checkRBAC asserts the ClusterRole grants only what the agent uses.
+func checkRBAC(t *testing.T, o *objects, sa, ns string) {
+	t.Helper()
+	if len(o.ClusterRoles) != 1 || len(o.ClusterRoleBindings) != 1 {
+		t.Fatalf("got %d ClusterRoles and %d bindings, want 1 each", len(o.ClusterRoles), len(o.ClusterRoleBindings))
+	}
+	allowed := map[string][]string{"nodes": {"get", "watch"}, "events": {"create", "patch"}}
+	for _, r := range o.ClusterRoles[0].Rules {
+		for _, res := range r.Resources {
+			for _, verb := range r.Verbs {
+				if !slices.Contains(allowed[res], verb) {
+					t.Errorf("ClusterRole grants %s on %s; the agent only needs %v", verb, res, allowed)
+				}
+			}
+		}
+	}
+	b := o.ClusterRoleBindings[0]
+	if b.RoleRef.Kind != "ClusterRole" || b.RoleRef.Name != o.ClusterRoles[0].Name {
+		t.Errorf("binding roleRef %+v, want ClusterRole %s", b.RoleRef, o.ClusterRoles[0].Name)
+	}
+	if !slices.ContainsFunc(b.Subjects, func(s rbacv1.Subject) bool {
+		return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == ns
+	}) {
+		t.Errorf("binding subjects %+v do not include ServiceAccount %s/%s", b.Subjects, ns, sa)
+	}
+}
+
+// configMapVolume is the name of the ConfigMap the DaemonSet mounts.
+func configMapVolume(ds *appsv1.DaemonSet) string {
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		if v.ConfigMap != nil {
+			return v.ConfigMap.Name
+		}
+	}
+	return ""
+}
