@@ -21,6 +21,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
 )
@@ -67,6 +68,9 @@ type Options struct {
 	// Holdings says which devices running containers hold (the kubelet's
 	// pod-resources API); nil: unknown, nothing is kept for holders.
 	Holdings Holdings
+	// MIG repartitions GPUs to the config's MIG layout (nil: layouts are
+	// not applied; existing instances are served).
+	MIG MIGApplier
 	// MPS runs the MPS control daemons (nil: MPS sharing is refused).
 	MPS MPSSupervisor
 	// MPSChanged wakes the loop when a daemon's health changed.
@@ -108,6 +112,13 @@ type Agent struct {
 	cat       *catalog.Catalog
 	lastPass  time.Time
 	lastLoop  time.Time
+	// ctx is Run's context (MIG applies honour it).
+	ctx context.Context
+	// MIG repartitioning: state per GPU index, the last error, the profiles
+	// of each GPU model (queried once).
+	migStates       map[int]MIGState
+	migErr          error
+	migProfileCache map[string]mig.Profiles
 	// lastGood is the last selection that planned on this node; it is
 	// served while a newer one does not fit.
 	lastGood config.Selected
@@ -142,6 +153,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	if a.opts.Lib == nil || a.opts.Publisher == nil {
 		return errors.New("agent: Lib and Publisher are required")
 	}
+	a.ctx = ctx
 	updates := a.opts.ConfigUpdates
 	if updates == nil {
 		a.file = config.Default()
@@ -253,6 +265,14 @@ func (a *Agent) selectConfig() {
 // reconcile runs one observe → plan → publish pass.
 func (a *Agent) reconcile(why string) {
 	a.observe(why)
+	changed, err := a.reconcileMIG(a.ctx)
+	if err != nil && (a.migErr == nil || a.migErr.Error() != err.Error()) {
+		a.log.Error("MIG layout not applied", "config", a.selected.Name, "error", err)
+	}
+	a.migErr = err
+	if changed {
+		a.observe("MIG layout applied") // plan the catalog from the new instances
+	}
 	a.plan(why)
 }
 

@@ -16,6 +16,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 // recorder is a Publisher that keeps every catalog it was given.
@@ -37,6 +38,9 @@ func (r *recorder) Update(c *catalog.Catalog) {
 func (r *recorder) last() *catalog.Catalog {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if len(r.cats) == 0 {
+		return &catalog.Catalog{Resources: map[string]*catalog.Resource{}}
+	}
 	return r.cats[len(r.cats)-1]
 }
 
@@ -395,4 +399,67 @@ func TestAgentKeepsHeldReplicasAdvertised(t *testing.T) {
 	// Released: the next pass withdraws it.
 	holdings.set(ResourceGPU)
 	waitFor(t, func() bool { return len(rec.last().Resources[ResourceGPU].Devices) == 4 })
+}
+
+func TestAgentRepartitionsMIGLive(t *testing.T) {
+	node, err := sim.New("dgx-h100", sim.WithMIGEnabled())
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	holdings := &fakeHoldings{}
+	updates := make(chan config.Update)
+	rec := newRecorder()
+	a := New(Options{Lib: node, Publisher: rec, Holdings: holdings, ConfigUpdates: updates, ResyncInterval: 20 * time.Millisecond,
+		MIG: mig.NewApplier(node, t.TempDir(), nil)})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go a.Run(ctx)
+
+	layout := func(counts string) []byte {
+		return []byte("version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n      devices:\n      - devices: all\n        mig-enabled: true\n        mig-devices: " + counts + "\n")
+	}
+	count := func(res string) int {
+		r := rec.last().Resources[res]
+		if r == nil {
+			return 0
+		}
+		return len(r.Devices)
+	}
+	updates <- config.Update{Data: layout(`{"1g.10gb": 2, "3g.40gb": 1}`)}
+	waitFor(t, func() bool { return count("nvidia.com/mig-1g.10gb") == 16 && count("nvidia.com/mig-3g.40gb") == 8 })
+	for _, st := range a.Status().MIG {
+		if st.Phase != mig.PhaseApplied {
+			t.Errorf("GPU %d: MIG %+v, want applied", st.GPU, st)
+		}
+	}
+	if count(ResourceGPU) != 0 {
+		t.Errorf("MIG-enabled GPUs offered whole: %d", count(ResourceGPU))
+	}
+
+	// A pod holds a 1g instance of GPU 0; the new layout has no 1g: GPU 0 waits, naming the holder.
+	var held string
+	for _, d := range rec.last().Resources["nvidia.com/mig-1g.10gb"].Devices {
+		if d.GPU == 0 {
+			held = d.ID
+			break
+		}
+	}
+	holdings.set("nvidia.com/mig-1g.10gb", held)
+	updates <- config.Update{Data: layout(`{"3g.40gb": 2}`)}
+	waitFor(t, func() bool { return count("nvidia.com/mig-3g.40gb") == 15 })
+	st := a.Status().MIG[0]
+	if st.Phase != mig.PhasePending || !strings.Contains(st.Reason, "ml/trainer") {
+		t.Errorf("GPU 0: MIG %+v, want pending naming ml/trainer", st)
+	}
+	if _, ok := rec.last().Resources["nvidia.com/mig-1g.10gb"].Device(held); !ok {
+		t.Errorf("held instance %s no longer served", held)
+	}
+
+	// Released: GPU 0 converges by itself.
+	holdings.set("nvidia.com/mig-1g.10gb")
+	waitFor(t, func() bool { return count("nvidia.com/mig-3g.40gb") == 16 && count("nvidia.com/mig-1g.10gb") == 0 })
+	if st := a.Status().MIG[0]; st.Phase != mig.PhaseApplied {
+		t.Errorf("GPU 0 after release: %+v", st)
+	}
 }

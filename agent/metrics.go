@@ -9,6 +9,7 @@ type metrics struct {
 	inventoryErrors   prometheus.Counter
 	reconcileDuration prometheus.Histogram
 	devices           *prometheus.GaugeVec
+	migPhases         *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -38,10 +39,14 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "gpu_agent_devices",
 			Help: "Devices offered to the kubelet, by resource and health.",
 		}, []string{"resource", "health"}),
+		migPhases: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "gpu_agent_mig_state",
+			Help: "1 for each GPU's MIG repartitioning phase (applied, planned, pending, reset-required, failed).",
+		}, []string{"gpu", "UUID", "phase"}),
 	}
 	m.configValid.Set(1)
 	if reg != nil {
-		reg.MustRegister(m.configValid, m.configErrors, m.configReloads, m.inventoryErrors, m.reconcileDuration, m.devices)
+		reg.MustRegister(m.configValid, m.configErrors, m.configReloads, m.inventoryErrors, m.reconcileDuration, m.devices, m.migPhases)
 	}
 	return m
 }

@@ -17,6 +17,8 @@ type Status struct {
 	GPUs     []gpu.GPU       `json:"gpus"`
 	Errors   []string        `json:"inventoryErrors,omitempty"`
 	Resource []ResourceState `json:"resources"`
+	// MIG is each GPU's repartitioning state when the config has a layout.
+	MIG []MIGState `json:"mig,omitempty"`
 	// LastPass is the last catalog published; LastLoop the last turn of the
 	// loop, published or not (liveness).
 	LastPass time.Time `json:"lastPass"`
@@ -93,7 +95,10 @@ func (a *Agent) publishStatus() {
 	case a.planErr != nil:
 		s.Config.Error = a.planErr.Error()
 		s.Config.ErrorSince = a.planErrAt
+	case a.migErr != nil:
+		s.Config.Error = a.migErr.Error()
 	}
+	s.MIG = a.migStatus()
 	if a.inv != nil {
 		s.GPUs = a.inv.GPUs
 		for _, e := range a.inv.Errors {

@@ -21,6 +21,8 @@ Usage:
   gpu-agent config validate FILE [flags]   check a config file offline
   gpu-agent inventory [--backend B] [-o table|json]
                                            print the GPU inventory and topology
+  gpu-agent mig plan --config FILE [--backend B]
+                                           print the MIG repartitioning plan per GPU
   gpu-agent sim list                       list the simulated nodes
 
 Run 'gpu-agent COMMAND --help' for a command's flags.
@@ -53,6 +55,8 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = cmdInventory(args[1:], stdout, stderr)
 	case "sim":
 		err = cmdSim(args[1:], stdout, stderr)
+	case "mig":
+		err = cmdMIG(args[1:], stdout, stderr)
 	default:
 		fmt.Fprintf(stderr, "gpu-agent: unknown command %q\n\n%s", args[0], usage)
 		return 2

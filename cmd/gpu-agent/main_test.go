@@ -70,7 +70,7 @@ func TestUsageErrors(t *testing.T) {
 
 func TestHelpOnEveryCommand(t *testing.T) {
 	for _, args := range [][]string{{"--help"}, {"run", "--help"}, {"status", "--help"}, {"inventory", "--help"},
-		{"config", "--help"}, {"sim", "--help"}} {
+		{"config", "--help"}, {"sim", "--help"}, {"mig", "--help"}} {
 		code, out, errOut := run(t, args...)
 		if code != 0 || !strings.Contains(out+errOut, "Usage") {
 			t.Errorf("%v: exit %d, output %q", args, code, out+errOut)
@@ -122,12 +122,13 @@ func TestWriteStatus(t *testing.T) {
 		Resource: []agent.ResourceState{{Name: "nvidia.com/gpu", Devices: []agent.DeviceState{
 			{ID: "GPU-1", Healthy: false, Reason: "XID 79", NUMANode: 3, HeldBy: "ml/trainer (main)"}}}},
 		Registrations: []agent.Registration{{Resource: "nvidia.com/gpu", LastError: "kubelet.sock absent"}},
+		MIG:           []agent.MIGState{{GPU: 0, Want: "3g.40gb x2", Phase: "pending", Reason: "held by ml/trainer"}},
 	}
 	var b bytes.Buffer
 	if err := writeStatus(&b, st); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"ml/trainer (main)", "unknown field (line 3)", "serving the last good config", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent"} {
+	for _, want := range []string{"pending", "held by ml/trainer", "ml/trainer (main)", "unknown field (line 3)", "serving the last good config", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent"} {
 		if !strings.Contains(b.String(), want) {
 			t.Errorf("status lacks %q:\n%s", want, b.String())
 		}
@@ -314,5 +315,22 @@ func TestConfigValidateMIGMixedTimeSliced(t *testing.T) {
 	// 8 GPUs x 7 1g.10gb instances x 4 replicas; the GPUs themselves are not offered whole.
 	if !strings.Contains(out, "nvidia.com/mig-1g.10gb  224") || strings.Contains(out, "nvidia.com/gpu ") {
 		t.Errorf("output:\n%s", out)
+	}
+}
+
+func TestMIGPlan(t *testing.T) {
+	code, out, stderr := run(t, "mig", "plan", "--config", "testdata/mig-balanced-h100.yaml", "--backend", "sim:dgx-h100-mig")
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	// From 7x 1g.10gb: the two 1g instances the layout can keep stay, five go.
+	if n := strings.Count(out, "planned, 7 steps, 5 instances destroyed"); n != 8 {
+		t.Errorf("want 8 GPUs planned with 5 destroys each:\n%s", out)
+	}
+	bad := filepath.Join(t.TempDir(), "bad.yaml")
+	os.WriteFile(bad, []byte("version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n      devices:\n      - devices: all\n        mig-enabled: true\n        mig-devices: {\"3g.40gb\": 3}\n"), 0o644)
+	code, _, stderr = run(t, "mig", "plan", "--config", bad, "--backend", "sim:dgx-h100")
+	if code != 1 || !strings.Contains(stderr, "gpu 0") {
+		t.Errorf("impossible layout: exit %d, stderr %q; want 1 naming the GPU", code, stderr)
 	}
 }

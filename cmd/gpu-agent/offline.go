@@ -2,15 +2,19 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
 	"text/tabwriter"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error {
@@ -136,4 +140,87 @@ func cmdSim(args []string, stdout, _ io.Writer) error {
 		fmt.Fprintf(tw, "sim:%s\t%s\n", p.Name, p.Description)
 	}
 	return tw.Flush()
+}
+
+func cmdMIG(args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 || args[0] != "plan" {
+		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
+			fmt.Fprintln(stdout, "Usage: gpu-agent mig plan --config FILE [--backend sim:P|nvml] [--node-name N]")
+			return nil
+		}
+		return usageError{"want: mig plan --config FILE [--backend sim:P] [--node-name N]"}
+	}
+	fs := newFlagSet("mig plan", "mig plan --config FILE [--backend sim:<profile>|nvml] [--node-name N]", stderr)
+	file := fs.String("config", envDefault("GPU_AGENT_CONFIG", ""), "config file [GPU_AGENT_CONFIG]")
+	backendSpec := fs.String("backend", envDefault("GPU_AGENT_BACKEND", "sim:dgx-h100"), "GPUs to plan for [GPU_AGENT_BACKEND]")
+	host, _ := os.Hostname()
+	node := fs.String("node-name", envDefault("NODE_NAME", host), "node whose config is selected [NODE_NAME]")
+	nvmlLib := fs.String("nvml-lib", envDefault("GPU_AGENT_NVML_LIB", ""), "libnvidia-ml path for --backend nvml [GPU_AGENT_NVML_LIB]")
+	if err := parseFlags(fs, args[1:]); err != nil {
+		return err
+	}
+	if *file == "" || fs.NArg() > 0 {
+		return usageError{"want --config FILE and no other arguments"}
+	}
+	f, _, err := config.Load(*file)
+	if err != nil {
+		return fmt.Errorf("%s: invalid:\n%w", *file, err)
+	}
+	sel, err := f.Select(*node, nil)
+	if err != nil {
+		return fmt.Errorf("%s: node %s: %w", *file, *node, err)
+	}
+	if sel.MIGLayout == nil {
+		fmt.Fprintf(stdout, "config %q has no MIG layout: the GPUs are left as they are\n", sel.Name)
+		return nil
+	}
+	be, err := openBackend(*backendSpec, *nvmlLib)
+	if err != nil {
+		return err
+	}
+	defer be.Close()
+	inv, err := gpu.New(be.Lib, be.InventoryOptions)
+	if err != nil {
+		return err
+	}
+	pciIDs := map[int]uint32{}
+	devs := map[int]nvml.Device{}
+	for _, g := range inv.GPUs {
+		if dev, ret := be.Lib.DeviceGetHandleByIndex(g.Index); ret == nvml.SUCCESS {
+			devs[g.Index] = dev
+			if pci, ret := dev.GetPciInfo(); ret == nvml.SUCCESS {
+				pciIDs[g.Index] = pci.PciDeviceId
+			}
+		}
+	}
+	wants, err := mig.Desired(sel.MIGLayout, inv, pciIDs)
+	if err != nil {
+		return fmt.Errorf("%s: %w", *file, err)
+	}
+	var errs []error
+	for _, g := range inv.GPUs {
+		want, ok := wants[g.Index]
+		if !ok {
+			fmt.Fprintf(stdout, "GPU %d (%s): no layout entry applies; left as it is\n", g.Index, g.Name)
+			continue
+		}
+		profiles, err := mig.QueryProfiles(devs[g.Index], g.MemoryBytes)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("gpu %d: %w", g.Index, err))
+			continue
+		}
+		plan, state, err := mig.MakePlan(g, profiles, want, nil)
+		if err != nil {
+			errs = append(errs, err)
+		}
+		fmt.Fprintf(stdout, "GPU %d (%s): want %s: %s", g.Index, g.Name, want.String(), state.Phase)
+		if state.Reason != "" {
+			fmt.Fprintf(stdout, " (%s)", state.Reason)
+		}
+		fmt.Fprintf(stdout, ", %d steps, %d instances destroyed\n", len(plan.Steps), plan.Destroys())
+		for i, s := range plan.Steps {
+			fmt.Fprintf(stdout, "  %d. %s\n", i+1, s.String())
+		}
+	}
+	return errors.Join(errs...)
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
 )
@@ -144,6 +145,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Publisher:          mgr,
 		Health:             watcher,
 		Holdings:           podres,
+		MIG:                mig.NewApplier(be.Lib, f.stateDir, log.With("component", "mig")),
 		MPS:                mpsSup,
 		MPSChanged:         mpsSup.Changes(),
 		MPSRoot:            f.mpsRoot,

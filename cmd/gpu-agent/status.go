@@ -102,6 +102,14 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 	}
 	fmt.Fprintln(tw)
 
+	if len(st.MIG) > 0 {
+		fmt.Fprintln(tw, "GPU\tMIG WANT\tSTATE\tREASON")
+		for _, m := range st.MIG {
+			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\n", m.GPU, m.Want, m.Phase, m.Reason)
+		}
+		fmt.Fprintln(tw)
+	}
+
 	reg := map[string]agent.Registration{}
 	for _, r := range st.Registrations {
 		reg[r.Resource] = r

@@ -1,0 +1,364 @@
+package mig
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// Library is the part of nvml.Interface the applier uses.
+type Library interface {
+	DeviceGetHandleByIndex(index int) (nvml.Device, nvml.Return)
+}
+
+// Applier runs plans against NVML. Progress is journaled per GPU under
+// stateDir/mig, so that after a crash or restart Apply resumes the plan that
+// was in flight instead of planning afresh from a half-changed GPU.
+type Applier struct {
+	lib Library
+	dir string
+	log *slog.Logger
+	// crash, when set (tests only), is asked at each point a process could
+	// die; returning true makes Apply stop there as if killed.
+	crash func(point string, step int) bool
+}
+
+// errCrashed is what Apply returns when the test hook stops it.
+var errCrashed = errors.New("simulated crash")
+
+// NewApplier journals under stateDir/mig (created on first use).
+func NewApplier(lib Library, stateDir string, log *slog.Logger) *Applier {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Applier{lib: lib, dir: filepath.Join(stateDir, "mig"), log: log}
+}
+
+type journal struct {
+	Plan Plan `json:"plan"`
+	// Next is the first step not known to be done. Steps are idempotent, so
+	// the one at Next is run again on resume whether or not it had finished.
+	Next int `json:"next"`
+}
+
+// Apply runs p on GPU p.GPU. When a journal for that GPU holds an unfinished
+// plan for the same wanted layout, that plan is resumed from its last step
+// instead; an unfinished plan for another layout is abandoned (an instance it
+// was half-way through creating is removed first). On a failed step the GPU
+// is left with whole instances only and the state says which step failed.
+func (a *Applier) Apply(ctx context.Context, p Plan) (State, error) {
+	dev, err := a.device(p)
+	if err != nil {
+		return State{Phase: PhaseFailed, Reason: err.Error()}, err
+	}
+	j, err := a.load(p.UUID)
+	if err != nil {
+		return State{Phase: PhaseFailed, Reason: err.Error()}, err
+	}
+	switch {
+	case j != nil && j.Plan.Want.Equal(p.Want):
+		a.log.Info("resuming MIG plan", "gpu", p.GPU, "uuid", p.UUID, "step", j.Next, "steps", len(j.Plan.Steps))
+		j.Plan.Held = p.Held // holders now, not when the old plan was made
+	case j != nil:
+		a.log.Info("abandoning MIG plan for an older layout", "gpu", p.GPU, "uuid", p.UUID, "want", j.Plan.Want.String())
+		if err := a.abandon(dev, j); err != nil {
+			return a.failed(p, err)
+		}
+		j = nil
+	}
+	if j == nil {
+		if len(p.Steps) == 0 {
+			return State{Phase: PhaseApplied}, nil
+		}
+		j = &journal{Plan: p}
+		if err := a.save(j); err != nil {
+			return a.failed(p, err)
+		}
+	}
+	for j.Next < len(j.Plan.Steps) {
+		if err := ctx.Err(); err != nil {
+			return State{Phase: PhaseFailed, Reason: "interrupted: " + err.Error()}, err
+		}
+		s := j.Plan.Steps[j.Next]
+		if a.crashAt("before", j.Next) {
+			return State{}, errCrashed
+		}
+		st, err := a.step(dev, j.Plan, j.Next, s)
+		if errors.Is(err, errCrashed) {
+			return State{}, err
+		}
+		if err != nil || st.Phase != "" {
+			// The GPU holds whole instances only (step undoes its half), so
+			// the journal goes: the next plan starts from what NVML shows.
+			_ = a.remove(p.UUID)
+			if err != nil {
+				return a.failed(j.Plan, fmt.Errorf("step %d (%s): %w", j.Next, s, err))
+			}
+			return st, nil
+		}
+		if a.crashAt("after", j.Next) {
+			return State{}, errCrashed
+		}
+		a.log.Info("MIG step done", "gpu", p.GPU, "uuid", p.UUID, "step", s.String(), "reason", s.Reason)
+		j.Next++
+		if err := a.save(j); err != nil {
+			return a.failed(j.Plan, err)
+		}
+	}
+	if err := a.remove(p.UUID); err != nil {
+		return a.failed(p, err)
+	}
+	return State{Phase: PhaseApplied}, nil
+}
+
+func (a *Applier) failed(p Plan, err error) (State, error) {
+	err = fmt.Errorf("gpu %d (%s): %w", p.GPU, p.UUID, err)
+	return State{Phase: PhaseFailed, Reason: err.Error()}, err
+}
+
+func (a *Applier) crashAt(point string, step int) bool { return a.crash != nil && a.crash(point, step) }
+
+// device finds the GPU and checks it is the one planned for: indices can
+// move when a GPU falls off the bus.
+func (a *Applier) device(p Plan) (nvml.Device, error) {
+	dev, ret := a.lib.DeviceGetHandleByIndex(p.GPU)
+	if ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("gpu %d (%s): DeviceGetHandleByIndex: %w", p.GPU, p.UUID, ret)
+	}
+	uuid, ret := dev.GetUUID()
+	if ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("gpu %d (%s): GetUUID: %w", p.GPU, p.UUID, ret)
+	}
+	if uuid != p.UUID {
+		return nil, fmt.Errorf("gpu %d is now %s, plan was for %s", p.GPU, uuid, p.UUID)
+	}
+	return dev, nil
+}
+
+// step runs one step. A non-empty State.Phase stops the plan without error
+// (pending, reset-required).
+func (a *Applier) step(dev nvml.Device, p Plan, k int, s Step) (State, error) {
+	switch s.Op {
+	case OpSetMode:
+		mode := nvml.DEVICE_MIG_DISABLE
+		if s.Enable {
+			mode = nvml.DEVICE_MIG_ENABLE
+		}
+		activation, ret := dev.SetMigMode(mode)
+		switch {
+		case ret == nvml.ERROR_IN_USE:
+			return State{Phase: PhasePending, Reason: "MIG mode change waits for the GPU's instances to go"}, nil
+		case ret != nvml.SUCCESS:
+			return State{}, fmt.Errorf("SetMigMode: %w", ret)
+		case activation == nvml.ERROR_RESET_REQUIRED:
+			return State{Phase: PhaseResetRequired, Reason: fmt.Sprintf("MIG mode change to enabled=%t waits for a GPU reset", s.Enable)}, nil
+		case activation == nvml.ERROR_IN_USE:
+			return State{Phase: PhasePending, Reason: "MIG mode change waits for the processes on the GPU to exit"}, nil
+		case activation != nvml.SUCCESS:
+			return State{}, fmt.Errorf("SetMigMode activation: %w", activation)
+		}
+		return State{}, nil
+	case OpDestroy:
+		for _, u := range s.UUIDs {
+			if h, ok := p.Held[u]; ok {
+				return State{Phase: PhasePending, Reason: fmt.Sprintf("%s held by %s", u, h)}, nil
+			}
+		}
+		_, gi, err := findGI(dev, s)
+		if err != nil || gi == nil {
+			return State{}, err // nil, nil: already gone
+		}
+		cis, err := computeInstances(gi)
+		if err != nil {
+			return State{}, err
+		}
+		for _, ci := range cis {
+			if ret := ci.Destroy(); ret != nvml.SUCCESS {
+				return State{}, fmt.Errorf("destroy compute instance: %w", ret)
+			}
+		}
+		if ret := gi.Destroy(); ret != nvml.SUCCESS {
+			return State{}, fmt.Errorf("destroy gpu instance: %w", ret)
+		}
+		return State{}, nil
+	case OpCreate:
+		info, gi, err := findGI(dev, s)
+		if err != nil {
+			return State{}, err
+		}
+		if gi == nil {
+			pl := nvml.GpuInstancePlacement{Start: uint32(s.Placement.Start), Size: uint32(s.Placement.Size)}
+			var ret nvml.Return
+			if gi, ret = dev.CreateGpuInstanceWithPlacement(&info, &pl); ret != nvml.SUCCESS {
+				return State{}, fmt.Errorf("CreateGpuInstanceWithPlacement: %w", ret)
+			}
+		}
+		if a.crashAt("mid", k) {
+			return State{}, errCrashed
+		}
+		cis, err := computeInstances(gi)
+		if err != nil {
+			return State{}, err
+		}
+		if len(cis) > 0 {
+			return State{}, nil // adopted from a run that died after this step
+		}
+		if err := createFullCI(gi, info.SliceCount); err != nil {
+			// Undo the GPU instance: one without a compute instance is no MIG
+			// device, so nothing would list it, yet it would hold its slices.
+			if ret := gi.Destroy(); ret != nvml.SUCCESS {
+				return State{}, fmt.Errorf("%w (and removing its gpu instance: %w)", err, ret)
+			}
+			return State{}, err
+		}
+		return State{}, nil
+	}
+	return State{}, fmt.Errorf("unknown op %q", s.Op)
+}
+
+// findGI returns the profile info of s and the GPU instance of that profile
+// at s.Placement, or a nil instance when there is none.
+func findGI(dev nvml.Device, s Step) (nvml.GpuInstanceProfileInfo, nvml.GpuInstance, error) {
+	info, ret := dev.GetGpuInstanceProfileInfo(s.ProfileIndex)
+	if ret != nvml.SUCCESS {
+		return info, nil, fmt.Errorf("GetGpuInstanceProfileInfo(%d): %w", s.ProfileIndex, ret)
+	}
+	gis, ret := dev.GetGpuInstances(&info)
+	if ret != nvml.SUCCESS {
+		return info, nil, fmt.Errorf("GetGpuInstances(%s): %w", s.Profile, ret)
+	}
+	for _, gi := range gis {
+		gii, ret := gi.GetInfo()
+		if ret != nvml.SUCCESS {
+			return info, nil, fmt.Errorf("gpu instance GetInfo: %w", ret)
+		}
+		if int(gii.Placement.Start) == s.Placement.Start {
+			return info, gi, nil
+		}
+	}
+	return info, nil, nil
+}
+
+func computeInstances(gi nvml.GpuInstance) ([]nvml.ComputeInstance, error) {
+	var out []nvml.ComputeInstance
+	for p := range nvml.COMPUTE_INSTANCE_PROFILE_COUNT {
+		info, ret := gi.GetComputeInstanceProfileInfo(p, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+		if ret == nvml.ERROR_NOT_SUPPORTED || ret == nvml.ERROR_INVALID_ARGUMENT {
+			continue
+		}
+		if ret != nvml.SUCCESS {
+			return nil, fmt.Errorf("GetComputeInstanceProfileInfo(%d): %w", p, ret)
+		}
+		cis, ret := gi.GetComputeInstances(&info)
+		if ret != nvml.SUCCESS {
+			return nil, fmt.Errorf("GetComputeInstances(%d): %w", p, ret)
+		}
+		out = append(out, cis...)
+	}
+	return out, nil
+}
+
+// createFullCI creates the compute instance that spans the GPU instance; the
+// CI profile is found by slice count, as profile ids differ between drivers.
+func createFullCI(gi nvml.GpuInstance, slicesWanted uint32) error {
+	for p := range nvml.COMPUTE_INSTANCE_PROFILE_COUNT {
+		info, ret := gi.GetComputeInstanceProfileInfo(p, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+		if ret != nvml.SUCCESS || info.SliceCount != slicesWanted {
+			continue
+		}
+		if _, ret := gi.CreateComputeInstance(&info); ret != nvml.SUCCESS {
+			return fmt.Errorf("CreateComputeInstance(%d slices): %w", slicesWanted, ret)
+		}
+		return nil
+	}
+	return fmt.Errorf("no compute instance profile spans %d slices", slicesWanted)
+}
+
+// abandon drops a journal whose layout is no longer wanted. Only a create can
+// leave a half: a GPU instance without its compute instance, invisible to
+// the inventory, which is removed.
+func (a *Applier) abandon(dev nvml.Device, j *journal) error {
+	if j.Next < len(j.Plan.Steps) && j.Plan.Steps[j.Next].Op == OpCreate {
+		_, gi, err := findGI(dev, j.Plan.Steps[j.Next])
+		if err != nil {
+			return err
+		}
+		if gi != nil {
+			cis, err := computeInstances(gi)
+			if err != nil {
+				return err
+			}
+			if len(cis) == 0 {
+				if ret := gi.Destroy(); ret != nvml.SUCCESS {
+					return fmt.Errorf("remove half-created gpu instance: %w", ret)
+				}
+			}
+		}
+	}
+	return a.remove(j.Plan.UUID)
+}
+
+func (a *Applier) path(uuid string) string { return filepath.Join(a.dir, uuid+".json") }
+
+func (a *Applier) load(uuid string) (*journal, error) {
+	b, err := os.ReadFile(a.path(uuid))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read MIG journal: %w", err)
+	}
+	var j journal
+	if err := json.Unmarshal(b, &j); err != nil {
+		// A torn journal cannot be trusted; planning from NVML is safe
+		// because every step is idempotent and creates are whole.
+		a.log.Warn("discarding unreadable MIG journal", "path", a.path(uuid), "error", err)
+		return nil, nil
+	}
+	return &j, nil
+}
+
+// save writes the journal atomically (temp file, fsync, rename) so a crash
+// leaves either the old or the new progress, never a torn file.
+func (a *Applier) save(j *journal) error {
+	if err := os.MkdirAll(a.dir, 0o755); err != nil {
+		return fmt.Errorf("MIG journal dir: %w", err)
+	}
+	b, err := json.Marshal(j)
+	if err != nil {
+		return fmt.Errorf("encode MIG journal: %w", err)
+	}
+	f, err := os.CreateTemp(a.dir, ".journal-*")
+	if err != nil {
+		return fmt.Errorf("write MIG journal: %w", err)
+	}
+	defer os.Remove(f.Name()) // no-op after the rename
+	if _, err := f.Write(b); err != nil {
+		f.Close()
+		return fmt.Errorf("write MIG journal: %w", err)
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return fmt.Errorf("sync MIG journal: %w", err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("write MIG journal: %w", err)
+	}
+	if err := os.Rename(f.Name(), a.path(j.Plan.UUID)); err != nil {
+		return fmt.Errorf("write MIG journal: %w", err)
+	}
+	return nil
+}
+
+func (a *Applier) remove(uuid string) error {
+	if err := os.Remove(a.path(uuid)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove MIG journal: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,106 @@
+package mig
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+)
+
+func TestCrashAtEveryStepThenResume(t *testing.T) {
+	from, to := want("7x1g.5gb"), want("1x3g.20gb 1x2g.10gb 2x1g.5gb")
+	// Reference: the run nobody interrupts.
+	ref := newRig(t, "dgx-a100", sim.WithMIGEnabled())
+	ref.converge(0, from, nil)
+	p, _, err := MakePlan(ref.gpu(0), ref.profiles(0), to, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref.converge(0, to, nil)
+	wantLayout := layout(ref.gpu(0))
+
+	for k := range p.Steps {
+		for _, point := range []string{"before", "mid", "after"} {
+			if point == "mid" && p.Steps[k].Op != OpCreate {
+				continue
+			}
+			t.Run(fmt.Sprintf("%s step %d %s", point, k, p.Steps[k]), func(t *testing.T) {
+				r := newRig(t, "dgx-a100", sim.WithMIGEnabled())
+				r.converge(0, from, nil)
+				r.ap.crash = func(pt string, step int) bool { return pt == point && step == k }
+				plan, _, _ := MakePlan(r.gpu(0), r.profiles(0), to, nil)
+				if _, err := r.ap.Apply(context.Background(), plan); !errors.Is(err, errCrashed) {
+					t.Fatalf("apply did not crash: %v", err)
+				}
+				if _, err := os.Stat(filepath.Join(r.dir, "mig", plan.UUID+".json")); err != nil {
+					t.Fatalf("no journal after crash: %v", err)
+				}
+				// Restart: a new applier over the same state dir, fresh snapshot.
+				r.ap = NewApplier(r.node, r.dir, slog.New(slog.DiscardHandler))
+				if _, st := r.converge(0, to, nil); st.Phase != PhaseApplied {
+					t.Fatalf("resume: %+v", st)
+				}
+				if got := layout(r.gpu(0)); !slices.Equal(got, wantLayout) {
+					t.Fatalf("end layout %v, uninterrupted run reached %v", got, wantLayout)
+				}
+				if _, err := os.Stat(filepath.Join(r.dir, "mig", plan.UUID+".json")); !os.IsNotExist(err) {
+					t.Fatalf("journal left after success: %v", err)
+				}
+			})
+		}
+	}
+}
+
+func TestCrashThenNewLayoutRemovesHalfCreatedInstance(t *testing.T) {
+	r := newRig(t, "dgx-a100", sim.WithMIGEnabled())
+	r.ap.crash = func(pt string, step int) bool { return pt == "mid" && step == 0 }
+	plan, _, _ := MakePlan(r.gpu(0), r.profiles(0), want("1x7g.40gb"), nil)
+	if _, err := r.ap.Apply(context.Background(), plan); !errors.Is(err, errCrashed) {
+		t.Fatalf("apply did not crash: %v", err)
+	}
+	r.ap = NewApplier(r.node, r.dir, slog.New(slog.DiscardHandler))
+	// The half-made 7g (a GI without CI) is invisible to the inventory but
+	// would block every create; the new layout must still fit.
+	if _, st := r.converge(0, want("7x1g.5gb"), nil); st.Phase != PhaseApplied {
+		t.Fatalf("%+v", st)
+	}
+	if got := len(r.gpu(0).Instances); got != 7 {
+		t.Fatalf("%d instances, want 7", got)
+	}
+}
+
+func TestFailedStepLeavesReportedValidState(t *testing.T) {
+	r := newRig(t, "dgx-a100", sim.WithMIGEnabled())
+	r.converge(0, want("2x3g.20gb"), nil)
+	g := r.gpu(0)
+	p, _, _ := MakePlan(g, r.profiles(0), want("1x3g.20gb 2x2g.10gb"), nil)
+	// A process in the GI the plan destroys makes the destroy fail (IN_USE).
+	var gi, ci int
+	for _, in := range g.Instances {
+		if in.Placement == p.Steps[0].Placement {
+			gi, ci = in.GI, in.CI
+		}
+	}
+	if err := r.node.SetProcesses(0, []nvml.ProcessInfo{{Pid: 7, GpuInstanceId: uint32(gi), ComputeInstanceId: uint32(ci)}}); err != nil {
+		t.Fatal(err)
+	}
+	st, err := r.ap.Apply(context.Background(), p)
+	if err == nil || st.Phase != PhaseFailed || st.Reason == "" {
+		t.Fatalf("state %+v err %v, want failed", st, err)
+	}
+	after := r.gpu(0) // reads cleanly: whole instances only
+	if got := layout(after); !slices.Equal(got, []string{"3g.20gb@0", "3g.20gb@4"}) {
+		t.Fatalf("layout after failure %v", got)
+	}
+	if _, err := os.Stat(filepath.Join(r.dir, "mig", p.UUID+".json")); !os.IsNotExist(err) {
+		t.Fatalf("journal kept after a failed step: %v", err)
+	}
+}

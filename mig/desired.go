@@ -1,0 +1,132 @@
+package mig
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+// Want is the desired MIG state of one GPU.
+type Want struct {
+	MIGEnabled bool `json:"migEnabled"`
+	// Counts maps a GPU instance profile name to how many instances to have.
+	// Profiles not listed are wanted zero times.
+	Counts map[string]int `json:"counts,omitempty"`
+	// Entry is the index of the layout entry this came from, for messages.
+	Entry int `json:"entry"`
+}
+
+// Equal reports whether two wants ask for the same end state.
+func (w Want) Equal(o Want) bool {
+	if w.MIGEnabled != o.MIGEnabled {
+		return false
+	}
+	for k, v := range w.Counts {
+		if o.Counts[k] != v {
+			return false
+		}
+	}
+	for k, v := range o.Counts {
+		if w.Counts[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+func (w Want) String() string {
+	if !w.MIGEnabled {
+		return "mig disabled"
+	}
+	var parts []string
+	for _, k := range slices.Sorted(maps.Keys(w.Counts)) {
+		if w.Counts[k] > 0 {
+			parts = append(parts, fmt.Sprintf("%dx %s", w.Counts[k], k))
+		}
+	}
+	if len(parts) == 0 {
+		return "mig enabled, no instances"
+	}
+	return strings.Join(parts, ", ")
+}
+
+// Desired picks, for every GPU of the inventory, the first layout entry that
+// matches it by index and device filter (mig-parted's rule) and returns what
+// that entry wants. GPUs no entry matches are absent: the agent leaves them
+// alone. pciDeviceIDs maps a GPU index to its PCI device id as NVML reports
+// it (device << 16 | vendor, 0x233010DE for H100 SXM); an entry with a
+// device filter never matches a GPU missing from it.
+func Desired(layout config.MigLayout, inv *gpu.Inventory, pciDeviceIDs map[int]uint32) (map[int]Want, error) {
+	out := map[int]Want{}
+	for _, g := range inv.GPUs {
+		for ei, e := range layout {
+			ok, err := entryMatches(e, g, pciDeviceIDs)
+			if err != nil {
+				return nil, fmt.Errorf("mig layout entry %d: %w", ei, err)
+			}
+			if !ok {
+				continue
+			}
+			w, err := wantOf(ei, e, g)
+			if err != nil {
+				return nil, fmt.Errorf("mig layout entry %d, gpu %d (%s): %w", ei, g.Index, g.UUID, err)
+			}
+			if w != nil {
+				out[g.Index] = *w
+			}
+			break
+		}
+	}
+	return out, nil
+}
+
+func entryMatches(e config.MigDeviceConfig, g gpu.GPU, ids map[int]uint32) (bool, error) {
+	if !e.Devices.All && !slices.Contains(e.Devices.Indices, g.Index) {
+		return false, nil
+	}
+	if len(e.DeviceFilter) == 0 {
+		return true, nil
+	}
+	id, known := ids[g.Index]
+	for _, f := range e.DeviceFilter {
+		v, err := strconv.ParseUint(strings.TrimPrefix(strings.ToLower(f), "0x"), 16, 32)
+		if err != nil {
+			return false, fmt.Errorf("device-filter %q: not a hex PCI device id", f)
+		}
+		if known && uint32(v) == id {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// wantOf returns nil for a GPU without MIG that the entry wants MIG off on:
+// there is nothing to do there, and "all" entries routinely cover such GPUs.
+func wantOf(ei int, e config.MigDeviceConfig, g gpu.GPU) (*Want, error) {
+	if !e.MigEnabled {
+		if !g.MIGCapable {
+			return nil, nil
+		}
+		return &Want{Entry: ei}, nil
+	}
+	if !g.MIGCapable {
+		return nil, fmt.Errorf("%s does not support MIG", g.Name)
+	}
+	w := &Want{MIGEnabled: true, Entry: ei, Counts: map[string]int{}}
+	for name, n := range e.MigDevices {
+		switch {
+		case n < 0:
+			return nil, fmt.Errorf("mig-devices %s: negative count %d", name, n)
+		case strings.Contains(name, "c."):
+			return nil, fmt.Errorf("mig-devices %s: compute-instance profiles are not supported, use whole GPU instances", name)
+		case n > 0:
+			w.Counts[name] = n
+		}
+	}
+	return w, nil
+}

@@ -1,0 +1,60 @@
+package mig
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+func TestDesired(t *testing.T) {
+	inv := &gpu.Inventory{GPUs: []gpu.GPU{
+		{Index: 0, UUID: "GPU-a", MIGCapable: true},
+		{Index: 1, UUID: "GPU-b", MIGCapable: true},
+		{Index: 2, UUID: "GPU-c", Name: "L40S"},
+	}}
+	ids := map[int]uint32{0: 0x233010DE, 1: 0x20B010DE, 2: 0x26B910DE}
+	all := config.DeviceIndices{All: true}
+	for _, tc := range []struct {
+		name   string
+		layout config.MigLayout
+		want   map[int]string // index → Want.String()
+		err    string
+	}{
+		{"all, non-MIG GPU skipped when MIG off", config.MigLayout{{Devices: all}},
+			map[int]string{0: "mig disabled", 1: "mig disabled"}, ""},
+		{"first matching entry wins", config.MigLayout{
+			{Devices: config.DeviceIndices{Indices: []int{1}}, MigEnabled: true, MigDevices: map[string]int{"1g.5gb": 7}},
+			{Devices: all, DeviceFilter: config.StringList{"0x233010DE"}, MigEnabled: true, MigDevices: map[string]int{"3g.40gb": 2, "1g.10gb": 0}},
+		}, map[int]string{0: "2x 3g.40gb", 1: "7x 1g.5gb"}, ""},
+		{"filter matches nothing", config.MigLayout{{Devices: all, DeviceFilter: config.StringList{"0x00000000"}, MigEnabled: true}},
+			map[int]string{}, ""},
+		{"MIG on a GPU without it", config.MigLayout{{Devices: config.DeviceIndices{Indices: []int{2}}, MigEnabled: true}},
+			nil, "mig layout entry 0, gpu 2 (GPU-c): L40S does not support MIG"},
+		{"negative count", config.MigLayout{{Devices: all, DeviceFilter: config.StringList{"0x20b010de"}, MigEnabled: true, MigDevices: map[string]int{"1g.5gb": -1}}},
+			nil, "gpu 1 (GPU-b): mig-devices 1g.5gb: negative count"},
+		{"bad filter", config.MigLayout{{Devices: all, DeviceFilter: config.StringList{"zz"}}}, nil, "device-filter \"zz\""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := Desired(tc.layout, inv, ids)
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("err = %v, want %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != len(tc.want) {
+				t.Fatalf("got %v, want %v", got, tc.want)
+			}
+			for i, w := range tc.want {
+				if got[i].String() != w {
+					t.Errorf("gpu %d: %s, want %s", i, got[i], w)
+				}
+			}
+		})
+	}
+}
