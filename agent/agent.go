@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -119,6 +120,10 @@ type Agent struct {
 	migStates       map[int]MIGState
 	migErr          error
 	migProfileCache map[string]mig.Profiles
+
+	// recentAlloc: device UUIDs allocated lately (NoteAllocated, any goroutine).
+	allocMu     sync.Mutex
+	recentAlloc map[string]time.Time
 	// lastGood is the last selection that planned on this node; it is
 	// served while a newer one does not fit.
 	lastGood config.Selected

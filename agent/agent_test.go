@@ -463,3 +463,37 @@ func TestAgentRepartitionsMIGLive(t *testing.T) {
 		t.Errorf("GPU 0 after release: %+v", st)
 	}
 }
+
+// A MIG device allocated a moment ago counts as held before the kubelet's
+// pod-resources answer lists it: a layout edit then must not destroy it.
+func TestAgentRecentAllocationBlocksDestroy(t *testing.T) {
+	node, err := sim.New("dgx-h100-mig")
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	updates := make(chan config.Update)
+	rec := newRecorder()
+	a := New(Options{Lib: node, Publisher: rec, Holdings: &fakeHoldings{}, ConfigUpdates: updates, ResyncInterval: time.Hour,
+		MIG: mig.NewApplier(node, t.TempDir(), nil)})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go a.Run(ctx)
+	updates <- config.Update{Data: []byte("version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n")}
+	rec.wait(t)
+	victim := rec.last().Resources["nvidia.com/mig-1g.10gb"].Devices[0]
+	a.NoteAllocated([]string{victim.ID})
+
+	updates <- config.Update{Data: []byte("version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n      devices:\n      - devices: all\n        mig-enabled: true\n        mig-devices: {\"7g.80gb\": 1}\n")}
+	waitFor(t, func() bool {
+		r := rec.last().Resources["nvidia.com/mig-7g.80gb"]
+		return r != nil && len(r.Devices) == 7
+	})
+	if _, ok := rec.last().Resources["nvidia.com/mig-1g.10gb"].Device(victim.ID); !ok {
+		t.Fatalf("recently allocated %s was destroyed", victim.ID)
+	}
+	st := a.Status().MIG[victim.GPU]
+	if st.Phase != mig.PhasePending || !strings.Contains(st.Reason, "not yet listed by the kubelet") {
+		t.Errorf("GPU %d: %+v, want pending on the recent allocation", victim.GPU, st)
+	}
+}

@@ -5,10 +5,13 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
+	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
 
@@ -50,7 +53,7 @@ func (a *Agent) reconcileMIG(ctx context.Context) (changed bool, err error) {
 	if err != nil {
 		return false, fmt.Errorf("configs.%s.mig: %w", a.selected.Name, err)
 	}
-	held := a.heldMIG()
+	held := a.heldMIG(ctx)
 	states := map[int]MIGState{}
 	var errs []error
 	for _, g := range a.inv.GPUs {
@@ -121,18 +124,76 @@ func (a *Agent) migProfiles(g gpu.GPU, dev nvml.Device) (mig.Profiles, error) {
 	return p, nil
 }
 
-// heldMIG maps each MIG device a container holds to the holder.
-func (a *Agent) heldMIG() map[string]string {
-	held := map[string]string{}
-	if a.opts.Holdings == nil {
-		return held
+// refresher is a Holdings that can ask the kubelet now (health.PodResources).
+type refresher interface {
+	Refresh(ctx context.Context) (*health.Attribution, error)
+}
+
+// recentHold is how long an Allocate counts as a hold without the kubelet's
+// pod-resources answer confirming it: the kubelet lists a container's devices
+// only once its admission completes.
+const recentHold = 2 * time.Minute
+
+// recentSettle is how long after an Allocate the kubelet's answer is trusted
+// to list it.
+const recentSettle = 5 * time.Second
+
+// NoteAllocated records device IDs the plugin just allocated; safe from any
+// goroutine. Until the kubelet lists them they still count as held, so a
+// layout edit right after a pod starts cannot destroy its MIG device.
+func (a *Agent) NoteAllocated(ids []string) {
+	a.allocMu.Lock()
+	defer a.allocMu.Unlock()
+	if a.recentAlloc == nil {
+		a.recentAlloc = map[string]time.Time{}
 	}
-	att := a.opts.Holdings.Attribution()
-	for _, g := range a.inv.GPUs {
-		for _, m := range g.Instances {
-			if hs := att.Holders(m.UUID); len(hs) > 0 {
-				held[m.UUID] = hs[0].String()
+	now := a.now()
+	for id, at := range a.recentAlloc {
+		if now.Sub(at) > recentHold {
+			delete(a.recentAlloc, id)
+		}
+	}
+	for _, id := range ids {
+		uuid, _, _ := strings.Cut(id, "::")
+		a.recentAlloc[uuid] = now
+	}
+}
+
+// heldMIG maps each MIG device a container holds to the holder: the kubelet's
+// pod-resources answer, asked afresh because destroying is at stake, plus
+// recent allocations it may not list yet.
+func (a *Agent) heldMIG(ctx context.Context) map[string]string {
+	held := map[string]string{}
+	var answeredAt time.Time // when the kubelet last answered afresh
+	if a.opts.Holdings != nil {
+		att := a.opts.Holdings.Attribution()
+		if r, ok := a.opts.Holdings.(refresher); ok {
+			asked := a.now()
+			if fresh, err := r.Refresh(ctx); err != nil {
+				a.log.Warn("pod-resources not answering; MIG plans use its last answer", "error", err)
+			} else {
+				att, answeredAt = fresh, asked
 			}
+		}
+		for _, g := range a.inv.GPUs {
+			for _, m := range g.Instances {
+				if hs := att.Holders(m.UUID); len(hs) > 0 {
+					held[m.UUID] = hs[0].String()
+				}
+			}
+		}
+	}
+	a.allocMu.Lock()
+	defer a.allocMu.Unlock()
+	for uuid, at := range a.recentAlloc {
+		// A fresh answer from well after the allocation is authoritative:
+		// the kubelet had time to list it, so a device it omits is free.
+		if !answeredAt.IsZero() && answeredAt.Sub(at) > recentSettle {
+			delete(a.recentAlloc, uuid)
+			continue
+		}
+		if _, ok := held[uuid]; !ok && a.now().Sub(at) <= recentHold {
+			held[uuid] = "a container allocated it at " + at.Format(time.TimeOnly) + " (not yet listed by the kubelet)"
 		}
 	}
 	return held

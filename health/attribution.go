@@ -187,6 +187,29 @@ func NewPodResources(opts PodResourcesOptions) *PodResources {
 	return p
 }
 
+// Refresh asks the kubelet now, bypassing the cache and its rate limit, and
+// stores and returns the answer. It is for decisions that destroy what a pod
+// may hold (MIG repartitioning), not for scrapes.
+func (p *PodResources) Refresh(ctx context.Context) (*Attribution, error) {
+	conn, err := grpc.NewClient("unix://"+p.opts.Socket,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(16<<20)))
+	if err != nil {
+		return nil, fmt.Errorf("pod-resources %s: %w", p.opts.Socket, err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(ctx, p.opts.Timeout)
+	defer cancel()
+	resp, err := podresourcesv1.NewPodResourcesListerClient(conn).List(ctx, &podresourcesv1.ListPodResourcesRequest{})
+	p.lists.Add(1)
+	if err != nil {
+		return nil, fmt.Errorf("pod-resources %s: List: %w", p.opts.Socket, err)
+	}
+	a := NewAttribution(resp.GetPodResources(), p.opts.Keep)
+	p.cur.Store(a)
+	return a, nil
+}
+
 // Attribution returns the cached attribution; safe from any goroutine.
 func (p *PodResources) Attribution() *Attribution { return p.cur.Load() }
 

@@ -54,7 +54,7 @@ type Options struct {
 	// OnAllocate, when set, is called after every successful Allocate (from
 	// the gRPC goroutine; it must not block): pod attribution refreshes then
 	// instead of polling the kubelet.
-	OnAllocate func(resource string)
+	OnAllocate func(resource string, ids []string)
 }
 
 // ResourceStatus is the serving and registration state of one resource.

@@ -201,9 +201,11 @@ func TestOnAllocateCalledAfterSuccessOnly(t *testing.T) {
 	dir := shortDir(t)
 	var mu sync.Mutex
 	var got []string
-	startManagerWith(t, testCatalog(), Options{Dir: dir, OnAllocate: func(res string) {
+	var gotIDs []string
+	startManagerWith(t, testCatalog(), Options{Dir: dir, OnAllocate: func(res string, ids []string) {
 		mu.Lock()
 		got = append(got, res)
+		gotIDs = append(gotIDs, ids...)
 		mu.Unlock()
 	}})
 	c := dialPlugin(t, filepath.Join(dir, sockShared))
@@ -215,8 +217,8 @@ func TestOnAllocateCalledAfterSuccessOnly(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if len(got) != 1 || got[0] != resShared {
-		t.Errorf("OnAllocate calls %v, want one for %s (refused allocations do not count)", got, resShared)
+	if len(got) != 1 || got[0] != resShared || len(gotIDs) != 1 || gotIDs[0] != "GPU-a::0" {
+		t.Errorf("OnAllocate calls %v with %v, want one for %s with GPU-a::0 (refused allocations do not count)", got, gotIDs, resShared)
 	}
 }
 

@@ -22,7 +22,7 @@ type resource struct {
 	path   string
 	log    *slog.Logger
 	// onAllocate is Options.OnAllocate (nil: none).
-	onAllocate func(resource string)
+	onAllocate func(resource string, ids []string)
 
 	mu      sync.Mutex
 	cur     *catalog.Resource
@@ -205,7 +205,11 @@ func (e *endpoint) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (
 	}
 	e.r.log.Info("allocated", "devices", ids)
 	if e.r.onAllocate != nil {
-		e.r.onAllocate(e.r.name)
+		var all []string
+		for _, c := range ids {
+			all = append(all, c...)
+		}
+		e.r.onAllocate(e.r.name, all)
 	}
 	return resp, nil
 }

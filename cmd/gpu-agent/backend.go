@@ -46,7 +46,21 @@ func openBackend(spec, nvmlLib string) (*backend, error) {
 			close:            func() { lib.Shutdown() },
 		}, nil
 	case strings.HasPrefix(spec, "sim:"):
-		node, err := sim.New(strings.TrimPrefix(spec, "sim:"))
+		// sim:<profile>[,mig-enabled][,immediate-mig-mode]
+		profile, rest, _ := strings.Cut(strings.TrimPrefix(spec, "sim:"), ",")
+		var opts []sim.Option
+		for opt := range strings.SplitSeq(rest, ",") {
+			switch opt {
+			case "":
+			case "mig-enabled":
+				opts = append(opts, sim.WithMIGEnabled())
+			case "immediate-mig-mode":
+				opts = append(opts, sim.WithImmediateMIGModeChange())
+			default:
+				return nil, usageError{fmt.Sprintf("--backend %q: unknown sim option %q (want mig-enabled, immediate-mig-mode)", spec, opt)}
+			}
+		}
+		node, err := sim.New(profile, opts...)
 		if err != nil {
 			return nil, fmt.Errorf("backend %s: %w", spec, err)
 		}

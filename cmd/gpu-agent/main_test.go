@@ -54,6 +54,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"run", "--no-such-flag"}, 2, "no-such-flag"},
 		{[]string{"run", "--backend", "cuda"}, 2, `--backend "cuda"`},
 		{[]string{"run", "--backend", "sim:nope"}, 1, "nope"},
+		{[]string{"inventory", "--backend", "sim:dgx-a100,turbo"}, 2, `unknown sim option "turbo"`},
 		{[]string{"inventory", "--backend", "sim:dgx-a100", "-o", "yaml"}, 2, `-o "yaml"`},
 		{[]string{"config", "validate"}, 2, "FILE"},
 		{[]string{"config", "validate", "/nonexistent.yaml"}, 1, "nonexistent"},

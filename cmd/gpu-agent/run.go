@@ -117,11 +117,22 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
 	podres := health.NewPodResources(health.PodResourcesOptions{Socket: f.podResources, Logger: log.With("component", "pod-resources")})
 
+	// The agent is created after the plugin manager it publishes to; the
+	// manager reports allocations to it through this indirection.
+	var ag *agent.Agent
+	allocated := func(ids []string) {
+		if ag != nil {
+			ag.NoteAllocated(ids)
+		}
+	}
 	mpsSup := mps.NewSupervisor(mps.Options{Binary: f.mpsBinary, Root: f.mpsRoot, Logger: log.With("component", "mps")})
 
 	mgr, err := plugin.NewManager(plugin.Options{
 		Dir: f.pluginDir, Logger: log.With("component", "plugin"),
-		OnAllocate: func(string) { podres.Invalidate() },
+		OnAllocate: func(_ string, ids []string) {
+			podres.Invalidate()
+			allocated(ids)
+		},
 	})
 	if err != nil {
 		return err
@@ -136,7 +147,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		}
 		updates = make(chan config.Update)
 	}
-	ag := agent.New(agent.Options{
+	ag = agent.New(agent.Options{
 		Lib:                be.Lib,
 		InventoryOptions:   be.InventoryOptions,
 		NodeName:           f.nodeName,

@@ -732,3 +732,86 @@ func visibleDevicesOf(t *testing.T, e *harness.Env, name string) podDevice {
 	t.Logf("pod %s: holds %s, container got NVIDIA_VISIBLE_DEVICES=%s", name, listed[0], env["NVIDIA_VISIBLE_DEVICES"])
 	return podDevice{id: listed[0], visible: env["NVIDIA_VISIBLE_DEVICES"]}
 }
+
+func migLayoutConfig(counts string) string {
+	return `version: v1
+configs:
+  default:
+    mig:
+      strategy: mixed
+      devices:
+      - devices: all
+        mig-enabled: true
+        mig-devices: ` + counts + "\n"
+}
+
+// A mixed MIG layout is applied and served: a pod gets a MIG device. A live layout edit while the pod holds an
+// instance changes every other GPU, keeps the held instance (its GPU waits, naming the pod), and that GPU
+// finishes by itself once the pod is gone.
+func TestMIGLayoutLive(t *testing.T) {
+	const res3g, res1g = "nvidia.com/mig-3g.20gb", "nvidia.com/mig-1g.5gb"
+	// Pass the resync sooner than the default 30 s, so the release is noticed within the test.
+	t.Setenv("GPU_AGENT_RESYNC", "2s")
+	e := harness.Start(t, harness.Config{
+		Kubelet: inputs.kubelet, Agent: inputs.agent, Images: inputs.images, LedgerPath: inputs.ledger,
+		Backend: backend + ",mig-enabled", NodeName: nodeName, AgentConfig: migLayoutConfig(`{"3g.20gb": 2}`),
+	})
+	ctx := stepCtx(t)
+	if _, err := e.WaitAllocatable(ctx, res3g, 2*nodeGPUs); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.AddPod(harness.PodSpec{Name: "mig-user", Limits: map[string]int64{res3g: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.WaitRunning(ctx, "mig-user"); err != nil {
+		t.Fatal(err)
+	}
+	env, err := e.ContainerEnv(ctx, "mig-user")
+	if err != nil {
+		t.Fatal(err)
+	}
+	held, err := e.PodDevices(ctx, "mig-user", res3g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(held) != 1 || !strings.HasPrefix(held[0], "MIG-") || env["NVIDIA_VISIBLE_DEVICES"] != held[0] {
+		t.Fatalf("pod mig-user holds %v, container got NVIDIA_VISIBLE_DEVICES=%q: want one MIG UUID, the same", held, env["NVIDIA_VISIBLE_DEVICES"])
+	}
+
+	if err := e.UpdateAgentConfig(migLayoutConfig(`{"1g.5gb": 7}`)); err != nil {
+		t.Fatal(err)
+	}
+	// Seven GPUs change; the held instance's GPU keeps both its 3g instances.
+	if _, err := e.WaitAllocatable(stepCtx(t), res1g, 7*(nodeGPUs-1)); err != nil {
+		t.Fatal(err)
+	}
+	left, err := e.WaitAllocatable(stepCtx(t), res3g, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(left, held[0]) {
+		t.Fatalf("the held instance %s is gone: %s offers %v", held[0], res3g, left)
+	}
+	st, err := e.WaitAgentStatus(stepCtx(t), "one GPU pending on the pod", func(st *harness.AgentStatus) bool {
+		for _, m := range st.MIG {
+			if m.Phase == "pending" && strings.Contains(m.Reason, "mig-user") {
+				return true
+			}
+		}
+		return false
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("MIG states while held: %+v", st.MIG)
+
+	if err := e.DeletePod("mig-user"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.WaitAllocatable(stepCtx(t), res1g, 7*nodeGPUs); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.WaitAllocatable(stepCtx(t), res3g, 0); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -531,6 +531,12 @@ type AgentStatus struct {
 		Registered   bool      `json:"registered"`
 		RegisteredAt time.Time `json:"registeredAt"`
 	} `json:"registrations"`
+	// MIG is each GPU's repartitioning state.
+	MIG []struct {
+		GPU    int    `json:"gpu"`
+		Phase  string `json:"phase"`
+		Reason string `json:"reason"`
+	} `json:"mig"`
 	// HealthEvents are the GPUs the agent receives NVML health events for.
 	HealthEvents []string `json:"healthEvents"`
 	// HealthCauses are the health faults in force, as /status shows them.
