@@ -815,3 +815,71 @@ func TestMIGLayoutLive(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// mountedSomewhere reports whether some process on the machine (a container) has path mounted at
+// containerPath: device plugin mounts do not show in the pod's status, so look at the mount tables.
+func mountedSomewhere(containerPath string) bool {
+	tables, _ := filepath.Glob("/proc/[0-9]*/mountinfo")
+	for _, f := range tables {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if fields := strings.Fields(line); len(fields) > 4 && fields[4] == containerPath {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// MPS: the agent runs a control daemon per shared GPU (a stand-in program speaking its protocol), and a
+// pod on an MPS replica gets the pipe directory and its per-client limits.
+func TestMPSReplicas(t *testing.T) {
+	const resMPS = "nvidia.com/gpu.mps"
+	fake := os.Getenv("E2E_FAKEMPS")
+	if fake == "" {
+		t.Fatal("E2E_FAKEMPS is not set; run ./run.sh (make e2e)")
+	}
+	t.Setenv("GPU_AGENT_MPS_BINARY", fake)
+	t.Setenv("GPU_AGENT_MPS_SHM_DIR", t.TempDir())
+	e := start(t, `version: v1
+configs:
+  default:
+    sharing:
+      mps:
+        resources:
+        - name: nvidia.com/gpu
+          rename: nvidia.com/gpu.mps
+          replicas: 2
+          pinnedDeviceMemoryLimit: 10Gi
+`)
+	// Replicas turn healthy once their daemon answers.
+	if _, err := e.WaitAllocatable(stepCtx(t), resMPS, 2*nodeGPUs); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.AddPod(harness.PodSpec{Name: "mps-client", Limits: map[string]int64{resMPS: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	ctx := stepCtx(t)
+	if _, err := e.WaitRunning(ctx, "mps-client"); err != nil {
+		t.Fatal(err)
+	}
+	env, err := e.ContainerEnv(ctx, "mps-client")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pipe := env["CUDA_MPS_PIPE_DIRECTORY"]
+	if pipe == "" || env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "50" || env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] != "0=10240M" ||
+		!strings.Contains(pipe, env["NVIDIA_VISIBLE_DEVICES"]) {
+		t.Fatalf("MPS client env: pipe %q, threads %q, memory %q, visible %q", pipe,
+			env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], env["NVIDIA_VISIBLE_DEVICES"])
+	}
+	if _, err := os.Stat(filepath.Join(pipe, "nvidia-cuda-mps-control.pid")); err != nil {
+		t.Errorf("no MPS daemon behind the pipe directory: %v", err)
+	}
+	if !mountedSomewhere(pipe) {
+		t.Errorf("the pipe directory %s is mounted in no container", pipe)
+	}
+}
