@@ -395,6 +395,10 @@ func TestAgentKeepsHeldReplicasAdvertised(t *testing.T) {
 	if heldBy != "ml/trainer (main)" {
 		t.Errorf("/status says %s is held by %q, want ml/trainer (main)", held, heldBy)
 	}
+	// Before the edit, /status listed the shared devices; now none is shared.
+	if sh := a.Status().Sharing; len(sh) != 1 || sh[0].Replicas != 1 || sh[0].Mode != "timeSlicing" || len(sh[0].Holders) != 1 {
+		t.Errorf("sharing status %+v: want the held replica's GPU, 1 replica left, its holder", sh)
+	}
 
 	// Released: the next pass withdraws it.
 	holdings.set(ResourceGPU)

@@ -17,6 +17,8 @@ type Status struct {
 	GPUs     []gpu.GPU       `json:"gpus"`
 	Errors   []string        `json:"inventoryErrors,omitempty"`
 	Resource []ResourceState `json:"resources"`
+	// Sharing lists each shared device: mode, replicas, limits and holders.
+	Sharing []SharingState `json:"sharing,omitempty"`
 	// MIG is each GPU's repartitioning state when the config has a layout.
 	MIG []MIGState `json:"mig,omitempty"`
 	// LastPass is the last catalog published; LastLoop the last turn of the
@@ -61,6 +63,20 @@ type DeviceState struct {
 	// HeldBy names the container holding the device ("ns/pod (container)"),
 	// from the kubelet's pod-resources API; empty when free or unknown.
 	HeldBy string `json:"heldBy,omitempty"`
+}
+
+// SharingState is one physical (GPU or MIG) device shared as replicas.
+type SharingState struct {
+	Device   string `json:"device"`
+	GPU      int    `json:"gpu"`
+	Resource string `json:"resource"`
+	// Mode is "timeSlicing" or "mps".
+	Mode     string `json:"mode"`
+	Replicas int    `json:"replicas"`
+	// MPS per-client limits, as containers get them.
+	ActiveThreadPercentage string   `json:"activeThreadPercentage,omitempty"`
+	PinnedMemoryLimit      string   `json:"pinnedMemoryLimit,omitempty"`
+	Holders                []string `json:"holders,omitempty"`
 }
 
 // Registration is the kubelet registration state of one resource.
@@ -119,6 +135,7 @@ func (a *Agent) publishStatus() {
 		}
 		for _, name := range a.cat.Names() {
 			s.Resource = append(s.Resource, resourceState(a.cat.Resources[name], att.HeldIDs(name)))
+			s.Sharing = append(s.Sharing, sharingState(a.cat.Resources[name], att.HeldIDs(name))...)
 		}
 	}
 	a.status.Store(s)
@@ -136,4 +153,37 @@ func resourceState(r *catalog.Resource, held map[string]health.Holder) ResourceS
 	// By GPU for people; the catalog itself is ordered by ID for lookups.
 	slices.SortStableFunc(rs.Devices, func(a, b DeviceState) int { return a.GPU - b.GPU })
 	return rs
+}
+
+// sharingState groups a resource's replicas by the device they share.
+func sharingState(r *catalog.Resource, held map[string]health.Holder) []SharingState {
+	by := map[string]*SharingState{}
+	var order []string
+	for _, d := range r.Devices {
+		if !d.Replica {
+			continue
+		}
+		dev := d.Spec.VisibleID
+		st := by[dev]
+		if st == nil {
+			st = &SharingState{Device: dev, GPU: d.GPU, Resource: r.Name, Mode: "timeSlicing"}
+			if _, ok := d.Spec.Env["CUDA_MPS_PIPE_DIRECTORY"]; ok {
+				st.Mode = "mps"
+				st.ActiveThreadPercentage = d.Spec.Env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
+				st.PinnedMemoryLimit = d.Spec.Env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
+			}
+			by[dev] = st
+			order = append(order, dev)
+		}
+		st.Replicas++
+		if h, ok := held[d.ID]; ok {
+			st.Holders = append(st.Holders, d.ID+" by "+h.String())
+		}
+	}
+	out := make([]SharingState, 0, len(order))
+	for _, dev := range order {
+		out = append(out, *by[dev])
+	}
+	slices.SortStableFunc(out, func(a, b SharingState) int { return a.GPU - b.GPU })
+	return out
 }

@@ -124,12 +124,14 @@ func TestWriteStatus(t *testing.T) {
 			{ID: "GPU-1", Healthy: false, Reason: "XID 79", NUMANode: 3, HeldBy: "ml/trainer (main)"}}}},
 		Registrations: []agent.Registration{{Resource: "nvidia.com/gpu", LastError: "kubelet.sock absent"}},
 		MIG:           []agent.MIGState{{GPU: 0, Want: "3g.40gb x2", Phase: "pending", Reason: "held by ml/trainer"}},
+		Sharing: []agent.SharingState{{Device: "GPU-2", GPU: 1, Resource: "nvidia.com/gpu.mps", Mode: "mps", Replicas: 4,
+			ActiveThreadPercentage: "25", PinnedMemoryLimit: "0=10240M", Holders: []string{"GPU-2::0 by ml/a (main)"}}},
 	}
 	var b bytes.Buffer
 	if err := writeStatus(&b, st); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"pending", "held by ml/trainer", "ml/trainer (main)", "unknown field (line 3)", "serving the last good config", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent"} {
+	for _, want := range []string{"threads 25%, memory 0=10240M", "GPU-2::0 by ml/a (main)", "pending", "held by ml/trainer", "ml/trainer (main)", "unknown field (line 3)", "serving the last good config", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent"} {
 		if !strings.Contains(b.String(), want) {
 			t.Errorf("status lacks %q:\n%s", want, b.String())
 		}
@@ -333,5 +335,19 @@ func TestMIGPlan(t *testing.T) {
 	code, _, stderr = run(t, "mig", "plan", "--config", bad, "--backend", "sim:dgx-h100")
 	if code != 1 || !strings.Contains(stderr, "gpu 0") {
 		t.Errorf("impossible layout: exit %d, stderr %q; want 1 naming the GPU", code, stderr)
+	}
+}
+
+func TestConfigValidateRejectsImpossibleMIGLayout(t *testing.T) {
+	bad := filepath.Join(t.TempDir(), "bad.yaml")
+	// A100-40GB has no 3g.40gb profile.
+	os.WriteFile(bad, []byte("version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n      devices:\n      - devices: all\n        mig-enabled: true\n        mig-devices: {\"3g.40gb\": 1}\n"), 0o644)
+	code, _, stderr := run(t, "config", "validate", bad, "--backend", "sim:dgx-a100")
+	if code != 1 || !strings.Contains(stderr, "MIG layout does not fit") || !strings.Contains(stderr, "3g.40gb") {
+		t.Errorf("exit %d, stderr %q; want 1 naming the layout problem", code, stderr)
+	}
+	code, out, stderr := run(t, "config", "validate", "testdata/mig-balanced-h100.yaml", "--backend", "sim:dgx-h100")
+	if code != 0 || !strings.Contains(out, "planned, 5 steps, 0 instances destroyed") {
+		t.Errorf("good layout: exit %d\n%s%s", code, out, stderr)
 	}
 }

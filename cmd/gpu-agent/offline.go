@@ -78,6 +78,12 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 		return fmt.Errorf("%s: does not fit %s: %w", file, be.Name, err)
 	}
 	cat := planned.Catalog
+	if sel.MIGLayout != nil {
+		fmt.Fprintf(stdout, "MIG layout on %s:\n", be.Name)
+		if err := planMIG(stdout, be, inv, sel.MIGLayout, false); err != nil {
+			return fmt.Errorf("%s: MIG layout does not fit %s: %w", file, be.Name, err)
+		}
+	}
 	fmt.Fprintf(stdout, "%s: valid (%s format); node %s uses config %q (by %s)\n", file, f.Format, *node, sel.Name, sel.Reason)
 	fmt.Fprintf(stdout, "On %s it would offer:\n", be.Name)
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
@@ -183,6 +189,12 @@ func cmdMIG(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	return planMIG(stdout, be, inv, sel.MIGLayout, true)
+}
+
+// planMIG prints, per GPU, what applying layout would do; steps lists the
+// steps too. An impossible layout is an error naming the GPU.
+func planMIG(stdout io.Writer, be *backend, inv *gpu.Inventory, layout config.MigLayout, steps bool) error {
 	pciIDs := map[int]uint32{}
 	devs := map[int]nvml.Device{}
 	for _, g := range inv.GPUs {
@@ -193,9 +205,9 @@ func cmdMIG(args []string, stdout, stderr io.Writer) error {
 			}
 		}
 	}
-	wants, err := mig.Desired(sel.MIGLayout, inv, pciIDs)
+	wants, err := mig.Desired(layout, inv, pciIDs)
 	if err != nil {
-		return fmt.Errorf("%s: %w", *file, err)
+		return err
 	}
 	var errs []error
 	for _, g := range inv.GPUs {
@@ -219,7 +231,9 @@ func cmdMIG(args []string, stdout, stderr io.Writer) error {
 		}
 		fmt.Fprintf(stdout, ", %d steps, %d instances destroyed\n", len(plan.Steps), plan.Destroys())
 		for i, s := range plan.Steps {
-			fmt.Fprintf(stdout, "  %d. %s\n", i+1, s.String())
+			if steps {
+				fmt.Fprintf(stdout, "  %d. %s\n", i+1, s.String())
+			}
 		}
 	}
 	return errors.Join(errs...)

@@ -102,6 +102,22 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 	}
 	fmt.Fprintln(tw)
 
+	if len(st.Sharing) > 0 {
+		fmt.Fprintln(tw, "SHARED DEVICE\tGPU\tRESOURCE\tMODE\tREPLICAS\tLIMITS\tHELD")
+		for _, sh := range st.Sharing {
+			limits := "-"
+			if sh.Mode == "mps" {
+				limits = fmt.Sprintf("threads %s%%, memory %s", sh.ActiveThreadPercentage, sh.PinnedMemoryLimit)
+			}
+			held := "-"
+			if len(sh.Holders) > 0 {
+				held = strings.Join(sh.Holders, "; ")
+			}
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%d\t%s\t%s\n", sh.Device, sh.GPU, sh.Resource, sh.Mode, sh.Replicas, limits, held)
+		}
+		fmt.Fprintln(tw)
+	}
+
 	if len(st.MIG) > 0 {
 		fmt.Fprintln(tw, "GPU\tMIG WANT\tSTATE\tREASON")
 		for _, m := range st.MIG {
