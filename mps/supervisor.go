@@ -239,6 +239,13 @@ func (s *Supervisor) supervise(ctx context.Context, d Daemon) {
 			p.applied = d
 		}
 	}
+	if err != nil && !alive(p.pid) {
+		// It died while we asked (a kill is not instant): say so, and
+		// restart after the backoff like any exit.
+		s.failed(d, p, fmt.Sprintf("mps daemon (pid %d) exited", p.pid))
+		p.pid = 0
+		return
+	}
 	if err != nil {
 		p.unanswered++
 		s.setHealth(d.Device, false, fmt.Sprintf("mps daemon (pid %d) not answering: %v", p.pid, err))

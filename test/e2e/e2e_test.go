@@ -842,9 +842,12 @@ func TestMPSReplicas(t *testing.T) {
 	if fake == "" {
 		t.Fatal("E2E_FAKEMPS is not set; run ./run.sh (make e2e)")
 	}
-	t.Setenv("GPU_AGENT_MPS_BINARY", fake)
-	t.Setenv("GPU_AGENT_MPS_SHM_DIR", t.TempDir())
-	e := start(t, `version: v1
+	e := harness.Start(t, harness.Config{
+		Kubelet: inputs.kubelet, Agent: inputs.agent, Images: inputs.images, LedgerPath: inputs.ledger,
+		Backend: backend, NodeName: nodeName,
+		// The DaemonSet's args name the real program; the stand-in replaces it.
+		AgentArgs: []string{"--mps-binary=" + fake, "--mps-shm-dir=" + t.TempDir()},
+		AgentConfig: `version: v1
 configs:
   default:
     sharing:
@@ -854,7 +857,8 @@ configs:
           rename: nvidia.com/gpu.mps
           replicas: 2
           pinnedDeviceMemoryLimit: 10Gi
-`)
+`,
+	})
 	// Replicas turn healthy once their daemon answers.
 	if _, err := e.WaitAllocatable(stepCtx(t), resMPS, 2*nodeGPUs); err != nil {
 		t.Fatal(err)

@@ -36,6 +36,8 @@ type Config struct {
 	LedgerPath string   // where the run records its PIDs; see ledger
 	// AgentConfig is the initial content of the agent's config file; empty runs the agent with its default.
 	AgentConfig string
+	// AgentArgs are added after the DaemonSet's own args (later flags win).
+	AgentArgs []string
 }
 
 type dirs struct {
@@ -300,19 +302,14 @@ func (e *Env) StartAgent(ctx context.Context) error {
 		}
 	}
 	e.agentN++
-	argv := []string{e.cfg.Agent, "run",
-		"--backend", e.cfg.Backend,
-		"--node-name", e.cfg.NodeName,
-		"--device-plugin-dir", DevicePluginDir,
-		"--pod-resources-socket", e.d.podResources,
-		"--listen", e.agentAddr,
-		"--state-dir", e.d.agentState,
-		"--mps-root", e.d.agentMPS,
+	argv, env, err := daemonSetArgs(e)
+	if err != nil {
+		return fmt.Errorf("gpu-agent: %w", err)
 	}
-	if e.cfg.AgentConfig != "" {
-		argv = append(argv, "--config", filepath.Join(e.d.agentConfigDir, "config.yaml"))
-	}
-	p, err := startProcess("gpu-agent", filepath.Join(e.d.logs, fmt.Sprintf("gpu-agent-%d.log", e.agentN)), e.ledger, argv...)
+	argv = append([]string{e.cfg.Agent}, argv...)
+	argv = append(argv, "--backend", e.cfg.Backend)
+	argv = append(argv, e.cfg.AgentArgs...)
+	p, err := startProcessEnv("gpu-agent", filepath.Join(e.d.logs, fmt.Sprintf("gpu-agent-%d.log", e.agentN)), e.ledger, env, argv...)
 	if err != nil {
 		return err
 	}

@@ -29,12 +29,21 @@ type Process struct {
 // startProcess starts argv with stdout and stderr appended to logPath and records it in the ledger, so a
 // later run can end it should this one die before its teardown.
 func startProcess(name, logPath string, l *ledger, argv ...string) (*Process, error) {
+	return startProcessEnv(name, logPath, l, nil, argv...)
+}
+
+// startProcessEnv is startProcess with extra environment (added to this
+// process's own).
+func startProcessEnv(name, logPath string, l *ledger, env []string, argv ...string) (*Process, error) {
 	f, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("%s: log: %w", name, err)
 	}
 	fmt.Fprintf(f, "=== %s: %s\n", time.Now().Format(time.RFC3339Nano), strings.Join(argv, " "))
 	cmd := exec.Command(argv[0], argv[1:]...)
+	if len(env) > 0 {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	cmd.Stdout, cmd.Stderr = f, f
 	// SIGKILL the daemon when the test binary dies (go test's timeout, ^C), so none outlives the suite.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
