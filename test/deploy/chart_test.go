@@ -220,7 +220,7 @@ paths:
   podResourcesDir: /marker/pod-resources
   stateDir: /marker/state
   mpsRoot: /marker/mps
-mps: {binary: /marker/mps-control, shmDir: /marker/shm}
+mps: {enabled: true, binary: /marker/mps-control, shmDir: /marker/shm}
 driver: {nvmlLib: /marker/libnvidia-ml.so.1}
 metrics: {port: 9555}
 `
@@ -306,5 +306,47 @@ func TestChartMatchesManifests(t *testing.T) {
 	}
 	if !slices.Equal(mc.SecurityContext.Capabilities.Add, hc.SecurityContext.Capabilities.Add) {
 		t.Errorf("capabilities differ: manifests %v, chart %v", mc.SecurityContext.Capabilities.Add, hc.SecurityContext.Capabilities.Add)
+	}
+}
+
+// With mps.enabled the pod can host MPS daemons for its clients: host IPC,
+// the host shm directory as its /dev/shm and the same path for clients, and
+// the driver's compute tools injected.
+func TestChartMPSEnabled(t *testing.T) {
+	o, err := renderChart(t, "mps: {enabled: true, shmDir: /run/gpu-agent/shm}\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ds := o.DaemonSets[0]
+	if !ds.Spec.Template.Spec.HostIPC {
+		t.Error("hostIPC is off")
+	}
+	c := container(o)
+	if got := flagValue(c.Args, "--mps-shm-dir"); got != "/run/gpu-agent/shm" {
+		t.Errorf("--mps-shm-dir = %q", got)
+	}
+	var shmVolume string
+	for _, m := range c.VolumeMounts {
+		if m.MountPath == "/dev/shm" {
+			shmVolume = m.Name
+		}
+	}
+	found := false
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		if v.Name == shmVolume && v.HostPath != nil && v.HostPath.Path == "/run/gpu-agent/shm" {
+			found = true
+		}
+	}
+	if !found {
+		t.Errorf("/dev/shm is not the host's /run/gpu-agent/shm (mount %q)", shmVolume)
+	}
+	caps := ""
+	for _, e := range c.Env {
+		if e.Name == "NVIDIA_DRIVER_CAPABILITIES" {
+			caps = e.Value
+		}
+	}
+	if !strings.Contains(caps, "compute") {
+		t.Errorf("NVIDIA_DRIVER_CAPABILITIES = %q, want compute (nvidia-cuda-mps-control)", caps)
 	}
 }
