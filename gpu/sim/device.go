@@ -72,14 +72,21 @@ func (d *device) lock(migOK bool) nvml.Return {
 
 func (d *device) model() *model { return d.n.spec.model }
 
-// GetIndex is the NVML index; MIG device handles have none.
-func (d *device) GetIndex() (int, nvml.Return) {
-	r := d.lock(false)
+// get answers a read-only NVML call: f runs under the node lock when the
+// handle may answer (see check), else the zero value and check's code.
+func get[T any](d *device, migOK bool, f func() T) (T, nvml.Return) {
+	r := d.lock(migOK)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
-		return 0, r
+		var zero T
+		return zero, r
 	}
-	return d.g.index, nvml.SUCCESS
+	return f(), nvml.SUCCESS
+}
+
+// GetIndex is the NVML index; MIG device handles have none.
+func (d *device) GetIndex() (int, nvml.Return) {
+	return get(d, false, func() int { return d.g.index })
 }
 
 // GetUUID returns "GPU-..." or, for a MIG device, "MIG-...".
@@ -110,32 +117,17 @@ func (d *device) GetName() (string, nvml.Return) {
 
 // GetPciInfo returns the GPU's PCI address and ids.
 func (d *device) GetPciInfo() (nvml.PciInfo, nvml.Return) {
-	r := d.lock(false)
-	defer d.n.mu.Unlock()
-	if r != nvml.SUCCESS {
-		return nvml.PciInfo{}, r
-	}
-	return d.g.pci, nvml.SUCCESS
+	return get(d, false, func() nvml.PciInfo { return d.g.pci })
 }
 
 // GetMinorNumber is N in /dev/nvidiaN, the index on simulated nodes.
 func (d *device) GetMinorNumber() (int, nvml.Return) {
-	r := d.lock(false)
-	defer d.n.mu.Unlock()
-	if r != nvml.SUCCESS {
-		return 0, r
-	}
-	return d.g.index, nvml.SUCCESS
+	return get(d, false, func() int { return d.g.index })
 }
 
 // GetNumaNodeId returns the profile's NUMA node of the GPU.
 func (d *device) GetNumaNodeId() (int, nvml.Return) {
-	r := d.lock(false)
-	defer d.n.mu.Unlock()
-	if r != nvml.SUCCESS {
-		return 0, r
-	}
-	return d.g.numa, nvml.SUCCESS
+	return get(d, false, func() int { return d.g.numa })
 }
 
 // GetSerial is a stable 13-digit board serial derived from the UUID.
@@ -164,22 +156,12 @@ func (d *device) GetCudaComputeCapability() (int, int, nvml.Return) {
 
 // GetArchitecture returns the model's architecture.
 func (d *device) GetArchitecture() (nvml.DeviceArchitecture, nvml.Return) {
-	r := d.lock(true)
-	defer d.n.mu.Unlock()
-	if r != nvml.SUCCESS {
-		return 0, r
-	}
-	return d.model().arch, nvml.SUCCESS
+	return get(d, true, func() nvml.DeviceArchitecture { return d.model().arch })
 }
 
 // GetBrand returns the model's brand.
 func (d *device) GetBrand() (nvml.BrandType, nvml.Return) {
-	r := d.lock(true)
-	defer d.n.mu.Unlock()
-	if r != nvml.SUCCESS {
-		return 0, r
-	}
-	return d.model().brand, nvml.SUCCESS
+	return get(d, true, func() nvml.BrandType { return d.model().brand })
 }
 
 // GetAttributes describes the whole GPU or, on a MIG device, its instance.
@@ -408,22 +390,12 @@ func (d *device) GetTemperature(sensor nvml.TemperatureSensors) (uint32, nvml.Re
 
 // GetPowerUsage returns milliwatts.
 func (d *device) GetPowerUsage() (uint32, nvml.Return) {
-	r := d.lock(false)
-	defer d.n.mu.Unlock()
-	if r != nvml.SUCCESS {
-		return 0, r
-	}
-	return d.g.powerMW, nvml.SUCCESS
+	return get(d, false, func() uint32 { return d.g.powerMW })
 }
 
 // GetPowerManagementLimit returns the model's default limit in milliwatts.
 func (d *device) GetPowerManagementLimit() (uint32, nvml.Return) {
-	r := d.lock(false)
-	defer d.n.mu.Unlock()
-	if r != nvml.SUCCESS {
-		return 0, r
-	}
-	return d.model().powerLimitMW, nvml.SUCCESS
+	return get(d, false, func() uint32 { return d.model().powerLimitMW })
 }
 
 // GetEnforcedPowerLimit equals the management limit on simulated GPUs.
@@ -585,12 +557,7 @@ const supportedEvents = nvml.EventTypeSingleBitEccError | nvml.EventTypeDoubleBi
 
 // GetSupportedEventTypes returns the mask RegisterEvents accepts.
 func (d *device) GetSupportedEventTypes() (uint64, nvml.Return) {
-	r := d.lock(false)
-	defer d.n.mu.Unlock()
-	if r != nvml.SUCCESS {
-		return 0, r
-	}
-	return supportedEvents, nvml.SUCCESS
+	return get(d, false, func() uint64 { return supportedEvents })
 }
 
 // RegisterEvents adds the GPU to set for eventTypes. As in NVML, a mask

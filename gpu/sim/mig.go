@@ -73,6 +73,16 @@ func (d *device) migProfile(info *nvml.GpuInstanceProfileInfo) (*giProfile, nvml
 
 // migGate is the check of MIG calls: the model must have MIG, and (when
 // needEnabled) MIG mode must currently be on.
+// lockMIG is lock for the MIG calls of a GPU handle: the node lock is held
+// on return (the caller unlocks), and the result says whether the call may
+// proceed on this model and, with needEnabled, in the current MIG mode.
+func (d *device) lockMIG(needEnabled bool) nvml.Return {
+	if r := d.lock(false); r != nvml.SUCCESS {
+		return r
+	}
+	return d.migGate(needEnabled)
+}
+
 func (d *device) migGate(needEnabled bool) nvml.Return {
 	if d.model().mig == nil || (needEnabled && !d.g.migCurrent) {
 		return nvml.ERROR_NOT_SUPPORTED
@@ -89,11 +99,8 @@ func boolInt(b bool) int {
 
 // GetMigMode returns (current, pending).
 func (d *device) GetMigMode() (int, int, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(false)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(false)
-	}
 	if r != nvml.SUCCESS {
 		return 0, 0, r
 	}
@@ -106,11 +113,8 @@ func (d *device) GetMigMode() (int, int, nvml.Return) {
 // status is ERROR_RESET_REQUIRED; with it, it applies at once unless
 // processes run on the GPU (activation status ERROR_IN_USE, still pending).
 func (d *device) SetMigMode(mode int) (nvml.Return, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(false)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(false)
-	}
 	if r == nvml.SUCCESS && mode != nvml.DEVICE_MIG_DISABLE && mode != nvml.DEVICE_MIG_ENABLE {
 		r = nvml.ERROR_INVALID_ARGUMENT
 	}
@@ -139,11 +143,8 @@ func (d *device) SetMigMode(mode int) (nvml.Return, nvml.Return) {
 // probe from 0 until INVALID_ARGUMENT, and profiles the model lacks answer
 // NOT_SUPPORTED. It works whatever the MIG mode.
 func (d *device) GetGpuInstanceProfileInfo(profile int) (nvml.GpuInstanceProfileInfo, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(false)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(false)
-	}
 	if r != nvml.SUCCESS {
 		return nvml.GpuInstanceProfileInfo{}, r
 	}
@@ -161,11 +162,8 @@ func (d *device) GetGpuInstanceProfileInfo(profile int) (nvml.GpuInstanceProfile
 // GetGpuInstancePossiblePlacements lists every placement of the profile,
 // occupied or not, whatever the MIG mode (as NVML documents).
 func (d *device) GetGpuInstancePossiblePlacements(info *nvml.GpuInstanceProfileInfo) ([]nvml.GpuInstancePlacement, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(false)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(false)
-	}
 	if r != nvml.SUCCESS {
 		return nil, r
 	}
@@ -218,11 +216,8 @@ func (g *gpuState) freeStarts(p *giProfile) []uint32 {
 // GetGpuInstanceRemainingCapacity counts how many more instances of the
 // profile fit, bounded by its per-GPU count (one for the +me profile).
 func (d *device) GetGpuInstanceRemainingCapacity(info *nvml.GpuInstanceProfileInfo) (int, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(true)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(true)
-	}
 	if r != nvml.SUCCESS {
 		return 0, r
 	}
@@ -236,11 +231,8 @@ func (d *device) GetGpuInstanceRemainingCapacity(info *nvml.GpuInstanceProfileIn
 
 // CreateGpuInstance takes the first free placement of the profile.
 func (d *device) CreateGpuInstance(info *nvml.GpuInstanceProfileInfo) (nvml.GpuInstance, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(true)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(true)
-	}
 	if r != nvml.SUCCESS {
 		return nil, r
 	}
@@ -259,11 +251,8 @@ func (d *device) CreateGpuInstance(info *nvml.GpuInstanceProfileInfo) (nvml.GpuI
 // profile's possible ones is an invalid argument; one overlapping an
 // existing instance is INSUFFICIENT_RESOURCES.
 func (d *device) CreateGpuInstanceWithPlacement(info *nvml.GpuInstanceProfileInfo, pl *nvml.GpuInstancePlacement) (nvml.GpuInstance, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(true)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(true)
-	}
 	if r != nvml.SUCCESS {
 		return nil, r
 	}
@@ -313,11 +302,8 @@ func (d *device) createGI(p *giProfile, start uint32) (nvml.GpuInstance, nvml.Re
 
 // GetGpuInstances lists the instances of one profile, by id.
 func (d *device) GetGpuInstances(info *nvml.GpuInstanceProfileInfo) ([]nvml.GpuInstance, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(true)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(true)
-	}
 	if r != nvml.SUCCESS {
 		return nil, r
 	}
@@ -336,11 +322,8 @@ func (d *device) GetGpuInstances(info *nvml.GpuInstanceProfileInfo) ([]nvml.GpuI
 
 // GetGpuInstanceById returns ERROR_NOT_FOUND for ids not in use.
 func (d *device) GetGpuInstanceById(id int) (nvml.GpuInstance, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(true)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(true)
-	}
 	if r != nvml.SUCCESS {
 		return nil, r
 	}
@@ -354,11 +337,8 @@ func (d *device) GetGpuInstanceById(id int) (nvml.GpuInstance, nvml.Return) {
 
 // GetMaxMigDeviceCount is 7 on MIG-capable GPUs.
 func (d *device) GetMaxMigDeviceCount() (int, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(false)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(false)
-	}
 	if r != nvml.SUCCESS {
 		return 0, r
 	}
@@ -368,11 +348,8 @@ func (d *device) GetMaxMigDeviceCount() (int, nvml.Return) {
 // GetMigDeviceHandleByIndex counts compute instances in GI id, then CI id,
 // order; past the last one it is ERROR_NOT_FOUND.
 func (d *device) GetMigDeviceHandleByIndex(index int) (nvml.Device, nvml.Return) {
-	r := d.lock(false)
+	r := d.lockMIG(false)
 	defer d.n.mu.Unlock()
-	if r == nvml.SUCCESS {
-		r = d.migGate(false)
-	}
 	if r != nvml.SUCCESS {
 		return nil, r
 	}
@@ -393,12 +370,7 @@ func (d *device) GetMigDeviceHandleByIndex(index int) (nvml.Device, nvml.Return)
 
 // IsMigDeviceHandle tells MIG device handles from GPU handles.
 func (d *device) IsMigDeviceHandle() (bool, nvml.Return) {
-	r := d.lock(true)
-	defer d.n.mu.Unlock()
-	if r != nvml.SUCCESS {
-		return false, r
-	}
-	return d.ci != nil, nvml.SUCCESS
+	return get(d, true, func() bool { return d.ci != nil })
 }
 
 // GetGpuInstanceId is only answered on MIG device handles.
