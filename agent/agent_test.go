@@ -224,22 +224,13 @@ func TestAgentHealthMarksAndRecovers(t *testing.T) {
 		t.Fatal(err)
 	}
 	node.Init()
-	changed := make(chan struct{}, 1)
-	w := health.NewWatcher(node, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
-		WaitTimeout: 10 * time.Millisecond,
-		OnChange: func(*health.State) {
-			select {
-			case changed <- struct{}{}:
-			default:
-			}
-		},
-	})
+	w := health.NewWatcher(node, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{WaitTimeout: 10 * time.Millisecond})
 	rec := newRecorder()
 	updates := make(chan config.Update, 1)
 	// The config's health section reaches the watcher: probe often, so the
 	// reset is noticed within the test.
 	updates <- config.Update{Data: []byte("version: v1\nconfigs:\n  default:\n    health:\n      probeInterval: 50ms\n")}
-	a := New(Options{Lib: node, Publisher: rec, Health: w, HealthChanged: changed, ConfigUpdates: updates, ResyncInterval: time.Hour})
+	a := New(Options{Lib: node, Publisher: rec, Health: w, HealthChanged: w.Changes(), ConfigUpdates: updates, ResyncInterval: time.Hour})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go w.Run(ctx)
@@ -283,20 +274,11 @@ func TestAgentConfigThatDoesNotFitKeepsServing(t *testing.T) {
 		t.Fatal(err)
 	}
 	node.Init()
-	changed := make(chan struct{}, 1)
-	w := health.NewWatcher(node, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
-		WaitTimeout: 10 * time.Millisecond,
-		OnChange: func(*health.State) {
-			select {
-			case changed <- struct{}{}:
-			default:
-			}
-		},
-	})
+	w := health.NewWatcher(node, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{WaitTimeout: 10 * time.Millisecond})
 	updates := make(chan config.Update)
 	rec := newRecorder()
 	resync := 20 * time.Millisecond
-	a := New(Options{Lib: node, Publisher: rec, Health: w, HealthChanged: changed, ConfigUpdates: updates, ResyncInterval: resync})
+	a := New(Options{Lib: node, Publisher: rec, Health: w, HealthChanged: w.Changes(), ConfigUpdates: updates, ResyncInterval: resync})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go w.Run(ctx)

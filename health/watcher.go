@@ -46,6 +46,8 @@ type Watcher struct {
 	opts  WatcherOptions
 	log   *slog.Logger
 	state atomic.Pointer[State]
+	// changes is signalled (coalesced) whenever a new State is published.
+	changes chan struct{}
 	// watched: GPUs registered for events (Watched).
 	watched atomic.Pointer[[]string]
 
@@ -85,7 +87,8 @@ func NewWatcher(lib nvml.Interface, policy Policy, opts WatcherOptions) *Watcher
 		opts.WaitTimeout = time.Second
 	}
 	w := &Watcher{
-		lib: lib, opts: opts, log: opts.Logger,
+		changes: make(chan struct{}, 1),
+		lib:     lib, opts: opts, log: opts.Logger,
 		tr:   newTracker(policy, opts.Logger),
 		devs: map[string]*watchedGPU{}, byHandle: map[nvml.Device]string{},
 	}
@@ -179,6 +182,10 @@ func (w *Watcher) publish() {
 	if w.opts.OnChange != nil {
 		w.opts.OnChange(s)
 	}
+	select {
+	case w.changes <- struct{}{}:
+	default: // a signal is pending; the reader takes the latest State anyway
+	}
 }
 
 // applyPending takes what other goroutines handed in since the last turn.
@@ -219,6 +226,10 @@ func (w *Watcher) applyPending(set nvml.EventSet) {
 	slices.Sort(watched)
 	w.watched.Store(&watched)
 }
+
+// Changes is signalled after a new State is published; signals coalesce, so
+// a reader should take State() when woken.
+func (w *Watcher) Changes() <-chan struct{} { return w.changes }
 
 // Watched returns the UUIDs of the GPUs NVML delivers health events for, in
 // order; events that happen on a GPU before it is listed here are not seen

@@ -230,3 +230,25 @@ func TestWatcherSkipsUnsupportedEventTypesPerGPU(t *testing.T) {
 		return st.SingleBitEvents == 1
 	})
 }
+
+func TestWatcherChangesSignal(t *testing.T) {
+	n := newNode(t, "pcie-4gpu")
+	inv := inventory(t, n)
+	w, states := runWatcher(t, n, Policy{ProbeInterval: 10 * time.Millisecond})
+	waitRegistered(t, w, n, len(inv.GPUs))
+	for len(w.Changes()) > 0 { // drain what start-up published
+		<-w.Changes()
+	}
+	if err := n.InjectXID(2, 48); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, states, "XID 48 marks GPU 2", func(s *State) bool { return bad(s, inv.GPUs[2].UUID) })
+	select {
+	case <-w.Changes():
+	case <-time.After(5 * time.Second):
+		t.Fatal("no change signalled for a new State")
+	}
+	if _, bad := w.State().Unhealthy(inv.GPUs[2].UUID); !bad {
+		t.Error("State() after the signal does not show the change")
+	}
+}

@@ -104,15 +104,8 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 
 	// Health and metrics: the watcher marks devices, the sampler caches
 	// telemetry for scrapes, pod-resources attributes devices to pods.
-	healthChanged := make(chan struct{}, 1)
 	watcher := health.NewWatcher(be.Lib, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
 		Logger: log.With("component", "health"),
-		OnChange: func(*health.State) {
-			select {
-			case healthChanged <- struct{}{}:
-			default: // the loop reads the latest state anyway
-			}
-		},
 	})
 	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
 	podres := health.NewPodResources(health.PodResourcesOptions{Socket: f.podResources, Logger: log.With("component", "pod-resources")})
@@ -161,7 +154,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		MPSChanged:         mpsSup.Changes(),
 		MPSRoot:            f.mpsRoot,
 		MPSShmDir:          f.mpsShmDir,
-		HealthChanged:      healthChanged,
+		HealthChanged:      watcher.Changes(),
 		InventoryObservers: []func(*gpu.Inventory){sampler.SetInventory},
 		ResyncInterval:     f.resync,
 		Logger:             log.With("component", "agent"),
