@@ -41,15 +41,7 @@ func (a *Agent) reconcileMIG(ctx context.Context) (changed bool, err error) {
 		a.migStates = nil
 		return false, nil
 	}
-	pciIDs := map[int]uint32{}
-	for _, g := range a.inv.GPUs {
-		if dev, ret := a.opts.Lib.DeviceGetHandleByIndex(g.Index); ret == nvml.SUCCESS {
-			if pci, ret := dev.GetPciInfo(); ret == nvml.SUCCESS {
-				pciIDs[g.Index] = pci.PciDeviceId
-			}
-		}
-	}
-	wants, err := mig.Desired(layout, a.inv, pciIDs)
+	wants, err := mig.Desired(layout, a.inv)
 	if err != nil {
 		return false, fmt.Errorf("configs.%s.mig: %w", a.selected.Name, err)
 	}

@@ -232,6 +232,7 @@ func (r *gpuReader) read() (GPU, bool) {
 		r.record("GetPciInfo", err.Error())
 	}
 	g.PCIBusID = bus
+	g.PCIDeviceID = pci.PciDeviceId
 	if g.Minor, ret = dev.GetMinorNumber(); !r.must("GetMinorNumber", ret) {
 		return g, false
 	}

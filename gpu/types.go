@@ -43,6 +43,9 @@ type GPU struct {
 	MemoryBytes uint64 `json:"memoryBytes"`
 	// PCIBusID in the canonical sysfs form, lower case: "0000:07:00.0".
 	PCIBusID string `json:"pciBusID"`
+	// PCIDeviceID is NVML's PCI device id (device << 16 | vendor, 0x233010DE
+	// for H100 SXM); 0 when unknown. MIG layouts filter GPU models by it.
+	PCIDeviceID uint32 `json:"pciDeviceID,omitempty"`
 	// Minor is N in /dev/nvidiaN.
 	Minor int `json:"minor"`
 	// NUMANode is -1 when unknown (single-socket machines report -1 in sysfs).

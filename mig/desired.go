@@ -58,14 +58,13 @@ func (w Want) String() string {
 // Desired picks, for every GPU of the inventory, the first layout entry that
 // matches it by index and device filter (mig-parted's rule) and returns what
 // that entry wants. GPUs no entry matches are absent: the agent leaves them
-// alone. pciDeviceIDs maps a GPU index to its PCI device id as NVML reports
-// it (device << 16 | vendor, 0x233010DE for H100 SXM); an entry with a
-// device filter never matches a GPU missing from it.
-func Desired(layout config.MigLayout, inv *gpu.Inventory, pciDeviceIDs map[int]uint32) (map[int]Want, error) {
+// alone. Device filters match gpu.GPU.PCIDeviceID; an entry with a device
+// filter never matches a GPU whose id is unknown (0).
+func Desired(layout config.MigLayout, inv *gpu.Inventory) (map[int]Want, error) {
 	out := map[int]Want{}
 	for _, g := range inv.GPUs {
 		for ei, e := range layout {
-			ok, err := entryMatches(e, g, pciDeviceIDs)
+			ok, err := entryMatches(e, g)
 			if err != nil {
 				return nil, fmt.Errorf("mig layout entry %d: %w", ei, err)
 			}
@@ -85,14 +84,14 @@ func Desired(layout config.MigLayout, inv *gpu.Inventory, pciDeviceIDs map[int]u
 	return out, nil
 }
 
-func entryMatches(e config.MigDeviceConfig, g gpu.GPU, ids map[int]uint32) (bool, error) {
+func entryMatches(e config.MigDeviceConfig, g gpu.GPU) (bool, error) {
 	if !e.Devices.All && !slices.Contains(e.Devices.Indices, g.Index) {
 		return false, nil
 	}
 	if len(e.DeviceFilter) == 0 {
 		return true, nil
 	}
-	id, known := ids[g.Index]
+	id, known := g.PCIDeviceID, g.PCIDeviceID != 0
 	for _, f := range e.DeviceFilter {
 		v, err := strconv.ParseUint(strings.TrimPrefix(strings.ToLower(f), "0x"), 16, 32)
 		if err != nil {

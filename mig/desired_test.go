@@ -10,11 +10,10 @@ import (
 
 func TestDesired(t *testing.T) {
 	inv := &gpu.Inventory{GPUs: []gpu.GPU{
-		{Index: 0, UUID: "GPU-a", MIGCapable: true},
-		{Index: 1, UUID: "GPU-b", MIGCapable: true},
-		{Index: 2, UUID: "GPU-c", Name: "L40S"},
+		{Index: 0, UUID: "GPU-a", MIGCapable: true, PCIDeviceID: 0x233010DE},
+		{Index: 1, UUID: "GPU-b", MIGCapable: true, PCIDeviceID: 0x20B010DE},
+		{Index: 2, UUID: "GPU-c", Name: "L40S", PCIDeviceID: 0x26B910DE},
 	}}
-	ids := map[int]uint32{0: 0x233010DE, 1: 0x20B010DE, 2: 0x26B910DE}
 	all := config.DeviceIndices{All: true}
 	for _, tc := range []struct {
 		name   string
@@ -37,7 +36,7 @@ func TestDesired(t *testing.T) {
 		{"bad filter", config.MigLayout{{Devices: all, DeviceFilter: config.StringList{"zz"}}}, nil, "device-filter \"zz\""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := Desired(tc.layout, inv, ids)
+			got, err := Desired(tc.layout, inv)
 			if tc.err != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.err) {
 					t.Fatalf("err = %v, want %q", err, tc.err)

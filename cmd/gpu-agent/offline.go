@@ -195,17 +195,7 @@ func cmdMIG(args []string, stdout, stderr io.Writer) error {
 // planMIG prints, per GPU, what applying layout would do; steps lists the
 // steps too. An impossible layout is an error naming the GPU.
 func planMIG(stdout io.Writer, be *backend, inv *gpu.Inventory, layout config.MigLayout, steps bool) error {
-	pciIDs := map[int]uint32{}
-	devs := map[int]nvml.Device{}
-	for _, g := range inv.GPUs {
-		if dev, ret := be.Lib.DeviceGetHandleByIndex(g.Index); ret == nvml.SUCCESS {
-			devs[g.Index] = dev
-			if pci, ret := dev.GetPciInfo(); ret == nvml.SUCCESS {
-				pciIDs[g.Index] = pci.PciDeviceId
-			}
-		}
-	}
-	wants, err := mig.Desired(layout, inv, pciIDs)
+	wants, err := mig.Desired(layout, inv)
 	if err != nil {
 		return err
 	}
@@ -216,7 +206,12 @@ func planMIG(stdout io.Writer, be *backend, inv *gpu.Inventory, layout config.Mi
 			fmt.Fprintf(stdout, "GPU %d (%s): no layout entry applies; left as it is\n", g.Index, g.Name)
 			continue
 		}
-		profiles, err := mig.QueryProfiles(devs[g.Index], g.MemoryBytes)
+		dev, ret := be.Lib.DeviceGetHandleByIndex(g.Index)
+		if ret != nvml.SUCCESS {
+			errs = append(errs, fmt.Errorf("gpu %d: %v", g.Index, ret))
+			continue
+		}
+		profiles, err := mig.QueryProfiles(dev, g.MemoryBytes)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("gpu %d: %w", g.Index, err))
 			continue

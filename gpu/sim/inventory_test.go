@@ -205,6 +205,9 @@ func TestInventoryMIGProfileVariant(t *testing.T) {
 	}
 	seen := map[string]bool{}
 	for _, g := range inv.GPUs {
+		if g.PCIDeviceID != 0x233010DE { // H100 SXM5, as MIG layouts' device-filter names it
+			t.Errorf("GPU %d: PCI device id %#x", g.Index, g.PCIDeviceID)
+		}
 		if !g.MIG.Current || len(g.Instances) != 7 {
 			t.Fatalf("GPU %d: MIG %+v with %d instances, want on with 7", g.Index, g.MIG, len(g.Instances))
 		}
