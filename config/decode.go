@@ -8,9 +8,24 @@ import (
 	"gopkg.in/yaml.v3"
 )
 
-// maxNodes bounds the work of expanding aliases: a few anchors referencing
-// each other can describe an exponentially large document ("billion laughs").
-const maxNodes = 50000
+// Bounds on the decoder's work. A few anchors referencing each other can
+// describe an exponentially large document ("billion laughs"), and yaml.v3
+// does not expand aliases in a yaml.Node tree, so this walk is where they
+// are bounded: in nodes visited after expanding aliases, mapping entries
+// included, and in bytes of the scalar values visited. Everything built
+// from the document (values, paths, line records, error messages, which
+// quote at most a value or two each) then grows with these, not with the
+// expanded document.
+const (
+	maxNodes = 50000
+	// maxValueBytes leaves a document without aliases, which cannot hold
+	// more than MaxBytes of values, far below the bound.
+	maxValueBytes = 4 * MaxBytes
+	// maxKeyBytes bounds a mapping key, which is part of the path (and line
+	// record, and error) of everything under it. 253, the longest node name
+	// (a DNS subdomain), is the longest key the schema has use for.
+	maxKeyBytes = 253
+)
 
 // decoder maps a yaml.Node tree onto Go values by their yaml tags, strictly:
 // yaml.v3's KnownFields reports unknown fields without their path, and stops
@@ -19,7 +34,11 @@ const maxNodes = 50000
 type decoder struct {
 	errs  ErrorList
 	lines map[string]int
-	nodes int
+	// Work done so far, against maxNodes and maxValueBytes; tooLarge is set
+	// (and reported once) when either is exceeded, and ends the walk.
+	nodes    int
+	bytes    int
+	tooLarge bool
 }
 
 func newDecoder() *decoder { return &decoder{lines: map[string]int{}} }
@@ -30,13 +49,40 @@ func (d *decoder) errorf(path string, line int, format string, args ...any) {
 
 var unmarshalerType = reflect.TypeFor[yaml.Unmarshaler]()
 
+// spend counts nodes and value bytes against the bounds; false once either
+// is exceeded, when the walk must stop.
+func (d *decoder) spend(path string, line, nodes, bytes int) bool {
+	if d.tooLarge {
+		return false
+	}
+	d.nodes += nodes
+	d.bytes += bytes
+	switch {
+	case d.nodes > maxNodes:
+		d.errorf(path, line, "document too large (more than %d nodes after expanding aliases)", maxNodes)
+	case d.bytes > maxValueBytes:
+		d.errorf(path, line, "document too large (more than %d bytes of values after expanding aliases)", maxValueBytes)
+	default:
+		return true
+	}
+	d.tooLarge = true
+	return false
+}
+
+// spendTree counts what is under n, for the yaml.Unmarshalers of this
+// package, which walk n themselves; the aliases in it they do not follow.
+func (d *decoder) spendTree(path string, n *yaml.Node) bool {
+	for _, c := range n.Content {
+		if !d.spend(path, c.Line, 1, len(c.Value)) || !d.spendTree(path, c) {
+			return false
+		}
+	}
+	return true
+}
+
 // decode stores n into v (which must be settable) and records path's line.
 func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) {
-	d.nodes++
-	if d.nodes > maxNodes {
-		if d.nodes == maxNodes+1 {
-			d.errorf(path, n.Line, "document too large (more than %d nodes after expanding aliases)", maxNodes)
-		}
+	if !d.spend(path, n.Line, 1, 0) {
 		return
 	}
 	for depth := 0; n.Kind == yaml.AliasNode; depth++ {
@@ -45,6 +91,9 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) {
 			return
 		}
 		n = n.Alias
+	}
+	if n.Kind == yaml.ScalarNode && !d.spend(path, n.Line, 0, len(n.Value)) {
+		return
 	}
 	if _, ok := d.lines[path]; !ok {
 		d.lines[path] = n.Line
@@ -65,6 +114,9 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) {
 	if v.CanAddr() && v.Addr().Type().Implements(unmarshalerType) {
 		if isNull {
 			v.SetZero()
+			return
+		}
+		if !d.spendTree(path, n) {
 			return
 		}
 		if err := v.Addr().Interface().(yaml.Unmarshaler).UnmarshalYAML(n); err != nil {
@@ -179,7 +231,8 @@ func (d *decoder) keyLine(path string, kn *yaml.Node) {
 
 // mapping calls fn for each key of n, following merge keys ("<<") and
 // reporting duplicate keys, which YAML forbids and yaml.v3 only detects when
-// decoding into Go values.
+// decoding into Go values. seen holds the keys n has delivered so far, by
+// the line of an explicit key (0 for a merged one).
 func (d *decoder) mapping(n *yaml.Node, path string, seen map[string]int, fn func(key string, kn, vn *yaml.Node)) {
 	if len(n.Content)%2 != 0 {
 		d.errorf(path, n.Line, "malformed mapping")
@@ -189,12 +242,21 @@ func (d *decoder) mapping(n *yaml.Node, path string, seen map[string]int, fn fun
 	var merges []*yaml.Node
 	for i := 0; i < len(n.Content); i += 2 {
 		kn, vn := n.Content[i], n.Content[i+1]
+		// Each entry counts: one that only produces an error (an unknown
+		// field) would otherwise be free to repeat through an alias.
+		if !d.spend(path, kn.Line, 1, len(kn.Value)) {
+			return
+		}
 		if kn.Kind == yaml.ScalarNode && kn.ShortTag() == "!!merge" {
 			merges = append(merges, vn)
 			continue
 		}
 		if kn.Kind != yaml.ScalarNode {
 			d.errorf(path, kn.Line, "expected a string key, got %s", describe(kn))
+			continue
+		}
+		if len(kn.Value) > maxKeyBytes {
+			d.errorf(path, kn.Line, "key %s of %d bytes exceeds the maximum of %d bytes", describe(kn), len(kn.Value), maxKeyBytes)
 			continue
 		}
 		if first, dup := seen[kn.Value]; dup {
@@ -207,10 +269,6 @@ func (d *decoder) mapping(n *yaml.Node, path string, seen map[string]int, fn fun
 		fn(kn.Value, kn, vn)
 	}
 	for _, m := range merges {
-		d.nodes++
-		if d.nodes > maxNodes {
-			return
-		}
 		for m.Kind == yaml.AliasNode && m.Alias != nil {
 			m = m.Alias
 		}
@@ -225,6 +283,9 @@ func (d *decoder) mapping(n *yaml.Node, path string, seen map[string]int, fn fun
 			continue
 		}
 		for _, src := range sources {
+			if !d.spend(path, src.Line, 1, 0) {
+				return
+			}
 			for src.Kind == yaml.AliasNode && src.Alias != nil {
 				src = src.Alias
 			}
@@ -233,11 +294,9 @@ func (d *decoder) mapping(n *yaml.Node, path string, seen map[string]int, fn fun
 				continue
 			}
 			// Merged keys never override explicit ones, nor earlier merges.
-			mergedSeen := map[string]int{}
-			for k := range seen {
-				mergedSeen[k] = 0
-			}
-			d.mapping(src, path, mergedSeen, func(key string, kn, vn *yaml.Node) {
+			// The source gets a map of its own for its duplicates, rather
+			// than a copy of seen: copying per source would be quadratic.
+			d.mapping(src, path, map[string]int{}, func(key string, kn, vn *yaml.Node) {
 				if _, ok := seen[key]; ok {
 					return
 				}

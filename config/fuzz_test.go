@@ -21,6 +21,9 @@ func FuzzParse(f *testing.F) {
 		f.Add([]byte(tt.in))
 	}
 	f.Add([]byte("version: v1\nconfigs:\n  default:\n"))
+	for _, in := range hostileInputs(4 << 10) {
+		f.Add(in.data)
+	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		file, _, err := Parse(data)
 		if err != nil {

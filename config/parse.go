@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"reflect"
 	"regexp"
 	"strconv"
@@ -19,12 +18,43 @@ import (
 	"gopkg.in/yaml.v3"
 )
 
+// MaxStructure bounds the YAML indicators a config may hold (each ',', ':',
+// '-', '[' and '{' counts, also inside strings, so the count is an upper
+// bound on the nodes parsing would build). The GPU Operator's whole default
+// mig-parted config has about 1,000.
+const MaxStructure = 100_000
+
+// structuralBytes counts the bytes that can start or separate a YAML node.
+func structuralBytes(data []byte) int {
+	n := 0
+	for _, b := range data {
+		switch b {
+		case ',', ':', '-', '[', '{':
+			n++
+		}
+	}
+	return n
+}
+
 // Parse decodes a config file strictly, applies defaults and validates it.
 // The format (gpu-agent, NVIDIA device plugin, mig-parted) is detected from
 // the top-level keys. Warnings are for things that are accepted but probably
 // not what the author meant, or fields of another format that the agent
 // ignores. The error, when not nil, is an ErrorList.
 func Parse(data []byte) (*File, []string, error) {
+	if len(data) > MaxBytes {
+		// Refused before parsing: the YAML tree alone costs about a hundred
+		// times the input's size.
+		return nil, nil, ErrorList{{Msg: fmt.Sprintf("config of %d bytes exceeds the maximum of %d bytes (a ConfigMap's limit)",
+			len(data), MaxBytes)}}
+	}
+	if n := structuralBytes(data); n > MaxStructure {
+		// yaml.v3 builds a node per item at about 126 bytes each: a 1 MiB
+		// list of one-byte items would take 130 MB, more than the agent's
+		// memory limit. No real config comes near this many.
+		return nil, nil, ErrorList{{Msg: fmt.Sprintf("config has %d YAML indicators (',', ':', '-', '[', '{'), more than the %d a config can need; refused unparsed to bound memory",
+			n, MaxStructure)}}
+	}
 	root, err := parseNode(data)
 	if err != nil {
 		return nil, nil, err
@@ -52,7 +82,7 @@ func Parse(data []byte) (*File, []string, error) {
 		f = fromMigParted(&mf)
 	}
 	f.lines = d.lines
-	if d.nodes > maxNodes {
+	if d.tooLarge {
 		return nil, nil, d.errs.err() // validating a truncated document would only add noise
 	}
 
@@ -88,12 +118,13 @@ func underAny(path string, errs ErrorList) bool {
 	return false
 }
 
-// Load reads and parses a config file. Symlinks are followed, as a mounted
-// ConfigMap key is a symlink into the ..data directory.
+// Load reads (with ReadFile's bounds) and parses a config file. Symlinks
+// are followed, as a mounted ConfigMap key is a symlink into the ..data
+// directory.
 func Load(path string) (*File, []string, error) {
-	data, err := os.ReadFile(path)
+	data, err := ReadFile(path)
 	if err != nil {
-		return nil, nil, fmt.Errorf("config %s: %w", path, err)
+		return nil, nil, err // names the path already
 	}
 	f, warnings, err := Parse(data)
 	if err != nil {

@@ -166,11 +166,14 @@ var reDeviceFilter = regexp.MustCompile(`^0x[0-9A-Fa-f]{8}$`)
 // layout checks a mig-parted layout's syntax; whether the GPUs and profiles
 // exist is for the planner.
 func (v *validator) layout(p string, l MigLayout) {
+	// The first entry to claim a GPU index under a device filter: a later
+	// one is reported against it alone, so n entries for one GPU make n-1
+	// errors rather than n²/2.
 	type claim struct {
-		entry  int
+		idx    int
 		filter string
 	}
-	claimed := map[int][]claim{}
+	claimed := map[claim]int{}
 	for i, e := range l {
 		ep := joinIndex(p, i)
 		for j, df := range e.DeviceFilter {
@@ -203,12 +206,11 @@ func (v *validator) layout(p string, l MigLayout) {
 				seen[idx] = true
 				// With the same device filter, the same index in two entries
 				// is two layouts for one GPU.
-				for _, c := range claimed[idx] {
-					if c.filter == filter {
-						v.errorf(ip, "GPU %d is already configured by entry [%d]", idx, c.entry)
-					}
+				if first, ok := claimed[claim{idx, filter}]; ok {
+					v.errorf(ip, "GPU %d is already configured by entry [%d]", idx, first)
+				} else {
+					claimed[claim{idx, filter}] = i
 				}
-				claimed[idx] = append(claimed[idx], claim{i, filter})
 			}
 		}
 		switch {
@@ -277,13 +279,32 @@ func (v *validator) sharing(p string, s *Sharing, strategy MIGStrategy) {
 			}
 		}
 	}
+	// Only the first time-slicing entry of a name is compared: a second one
+	// is an error of its own, and comparing every pair would let a list of
+	// aliases produce errors by the square of its length.
+	tsByName := map[string]int{}
+	for i, t := range ts {
+		if _, ok := tsByName[t.Name]; !ok {
+			tsByName[t.Name] = i
+		}
+	}
+	tsLists := map[int]map[string]bool{}
 	for j, m := range mps {
-		for i, t := range ts {
-			if t.Name == m.Name && devicesOverlap(t.Devices, m.Devices) {
-				v.errorf(joinIndex(p+".mps.resources", j)+".devices",
-					"%s devices are also shared by %s; a device can be in one sharing policy only",
-					m.Name, v.f.originalPath(joinIndex(p+".timeSlicing.resources", i)))
+		i, ok := tsByName[m.Name]
+		if !ok {
+			continue
+		}
+		t := ts[i]
+		if t.Devices.List != nil && tsLists[i] == nil {
+			tsLists[i] = map[string]bool{}
+			for _, ref := range t.Devices.List {
+				tsLists[i][ref] = true
 			}
+		}
+		if devicesOverlap(tsLists[i], m.Devices) {
+			v.errorf(joinIndex(p+".mps.resources", j)+".devices",
+				"%s devices are also shared by %s; a device can be in one sharing policy only",
+				m.Name, v.f.originalPath(joinIndex(p+".timeSlicing.resources", i)))
 		}
 	}
 	// Two resources advertised under one name would merge into one device
@@ -344,6 +365,8 @@ func (v *validator) replicated(p string, rs []ReplicatedResource, strategy MIGSt
 			v.errorf(rp+".replicas", "required; must be >= 2")
 		case r.Replicas < 2:
 			v.errorf(rp+".replicas", "must be >= 2, got %d", r.Replicas)
+		case r.Replicas > MaxReplicas:
+			v.errorf(rp+".replicas", "%d exceeds the maximum of %d", r.Replicas, MaxReplicas)
 		}
 		d := r.Devices
 		switch {
@@ -367,15 +390,16 @@ func (v *validator) replicated(p string, rs []ReplicatedResource, strategy MIGSt
 }
 
 // devicesOverlap reports whether two selections of the same resource may
-// share a device. Only literal list entries can be compared here; an index in
-// one list and the UUID of the same GPU in the other is found when the
-// selections are resolved against the hardware.
-func devicesOverlap(a, b ReplicaDevices) bool {
-	if a.List == nil || b.List == nil {
+// share a device; a is the first's list as a set, nil unless it is a list.
+// Only literal list entries can be compared here; an index in one list and
+// the UUID of the same GPU in the other is found when the selections are
+// resolved against the hardware.
+func devicesOverlap(a map[string]bool, b ReplicaDevices) bool {
+	if a == nil || b.List == nil {
 		return true // all, or the first N devices, which include any device of the other
 	}
-	for _, x := range a.List {
-		if slices.Contains(b.List, x) {
+	for _, x := range b.List {
+		if a[x] {
 			return true
 		}
 	}

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"time"
 
@@ -15,8 +14,8 @@ import (
 )
 
 // Update is the content of the watched file after a change, or why it could
-// not be read. Decoding is the consumer's job; on a parse or read error it
-// keeps its last good config.
+// not be read (ReadFile's bounds apply). Decoding is the consumer's job; on a
+// parse or read error it keeps its last good config.
 type Update struct {
 	Data []byte
 	Err  error
@@ -170,7 +169,7 @@ func (w *Watcher) watch(fw *fsnotify.Watcher) bool {
 // what was last sent, or when it has been unreadable for ErrorGrace. It
 // returns false when ctx ended while sending.
 func (w *Watcher) check(ctx context.Context, out chan<- Update, st *watchState, initial bool, retry *time.Timer) bool {
-	data, err := os.ReadFile(w.path)
+	data, err := ReadFile(w.path)
 	if err != nil {
 		if st.errSent {
 			return true
@@ -186,7 +185,7 @@ func (w *Watcher) check(ctx context.Context, out chan<- Update, st *watchState, 
 		}
 		w.logger.Warn("config file unreadable", "err", err)
 		st.errSent, st.sent = true, true
-		return send(ctx, out, Update{Err: fmt.Errorf("config %s: %w", w.path, err)})
+		return send(ctx, out, Update{Err: err}) // ReadFile's errors name the path
 	}
 	st.errSince = time.Time{}
 	sum := sha256.Sum256(data)

@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -232,4 +234,60 @@ func TestNewWatcherRejectsEmptyPath(t *testing.T) {
 	if _, err := NewWatcher("", nil); err == nil {
 		t.Error("NewWatcher(\"\") succeeded")
 	}
+}
+
+// replaceWith puts content at path atomically (a rename), except over a
+// directory, which has to be removed first.
+func replaceWith(t *testing.T, path, content string) {
+	t.Helper()
+	tmp := path + ".tmp"
+	must(t, os.WriteFile(tmp, []byte(content), 0o644))
+	if fi, err := os.Lstat(path); err == nil && fi.IsDir() {
+		must(t, os.RemoveAll(path))
+	}
+	must(t, os.Rename(tmp, path))
+}
+
+func expectRefusal(t *testing.T, ch <-chan Update, path, reason string) {
+	t.Helper()
+	u := recv(t, ch)
+	if u.Err == nil {
+		t.Fatalf("update = %d bytes, want an error", len(u.Data))
+	}
+	if msg := u.Err.Error(); !strings.Contains(msg, path) || !strings.Contains(msg, reason) {
+		t.Fatalf("update error = %q, want it to name %s and say %q", msg, path, reason)
+	}
+}
+
+func TestWatcherRefusesHostileFiles(t *testing.T) {
+	for _, h := range hostileFiles() {
+		t.Run(h.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "config.yaml")
+			h.make(t, path)
+			ch := startWatcher(t, path, 300*time.Millisecond)
+			expectRefusal(t, ch, path, h.reason)
+
+			// The watcher goes on, and delivers the next good content.
+			replaceWith(t, path, "version: v1 # good\n")
+			expectData(t, ch, "version: v1 # good\n")
+		})
+	}
+}
+
+func TestWatcherRefusalAfterGoodContent(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "config.yaml")
+	must(t, os.WriteFile(path, []byte("one"), 0o644))
+	ch := startWatcher(t, path, 50*time.Millisecond)
+	expectData(t, ch, "one")
+
+	// A FIFO renamed over the file: reported once it outlasts ErrorGrace,
+	// without the watcher blocking on it.
+	fifo := filepath.Join(dir, "fifo")
+	must(t, syscall.Mkfifo(fifo, 0o644))
+	must(t, os.Rename(fifo, path))
+	expectRefusal(t, ch, path, "not a regular file (a named pipe)")
+
+	replaceWith(t, path, "two")
+	expectData(t, ch, "two")
 }
