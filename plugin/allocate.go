@@ -3,6 +3,7 @@ package plugin
 import (
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 
 	"google.golang.org/grpc/codes"
@@ -20,17 +21,54 @@ const visibleDevicesEnv = "NVIDIA_VISIBLE_DEVICES"
 // failed Allocate as failing the whole pod, so a partial answer would only
 // hide which device was at fault.
 func allocate(res *catalog.Resource, req *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
-	resp := &pluginapi.AllocateResponse{
-		ContainerResponses: make([]*pluginapi.ContainerAllocateResponse, 0, len(req.GetContainerRequests())),
+	creqs := req.GetContainerRequests()
+	if len(creqs) == 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "resource %s: no container requests", res.Name)
 	}
-	for i, creq := range req.GetContainerRequests() {
+	// The kubelet hands out each device once, so a request can never hold
+	// more IDs than the resource has devices. Checked before any work: a
+	// request near gRPC's 4 MiB limit holds about a million IDs.
+	total := 0
+	for _, c := range creqs {
+		total += len(c.GetDevicesIds())
+	}
+	if total > len(res.Devices) {
+		return nil, status.Errorf(codes.InvalidArgument, "resource %s: %d device IDs requested, more than the %d devices it has",
+			res.Name, total, len(res.Devices))
+	}
+	resp := &pluginapi.AllocateResponse{
+		ContainerResponses: make([]*pluginapi.ContainerAllocateResponse, 0, len(creqs)),
+	}
+	for i, creq := range creqs {
 		cresp, err := allocateContainer(res, creq.GetDevicesIds())
 		if err != nil {
-			return nil, fmt.Errorf("container request %d: %w", i, err)
+			return nil, inContainer(i, err)
 		}
 		resp.ContainerResponses = append(resp.ContainerResponses, cresp)
 	}
 	return resp, nil
+}
+
+// inContainer prefixes a status error's message with the container request
+// it concerns and keeps its code. Wrapping with fmt.Errorf instead would
+// make gRPC send the whole "rpc error: code = ... desc = ..." text as the
+// message of a second status.
+func inContainer(i int, err error) error {
+	st := status.Convert(err)
+	return status.Errorf(st.Code(), "container request %d: %s", i, st.Message())
+}
+
+// maxQuotedID is how much of a client's device ID an error message quotes:
+// more than any ID of ours, while an ID of megabytes (from a client other
+// than the kubelet) cannot make the message, or the log line, that large.
+const maxQuotedID = 96
+
+// quoteID quotes a device ID from a request for an error message.
+func quoteID(id string) string {
+	if len(id) <= maxQuotedID {
+		return strconv.Quote(id)
+	}
+	return strconv.Quote(id[:maxQuotedID]) + fmt.Sprintf("... (%d bytes)", len(id))
 }
 
 // allocateContainer builds one container's response: the distinct visible IDs
@@ -41,17 +79,24 @@ func allocateContainer(res *catalog.Resource, ids []string) (*pluginapi.Containe
 		return nil, status.Errorf(codes.InvalidArgument, "resource %s: no device IDs requested", res.Name)
 	}
 	devs := make([]catalog.Device, 0, len(ids))
+	seen := make(map[string]bool, len(ids))
 	for _, id := range ids {
+		// The kubelet never asks for a device twice; a request that does is
+		// not the kubelet's accounting and would be counted twice in it.
+		if seen[id] {
+			return nil, status.Errorf(codes.InvalidArgument, "resource %s: device %s requested twice", res.Name, quoteID(id))
+		}
+		seen[id] = true
 		d, ok := res.Device(id)
 		if !ok {
-			return nil, status.Errorf(codes.NotFound, "resource %s: unknown device %q", res.Name, id)
+			return nil, status.Errorf(codes.NotFound, "resource %s: unknown device %s", res.Name, quoteID(id))
 		}
 		if !d.Healthy {
 			reason := d.Reason
 			if reason == "" {
 				reason = "no reason given"
 			}
-			return nil, status.Errorf(codes.FailedPrecondition, "resource %s: device %q is unhealthy: %s", res.Name, id, reason)
+			return nil, status.Errorf(codes.FailedPrecondition, "resource %s: device %s is unhealthy: %s", res.Name, quoteID(id), reason)
 		}
 		devs = append(devs, d)
 	}
@@ -148,7 +193,7 @@ func preferred(res *catalog.Resource, req *pluginapi.ContainerPreferredAllocatio
 	}
 	for _, id := range must {
 		if !avail[id] {
-			return nil, status.Errorf(codes.InvalidArgument, "resource %s: must-include device %q is not available", res.Name, id)
+			return nil, status.Errorf(codes.InvalidArgument, "resource %s: must-include device %s is not available", res.Name, quoteID(id))
 		}
 	}
 	if len(avail) < size {
@@ -160,15 +205,38 @@ func preferred(res *catalog.Resource, req *pluginapi.ContainerPreferredAllocatio
 		var err error
 		ids, err = res.Preferred.Preferred(available, must, size)
 		if err != nil {
-			return nil, status.Errorf(codes.Internal, "resource %s: preferred allocation: %v", res.Name, err)
+			// The message only: a status error's full text would nest
+			// "rpc error: ..." inside this one.
+			return nil, status.Errorf(codes.Internal, "resource %s: preferred allocation: %s", res.Name, status.Convert(err).Message())
 		}
 	} else {
 		ids = defaultPreferred(res, avail, must, size)
 	}
 	if err := checkPreferred(ids, avail, must, size); err != nil {
-		return nil, status.Errorf(codes.Internal, "resource %s: preferred allocation %v rejected: %v", res.Name, ids, err)
+		return nil, status.Errorf(codes.Internal, "resource %s: preferred allocation %s rejected: %v", res.Name, summarizeIDs(ids), err)
 	}
 	return ids, nil
+}
+
+// maxListedIDs is how many device IDs a log line or error message lists.
+const maxListedIDs = 8
+
+// summarizeIDs lists the first maxListedIDs of ids, quoted, and how many
+// there are in all when that is more.
+func summarizeIDs(ids []string) string {
+	var b strings.Builder
+	b.WriteByte('[')
+	for i, id := range ids[:min(len(ids), maxListedIDs)] {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		b.WriteString(quoteID(id))
+	}
+	if len(ids) > maxListedIDs {
+		fmt.Fprintf(&b, " ... %d in all", len(ids))
+	}
+	b.WriteByte(']')
+	return b.String()
 }
 
 // defaultPreferred takes the must-include IDs, then available IDs in catalog
@@ -212,16 +280,16 @@ func checkPreferred(ids []string, avail map[string]bool, must []string, size int
 	seen := make(map[string]bool, len(ids))
 	for _, id := range ids {
 		if seen[id] {
-			return fmt.Errorf("device %q listed twice", id)
+			return fmt.Errorf("device %s listed twice", quoteID(id))
 		}
 		seen[id] = true
 		if !avail[id] {
-			return fmt.Errorf("device %q is not available", id)
+			return fmt.Errorf("device %s is not available", quoteID(id))
 		}
 	}
 	for _, id := range must {
 		if !seen[id] {
-			return fmt.Errorf("must-include device %q missing", id)
+			return fmt.Errorf("must-include device %s missing", quoteID(id))
 		}
 	}
 	return nil

@@ -207,6 +207,12 @@ func TestAllocateErrors(t *testing.T) {
 			[]string{"container request 1", "request for '" + resShared + ": 2' too large: maximum request size for shared resources is 1"}},
 		{"mount conflict", mountClash.Resources[resGPU], allocReq([]string{"GPU-a"}), codes.InvalidArgument,
 			[]string{"/usr/lib/libcuda.so", resGPU}},
+		{"duplicate replica", testCatalog().Resources[resShared], allocReq([]string{"GPU-a::0"}, []string{"GPU-b::0", "GPU-b::0"}),
+			codes.InvalidArgument, []string{"container request 1: ", `device "GPU-b::0" requested twice`, resShared}},
+		{"more IDs than devices", testCatalog().Resources[resShared], allocReq([]string{"GPU-a::0", "GPU-a::1", "GPU-b::0", "GPU-q::0"}),
+			codes.InvalidArgument, []string{"4 device IDs requested, more than the 3 devices it has", resShared}},
+		{"no container requests", cat.Resources[resGPU], allocReq(), codes.InvalidArgument,
+			[]string{"no container requests", resGPU}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -224,6 +230,10 @@ func TestAllocateErrors(t *testing.T) {
 				if !strings.Contains(err.Error(), s) {
 					t.Errorf("error %q does not contain %q", err, s)
 				}
+			}
+			// One status: its text says "rpc error" once, not once per wrap.
+			if n := strings.Count(err.Error(), "rpc error"); n != 1 {
+				t.Errorf("error %q says \"rpc error\" %d times", err, n)
 			}
 		})
 	}

@@ -168,7 +168,27 @@ func startManager(t testing.TB, dir string, cat *catalog.Catalog) (*Manager, con
 // startManagerWith is startManager with options (Dir set by the caller).
 func startManagerWith(t testing.TB, cat *catalog.Catalog, opts Options) (*Manager, context.CancelFunc) {
 	t.Helper()
-	dir := opts.Dir
+	m, stop := runManager(t, cat, opts)
+	for _, name := range cat.Names() {
+		// The socket file appears at bind, before listen: until then a
+		// connection is refused, and a fail-fast RPC fails.
+		p := filepath.Join(opts.Dir, DefaultSocketName(name))
+		eventually(t, 2*time.Second, "socket "+p+" served", func() bool {
+			c, err := net.Dial("unix", p)
+			if err != nil {
+				return false
+			}
+			c.Close()
+			return true
+		})
+	}
+	return m, stop
+}
+
+// runManager runs a Manager until the test ends, without waiting for its
+// sockets; the cleanup checks that Run returns nil.
+func runManager(t testing.TB, cat *catalog.Catalog, opts Options) (*Manager, context.CancelFunc) {
+	t.Helper()
 	opts.RetryBackoff = 10 * time.Millisecond
 	m, err := NewManager(opts)
 	if err != nil {
@@ -193,10 +213,6 @@ func startManagerWith(t testing.TB, cat *catalog.Catalog, opts Options) (*Manage
 		})
 	}
 	t.Cleanup(stop)
-	for _, name := range cat.Names() {
-		p := filepath.Join(dir, DefaultSocketName(name))
-		eventually(t, 2*time.Second, "socket "+p+" served", func() bool { return exists(p) })
-	}
 	return m, stop
 }
 

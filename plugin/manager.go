@@ -14,6 +14,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -55,6 +56,9 @@ type Options struct {
 	// the gRPC goroutine; it must not block): pod attribution refreshes then
 	// instead of polling the kubelet.
 	OnAllocate func(resource string, ids []string)
+	// Now is the clock of registration times and of the rate limit on
+	// logging refused calls (default time.Now).
+	Now func() time.Time
 }
 
 // ResourceStatus is the serving and registration state of one resource.
@@ -87,6 +91,9 @@ type Manager struct {
 	// catalog is not served.
 	served   map[string]*resource
 	rejected map[string]string
+	// kubeletGone is set from kubelet.sock's removal to its creation (Run
+	// goroutine only).
+	kubeletGone bool
 
 	wg sync.WaitGroup // goroutines started by Run
 }
@@ -109,6 +116,9 @@ func NewManager(opts Options) (*Manager, error) {
 	}
 	if opts.RetryBackoff <= 0 {
 		opts.RetryBackoff = defaultBackoff
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
 	}
 	return &Manager{
 		opts:        opts,
@@ -246,6 +256,8 @@ func (m *Manager) Run(ctx context.Context) error {
 			if errors.Is(err, fsnotify.ErrEventOverflow) {
 				// An event may be lost, maybe a kubelet restart: serving
 				// and registering again is harmless, missing it is not.
+				// kubelet.sock's own events may be among those lost.
+				m.kubeletGone = !exists(m.kubeletPath)
 				for _, r := range m.served {
 					m.restart(ctx, r, "watch overflow")
 				}
@@ -282,22 +294,31 @@ func (m *Manager) handleEvent(ctx context.Context, ev fsnotify.Event) {
 	case base == kubeletSocket && ev.Has(fsnotify.Create):
 		// The kubelet removed every socket before creating its own, ours
 		// included: serve again, then register.
+		m.kubeletGone = false
 		m.log.Info("kubelet socket created: serving and registering again", "path", ev.Name)
 		for _, name := range sortedKeys(m.served) {
 			m.restart(ctx, m.served[name], reasonKubeletRestart)
 		}
 	case base == kubeletSocket && gone:
+		m.kubeletGone = true
 		m.log.Warn("kubelet socket removed: waiting for the kubelet", "path", ev.Name)
 		for _, r := range m.served {
 			m.stopRegistration(r)
 			r.restarted("kubelet.sock removed; waiting for the kubelet")
 		}
+	case gone && m.kubeletGone:
+		// A starting kubelet deletes every socket in the directory, then
+		// creates kubelet.sock, whose event serves everything again: doing
+		// it here too would serve and register twice.
 	case gone:
 		for _, r := range m.served {
 			// Stopping our own server unlinks the path too; the socket
 			// re-created since then is not lost, so look before acting.
-			if r.socket == base && r.srv != nil && !exists(r.path) {
-				m.log.Warn("socket removed while serving: serving again", "path", r.path)
+			// A resource whose serve failed (srv nil) is served again too:
+			// the socket may have been deleted between our listen and
+			// chmod, and this removal is the only event that follows.
+			if r.socket == base && !exists(r.path) {
+				m.log.Warn("socket removed: serving again", "path", r.path, "wasServing", r.srv != nil)
 				m.restart(ctx, r, "socket removed")
 			}
 		}
@@ -346,20 +367,26 @@ func (m *Manager) apply(ctx context.Context) {
 }
 
 func (m *Manager) add(ctx context.Context, name string, res *catalog.Resource) {
+	reject := func(why string) {
+		m.log.Error("not serving resource", "resource", name, "err", why)
+		m.mu.Lock()
+		m.rejected[name] = why
+		m.mu.Unlock()
+	}
+	if err := checkResourceName(name); err != nil {
+		reject(err.Error())
+		return
+	}
 	socket := m.opts.SocketName(name)
 	taken := socket == kubeletSocket || socket == "" || strings.ContainsRune(socket, '/')
 	for _, o := range m.served {
 		taken = taken || o.socket == socket
 	}
 	if taken {
-		why := fmt.Sprintf("resource %s: socket name %q is unusable or taken", name, socket)
-		m.log.Error("not serving resource", "resource", name, "err", why)
-		m.mu.Lock()
-		m.rejected[name] = why
-		m.mu.Unlock()
+		reject(fmt.Sprintf("resource %s: socket name %q is unusable or taken", name, socket))
 		return
 	}
-	r := newResource(name, socket, filepath.Join(m.opts.Dir, socket), res, m.log)
+	r := newResource(name, socket, filepath.Join(m.opts.Dir, socket), res, m.log, m.opts.Now)
 	r.onAllocate = m.opts.OnAllocate
 	m.mu.Lock()
 	m.served[name] = r
@@ -455,7 +482,7 @@ func (m *Manager) register(ctx context.Context, r *resource, gen uint64, why str
 			return
 		}
 		if err == nil {
-			if r.setRegistered(gen, time.Now()) {
+			if r.setRegistered(gen, m.opts.Now()) {
 				msg := "registered with the kubelet"
 				if why == reasonKubeletRestart {
 					msg = "re-registered after kubelet restart"
@@ -514,6 +541,33 @@ func (m *Manager) shutdown() {
 	}
 	m.wg.Wait()
 	m.log.Info("device plugin manager stopped")
+}
+
+var (
+	reDNSSubdomain  = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`)
+	reQualifiedName = regexp.MustCompile(`^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$`)
+)
+
+// checkResourceName applies the kubelet's rule for the name of a device
+// plugin's resource, an extended resource name: <domain>/<name>, the domain
+// a DNS subdomain outside kubernetes.io, the name a qualified name of at
+// most 63 characters. The kubelet refuses any other name at registration;
+// refusing it here says why in Status instead of retrying forever.
+func checkResourceName(name string) error {
+	domain, rest, ok := strings.Cut(name, "/")
+	switch {
+	case name == "":
+		return errors.New("empty resource name")
+	case !ok:
+		return fmt.Errorf("resource name %q: must be <domain>/<name>", name)
+	case len(domain) > 253 || !reDNSSubdomain.MatchString(domain):
+		return fmt.Errorf("resource name %q: domain %q is not a DNS subdomain", name, domain)
+	case domain == "kubernetes.io" || strings.HasSuffix(domain, ".kubernetes.io") || strings.HasPrefix(name, "requests."):
+		return fmt.Errorf("resource name %q: reserved by Kubernetes", name)
+	case len(rest) > 63 || !reQualifiedName.MatchString(rest):
+		return fmt.Errorf("resource name %q: %q must be 1 to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit", name, rest)
+	}
+	return nil
 }
 
 func exists(path string) bool {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
@@ -23,6 +24,9 @@ type resource struct {
 	log    *slog.Logger
 	// onAllocate is Options.OnAllocate (nil: none).
 	onAllocate func(resource string, ids []string)
+	now        func() time.Time
+	// Refused calls, for rate-limiting their log lines.
+	allocRefusals, prefRefusals refusalLog
 
 	mu      sync.Mutex
 	cur     *catalog.Resource
@@ -40,12 +44,52 @@ type resource struct {
 	cancelReg context.CancelFunc
 }
 
-func newResource(name, socket, path string, res *catalog.Resource, log *slog.Logger) *resource {
+func newResource(name, socket, path string, res *catalog.Resource, log *slog.Logger, now func() time.Time) *resource {
 	return &resource{
 		name: name, socket: socket, path: path, cur: res,
 		changed: make(chan struct{}),
 		log:     log.With("resource", name),
+		now:     now,
 	}
+}
+
+// refusalLogInterval is how often a resource logs refused calls of one kind
+// after the first: the kubelet retries the containers of a refused pod, and
+// a client flooding the socket must not flood the node's log with it.
+const refusalLogInterval = 10 * time.Second
+
+// refusalLog rate-limits the log lines of one kind of refused call.
+type refusalLog struct {
+	mu         sync.Mutex
+	logged     bool      // a line was ever written
+	last       time.Time // when the last line was written
+	suppressed int       // refusals since then without a line
+}
+
+// admit reports whether a refusal at now gets a log line and, if so, how
+// many refusals went without one since the previous line.
+func (l *refusalLog) admit(now time.Time) (bool, int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.logged && now.Sub(l.last) < refusalLogInterval {
+		l.suppressed++
+		return false, 0
+	}
+	n := l.suppressed
+	l.logged, l.last, l.suppressed = true, now, 0
+	return true, n
+}
+
+// refused logs a refused call, at most once per refusalLogInterval for
+// each l. The message is the status's alone: its code is an attribute.
+func (r *resource) refused(l *refusalLog, msg string, err error, attrs ...any) {
+	ok, suppressed := l.admit(r.now())
+	if !ok {
+		return
+	}
+	st := status.Convert(err)
+	attrs = append(attrs, "code", st.Code().String(), "err", st.Message(), "suppressed", suppressed)
+	r.log.Warn(msg, attrs...)
 }
 
 // snapshot returns the catalog entry to answer from and the channel that is
@@ -184,7 +228,8 @@ func (e *endpoint) GetPreferredAllocation(_ context.Context, req *pluginapi.Pref
 	for i, creq := range req.GetContainerRequests() {
 		ids, err := preferred(res, creq)
 		if err != nil {
-			e.r.log.Warn("GetPreferredAllocation failed", "container", i, "err", err)
+			err = inContainer(i, err)
+			e.r.refused(&e.r.prefRefusals, "GetPreferredAllocation failed", err)
 			return nil, err
 		}
 		resp.ContainerResponses = append(resp.ContainerResponses, &pluginapi.ContainerPreferredAllocationResponse{DeviceIDs: ids})
@@ -196,7 +241,16 @@ func (e *endpoint) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (
 	res, _ := e.r.snapshot()
 	resp, err := allocate(res, req)
 	if err != nil {
-		e.r.log.Warn("allocation refused", "err", err)
+		var ids []string
+		total := 0
+		for _, c := range req.GetContainerRequests() {
+			total += len(c.GetDevicesIds())
+			if len(ids) < maxListedIDs {
+				ids = append(ids, c.GetDevicesIds()[:min(len(c.GetDevicesIds()), maxListedIDs-len(ids))]...)
+			}
+		}
+		e.r.refused(&e.r.allocRefusals, "allocation refused", err,
+			"containers", len(req.GetContainerRequests()), "requested", total, "devices", summarizeIDs(ids))
 		return nil, err
 	}
 	ids := make([][]string, len(req.GetContainerRequests()))
