@@ -60,10 +60,10 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzNormalizeBusID -fuzztime $(FUZZTIME) ./gpu
 	$(GO) test -run '^$$' -fuzz FuzzParent -fuzztime $(FUZZTIME) ./timeslice
 
-# Runs the agent on a simulated DGX A100 with its sockets under $(RUN_DIR).
+# Runs the agent on a simulated DGX A100 with its sockets and GPU state under $(RUN_DIR).
 run: build
 	mkdir -p $(RUN_DIR)/device-plugins $(RUN_DIR)/state $(RUN_DIR)/mps
-	$(BIN) run --backend sim:dgx-a100 \
+	$(BIN) run --backend sim:dgx-a100,state=$(RUN_DIR)/sim-state.json \
 		--device-plugin-dir $(RUN_DIR)/device-plugins \
 		--pod-resources-socket $(RUN_DIR)/pod-resources.sock \
 		--state-dir $(RUN_DIR)/state --mps-root $(RUN_DIR)/mps \

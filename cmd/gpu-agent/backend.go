@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"strconv"
 	"strings"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -26,8 +27,8 @@ func (b *backend) Close() {
 	}
 }
 
-// openBackend opens "nvml" or "sim:<profile>". nvmlLib is the libnvidia-ml
-// path for the real backend ("" = the loader's search path).
+// openBackend opens "nvml" or "sim:<profile>[,option...]". nvmlLib is the
+// libnvidia-ml path for the real backend ("" = the loader's search path).
 func openBackend(spec, nvmlLib string) (*backend, error) {
 	switch {
 	case spec == "nvml":
@@ -46,30 +47,56 @@ func openBackend(spec, nvmlLib string) (*backend, error) {
 			close:            func() { lib.Shutdown() },
 		}, nil
 	case strings.HasPrefix(spec, "sim:"):
-		// sim:<profile>[,mig-enabled][,immediate-mig-mode]
-		profile, rest, _ := strings.Cut(strings.TrimPrefix(spec, "sim:"), ",")
-		var opts []sim.Option
-		for opt := range strings.SplitSeq(rest, ",") {
-			switch opt {
-			case "":
-			case "mig-enabled":
-				opts = append(opts, sim.WithMIGEnabled())
-			case "immediate-mig-mode":
-				opts = append(opts, sim.WithImmediateMIGModeChange())
-			default:
-				return nil, usageError{fmt.Sprintf("--backend %q: unknown sim option %q (want mig-enabled, immediate-mig-mode)", spec, opt)}
-			}
+		profile, opts, err := parseSimSpec(spec)
+		if err != nil {
+			return nil, err
 		}
 		node, err := sim.New(profile, opts...)
 		if err != nil {
 			return nil, fmt.Errorf("backend %s: %w", spec, err)
 		}
 		if ret := node.Init(); ret != nvml.SUCCESS {
+			node.Close()
 			return nil, fmt.Errorf("backend %s: init: %v", spec, ret)
 		}
-		return &backend{Name: spec, Lib: node, Sim: node}, nil
+		return &backend{
+			Name: spec, Lib: node, Sim: node,
+			// Releases the state file at once, so a restart in the same
+			// process (tests) or right after this one can open it.
+			close: func() { node.Close() },
+		}, nil
 	}
 	return nil, usageError{fmt.Sprintf("--backend %q: want nvml or sim:<profile> (see 'gpu-agent sim list')", spec)}
+}
+
+// parseSimSpec reads sim:<profile>[,mig-enabled][,immediate-mig-mode][,state=<path>][,crash-after=<n>].
+// The state path cannot hold a comma: options are split on commas.
+func parseSimSpec(spec string) (string, []sim.Option, error) {
+	profile, rest, _ := strings.Cut(strings.TrimPrefix(spec, "sim:"), ",")
+	var opts []sim.Option
+	for opt := range strings.SplitSeq(rest, ",") {
+		switch key, val, hasVal := strings.Cut(opt, "="); {
+		case opt == "":
+		case opt == "mig-enabled":
+			opts = append(opts, sim.WithMIGEnabled())
+		case opt == "immediate-mig-mode":
+			opts = append(opts, sim.WithImmediateMIGModeChange())
+		case key == "state" && hasVal:
+			if val == "" {
+				return "", nil, usageError{fmt.Sprintf("--backend %q: sim option state= needs a file path", spec)}
+			}
+			opts = append(opts, sim.WithStateFile(val))
+		case key == "crash-after" && hasVal:
+			n, err := strconv.Atoi(val)
+			if err != nil || n < 1 {
+				return "", nil, usageError{fmt.Sprintf("--backend %q: sim option crash-after= needs a count of GPU changes (1 or more)", spec)}
+			}
+			opts = append(opts, sim.WithCrashAfter(n, nil))
+		default:
+			return "", nil, usageError{fmt.Sprintf("--backend %q: unknown sim option %q (want mig-enabled, immediate-mig-mode, state=<path>, crash-after=<n>)", spec, opt)}
+		}
+	}
+	return profile, opts, nil
 }
 
 func nvmlLibName(p string) string {

@@ -32,10 +32,10 @@ func (n *Node) newDevice(g *gpuState, ci *computeInstance) *device {
 		name := fmt.Sprintf("%s/gpu/%d/gi/%d/ci/%d", n.spec.name, g.index, ci.gi.id, ci.id)
 		d.uuid = "MIG-" + uuid.NewSHA1(uuidNamespace, []byte(name)).String()
 	}
-	fillFuncs(d.Device, func() nvml.Return {
+	fillFuncs(d.Device, func(call string) nvml.Return {
 		n.mu.Lock()
 		defer n.mu.Unlock()
-		if r := d.check(true); r != nvml.SUCCESS {
+		if r := d.check(call, true); r != nvml.SUCCESS {
 			return r
 		}
 		return nvml.ERROR_NOT_SUPPORTED
@@ -43,10 +43,16 @@ func (n *Node) newDevice(g *gpuState, ci *computeInstance) *device {
 	return d
 }
 
-// check is the common gate of every device call; callers hold n.mu. migOK
-// says whether the call is modelled on MIG device handles.
-func (d *device) check(migOK bool) nvml.Return {
+// check is the common gate of every device call; callers hold n.mu. call
+// is the nvml.Device method's name, which FailCalls matches; migOK says
+// whether the call is modelled on MIG device handles.
+func (d *device) check(call string, migOK bool) nvml.Return {
 	if r := d.n.ready(); r != nvml.SUCCESS {
+		return r
+	}
+	// An injected failure stands for the driver failing the call itself, so
+	// it comes before the sim's own answers (lost GPU, stale handle).
+	if r := d.n.injected(d.g, call); r != nvml.SUCCESS {
 		return r
 	}
 	if d.g.lost {
@@ -65,17 +71,17 @@ func (d *device) check(migOK bool) nvml.Return {
 }
 
 // lock takes the node lock, which the caller releases, and runs check.
-func (d *device) lock(migOK bool) nvml.Return {
+func (d *device) lock(call string, migOK bool) nvml.Return {
 	d.n.mu.Lock()
-	return d.check(migOK)
+	return d.check(call, migOK)
 }
 
 func (d *device) model() *model { return d.n.spec.model }
 
 // get answers a read-only NVML call: f runs under the node lock when the
 // handle may answer (see check), else the zero value and check's code.
-func get[T any](d *device, migOK bool, f func() T) (T, nvml.Return) {
-	r := d.lock(migOK)
+func get[T any](d *device, call string, migOK bool, f func() T) (T, nvml.Return) {
+	r := d.lock(call, migOK)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		var zero T
@@ -86,12 +92,12 @@ func get[T any](d *device, migOK bool, f func() T) (T, nvml.Return) {
 
 // GetIndex is the NVML index; MIG device handles have none.
 func (d *device) GetIndex() (int, nvml.Return) {
-	return get(d, false, func() int { return d.g.index })
+	return get(d, "GetIndex", false, func() int { return d.g.index })
 }
 
 // GetUUID returns "GPU-..." or, for a MIG device, "MIG-...".
 func (d *device) GetUUID() (string, nvml.Return) {
-	r := d.lock(true)
+	r := d.lock("GetUUID", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return "", r
@@ -104,7 +110,7 @@ func (d *device) GetUUID() (string, nvml.Return) {
 
 // GetName returns the product name; a MIG device appends " MIG <profile>".
 func (d *device) GetName() (string, nvml.Return) {
-	r := d.lock(true)
+	r := d.lock("GetName", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return "", r
@@ -117,22 +123,22 @@ func (d *device) GetName() (string, nvml.Return) {
 
 // GetPciInfo returns the GPU's PCI address and ids.
 func (d *device) GetPciInfo() (nvml.PciInfo, nvml.Return) {
-	return get(d, false, func() nvml.PciInfo { return d.g.pci })
+	return get(d, "GetPciInfo", false, func() nvml.PciInfo { return d.g.pci })
 }
 
 // GetMinorNumber is N in /dev/nvidiaN, the index on simulated nodes.
 func (d *device) GetMinorNumber() (int, nvml.Return) {
-	return get(d, false, func() int { return d.g.index })
+	return get(d, "GetMinorNumber", false, func() int { return d.g.index })
 }
 
 // GetNumaNodeId returns the profile's NUMA node of the GPU.
 func (d *device) GetNumaNodeId() (int, nvml.Return) {
-	return get(d, false, func() int { return d.g.numa })
+	return get(d, "GetNumaNodeId", false, func() int { return d.g.numa })
 }
 
 // GetSerial is a stable 13-digit board serial derived from the UUID.
 func (d *device) GetSerial() (string, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetSerial", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return "", r
@@ -146,7 +152,7 @@ func (d *device) GetSerial() (string, nvml.Return) {
 
 // GetCudaComputeCapability returns the model's compute capability.
 func (d *device) GetCudaComputeCapability() (int, int, nvml.Return) {
-	r := d.lock(true)
+	r := d.lock("GetCudaComputeCapability", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, 0, r
@@ -156,17 +162,17 @@ func (d *device) GetCudaComputeCapability() (int, int, nvml.Return) {
 
 // GetArchitecture returns the model's architecture.
 func (d *device) GetArchitecture() (nvml.DeviceArchitecture, nvml.Return) {
-	return get(d, true, func() nvml.DeviceArchitecture { return d.model().arch })
+	return get(d, "GetArchitecture", true, func() nvml.DeviceArchitecture { return d.model().arch })
 }
 
 // GetBrand returns the model's brand.
 func (d *device) GetBrand() (nvml.BrandType, nvml.Return) {
-	return get(d, true, func() nvml.BrandType { return d.model().brand })
+	return get(d, "GetBrand", true, func() nvml.BrandType { return d.model().brand })
 }
 
 // GetAttributes describes the whole GPU or, on a MIG device, its instance.
 func (d *device) GetAttributes() (nvml.DeviceAttributes, nvml.Return) {
-	r := d.lock(true)
+	r := d.lock("GetAttributes", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.DeviceAttributes{}, r
@@ -194,7 +200,7 @@ func (d *device) GetAttributes() (nvml.DeviceAttributes, nvml.Return) {
 
 // GetEccMode: ECC is on, now and after reboot, on every simulated GPU.
 func (d *device) GetEccMode() (nvml.EnableState, nvml.EnableState, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetEccMode", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, 0, r
@@ -218,7 +224,7 @@ func (d *device) peer(other nvml.Device) (*gpuState, nvml.Return) {
 // GetTopologyCommonAncestor returns the profile's PCIe level between the two
 // GPUs; a GPU with itself is TOPOLOGY_INTERNAL.
 func (d *device) GetTopologyCommonAncestor(other nvml.Device) (nvml.GpuTopologyLevel, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetTopologyCommonAncestor", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -235,7 +241,7 @@ func (d *device) GetTopologyCommonAncestor(other nvml.Device) (nvml.GpuTopologyL
 
 // GetTopologyNearestGpus returns the other GPUs at most level away.
 func (d *device) GetTopologyNearestGpus(level nvml.GpuTopologyLevel) ([]nvml.Device, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetTopologyNearestGpus", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -266,7 +272,7 @@ func (d *device) link(link int) (linkEnd, nvml.Return) {
 
 // GetNvLinkState: every wired lane is active.
 func (d *device) GetNvLinkState(link int) (nvml.EnableState, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetNvLinkState", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -279,7 +285,7 @@ func (d *device) GetNvLinkState(link int) (nvml.EnableState, nvml.Return) {
 
 // GetNvLinkVersion returns the model's NVLink generation.
 func (d *device) GetNvLinkVersion(link int) (uint32, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetNvLinkVersion", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -292,7 +298,7 @@ func (d *device) GetNvLinkVersion(link int) (uint32, nvml.Return) {
 
 // GetNvLinkRemoteDeviceType says whether the lane ends at a GPU or an NVSwitch.
 func (d *device) GetNvLinkRemoteDeviceType(link int) (nvml.IntNvLinkDeviceType, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetNvLinkRemoteDeviceType", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -310,7 +316,7 @@ func (d *device) GetNvLinkRemoteDeviceType(link int) (nvml.IntNvLinkDeviceType, 
 // GetNvLinkRemotePciInfo returns the PCI info of the GPU or NVSwitch at the
 // far end of the lane.
 func (d *device) GetNvLinkRemotePciInfo(link int) (nvml.PciInfo, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetNvLinkRemotePciInfo", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.PciInfo{}, r
@@ -327,7 +333,7 @@ func (d *device) GetNvLinkRemotePciInfo(link int) (nvml.PciInfo, nvml.Return) {
 
 // GetUtilizationRates: NVML does not report utilization of MIG-enabled GPUs.
 func (d *device) GetUtilizationRates() (nvml.Utilization, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetUtilizationRates", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.Utilization{}, r
@@ -355,7 +361,7 @@ func (d *device) memory() (total, used uint64) {
 
 // GetMemoryInfo follows SetMemoryUsed; on a MIG device, its instance's memory.
 func (d *device) GetMemoryInfo() (nvml.Memory, nvml.Return) {
-	r := d.lock(true)
+	r := d.lock("GetMemoryInfo", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.Memory{}, r
@@ -366,7 +372,7 @@ func (d *device) GetMemoryInfo() (nvml.Memory, nvml.Return) {
 
 // GetMemoryInfo_v2 is GetMemoryInfo with no reserved memory.
 func (d *device) GetMemoryInfo_v2() (nvml.Memory_v2, nvml.Return) {
-	r := d.lock(true)
+	r := d.lock("GetMemoryInfo_v2", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.Memory_v2{}, r
@@ -377,7 +383,7 @@ func (d *device) GetMemoryInfo_v2() (nvml.Memory_v2, nvml.Return) {
 
 // GetTemperature knows the one sensor NVML defines, TEMPERATURE_GPU.
 func (d *device) GetTemperature(sensor nvml.TemperatureSensors) (uint32, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetTemperature", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -390,17 +396,17 @@ func (d *device) GetTemperature(sensor nvml.TemperatureSensors) (uint32, nvml.Re
 
 // GetPowerUsage returns milliwatts.
 func (d *device) GetPowerUsage() (uint32, nvml.Return) {
-	return get(d, false, func() uint32 { return d.g.powerMW })
+	return get(d, "GetPowerUsage", false, func() uint32 { return d.g.powerMW })
 }
 
 // GetPowerManagementLimit returns the model's default limit in milliwatts.
 func (d *device) GetPowerManagementLimit() (uint32, nvml.Return) {
-	return get(d, false, func() uint32 { return d.model().powerLimitMW })
+	return get(d, "GetPowerManagementLimit", false, func() uint32 { return d.model().powerLimitMW })
 }
 
 // GetEnforcedPowerLimit equals the management limit on simulated GPUs.
 func (d *device) GetEnforcedPowerLimit() (uint32, nvml.Return) {
-	return d.GetPowerManagementLimit()
+	return get(d, "GetEnforcedPowerLimit", false, func() uint32 { return d.model().powerLimitMW })
 }
 
 // advanceEnergy integrates power since the last reading; callers hold n.mu.
@@ -415,7 +421,7 @@ func (g *gpuState) advanceEnergy(n *Node) {
 // GetTotalEnergyConsumption is mJ since the node was built, the integral of
 // the power readings over the injected clock.
 func (d *device) GetTotalEnergyConsumption() (uint64, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetTotalEnergyConsumption", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -426,7 +432,7 @@ func (d *device) GetTotalEnergyConsumption() (uint64, nvml.Return) {
 
 // GetClockInfo returns current clocks in MHz; graphics runs with SM.
 func (d *device) GetClockInfo(t nvml.ClockType) (uint32, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetClockInfo", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -444,7 +450,7 @@ func (d *device) GetClockInfo(t nvml.ClockType) (uint32, nvml.Return) {
 
 // GetMaxClockInfo returns the model's maximum clocks in MHz.
 func (d *device) GetMaxClockInfo(t nvml.ClockType) (uint32, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetMaxClockInfo", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -470,7 +476,7 @@ func (d *device) eccCount(e nvml.MemoryErrorType, c nvml.EccCounterType) (uint64
 
 // GetTotalEccErrors returns the counters SetECC set; volatile ones clear on Reset.
 func (d *device) GetTotalEccErrors(e nvml.MemoryErrorType, c nvml.EccCounterType) (uint64, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetTotalEccErrors", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -481,7 +487,7 @@ func (d *device) GetTotalEccErrors(e nvml.MemoryErrorType, c nvml.EccCounterType
 // GetMemoryErrorCounter puts every ECC error in device memory (DRAM); the
 // other locations count none.
 func (d *device) GetMemoryErrorCounter(e nvml.MemoryErrorType, c nvml.EccCounterType, loc nvml.MemoryLocation) (uint64, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetMemoryErrorCounter", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -499,7 +505,7 @@ func (d *device) GetMemoryErrorCounter(e nvml.MemoryErrorType, c nvml.EccCounter
 // GetRemappedRows: Ampere and newer only, and (as NVML documents) not while
 // MIG instances exist.
 func (d *device) GetRemappedRows() (int, int, bool, bool, nvml.Return) {
-	r := d.lock(false)
+	r := d.lock("GetRemappedRows", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, 0, false, false, r
@@ -515,7 +521,7 @@ func (d *device) GetRemappedRows() (int, int, bool, bool, nvml.Return) {
 // asks an admin to do after an error; cleared by a reset). Other fields are
 // NOT_SUPPORTED, per value, as NVML reports them.
 func (d *device) GetFieldValues(values []nvml.FieldValue) nvml.Return {
-	r := d.lock(false)
+	r := d.lock("GetFieldValues", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return r
@@ -537,7 +543,7 @@ func (d *device) GetFieldValues(values []nvml.FieldValue) nvml.Return {
 // GetComputeRunningProcesses returns what SetProcesses set; a MIG device
 // sees the processes of its GPU and compute instance.
 func (d *device) GetComputeRunningProcesses() ([]nvml.ProcessInfo, nvml.Return) {
-	r := d.lock(true)
+	r := d.lock("GetComputeRunningProcesses", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -557,14 +563,14 @@ const supportedEvents = nvml.EventTypeSingleBitEccError | nvml.EventTypeDoubleBi
 
 // GetSupportedEventTypes returns the mask RegisterEvents accepts.
 func (d *device) GetSupportedEventTypes() (uint64, nvml.Return) {
-	return get(d, false, func() uint64 { return supportedEvents })
+	return get(d, "GetSupportedEventTypes", false, func() uint64 { return supportedEvents })
 }
 
 // RegisterEvents adds the GPU to set for eventTypes. As in NVML, a mask
 // with any unsupported type registers nothing and returns NOT_SUPPORTED,
 // and MIG device handles cannot register (events name their GI/CI instead).
 func (d *device) RegisterEvents(eventTypes uint64, set nvml.EventSet) nvml.Return {
-	r := d.lock(false)
+	r := d.lock("RegisterEvents", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return r

@@ -38,6 +38,39 @@
 //   - Handles are the sim's own types; do not type-assert them to go-nvml's
 //     mock types.
 //
+// # State that outlives the process
+//
+// Real GPUs keep their MIG mode, instances, ECC counters, recovery action,
+// remapped rows and lost state when the agent restarts. WithStateFile gives
+// a node the same: it loads the file if it exists (instead of the profile's
+// initial layout) and writes it, atomically, before every call that changes
+// that state returns, so even a process killed with SIGKILL right after a
+// call leaves its effect for the next one. GI and CI ids and hence MIG
+// device UUIDs come back the same. A file the node cannot read (corrupt,
+// another profile, another version) makes New fail; it is never replaced.
+// If writing fails, the call changes nothing and returns ERROR_UNKNOWN (the
+// Go setters: an error). One process at a time holds a state file (a flock
+// on <path>.lock); Close releases it. The format, version 1:
+//
+//	{"version": 1, "profile": "dgx-a100", "gpus": [{
+//	  "index": 0, "uuid": "GPU-...", "lost": false,
+//	  "mig_current": true, "mig_pending": true,
+//	  "gpu_instances": [{"id": 1, "profile_id": 9, "profile": "3g.20gb",
+//	    "placement": {"start": 4, "size": 4},
+//	    "compute_instances": [{"id": 0, "profile_id": 2,
+//	      "placement": {"start": 0, "size": 3}, "uuid": "MIG-..."}]}],
+//	  "ecc": {"corrected_volatile": 0, "corrected_aggregate": 0,
+//	    "uncorrected_volatile": 0, "uncorrected_aggregate": 0},
+//	  "recovery_action": 0,
+//	  "remapped_rows": {"corrected": 0, "uncorrected": 0, "pending": false, "failure": false}}]}
+//
+// # Failing calls
+//
+// FailCalls makes the next N calls of one method on one GPU (its handle,
+// MIG devices and instances) return a chosen error without running;
+// SetFlaky fails every handle call with ERROR_UNKNOWN at a rate, from a
+// seeded source. Neither is kept in the state file.
+//
 // # HTTP fault injection
 //
 // Node.Handler serves these endpoints, mounted by the agent under /sim/
@@ -50,6 +83,10 @@
 //	POST /sim/reset        {"gpu":0}
 //	POST /sim/utilization  {"gpu":0,"gpu_util":80,"mem_used_bytes":1073741824}  optional "mem_util";
 //	                       fields left out keep their value, at least one is needed
+//	POST /sim/fail         {"gpu":0,"call":"GetMigMode","count":1}  optional "error" (default
+//	                       "ERROR_UNKNOWN"; any ERROR_* name); "count" -1 fails until cleared, 0 clears;
+//	                       "call" as FailCalls names it
+//	POST /sim/flaky        {"rate":0.02,"seed":1}       "rate" 0 turns it off; "seed" defaults to 0
 //
 // Example:
 //

@@ -17,12 +17,14 @@ var returnType = reflect.TypeFor[nvml.Return]()
 // instead of panicking. Fields already set are kept. It panics when
 // mockStruct is not a non-nil pointer to a struct: that is a programming error.
 func FillNotSupported(mockStruct any) {
-	fillFuncs(mockStruct, func() nvml.Return { return nvml.ERROR_NOT_SUPPORTED })
+	fillFuncs(mockStruct, func(string) nvml.Return { return nvml.ERROR_NOT_SUPPORTED })
 }
 
 // fillFuncs is FillNotSupported with the Return computed per call, so the
 // sim can answer GPU_IS_LOST or UNINITIALIZED from calls it does not model.
-func fillFuncs(mockStruct any, status func() nvml.Return) {
+// status gets the method's name (the field's, less "Func"), so injected
+// failures (FailCalls) reach unmodelled calls too.
+func fillFuncs(mockStruct any, status func(call string) nvml.Return) {
 	v := reflect.ValueOf(mockStruct)
 	if v.Kind() != reflect.Pointer || v.IsNil() || v.Elem().Kind() != reflect.Struct {
 		panic(fmt.Sprintf("sim: FillNotSupported needs a non-nil pointer to a mock struct, got %T", mockStruct))
@@ -35,7 +37,8 @@ func fillFuncs(mockStruct any, status func() nvml.Return) {
 		if !f.IsExported() || f.Type.Kind() != reflect.Func || !strings.HasSuffix(f.Name, "Func") || !fv.IsNil() {
 			continue
 		}
-		fv.Set(reflect.MakeFunc(f.Type, notModelled(f.Type, status)))
+		call := strings.TrimSuffix(f.Name, "Func")
+		fv.Set(reflect.MakeFunc(f.Type, notModelled(f.Type, func() nvml.Return { return status(call) })))
 	}
 }
 

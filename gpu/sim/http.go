@@ -33,6 +33,10 @@ func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		route = serveReset
 	case "/utilization":
 		route = serveUtilization
+	case "/fail":
+		route = serveFail
+	case "/flaky":
+		route = serveFlaky
 	default:
 		writeJSON(w, http.StatusNotFound, map[string]string{"error": fmt.Sprintf("no such endpoint %q", r.URL.Path)})
 		return
@@ -174,4 +178,49 @@ func serveUtilization(n *Node, dec *json.Decoder) error {
 		g.gpuUtil, g.memUtil, g.memUsed = gu, mu, used
 		return nil
 	})
+}
+
+func serveFail(n *Node, dec *json.Decoder) error {
+	var req struct {
+		GPU   *int    `json:"gpu"`
+		Call  *string `json:"call"`
+		Error *string `json:"error"`
+		Count *int    `json:"count"`
+	}
+	if err := decode(dec, &req); err != nil {
+		return err
+	}
+	gpu, err := needGPU(req.GPU)
+	if err != nil {
+		return err
+	}
+	if req.Call == nil {
+		return errors.New(`missing "call" (an NVML method such as "GetMigMode")`)
+	}
+	// No default count: 0 clears, and a forgotten count that failed calls
+	// forever would look like a hung agent.
+	if req.Count == nil {
+		return errors.New(`missing "count" (calls to fail; -1 until cleared, 0 clears)`)
+	}
+	ret := nvml.ERROR_UNKNOWN
+	if req.Error != nil {
+		if ret, err = parseReturn(*req.Error); err != nil {
+			return fmt.Errorf(`"error": %w`, err)
+		}
+	}
+	return n.FailCalls(gpu, *req.Call, ret, *req.Count)
+}
+
+func serveFlaky(n *Node, dec *json.Decoder) error {
+	var req struct {
+		Rate *float64 `json:"rate"`
+		Seed int64    `json:"seed"`
+	}
+	if err := decode(dec, &req); err != nil {
+		return err
+	}
+	if req.Rate == nil {
+		return errors.New(`missing "rate" (0 to 1; 0 turns it off)`)
+	}
+	return n.SetFlaky(*req.Rate, req.Seed)
 }

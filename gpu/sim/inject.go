@@ -43,8 +43,16 @@ func (n *Node) InjectEvent(e Event) error {
 	// XID 48 is the driver reporting a double-bit ECC error: the counters
 	// move with it, as on hardware (a reset clears the volatile one).
 	if e.Type == nvml.EventTypeXidCriticalError && e.Data == 48 {
-		g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC]++
-		g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.AGGREGATE_ECC]++
+		err := n.change(g, func() error {
+			g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC]++
+			g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.AGGREGATE_ECC]++
+			return nil
+		})
+		if err != nil {
+			// Undelivered: an event whose counters did not move would
+			// tell the agent something the state file does not hold.
+			return err
+		}
 	}
 	n.deliver(g.index, nvml.EventData{
 		Device: g.handle, EventType: e.Type, EventData: e.Data,
@@ -63,13 +71,16 @@ func (n *Node) SetLost(gpu int, lost bool) error {
 	if err != nil {
 		return err
 	}
-	if lost && !g.lost {
+	wasLost := g.lost
+	if err := n.change(g, func() error { g.lost = lost; return nil }); err != nil {
+		return err
+	}
+	if lost && !wasLost {
 		n.deliver(g.index, nvml.EventData{
 			Device: g.handle, EventType: nvml.EventTypeXidCriticalError, EventData: xidFallenOffBus,
 			GpuInstanceId: NoInstance, ComputeInstanceId: NoInstance,
 		})
 	}
-	g.lost = lost
 	return nil
 }
 
@@ -84,15 +95,17 @@ func (n *Node) Reset(gpu int) error {
 	if err != nil {
 		return err
 	}
-	g.migCurrent = g.migPending
-	g.destroyAll()
-	g.lost = false
-	g.procs = nil
-	g.gpuUtil, g.memUtil, g.memUsed = 0, 0, 0
-	g.ecc[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.VOLATILE_ECC] = 0
-	g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC] = 0
-	g.recovery = nvml.GPU_RECOVERY_ACTION_NONE
-	return nil
+	return n.change(g, func() error {
+		g.migCurrent = g.migPending
+		g.destroyAll()
+		g.lost = false
+		g.procs = nil
+		g.gpuUtil, g.memUtil, g.memUsed = 0, 0, 0
+		g.ecc[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.VOLATILE_ECC] = 0
+		g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC] = 0
+		g.recovery = nvml.GPU_RECOVERY_ACTION_NONE
+		return nil
+	})
 }
 
 // SetRecoveryAction sets what NVML's FI_DEV_GET_GPU_RECOVERY_ACTION field
@@ -105,7 +118,8 @@ func (n *Node) SetRecoveryAction(gpu int, action nvml.DeviceGpuRecoveryAction) e
 	})
 }
 
-// update runs set on GPU gpu under the node lock.
+// update runs set on GPU gpu under the node lock and writes what it
+// changed to the state file, if any (see change).
 func (n *Node) update(gpu int, set func(g *gpuState) error) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -113,10 +127,12 @@ func (n *Node) update(gpu int, set func(g *gpuState) error) error {
 	if err != nil {
 		return err
 	}
-	if err := set(g); err != nil {
-		return fmt.Errorf("sim gpu %d (%s): %w", g.index, g.uuid, err)
-	}
-	return nil
+	return n.change(g, func() error {
+		if err := set(g); err != nil {
+			return fmt.Errorf("sim gpu %d (%s): %w", g.index, g.uuid, err)
+		}
+		return nil
+	})
 }
 
 // SetUtilization sets GetUtilizationRates' percentages (0-100).

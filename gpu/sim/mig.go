@@ -71,13 +71,11 @@ func (d *device) migProfile(info *nvml.GpuInstanceProfileInfo) (*giProfile, nvml
 	return nil, nvml.ERROR_INVALID_ARGUMENT
 }
 
-// migGate is the check of MIG calls: the model must have MIG, and (when
-// needEnabled) MIG mode must currently be on.
 // lockMIG is lock for the MIG calls of a GPU handle: the node lock is held
 // on return (the caller unlocks), and the result says whether the call may
 // proceed on this model and, with needEnabled, in the current MIG mode.
-func (d *device) lockMIG(needEnabled bool) nvml.Return {
-	if r := d.lock(false); r != nvml.SUCCESS {
+func (d *device) lockMIG(call string, needEnabled bool) nvml.Return {
+	if r := d.lock(call, false); r != nvml.SUCCESS {
 		return r
 	}
 	return d.migGate(needEnabled)
@@ -99,7 +97,7 @@ func boolInt(b bool) int {
 
 // GetMigMode returns (current, pending).
 func (d *device) GetMigMode() (int, int, nvml.Return) {
-	r := d.lockMIG(false)
+	r := d.lockMIG("GetMigMode", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, 0, r
@@ -113,7 +111,7 @@ func (d *device) GetMigMode() (int, int, nvml.Return) {
 // status is ERROR_RESET_REQUIRED; with it, it applies at once unless
 // processes run on the GPU (activation status ERROR_IN_USE, still pending).
 func (d *device) SetMigMode(mode int) (nvml.Return, nvml.Return) {
-	r := d.lockMIG(false)
+	r := d.lockMIG("SetMigMode", false)
 	defer d.n.mu.Unlock()
 	if r == nvml.SUCCESS && mode != nvml.DEVICE_MIG_DISABLE && mode != nvml.DEVICE_MIG_ENABLE {
 		r = nvml.ERROR_INVALID_ARGUMENT
@@ -126,24 +124,31 @@ func (d *device) SetMigMode(mode int) (nvml.Return, nvml.Return) {
 	if r != nvml.SUCCESS {
 		return r, r
 	}
-	g.migPending = want
+	activation := nvml.SUCCESS
 	switch {
 	case want == g.migCurrent:
-		return nvml.SUCCESS, nvml.SUCCESS
 	case !d.n.opts.migImmediate:
-		return nvml.ERROR_RESET_REQUIRED, nvml.SUCCESS
+		activation = nvml.ERROR_RESET_REQUIRED
 	case len(g.procs) > 0:
-		return nvml.ERROR_IN_USE, nvml.SUCCESS
+		activation = nvml.ERROR_IN_USE
 	}
-	g.migCurrent = want
-	return nvml.SUCCESS, nvml.SUCCESS
+	r = d.n.mutate(g, "SetMigMode", func() {
+		g.migPending = want
+		if activation == nvml.SUCCESS {
+			g.migCurrent = want
+		}
+	})
+	if r != nvml.SUCCESS {
+		return r, r
+	}
+	return activation, nvml.SUCCESS
 }
 
 // GetGpuInstanceProfileInfo takes a GPU_INSTANCE_PROFILE_* value; callers
 // probe from 0 until INVALID_ARGUMENT, and profiles the model lacks answer
 // NOT_SUPPORTED. It works whatever the MIG mode.
 func (d *device) GetGpuInstanceProfileInfo(profile int) (nvml.GpuInstanceProfileInfo, nvml.Return) {
-	r := d.lockMIG(false)
+	r := d.lockMIG("GetGpuInstanceProfileInfo", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.GpuInstanceProfileInfo{}, r
@@ -162,7 +167,7 @@ func (d *device) GetGpuInstanceProfileInfo(profile int) (nvml.GpuInstanceProfile
 // GetGpuInstancePossiblePlacements lists every placement of the profile,
 // occupied or not, whatever the MIG mode (as NVML documents).
 func (d *device) GetGpuInstancePossiblePlacements(info *nvml.GpuInstanceProfileInfo) ([]nvml.GpuInstancePlacement, nvml.Return) {
-	r := d.lockMIG(false)
+	r := d.lockMIG("GetGpuInstancePossiblePlacements", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -216,7 +221,7 @@ func (g *gpuState) freeStarts(p *giProfile) []uint32 {
 // GetGpuInstanceRemainingCapacity counts how many more instances of the
 // profile fit, bounded by its per-GPU count (one for the +me profile).
 func (d *device) GetGpuInstanceRemainingCapacity(info *nvml.GpuInstanceProfileInfo) (int, nvml.Return) {
-	r := d.lockMIG(true)
+	r := d.lockMIG("GetGpuInstanceRemainingCapacity", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -231,7 +236,7 @@ func (d *device) GetGpuInstanceRemainingCapacity(info *nvml.GpuInstanceProfileIn
 
 // CreateGpuInstance takes the first free placement of the profile.
 func (d *device) CreateGpuInstance(info *nvml.GpuInstanceProfileInfo) (nvml.GpuInstance, nvml.Return) {
-	r := d.lockMIG(true)
+	r := d.lockMIG("CreateGpuInstance", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -244,14 +249,14 @@ func (d *device) CreateGpuInstance(info *nvml.GpuInstanceProfileInfo) (nvml.GpuI
 	if len(free) == 0 {
 		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
 	}
-	return d.createGI(p, free[0])
+	return d.createGI("CreateGpuInstance", p, free[0])
 }
 
 // CreateGpuInstanceWithPlacement: a placement that is not one of the
 // profile's possible ones is an invalid argument; one overlapping an
 // existing instance is INSUFFICIENT_RESOURCES.
 func (d *device) CreateGpuInstanceWithPlacement(info *nvml.GpuInstanceProfileInfo, pl *nvml.GpuInstancePlacement) (nvml.GpuInstance, nvml.Return) {
-	r := d.lockMIG(true)
+	r := d.lockMIG("CreateGpuInstanceWithPlacement", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -266,12 +271,12 @@ func (d *device) CreateGpuInstanceWithPlacement(info *nvml.GpuInstanceProfileInf
 	if d.g.occupied()&sliceMask(pl.Start, pl.Size) != 0 {
 		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
 	}
-	return d.createGI(p, pl.Start)
+	return d.createGI("CreateGpuInstanceWithPlacement", p, pl.Start)
 }
 
 // createGI gives the instance the lowest free id from 1 (real drivers derive
 // ids from the placement; nothing may rely on either scheme).
-func (d *device) createGI(p *giProfile, start uint32) (nvml.GpuInstance, nvml.Return) {
+func (d *device) createGI(call string, p *giProfile, start uint32) (nvml.GpuInstance, nvml.Return) {
 	g := d.g
 	if g.countOf(p) >= p.count {
 		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
@@ -282,27 +287,37 @@ func (d *device) createGI(p *giProfile, start uint32) (nvml.GpuInstance, nvml.Re
 			id++
 		}
 	}
+	var gi *gpuInstance
+	if r := d.n.mutate(g, call, func() { gi = d.n.addGI(g, id, p, start) }); r != nvml.SUCCESS {
+		return nil, r
+	}
+	return gi, nvml.SUCCESS
+}
+
+// addGI makes GPU instance id at start, which the caller checked is free;
+// callers hold n.mu.
+func (n *Node) addGI(g *gpuState, id int, p *giProfile, start uint32) *gpuInstance {
 	gi := &gpuInstance{
 		mockGpuInstance: mockGpuInstance{&mock.GpuInstance{}},
-		n:               d.n, g: g, id: id, prof: p,
+		n:               n, g: g, id: id, prof: p,
 		placement: nvml.GpuInstancePlacement{Start: start, Size: p.size},
 	}
-	fillFuncs(gi.GpuInstance, func() nvml.Return {
-		d.n.mu.Lock()
-		defer d.n.mu.Unlock()
-		if r := gi.check(); r != nvml.SUCCESS {
+	fillFuncs(gi.GpuInstance, func(call string) nvml.Return {
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		if r := gi.check("GpuInstance" + call); r != nvml.SUCCESS {
 			return r
 		}
 		return nvml.ERROR_NOT_SUPPORTED
 	})
 	g.gis = append(g.gis, gi)
 	slices.SortFunc(g.gis, func(a, b *gpuInstance) int { return a.id - b.id })
-	return gi, nvml.SUCCESS
+	return gi
 }
 
 // GetGpuInstances lists the instances of one profile, by id.
 func (d *device) GetGpuInstances(info *nvml.GpuInstanceProfileInfo) ([]nvml.GpuInstance, nvml.Return) {
-	r := d.lockMIG(true)
+	r := d.lockMIG("GetGpuInstances", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -322,7 +337,7 @@ func (d *device) GetGpuInstances(info *nvml.GpuInstanceProfileInfo) ([]nvml.GpuI
 
 // GetGpuInstanceById returns ERROR_NOT_FOUND for ids not in use.
 func (d *device) GetGpuInstanceById(id int) (nvml.GpuInstance, nvml.Return) {
-	r := d.lockMIG(true)
+	r := d.lockMIG("GetGpuInstanceById", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -337,7 +352,7 @@ func (d *device) GetGpuInstanceById(id int) (nvml.GpuInstance, nvml.Return) {
 
 // GetMaxMigDeviceCount is 7 on MIG-capable GPUs.
 func (d *device) GetMaxMigDeviceCount() (int, nvml.Return) {
-	r := d.lockMIG(false)
+	r := d.lockMIG("GetMaxMigDeviceCount", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -348,7 +363,7 @@ func (d *device) GetMaxMigDeviceCount() (int, nvml.Return) {
 // GetMigDeviceHandleByIndex counts compute instances in GI id, then CI id,
 // order; past the last one it is ERROR_NOT_FOUND.
 func (d *device) GetMigDeviceHandleByIndex(index int) (nvml.Device, nvml.Return) {
-	r := d.lockMIG(false)
+	r := d.lockMIG("GetMigDeviceHandleByIndex", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -370,12 +385,12 @@ func (d *device) GetMigDeviceHandleByIndex(index int) (nvml.Device, nvml.Return)
 
 // IsMigDeviceHandle tells MIG device handles from GPU handles.
 func (d *device) IsMigDeviceHandle() (bool, nvml.Return) {
-	return get(d, true, func() bool { return d.ci != nil })
+	return get(d, "IsMigDeviceHandle", true, func() bool { return d.ci != nil })
 }
 
 // GetGpuInstanceId is only answered on MIG device handles.
 func (d *device) GetGpuInstanceId() (int, nvml.Return) {
-	r := d.lock(true)
+	r := d.lock("GetGpuInstanceId", true)
 	defer d.n.mu.Unlock()
 	if r == nvml.SUCCESS && d.ci == nil {
 		r = nvml.ERROR_NOT_SUPPORTED
@@ -388,7 +403,7 @@ func (d *device) GetGpuInstanceId() (int, nvml.Return) {
 
 // GetComputeInstanceId is only answered on MIG device handles.
 func (d *device) GetComputeInstanceId() (int, nvml.Return) {
-	r := d.lock(true)
+	r := d.lock("GetComputeInstanceId", true)
 	defer d.n.mu.Unlock()
 	if r == nvml.SUCCESS && d.ci == nil {
 		r = nvml.ERROR_NOT_SUPPORTED
@@ -401,7 +416,7 @@ func (d *device) GetComputeInstanceId() (int, nvml.Return) {
 
 // GetDeviceHandleFromMigDeviceHandle: a GPU handle is an invalid argument.
 func (d *device) GetDeviceHandleFromMigDeviceHandle() (nvml.Device, nvml.Return) {
-	r := d.lock(true)
+	r := d.lock("GetDeviceHandleFromMigDeviceHandle", true)
 	defer d.n.mu.Unlock()
 	if r == nvml.SUCCESS && d.ci == nil {
 		r = nvml.ERROR_INVALID_ARGUMENT
@@ -412,9 +427,14 @@ func (d *device) GetDeviceHandleFromMigDeviceHandle() (nvml.Device, nvml.Return)
 	return d.g.handle, nvml.SUCCESS
 }
 
-// check gates every GPU instance call; callers hold n.mu.
-func (gi *gpuInstance) check() nvml.Return {
+// check gates every GPU instance call; callers hold n.mu. call is the
+// nvml.Interface name of the method (GpuInstanceDestroy), as FailCalls
+// names it: the bare names clash with ComputeInstance's.
+func (gi *gpuInstance) check(call string) nvml.Return {
 	if r := gi.n.ready(); r != nvml.SUCCESS {
+		return r
+	}
+	if r := gi.n.injected(gi.g, call); r != nvml.SUCCESS {
 		return r
 	}
 	if gi.g.lost {
@@ -427,14 +447,14 @@ func (gi *gpuInstance) check() nvml.Return {
 }
 
 // lock takes the node lock, which the caller releases, and runs check.
-func (gi *gpuInstance) lock() nvml.Return {
+func (gi *gpuInstance) lock(call string) nvml.Return {
 	gi.n.mu.Lock()
-	return gi.check()
+	return gi.check(call)
 }
 
 // GetInfo describes the instance.
 func (gi *gpuInstance) GetInfo() (nvml.GpuInstanceInfo, nvml.Return) {
-	r := gi.lock()
+	r := gi.lock("GpuInstanceGetInfo")
 	defer gi.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.GpuInstanceInfo{}, r
@@ -446,7 +466,7 @@ func (gi *gpuInstance) GetInfo() (nvml.GpuInstanceInfo, nvml.Return) {
 
 // Destroy fails with ERROR_IN_USE while compute instances or processes exist.
 func (gi *gpuInstance) Destroy() nvml.Return {
-	r := gi.lock()
+	r := gi.lock("GpuInstanceDestroy")
 	defer gi.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return r
@@ -459,9 +479,10 @@ func (gi *gpuInstance) Destroy() nvml.Return {
 			return nvml.ERROR_IN_USE
 		}
 	}
-	gi.destroyed = true
-	gi.g.gis = slices.DeleteFunc(gi.g.gis, func(x *gpuInstance) bool { return x == gi })
-	return nvml.SUCCESS
+	return gi.n.mutate(gi.g, "GpuInstanceDestroy", func() {
+		gi.destroyed = true
+		gi.g.gis = slices.DeleteFunc(gi.g.gis, func(x *gpuInstance) bool { return x == gi })
+	})
 }
 
 // ciSlices maps the COMPUTE_INSTANCE_PROFILE_* values the sim models to
@@ -536,7 +557,7 @@ func (gi *gpuInstance) ciArg(info *nvml.ComputeInstanceProfileInfo) (nvml.Comput
 // GetComputeInstanceProfileInfo supports the shared engine profile, the
 // only one NVML defines.
 func (gi *gpuInstance) GetComputeInstanceProfileInfo(profile, engProfile int) (nvml.ComputeInstanceProfileInfo, nvml.Return) {
-	r := gi.lock()
+	r := gi.lock("GpuInstanceGetComputeInstanceProfileInfo")
 	defer gi.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.ComputeInstanceProfileInfo{}, r
@@ -550,7 +571,7 @@ func (gi *gpuInstance) GetComputeInstanceProfileInfo(profile, engProfile int) (n
 
 // GetComputeInstancePossiblePlacements lists every placement, occupied or not.
 func (gi *gpuInstance) GetComputeInstancePossiblePlacements(info *nvml.ComputeInstanceProfileInfo) ([]nvml.ComputeInstancePlacement, nvml.Return) {
-	r := gi.lock()
+	r := gi.lock("GpuInstanceGetComputeInstancePossiblePlacements")
 	defer gi.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -582,7 +603,7 @@ func (gi *gpuInstance) ciFreeStarts(size uint32) []uint32 {
 
 // GetComputeInstanceRemainingCapacity counts free placements of the profile.
 func (gi *gpuInstance) GetComputeInstanceRemainingCapacity(info *nvml.ComputeInstanceProfileInfo) (int, nvml.Return) {
-	r := gi.lock()
+	r := gi.lock("GpuInstanceGetComputeInstanceRemainingCapacity")
 	defer gi.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return 0, r
@@ -596,7 +617,7 @@ func (gi *gpuInstance) GetComputeInstanceRemainingCapacity(info *nvml.ComputeIns
 
 // CreateComputeInstance takes the first free placement.
 func (gi *gpuInstance) CreateComputeInstance(info *nvml.ComputeInstanceProfileInfo) (nvml.ComputeInstance, nvml.Return) {
-	r := gi.lock()
+	r := gi.lock("GpuInstanceCreateComputeInstance")
 	defer gi.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -609,12 +630,12 @@ func (gi *gpuInstance) CreateComputeInstance(info *nvml.ComputeInstanceProfileIn
 	if len(free) == 0 {
 		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
 	}
-	return gi.createCI(p, free[0]), nvml.SUCCESS
+	return gi.createCI("GpuInstanceCreateComputeInstance", p, free[0])
 }
 
 // CreateComputeInstanceWithPlacement follows the GPU instance rules.
 func (gi *gpuInstance) CreateComputeInstanceWithPlacement(info *nvml.ComputeInstanceProfileInfo, pl *nvml.ComputeInstancePlacement) (nvml.ComputeInstance, nvml.Return) {
-	r := gi.lock()
+	r := gi.lock("GpuInstanceCreateComputeInstanceWithPlacement")
 	defer gi.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -629,27 +650,37 @@ func (gi *gpuInstance) CreateComputeInstanceWithPlacement(info *nvml.ComputeInst
 	if !slices.Contains(gi.ciFreeStarts(p.SliceCount), pl.Start) {
 		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
 	}
-	return gi.createCI(p, pl.Start), nvml.SUCCESS
+	return gi.createCI("GpuInstanceCreateComputeInstanceWithPlacement", p, pl.Start)
 }
 
 // createCI gives the compute instance the lowest free id from 0.
-func (gi *gpuInstance) createCI(p nvml.ComputeInstanceProfileInfo, start uint32) *computeInstance {
+func (gi *gpuInstance) createCI(call string, p nvml.ComputeInstanceProfileInfo, start uint32) (nvml.ComputeInstance, nvml.Return) {
 	id := 0
 	for _, ci := range gi.cis { // ordered by id
 		if ci.id == id {
 			id++
 		}
 	}
+	var ci *computeInstance
+	if r := gi.n.mutate(gi.g, call, func() { ci = gi.addCI(id, p, start) }); r != nvml.SUCCESS {
+		return nil, r
+	}
+	return ci, nvml.SUCCESS
+}
+
+// addCI makes compute instance id at start, which the caller checked is
+// free; callers hold n.mu.
+func (gi *gpuInstance) addCI(id int, p nvml.ComputeInstanceProfileInfo, start uint32) *computeInstance {
 	ci := &computeInstance{
 		mockComputeInstance: mockComputeInstance{&mock.ComputeInstance{}},
 		gi:                  gi, id: id, prof: p,
 		placement: nvml.ComputeInstancePlacement{Start: start, Size: p.SliceCount},
 	}
 	n := gi.n
-	fillFuncs(ci.ComputeInstance, func() nvml.Return {
+	fillFuncs(ci.ComputeInstance, func(call string) nvml.Return {
 		n.mu.Lock()
 		defer n.mu.Unlock()
-		if r := ci.check(); r != nvml.SUCCESS {
+		if r := ci.check("ComputeInstance" + call); r != nvml.SUCCESS {
 			return r
 		}
 		return nvml.ERROR_NOT_SUPPORTED
@@ -662,7 +693,7 @@ func (gi *gpuInstance) createCI(p nvml.ComputeInstanceProfileInfo, start uint32)
 
 // GetComputeInstances lists the compute instances of one profile, by id.
 func (gi *gpuInstance) GetComputeInstances(info *nvml.ComputeInstanceProfileInfo) ([]nvml.ComputeInstance, nvml.Return) {
-	r := gi.lock()
+	r := gi.lock("GpuInstanceGetComputeInstances")
 	defer gi.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -682,7 +713,7 @@ func (gi *gpuInstance) GetComputeInstances(info *nvml.ComputeInstanceProfileInfo
 
 // GetComputeInstanceById returns ERROR_NOT_FOUND for ids not in use.
 func (gi *gpuInstance) GetComputeInstanceById(id int) (nvml.ComputeInstance, nvml.Return) {
-	r := gi.lock()
+	r := gi.lock("GpuInstanceGetComputeInstanceById")
 	defer gi.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nil, r
@@ -704,9 +735,14 @@ func (ci *computeInstance) profileName() string {
 	return strconv.Itoa(int(ci.prof.SliceCount)) + "c." + ci.gi.prof.name
 }
 
-func (ci *computeInstance) check() nvml.Return {
+// check gates every compute instance call; callers hold n.mu. call is
+// named as in gpuInstance.check.
+func (ci *computeInstance) check(call string) nvml.Return {
 	n := ci.gi.n
 	if r := n.ready(); r != nvml.SUCCESS {
+		return r
+	}
+	if r := n.injected(ci.gi.g, call); r != nvml.SUCCESS {
 		return r
 	}
 	if ci.gi.g.lost {
@@ -723,7 +759,7 @@ func (ci *computeInstance) GetInfo() (nvml.ComputeInstanceInfo, nvml.Return) {
 	n := ci.gi.n
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if r := ci.check(); r != nvml.SUCCESS {
+	if r := ci.check("ComputeInstanceGetInfo"); r != nvml.SUCCESS {
 		return nvml.ComputeInstanceInfo{}, r
 	}
 	return nvml.ComputeInstanceInfo{
@@ -736,7 +772,7 @@ func (ci *computeInstance) Destroy() nvml.Return {
 	n := ci.gi.n
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if r := ci.check(); r != nvml.SUCCESS {
+	if r := ci.check("ComputeInstanceDestroy"); r != nvml.SUCCESS {
 		return r
 	}
 	for _, p := range ci.gi.g.procs {
@@ -744,9 +780,10 @@ func (ci *computeInstance) Destroy() nvml.Return {
 			return nvml.ERROR_IN_USE
 		}
 	}
-	ci.destroyed = true
-	ci.gi.cis = slices.DeleteFunc(ci.gi.cis, func(x *computeInstance) bool { return x == ci })
-	return nvml.SUCCESS
+	return n.mutate(ci.gi.g, "ComputeInstanceDestroy", func() {
+		ci.destroyed = true
+		ci.gi.cis = slices.DeleteFunc(ci.gi.cis, func(x *computeInstance) bool { return x == ci })
+	})
 }
 
 // destroyAll drops every instance, as a GPU reset does; callers hold n.mu.

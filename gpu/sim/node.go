@@ -2,6 +2,8 @@ package sim
 
 import (
 	"fmt"
+	"log/slog"
+	"math/rand"
 	"strconv"
 	"strings"
 	"sync"
@@ -30,6 +32,10 @@ type options struct {
 	migEnabled   bool
 	migImmediate bool
 	now          func() time.Time
+	statePath    string
+	logger       *slog.Logger
+	crashAfter   int
+	crash        func()
 }
 
 // WithMIGEnabled starts MIG-capable GPUs with MIG mode on (current and
@@ -44,6 +50,19 @@ func WithImmediateMIGModeChange() Option { return func(o *options) { o.migImmedi
 // WithClock sets the clock that advances the energy counter (default time.Now).
 func WithClock(now func() time.Time) Option { return func(o *options) { o.now = now } }
 
+// WithCrashAfter kills the process right after the nth NVML call that
+// changed the GPUs (MIG mode, GPU or compute instances) returned, its effect
+// already in the state file: a crash at an exact point of a repartition, as
+// a power cut or an OOM kill would cause it. crash replaces the kill (nil:
+// SIGKILL to this process), for tests in one process.
+func WithCrashAfter(n int, crash func()) Option {
+	return func(o *options) { o.crashAfter, o.crash = n, crash }
+}
+
+// WithLogger sets where the node logs what NVML's return codes cannot say,
+// such as why a call failed with ERROR_UNKNOWN (default slog.Default()).
+func WithLogger(l *slog.Logger) Option { return func(o *options) { o.logger = l } }
+
 // Node is a simulated GPU node. It implements nvml.Interface; calls it does
 // not model return ERROR_NOT_SUPPORTED. It is safe for concurrent use: all
 // state sits behind one mutex.
@@ -57,8 +76,17 @@ type Node struct {
 
 	mu        sync.Mutex
 	initCount int
+	// mutations counts NVML calls that changed kept state (WithCrashAfter).
+	mutations int
 	gpus      []*gpuState
 	sets      map[*eventSet]struct{}
+	store     *stateStore // nil without WithStateFile
+
+	// Injected call failures (FailCalls, SetFlaky); never persisted, as
+	// they stand for the driver, not the GPU.
+	failures  map[failKey]failure
+	flakyRate float64
+	flakyRand *rand.Rand
 }
 
 // mockInterface puts the go-nvml mock one level deeper than Node's own
@@ -113,13 +141,13 @@ func New(profile string, opts ...Option) (*Node, error) {
 		}
 		return nil, fmt.Errorf("sim: unknown profile %q (known: %s)", profile, strings.Join(names, ", "))
 	}
-	o := options{now: time.Now}
+	o := options{now: time.Now, logger: slog.Default()}
 	for _, opt := range opts {
 		opt(&o)
 	}
-	n := &Node{spec: spec, opts: o, sets: map[*eventSet]struct{}{}}
+	n := &Node{spec: spec, opts: o, sets: map[*eventSet]struct{}{}, failures: map[failKey]failure{}}
 	n.Interface = &mock.Interface{}
-	fillFuncs(n.Interface, func() nvml.Return {
+	fillFuncs(n.Interface, func(string) nvml.Return {
 		n.mu.Lock()
 		defer n.mu.Unlock()
 		if r := n.ready(); r != nvml.SUCCESS {
@@ -148,10 +176,36 @@ func New(profile string, opts ...Option) (*Node, error) {
 		g.handle = n.newDevice(g, nil)
 		n.gpus = append(n.gpus, g)
 	}
-	if spec.migLayout != nil {
+	var store *stateStore
+	var saved []byte
+	if o.statePath != "" {
+		var err error
+		if store, saved, err = openState(o.statePath); err != nil {
+			return nil, fmt.Errorf("sim %s: state file %s: %w", spec.name, o.statePath, err)
+		}
+	}
+	switch {
+	case saved != nil:
+		if err := n.load(saved); err != nil {
+			store.close()
+			return nil, fmt.Errorf("sim %s: state file %s: %w", spec.name, o.statePath, err)
+		}
+	case spec.migLayout != nil:
 		if err := n.createLayout(spec.migLayout); err != nil {
+			store.close()
 			return nil, fmt.Errorf("sim %s: %w", spec.name, err)
 		}
+	}
+	// Set only now: the layout above is the starting point, written once,
+	// not a series of changes.
+	n.store = store
+	if saved != nil {
+		// What persist would write, so that only real changes rewrite it.
+		n.store.written = saved
+	}
+	if err := n.persist(); err != nil {
+		store.close()
+		return nil, fmt.Errorf("sim %s: %w", spec.name, err)
 	}
 	return n, nil
 }

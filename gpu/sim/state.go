@@ -1,0 +1,472 @@
+package sim
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// stateVersion is the state file format this build writes and reads.
+const stateVersion = 1
+
+// WithStateFile keeps the node's GPU state in the file at path, so that it
+// outlives the process as a real GPU's does across an agent restart: MIG
+// modes, GPU and compute instances (with their ids, placements and hence
+// MIG device UUIDs), lost GPUs, ECC counters, recovery actions and remapped
+// rows. Telemetry and processes are not kept.
+//
+// When the file exists New loads it instead of the profile's initial layout
+// (WithMIGEnabled then changes nothing); when it does not, New starts from
+// the profile and writes it. Every call that changes kept state writes the
+// file (atomically, synced) before it returns. If that write fails the call
+// changes nothing: NVML calls return ERROR_UNKNOWN (NVML has no code that
+// says why; the node logs it), the Go fault setters return the error.
+//
+// One process at a time may use a state file; see Close. An empty path
+// means no state file.
+func WithStateFile(path string) Option { return func(o *options) { o.statePath = path } }
+
+// stateFile is the JSON document of a state file.
+type stateFile struct {
+	Version int         `json:"version"`
+	Profile string      `json:"profile"`
+	GPUs    []gpuRecord `json:"gpus"`
+}
+
+type gpuRecord struct {
+	Index int `json:"index"`
+	// UUID is checked on load, so a file edited or swapped between nodes
+	// of one profile cannot go unnoticed.
+	UUID         string     `json:"uuid"`
+	Lost         bool       `json:"lost"`
+	MIGCurrent   bool       `json:"mig_current"`
+	MIGPending   bool       `json:"mig_pending"`
+	GPUInstances []giRecord `json:"gpu_instances"`
+	ECC          eccRecord  `json:"ecc"`
+	// RecoveryAction is an nvml.DeviceGpuRecoveryAction.
+	RecoveryAction int32       `json:"recovery_action"`
+	RemappedRows   remapRecord `json:"remapped_rows"`
+}
+
+type giRecord struct {
+	ID int `json:"id"`
+	// ProfileID is the id NVML reports (19 for A100 1g.5gb); Profile, its
+	// name, is for people reading the file and must agree with it.
+	ProfileID        uint32          `json:"profile_id"`
+	Profile          string          `json:"profile"`
+	Placement        placementRecord `json:"placement"`
+	ComputeInstances []ciRecord      `json:"compute_instances"`
+}
+
+type ciRecord struct {
+	ID int `json:"id"`
+	// ProfileID is a COMPUTE_INSTANCE_PROFILE_* value.
+	ProfileID uint32          `json:"profile_id"`
+	Placement placementRecord `json:"placement"`
+	// UUID is the MIG device's. It follows from the profile, GPU index and
+	// GI/CI ids; it is written for people and checked on load.
+	UUID string `json:"uuid"`
+}
+
+type placementRecord struct {
+	Start uint32 `json:"start"`
+	Size  uint32 `json:"size"`
+}
+
+type eccRecord struct {
+	CorrectedVolatile    uint64 `json:"corrected_volatile"`
+	CorrectedAggregate   uint64 `json:"corrected_aggregate"`
+	UncorrectedVolatile  uint64 `json:"uncorrected_volatile"`
+	UncorrectedAggregate uint64 `json:"uncorrected_aggregate"`
+}
+
+type remapRecord struct {
+	Corrected   int  `json:"corrected"`
+	Uncorrected int  `json:"uncorrected"`
+	Pending     bool `json:"pending"`
+	Failure     bool `json:"failure"`
+}
+
+// stateStore is a node's state file. Guarded by Node.mu.
+type stateStore struct {
+	path string
+	lock *os.File // nil once closed
+	// written is what the file holds, so that calls changing nothing kept
+	// (telemetry setters, failed NVML calls) do not write it.
+	written []byte
+}
+
+// openState locks the state file at path and reads it; data is nil when
+// the file does not exist yet.
+func openState(path string) (s *stateStore, data []byte, err error) {
+	lock, err := lockState(path)
+	if err != nil {
+		return nil, nil, err
+	}
+	s = &stateStore{path: path, lock: lock}
+	removeStaleTemps(path)
+	data, err = os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return s, nil, nil
+	}
+	if err != nil {
+		s.close()
+		return nil, nil, err
+	}
+	return s, data, nil
+}
+
+// removeStaleTemps deletes temporary files of writes a killed process left
+// behind; holding the lock, no other process can be writing one.
+func removeStaleTemps(path string) {
+	dir, base := filepath.Split(path)
+	if dir == "" {
+		dir = "."
+	}
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return // the write that needs the directory will report it
+	}
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), base+".tmp-") {
+			_ = os.Remove(filepath.Join(dir, e.Name())) // best effort: litter, not state
+		}
+	}
+}
+
+func (s *stateStore) close() error {
+	if s == nil || s.lock == nil {
+		return nil
+	}
+	err := s.lock.Close() // closing the descriptor releases the flock
+	s.lock = nil
+	return err
+}
+
+// Close releases the node's state file (see WithStateFile) for another
+// process or Node; afterwards calls that would change kept state fail as
+// when the file cannot be written. Without a state file it does nothing.
+// A process that exits without Close releases the file too.
+func (n *Node) Close() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.store.close()
+}
+
+// persist writes the node's kept state to its state file when it differs
+// from what the file holds; callers hold n.mu.
+func (n *Node) persist() error {
+	if n.store == nil {
+		return nil
+	}
+	data, err := json.MarshalIndent(n.record(), "", "  ")
+	if err != nil {
+		return fmt.Errorf("state file %s: encode: %w", n.store.path, err)
+	}
+	data = append(data, '\n')
+	if bytes.Equal(data, n.store.written) {
+		return nil
+	}
+	if n.store.lock == nil {
+		return fmt.Errorf("state file %s: node closed", n.store.path)
+	}
+	if err := writeAtomic(n.store.path, data); err != nil {
+		return fmt.Errorf("state file %s: %w", n.store.path, err)
+	}
+	n.store.written = data
+	return nil
+}
+
+// writeAtomic replaces path with data so that a reader, or a process
+// started after this one is killed, sees the old or the new content, never
+// a mix: a synced temporary file in the same directory renamed over it.
+func writeAtomic(path string, data []byte) error {
+	dir, base := filepath.Split(path)
+	if dir == "" {
+		dir = "."
+	}
+	f, err := os.CreateTemp(dir, base+".tmp-*")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	_, err = f.Write(data)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		_ = os.Remove(tmp) // the error that matters is err
+		return err
+	}
+	// The rename is durable only once the directory is synced; a process
+	// kill does not need it, a power cut would.
+	if d, err := os.Open(dir); err == nil {
+		_ = d.Sync() // some filesystems refuse to sync directories
+		_ = d.Close()
+	}
+	return nil
+}
+
+// record is the node's kept state; callers hold n.mu.
+func (n *Node) record() stateFile {
+	st := stateFile{Version: stateVersion, Profile: n.spec.name, GPUs: make([]gpuRecord, 0, len(n.gpus))}
+	for _, g := range n.gpus {
+		e := g.ecc
+		rec := gpuRecord{
+			Index: g.index, UUID: g.uuid, Lost: g.lost, MIGCurrent: g.migCurrent, MIGPending: g.migPending,
+			GPUInstances: make([]giRecord, 0, len(g.gis)),
+			ECC: eccRecord{
+				CorrectedVolatile:    e[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.VOLATILE_ECC],
+				CorrectedAggregate:   e[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.AGGREGATE_ECC],
+				UncorrectedVolatile:  e[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC],
+				UncorrectedAggregate: e[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.AGGREGATE_ECC],
+			},
+			RecoveryAction: int32(g.recovery),
+			RemappedRows:   remapRecord{g.remapCorr, g.remapUnc, g.remapPending, g.remapFailure},
+		}
+		for _, gi := range g.gis {
+			gr := giRecord{
+				ID: gi.id, ProfileID: n.profileID(gi.prof), Profile: gi.prof.name,
+				Placement:        placementRecord{gi.placement.Start, gi.placement.Size},
+				ComputeInstances: make([]ciRecord, 0, len(gi.cis)),
+			}
+			for _, ci := range gi.cis {
+				gr.ComputeInstances = append(gr.ComputeInstances, ciRecord{
+					ID: ci.id, ProfileID: ci.prof.Id,
+					Placement: placementRecord{ci.placement.Start, ci.placement.Size}, UUID: ci.dev.uuid,
+				})
+			}
+			rec.GPUInstances = append(rec.GPUInstances, gr)
+		}
+		st.GPUs = append(st.GPUs, rec)
+	}
+	return st
+}
+
+// load replaces the state of a freshly built node (no instances yet) with
+// a state file's content. Anything this node could not have written is an
+// error: starting over would silently reset "hardware" a test relies on.
+func (n *Node) load(data []byte) error {
+	if len(bytes.TrimSpace(data)) == 0 {
+		return errors.New("file is empty (truncated?)")
+	}
+	// The version first, alone: a newer format may add fields the strict
+	// decode below would report as the less helpful "unknown field".
+	var head struct {
+		Version *int `json:"version"`
+	}
+	if err := json.Unmarshal(data, &head); err != nil {
+		return fmt.Errorf("corrupt (torn or not JSON): %w", err)
+	}
+	if head.Version == nil {
+		return errors.New(`no "version"`)
+	}
+	if *head.Version != stateVersion {
+		return fmt.Errorf("version %d, this build reads version %d", *head.Version, stateVersion)
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	var st stateFile
+	if err := dec.Decode(&st); err != nil {
+		return fmt.Errorf("corrupt: %w", err)
+	}
+	if st.Profile != n.spec.name {
+		return fmt.Errorf("written for profile %q, not %q", st.Profile, n.spec.name)
+	}
+	if len(st.GPUs) != len(n.gpus) {
+		return fmt.Errorf("%d GPUs, profile %s has %d", len(st.GPUs), n.spec.name, len(n.gpus))
+	}
+	for i, rec := range st.GPUs {
+		if err := n.loadGPU(n.gpus[i], rec); err != nil {
+			return fmt.Errorf("gpu %d: %w", i, err)
+		}
+	}
+	return nil
+}
+
+func (n *Node) loadGPU(g *gpuState, rec gpuRecord) error {
+	m := n.spec.model
+	switch {
+	case rec.Index != g.index:
+		return fmt.Errorf("index %d at position %d", rec.Index, g.index)
+	case rec.UUID != g.uuid:
+		return fmt.Errorf("uuid %q, this node's is %q", rec.UUID, g.uuid)
+	case m.mig == nil && (rec.MIGCurrent || rec.MIGPending):
+		return fmt.Errorf("MIG mode on, but the %s has no MIG", m.name)
+	case !rec.MIGCurrent && len(rec.GPUInstances) > 0:
+		return errors.New("gpu_instances with MIG mode off")
+	case rec.RemappedRows.Corrected < 0 || rec.RemappedRows.Uncorrected < 0:
+		return fmt.Errorf("negative remapped_rows %d/%d", rec.RemappedRows.Corrected, rec.RemappedRows.Uncorrected)
+	case !m.rowRemap && rec.RemappedRows != (remapRecord{}):
+		return fmt.Errorf("remapped_rows set, but the %s does not remap rows", m.name)
+	}
+	g.lost, g.migCurrent, g.migPending = rec.Lost, rec.MIGCurrent, rec.MIGPending
+	e := &g.ecc
+	e[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.VOLATILE_ECC] = rec.ECC.CorrectedVolatile
+	e[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.AGGREGATE_ECC] = rec.ECC.CorrectedAggregate
+	e[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC] = rec.ECC.UncorrectedVolatile
+	e[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.AGGREGATE_ECC] = rec.ECC.UncorrectedAggregate
+	g.recovery = nvml.DeviceGpuRecoveryAction(rec.RecoveryAction)
+	r := rec.RemappedRows
+	g.remapCorr, g.remapUnc, g.remapPending, g.remapFailure = r.Corrected, r.Uncorrected, r.Pending, r.Failure
+	for _, gr := range rec.GPUInstances {
+		if err := n.loadGI(g, gr); err != nil {
+			return fmt.Errorf("gpu instance %d: %w", gr.ID, err)
+		}
+	}
+	return nil
+}
+
+// loadGI recreates one GPU instance under the rules CreateGpuInstance
+// enforces, so a loaded layout is one NVML could have made.
+func (n *Node) loadGI(g *gpuState, gr giRecord) error {
+	var p *giProfile
+	for i := range n.spec.model.mig {
+		if q := &n.spec.model.mig[i]; n.profileID(q) == gr.ProfileID {
+			p = q
+		}
+	}
+	pl := gr.Placement
+	switch {
+	case gr.ID < 1:
+		return errors.New("id below 1")
+	case slices.ContainsFunc(g.gis, func(gi *gpuInstance) bool { return gi.id == gr.ID }):
+		return errors.New("id used twice")
+	case p == nil:
+		return fmt.Errorf("profile_id %d is not one of the %s's", gr.ProfileID, n.spec.model.name)
+	case gr.Profile != p.name:
+		return fmt.Errorf("profile %q, but profile_id %d is %s", gr.Profile, gr.ProfileID, p.name)
+	case pl.Size != p.size || !slices.Contains(p.starts, pl.Start):
+		return fmt.Errorf("placement %d+%d is not a %s placement", pl.Start, pl.Size, p.name)
+	case g.occupied()&sliceMask(pl.Start, pl.Size) != 0:
+		return fmt.Errorf("placement %d+%d overlaps another instance", pl.Start, pl.Size)
+	case g.countOf(p) >= p.count:
+		return fmt.Errorf("more than %d instances of %s", p.count, p.name)
+	}
+	gi := n.addGI(g, gr.ID, p, pl.Start)
+	for _, cr := range gr.ComputeInstances {
+		if err := gi.loadCI(cr); err != nil {
+			return fmt.Errorf("compute instance %d: %w", cr.ID, err)
+		}
+	}
+	return nil
+}
+
+func (gi *gpuInstance) loadCI(cr ciRecord) error {
+	pl := cr.Placement
+	switch {
+	case cr.ID < 0:
+		return errors.New("negative id")
+	case slices.ContainsFunc(gi.cis, func(ci *computeInstance) bool { return ci.id == cr.ID }):
+		return errors.New("id used twice")
+	case cr.ProfileID >= nvml.COMPUTE_INSTANCE_PROFILE_COUNT:
+		return fmt.Errorf("profile_id %d out of range", cr.ProfileID)
+	}
+	p, r := gi.ciProfile(int(cr.ProfileID))
+	switch {
+	case r != nvml.SUCCESS:
+		return fmt.Errorf("profile_id %d does not fit a %s instance", cr.ProfileID, gi.prof.name)
+	case pl.Size != p.SliceCount || !slices.Contains(ciStarts(p.SliceCount, gi.prof.slice), pl.Start):
+		return fmt.Errorf("placement %d+%d is not one of profile_id %d", pl.Start, pl.Size, cr.ProfileID)
+	case !slices.Contains(gi.ciFreeStarts(p.SliceCount), pl.Start):
+		return fmt.Errorf("placement %d+%d overlaps another compute instance", pl.Start, pl.Size)
+	}
+	ci := gi.addCI(cr.ID, p, pl.Start)
+	if cr.UUID != ci.dev.uuid {
+		return fmt.Errorf("uuid %q, but this instance's is %q", cr.UUID, ci.dev.uuid)
+	}
+	return nil
+}
+
+// gpuSnapshot is what change needs to undo a change to one GPU.
+type gpuSnapshot struct {
+	state gpuState
+	cis   [][]*computeInstance // of state.gis, in order
+}
+
+// snapshot copies g deeply enough to undo any change the sim makes to it:
+// the instance slices are cloned because appends, sorts and deletes reuse
+// their arrays. Callers hold n.mu.
+func (g *gpuState) snapshot() gpuSnapshot {
+	s := gpuSnapshot{state: *g}
+	s.state.gis = slices.Clone(g.gis)
+	for _, gi := range g.gis {
+		s.cis = append(s.cis, slices.Clone(gi.cis))
+	}
+	return s
+}
+
+// rollback undoes every change since s was taken. Instances created since
+// were never handed out, but are marked destroyed all the same.
+func (g *gpuState) rollback(s gpuSnapshot) {
+	for _, gi := range g.gis {
+		for _, ci := range gi.cis {
+			ci.destroyed = true
+		}
+		gi.destroyed = true
+	}
+	*g = s.state
+	for i, gi := range g.gis {
+		gi.destroyed = false
+		gi.cis = s.cis[i]
+		for _, ci := range gi.cis {
+			ci.destroyed = false
+		}
+	}
+}
+
+// change runs set, which changes g or fails without changing it, and then
+// writes the state file; if that write fails the change is undone, so what
+// callers saw succeed is what a restarted process finds. Callers hold n.mu.
+func (n *Node) change(g *gpuState, set func() error) error {
+	if n.store == nil {
+		return set()
+	}
+	s := g.snapshot()
+	if err := set(); err != nil {
+		return err
+	}
+	if err := n.persist(); err != nil {
+		g.rollback(s)
+		return fmt.Errorf("sim gpu %d (%s): %w", g.index, g.uuid, err)
+	}
+	return nil
+}
+
+// mutate is change for the NVML calls that change kept state: f cannot
+// fail, and a failed write is ERROR_UNKNOWN, logged with its cause.
+func (n *Node) mutate(g *gpuState, call string, f func()) nvml.Return {
+	err := n.change(g, func() error { f(); return nil })
+	if err != nil {
+		n.opts.logger.Error("sim: NVML call failed: cannot save GPU state", "call", call, "gpu", g.index, "err", err)
+		return nvml.ERROR_UNKNOWN
+	}
+	if n.opts.crashAfter > 0 {
+		n.mutations++
+		if n.mutations == n.opts.crashAfter {
+			n.opts.logger.Warn("sim: crashing the process as asked", "after-changes", n.mutations, "last", call, "gpu", g.index)
+			if n.opts.crash != nil {
+				n.opts.crash()
+			} else {
+				_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+				select {} // the signal is on its way
+			}
+		}
+	}
+	return nvml.SUCCESS
+}
