@@ -1,6 +1,7 @@
 package gpu_test
 
 import (
+	"slices"
 	"testing"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -30,6 +31,11 @@ type fakeMIG struct {
 	memMiB     uint64
 }
 
+// fakeGI is a GPU instance with no compute instance (GPU.GIsWithoutCI).
+type fakeGI struct {
+	gi, giProfile, start, len int
+}
+
 type fakeGPU struct {
 	uuid, name string
 	memMiB     uint64
@@ -41,6 +47,8 @@ type fakeGPU struct {
 	mig   *[2]bool
 	links []fakeLink
 	migs  []fakeMIG
+	// bareGIs are GPU instances besides those of migs.
+	bareGIs []fakeGI
 	// fail maps a call name to the Return it gives instead of its answer.
 	fail map[string]nvml.Return
 }
@@ -186,12 +194,24 @@ func (n *fakeNode) device(i int, index map[nvml.Device]int) *mock.Device {
 			if r := ret("GetGpuInstanceById"); r != nvml.SUCCESS {
 				return nil, r
 			}
-			for _, m := range g.migs {
-				if m.gi == id {
-					return gpuInstance(g, id, ret), nvml.SUCCESS
+			for _, gi := range g.gpuInstances() {
+				if gi.gi == id {
+					return gpuInstance(g, gi, ret), nvml.SUCCESS
 				}
 			}
 			return nil, nvml.ERROR_NOT_FOUND
+		},
+		GetGpuInstancesFunc: func(info *nvml.GpuInstanceProfileInfo) ([]nvml.GpuInstance, nvml.Return) {
+			if r := ret("GetGpuInstances"); r != nvml.SUCCESS {
+				return nil, r
+			}
+			out := []nvml.GpuInstance{}
+			for _, gi := range g.gpuInstances() {
+				if uint32(gi.giProfile) == info.Id {
+					out = append(out, gpuInstance(g, gi, ret))
+				}
+			}
+			return out, nvml.SUCCESS
 		},
 		GetTopologyCommonAncestorFunc: func(other nvml.Device) (nvml.GpuTopologyLevel, nvml.Return) {
 			j, ok := index[other]
@@ -248,36 +268,63 @@ func migDevice(m fakeMIG, ret func(string) nvml.Return) nvml.Device {
 	}
 }
 
-// gpuInstance answers for GI id of g; its compute instances are g's MIG
-// devices with that GI.
-func gpuInstance(g *fakeGPU, id int, ret func(string) nvml.Return) nvml.GpuInstance {
+// gpuInstances lists g's GPU instances, those of its MIG devices and the
+// bare ones, by id.
+func (g *fakeGPU) gpuInstances() []fakeGI {
+	out := slices.Clone(g.bareGIs)
+	for _, m := range g.migs {
+		if !slices.ContainsFunc(out, func(gi fakeGI) bool { return gi.gi == m.gi }) {
+			out = append(out, fakeGI{gi: m.gi, giProfile: m.giProfile, start: m.start, len: m.len})
+		}
+	}
+	slices.SortFunc(out, func(a, b fakeGI) int { return a.gi - b.gi })
+	return out
+}
+
+// gpuInstance answers for GPU instance gi of g; its compute instances are
+// g's MIG devices with that GI.
+func gpuInstance(g *fakeGPU, gi fakeGI, ret func(string) nvml.Return) nvml.GpuInstance {
 	var mine []fakeMIG
 	for _, m := range g.migs {
-		if m.gi == id {
+		if m.gi == gi.gi {
 			mine = append(mine, m)
 		}
 	}
-	first := mine[0]
+	ci := func(m fakeMIG) nvml.ComputeInstance {
+		return &mock.ComputeInstance{GetInfoFunc: func() (nvml.ComputeInstanceInfo, nvml.Return) {
+			return nvml.ComputeInstanceInfo{Id: uint32(m.ci), ProfileId: uint32(m.ciProfile)}, nvml.SUCCESS
+		}}
+	}
 	return &mock.GpuInstance{
 		GetInfoFunc: func() (nvml.GpuInstanceInfo, nvml.Return) {
 			return nvml.GpuInstanceInfo{
-				Id:        uint32(id),
-				ProfileId: uint32(first.giProfile),
-				Placement: nvml.GpuInstancePlacement{Start: uint32(first.start), Size: uint32(first.len)},
+				Id:        uint32(gi.gi),
+				ProfileId: uint32(gi.giProfile),
+				Placement: nvml.GpuInstancePlacement{Start: uint32(gi.start), Size: uint32(gi.len)},
 			}, nvml.SUCCESS
 		},
-		GetComputeInstanceByIdFunc: func(ci int) (nvml.ComputeInstance, nvml.Return) {
+		GetComputeInstanceByIdFunc: func(id int) (nvml.ComputeInstance, nvml.Return) {
 			if r := ret("GetComputeInstanceById"); r != nvml.SUCCESS {
 				return nil, r
 			}
 			for _, m := range mine {
-				if m.ci == ci {
-					return &mock.ComputeInstance{GetInfoFunc: func() (nvml.ComputeInstanceInfo, nvml.Return) {
-						return nvml.ComputeInstanceInfo{Id: uint32(ci), ProfileId: uint32(m.ciProfile)}, nvml.SUCCESS
-					}}, nvml.SUCCESS
+				if m.ci == id {
+					return ci(m), nvml.SUCCESS
 				}
 			}
 			return nil, nvml.ERROR_NOT_FOUND
+		},
+		GetComputeInstancesFunc: func(info *nvml.ComputeInstanceProfileInfo) ([]nvml.ComputeInstance, nvml.Return) {
+			if r := ret("GetComputeInstances"); r != nvml.SUCCESS {
+				return nil, r
+			}
+			out := []nvml.ComputeInstance{}
+			for _, m := range mine {
+				if uint32(m.ciProfile) == info.Id {
+					out = append(out, ci(m))
+				}
+			}
+			return out, nvml.SUCCESS
 		},
 		GetComputeInstanceProfileInfoFunc: func(p, eng int) (nvml.ComputeInstanceProfileInfo, nvml.Return) {
 			s, ok := ciSlices[p]

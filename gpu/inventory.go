@@ -62,7 +62,9 @@ func SysfsNUMA(root string) func(busID string) (int, error) {
 // reports ERROR_GPU_IS_LOST on any call, is left out and recorded in
 // Inventory.Errors. Failures of optional facts (NUMA node, compute capability,
 // MIG mode, one MIG instance, one topology pair or NVLink) are recorded too,
-// but the GPU stays with that fact at its "unknown" value.
+// but the GPU stays with that fact at its "unknown" value; the GPU's own
+// facts are then also named in its GPU.Unread, which says what a consumer
+// must do about them.
 func New(lib nvml.Interface, opts Options) (*Inventory, error) {
 	log := opts.Logger
 	if log == nil {
@@ -112,9 +114,15 @@ type gpuReader struct {
 	dev  nvml.Device
 	// lost is set by the first ERROR_GPU_IS_LOST: the GPU is then left out.
 	lost bool
-	// giProfiles maps the profile id NVML reports in GpuInstanceInfo to the
-	// GPU_INSTANCE_PROFILE_* index it is asked for by; filled on first use.
-	giProfiles map[uint32]giProfile
+	// unread collects GPU.Unread.
+	unread []Fact
+	// giProfiles lists the GPU instance profiles the GPU offers, by
+	// GPU_INSTANCE_PROFILE_* index; filled on first use (giProfilesRead).
+	giProfiles     []giProfile
+	giProfilesRead bool
+	// giProfileFailures are the profile indexes NVML failed to answer for,
+	// which giProfiles therefore lacks.
+	giProfileFailures []giProfileFailure
 }
 
 type giProfile struct {
@@ -122,32 +130,57 @@ type giProfile struct {
 	info  nvml.GpuInstanceProfileInfo
 }
 
-// giProfileByID resolves a GPU instance's ProfileId. Drivers report their
-// own ids there (19 for A100 1g.5gb), not the GPU_INSTANCE_PROFILE_* index,
-// so the profiles are listed once per GPU and matched on info.Id.
-func (r *gpuReader) giProfileByID(id uint32) (giProfile, nvml.Return) {
-	if r.giProfiles == nil {
-		r.giProfiles = map[uint32]giProfile{}
-		for p := range nvml.GPU_INSTANCE_PROFILE_COUNT {
-			info, ret := r.dev.GetGpuInstanceProfileInfo(p)
-			switch ret {
-			case nvml.SUCCESS:
-				r.giProfiles[info.Id] = giProfile{index: p, info: info}
-			case nvml.ERROR_GPU_IS_LOST:
-				r.giProfiles = nil
-				return giProfile{}, ret
+type giProfileFailure struct {
+	index int
+	ret   nvml.Return
+}
+
+// readGIProfiles lists the GPU's GPU instance profiles once per GPU: both
+// resolving instances' profile ids and finding GPU instances without compute
+// instances go through every profile. A failure is kept for those readers
+// to record, each with the fact it leaves unknown.
+func (r *gpuReader) readGIProfiles() {
+	if r.giProfilesRead {
+		return
+	}
+	r.giProfilesRead = true
+	for p := range nvml.GPU_INSTANCE_PROFILE_COUNT {
+		info, ret := r.dev.GetGpuInstanceProfileInfo(p)
+		switch ret {
+		case nvml.SUCCESS:
+			r.giProfiles = append(r.giProfiles, giProfile{index: p, info: info})
+		case nvml.ERROR_NOT_SUPPORTED, nvml.ERROR_INVALID_ARGUMENT:
+			// Not offered by this GPU (older drivers say INVALID_ARGUMENT).
+		default:
+			r.giProfileFailures = append(r.giProfileFailures, giProfileFailure{index: p, ret: ret})
+			if ret == nvml.ERROR_GPU_IS_LOST {
+				return
 			}
 		}
 	}
-	p, ok := r.giProfiles[id]
-	if !ok {
-		return giProfile{}, nvml.ERROR_NOT_FOUND
+}
+
+// giProfileByID resolves a GPU instance's ProfileId. Drivers report their
+// own ids there (19 for A100 1g.5gb), not the GPU_INSTANCE_PROFILE_* index,
+// so the profiles are listed once per GPU and matched on info.Id. An id not
+// among them is NOT_FOUND only when every profile answered; otherwise the
+// failure that may have hidden it is returned.
+func (r *gpuReader) giProfileByID(id uint32) (giProfile, nvml.Return) {
+	r.readGIProfiles()
+	for _, p := range r.giProfiles {
+		if p.info.Id == id {
+			return p, nvml.SUCCESS
+		}
 	}
-	return p, nvml.SUCCESS
+	if len(r.giProfileFailures) > 0 {
+		return giProfile{}, r.giProfileFailures[0].ret
+	}
+	return giProfile{}, nvml.ERROR_NOT_FOUND
 }
 
 // ciProfileByID does the same for a GPU instance's compute instance profiles.
 func ciProfileByID(gi nvml.GpuInstance, id uint32) (nvml.ComputeInstanceProfileInfo, nvml.Return) {
+	failed := nvml.ERROR_NOT_FOUND
 	for p := range nvml.COMPUTE_INSTANCE_PROFILE_COUNT {
 		info, ret := gi.GetComputeInstanceProfileInfo(p, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
 		switch {
@@ -155,9 +188,11 @@ func ciProfileByID(gi nvml.GpuInstance, id uint32) (nvml.ComputeInstanceProfileI
 			return info, ret
 		case ret == nvml.SUCCESS && info.Id == id:
 			return info, ret
+		case ret != nvml.SUCCESS && ret != nvml.ERROR_NOT_SUPPORTED && ret != nvml.ERROR_INVALID_ARGUMENT:
+			failed = ret
 		}
 	}
-	return nvml.ComputeInstanceProfileInfo{}, nvml.ERROR_NOT_FOUND
+	return nvml.ComputeInstanceProfileInfo{}, failed
 }
 
 func (r *gpuReader) record(call string, err string) {
@@ -178,19 +213,35 @@ func (r *gpuReader) must(call string, ret nvml.Return) bool {
 }
 
 // optional handles a call whose answer the GPU can do without: false means
-// use the "unknown" value. NOT_SUPPORTED is an answer, not an error; a lost GPU
-// is fatal whichever call notices it.
-func (r *gpuReader) optional(call string, ret nvml.Return) bool {
+// use the "unknown" value. NOT_SUPPORTED is an answer, not an error; any
+// other failure is recorded and leaves facts unread; a lost GPU is fatal
+// whichever call notices it.
+func (r *gpuReader) optional(call string, ret nvml.Return, facts ...Fact) bool {
 	switch ret {
 	case nvml.SUCCESS:
 		return true
 	case nvml.ERROR_NOT_SUPPORTED:
 		return false
-	case nvml.ERROR_GPU_IS_LOST:
+	}
+	r.failed(call, ret, facts...)
+	return false
+}
+
+// failed records a call that did not answer and the facts it leaves unread.
+func (r *gpuReader) failed(call string, ret nvml.Return, facts ...Fact) {
+	if ret == nvml.ERROR_GPU_IS_LOST {
 		r.lost = true
 	}
 	r.record(call, ret.Error())
-	return false
+	r.miss(facts...)
+}
+
+func (r *gpuReader) miss(facts ...Fact) {
+	for _, f := range facts {
+		if !slices.Contains(r.unread, f) {
+			r.unread = append(r.unread, f)
+		}
+	}
 }
 
 func (b *builder) readGPU(i int) (GPU, nvml.Device, bool) {
@@ -198,7 +249,19 @@ func (b *builder) readGPU(i int) (GPU, nvml.Device, bool) {
 	g, ok := r.read()
 	if !ok || r.lost {
 		b.log.Warn("gpu left out of inventory", "index", i, "uuid", r.uuid)
+		if r.lost {
+			for k := range b.errs {
+				if b.errs[k].Index == i {
+					b.errs[k].Lost = true
+				}
+			}
+		}
 		return GPU{}, nil, false
+	}
+	for _, f := range factOrder {
+		if slices.Contains(r.unread, f) {
+			g.Unread = append(g.Unread, f)
+		}
 	}
 	return g, r.dev, true
 }
@@ -237,18 +300,25 @@ func (r *gpuReader) read() (GPU, bool) {
 		return g, false
 	}
 
-	if major, minor, ret := dev.GetCudaComputeCapability(); r.optional("GetCudaComputeCapability", ret) {
+	if major, minor, ret := dev.GetCudaComputeCapability(); r.optional("GetCudaComputeCapability", ret, FactComputeCapability) {
 		g.ComputeCapability = ComputeCapability{Major: major, Minor: minor}
 	}
 	g.NUMANode = r.numaNode(g.PCIBusID)
 
+	// A failed GetMigMode says nothing about MIG: the GPU keeps its zero MIG
+	// fields, marked unread, so that no consumer mistakes a partitioned GPU
+	// for a whole one and withdraws the MIG devices pods hold.
 	cur, pend, ret := dev.GetMigMode()
-	if r.optional("GetMigMode", ret) {
+	if r.optional("GetMigMode", ret, FactMIGMode, FactInstances, FactGIsWithoutCI) {
 		g.MIGCapable = true
 		g.MIG = MIGMode{Current: cur == nvml.DEVICE_MIG_ENABLE, Pending: pend == nvml.DEVICE_MIG_ENABLE}
 	}
 	if g.MIG.Current {
-		g.Instances = r.migInstances(g.MemoryBytes)
+		var listed bool
+		g.Instances, listed = r.migInstances(g.MemoryBytes)
+		if !r.lost {
+			g.GIsWithoutCI = r.gisWithoutCI(g.Instances, listed, g.MemoryBytes)
+		}
 	}
 	return g, !r.lost
 }
@@ -256,29 +326,32 @@ func (r *gpuReader) read() (GPU, bool) {
 func (r *gpuReader) numaNode(bus string) int {
 	if r.b.numa == nil {
 		n, ret := r.dev.GetNumaNodeId()
-		if !r.optional("GetNumaNodeId", ret) || n < 0 {
+		if !r.optional("GetNumaNodeId", ret, FactNUMANode) || n < 0 {
 			return -1
 		}
 		return n
 	}
 	if bus == "" {
-		return -1
+		return -1 // already recorded: NVML's bus id could not be parsed
 	}
 	n, err := r.b.numa(bus)
 	if err != nil {
 		r.record("NUMA node of "+bus, err.Error())
+		r.miss(FactNUMANode)
 		return -1
 	}
 	return n
 }
 
 // migInstances walks the MIG device slots. A slot that cannot be read is
-// recorded and skipped: its profile decides the resource it would be served
-// under, so a half-read instance is worse than a missing one.
-func (r *gpuReader) migInstances(gpuMemory uint64) []MIGInstance {
+// recorded and skipped, and the instances are marked unread: its profile
+// decides the resource it would be served under, so a half-read instance is
+// worse than a missing one, but a missing one must not be taken for gone.
+// listed is false when the driver does not list MIG devices (NOT_SUPPORTED).
+func (r *gpuReader) migInstances(gpuMemory uint64) (insts []MIGInstance, listed bool) {
 	slots, ret := r.dev.GetMaxMigDeviceCount()
-	if !r.optional("GetMaxMigDeviceCount", ret) {
-		return nil
+	if !r.optional("GetMaxMigDeviceCount", ret, FactInstances) {
+		return nil, false
 	}
 	var out []MIGInstance
 	for k := range slots {
@@ -286,15 +359,16 @@ func (r *gpuReader) migInstances(gpuMemory uint64) []MIGInstance {
 		if ret == nvml.ERROR_NOT_FOUND {
 			continue // empty slot
 		}
-		if !r.optional(fmt.Sprintf("GetMigDeviceHandleByIndex(%d)", k), ret) {
+		if ret != nvml.SUCCESS {
+			r.failed(fmt.Sprintf("GetMigDeviceHandleByIndex(%d)", k), ret, FactInstances)
 			if r.lost {
-				return nil
+				return nil, true
 			}
 			continue
 		}
 		inst, ok := r.migInstance(k, mig, gpuMemory)
 		if r.lost {
-			return nil
+			return nil, true
 		}
 		if ok {
 			out = append(out, inst)
@@ -309,7 +383,7 @@ func (r *gpuReader) migInstances(gpuMemory uint64) []MIGInstance {
 		}
 		return a.Index - b.Index
 	})
-	return out
+	return out, true
 }
 
 func (r *gpuReader) migInstance(k int, mig nvml.Device, gpuMemory uint64) (MIGInstance, bool) {
@@ -317,15 +391,13 @@ func (r *gpuReader) migInstance(k int, mig nvml.Device, gpuMemory uint64) (MIGIn
 	// call names the failing NVML call with the MIG slot it was for.
 	call := func(name string) string { return fmt.Sprintf("mig %d: %s", k, name) }
 	// A MIG device is useless to us without every one of these facts, so any
-	// failure (NOT_SUPPORTED included) skips it.
+	// failure (NOT_SUPPORTED included) skips it. The slot holds a device all
+	// the same, so the instances are unread, not complete without it.
 	need := func(name string, ret nvml.Return) bool {
 		if ret == nvml.SUCCESS {
 			return true
 		}
-		if ret == nvml.ERROR_GPU_IS_LOST {
-			r.lost = true
-		}
-		r.record(call(name), ret.Error())
+		r.failed(call(name), ret, FactInstances)
 		return false
 	}
 	var ret nvml.Return
@@ -373,6 +445,8 @@ func (r *gpuReader) migInstance(k int, mig nvml.Device, gpuMemory uint64) (MIGIn
 
 	// The MIG device's own memory is what a container sees; the profile's
 	// size is the fallback for drivers that do not answer for MIG handles.
+	// A failure other than NOT_SUPPORTED gets the fallback too, but marks
+	// the instances unread: the size may differ from the last snapshot's.
 	mem, ret := mig.GetMemoryInfo()
 	if ret == nvml.SUCCESS {
 		inst.MemoryBytes = mem.Total
@@ -383,6 +457,98 @@ func (r *gpuReader) migInstance(k int, mig nvml.Device, gpuMemory uint64) (MIGIn
 	}
 	inst.MemoryBytes = prof.MemorySizeMB << 20
 	return inst, true
+}
+
+// gisWithoutCI finds the GPU instances that have no compute instance. The
+// MIG device slots cannot show them (a MIG device is a compute instance), so
+// every GPU instance of every profile is listed, and one that no instance
+// in insts names is asked for its compute instances. listed says whether
+// insts are the MIG devices the driver listed.
+func (r *gpuReader) gisWithoutCI(insts []MIGInstance, listed bool, gpuMemory uint64) []GPUInstance {
+	seen := map[int]bool{}
+	for _, in := range insts {
+		seen[in.GI] = true
+	}
+	r.readGIProfiles()
+	for _, f := range r.giProfileFailures {
+		r.failed(fmt.Sprintf("GetGpuInstanceProfileInfo(%d)", f.index), f.ret, FactGIsWithoutCI)
+		if r.lost {
+			return nil
+		}
+	}
+	var out []GPUInstance
+	for _, p := range r.giProfiles {
+		name := MIGProfileName(p.index, p.info, gpuMemory)
+		gis, ret := r.dev.GetGpuInstances(&p.info)
+		if ret == nvml.ERROR_NOT_SUPPORTED {
+			continue
+		}
+		if ret != nvml.SUCCESS {
+			r.failed(fmt.Sprintf("GetGpuInstances(%s)", name), ret, FactGIsWithoutCI)
+			if r.lost {
+				return nil
+			}
+			continue
+		}
+		for _, gi := range gis {
+			info, ret := gi.GetInfo()
+			if ret != nvml.SUCCESS {
+				r.failed(fmt.Sprintf("GetGpuInstances(%s): GetInfo", name), ret, FactGIsWithoutCI)
+				if r.lost {
+					return nil
+				}
+				continue
+			}
+			id := int(info.Id)
+			if seen[id] {
+				continue
+			}
+			n, call, ret := countComputeInstances(gi)
+			if ret != nvml.SUCCESS {
+				r.failed(fmt.Sprintf("gi %d: %s", id, call), ret, FactGIsWithoutCI)
+				if r.lost {
+					return nil
+				}
+				continue
+			}
+			if n > 0 {
+				// Its MIG devices are missing from insts: a slot that failed
+				// (already recorded), or one created since the slots were read.
+				if listed && !slices.Contains(r.unread, FactInstances) {
+					r.record(fmt.Sprintf("gi %d", id), fmt.Sprintf("%d compute instance(s) but no MIG device listed", n))
+					r.miss(FactInstances)
+				}
+				continue
+			}
+			out = append(out, GPUInstance{
+				GI: id, Profile: name, GIProfileID: p.index,
+				Placement: Placement{Start: int(info.Placement.Start), Size: int(info.Placement.Size)},
+			})
+		}
+	}
+	slices.SortFunc(out, func(a, b GPUInstance) int { return a.GI - b.GI })
+	return out
+}
+
+// countComputeInstances counts gi's compute instances of every profile; on
+// failure it names the call.
+func countComputeInstances(gi nvml.GpuInstance) (int, string, nvml.Return) {
+	n := 0
+	for p := range nvml.COMPUTE_INSTANCE_PROFILE_COUNT {
+		info, ret := gi.GetComputeInstanceProfileInfo(p, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+		if ret == nvml.ERROR_NOT_SUPPORTED || ret == nvml.ERROR_INVALID_ARGUMENT {
+			continue // a profile this GPU instance cannot hold
+		}
+		if ret != nvml.SUCCESS {
+			return 0, fmt.Sprintf("GetComputeInstanceProfileInfo(%d)", p), ret
+		}
+		cis, ret := gi.GetComputeInstances(&info)
+		if ret != nvml.SUCCESS {
+			return 0, fmt.Sprintf("GetComputeInstances(%d)", p), ret
+		}
+		n += len(cis)
+	}
+	return n, "", nvml.SUCCESS
 }
 
 // MIGProfileName names a GPU instance profile as users write it ("1g.10gb",

@@ -194,6 +194,10 @@ func TestNewFailures(t *testing.T) {
 				if inv.GPUs[0].MIGCapable {
 					t.Error("GPU whose MIG mode could not be read is MIG capable")
 				}
+				// ... and its false MIGCapable says unknown, not "no MIG".
+				if !inv.GPUs[0].Unknown(gpu.FactMIGMode) {
+					t.Errorf("Unread = %v, want the MIG mode in it", inv.GPUs[0].Unread)
+				}
 			},
 		},
 		{
@@ -446,14 +450,19 @@ func TestNewMIGFailures(t *testing.T) {
 		wantGPU   bool
 		wantInsts int
 		wantErr   string
+		// wantUnread is the GPU's Unread.
+		wantUnread []gpu.Fact
 	}{
 		// The first failing slot (0, GI 2) is recorded; with the failure on
-		// every slot, all five are skipped but the GPU stays.
-		{"GetComputeInstanceById", nvml.ERROR_UNKNOWN, true, 0, "0/mig 0: gi 2: GetComputeInstanceById(0)/ERROR_UNKNOWN"},
-		{"GetGpuInstanceById", nvml.ERROR_NOT_SUPPORTED, true, 0, "0/mig 0: GetGpuInstanceById(2)/ERROR_NOT_SUPPORTED"},
-		{"GetMigDeviceHandleByIndex", nvml.ERROR_UNKNOWN, true, 0, "0/GetMigDeviceHandleByIndex(0)/ERROR_UNKNOWN"},
-		{"GetGpuInstanceProfileInfo", nvml.ERROR_GPU_IS_LOST, false, 0, "0/mig 0: GetGpuInstanceProfileInfo (profile id 2)/ERROR_GPU_IS_LOST"},
-		{"GetMaxMigDeviceCount", nvml.ERROR_NOT_SUPPORTED, true, 0, ""},
+		// every slot, all five are skipped but the GPU stays, its instances
+		// marked unread: they exist.
+		{"GetComputeInstanceById", nvml.ERROR_UNKNOWN, true, 0, "0/mig 0: gi 2: GetComputeInstanceById(0)/ERROR_UNKNOWN", []gpu.Fact{gpu.FactInstances}},
+		// NOT_SUPPORTED from a MIG device that is there cannot mean "none".
+		{"GetGpuInstanceById", nvml.ERROR_NOT_SUPPORTED, true, 0, "0/mig 0: GetGpuInstanceById(2)/ERROR_NOT_SUPPORTED", []gpu.Fact{gpu.FactInstances}},
+		{"GetMigDeviceHandleByIndex", nvml.ERROR_UNKNOWN, true, 0, "0/GetMigDeviceHandleByIndex(0)/ERROR_UNKNOWN", []gpu.Fact{gpu.FactInstances}},
+		{"GetGpuInstanceProfileInfo", nvml.ERROR_GPU_IS_LOST, false, 0, "0/mig 0: GetGpuInstanceProfileInfo (profile id 2)/ERROR_GPU_IS_LOST", nil},
+		{"GetMaxMigDeviceCount", nvml.ERROR_NOT_SUPPORTED, true, 0, "", nil},
+		{"GetGpuInstances", nvml.ERROR_UNKNOWN, true, 5, "0/GetGpuInstances(1g.5gb)/ERROR_UNKNOWN", []gpu.Fact{gpu.FactGIsWithoutCI}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.call, func(t *testing.T) {
@@ -466,6 +475,9 @@ func TestNewMIGFailures(t *testing.T) {
 			}
 			if len(got.Instances) != tt.wantInsts {
 				t.Errorf("%d instances, want %d", len(got.Instances), tt.wantInsts)
+			}
+			if !slices.Equal(got.Unread, tt.wantUnread) {
+				t.Errorf("Unread = %v, want %v", got.Unread, tt.wantUnread)
 			}
 			errs := calls(inv)
 			if tt.wantErr == "" {

@@ -6,11 +6,14 @@ import (
 	"fmt"
 	"io"
 	"strconv"
+	"strings"
 	"text/tabwriter"
 )
 
-// WriteTable writes inv for people: the GPUs, the MIG instances, a topology
-// matrix in the style of `nvidia-smi topo -m`, then any errors. The output
+// WriteTable writes inv for people: the GPUs, the MIG instances (GPU
+// instances without a compute instance among them), a topology matrix in
+// the style of `nvidia-smi topo -m`, then what could not be read and any
+// errors. The output
 // depends only on inv, so it can be compared with a golden file.
 func WriteTable(w io.Writer, inv *Inventory) error {
 	var buf bytes.Buffer
@@ -38,6 +41,11 @@ func WriteTable(w io.Writer, inv *Inventory) error {
 			fmt.Fprintf(tw, "%d\t%s\t%d\t%d\t%d:%d\t%d MiB\t%s\n", g.Index, m.Profile, m.GI, m.CI,
 				m.Placement.Start, m.Placement.Size, m.MemoryBytes>>20, m.UUID)
 		}
+		for _, b := range g.GIsWithoutCI {
+			listed = true
+			fmt.Fprintf(tw, "%d\t%s\t%d\t-\t%d:%d\t-\t(no compute instance)\n", g.Index, b.Profile, b.GI,
+				b.Placement.Start, b.Placement.Size)
+		}
 	}
 	if !listed {
 		fmt.Fprintln(tw, "(none)")
@@ -50,6 +58,23 @@ func WriteTable(w io.Writer, inv *Inventory) error {
 	buf.WriteString("\nTopology\n")
 	if err := writeMatrix(&buf, inv); err != nil {
 		return err
+	}
+
+	var unread []string
+	for _, g := range inv.GPUs {
+		if len(g.Unread) > 0 {
+			facts := make([]string, len(g.Unread))
+			for i, f := range g.Unread {
+				facts[i] = string(f)
+			}
+			unread = append(unread, fmt.Sprintf("gpu %d (%s): %s\n", g.Index, g.UUID, strings.Join(facts, ", ")))
+		}
+	}
+	if len(unread) > 0 {
+		buf.WriteString("\nNot read this time\n")
+		for _, u := range unread {
+			buf.WriteString(u)
+		}
 	}
 
 	if len(inv.Errors) > 0 {
@@ -125,6 +150,9 @@ func numaString(n int) string {
 }
 
 func migString(g GPU) string {
+	if g.Unknown(FactMIGMode) {
+		return "?"
+	}
 	if !g.MIGCapable {
 		return "N/A"
 	}

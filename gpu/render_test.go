@@ -55,6 +55,11 @@ func goldenNode() *fakeNode {
 	node.gpus[2].mig = on(false, true)
 	node.gpus[1].links[5].down = true
 	node.gpus[4].fail = map[string]nvml.Return{"GetUUID": nvml.ERROR_UNKNOWN}
+	// GPU 5 has MIG on and a GPU instance without a compute instance; GPU
+	// 0 could not tell its MIG mode.
+	node.gpus[5].mig = on(true, true)
+	node.gpus[5].bareGIs = []fakeGI{{gi: 1, giProfile: nvml.GPU_INSTANCE_PROFILE_7_SLICE, start: 0, len: 8}}
+	node.gpus[0].fail = map[string]nvml.Return{"GetMigMode": nvml.ERROR_UNKNOWN}
 	return node
 }
 
@@ -95,6 +100,8 @@ func TestWriteTableGolden(t *testing.T) {
 		"3    1c.2g.10gb",
 		"gpu 4: GetUUID: ERROR_UNKNOWN",
 		"off/on",
+		"5    7g.40gb     1   -   0:8        -          (no compute instance)",
+		"gpu 0 (GPU-0000): migMode, instances, gisWithoutCI",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q", want)

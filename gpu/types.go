@@ -4,7 +4,10 @@
 // NVML directly, so one enumeration serves planning, serving and status.
 package gpu
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 // Inventory is an immutable snapshot of a node's GPUs. Callers must not modify it.
 type Inventory struct {
@@ -26,6 +29,9 @@ type DeviceError struct {
 	UUID  string `json:"uuid,omitempty"`
 	Call  string `json:"call"`
 	Err   string `json:"error"`
+	// Lost: NVML answered ERROR_GPU_IS_LOST for this GPU, which is final
+	// until a reset (unlike other failures, which may pass).
+	Lost bool `json:"lost,omitempty"`
 }
 
 func (e DeviceError) Error() string {
@@ -51,10 +57,89 @@ type GPU struct {
 	// NUMANode is -1 when unknown (single-socket machines report -1 in sysfs).
 	NUMANode          int               `json:"numaNode"`
 	ComputeCapability ComputeCapability `json:"computeCapability"`
-	MIGCapable        bool              `json:"migCapable"`
-	MIG               MIGMode           `json:"migMode"`
+	// MIGCapable and MIG are NVML's answer to GetMigMode; both are false
+	// when NVML says the GPU has no MIG (NOT_SUPPORTED), and also, meaning
+	// unknown, when Unread holds FactMIGMode.
+	MIGCapable bool    `json:"migCapable"`
+	MIG        MIGMode `json:"migMode"`
 	// Instances are the MIG devices (GI + CI) on this GPU, ordered by GI then CI.
 	Instances []MIGInstance `json:"instances,omitempty"`
+	// GIsWithoutCI are the GPU instances that have no compute instance, by GI
+	// id. No MIG device stands for one, so nothing can use or hold it, yet it
+	// keeps its memory slices from every other instance. Only an interrupted
+	// change (or a person halfway through nvidia-smi mig) leaves one.
+	GIsWithoutCI []GPUInstance `json:"gisWithoutCI,omitempty"`
+	// Unread lists the facts that could not be read for this GPU in this
+	// snapshot because an NVML call (or the Options.NUMANode lookup) failed,
+	// in the order of the Fact constants; nil when the GPU was read
+	// completely. NOT_SUPPORTED is an answer, not a failure (no MIG, no NUMA
+	// node), and ERROR_GPU_IS_LOST leaves the GPU out of the snapshot
+	// instead. The fields of an unread fact hold what could be read
+	// (possibly nothing); each failure is in Inventory.Errors with the call
+	// and NVML's error.
+	//
+	// A consumer must not take an unread fact's fields as the GPU's state.
+	// Where it has an earlier record of the same UUID, it keeps that
+	// record's fields for the fact (simplest: the whole earlier GPU record)
+	// until a snapshot reads the fact again. Either way it never acts on
+	// what the unread fields lack or say false: a MIG device missing from
+	// Instances is not withdrawn, a GPU with FactMIGMode unread is not
+	// offered as a whole GPU, and no MIG change is planned (mig.MakePlan
+	// refuses a GPU whose MIGUnknown is true). Without an earlier record, a
+	// GPU with FactMIGMode unread is withheld, or offered unhealthy, until a
+	// snapshot reads it.
+	Unread []Fact `json:"unread,omitempty"`
+}
+
+// Fact names a part of GPU that one snapshot may fail to read (GPU.Unread).
+// A failure lists every fact it leaves unknown, so a consumer checks the one
+// it needs without knowing which reads depend on which.
+type Fact string
+
+// The facts of GPU.Unread, in the order they are read and listed.
+const (
+	// FactComputeCapability: ComputeCapability is unknown (0.0).
+	FactComputeCapability Fact = "computeCapability"
+	// FactNUMANode: NUMANode is unknown (-1).
+	FactNUMANode Fact = "numaNode"
+	// FactMIGMode: MIGCapable and MIG are unknown (false). Instances and
+	// GIsWithoutCI were not read at all, so their facts are listed too.
+	FactMIGMode Fact = "migMode"
+	// FactInstances: Instances lacks the MIG devices that could not be read
+	// or describes one only in part; the ones it has are right as far as
+	// they go, but a missing one may exist and may be held by a pod.
+	FactInstances Fact = "instances"
+	// FactGIsWithoutCI: GIsWithoutCI may lack GPU instances that exist.
+	FactGIsWithoutCI Fact = "gisWithoutCI"
+)
+
+var factOrder = []Fact{FactComputeCapability, FactNUMANode, FactMIGMode, FactInstances, FactGIsWithoutCI}
+
+// Unknown reports whether any of facts is in g.Unread.
+func (g GPU) Unknown(facts ...Fact) bool {
+	for _, f := range facts {
+		if slices.Contains(g.Unread, f) {
+			return true
+		}
+	}
+	return false
+}
+
+// MIGUnknown reports whether g's MIG state (mode, MIG devices, GPU
+// instances) was not read completely: what a MIG planner must not act on.
+func (g GPU) MIGUnknown() bool {
+	return g.Unknown(FactMIGMode, FactInstances, FactGIsWithoutCI)
+}
+
+// GPUInstance is a GPU instance seen without its MIG devices
+// (GPU.GIsWithoutCI).
+type GPUInstance struct {
+	GI int `json:"gi"`
+	// Profile is the GPU instance profile name, as in MIGInstance.
+	Profile string `json:"profile"`
+	// GIProfileID is the GPU_INSTANCE_PROFILE_* index, as in MIGInstance.
+	GIProfileID int       `json:"giProfileID"`
+	Placement   Placement `json:"placement"`
 }
 
 // ComputeCapability is the CUDA compute capability, e.g. 8.0 for A100.

@@ -25,7 +25,10 @@ type Applier struct {
 	dir string
 	log *slog.Logger
 	// crash, when set (tests only), is asked at each point a process could
-	// die; returning true makes Apply stop there as if killed.
+	// die; returning true makes Apply stop there as if killed. The points
+	// are "before" and "after" every step, and "mid" inside a destroy (its
+	// compute instances gone, its GPU instance not yet) and a create (its
+	// GPU instance made, its compute instance not yet).
 	crash func(point string, step int) bool
 }
 
@@ -65,6 +68,7 @@ func (a *Applier) Apply(ctx context.Context, p Plan) (State, error) {
 	case j != nil && j.Plan.Want.Equal(p.Want):
 		a.log.Info("resuming MIG plan", "gpu", p.GPU, "uuid", p.UUID, "step", j.Next, "steps", len(j.Plan.Steps))
 		j.Plan.Held = p.Held // holders now, not when the old plan was made
+		j.Plan.DestroyBlocked = p.DestroyBlocked
 	case j != nil:
 		a.log.Info("abandoning MIG plan for an older layout", "gpu", p.GPU, "uuid", p.UUID, "want", j.Plan.Want.String())
 		if err := a.abandon(dev, j); err != nil {
@@ -170,6 +174,9 @@ func (a *Applier) step(dev nvml.Device, p Plan, k int, s Step) (State, error) {
 				return State{Phase: PhasePending, Reason: fmt.Sprintf("%s held by %s", u, h)}, nil
 			}
 		}
+		if len(s.UUIDs) > 0 && p.DestroyBlocked != "" {
+			return State{Phase: PhasePending, Reason: p.DestroyBlocked}, nil
+		}
 		_, gi, err := findGI(dev, s)
 		if err != nil || gi == nil {
 			return State{}, err // nil, nil: already gone
@@ -182,6 +189,9 @@ func (a *Applier) step(dev nvml.Device, p Plan, k int, s Step) (State, error) {
 			if ret := ci.Destroy(); ret != nvml.SUCCESS {
 				return State{}, fmt.Errorf("destroy compute instance: %w", ret)
 			}
+		}
+		if a.crashAt("mid", k) {
+			return State{}, errCrashed
 		}
 		if ret := gi.Destroy(); ret != nvml.SUCCESS {
 			return State{}, fmt.Errorf("destroy gpu instance: %w", ret)
@@ -203,15 +213,17 @@ func (a *Applier) step(dev nvml.Device, p Plan, k int, s Step) (State, error) {
 			return State{}, errCrashed
 		}
 		cis, err := computeInstances(gi)
-		if err != nil {
-			return State{}, err
-		}
-		if len(cis) > 0 {
+		if err == nil && len(cis) > 0 {
 			return State{}, nil // adopted from a run that died after this step
 		}
-		if err := createFullCI(gi, info.SliceCount); err != nil {
+		if err == nil {
+			err = createFullCI(gi, info.SliceCount)
+		}
+		if err != nil {
 			// Undo the GPU instance: one without a compute instance is no MIG
-			// device, so nothing would list it, yet it would hold its slices.
+			// device, so no pod can use it, yet it holds its slices. Should
+			// the compute instances be unknown and exist after all, NVML
+			// refuses (IN_USE) and the instance stays whole.
 			if ret := gi.Destroy(); ret != nvml.SUCCESS {
 				return State{}, fmt.Errorf("%w (and removing its gpu instance: %w)", err, ret)
 			}
@@ -266,10 +278,18 @@ func computeInstances(gi nvml.GpuInstance) ([]nvml.ComputeInstance, error) {
 
 // createFullCI creates the compute instance that spans the GPU instance; the
 // CI profile is found by slice count, as profile ids differ between drivers.
+// A profile NVML fails to describe is an error, not a profile that does not
+// fit: it may be the one that spans.
 func createFullCI(gi nvml.GpuInstance, slicesWanted uint32) error {
 	for p := range nvml.COMPUTE_INSTANCE_PROFILE_COUNT {
 		info, ret := gi.GetComputeInstanceProfileInfo(p, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
-		if ret != nvml.SUCCESS || info.SliceCount != slicesWanted {
+		if ret == nvml.ERROR_NOT_SUPPORTED || ret == nvml.ERROR_INVALID_ARGUMENT {
+			continue
+		}
+		if ret != nvml.SUCCESS {
+			return fmt.Errorf("GetComputeInstanceProfileInfo(%d): %w", p, ret)
+		}
+		if info.SliceCount != slicesWanted {
 			continue
 		}
 		if _, ret := gi.CreateComputeInstance(&info); ret != nvml.SUCCESS {
@@ -280,9 +300,11 @@ func createFullCI(gi nvml.GpuInstance, slicesWanted uint32) error {
 	return fmt.Errorf("no compute instance profile spans %d slices", slicesWanted)
 }
 
-// abandon drops a journal whose layout is no longer wanted. Only a create can
-// leave a half: a GPU instance without its compute instance, invisible to
-// the inventory, which is removed.
+// abandon drops a journal whose layout is no longer wanted. A step cut short
+// leaves at most a GPU instance without a compute instance (inside a create
+// or a destroy); the plan replacing this one was made from an inventory that
+// lists it (gpu.GPU.GIsWithoutCI) and destroys it. The half of a create is
+// removed here as well, for a caller whose plan came from an older snapshot.
 func (a *Applier) abandon(dev nvml.Device, j *journal) error {
 	if j.Next < len(j.Plan.Steps) && j.Plan.Steps[j.Next].Op == OpCreate {
 		_, gi, err := findGI(dev, j.Plan.Steps[j.Next])

@@ -106,14 +106,18 @@ func entryMatches(e config.MigDeviceConfig, g gpu.GPU) (bool, error) {
 
 // wantOf returns nil for a GPU without MIG that the entry wants MIG off on:
 // there is nothing to do there, and "all" entries routinely cover such GPUs.
+// A GPU whose MIG mode could not be read gets the entry's want either way:
+// its false MIGCapable means unknown, not "no MIG", and MakePlan refuses to
+// plan from it.
 func wantOf(ei int, e config.MigDeviceConfig, g gpu.GPU) (*Want, error) {
+	noMIG := !g.MIGCapable && !g.Unknown(gpu.FactMIGMode)
 	if !e.MigEnabled {
-		if !g.MIGCapable {
+		if noMIG {
 			return nil, nil
 		}
 		return &Want{Entry: ei}, nil
 	}
-	if !g.MIGCapable {
+	if noMIG {
 		return nil, fmt.Errorf("%s does not support MIG", g.Name)
 	}
 	w := &Want{MIGEnabled: true, Entry: ei, Counts: map[string]int{}}

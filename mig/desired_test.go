@@ -13,6 +13,9 @@ func TestDesired(t *testing.T) {
 		{Index: 0, UUID: "GPU-a", MIGCapable: true, PCIDeviceID: 0x233010DE},
 		{Index: 1, UUID: "GPU-b", MIGCapable: true, PCIDeviceID: 0x20B010DE},
 		{Index: 2, UUID: "GPU-c", Name: "L40S", PCIDeviceID: 0x26B910DE},
+		// GetMigMode failed: MIGCapable false means unknown here.
+		{Index: 3, UUID: "GPU-d", Name: "A100", PCIDeviceID: 0x20B010DE,
+			Unread: []gpu.Fact{gpu.FactMIGMode, gpu.FactInstances, gpu.FactGIsWithoutCI}},
 	}}
 	all := config.DeviceIndices{All: true}
 	for _, tc := range []struct {
@@ -22,7 +25,11 @@ func TestDesired(t *testing.T) {
 		err    string
 	}{
 		{"all, non-MIG GPU skipped when MIG off", config.MigLayout{{Devices: all}},
-			map[int]string{0: "mig disabled", 1: "mig disabled"}, ""},
+			map[int]string{0: "mig disabled", 1: "mig disabled", 3: "mig disabled"}, ""},
+		// MakePlan refuses GPU 3 until its MIG mode is read; Desired must
+		// not fail the whole layout over it.
+		{"MIG mode unread is not \"no MIG\"", config.MigLayout{{Devices: all, DeviceFilter: config.StringList{"0x20b010de"}, MigEnabled: true, MigDevices: map[string]int{"1g.5gb": 7}}},
+			map[int]string{1: "7x 1g.5gb", 3: "7x 1g.5gb"}, ""},
 		{"first matching entry wins", config.MigLayout{
 			{Devices: config.DeviceIndices{Indices: []int{1}}, MigEnabled: true, MigDevices: map[string]int{"1g.5gb": 7}},
 			{Devices: all, DeviceFilter: config.StringList{"0x233010DE"}, MigEnabled: true, MigDevices: map[string]int{"3g.40gb": 2, "1g.10gb": 0}},

@@ -83,6 +83,11 @@ type Plan struct {
 	// Held is the MIG UUID → holder map the plan was made with; Apply refuses
 	// to destroy any of them when it resumes an older plan.
 	Held map[string]string `json:"held,omitempty"`
+	// DestroyBlocked, when set, is why no MIG device may be destroyed now
+	// (the kubelet could not say who holds what). Apply then stops, pending,
+	// at the first step that would destroy one, also when it resumes an
+	// older plan from its journal.
+	DestroyBlocked string `json:"-"`
 }
 
 // Destroys counts the instances the plan destroys.
@@ -104,21 +109,41 @@ type existing struct {
 	uuids   []string
 	// clean: exactly one compute instance spanning the GPU instance, the
 	// only shape the planner creates and so the only one it can keep.
-	clean   bool
+	clean bool
+	// bare: no compute instance at all (gpu.GPU.GIsWithoutCI).
+	bare    bool
 	holders []string // "uuid held by ns/pod"
 }
+
+// reasonBare is why a GPU instance without a compute instance is destroyed.
+const reasonBare = "GPU instance without a compute instance (left by an interrupted change)"
 
 // MakePlan computes the Plan that takes g to want (named MakePlan because
 // Plan is the result type). It is pure: g is the snapshot, held maps MIG device UUIDs to the pod that
 // holds them (kubelet pod-resources). It returns PhaseApplied with no steps
 // when g already has the layout, PhasePlanned with steps, PhasePending or
 // PhaseResetRequired with no steps when the GPU must wait, and PhaseFailed
-// with an error naming the GPU when the layout is impossible on it.
+// with an error naming the GPU when the layout is impossible on it or g's
+// MIG state was not read completely (g.MIGUnknown).
+//
+// A GPU instance without a compute instance (g.GIsWithoutCI) is always
+// destroyed, never finished, even where the layout wants its profile at its
+// placement: no MIG device stands for it, so no pod can hold it and
+// destroying costs no more than creating it again; and the planner keeps
+// reasoning about whole instances only, the one shape it creates, instead
+// of guessing whether the instance was being built up or torn down (a crash
+// between a destroy's compute and GPU instance leaves the same thing as one
+// inside a create).
 func MakePlan(g gpu.GPU, profiles Profiles, want Want, held map[string]string) (Plan, State, error) {
 	p := Plan{GPU: g.Index, UUID: g.UUID, Want: want, Held: held}
 	fail := func(format string, args ...any) (Plan, State, error) {
 		err := fmt.Errorf("gpu %d (%s): "+format, append([]any{g.Index, g.UUID}, args...)...)
 		return p, State{Phase: PhaseFailed, Reason: err.Error()}, err
+	}
+	if g.MIGUnknown() {
+		// An instance missing from a partial read may exist and be held by
+		// a pod; a plan from it could destroy or collide with it.
+		return fail("MIG state not read completely (unread: %s); not planning from a partial inventory", joinFacts(g.Unread))
 	}
 	if want.MIGEnabled && !g.MIGCapable {
 		return fail("%s does not support MIG", g.Name)
@@ -141,7 +166,11 @@ func MakePlan(g gpu.GPU, profiles Profiles, want Want, held map[string]string) (
 				return p, State{Phase: PhasePending, Reason: "MIG disable waits for " + strings.Join(h, ", ")}, nil
 			}
 			for _, e := range gis {
-				p.Steps = append(p.Steps, destroyStep(e, "MIG is to be disabled"))
+				why := "MIG is to be disabled"
+				if e.bare {
+					why = reasonBare
+				}
+				p.Steps = append(p.Steps, destroyStep(e, why))
 			}
 			p.Steps = append(p.Steps, Step{Op: OpSetMode, Reason: "layout wants MIG disabled"})
 		}
@@ -181,6 +210,8 @@ func MakePlan(g gpu.GPU, profiles Profiles, want Want, held map[string]string) (
 		if !best.keep[i] {
 			why := "no longer wanted"
 			switch {
+			case e.bare:
+				why = reasonBare
 			case !e.clean:
 				why = "not a single full compute instance"
 			case want.Counts[e.profile.Name] > 0:
@@ -216,7 +247,8 @@ func holdersOf(gis []existing) []string {
 	return out
 }
 
-// group folds the snapshot's MIG devices into GPU instances, by GI id.
+// group folds the snapshot's MIG devices into GPU instances, by GI id, and
+// adds the GPU instances without a compute instance.
 func group(g gpu.GPU, profiles Profiles, held map[string]string) ([]existing, error) {
 	var out []existing
 	for _, in := range g.Instances {
@@ -236,7 +268,22 @@ func group(g gpu.GPU, profiles Profiles, held map[string]string) ([]existing, er
 			e.holders = append(e.holders, fmt.Sprintf("%s (%s) held by %s", in.UUID, in.Profile, h))
 		}
 	}
+	for _, b := range g.GIsWithoutCI {
+		prof, ok := profiles.byIndex(b.GIProfileID)
+		if !ok {
+			return nil, fmt.Errorf("gi %d: profile index %d not among the GPU's profiles", b.GI, b.GIProfileID)
+		}
+		out = append(out, existing{gi: b.GI, profile: prof, pl: b.Placement, bare: true})
+	}
 	return out, nil
+}
+
+func joinFacts(fs []gpu.Fact) string {
+	out := make([]string, len(fs))
+	for i, f := range fs {
+		out[i] = string(f)
+	}
+	return strings.Join(out, ", ")
 }
 
 // validate rejects layouts no empty GPU of this model can hold, with the
