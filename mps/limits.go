@@ -2,6 +2,12 @@
 // keeps its limits applied and reports its health, so that MPS replicas are
 // only offered while their daemon answers. It also says what a container that
 // gets an MPS replica receives (environment and mounts).
+//
+// The daemons outlive the agent, so that an agent restart or upgrade does not
+// kill their MPS clients: ending Supervisor.Run leaves them running, and the
+// next agent adopts them. Only Set dropping a device (after the first Set,
+// also a leftover daemon for a device it does not list) or
+// Supervisor.StopAll quits one.
 package mps
 
 import (

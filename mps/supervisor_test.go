@@ -1,12 +1,14 @@
 package mps
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -26,6 +28,11 @@ func TestMain(m *testing.M) {
 	fakeBinary = filepath.Join(dir, "nvidia-cuda-mps-control")
 	if out, err := exec.Command("go", "build", "-o", fakeBinary, "./testdata/fakemps").CombinedOutput(); err != nil {
 		fmt.Fprintf(os.Stderr, "build fakemps: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	// Daemons are told apart by /proc/PID/exe, which names the real path.
+	if fakeBinary, err = filepath.EvalSymlinks(fakeBinary); err != nil {
+		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
 	code := m.Run()
@@ -57,10 +64,12 @@ type harness struct {
 	clock  *clock
 	cancel context.CancelFunc
 	done   chan error
+	// passes receives (coalesced) after each pass of Run.
+	passes chan struct{}
 }
 
-// start runs a supervisor over a fresh root with fast checks. Cleanup stops
-// it and kills any daemon a failed test left behind.
+// start runs a supervisor over a fresh root with fast checks, after Setting
+// daemons. Cleanup stops it and kills the daemons it leaves.
 func start(t *testing.T, binary string, daemons ...Daemon) *harness {
 	t.Helper()
 	return startWith(t, binary, 2*time.Second, daemons...)
@@ -68,33 +77,81 @@ func start(t *testing.T, binary string, daemons ...Daemon) *harness {
 
 func startWith(t *testing.T, binary string, cmdTimeout time.Duration, daemons ...Daemon) *harness {
 	t.Helper()
+	h := newHarness(t, newRoot(t), binary, cmdTimeout)
+	h.set(t, daemons...)
+	h.run(t)
+	return h
+}
+
+// newRoot makes a root for daemons. Run leaves its daemons running, so
+// cleanup kills those still there, after every later cleanup (Run's end).
+func newRoot(t *testing.T) string {
+	t.Helper()
 	// Unix socket paths are limited to 108 bytes; t.TempDir can be too long.
 	root, err := os.MkdirTemp("", "mps")
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := &harness{root: root, clock: &clock{now: time.Unix(1000, 0)}, done: make(chan error, 1)}
+	t.Cleanup(func() {
+		killDaemonsUnder(root)
+		os.RemoveAll(root)
+	})
+	return root
+}
+
+// killDaemonsUnder kills the fakemps daemons whose pipe directory is under
+// root. They are found by their environment, not their pid files: a launch
+// that timed out leaves a daemon no pid file names, and a pid file may name a
+// pid since reused.
+func killDaemonsUnder(root string) {
+	dirs, _ := filepath.Glob("/proc/[0-9]*")
+	for _, dir := range dirs {
+		pid, err := strconv.Atoi(filepath.Base(dir))
+		if err != nil {
+			continue
+		}
+		if exe, err := os.Readlink(filepath.Join(dir, "exe")); err != nil || exe != fakeBinary {
+			continue
+		}
+		env, err := os.ReadFile(filepath.Join(dir, "environ"))
+		if err == nil && bytes.Contains(append([]byte{0}, env...), []byte("\x00CUDA_MPS_PIPE_DIRECTORY="+root+"/")) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+	}
+}
+
+// newHarness makes a supervisor over root (which may hold daemons an earlier
+// one left) and neither Sets nor runs it.
+func newHarness(t *testing.T, root, binary string, cmdTimeout time.Duration) *harness {
+	t.Helper()
+	h := &harness{root: root, clock: &clock{now: time.Unix(1000, 0)}, done: make(chan error, 1), passes: make(chan struct{}, 1)}
 	h.sup = NewSupervisor(Options{
 		Binary: binary, Root: root, Interval: 10 * time.Millisecond, RestartBackoff: time.Second,
 		CommandTimeout: cmdTimeout, StopTimeout: 2 * time.Second, Now: h.clock.Now,
 	})
+	h.sup.reconciled = func() {
+		select {
+		case h.passes <- struct{}{}:
+		default:
+		}
+	}
+	return h
+}
+
+func (h *harness) set(t *testing.T, daemons ...Daemon) {
+	t.Helper()
 	if err := h.sup.Set(daemons); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// run starts Run; cleanup ends it.
+func (h *harness) run(t *testing.T) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	h.cancel = cancel
 	go func() { h.done <- h.sup.Run(ctx) }()
-	t.Cleanup(func() {
-		h.stop(t)
-		dirs, _ := filepath.Glob(filepath.Join(root, "*", "pipe"))
-		for _, dir := range dirs {
-			if pid, err := readPID(filepath.Join(dir, pidFileName)); err == nil {
-				_ = syscall.Kill(pid, syscall.SIGKILL)
-			}
-		}
-		os.RemoveAll(root)
-	})
-	return h
+	t.Cleanup(func() { h.stop(t) })
 }
 
 func (h *harness) stop(t *testing.T) {
@@ -109,6 +166,30 @@ func (h *harness) stop(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("Run did not return after cancel")
 	}
+}
+
+// waitPasses waits until Run has ended at least n passes after the call.
+func (h *harness) waitPasses(t *testing.T, n int) {
+	t.Helper()
+	// A value already buffered may predate the call; it does not count.
+	select {
+	case <-h.passes:
+	default:
+	}
+	for range n {
+		select {
+		case <-h.passes:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("Run made no pass in 10s")
+		}
+	}
+}
+
+// answers reports whether d's daemon under h's root answers a command.
+func (h *harness) answers(d Daemon) error {
+	// Run has ended or runs elsewhere; a bare Supervisor asks on its own.
+	s := NewSupervisor(Options{Binary: fakeBinary, Root: h.root, CommandTimeout: 5 * time.Second})
+	return s.ping(context.Background(), s.daemonTarget(d))
 }
 
 func waitFor(t *testing.T, what string, cond func() bool) {
@@ -219,7 +300,7 @@ func TestKilledDaemonRestartsAfterBackoffWithLimits(t *testing.T) {
 		t.Error("no change notified when the daemon died")
 	}
 	// The clock stands still: many checks pass, the backoff does not.
-	time.Sleep(100 * time.Millisecond)
+	h.waitPasses(t, 5)
 	if ok, _ := h.sup.Healthy(d.Device); ok {
 		t.Fatal("healthy again before the restart backoff passed")
 	}
@@ -238,7 +319,13 @@ func TestHungDaemonIsKilledAndRestarted(t *testing.T) {
 	// A stopped process still accepts connections (the kernel queues them)
 	// but never answers, like a hung daemon.
 	h := startWith(t, fakeBinary, 200*time.Millisecond, d)
-	h.waitHealthy(t, d.Device, true)
+	// On a loaded machine a launch can outlast so short a timeout: let the
+	// restarts that follow happen.
+	waitFor(t, "daemon healthy", func() bool {
+		h.clock.Advance(time.Minute)
+		ok, _ := h.sup.Healthy(d.Device)
+		return ok
+	})
 	old := h.pid(t, d.Device)
 	if err := syscall.Kill(old, syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
@@ -284,7 +371,7 @@ func TestLimitsChangeLiveWithoutRestart(t *testing.T) {
 	if got := h.pid(t, d.Device); got != pid {
 		t.Errorf("daemon restarted (pid %d → %d) for a limit change", pid, got)
 	}
-	time.Sleep(50 * time.Millisecond) // several checks: limits are not re-sent each time
+	h.waitPasses(t, 3) // several checks: limits are not re-sent each time
 	if n := count(h.commands(t, d.Device), "set_default_active_thread_percentage 20"); n != 1 {
 		t.Errorf("limit sent %d times, want once", n)
 	}
@@ -312,7 +399,7 @@ func TestRemovedDeviceIsQuit(t *testing.T) {
 	}
 }
 
-func TestCancelStopsEveryDaemon(t *testing.T) {
+func TestCancelLeavesDaemonsRunning(t *testing.T) {
 	devs := []Daemon{{Device: "GPU-c1"}, {Device: "GPU-c2", ActiveThreadPercentage: 10}}
 	h := start(t, fakeBinary, devs...)
 	var pids []int
@@ -322,50 +409,232 @@ func TestCancelStopsEveryDaemon(t *testing.T) {
 	}
 	h.stop(t)
 	for i, d := range devs {
-		if alive(pids[i]) {
-			t.Errorf("%s daemon (pid %d) still runs after cancel", d.Device, pids[i])
+		if !alive(pids[i]) {
+			t.Errorf("%s daemon (pid %d) gone after cancel", d.Device, pids[i])
 		}
-		if count(h.commands(t, d.Device), "quit") != 1 {
-			t.Errorf("%s got no quit", d.Device)
+		if err := h.answers(d); err != nil {
+			t.Errorf("%s daemon does not answer after cancel: %v", d.Device, err)
+		}
+		if n := count(h.commands(t, d.Device), "quit"); n != 0 {
+			t.Errorf("%s got quit %d times on cancel", d.Device, n)
 		}
 	}
 }
 
-func TestAdoptsRunningDaemon(t *testing.T) {
-	root, err := os.MkdirTemp("", "mps")
-	if err != nil {
-		t.Fatal(err)
+// An agent upgrade: the next supervisor keeps the daemon and its limits, and
+// only a config without the device quits it.
+func TestNextSupervisorAdoptsDaemon(t *testing.T) {
+	d := Daemon{Device: "GPU-next", ActiveThreadPercentage: 30, PinnedMemLimitBytes: 1 << 30}
+	h := start(t, fakeBinary, d)
+	h.waitHealthy(t, d.Device, true)
+	pid := h.pid(t, d.Device)
+	h.stop(t)
+	if !alive(pid) {
+		t.Fatalf("daemon (pid %d) gone after cancel", pid)
 	}
-	defer os.RemoveAll(root)
+	if err := h.answers(d); err != nil {
+		t.Fatalf("daemon does not answer after cancel: %v", err)
+	}
+
+	next := newHarness(t, h.root, fakeBinary, 2*time.Second)
+	next.set(t, d)
+	next.run(t)
+	next.waitHealthy(t, d.Device, true)
+	if got := next.pid(t, d.Device); got != pid || !alive(pid) {
+		t.Errorf("pid %d after adoption (alive %v), want the running %d", got, alive(pid), pid)
+	}
+	// Healthy comes after the limits were looked at, so a re-send would
+	// already show.
+	for _, c := range []string{"set_default_active_thread_percentage 30", "set_default_device_pinned_mem_limit 0 1024M"} {
+		if n := count(next.commands(t, d.Device), c); n != 1 {
+			t.Errorf("%q sent %d times, want once: the adopted daemon already has it", c, n)
+		}
+	}
+
+	next.set(t)
+	waitFor(t, "dropped daemon gone", func() bool { return !alive(pid) })
+	if cmds := next.commands(t, d.Device); count(cmds, "quit") != 1 || cmds[len(cmds)-1] != "quit" {
+		t.Errorf("commands %v: want quit last", cmds)
+	}
+	if ok, reason := next.sup.Healthy(d.Device); ok || !strings.Contains(reason, "no mps daemon") {
+		t.Errorf("Healthy(dropped) = %v, %q", ok, reason)
+	}
+}
+
+func TestAdoptedDaemonGetsChangedLimits(t *testing.T) {
+	t.Setenv("FAKEMPS_SERVER_PIDS", "4242")
+	d := Daemon{Device: "GPU-change", ActiveThreadPercentage: 30}
+	h := start(t, fakeBinary, d)
+	h.waitHealthy(t, d.Device, true)
+	pid := h.pid(t, d.Device)
+	h.stop(t)
+
+	d.ActiveThreadPercentage = 40
+	next := newHarness(t, h.root, fakeBinary, 2*time.Second)
+	next.set(t, d)
+	next.run(t)
+	next.waitHealthy(t, d.Device, true)
+	if got := next.pid(t, d.Device); got != pid {
+		t.Errorf("daemon restarted (pid %d → %d) for a limit change", pid, got)
+	}
+	cmds := next.commands(t, d.Device)
+	for _, c := range []string{"set_default_active_thread_percentage 40", "set_active_thread_percentage 4242 40"} {
+		if count(cmds, c) != 1 {
+			t.Errorf("commands %v: want %q once", cmds, c)
+		}
+	}
+}
+
+// A daemon whose limits the previous agent never recorded (it ended between
+// start and apply) gets them from the next one.
+func TestAdoptedDaemonWithoutRecordGetsLimits(t *testing.T) {
+	root := newRoot(t)
 	d := Daemon{Device: "GPU-adopt", ActiveThreadPercentage: 30}
-	// A daemon left by a previous agent process.
 	prev := NewSupervisor(Options{Binary: fakeBinary, Root: root})
-	prev.binary = fakeBinary
 	pid, err := prev.start(context.Background(), d)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer syscall.Kill(pid, syscall.SIGKILL)
 
-	sup := NewSupervisor(Options{Binary: fakeBinary, Root: root, Interval: 10 * time.Millisecond})
-	if err := sup.Set([]Daemon{d}); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error)
-	go func() { done <- sup.Run(ctx) }()
-	waitFor(t, "adopted daemon healthy", func() bool { ok, _ := sup.Healthy(d.Device); return ok })
-	h := &harness{root: root}
+	h := newHarness(t, root, fakeBinary, 2*time.Second)
+	h.set(t, d)
+	h.run(t)
+	h.waitHealthy(t, d.Device, true)
 	if got := h.pid(t, d.Device); got != pid {
 		t.Errorf("pid %d, want the adopted %d", got, pid)
 	}
 	if count(h.commands(t, d.Device), "set_default_active_thread_percentage 30") != 1 {
-		t.Errorf("limits not re-applied to the adopted daemon: %v", h.commands(t, d.Device))
+		t.Errorf("limits not applied to the adopted daemon: %v", h.commands(t, d.Device))
 	}
-	cancel()
-	<-done
-	if alive(pid) {
-		t.Error("adopted daemon not stopped on cancel")
+	h.stop(t)
+	if !alive(pid) {
+		t.Error("adopted daemon stopped on cancel")
+	}
+}
+
+// A daemon busy when the next agent comes is waited for, not replaced.
+func TestAdoptedDaemonHealthyOnceItAnswers(t *testing.T) {
+	d := Daemon{Device: "GPU-slow"}
+	h := start(t, fakeBinary, d)
+	h.waitHealthy(t, d.Device, true)
+	pid := h.pid(t, d.Device)
+	h.stop(t)
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+
+	// Unanswered checks take the command timeout each: three of them
+	// would replace the daemon, so the test has two to resume it in.
+	next := newHarness(t, h.root, fakeBinary, 3*time.Second)
+	next.set(t, d)
+	next.run(t)
+	waitFor(t, "adopted daemon reported not answering", func() bool {
+		ok, reason := next.sup.Healthy(d.Device)
+		return !ok && strings.Contains(reason, "not answering")
+	})
+	if err := syscall.Kill(pid, syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	next.waitHealthy(t, d.Device, true)
+	if got := next.pid(t, d.Device); got != pid {
+		t.Errorf("daemon replaced (pid %d → %d) instead of adopted", pid, got)
+	}
+}
+
+// An agent that has not got its config yet must not guess which daemons
+// are still wanted.
+func TestSupervisorWithoutSetLeavesDaemonsAlone(t *testing.T) {
+	d := Daemon{Device: "GPU-alone"}
+	h := start(t, fakeBinary, d)
+	h.waitHealthy(t, d.Device, true)
+	pid := h.pid(t, d.Device)
+	h.stop(t)
+
+	next := newHarness(t, h.root, fakeBinary, 2*time.Second)
+	next.run(t)
+	next.waitPasses(t, 3)
+	next.stop(t)
+	if !alive(pid) || count(next.commands(t, d.Device), "quit") != 0 {
+		t.Errorf("daemon (pid %d) stopped by a supervisor that was never Set (alive %v, commands %v)",
+			pid, alive(pid), next.commands(t, d.Device))
+	}
+	if err := next.answers(d); err != nil {
+		t.Errorf("daemon does not answer: %v", err)
+	}
+	if ok, reason := next.sup.Healthy(d.Device); ok || !strings.Contains(reason, "no mps daemon") {
+		t.Errorf("Healthy without Set = %v, %q", ok, reason)
+	}
+}
+
+func TestFirstSetQuitsLeftoverDaemons(t *testing.T) {
+	keep, drop := Daemon{Device: "GPU-keep"}, Daemon{Device: "MIG-GPU-drop/1/0"}
+	h := start(t, fakeBinary, keep, drop)
+	h.waitHealthy(t, keep.Device, true)
+	h.waitHealthy(t, drop.Device, true)
+	pidKeep, pidDrop := h.pid(t, keep.Device), h.pid(t, drop.Device)
+	h.stop(t)
+
+	next := newHarness(t, h.root, fakeBinary, 2*time.Second)
+	next.run(t)
+	next.waitPasses(t, 2)
+	if !alive(pidDrop) {
+		t.Fatal("leftover daemon quit before the first Set")
+	}
+	next.set(t, keep)
+	waitFor(t, "leftover daemon gone", func() bool { return !alive(pidDrop) })
+	if cmds := next.commands(t, drop.Device); count(cmds, "quit") != 1 || cmds[len(cmds)-1] != "quit" {
+		t.Errorf("leftover's commands %v: want quit last", cmds)
+	}
+	next.waitHealthy(t, keep.Device, true)
+	if got := next.pid(t, keep.Device); got != pidKeep || count(next.commands(t, keep.Device), "quit") != 0 {
+		t.Errorf("kept daemon not adopted: pid %d (was %d), commands %v", got, pidKeep, next.commands(t, keep.Device))
+	}
+}
+
+func TestStopAllQuitsEveryDaemonUnderRoot(t *testing.T) {
+	a, b := Daemon{Device: "GPU-s1"}, Daemon{Device: "GPU-s2", ActiveThreadPercentage: 10}
+	h := start(t, fakeBinary, a, b)
+	h.waitHealthy(t, a.Device, true)
+	h.waitHealthy(t, b.Device, true)
+	pidA, pidB := h.pid(t, a.Device), h.pid(t, b.Device)
+	if err := h.sup.StopAll(context.Background()); err == nil {
+		t.Error("StopAll while Run runs: no error")
+	}
+	if !alive(pidA) || !alive(pidB) {
+		t.Fatal("a refused StopAll stopped daemons")
+	}
+	h.stop(t)
+
+	// The supervisor's own daemons.
+	if err := h.sup.StopAll(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, pid := range []int{pidA, pidB} {
+		if alive(pid) {
+			t.Errorf("daemon (pid %d) runs after StopAll", pid)
+		}
+	}
+	for _, d := range []Daemon{a, b} {
+		if count(h.commands(t, d.Device), "quit") != 1 {
+			t.Errorf("%s got no quit", d.Device)
+		}
+		if ok, reason := h.sup.Healthy(d.Device); ok || !strings.Contains(reason, "stopped") {
+			t.Errorf("Healthy(%s) after StopAll = %v, %q", d.Device, ok, reason)
+		}
+	}
+
+	// Daemons an earlier agent left, by a supervisor that never ran.
+	c := Daemon{Device: "GPU-s3"}
+	h2 := start(t, fakeBinary, c)
+	h2.waitHealthy(t, c.Device, true)
+	pidC := h2.pid(t, c.Device)
+	h2.stop(t)
+	fresh := NewSupervisor(Options{Binary: fakeBinary, Root: h2.root, StopTimeout: 2 * time.Second})
+	if err := fresh.StopAll(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if alive(pidC) || count(h2.commands(t, c.Device), "quit") != 1 {
+		t.Errorf("leftover daemon (pid %d) not quit by StopAll", pidC)
 	}
 }
 
