@@ -5,6 +5,8 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -79,6 +81,15 @@ func NewAttribution(pods []*podresourcesv1.PodResources, keep func(resource stri
 	return a
 }
 
+// Same reports whether a and b attribute the same device IDs to the same
+// containers.
+func (a *Attribution) Same(b *Attribution) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return maps.EqualFunc(a.ids, b.ids, func(x, y map[string]Holder) bool { return maps.Equal(x, y) })
+}
+
 // HeldIDs returns the device IDs of resource that containers hold, exactly
 // as the kubelet allocated them (replica IDs included), each with a holder.
 func (a *Attribution) HeldIDs(resource string) map[string]Holder {
@@ -139,10 +150,11 @@ func IsGPUResource(name string) bool { return strings.HasPrefix(name, "nvidia.co
 
 // PodResourcesOptions tune a PodResources.
 type PodResourcesOptions struct {
-	// Socket is the kubelet's pod-resources socket path.
+	// Socket is the kubelet's pod-resources socket path (a relative one is
+	// taken from the working directory).
 	Socket string
-	// MinInterval is the least time between two List calls, however often
-	// Invalidate is called (default 2s).
+	// MinInterval is the least time between two background List calls,
+	// however often Invalidate is called (default 2s).
 	MinInterval time.Duration
 	// MaxAge refreshes the cache even without Invalidate, to see pods that
 	// ended (default 30s).
@@ -150,19 +162,30 @@ type PodResourcesOptions struct {
 	// Timeout bounds one List call (default 5s).
 	Timeout time.Duration
 	// Keep selects the resources attributed (nil: IsGPUResource).
-	Keep   func(resource string) bool
-	Logger *slog.Logger
+	Keep func(resource string) bool
+	// OnChange gets each background answer that differs from the last one
+	// (not Refresh's: its caller has the answer). It must not block.
+	OnChange func(*Attribution)
+	Logger   *slog.Logger
 }
 
 // PodResources keeps an Attribution from the kubelet's pod-resources API
 // fresh: one connection, a List after each Invalidate (rate limited) and
-// every MaxAge. Scrapes read the cache; they never dial the kubelet.
+// every MaxAge. Scrapes read the cache; they never dial the kubelet. Run's
+// goroutine is the only one that talks to the kubelet and writes the cache:
+// Refresh hands it a request and waits for the answer.
 type PodResources struct {
-	opts  PodResourcesOptions
-	log   *slog.Logger
-	cur   atomic.Pointer[Attribution]
-	kick  chan struct{}
-	lists atomic.Int64
+	opts     PodResourcesOptions
+	log      *slog.Logger
+	cur      atomic.Pointer[Attribution]
+	kick     chan struct{}
+	requests chan chan refreshResult
+	lists    atomic.Int64
+}
+
+type refreshResult struct {
+	att *Attribution
+	err error
 }
 
 // NewPodResources returns an attribution source; it lists nothing until Run.
@@ -182,32 +205,34 @@ func NewPodResources(opts PodResourcesOptions) *PodResources {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
-	p := &PodResources{opts: opts, log: opts.Logger, kick: make(chan struct{}, 1)}
+	if abs, err := filepath.Abs(opts.Socket); err == nil {
+		// gRPC reads "unix://relative/path" as an authority and refuses it.
+		opts.Socket = abs
+	}
+	p := &PodResources{opts: opts, log: opts.Logger, kick: make(chan struct{}, 1), requests: make(chan chan refreshResult)}
 	p.cur.Store(NewAttribution(nil, nil))
 	return p
 }
 
-// Refresh asks the kubelet now, bypassing the cache and its rate limit, and
-// stores and returns the answer. It is for decisions that destroy what a pod
-// may hold (MIG repartitioning), not for scrapes.
+// Refresh asks the kubelet now, bypassing the cache's rate limit, and
+// returns the answer (also cached). It is for decisions that destroy what a
+// pod may hold (MIG repartitioning), not for scrapes. It fails when Run is
+// not running or the kubelet does not answer within Timeout.
 func (p *PodResources) Refresh(ctx context.Context) (*Attribution, error) {
-	conn, err := grpc.NewClient("unix://"+p.opts.Socket,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(16<<20)))
-	if err != nil {
-		return nil, fmt.Errorf("pod-resources %s: %w", p.opts.Socket, err)
-	}
-	defer conn.Close()
-	ctx, cancel := context.WithTimeout(ctx, p.opts.Timeout)
+	ctx, cancel := context.WithTimeout(ctx, p.opts.Timeout+time.Second)
 	defer cancel()
-	resp, err := podresourcesv1.NewPodResourcesListerClient(conn).List(ctx, &podresourcesv1.ListPodResourcesRequest{})
-	p.lists.Add(1)
-	if err != nil {
-		return nil, fmt.Errorf("pod-resources %s: List: %w", p.opts.Socket, err)
+	reply := make(chan refreshResult, 1)
+	select {
+	case p.requests <- reply:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("pod-resources %s: no answer: %w", p.opts.Socket, ctx.Err())
 	}
-	a := NewAttribution(resp.GetPodResources(), p.opts.Keep)
-	p.cur.Store(a)
-	return a, nil
+	select {
+	case r := <-reply:
+		return r.att, r.err
+	case <-ctx.Done():
+		return nil, fmt.Errorf("pod-resources %s: no answer: %w", p.opts.Socket, ctx.Err())
+	}
 }
 
 // Attribution returns the cached attribution; safe from any goroutine.
@@ -225,7 +250,7 @@ func (p *PodResources) Invalidate() {
 // Lists returns how many List calls were made (for tests and /status).
 func (p *PodResources) Lists() int64 { return p.lists.Load() }
 
-// Run refreshes the cache until ctx is done.
+// Run refreshes the cache and answers Refresh until ctx is done.
 func (p *PodResources) Run(ctx context.Context) error {
 	conn, err := grpc.NewClient("unix://"+p.opts.Socket,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -236,48 +261,57 @@ func (p *PodResources) Run(ctx context.Context) error {
 	defer conn.Close()
 	client := podresourcesv1.NewPodResourcesListerClient(conn)
 	var lastErr string
-	age := time.NewTimer(0)
-	defer age.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-p.kick:
-		case <-age.C:
-		}
-		start := time.Now()
+	list := func() (*Attribution, error) {
 		lctx, cancel := context.WithTimeout(ctx, p.opts.Timeout)
+		defer cancel()
 		resp, err := client.List(lctx, &podresourcesv1.ListPodResourcesRequest{})
-		cancel()
 		p.lists.Add(1)
-		switch {
-		case err != nil && ctx.Err() != nil:
-			return nil
-		case err != nil:
-			// Keep the last answer: pods rarely all vanish, and metrics
-			// without their pods are worse than slightly stale ones.
-			if msg := err.Error(); msg != lastErr {
+		if err != nil {
+			if msg := err.Error(); msg != lastErr && ctx.Err() == nil {
+				// Keep the last answer: pods rarely all vanish, and metrics
+				// without their pods are worse than slightly stale ones.
 				p.log.Warn("pod-resources List failed; keeping the last attribution", "socket", p.opts.Socket, "error", err)
 				lastErr = msg
 			}
-		default:
-			if lastErr != "" {
-				p.log.Info("pod-resources List works again", "socket", p.opts.Socket)
-				lastErr = ""
-			}
-			p.cur.Store(NewAttribution(resp.GetPodResources(), p.opts.Keep))
+			return nil, fmt.Errorf("pod-resources %s: List: %w", p.opts.Socket, err)
 		}
-		if !age.Stop() {
-			select {
-			case <-age.C:
-			default:
-			}
+		if lastErr != "" {
+			p.log.Info("pod-resources List works again", "socket", p.opts.Socket)
+			lastErr = ""
 		}
+		a := NewAttribution(resp.GetPodResources(), p.opts.Keep)
+		p.cur.Store(a)
+		return a, nil
+	}
+	age := time.NewTimer(0)
+	defer age.Stop()
+	limit := time.NewTimer(0)
+	defer limit.Stop()
+	limited := false // an Invalidate waits in kick until limit fires
+	for {
+		kick := p.kick
+		if limited {
+			kick = nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case reply := <-p.requests:
+			a, err := list()
+			reply <- refreshResult{att: a, err: err}
+			continue
+		case <-limit.C:
+			limited = false
+			continue
+		case <-kick:
+		case <-age.C:
+		}
+		before := p.cur.Load()
+		if a, err := list(); err == nil && p.opts.OnChange != nil && !a.Same(before) {
+			p.opts.OnChange(a)
+		}
+		limited = true
+		limit.Reset(p.opts.MinInterval)
 		age.Reset(p.opts.MaxAge)
-		// Rate limit: wait out MinInterval before the next List; an
-		// Invalidate meanwhile stays queued in kick.
-		if wait := p.opts.MinInterval - time.Since(start); wait > 0 {
-			sleep(ctx, wait)
-		}
 	}
 }

@@ -135,13 +135,14 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	if !snap.Time.IsZero() {
 		ch <- prometheus.MustNewConstMetric(c.sampleTime, prometheus.GaugeValue, float64(snap.Time.UnixNano())/1e9)
 	}
+	served := c.servedHealth()
 	lv := make([]string, len(dcgmLabels))
 	for i := range snap.GPUs {
 		g := &snap.GPUs[i]
 		idx := strconv.Itoa(g.Index)
 		lv[0], lv[1], lv[2], lv[3], lv[4] = idx, g.UUID, g.PCIBusID, "nvidia"+strconv.Itoa(g.Minor), g.Name
 		lv[5], lv[6], lv[7], lv[8] = "", "", c.opts.Hostname, snap.DriverVersion
-		c.gpuAgent(ch, g, idx, st, attr)
+		c.gpuAgent(ch, g, idx, st, attr, served)
 		if g.Lost {
 			continue // no value beats a stale one
 		}
@@ -194,10 +195,16 @@ func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueT
 }
 
 // gpuAgent sends gpu-agent's own per-GPU metrics.
-func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx string, st *State, attr *Attribution) {
+func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx string, st *State, attr *Attribution, served map[string]bool) {
 	device := func(uuid, profile, gi string) {
 		h := 1.0
-		if _, bad := st.Unhealthy(uuid); bad {
+		if ok, offered := served[uuid]; offered {
+			// What the kubelet was told, so the metric and the node's
+			// allocatable never disagree.
+			if !ok {
+				h = 0
+			}
+		} else if _, bad := st.Unhealthy(uuid); bad {
 			h = 0
 		}
 		ch <- prometheus.MustNewConstMetric(c.healthy, prometheus.GaugeValue, h, idx, g.UUID, profile, gi)
@@ -235,6 +242,30 @@ func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx stri
 		ch <- prometheus.MustNewConstMetric(c.ecc, prometheus.CounterValue, float64(s.SingleBitEvents), idx, g.UUID, "single-bit")
 		ch <- prometheus.MustNewConstMetric(c.ecc, prometheus.CounterValue, float64(s.DoubleBitEvents), idx, g.UUID, "double-bit")
 	}
+}
+
+// servedHealth maps each GPU or MIG UUID the published catalog offers (as
+// itself or as replicas) to whether every device it backs is healthy.
+func (c *Collector) servedHealth() map[string]bool {
+	out := map[string]bool{}
+	if c.opts.Catalog == nil {
+		return out
+	}
+	cat := c.opts.Catalog.Catalog()
+	if cat == nil {
+		return out
+	}
+	for _, r := range cat.Resources {
+		for _, d := range r.Devices {
+			uuid := d.Spec.VisibleID
+			if uuid == "" {
+				uuid, _, _ = strings.Cut(d.ID, "::")
+			}
+			ok, seen := out[uuid]
+			out[uuid] = d.Healthy && (ok || !seen)
+		}
+	}
+	return out
 }
 
 // sharing sends replicas per shared device and allocations per container.

@@ -98,6 +98,10 @@ type Sampler struct {
 
 	mu      sync.Mutex
 	pendInv *gpu.Inventory
+	// kick starts a pass at once when the inventory changes: the first
+	// scrape after start must already have every series, not wait out an
+	// interval after an empty first pass.
+	kick chan struct{}
 
 	// passMu serialises passes (Run and Sample); it guards what follows.
 	passMu sync.Mutex
@@ -137,7 +141,7 @@ func NewSampler(lib nvml.Interface, opts SamplerOptions) *Sampler {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	s := &Sampler{lib: lib, opts: opts, state: map[string]*sampledGPU{}}
+	s := &Sampler{lib: lib, opts: opts, state: map[string]*sampledGPU{}, kick: make(chan struct{}, 1)}
 	s.snap.Store(&Snapshot{})
 	return s
 }
@@ -147,6 +151,10 @@ func (s *Sampler) SetInventory(inv *gpu.Inventory) {
 	s.mu.Lock()
 	s.pendInv = inv
 	s.mu.Unlock()
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
 }
 
 // Snapshot returns the latest pass; safe from any goroutine.
@@ -162,6 +170,7 @@ func (s *Sampler) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
+		case <-s.kick:
 		}
 	}
 }

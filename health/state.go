@@ -19,6 +19,12 @@ const (
 	CauseDoubleBitECC  CauseKind = "ecc-double-bit"
 	CauseLost          CauseKind = "gpu-lost"
 	CauseResetRequired CauseKind = "reset-required"
+	// Found by reading NVML when a GPU is first seen (and judged by the
+	// same reads afterwards).
+	CauseRecoveryAction CauseKind = "recovery-action"
+	CauseRemapPending   CauseKind = "row-remap-pending"
+	CauseRemapFailure   CauseKind = "row-remap-failure"
+	CauseRetiredPending CauseKind = "page-retirement-pending"
 )
 
 // Cause is one active reason for devices of a GPU to be unhealthy.
@@ -91,6 +97,7 @@ type State struct {
 	byGPU map[string][]Cause
 	mig   map[string]migRef
 	stats map[string]GPUStats
+	saved []SavedCause
 }
 
 // Unhealthy reports whether the device with this ID is unhealthy, and why.
@@ -158,4 +165,41 @@ func (c Cause) String() string {
 		}
 	}
 	return fmt.Sprintf("gpu %d (%s) %s: %s", c.Index, c.GPU, scope, c.Reason)
+}
+
+// SavedCause is an active cause as checkpointed across an agent restart:
+// the cause and the evidence its recovery is judged by. Without the evidence
+// a restarted agent could not tell that a GPU was reset while it was down
+// (its volatile ECC count dropped, its recovery action cleared).
+type SavedCause struct {
+	Cause
+	// DBEMax is the highest volatile double-bit ECC count seen while the
+	// cause was active (DBEKnown: it was read).
+	DBEMax   uint64 `json:"dbeMax,omitempty"`
+	DBEKnown bool   `json:"dbeKnown,omitempty"`
+	// ActionSeen: NVML reported a pending recovery action while active.
+	ActionSeen bool `json:"actionSeen,omitempty"`
+	// SawDown: the GPU was seen unreachable while active.
+	SawDown bool `json:"sawDown,omitempty"`
+}
+
+// Saved returns the active causes with their evidence, for a checkpoint.
+func (s *State) Saved() []SavedCause {
+	if s == nil {
+		return nil
+	}
+	return s.saved
+}
+
+// RestoredState is the State a checkpoint describes, for use before the
+// watcher has read the GPUs again: devices of a GPU with a GPU-wide cause
+// are unhealthy. MIG-scoped causes take effect once the watcher knows the
+// GPU's instances.
+func RestoredState(saved []SavedCause) *State {
+	s := &State{byGPU: map[string][]Cause{}, mig: map[string]migRef{}, stats: map[string]GPUStats{}, saved: saved}
+	for _, c := range saved {
+		s.byGPU[c.GPU] = append(s.byGPU[c.GPU], c.Cause)
+		s.Causes = append(s.Causes, c.Cause)
+	}
+	return s
 }

@@ -36,7 +36,11 @@ type probeResult struct {
 	dbeKnown    bool
 	action      int // nvml.DeviceGpuRecoveryAction
 	actionKnown bool
-	detail      string
+	// Row remapping (Ampere and newer) and page retirement (older GPUs):
+	// both wait for a reset to take effect.
+	remapPending, remapFailure, remapKnown bool
+	retiredPending, retiredKnown           bool
+	detail                                 string
 }
 
 // tracker is the health state machine. It does no I/O, so every transition
@@ -51,6 +55,9 @@ type tracker struct {
 	migOf   map[string]map[string]migRef
 	entries []Entry
 	changed bool
+	// restored are checkpointed causes of GPUs not seen yet in this
+	// process; each takes effect when its GPU appears in an inventory.
+	restored map[string][]SavedCause
 }
 
 type gpuTrack struct {
@@ -75,6 +82,15 @@ func newTracker(p Policy, log *slog.Logger) *tracker {
 	return &tracker{
 		policy: p.withDefaults(), log: log,
 		gpus: map[string]*gpuTrack{}, mig: map[string]migRef{}, migOf: map[string]map[string]migRef{},
+		restored: map[string][]SavedCause{},
+	}
+}
+
+// restore queues checkpointed causes; each applies when its GPU is first
+// in an inventory (a GPU that is gone keeps them pending, harmlessly).
+func (t *tracker) restore(saved []SavedCause) {
+	for _, c := range saved {
+		t.restored[c.GPU] = append(t.restored[c.GPU], c)
 	}
 }
 
@@ -86,23 +102,25 @@ func (t *tracker) setInventory(inv *gpu.Inventory) {
 		return
 	}
 	for _, g := range inv.GPUs {
-		gt := t.gpus[g.UUID]
-		if gt == nil {
-			gt = &gpuTrack{uuid: g.UUID, stats: GPUStats{XIDs: map[uint64]uint64{}}}
-			t.gpus[g.UUID] = gt
-		}
-		gt.index, gt.stats.Index = g.Index, g.Index
+		t.ensure(g.UUID, g.Index)
 		m := make(map[string]migRef, len(g.Instances))
 		for _, in := range g.Instances {
 			m[in.UUID] = migRef{gpu: g.UUID, gi: in.GI, ci: in.CI}
 		}
-		t.migOf[g.UUID] = m
+		if !maps.Equal(t.migOf[g.UUID], m) {
+			t.migOf[g.UUID] = m
+			t.changed = true
+		}
+	}
+	if !t.changed {
+		// The same GPUs and instances as before: nothing to republish. (An
+		// unconditional change here made every resync plan twice.)
+		return
 	}
 	t.mig = map[string]migRef{}
 	for _, m := range t.migOf {
 		maps.Copy(t.mig, m)
 	}
-	t.changed = true
 }
 
 // setPolicy applies a new policy; XID causes it no longer calls fatal clear.
@@ -121,6 +139,33 @@ func (t *tracker) setPolicy(p Policy, now time.Time) {
 }
 
 func (t *tracker) gpu(uuid string) *gpuTrack { return t.gpus[uuid] }
+
+// ensure returns the GPU's track, creating it (with its checkpointed causes)
+// on first sight. The watcher calls it for the GPUs it finds itself at start,
+// so events that arrive before the first inventory are not dropped.
+func (t *tracker) ensure(uuid string, index int) *gpuTrack {
+	gt := t.gpus[uuid]
+	if gt == nil {
+		gt = &gpuTrack{uuid: uuid, index: index, stats: GPUStats{Index: index, XIDs: map[uint64]uint64{}}}
+		t.gpus[uuid] = gt
+		t.changed = true
+		for _, sc := range t.restored[uuid] {
+			c := &cause{Cause: sc.Cause, dbeMax: sc.DBEMax, dbeKnown: sc.DBEKnown, actionSeen: sc.ActionSeen, sawDown: sc.SawDown}
+			c.Index = index
+			gt.causes = append(gt.causes, c)
+			t.record(c.Last, gt, ActionUnhealthy, "restored from the checkpoint: "+c.Reason+scopeText(c.GI, c.CI))
+		}
+		delete(t.restored, uuid)
+	}
+	if gt.index != index {
+		gt.index, gt.stats.Index = index, index
+		for _, c := range gt.causes {
+			c.Index = index
+		}
+		t.changed = true
+	}
+	return gt
+}
 
 // xid handles an XID critical error event.
 func (t *tracker) xid(uuid string, xid uint64, gi, ci int, now time.Time) {
@@ -215,6 +260,16 @@ func (t *tracker) probe(uuid string, r probeResult, now time.Time) {
 		switch {
 		case c.Kind == CauseLost || c.Kind == CauseResetRequired:
 			return "GPU answers NVML again"
+		case c.Kind == CauseRemapPending && r.remapKnown && !r.remapPending:
+			return "row remapping is no longer pending: the GPU was reset"
+		case c.Kind == CauseRemapFailure && r.remapKnown && !r.remapFailure:
+			return "NVML no longer reports a row remapping failure"
+		case c.Kind == CauseRetiredPending && r.retiredKnown && !r.retiredPending:
+			return "page retirement is no longer pending: the GPU was reset"
+		case c.Kind == CauseRecoveryAction && r.actionKnown && r.action == 0:
+			return "NVML reports no recovery action pending any more"
+		case c.Kind == CauseRemapPending || c.Kind == CauseRemapFailure || c.Kind == CauseRetiredPending || c.Kind == CauseRecoveryAction:
+			return "" // only their own evidence clears them
 		case c.Class >= ClassReset && c.sawDown:
 			return "GPU answers NVML again after being unreachable (reset or re-attached)"
 		case c.Class == ClassReset && r.dbeKnown && c.dbeKnown && r.dbeVolatile < c.dbeMax:
@@ -232,6 +287,59 @@ func (t *tracker) probe(uuid string, r probeResult, now time.Time) {
 			c.actionSeen = true
 		}
 	}
+}
+
+// initial applies what NVML still shows when a GPU is first seen. Faults
+// from before this agent started (or before its events were registered)
+// leave these traces, so they are not lost with their events: a volatile
+// double-bit ECC count, a pending recovery action, pending or failed row
+// remapping, pending page retirement.
+func (t *tracker) initial(uuid string, r probeResult, now time.Time) {
+	g := t.gpu(uuid)
+	if g == nil || r.reach != reachOK {
+		t.probe(uuid, r, now)
+		return
+	}
+	tracked := false // a restored cause already judges the ECC count
+	for _, c := range g.causes {
+		tracked = tracked || c.dbeKnown
+	}
+	all := func(kind CauseKind, class Class, reason string) Cause {
+		return Cause{Kind: kind, Class: class, GI: AllInstances, CI: AllInstances, Reason: reason}
+	}
+	if r.dbeKnown && r.dbeVolatile > 0 && !tracked {
+		t.add(g, all(CauseDoubleBitECC, ClassReset, fmt.Sprintf(
+			"%d double-bit ECC errors since the last GPU reset (volatile count), needs %s", r.dbeVolatile, ClassReset)), now)
+	}
+	if r.actionKnown && r.action != 0 {
+		class, name := recoveryClass(r.action)
+		t.add(g, all(CauseRecoveryAction, class, "NVML recovery action pending: "+name+", needs "+class.String()), now)
+	}
+	switch {
+	case r.remapKnown && r.remapFailure:
+		t.add(g, all(CauseRemapFailure, ClassReset, "row remapping failed, needs "+ClassReset.String()), now)
+	case r.remapKnown && r.remapPending:
+		t.add(g, all(CauseRemapPending, ClassReset, "row remapping pending, needs "+ClassReset.String()), now)
+	}
+	if r.retiredKnown && r.retiredPending {
+		t.add(g, all(CauseRetiredPending, ClassReset, "page retirement pending, needs "+ClassReset.String()), now)
+	}
+	t.probe(uuid, r, now)
+}
+
+// recoveryClass maps NVML's recovery action to what clears it.
+func recoveryClass(action int) (Class, string) {
+	switch action {
+	case 1:
+		return ClassReset, "GPU reset"
+	case 2:
+		return ClassReboot, "node reboot"
+	case 3:
+		return ClassReset, "drain peer-to-peer traffic"
+	case 4:
+		return ClassReset, "drain and reset"
+	}
+	return ClassReset, fmt.Sprintf("action %d", action)
 }
 
 // wantsResetEvidence reports whether probes of the GPU should read the
@@ -314,6 +422,8 @@ func (t *tracker) state() *State {
 		cs := make([]Cause, 0, len(g.causes))
 		for _, c := range g.causes {
 			cs = append(cs, c.Cause)
+			s.saved = append(s.saved, SavedCause{Cause: c.Cause, DBEMax: c.dbeMax, DBEKnown: c.dbeKnown,
+				ActionSeen: c.actionSeen, SawDown: c.sawDown})
 		}
 		// Most severe first, so Unhealthy names the cause that takes longest to clear.
 		slices.SortStableFunc(cs, func(a, b Cause) int {

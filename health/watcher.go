@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"log/slog"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -36,6 +37,9 @@ type WatcherOptions struct {
 	// WaitTimeout bounds one wait for NVML events, and so how late the
 	// watcher notices ctx, inventory or policy changes (default 1s).
 	WaitTimeout time.Duration
+	// Restore are causes checkpointed by an earlier agent; each applies
+	// when its GPU is found, and clears by the usual evidence.
+	Restore []SavedCause
 }
 
 // Watcher turns NVML events and reachability probes into device health.
@@ -73,6 +77,10 @@ type watchedGPU struct {
 	noTemp     bool   // GetTemperature is unsupported: probe with GetMemoryInfo
 	noECC      bool
 	noAction   bool
+	noRemap    bool
+	noRetired  bool
+	// scanned: the traces of earlier faults were read (tracker.initial).
+	scanned bool
 }
 
 // NewWatcher returns a watcher for lib (initialised) under policy.
@@ -92,6 +100,7 @@ func NewWatcher(lib nvml.Interface, policy Policy, opts WatcherOptions) *Watcher
 		tr:   newTracker(policy, opts.Logger),
 		devs: map[string]*watchedGPU{}, byHandle: map[nvml.Device]string{},
 	}
+	w.tr.restore(opts.Restore)
 	w.state.Store(w.tr.state())
 	return w
 }
@@ -133,9 +142,14 @@ func (w *Watcher) Run(ctx context.Context) error {
 		defer set.Free()
 	}
 	waitMs := uint32(w.opts.WaitTimeout / time.Millisecond)
+	// Find and register the GPUs before anything else, not when the first
+	// inventory arrives: events are only queued for registered GPUs, and
+	// the agent's first inventory may wait for its config.
+	w.discover()
 	var lastProbe time.Time
 	for ctx.Err() == nil {
 		w.applyPending(set)
+		w.scanNew()
 		if interval := w.tr.policy.ProbeInterval; time.Since(lastProbe) >= interval {
 			w.probeAll()
 			lastProbe = time.Now()
@@ -225,6 +239,45 @@ func (w *Watcher) applyPending(set nvml.EventSet) {
 	}
 	slices.Sort(watched)
 	w.watched.Store(&watched)
+}
+
+// discover finds the GPUs through NVML itself, so they are registered for
+// events (and their checkpointed causes restored) from the first turn.
+func (w *Watcher) discover() {
+	n, ret := w.lib.DeviceGetCount()
+	if ret != nvml.SUCCESS {
+		w.log.Warn("cannot count GPUs; health events start with the first inventory", "error", ret.Error())
+		return
+	}
+	for i := range n {
+		dev, ret := w.lib.DeviceGetHandleByIndex(i)
+		if ret != nvml.SUCCESS {
+			continue // the inventory reports it; the probe follows it once known
+		}
+		uuid, ret := dev.GetUUID()
+		if ret != nvml.SUCCESS {
+			continue
+		}
+		if _, ok := w.devs[uuid]; !ok {
+			w.devs[uuid] = &watchedGPU{uuid: uuid, index: i, dev: dev}
+			w.byHandle[dev] = uuid
+		}
+		w.tr.ensure(uuid, i)
+	}
+}
+
+// scanNew reads, once per GPU and after its events are registered (so
+// nothing falls between the two), what earlier faults left behind.
+func (w *Watcher) scanNew() {
+	now := w.opts.Now()
+	for _, uuid := range slices.Sorted(maps.Keys(w.devs)) {
+		d := w.devs[uuid]
+		if d.scanned || w.tr.gpu(uuid) == nil {
+			continue
+		}
+		d.scanned = true
+		w.tr.initial(uuid, w.probeWith(d, true), now)
+	}
 }
 
 // Changes is signalled after a new State is published; signals coalesce, so
@@ -356,6 +409,12 @@ func (w *Watcher) probeAll() {
 }
 
 func (w *Watcher) probe(d *watchedGPU) probeResult {
+	return w.probeWith(d, w.tr.wantsResetEvidence(d.uuid))
+}
+
+// probeWith pings the GPU and, when evidence is set, reads the counters that
+// show a fault needing a reset, or that one happened.
+func (w *Watcher) probeWith(d *watchedGPU, evidence bool) probeResult {
 	dev, ret := w.handleOf(d)
 	if ret == nvml.SUCCESS {
 		ret = w.ping(d, dev)
@@ -386,9 +445,11 @@ func (w *Watcher) probe(d *watchedGPU) probeResult {
 		r.reach = reachUnknown
 		return r
 	}
-	if !w.tr.wantsResetEvidence(d.uuid) {
+	if !evidence {
 		return r
 	}
+	// Any failure below leaves the fact unknown: a failed read is not a
+	// fault (only a confirmed condition marks a device).
 	if !d.noECC {
 		n, ret := dev.GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_UNCORRECTED, nvml.VOLATILE_ECC)
 		switch ret {
@@ -409,6 +470,25 @@ func (w *Watcher) probe(d *watchedGPU) probeResult {
 			r.action, r.actionKnown = int(binary.NativeEndian.Uint32(fv[0].Value[:4])), true
 		case nvml.ERROR_NOT_SUPPORTED, nvml.ERROR_INVALID_ARGUMENT:
 			d.noAction = true
+		}
+	}
+	if !d.noRemap {
+		_, _, pending, failure, ret := dev.GetRemappedRows()
+		switch ret {
+		case nvml.SUCCESS:
+			r.remapPending, r.remapFailure, r.remapKnown = pending, failure, true
+		case nvml.ERROR_NOT_SUPPORTED:
+			// Pre-Ampere, or refused while MIG is on: not a fault either way.
+			d.noRemap = true
+		}
+	}
+	if !d.noRetired {
+		st, ret := dev.GetRetiredPagesPendingStatus()
+		switch ret {
+		case nvml.SUCCESS:
+			r.retiredPending, r.retiredKnown = st == nvml.FEATURE_ENABLED, true
+		case nvml.ERROR_NOT_SUPPORTED:
+			d.noRetired = true
 		}
 	}
 	return r
