@@ -10,6 +10,7 @@ type metrics struct {
 	reconcileDuration prometheus.Histogram
 	devices           *prometheus.GaugeVec
 	migPhases         *prometheus.GaugeVec
+	planPasses        prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -43,10 +44,14 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "gpu_agent_mig_state",
 			Help: "1 for each GPU's MIG repartitioning phase (applied, planned, pending, reset-required, failed).",
 		}, []string{"gpu", "UUID", "phase"}),
+		planPasses: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "gpu_agent_plan_passes_total",
+			Help: "Plans computed since start (steady state: one per resync or event batch).",
+		}),
 	}
 	m.configValid.Set(1)
 	if reg != nil {
-		reg.MustRegister(m.configValid, m.configErrors, m.configReloads, m.inventoryErrors, m.reconcileDuration, m.devices, m.migPhases)
+		reg.MustRegister(m.configValid, m.configErrors, m.configReloads, m.inventoryErrors, m.reconcileDuration, m.devices, m.migPhases, m.planPasses)
 	}
 	return m
 }

@@ -69,24 +69,18 @@ type Planned struct {
 	MPSDaemons []mps.Daemon
 }
 
-// FailedGPU is a GPU last seen in an earlier inventory.
-type FailedGPU struct {
-	GPU    gpu.GPU
-	Reason string
-}
-
 // PlanCatalog decides what the node offers. MIG-enabled GPUs are not offered
 // as whole GPUs: their memory and SMs belong to their instances, and handing
 // the parent to a pod would give it a GPU it cannot use. An error names the
 // config field that cannot be applied to this node; the caller keeps
 // serving what it served before.
 func PlanCatalog(in PlanInput) (*catalog.Catalog, error) {
-	p, err := Plan(in)
+	p, err := PlanResources(in)
 	return p.Catalog, err
 }
 
-// Plan is PlanCatalog plus the MPS daemons its replicas need.
-func Plan(in PlanInput) (Planned, error) {
+// PlanResources is PlanCatalog plus the MPS daemons its replicas need.
+func PlanResources(in PlanInput) (Planned, error) {
 	c := &catalog.Catalog{Resources: map[string]*catalog.Resource{}}
 	if in.Inventory == nil {
 		return Planned{Catalog: c}, nil

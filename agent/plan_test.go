@@ -1,16 +1,13 @@
 package agent
 
 import (
-	"context"
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
-	"github.com/gpu-agent/gpu-agent/gpu/sim"
 )
 
 func testInventory() *gpu.Inventory {
@@ -120,18 +117,9 @@ func TestSameCatalog(t *testing.T) {
 }
 
 func TestAgentPreferredUsesTopology(t *testing.T) {
-	node, err := sim.New("dgx1-v100")
-	if err != nil {
-		t.Fatal(err)
-	}
-	node.Init()
-	rec := newRecorder()
-	a := New(Options{Lib: node, Publisher: rec, ResyncInterval: time.Hour})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go a.Run(ctx)
-	rec.wait(t)
-	r := rec.last().Resources[ResourceGPU]
+	h := newHarness(t, simNode(t, "dgx1-v100"))
+	h.config(wholeGPUs)
+	r := h.pub.last().Resources[ResourceGPU]
 	if r.Preferred == nil {
 		t.Fatal("no topology preferrer on nvidia.com/gpu")
 	}
@@ -148,9 +136,11 @@ func TestAgentPreferredUsesTopology(t *testing.T) {
 	if len(got) != 2 || !slices.Contains(got, uuid[1]) || !slices.Contains(got, uuid[2]) {
 		t.Errorf("preferred %v, want GPUs 1 and 2 (%s, %s)", got, uuid[1], uuid[2])
 	}
-	// The scorer is built once per inventory, not per request.
-	if s := a.scorerForTest(); s == nil || s.Policy() != "topology" {
-		t.Errorf("scorer %v, want the topology policy's", s)
+	// The scorer is built once per inventory and policy, not per pass.
+	first := h.a.scorer.byPol
+	h.step(HealthChanged{})
+	if len(first) != 1 || h.a.scorer.byPol[topologyPolicy(t, "topology")] != first[topologyPolicy(t, "topology")] {
+		t.Errorf("scorer rebuilt for an unchanged inventory")
 	}
 }
 
@@ -304,7 +294,7 @@ func TestPlanMPS(t *testing.T) {
 		Sharing: config.Sharing{MPS: &config.MPS{Resources: []config.MPSResource{entry([]string{"0"}, 2), custom}}}}
 	// Two entries renaming onto one resource is refused by config validation; plan them apart.
 	in.Sharing.MPS.Resources[1].Rename = "nvidia.com/gpu.mps-small"
-	p, err := Plan(in)
+	p, err := PlanResources(in)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -344,7 +334,7 @@ func TestPlanMPS(t *testing.T) {
 
 	// Too many clients for the GPU generation: the error names the field and the GPU.
 	in.Sharing.MPS.Resources = []config.MPSResource{entry([]string{"2"}, 20)}
-	if _, err := Plan(in); err == nil || !strings.Contains(err.Error(), "sharing.mps.resources[0].replicas: GPU 2") {
+	if _, err := PlanResources(in); err == nil || !strings.Contains(err.Error(), "sharing.mps.resources[0].replicas: GPU 2") {
 		t.Errorf("20 MPS clients on a compute capability 6.0 GPU: %v", err)
 	}
 }

@@ -88,6 +88,15 @@ type Registration struct {
 	LastError    string    `json:"lastError,omitempty"`
 }
 
+// MIGState is one GPU's repartitioning state, for /status and metrics.
+type MIGState struct {
+	GPU    int    `json:"gpu"`
+	UUID   string `json:"uuid"`
+	Want   string `json:"want"`
+	Phase  string `json:"phase"`
+	Reason string `json:"reason,omitempty"`
+}
+
 func (a *Agent) publishStatus() {
 	s := &Status{
 		Node:     a.opts.NodeName,
@@ -108,9 +117,9 @@ func (a *Agent) publishStatus() {
 	case a.cfgErr != nil:
 		s.Config.Error = a.cfgErr.Error()
 		s.Config.ErrorSince = a.cfgErrAt
-	case a.planErr != nil:
-		s.Config.Error = a.planErr.Error()
-		s.Config.ErrorSince = a.planErrAt
+	case a.fitErr != nil:
+		s.Config.Error = a.fitErr.Error()
+		s.Config.ErrorSince = a.fitErrAt
 	case a.migErr != nil:
 		s.Config.Error = a.migErr.Error()
 	}
@@ -121,18 +130,13 @@ func (a *Agent) publishStatus() {
 			s.Errors = append(s.Errors, e.Error())
 		}
 	}
-	if a.opts.Health != nil {
-		if hs := a.opts.Health.State(); hs != nil {
-			s.HealthCauses = hs.Causes
-			// The newest entries; the full log is bounded by the watcher.
-			s.HealthLog = hs.Log[max(0, len(hs.Log)-20):]
-		}
+	if hs := a.health; hs != nil {
+		s.HealthCauses = hs.Causes
+		// The newest entries; the full log is bounded by the watcher.
+		s.HealthLog = hs.Log[max(0, len(hs.Log)-20):]
 	}
 	if a.cat != nil {
-		var att *health.Attribution
-		if a.opts.Holdings != nil {
-			att = a.opts.Holdings.Attribution()
-		}
+		att := a.att
 		for _, name := range a.cat.Names() {
 			s.Resource = append(s.Resource, resourceState(a.cat.Resources[name], att.HeldIDs(name)))
 			s.Sharing = append(s.Sharing, sharingState(a.cat.Resources[name], att.HeldIDs(name))...)

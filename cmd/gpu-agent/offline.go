@@ -2,13 +2,10 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
 	"text/tabwriter"
-
-	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/config"
@@ -44,7 +41,7 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	} else if fs.NArg() > 0 || file == "" {
 		return usageError{"want exactly one FILE"}
 	}
-	data, err := os.ReadFile(file)
+	data, err := config.ReadFile(file)
 	if err != nil {
 		return err
 	}
@@ -64,23 +61,18 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 		return err
 	}
 	defer be.Close()
-	inv, err := gpu.New(be.Lib, be.InventoryOptions)
+	snap, err := offlineSnapshot(be, sel)
 	if err != nil {
-		return fmt.Errorf("inventory of %s: %w", be.Name, err)
+		return err
 	}
-	planned, err := agent.Plan(agent.PlanInput{
-		Inventory: inv, ConfigName: sel.Name,
-		PassDeviceSpecs: sel.Config.DevicePlugin.PassDeviceSpecs,
-		MIGStrategy:     sel.Config.MIG.Strategy,
-		Sharing:         sel.Config.Sharing,
-	})
-	if err != nil {
-		return fmt.Errorf("%s: does not fit %s: %w", file, be.Name, err)
+	d := agent.Plan(snap)
+	if d.FitErr != nil {
+		return fmt.Errorf("%s: does not fit %s: %w", file, be.Name, d.FitErr)
 	}
-	cat := planned.Catalog
+	cat := d.Catalog
 	if sel.MIGLayout != nil {
 		fmt.Fprintf(stdout, "MIG layout on %s:\n", be.Name)
-		if err := planMIG(stdout, be, inv, sel.MIGLayout, false); err != nil {
+		if err := printMIG(stdout, snap, d, false); err != nil {
 			return fmt.Errorf("%s: MIG layout does not fit %s: %w", file, be.Name, err)
 		}
 	}
@@ -185,51 +177,66 @@ func cmdMIG(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer be.Close()
-	inv, err := gpu.New(be.Lib, be.InventoryOptions)
+	snap, err := offlineSnapshot(be, sel)
 	if err != nil {
 		return err
 	}
-	return planMIG(stdout, be, inv, sel.MIGLayout, true)
+	return printMIG(stdout, snap, agent.Plan(snap), true)
 }
 
-// planMIG prints, per GPU, what applying layout would do; steps lists the
-// steps too. An impossible layout is an error naming the GPU.
-func planMIG(stdout io.Writer, be *backend, inv *gpu.Inventory, layout config.MigLayout, steps bool) error {
-	wants, err := mig.Desired(layout, inv)
+// offlineSnapshot is what `config validate` and `mig plan` plan from: the
+// backend's GPUs as they are, with nothing held (no kubelet is asked), so
+// they show what the agent would do on an idle node.
+func offlineSnapshot(be *backend, sel config.Selected) (agent.Snapshot, error) {
+	obs := mig.NewObserver(be.Lib, be.InventoryOptions)
+	inv, err := obs.Inventory()
 	if err != nil {
-		return err
+		return agent.Snapshot{}, fmt.Errorf("inventory of %s: %w", be.Name, err)
 	}
-	var errs []error
+	snap := agent.Snapshot{
+		Inventory: inv, Selected: sel, MPSSupervised: true, MIGApplies: true,
+		Holdings: agent.Holdings{Fresh: true},
+		Profiles: map[string]mig.Profiles{}, ProfileErrs: map[string]error{},
+	}
 	for _, g := range inv.GPUs {
-		want, ok := wants[g.Index]
+		if _, done := snap.Profiles[g.Name]; done || !g.MIGCapable {
+			continue
+		}
+		if p, err := obs.MIGProfiles(g); err != nil {
+			snap.ProfileErrs[g.Name] = err
+		} else {
+			snap.Profiles[g.Name] = p
+		}
+	}
+	return snap, nil
+}
+
+// printMIG prints, per GPU, what applying the layout would do; steps lists
+// the steps too. An impossible layout is an error naming the GPU.
+func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool) error {
+	planned := map[int]agent.GPUMIG{}
+	for _, gm := range d.MIG {
+		planned[gm.GPU] = gm
+	}
+	if d.MIGErr != nil && len(d.MIG) == 0 {
+		return d.MIGErr
+	}
+	for _, g := range snap.Inventory.GPUs {
+		gm, ok := planned[g.Index]
 		if !ok {
 			fmt.Fprintf(stdout, "GPU %d (%s): no layout entry applies; left as it is\n", g.Index, g.Name)
 			continue
 		}
-		dev, ret := be.Lib.DeviceGetHandleByIndex(g.Index)
-		if ret != nvml.SUCCESS {
-			errs = append(errs, fmt.Errorf("gpu %d: %v", g.Index, ret))
-			continue
+		fmt.Fprintf(stdout, "GPU %d (%s): want %s: %s", g.Index, g.Name, gm.Want, gm.State.Phase)
+		if gm.State.Reason != "" {
+			fmt.Fprintf(stdout, " (%s)", gm.State.Reason)
 		}
-		profiles, err := mig.QueryProfiles(dev, g.MemoryBytes)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("gpu %d: %w", g.Index, err))
-			continue
-		}
-		plan, state, err := mig.MakePlan(g, profiles, want, nil)
-		if err != nil {
-			errs = append(errs, err)
-		}
-		fmt.Fprintf(stdout, "GPU %d (%s): want %s: %s", g.Index, g.Name, want.String(), state.Phase)
-		if state.Reason != "" {
-			fmt.Fprintf(stdout, " (%s)", state.Reason)
-		}
-		fmt.Fprintf(stdout, ", %d steps, %d instances destroyed\n", len(plan.Steps), plan.Destroys())
-		for i, s := range plan.Steps {
+		fmt.Fprintf(stdout, ", %d steps, %d instances destroyed\n", len(gm.Plan.Steps), gm.Plan.Destroys())
+		for i, s := range gm.Plan.Steps {
 			if steps {
 				fmt.Fprintf(stdout, "  %d. %s\n", i+1, s.String())
 			}
 		}
 	}
-	return errors.Join(errs...)
+	return d.MIGErr
 }

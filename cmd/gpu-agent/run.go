@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"strings"
@@ -102,60 +101,69 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
+	// Everything that must survive a restart: allocations not yet accounted
+	// for, health causes, the GPUs last seen. A bad checkpoint is set aside
+	// and the agent starts from what NVML shows.
+	restored, err := agent.LoadCheckpoint(f.stateDir)
+	if err != nil {
+		log.Error("checkpoint not restored; starting from what NVML shows", "error", err)
+	}
+	var savedHealth []health.SavedCause
+	if restored != nil {
+		savedHealth = restored.Health
+	}
+
+	// Every producer posts to the agent's one inbox.
+	inbox := agent.NewInbox()
+
 	// Health and metrics: the watcher marks devices, the sampler caches
 	// telemetry for scrapes, pod-resources attributes devices to pods.
 	watcher := health.NewWatcher(be.Lib, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
-		Logger: log.With("component", "health"),
+		Logger:   log.With("component", "health"),
+		Restore:  savedHealth,
+		OnChange: func(s *health.State) { inbox.Post(agent.HealthChanged{State: s}) },
 	})
 	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
-	podres := health.NewPodResources(health.PodResourcesOptions{Socket: f.podResources, Logger: log.With("component", "pod-resources")})
-
-	// The agent is created after the plugin manager it publishes to; the
-	// manager reports allocations to it through this indirection.
-	var ag *agent.Agent
-	allocated := func(ids []string) {
-		if ag != nil {
-			ag.NoteAllocated(ids)
-		}
-	}
+	podres := health.NewPodResources(health.PodResourcesOptions{
+		Socket: f.podResources, Logger: log.With("component", "pod-resources"),
+		OnChange: func(a *health.Attribution) { inbox.Post(agent.HoldingsChanged{Attribution: a}) },
+	})
 	mpsSup := mps.NewSupervisor(mps.Options{Binary: f.mpsBinary, Root: f.mpsRoot, Logger: log.With("component", "mps")})
 
 	mgr, err := plugin.NewManager(plugin.Options{
 		Dir: f.pluginDir, Logger: log.With("component", "plugin"),
-		OnAllocate: func(_ string, ids []string) {
+		OnAllocate: func(resource string, ids []string) {
+			inbox.Post(agent.Allocated{Resource: resource, IDs: ids})
 			podres.Invalidate()
-			allocated(ids)
 		},
 	})
 	if err != nil {
 		return err
 	}
 
-	var updates chan config.Update
 	var cfgWatcher *config.Watcher
 	if f.config != "" {
 		cfgWatcher, err = config.NewWatcher(f.config, log.With("component", "config"))
 		if err != nil {
 			return fmt.Errorf("--config %s: %w", f.config, err)
 		}
-		updates = make(chan config.Update)
 	}
-	ag = agent.New(agent.Options{
-		Lib:                be.Lib,
-		InventoryOptions:   be.InventoryOptions,
+	ag := agent.New(agent.Options{
+		Observer:           mig.NewObserver(be.Lib, be.InventoryOptions),
 		NodeName:           f.nodeName,
 		ConfigSource:       f.config,
-		ConfigUpdates:      updates,
+		WaitForConfig:      cfgWatcher != nil,
+		Inbox:              inbox,
 		Publisher:          mgr,
 		Health:             watcher,
 		Holdings:           podres,
 		MIG:                mig.NewApplier(be.Lib, f.stateDir, log.With("component", "mig")),
 		MPS:                mpsSup,
-		MPSChanged:         mpsSup.Changes(),
 		MPSRoot:            f.mpsRoot,
 		MPSShmDir:          f.mpsShmDir,
-		HealthChanged:      watcher.Changes(),
 		InventoryObservers: []func(*gpu.Inventory){sampler.SetInventory},
+		StateDir:           f.stateDir,
+		Restored:           restored,
 		ResyncInterval:     f.resync,
 		Logger:             log.With("component", "agent"),
 		Registerer:         reg,
@@ -165,13 +173,9 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Samples: sampler, Health: watcher, Attribution: podres, Catalog: ag, Hostname: f.nodeName,
 	}))
 
-	ln, err := net.Listen("tcp", f.listen)
+	srv, ln, err := newHTTPServer(f.listen, newHTTPHandler(ag, mgr, watcher, reg, be), defaultHTTPServerConfig(), log.With("component", "http"))
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
-	}
-	srv := &http.Server{
-		Handler:           newHTTPHandler(ag, mgr, watcher, reg, be),
-		ReadHeaderTimeout: 5 * time.Second,
 	}
 	log.Info("gpu-agent starting", "backend", be.Name, "node", f.nodeName, "listen", ln.Addr().String(),
 		"device-plugin-dir", f.pluginDir, "config", f.config)
@@ -196,8 +200,15 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	goRun("metrics sampler", func() error { return sampler.Run(ctx) })
 	goRun("pod-resources", func() error { return podres.Run(ctx) })
 	goRun("mps supervisor", func() error { return mpsSup.Run(ctx) })
+	goRun("mps events", func() error {
+		return forward(ctx, mpsSup.Changes(), inbox, func(struct{}) agent.Event { return agent.MPSChanged{} })
+	})
 	if cfgWatcher != nil {
+		updates := make(chan config.Update)
 		goRun("config watcher", func() error { return cfgWatcher.Run(ctx, updates) })
+		goRun("config events", func() error {
+			return forward(ctx, updates, inbox, func(u config.Update) agent.Event { return agent.ConfigChanged{Update: u} })
+		})
 	}
 	goRun("http", func() error {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
@@ -222,4 +233,16 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	}
 	log.Info("gpu-agent stopped")
 	return nil
+}
+
+// forward posts each value from ch to the inbox as the event ev makes of it.
+func forward[T any](ctx context.Context, ch <-chan T, inbox *agent.Inbox, ev func(T) agent.Event) error {
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case v := <-ch:
+			inbox.Post(ev(v))
+		}
+	}
 }

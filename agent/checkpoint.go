@@ -1,0 +1,190 @@
+package agent
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/health"
+)
+
+// CheckpointFile is the checkpoint's name in --state-dir.
+const CheckpointFile = "checkpoint.json"
+
+// CheckpointVersion is the format written. A file of another version is set
+// aside, not trusted: guessing at fields that changed meaning could mark
+// healthy GPUs unhealthy or, worse, forget a held device.
+const CheckpointVersion = 1
+
+// maxCheckpointBytes bounds what is read back: the checkpoint holds a few
+// records per GPU and device, so anything larger is not ours.
+const maxCheckpointBytes = 8 << 20
+
+// Checkpoint is what must survive an agent restart: the GPUs last seen (so
+// one lost at start is offered unhealthy, not dropped), the allocations no
+// kubelet answer has accounted for yet, and the active health causes with
+// the evidence their recovery is judged by.
+type Checkpoint struct {
+	Version int       `json:"version"`
+	Node    string    `json:"node,omitempty"`
+	Written time.Time `json:"written"`
+	GPUs    []gpu.GPU `json:"gpus,omitempty"`
+	// Allocated maps device UUIDs to when the plugin allocated them.
+	Allocated map[string]time.Time `json:"allocated,omitempty"`
+	Health    []health.SavedCause  `json:"health,omitempty"`
+}
+
+// LoadCheckpoint reads dir's checkpoint. A missing file is (nil, nil). An
+// unreadable, torn or foreign one is renamed aside (so the next start does
+// not trip over it again, and a person can look at it) and reported as an
+// error; the agent then starts from what NVML shows.
+func LoadCheckpoint(dir string) (*Checkpoint, error) {
+	path := filepath.Join(dir, CheckpointFile)
+	f, err := os.Open(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint %s: %w", path, err)
+	}
+	defer f.Close()
+	var buf bytes.Buffer
+	_, err = buf.ReadFrom(&limitedReader{f: f, left: maxCheckpointBytes + 1})
+	if err == nil && buf.Len() > maxCheckpointBytes {
+		err = fmt.Errorf("larger than %d bytes", maxCheckpointBytes)
+	}
+	var cp Checkpoint
+	if err == nil {
+		dec := json.NewDecoder(&buf)
+		dec.DisallowUnknownFields()
+		err = dec.Decode(&cp)
+	}
+	if err == nil && cp.Version != CheckpointVersion {
+		err = fmt.Errorf("version %d, this agent reads version %d", cp.Version, CheckpointVersion)
+	}
+	if err != nil {
+		aside := path + ".unreadable"
+		if rerr := os.Rename(path, aside); rerr != nil {
+			return nil, fmt.Errorf("checkpoint %s: %w (and setting it aside: %w)", path, err, rerr)
+		}
+		return nil, fmt.Errorf("checkpoint %s: %w; set aside as %s", path, err, aside)
+	}
+	return &cp, nil
+}
+
+type limitedReader struct {
+	f    *os.File
+	left int64
+}
+
+func (r *limitedReader) Read(p []byte) (int, error) {
+	if r.left <= 0 {
+		return 0, errors.New("checkpoint too large")
+	}
+	if int64(len(p)) > r.left {
+		p = p[:r.left]
+	}
+	n, err := r.f.Read(p)
+	r.left -= int64(n)
+	return n, err
+}
+
+// restore takes what the last agent checkpointed.
+func (a *Agent) restore(cp *Checkpoint) {
+	if cp == nil {
+		return
+	}
+	if cp.Node != "" && a.opts.NodeName != "" && cp.Node != a.opts.NodeName {
+		a.log.Warn("checkpoint is from another node; ignoring it", "checkpoint-node", cp.Node, "node", a.opts.NodeName)
+		return
+	}
+	maps.Copy(a.ledger, cp.Allocated)
+	if len(cp.GPUs) > 0 {
+		// What the last agent believed, as the base the first read settles
+		// against: a GPU that cannot be read now is then offered unhealthy
+		// instead of vanishing from the kubelet.
+		a.inv = &gpu.Inventory{GPUs: cp.GPUs, Topology: gpu.EmptyTopology(len(cp.GPUs))}
+	}
+	if len(cp.Health) > 0 {
+		// Until the watcher reports, plan with the causes that were in
+		// force: otherwise the first catalog would offer them healthy.
+		a.health = health.RestoredState(cp.Health)
+	}
+	a.log.Info("checkpoint restored", "written", cp.Written, "gpus", len(cp.GPUs),
+		"allocations", len(cp.Allocated), "healthCauses", len(cp.Health))
+}
+
+// checkpoint writes the checkpoint when its content changed.
+func (a *Agent) checkpoint() {
+	if a.opts.StateDir == "" {
+		return
+	}
+	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Allocated: a.ledger}
+	if a.inv != nil {
+		cp.GPUs = a.inv.GPUs
+		for _, f := range a.failed {
+			cp.GPUs = append(cp.GPUs, f.GPU)
+		}
+	}
+	if a.health != nil {
+		cp.Health = a.health.Saved()
+	}
+	body, err := json.Marshal(cp)
+	if err != nil {
+		a.log.Error("checkpoint not written", "error", err)
+		return
+	}
+	if bytes.Equal(body, a.saved) {
+		return
+	}
+	cp.Written = a.now()
+	out, err := json.MarshalIndent(cp, "", " ")
+	if err == nil {
+		err = writeAtomic(filepath.Join(a.opts.StateDir, CheckpointFile), out)
+	}
+	if err != nil {
+		a.log.Error("checkpoint not written; a restart would forget allocations and health causes", "error", err)
+		return
+	}
+	a.saved = body
+}
+
+// writeAtomic writes a temp file in the same directory, syncs it and renames
+// it over path, then syncs the directory: a crash leaves the old or the new
+// content, never a torn file.
+func writeAtomic(path string, data []byte) error {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+"-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(f.Name()) // no-op after the rename
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(f.Name(), path); err != nil {
+		return err
+	}
+	if d, err := os.Open(dir); err == nil {
+		_ = d.Sync()
+		d.Close()
+	}
+	return nil
+}

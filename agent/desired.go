@@ -1,0 +1,340 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/mig"
+	"github.com/gpu-agent/gpu-agent/mps"
+	"github.com/gpu-agent/gpu-agent/plugin/topology"
+)
+
+// Snapshot is everything a plan is derived from. Plan reads nothing else:
+// no NVML, no clock, no kubelet. The loop builds it from what it observed and
+// was told; `config validate` and `mig plan` build it from one inventory.
+type Snapshot struct {
+	Inventory *gpu.Inventory
+	// Failed are GPUs known earlier that the inventory could not read; they
+	// stay offered, unhealthy.
+	Failed map[string]FailedGPU
+	// Profiles are each GPU model's MIG profiles (by gpu.GPU.Name), and
+	// ProfileErrs why a model's could not be read.
+	Profiles    map[string]mig.Profiles
+	ProfileErrs map[string]error
+	// Selected is the config chosen for this node; LastGood the last one
+	// that planned here, served while Selected does not fit.
+	Selected config.Selected
+	LastGood config.Selected
+	Health   *health.State
+	MPS      MPSInput
+	// MPSSupervised: an MPS supervisor runs (without one, MPS sharing is refused).
+	MPSSupervised bool
+	// MIGApplies: a MIG applier runs (without one, layouts are not applied).
+	MIGApplies bool
+	Holdings   Holdings
+	// Published is the catalog the kubelet was last given.
+	Published *catalog.Catalog
+	// Scorer returns the topology scorer for an allocation policy (nil:
+	// the plugin's default order).
+	Scorer func(topology.Policy) *topology.Scorer
+}
+
+// Holdings is what the node knows about which devices containers hold.
+type Holdings struct {
+	// Attribution is the kubelet's latest pod-resources answer (nil: none).
+	Attribution *health.Attribution
+	// Fresh: Attribution is a successful answer the loop asked for during
+	// this pass. Destroying a MIG instance needs one that does not list it.
+	Fresh bool
+	// Err is why there is no fresh answer (for messages).
+	Err error
+	// Allocated are device UUIDs the plugin allocated that no fresh answer
+	// has accounted for yet, with when (the checkpointed ledger).
+	Allocated map[string]time.Time
+}
+
+// Desired is what the node should run and offer.
+type Desired struct {
+	// Config is the config the catalog was planned with: Selected, or
+	// LastGood when Selected does not fit (FitErr says why).
+	Config config.Selected
+	FitErr error
+	// Catalog is nil when nothing can be planned (no config fits).
+	Catalog    *catalog.Catalog
+	MPSDaemons []mps.Daemon
+	// MIG is each GPU's plan for the selected layout, in GPU order; MIGErr
+	// the first error among them (or the layout's own).
+	MIG    []GPUMIG
+	MIGErr error
+	// HealthPolicy is Config's health section.
+	HealthPolicy health.Policy
+	// NeedFreshHoldings: a MIG plan would destroy instances, but Holdings
+	// is not fresh; ask the kubelet and plan again.
+	NeedFreshHoldings bool
+}
+
+// GPUMIG is one GPU's MIG plan.
+type GPUMIG struct {
+	GPU   int
+	UUID  string
+	Want  string
+	Plan  mig.Plan
+	State mig.State
+	// Waiting, when set, is why the GPU stays pending after Plan's steps
+	// (create-only: destroying waits for the kubelet's answer).
+	Waiting string
+}
+
+// Apply reports whether the GPU's plan is to be run.
+func (g GPUMIG) Apply() bool {
+	return g.State.Phase == mig.PhasePlanned || g.State.Phase == mig.PhaseApplied
+}
+
+// Plan derives what the node should be from s. It is pure: the same snapshot
+// always gives the same Desired.
+func Plan(s Snapshot) Desired {
+	var d Desired
+	if s.Selected.Config == nil {
+		return d
+	}
+	d.MIG, d.MIGErr, d.NeedFreshHoldings = planMIG(s)
+	d.Config = s.Selected
+	planned, err := planWith(s, s.Selected)
+	if err != nil {
+		d.FitErr = err
+		if s.LastGood.Config == nil || s.LastGood.Config == s.Selected.Config {
+			d.Config = config.Selected{}
+			return d
+		}
+		// Keep planning with the last config that fitted, so health and
+		// inventory changes still reach the kubelet.
+		d.Config = s.LastGood
+		if planned, err = planWith(s, s.LastGood); err != nil {
+			d.FitErr = fmt.Errorf("%w; the last good config %q no longer fits either: %w", d.FitErr, s.LastGood.Name, err)
+			d.Config = config.Selected{}
+			return d
+		}
+	}
+	keepHeld(planned.Catalog, s.Published, s.Holdings.Attribution)
+	d.Catalog, d.MPSDaemons = planned.Catalog, planned.MPSDaemons
+	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)
+	return d
+}
+
+// planWith plans the catalog for sel.
+func planWith(s Snapshot, sel config.Selected) (Planned, error) {
+	cfg := sel.Config
+	if cfg.Sharing.MPS != nil && len(cfg.Sharing.MPS.Resources) > 0 && !s.MPSSupervised {
+		return Planned{}, fmt.Errorf("configs.%s.sharing.mps: this agent runs no MPS supervisor", sel.Name)
+	}
+	var scorer *topology.Scorer
+	if s.Scorer != nil {
+		policy, err := topology.ParsePolicy(string(cfg.Allocation.Policy))
+		if err != nil {
+			return Planned{}, fmt.Errorf("configs.%s.allocation.policy: %w", sel.Name, err)
+		}
+		scorer = s.Scorer(policy)
+	}
+	return PlanResources(PlanInput{
+		Inventory:       s.Inventory,
+		ConfigName:      sel.Name,
+		PassDeviceSpecs: cfg.DevicePlugin.PassDeviceSpecs,
+		MIGStrategy:     cfg.MIG.Strategy,
+		Sharing:         cfg.Sharing,
+		Unhealthy:       s.Health.UnhealthyDevices(),
+		Failed:          s.Failed,
+		Scorer:          scorer,
+		MPS:             s.MPS,
+	})
+}
+
+// planMIG plans each GPU the selected layout names. The layout comes from
+// the selected config even when its sharing section does not fit yet: a
+// config that shares MIG devices fits only once they exist.
+func planMIG(s Snapshot) (out []GPUMIG, firstErr error, needFresh bool) {
+	layout := s.Selected.MIGLayout
+	if layout == nil || !s.MIGApplies || s.Inventory == nil {
+		return nil, nil, false
+	}
+	field := "configs." + s.Selected.Name + ".mig"
+	wants, err := mig.Desired(layout, s.Inventory)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", field, err), false
+	}
+	held := s.Holdings.heldMIG(s.Inventory)
+	var errs []error
+	for _, g := range s.Inventory.GPUs {
+		want, ok := wants[g.Index]
+		if !ok {
+			continue
+		}
+		gm := GPUMIG{GPU: g.Index, UUID: g.UUID, Want: want.String()}
+		profiles, ok := s.Profiles[g.Name]
+		if !ok {
+			why := s.ProfileErrs[g.Name]
+			if why == nil {
+				why = errors.New("MIG profiles not read")
+			}
+			err := fmt.Errorf("%s: gpu %d (%s): %w", field, g.Index, g.UUID, why)
+			gm.State = mig.State{Phase: mig.PhaseFailed, Reason: err.Error()}
+			errs = append(errs, err)
+			out = append(out, gm)
+			continue
+		}
+		plan, state, err := mig.MakePlan(g, profiles, want, held)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", field, err))
+		}
+		gm.Plan, gm.State = plan, state
+		if state.Phase == mig.PhasePending && !s.Holdings.Fresh && s.Holdings.allocatedOn(g) {
+			// Waiting on allocations the kubelet has not accounted for:
+			// only its answer can release them.
+			needFresh = true
+		}
+		if destroysDevices(plan) && !s.Holdings.Fresh {
+			needFresh = true
+			gm.Plan, gm.Waiting = createOnly(plan), waitingForKubelet(plan, s.Holdings.Err)
+			gm.Plan.DestroyBlocked = gm.Waiting
+			if len(gm.Plan.Steps) == 0 {
+				gm.State = mig.State{Phase: mig.PhasePending, Reason: gm.Waiting}
+			}
+		}
+		out = append(out, gm)
+	}
+	return out, errors.Join(errs...), needFresh
+}
+
+// createOnly keeps the steps of p that destroy no MIG device and touch no
+// slice such a destroy would free: creating in free slices, and removing a
+// GPU instance without a compute instance (no device stands for it, so no
+// pod can hold it), are safe whoever holds what. Destroying devices, and a
+// MIG mode change (which needs them gone), wait for the kubelet's word.
+func createOnly(p mig.Plan) mig.Plan {
+	var freed uint64
+	for _, s := range p.Steps {
+		if s.Op == mig.OpDestroy && len(s.UUIDs) > 0 {
+			freed |= slots(s.Placement)
+		}
+	}
+	out := p
+	out.Steps = nil
+	for _, s := range p.Steps {
+		switch {
+		case s.Op == mig.OpDestroy && len(s.UUIDs) == 0:
+			out.Steps = append(out.Steps, s)
+		case s.Op == mig.OpCreate && slots(s.Placement)&freed == 0:
+			out.Steps = append(out.Steps, s)
+		}
+	}
+	return out
+}
+
+// destroysDevices reports whether p destroys any MIG device.
+func destroysDevices(p mig.Plan) bool {
+	for _, s := range p.Steps {
+		if s.Op == mig.OpDestroy && len(s.UUIDs) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+func slots(pl gpu.Placement) uint64 {
+	if pl.Size <= 0 || pl.Start < 0 || pl.Start+pl.Size > 64 {
+		return ^uint64(0)
+	}
+	return ((uint64(1) << pl.Size) - 1) << pl.Start
+}
+
+func waitingForKubelet(p mig.Plan, why error) string {
+	var victims []string
+	for _, s := range p.Steps {
+		if s.Op == mig.OpDestroy && len(s.UUIDs) > 0 {
+			victims = append(victims, fmt.Sprintf("%s at %d", s.Profile, s.Placement.Start))
+		}
+	}
+	msg := "destroying " + strings.Join(victims, ", ") + " waits for a fresh answer from the kubelet's pod-resources API"
+	if why != nil {
+		msg += " (" + why.Error() + ")"
+	}
+	return msg
+}
+
+// allocatedOn reports whether a ledger entry is one of g's MIG devices.
+func (h Holdings) allocatedOn(g gpu.GPU) bool {
+	for _, m := range g.Instances {
+		if _, ok := h.Allocated[m.UUID]; ok {
+			return true
+		}
+	}
+	return false
+}
+
+// heldMIG maps each MIG device a container holds, or that was allocated and
+// not yet accounted for, to who holds it.
+func (h Holdings) heldMIG(inv *gpu.Inventory) map[string]string {
+	held := map[string]string{}
+	for _, g := range inv.GPUs {
+		for _, m := range g.Instances {
+			if hs := h.Attribution.Holders(m.UUID); len(hs) > 0 {
+				held[m.UUID] = hs[0].String()
+			}
+		}
+	}
+	for _, uuid := range slices.Sorted(maps.Keys(h.Allocated)) {
+		if _, ok := held[uuid]; !ok {
+			held[uuid] = "a container allocated it at " + h.Allocated[uuid].UTC().Format(time.TimeOnly) + " UTC (not yet listed by the kubelet)"
+		}
+	}
+	return held
+}
+
+// keepHeld puts back, unhealthy, every device of the last published catalog
+// that a running container holds but the new plan no longer offers (a
+// config edit took a GPU out of a shared pool, ...). The kubelet keeps such
+// a pod's allocation either way; advertising the device until the pod
+// releases it keeps its accounting honest and says on /status who holds it,
+// instead of silently handing the same device out under a new name.
+func keepHeld(cat, published *catalog.Catalog, att *health.Attribution) {
+	if published == nil || att == nil {
+		return
+	}
+	for name, old := range published.Resources {
+		held := att.HeldIDs(name)
+		if len(held) == 0 {
+			continue
+		}
+		cur := cat.Resources[name]
+		added := false
+		for _, d := range old.Devices {
+			h, ok := held[d.ID]
+			if !ok {
+				continue
+			}
+			if cur != nil {
+				if _, offered := cur.Device(d.ID); offered {
+					continue
+				}
+			}
+			if cur == nil {
+				cur = &catalog.Resource{Name: name, Common: old.Common, MaxPerContainer: old.MaxPerContainer}
+				cat.Resources[name] = cur
+			}
+			d.Healthy = false
+			d.Reason = "held by " + h.String() + "; no longer offered by the config, withdrawn once released"
+			cur.Devices = append(cur.Devices, d)
+			added = true
+		}
+		if added {
+			slices.SortFunc(cur.Devices, func(x, y catalog.Device) int { return strings.Compare(x.ID, y.ID) })
+		}
+	}
+}

@@ -1,0 +1,131 @@
+package agent
+
+import (
+	"sync"
+
+	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/health"
+)
+
+// Event is one input of the loop. Every producer (config watcher, node
+// labels, health watcher, MPS supervisor, plugin, pod-resources, ticker)
+// posts to one Inbox; the loop is the only reader.
+type Event interface {
+	// kind names the event in logs, metrics and tests; events of a
+	// coalescing kind replace an unread one of the same kind.
+	kind() string
+}
+
+// ConfigChanged carries the config file's (or ConfigMap's) new content.
+type ConfigChanged struct{ Update config.Update }
+
+// LabelsChanged carries the node's labels (from the Kubernetes API).
+type LabelsChanged struct{ Labels map[string]string }
+
+// HealthChanged carries the health watcher's new state.
+type HealthChanged struct{ State *health.State }
+
+// MPSChanged says some MPS daemon's health changed.
+type MPSChanged struct{}
+
+// Allocated says the plugin handed these device IDs to a container.
+type Allocated struct {
+	Resource string
+	IDs      []string
+}
+
+// HoldingsChanged carries an unsolicited pod-resources answer (the
+// background refresh): who holds what, for status, metrics and withdrawing
+// released devices. It never authorises destroying anything: only an answer
+// the loop asked for itself does.
+type HoldingsChanged struct{ Attribution *health.Attribution }
+
+// Tick is the periodic resync: read the GPUs again even without events.
+type Tick struct{}
+
+func (ConfigChanged) kind() string   { return "config" }
+func (LabelsChanged) kind() string   { return "labels" }
+func (HealthChanged) kind() string   { return "health" }
+func (MPSChanged) kind() string      { return "mps" }
+func (Allocated) kind() string       { return "allocated" }
+func (HoldingsChanged) kind() string { return "holdings" }
+func (Tick) kind() string            { return "tick" }
+
+// Inbox is the loop's one queue. Post never blocks and the queue is bounded:
+// state events (config, labels, health, MPS, holdings, tick) replace an
+// unread one of their kind, because only the latest matters, and allocations
+// merge into one event whose IDs are de-duplicated (they are devices the
+// catalog offered, so their number is bounded by the catalog).
+type Inbox struct {
+	mu      sync.Mutex
+	pending []Event
+	wake    chan struct{}
+}
+
+// NewInbox returns an empty inbox.
+func NewInbox() *Inbox {
+	return &Inbox{wake: make(chan struct{}, 1)}
+}
+
+// Post queues e for the loop; safe from any goroutine.
+func (b *Inbox) Post(e Event) {
+	b.mu.Lock()
+	b.pending = coalesce(b.pending, e)
+	b.mu.Unlock()
+	select {
+	case b.wake <- struct{}{}:
+	default: // a wake-up is pending; Drain takes everything queued
+	}
+}
+
+func coalesce(q []Event, e Event) []Event {
+	for i, old := range q {
+		if old.kind() != e.kind() {
+			continue
+		}
+		if a, ok := e.(Allocated); ok {
+			q[i] = mergeAllocated(old.(Allocated), a)
+			return q
+		}
+		// Keep the queue's order of first arrival: the loop handles kinds
+		// in a fixed order anyway (see step).
+		q[i] = e
+		return q
+	}
+	return append(q, e)
+}
+
+func mergeAllocated(a, b Allocated) Allocated {
+	seen := make(map[string]bool, len(a.IDs)+len(b.IDs))
+	ids := make([]string, 0, len(a.IDs)+len(b.IDs))
+	for _, id := range append(append([]string(nil), a.IDs...), b.IDs...) {
+		if !seen[id] {
+			seen[id] = true
+			ids = append(ids, id)
+		}
+	}
+	res := a.Resource
+	if res != b.Resource {
+		res = "" // several resources: the IDs say enough
+	}
+	return Allocated{Resource: res, IDs: ids}
+}
+
+// Wake is signalled when events are waiting.
+func (b *Inbox) Wake() <-chan struct{} { return b.wake }
+
+// Drain takes every queued event.
+func (b *Inbox) Drain() []Event {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	q := b.pending
+	b.pending = nil
+	return q
+}
+
+// Len is how many events wait (for tests).
+func (b *Inbox) Len() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.pending)
+}

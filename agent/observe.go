@@ -1,0 +1,196 @@
+package agent
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/mig"
+)
+
+// maxMisses is how many inventories in a row may fail to read a GPU (for a
+// reason other than NVML saying it is lost) before it is offered as
+// unhealthy: one failed call is not a failed GPU, and withdrawing or
+// flapping devices on every NVML hiccup would fail pods for nothing.
+const maxMisses = 3
+
+// FailedGPU is a GPU known earlier that the inventory could not read.
+type FailedGPU struct {
+	GPU    gpu.GPU
+	Reason string
+}
+
+// observe reads the GPUs and settles what the loop believes about them; on
+// failure the last inventory stays.
+func (a *Agent) observe(why string) {
+	for attempt := 1; ; attempt++ {
+		next, err := a.opts.Observer.Inventory()
+		if err != nil {
+			// Keep serving the last inventory: a transient NVML failure must
+			// not withdraw every device from the kubelet.
+			a.log.Error("inventory failed; keeping the last one", "reason", why, "error", err)
+			a.metrics.inventoryErrors.Inc()
+			return
+		}
+		for _, e := range next.Errors {
+			a.log.Debug("inventory incomplete", "error", e.Error())
+		}
+		inv, transient := a.settle(next)
+		if transient && a.inv == nil && attempt < maxMisses {
+			// Nothing believed yet to fall back on: read again at once
+			// rather than serve a half-read node until the next resync.
+			continue
+		}
+		if inv == a.inv {
+			return
+		}
+		a.inv = inv
+		break
+	}
+	a.readProfiles()
+	if a.opts.Health != nil {
+		a.opts.Health.SetInventory(a.inv)
+	}
+	for _, o := range a.opts.InventoryObservers {
+		o(a.inv)
+	}
+}
+
+// settle decides what to believe after a read. A GPU NVML could only partly
+// read keeps its last known record (MIG mode, instances): one failed
+// GetMigMode must not turn a MIG GPU into a whole one. A GPU missing for a
+// transient reason keeps the whole last inventory (the topology is indexed
+// by the inventory's GPU order), up to maxMisses reads in a row. A GPU NVML
+// calls lost, that is no longer enumerated, or that stayed unreadable is
+// offered as unhealthy (a.failed) until it is read again. transient says the
+// last inventory was kept (or, with none, that reading again may help).
+func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool) {
+	prev := a.inv
+	if a.misses == nil {
+		a.misses = map[string]int{}
+	}
+	failed := map[string]FailedGPU{}
+	var partial []string
+	for i, g := range next.GPUs {
+		if !unsure(g) {
+			continue
+		}
+		if prev != nil {
+			if old, ok := prev.GPUByUUID(g.UUID); ok {
+				a.log.Debug("GPU partly read; keeping its last record", "gpu", g.Index, "uuid", g.UUID, "unread", g.Unread)
+				next.GPUs[i] = old
+				continue
+			}
+		}
+		if !g.Unknown(gpu.FactMIGMode, gpu.FactInstances) {
+			continue // what it is offered as is known; the rest can wait
+		}
+		// Nothing to fall back on: what it would be offered as is unknown.
+		if a.misses[g.UUID]+1 < maxMisses {
+			a.misses[g.UUID]++
+			transient = true
+			continue
+		}
+		partial = append(partial, g.UUID)
+		failed[g.UUID] = FailedGPU{GPU: g, Reason: fmt.Sprintf("partly read %d times in a row (%v)", maxMisses, g.Unread)}
+	}
+	known := map[string]gpu.GPU{}
+	for uuid, f := range a.failed {
+		known[uuid] = f.GPU
+	}
+	if prev != nil {
+		for _, g := range prev.GPUs {
+			known[g.UUID] = g
+		}
+	}
+	for _, uuid := range slices.Sorted(maps.Keys(known)) {
+		g := known[uuid]
+		if ng, ok := next.GPUByUUID(uuid); ok && !slices.Contains(partial, ng.UUID) {
+			if _, was := a.failed[uuid]; was {
+				a.log.Info("GPU readable again", "gpu", g.Index, "uuid", uuid)
+			}
+			delete(a.misses, uuid)
+			continue
+		} else if ok {
+			continue // partly read, failed above
+		}
+		e, found := errorFor(next, g)
+		switch {
+		case !found:
+			failed[uuid] = FailedGPU{GPU: g, Reason: "no longer enumerated by NVML"}
+		case e.Lost:
+			failed[uuid] = FailedGPU{GPU: g, Reason: e.Call + ": " + e.Err}
+		case a.misses[uuid]+1 < maxMisses && prev != nil && !a.isFailed(uuid):
+			a.misses[uuid]++
+			transient = true
+			a.log.Warn("GPU could not be read; keeping its last state", "gpu", g.Index, "uuid", uuid,
+				"misses", a.misses[uuid], "of", maxMisses, "error", e.Error())
+		default:
+			a.misses[uuid] = maxMisses
+			failed[uuid] = FailedGPU{GPU: g, Reason: fmt.Sprintf("%s: %s (%d reads in a row)", e.Call, e.Err, maxMisses)}
+		}
+	}
+	if transient {
+		return prev, true
+	}
+	for uuid, f := range failed {
+		if _, was := a.failed[uuid]; !was {
+			a.log.Warn("GPU could not be read; offering it as unhealthy", "gpu", f.GPU.Index, "uuid", uuid, "reason", f.Reason)
+		}
+	}
+	a.failed = failed
+	return next.Without(partial), false
+}
+
+// unsure reports whether a GPU's read left facts unknown that decide what it
+// is offered as (MIG mode and instances) or how it may be shared.
+func unsure(g gpu.GPU) bool {
+	return g.Unknown(gpu.FactMIGMode, gpu.FactInstances, gpu.FactGIsWithoutCI, gpu.FactComputeCapability)
+}
+
+func (a *Agent) isFailed(uuid string) bool {
+	_, ok := a.failed[uuid]
+	return ok
+}
+
+// errorFor finds the inventory error that names g, by UUID or else index.
+func errorFor(inv *gpu.Inventory, g gpu.GPU) (gpu.DeviceError, bool) {
+	for _, e := range inv.Errors {
+		if e.UUID == g.UUID {
+			return e, true
+		}
+	}
+	for _, e := range inv.Errors {
+		if e.UUID == "" && e.Index == g.Index {
+			return e, true
+		}
+	}
+	return gpu.DeviceError{}, false
+}
+
+// readProfiles reads the MIG profiles of each MIG-capable model not read
+// yet; a failure is retried at the next observe.
+func (a *Agent) readProfiles() {
+	if a.opts.MIG == nil {
+		return
+	}
+	if a.profiles == nil {
+		a.profiles, a.profileErrs = map[string]mig.Profiles{}, map[string]error{}
+	}
+	for _, g := range a.inv.GPUs {
+		if !g.MIGCapable {
+			continue
+		}
+		if _, ok := a.profiles[g.Name]; ok {
+			continue
+		}
+		p, err := a.opts.Observer.MIGProfiles(g)
+		if err != nil {
+			a.profileErrs[g.Name] = err
+			continue
+		}
+		delete(a.profileErrs, g.Name)
+		a.profiles[g.Name] = p
+	}
+}
