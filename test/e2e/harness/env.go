@@ -85,6 +85,8 @@ type Env struct {
 	agent      *Process
 	kubeletN   int // kubelet starts, to name their log files
 	agentN     int
+	// extraBackend is appended to the next agent's --backend (SetBackendOptions).
+	extraBackend string
 }
 
 // Start brings up containerd (with the images imported), the kubelet, and gpu-agent, and registers the
@@ -301,19 +303,10 @@ func (e *Env) StartAgent(ctx context.Context) error {
 			return errors.New("gpu-agent: already running")
 		}
 	}
-	e.agentN++
-	argv, env, err := daemonSetArgs(e)
-	if err != nil {
-		return fmt.Errorf("gpu-agent: %w", err)
-	}
-	argv = append([]string{e.cfg.Agent}, argv...)
-	argv = append(argv, "--backend", e.cfg.Backend)
-	argv = append(argv, e.cfg.AgentArgs...)
-	p, err := startProcessEnv("gpu-agent", filepath.Join(e.d.logs, fmt.Sprintf("gpu-agent-%d.log", e.agentN)), e.ledger, env, argv...)
+	p, err := e.spawnAgent()
 	if err != nil {
 		return err
 	}
-	e.agent = p
 	err = poll(ctx, 200*time.Millisecond, func() error {
 		if done, werr := p.Exited(); done {
 			return stop(fmt.Errorf("gpu-agent exited: %v (see %s)", werr, p.LogPath))
@@ -324,6 +317,68 @@ func (e *Env) StartAgent(ctx context.Context) error {
 		return fmt.Errorf("gpu-agent: not ready: %w", err)
 	}
 	return nil
+}
+
+// backend is the agent's --backend: a simulated node keeps its GPU state in
+// the Env's run directory, so it outlives each gpu-agent process as real GPUs
+// do and an agent restart meets the GPUs the last agent left.
+func (e *Env) backend() string {
+	be := e.cfg.Backend
+	if strings.HasPrefix(be, "sim:") && !strings.Contains(be, ",state=") {
+		be += ",state=" + e.SimStateFile()
+	}
+	return be + e.extraBackend
+}
+
+// SimStateFile is where the simulated node keeps its GPU state.
+func (e *Env) SimStateFile() string { return filepath.Join(e.d.run, "sim-state.json") }
+
+// SetBackendOptions adds options to the simulated backend of the next
+// StartAgent (e.g. ",crash-after=3"); "" removes them.
+func (e *Env) SetBackendOptions(opts string) { e.extraBackend = opts }
+
+// spawnAgent starts a gpu-agent process with the DaemonSet's args.
+func (e *Env) spawnAgent() (*Process, error) {
+	e.agentN++
+	argv, env, err := daemonSetArgs(e)
+	if err != nil {
+		return nil, fmt.Errorf("gpu-agent: %w", err)
+	}
+	argv = append([]string{e.cfg.Agent}, argv...)
+	argv = append(argv, "--backend", e.backend())
+	argv = append(argv, e.cfg.AgentArgs...)
+	p, err := startProcessEnv("gpu-agent", filepath.Join(e.d.logs, fmt.Sprintf("gpu-agent-%d.log", e.agentN)), e.ledger, env, argv...)
+	if err != nil {
+		return nil, err
+	}
+	e.agent = p
+	return p, nil
+}
+
+// StartAgentExpectingCrash starts gpu-agent and waits for it to be killed
+// (a simulated node's crash-after option kills it mid-change); it fails if
+// the agent gets ready or exits any other way.
+func (e *Env) StartAgentExpectingCrash(ctx context.Context) error {
+	p, err := e.spawnAgent()
+	if err != nil {
+		return err
+	}
+	return poll(ctx, 100*time.Millisecond, func() error {
+		done, werr := p.Exited()
+		if !done {
+			if httpOK(ctx, "http://"+e.agentAddr+"/readyz") == nil {
+				return stop(fmt.Errorf("gpu-agent got ready instead of crashing (see %s)", p.LogPath))
+			}
+			return errors.New("still running")
+		}
+		var ee *exec.ExitError
+		if errors.As(werr, &ee) {
+			if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL {
+				return nil
+			}
+		}
+		return stop(fmt.Errorf("gpu-agent exited with %v, want killed by SIGKILL (see %s)", werr, p.LogPath))
+	})
 }
 
 // StopAgent ends gpu-agent with SIGTERM.
@@ -398,6 +453,7 @@ func (e *Env) teardown() {
 		add(e.containerd.Stop(10 * time.Second))
 	}
 	killShims(e.d.run, t.Logf)
+	killMPSDaemons(e.d.agentMPS, t.Logf)
 	add(unmountUnder(e.d.run))
 	if failed || len(errs) > 0 {
 		keep := e.d.run + ".failed"
@@ -541,6 +597,28 @@ type AgentStatus struct {
 		GPU    string `json:"gpu"`
 		Reason string `json:"reason"`
 	} `json:"healthCauses"`
+	// GPUs as the agent believes them: their MIG instances and any GPU
+	// instance left without a compute instance.
+	GPUs []struct {
+		Index     int    `json:"index"`
+		UUID      string `json:"uuid"`
+		Instances []struct {
+			UUID    string `json:"uuid"`
+			Profile string `json:"profile"`
+		} `json:"instances"`
+		GIsWithoutCI []struct {
+			GI int `json:"gi"`
+		} `json:"gisWithoutCI"`
+	} `json:"gpus"`
+	// Resources are the devices offered, with health.
+	Resources []struct {
+		Name    string `json:"name"`
+		Devices []struct {
+			ID      string `json:"id"`
+			Healthy bool   `json:"healthy"`
+			Reason  string `json:"reason"`
+		} `json:"devices"`
+	} `json:"resources"`
 }
 
 // RegisteredSince reports whether gpu-agent says it registered resource with the kubelet after t.

@@ -216,6 +216,33 @@ func killShims(runDir string, logf func(string, ...any)) {
 	}
 }
 
+// killMPSDaemons ends the MPS control daemons (the stand-in's) whose pipe
+// directory is under mpsRoot: they outlive gpu-agent on purpose (an agent
+// upgrade must not kill MPS clients), so only the suite's teardown ends them.
+func killMPSDaemons(mpsRoot string, logf func(string, ...any)) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return
+	}
+	for _, ent := range entries {
+		pid, err := strconv.Atoi(ent.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", ent.Name(), "environ"))
+		if err != nil {
+			continue
+		}
+		for _, kv := range strings.Split(string(b), "\x00") {
+			if dir, ok := strings.CutPrefix(kv, "CUDA_MPS_PIPE_DIRECTORY="); ok && strings.HasPrefix(dir, mpsRoot+"/") {
+				logf("ending MPS daemon pid %d (%s)", pid, dir)
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+				break
+			}
+		}
+	}
+}
+
 func shimPIDs(runDir string) []int {
 	entries, err := os.ReadDir("/proc")
 	if err != nil {
