@@ -1,0 +1,244 @@
+package kube
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"maps"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+)
+
+func TestLabelPatch(t *testing.T) {
+	tests := []struct {
+		name    string
+		current map[string]string
+		owned   []string
+		want    map[string]string
+		patch   string // labels part, "" = no change
+	}{
+		{name: "first labels", current: map[string]string{"kubernetes.io/hostname": "n"},
+			want: map[string]string{"nvidia.com/gpu.count": "8"}, patch: `{"metadata":{"annotations":{"gpu-agent.io/owned-labels":"nvidia.com/gpu.count"},"labels":{"nvidia.com/gpu.count":"8"}}}`},
+		{name: "nothing changed", current: map[string]string{"nvidia.com/gpu.count": "8"}, owned: []string{"nvidia.com/gpu.count"},
+			want: map[string]string{"nvidia.com/gpu.count": "8"}},
+		{name: "a label no longer applies", current: map[string]string{"nvidia.com/gpu.count": "8", "nvidia.com/mig-1g.5gb.count": "7"},
+			owned: []string{"nvidia.com/gpu.count", "nvidia.com/mig-1g.5gb.count"}, want: map[string]string{"nvidia.com/gpu.count": "8"},
+			patch: `{"metadata":{"annotations":{"gpu-agent.io/owned-labels":"nvidia.com/gpu.count"},"labels":{"nvidia.com/mig-1g.5gb.count":null}}}`},
+		{name: "labels not owned are never touched", current: map[string]string{"nvidia.com/gpu.machine": "DGX", "team": "ml"},
+			want: nil},
+		{name: "uninstall removes owned ones and the annotation", current: map[string]string{"nvidia.com/gpu.count": "8", "team": "ml"},
+			owned: []string{"nvidia.com/gpu.count"}, want: nil,
+			patch: `{"metadata":{"annotations":{"gpu-agent.io/owned-labels":null},"labels":{"nvidia.com/gpu.count":null}}}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, changed := labelPatch(tt.current, tt.owned, tt.want)
+			if tt.patch == "" {
+				if changed {
+					t.Fatalf("patch %v, want none", p)
+				}
+				return
+			}
+			if got := mustJSON(t, p); got != tt.patch {
+				t.Errorf("patch\n%s\nwant\n%s", got, tt.patch)
+			}
+		})
+	}
+}
+
+func newNode(labels map[string]string) *corev1.Node {
+	return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "gpu-1", Labels: labels, UID: "uid-1"}}
+}
+
+// watching returns a channel closed once the client has a watch open: the
+// fake clientset does not replay changes made before a watch starts.
+func watching(client *fake.Clientset, resource string) <-chan struct{} {
+	ch := make(chan struct{})
+	var once sync.Once
+	client.PrependWatchReactor(resource, func(k8stesting.Action) (bool, watch.Interface, error) {
+		once.Do(func() { close(ch) })
+		return false, nil, nil
+	})
+	return ch
+}
+
+// next takes the next value from ch, failing after a bound.
+func next[T any](t *testing.T, ch <-chan T) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(10 * time.Second):
+		t.Fatal("nothing delivered in 10s")
+	}
+	var zero T
+	return zero
+}
+
+func runPublisher(t *testing.T, client *fake.Clientset) *Publisher {
+	t.Helper()
+	p := NewPublisher(client, "gpu-1", nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = p.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return p
+}
+
+func nodeLabels(t *testing.T, client *fake.Clientset) map[string]string {
+	t.Helper()
+	n, err := client.CoreV1().Nodes().Get(context.Background(), "gpu-1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n.Labels
+}
+
+func eventually(t *testing.T, what string, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !ok() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not seen: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// The agent owns its labels: it sets them, removes them when they no longer
+// apply, and never touches labels it did not set.
+func TestPublisherOwnsItsLabels(t *testing.T) {
+	client := fake.NewClientset(newNode(map[string]string{"team": "ml", "nvidia.com/gpu.machine": "DGX-A100"}))
+	p := runPublisher(t, client)
+	p.SetLabels(map[string]string{"nvidia.com/gpu.count": "8", "nvidia.com/mig-1g.5gb.count": "56"})
+	eventually(t, "labels set", func() bool { return nodeLabels(t, client)["nvidia.com/mig-1g.5gb.count"] == "56" })
+	p.SetLabels(map[string]string{"nvidia.com/gpu.count": "8"})
+	eventually(t, "stale label removed", func() bool { _, ok := nodeLabels(t, client)["nvidia.com/mig-1g.5gb.count"]; return !ok })
+	want := map[string]string{"team": "ml", "nvidia.com/gpu.machine": "DGX-A100", "nvidia.com/gpu.count": "8"}
+	if got := nodeLabels(t, client); !maps.Equal(got, want) {
+		t.Errorf("labels %v, want %v", got, want)
+	}
+	// A new agent (after a restart) finds what the last one owned.
+	removed, err := RemoveOwned(context.Background(), client, "gpu-1")
+	if err != nil || removed != 1 {
+		t.Fatalf("RemoveOwned: %d, %v", removed, err)
+	}
+	if got := nodeLabels(t, client); !maps.Equal(got, map[string]string{"team": "ml", "nvidia.com/gpu.machine": "DGX-A100"}) {
+		t.Errorf("after uninstall: %v", got)
+	}
+}
+
+// Patching denied (RBAC revoked): the publisher says so, keeps trying, and
+// applies once allowed; the caller is never blocked.
+func TestPublisherDeniedThenAllowed(t *testing.T) {
+	client := fake.NewClientset(newNode(nil))
+	var mu sync.Mutex
+	deny := true
+	client.PrependReactor("patch", "nodes", func(k8stesting.Action) (bool, runtime.Object, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if deny {
+			return true, nil, apierrors.NewForbidden(schema.GroupResource{Resource: "nodes"}, "gpu-1", errors.New("RBAC: patch nodes not allowed"))
+		}
+		return false, nil, nil
+	})
+	p := runPublisher(t, client)
+	p.SetLabels(map[string]string{"nvidia.com/gpu.present": "true"})
+	eventually(t, "denial reported", func() bool { return strings.Contains(p.State(), "forbidden") })
+	mu.Lock()
+	deny = false
+	mu.Unlock()
+	eventually(t, "applied after the denial ends", func() bool { return nodeLabels(t, client)["nvidia.com/gpu.present"] == "true" })
+	eventually(t, "state recovers", func() bool { return strings.HasPrefix(p.State(), "connected") })
+}
+
+// The node watcher reports the labels of its own node only, once per change.
+func TestNodeWatcherReportsLabels(t *testing.T) {
+	client := fake.NewClientset(newNode(map[string]string{"a": "1"}),
+		&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "other", Labels: map[string]string{"b": "2"}}})
+	got := make(chan map[string]string, 10)
+	open := watching(client, "nodes")
+	w := NewNodeWatcher(client, "gpu-1", func(l map[string]string) { got <- l }, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = w.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	if l := next(t, got); !maps.Equal(l, map[string]string{"a": "1"}) {
+		t.Fatalf("first labels %v", l)
+	}
+	next(t, open)
+	n := newNode(map[string]string{"a": "1", "nvidia.com/mig.config": "all-1g.10gb"})
+	if _, err := client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if l := next(t, got); l["nvidia.com/mig.config"] != "all-1g.10gb" {
+		t.Fatalf("after the label change %v", l)
+	}
+}
+
+// The ConfigMap watcher delivers the data, and says when it is deleted.
+func TestConfigMapWatcher(t *testing.T) {
+	cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: "gpu-agent", Name: "cfg"}, Data: map[string]string{"config.yaml": "version: v1\n"}}
+	client := fake.NewClientset(cm)
+	type update struct {
+		data    map[string]string
+		deleted bool
+	}
+	got := make(chan update, 10)
+	open := watching(client, "configmaps")
+	w := NewConfigMapWatcher(client, "gpu-agent", "cfg", func(d map[string]string, del bool) { got <- update{d, del} }, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = w.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	if u := next(t, got); u.deleted || u.data["config.yaml"] != "version: v1\n" {
+		t.Fatalf("first %+v", u)
+	}
+	next(t, open)
+	cm = cm.DeepCopy()
+	cm.Data["a100"] = "x"
+	cm.ResourceVersion = "2"
+	if _, err := client.CoreV1().ConfigMaps("gpu-agent").Update(ctx, cm, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if u := next(t, got); u.data["a100"] != "x" {
+		t.Fatalf("after the edit %+v", u)
+	}
+	if err := client.CoreV1().ConfigMaps("gpu-agent").Delete(ctx, "cfg", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if u := next(t, got); !u.deleted {
+		t.Fatalf("after the delete %+v", u)
+	}
+}
+
+func TestParseConfigMapRef(t *testing.T) {
+	for _, bad := range []string{"", "cfg", "/cfg", "ns/", "a/b/c"} {
+		if _, _, err := ParseConfigMapRef(bad); err == nil {
+			t.Errorf("%q accepted", bad)
+		}
+	}
+	if ns, n, err := ParseConfigMapRef("gpu-agent/config"); err != nil || ns != "gpu-agent" || n != "config" {
+		t.Errorf("gpu-agent/config: %s %s %v", ns, n, err)
+	}
+}
+
+func mustJSON(t *testing.T, v any) string {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
