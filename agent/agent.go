@@ -60,6 +60,14 @@ type MPSControl interface {
 	Healthy(device string) (bool, string)
 }
 
+// Cluster is the Kubernetes API side (kube.Publisher): node labels and
+// Events. Its calls must not block.
+type Cluster interface {
+	SetLabels(labels map[string]string)
+	Event(warning bool, reason, message string)
+	State() string
+}
+
 // Options configure an Agent.
 type Options struct {
 	// Observer reads the GPUs (required).
@@ -84,6 +92,8 @@ type Options struct {
 	MIG MIGApplier
 	// MPS runs the MPS control daemons (nil: MPS sharing is refused).
 	MPS MPSControl
+	// Cluster publishes labels and Events (nil: standalone, no API).
+	Cluster Cluster
 	// MPSRoot and MPSShmDir: where daemons keep their pipes, and the host
 	// directory MPS clients get as /dev/shm.
 	MPSRoot, MPSShmDir string
@@ -153,6 +163,8 @@ type Agent struct {
 	lastPass  time.Time
 	lastLoop  time.Time
 	saved     []byte
+	// unhealthyGPUs: GPU UUID → reason, as last reported in Events.
+	unhealthyGPUs map[string]string
 
 	scorer scorerCache
 }

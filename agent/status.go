@@ -11,8 +11,11 @@ import (
 
 // Status is what /status serves and `gpu-agent status` prints.
 type Status struct {
-	Node     string          `json:"node"`
-	Backend  string          `json:"backend,omitempty"`
+	Node    string `json:"node"`
+	Backend string `json:"backend,omitempty"`
+	// Cluster says how the Kubernetes API side is doing ("standalone: no
+	// API" without one).
+	Cluster  string          `json:"cluster"`
 	Config   ConfigStatus    `json:"config"`
 	GPUs     []gpu.GPU       `json:"gpus"`
 	Errors   []string        `json:"inventoryErrors,omitempty"`
@@ -112,6 +115,10 @@ func (a *Agent) publishStatus() {
 	}
 	if s.Config.Source == "" {
 		s.Config.Source = "built-in default"
+	}
+	s.Cluster = "standalone: no API"
+	if a.opts.Cluster != nil {
+		s.Cluster = a.opts.Cluster.State()
 	}
 	switch {
 	case a.cfgErr != nil:

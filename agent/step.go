@@ -77,6 +77,10 @@ func (a *Agent) Step(batch []Event) {
 		a.pass(reason)
 	}
 	a.lastLoop = a.now() // the loop turned, whether or not it could publish
+	if a.file != nil {
+		a.healthEvents()
+		a.publishCluster()
+	}
 	a.checkpoint()
 	a.publishStatus()
 }
@@ -95,6 +99,11 @@ func (a *Agent) applyConfig(u config.Update) bool {
 		a.metrics.configValid.Set(0)
 		if a.cfgErr == nil || a.cfgErr.Error() != err.Error() {
 			a.cfgErrAt = a.now()
+			kept := "nothing is served until it is fixed"
+			if a.file != nil {
+				kept = fmt.Sprintf("config %q (generation %d) stays in force", a.selected.Name, a.gen)
+			}
+			a.event(true, ReasonConfigRejected, "config %s rejected, %s: %v", a.opts.ConfigSource, kept, err)
 		}
 		a.cfgErr = err
 		if a.file == nil {
@@ -219,6 +228,7 @@ func (a *Agent) noteFit(d Desired) {
 			a.metrics.configErrors.Inc()
 			a.log.Error("config cannot be applied to this node; serving the last config that could",
 				"config", a.selected.Name, "serving", d.Config.Name, "error", d.FitErr)
+			a.event(true, ReasonConfigNotFitting, "config %q does not fit this node, serving %q: %v", a.selected.Name, d.Config.Name, d.FitErr)
 		}
 		a.fitErr = d.FitErr
 		return
@@ -328,6 +338,9 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 		}
 		if prev, ok := a.migStates[gm.GPU]; !ok || prev.Phase != st.Phase || prev.Reason != st.Reason {
 			a.log.Info("MIG state", "gpu", gm.GPU, "uuid", gm.UUID, "want", st.Want, "phase", st.Phase, "reason", st.Reason)
+			if !ok || prev.Phase != st.Phase || prev.Want != st.Want {
+				a.migEvent(st)
+			}
 		}
 		states[gm.GPU] = st
 	}

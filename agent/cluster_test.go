@@ -1,0 +1,169 @@
+package agent
+
+import (
+	"fmt"
+	"maps"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/health"
+)
+
+// cluster records what the agent tells the API side.
+type cluster struct {
+	mu     sync.Mutex
+	labels map[string]string
+	events []string // "Warning Reason: message"
+}
+
+func (c *cluster) SetLabels(l map[string]string) {
+	c.mu.Lock()
+	c.labels = maps.Clone(l)
+	c.mu.Unlock()
+}
+
+func (c *cluster) Event(warning bool, reason, message string) {
+	typ := "Normal"
+	if warning {
+		typ = "Warning"
+	}
+	c.mu.Lock()
+	c.events = append(c.events, fmt.Sprintf("%s %s: %s", typ, reason, message))
+	c.mu.Unlock()
+}
+
+func (c *cluster) State() string { return "connected" }
+
+// took returns the events recorded since the last call.
+func (c *cluster) took() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ev := c.events
+	c.events = nil
+	return ev
+}
+
+func withCluster(c *cluster) harnessOption { return func(h *harness) { h.opts.Cluster = c } }
+
+func TestNodeLabels(t *testing.T) {
+	tests := []struct {
+		name    string
+		profile string
+		opts    []sim.Option
+		config  string
+		want    map[string]string // a subset that must match
+		absent  []string
+	}{
+		{name: "whole A100s", profile: "dgx-a100", config: wholeGPUs, want: map[string]string{
+			LabelPresent: "true", LabelProduct: "NVIDIA-A100-SXM4-40GB", LabelCount: "8", LabelMemory: "40960",
+			LabelFamily: "ampere", LabelComputeMajor: "8", LabelComputeMinor: "0", LabelMIGCapable: "true",
+			LabelMIGStrategy: "none", LabelSharing: "none", LabelReplicas: "1", LabelMPSCapable: "false",
+			"nvidia.com/cuda.driver.major": "550", "nvidia.com/cuda.driver-version.full": "550.54.15",
+		}, absent: []string{LabelMIGConfigState}},
+		{name: "time-slicing shares the product", profile: "dgx-a100", config: sliced2, want: map[string]string{
+			LabelProduct: "NVIDIA-A100-SXM4-40GB-SHARED", LabelSharing: "time-slicing", LabelReplicas: "2",
+		}},
+		{name: "renamed replicas keep the product", profile: "dgx-a100",
+			config: "version: v1\nconfigs:\n  default:\n    sharing:\n      timeSlicing:\n        resources:\n        - name: nvidia.com/gpu\n          rename: nvidia.com/gpu.shared\n          replicas: 4\n",
+			want: map[string]string{LabelProduct: "NVIDIA-A100-SXM4-40GB", LabelReplicas: "4"}},
+		{name: "V100 has no MIG", profile: "dgx1-v100", config: wholeGPUs, want: map[string]string{
+			LabelFamily: "volta", LabelMIGCapable: "false"}, absent: []string{LabelMIGStrategy}},
+		{name: "mixed MIG: per-profile counts", profile: "dgx-h100-mig", config: mixedNoMIG, want: map[string]string{
+			LabelMIGStrategy: "mixed", "nvidia.com/mig-1g.10gb.count": "56", "nvidia.com/mig-1g.10gb.slices.gi": "1",
+			LabelFamily: "hopper", LabelProduct: "NVIDIA-H100-80GB-HBM3"}},
+		{name: "single MIG: the GPU labels describe the MIG devices", profile: "dgx-h100-mig",
+			config: "version: v1\nconfigs:\n  default:\n    mig:\n      strategy: single\n", want: map[string]string{
+				LabelMIGStrategy: "single", LabelCount: "56", LabelProduct: "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := &cluster{}
+			h := newHarness(t, simNode(t, tt.profile, tt.opts...), withCluster(c))
+			h.config(tt.config)
+			for k, v := range tt.want {
+				if c.labels[k] != v {
+					t.Errorf("%s=%q, want %q", k, c.labels[k], v)
+				}
+			}
+			for _, k := range tt.absent {
+				if v, ok := c.labels[k]; ok {
+					t.Errorf("%s=%q, want no such label", k, v)
+				}
+			}
+			for k, v := range c.labels {
+				if len(v) > 63 || strings.ContainsAny(v, " +/") {
+					t.Errorf("%s=%q is not a valid label value", k, v)
+				}
+			}
+		})
+	}
+}
+
+// mig.config.state follows mig-manager's meaning: pending while a GPU waits,
+// success once every GPU has the layout.
+func TestMIGConfigStateLabelAndEvents(t *testing.T) {
+	c := &cluster{}
+	h := newHarness(t, simNode(t, "dgx-h100-mig"), withMIG(), withCluster(c))
+	h.config(mixedNoMIG)
+	if _, ok := c.labels[LabelMIGConfigState]; ok {
+		t.Errorf("mig.config.state without a layout: %v", c.labels[LabelMIGConfigState])
+	}
+	victim := h.pub.last().Resources["nvidia.com/mig-1g.10gb"].Devices[0]
+	h.hold.hold("nvidia.com/mig-1g.10gb", victim.ID)
+	c.took()
+	h.config(mixedLayout(`{"7g.80gb": 1}`))
+	if got := c.labels[LabelMIGConfigState]; got != MIGConfigPending {
+		t.Errorf("one GPU held: mig.config.state=%q, want pending", got)
+	}
+	ev := strings.Join(c.took(), "\n")
+	if strings.Count(ev, "Normal "+ReasonMIGApplied) != 7 || !strings.Contains(ev, "Normal "+ReasonMIGPending) || !strings.Contains(ev, "ml/trainer") {
+		t.Errorf("events:\n%s\nwant 7 MIGApplied and a MIGPending naming the holder", ev)
+	}
+	h.step(HoldingsChanged{Attribution: h.hold.hold("nvidia.com/mig-1g.10gb")})
+	if got := c.labels[LabelMIGConfigState]; got != MIGConfigSuccess {
+		t.Errorf("released: mig.config.state=%q, want success", got)
+	}
+	// Repeating the same state says nothing new.
+	c.took()
+	h.step(Tick{})
+	if ev := c.took(); len(ev) != 0 {
+		t.Errorf("a resync with nothing new recorded events: %v", ev)
+	}
+}
+
+// Events: a rejected config, a GPU turning unhealthy and recovering, once each.
+func TestClusterEvents(t *testing.T) {
+	c := &cluster{}
+	h := newHarness(t, simNode(t, "pcie-4gpu"), withCluster(c))
+	h.config(wholeGPUs)
+	c.took()
+	h.config(badField)
+	h.config(badField) // the same error again: no second Event
+	if ev := c.took(); len(ev) != 1 || !strings.HasPrefix(ev[0], "Warning "+ReasonConfigRejected) || !strings.Contains(ev[0], "passDeviceSpec") {
+		t.Errorf("events %v, want one GPUConfigRejected naming the field", ev)
+	}
+	sick := findGPU(h, 1).ID
+	h.step(HealthChanged{State: xidState(sick, 48)})
+	h.step(Tick{})
+	if ev := c.took(); len(ev) != 1 || !strings.HasPrefix(ev[0], "Warning "+ReasonGPUUnhealthy) || !strings.Contains(ev[0], sick) {
+		t.Errorf("events %v, want one GPUUnhealthy for %s", ev, sick)
+	}
+	h.step(HealthChanged{State: health.RestoredState(nil)})
+	if ev := c.took(); len(ev) != 1 || !strings.HasPrefix(ev[0], "Normal "+ReasonGPURecovered) {
+		t.Errorf("events %v, want one GPURecovered", ev)
+	}
+	if st := h.a.Status(); st.Cluster != "connected" {
+		t.Errorf("status cluster %q", st.Cluster)
+	}
+}
+
+// Without an API the status says so.
+func TestStandaloneStatus(t *testing.T) {
+	h := newHarness(t, simNode(t, "pcie-4gpu"))
+	h.config(wholeGPUs)
+	if st := h.a.Status(); st.Cluster != "standalone: no API" {
+		t.Errorf("status cluster %q", st.Cluster)
+	}
+}
