@@ -128,16 +128,20 @@ type Agent struct {
 
 	// Config: the file's content, the config selected for this node, the
 	// last one that planned here, and why the latest was rejected.
-	file      *config.File
-	labels    map[string]string
-	selected  config.Selected
-	lastGood  config.Selected
-	cfgErr    error
-	cfgErrAt  time.Time
-	fitErr    error
-	fitErrAt  time.Time
-	warnings  []string
-	gen       int
+	file     *config.File
+	labels   map[string]string
+	selected config.Selected
+	lastGood config.Selected
+	cfgErr   error
+	cfgErrAt time.Time
+	fitErr   error
+	fitErrAt time.Time
+	warnings []string
+	gen      int
+	// sources holds each config source's latest content; source is the
+	// one in force.
+	sources   map[ConfigSource]config.Update
+	source    ConfigSource
 	policySet *config.Config
 
 	// Observed: the inventory believed, GPUs that could not be read, how

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
 )
@@ -67,7 +68,7 @@ func TestNodeLabels(t *testing.T) {
 		}},
 		{name: "renamed replicas keep the product", profile: "dgx-a100",
 			config: "version: v1\nconfigs:\n  default:\n    sharing:\n      timeSlicing:\n        resources:\n        - name: nvidia.com/gpu\n          rename: nvidia.com/gpu.shared\n          replicas: 4\n",
-			want: map[string]string{LabelProduct: "NVIDIA-A100-SXM4-40GB", LabelReplicas: "4"}},
+			want:   map[string]string{LabelProduct: "NVIDIA-A100-SXM4-40GB", LabelReplicas: "4"}},
 		{name: "V100 has no MIG", profile: "dgx1-v100", config: wholeGPUs, want: map[string]string{
 			LabelFamily: "volta", LabelMIGCapable: "false"}, absent: []string{LabelMIGStrategy}},
 		{name: "mixed MIG: per-profile counts", profile: "dgx-h100-mig", config: mixedNoMIG, want: map[string]string{
@@ -165,5 +166,29 @@ func TestStandaloneStatus(t *testing.T) {
 	h.config(wholeGPUs)
 	if st := h.a.Status(); st.Cluster != "standalone: no API" {
 		t.Errorf("status cluster %q", st.Cluster)
+	}
+}
+
+// With the ConfigMap read through the API and mounted as a file, the API's
+// content wins; when the ConfigMap is deleted the file takes over again.
+func TestConfigSourcePrecedence(t *testing.T) {
+	h := newHarness(t, simNode(t, "pcie-4gpu"))
+	file := func(y string) Event { return ConfigChanged{Update: config.Update{Data: []byte(y)}} }
+	api := func(y string) Event { return ConfigChanged{Update: config.Update{Data: []byte(y)}, Source: SourceAPI} }
+	steps := []struct {
+		name string
+		ev   Event
+		gpus int // nvidia.com/gpu devices offered after
+	}{
+		{"the mounted file first", file(wholeGPUs), 4},
+		{"the API wins", api(sliced2), 8},
+		{"a file edit does not override the API", file(wholeGPUs + "# edited\n"), 8},
+		{"the ConfigMap is deleted: back to the file", ConfigChanged{Source: SourceAPI}, 4},
+	}
+	for _, s := range steps {
+		h.step(s.ev)
+		if got := h.count(ResourceGPU); got != s.gpus {
+			t.Errorf("%s: %d devices, want %d", s.name, got, s.gpus)
+		}
 	}
 }

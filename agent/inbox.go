@@ -16,8 +16,22 @@ type Event interface {
 	kind() string
 }
 
-// ConfigChanged carries the config file's (or ConfigMap's) new content.
-type ConfigChanged struct{ Update config.Update }
+// ConfigChanged carries new config content from one source.
+type ConfigChanged struct {
+	Update config.Update
+	Source ConfigSource
+}
+
+// ConfigSource says where config content came from. With both, the API wins
+// and the mounted file is the fallback: the API sees an edit at once, a
+// mounted volume only when the kubelet syncs it (a minute or more).
+type ConfigSource string
+
+// Config sources.
+const (
+	SourceFile ConfigSource = "" // --config (the default)
+	SourceAPI  ConfigSource = "api"
+)
 
 // LabelsChanged carries the node's labels (from the Kubernetes API).
 type LabelsChanged struct{ Labels map[string]string }
@@ -43,7 +57,7 @@ type HoldingsChanged struct{ Attribution *health.Attribution }
 // Tick is the periodic resync: read the GPUs again even without events.
 type Tick struct{}
 
-func (ConfigChanged) kind() string   { return "config" }
+func (e ConfigChanged) kind() string { return "config/" + string(e.Source) }
 func (LabelsChanged) kind() string   { return "labels" }
 func (HealthChanged) kind() string   { return "health" }
 func (MPSChanged) kind() string      { return "mps" }

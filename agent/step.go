@@ -47,7 +47,7 @@ func (a *Agent) Step(batch []Event) {
 	for _, ev := range batch {
 		switch e := ev.(type) {
 		case ConfigChanged:
-			if a.applyConfig(e.Update) {
+			if u, changed := a.configFrom(e); changed && a.applyConfig(u) {
 				observe, plan = true, true
 			}
 		case LabelsChanged:
@@ -83,6 +83,57 @@ func (a *Agent) Step(batch []Event) {
 	}
 	a.checkpoint()
 	a.publishStatus()
+}
+
+// configFrom keeps the latest content of each source and returns the one in
+// force (the API's while it has any, else the file's), and whether that
+// changed.
+func (a *Agent) configFrom(e ConfigChanged) (config.Update, bool) {
+	if a.sources == nil {
+		a.sources = map[ConfigSource]config.Update{}
+	}
+	before, beforeSrc := a.inForce()
+	if e.Source == SourceAPI && e.Update.Err == nil && e.Update.Data == nil {
+		delete(a.sources, SourceAPI) // the ConfigMap is gone: the file takes over
+	} else {
+		a.sources[e.Source] = e.Update
+	}
+	u, src := a.inForce()
+	if src != beforeSrc {
+		a.log.Info("config source in force", "source", sourceName(src, a.opts.ConfigSource), "was", sourceName(beforeSrc, a.opts.ConfigSource))
+	}
+	a.source = src
+	return u, src != beforeSrc || !sameUpdate(before, u)
+}
+
+func (a *Agent) inForce() (config.Update, ConfigSource) {
+	if u, ok := a.sources[SourceAPI]; ok && u.Err == nil {
+		return u, SourceAPI
+	}
+	if u, ok := a.sources[SourceFile]; ok {
+		return u, SourceFile
+	}
+	if u, ok := a.sources[SourceAPI]; ok {
+		return u, SourceAPI // only the API, and it fails: say why
+	}
+	return config.Update{}, ""
+}
+
+func sameUpdate(a, b config.Update) bool {
+	if (a.Err == nil) != (b.Err == nil) || (a.Err != nil && a.Err.Error() != b.Err.Error()) {
+		return false
+	}
+	return string(a.Data) == string(b.Data)
+}
+
+func sourceName(src ConfigSource, file string) string {
+	if src == SourceAPI {
+		return "the ConfigMap, through the API"
+	}
+	if file == "" {
+		return "none"
+	}
+	return file
 }
 
 // applyConfig takes new config content; it reports whether a new config is

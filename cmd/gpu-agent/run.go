@@ -19,6 +19,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/kube"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
@@ -27,6 +28,7 @@ import (
 // runFlags are `gpu-agent run`'s flags; each has an environment variable.
 type runFlags struct {
 	backend, config, nodeName, pluginDir, podResources string
+	kubeconfig, configMap                              string
 	listen, stateDir, mpsRoot, nvmlLib                 string
 	mpsBinary, mpsShmDir                               string
 	logLevel, logFormat                                string
@@ -45,6 +47,8 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.mpsRoot, "mps-root", "GPU_AGENT_MPS_ROOT", "/run/gpu-agent/mps", "root of the MPS pipe and log directories")
 	fsAdd(&f.mpsBinary, "mps-binary", "GPU_AGENT_MPS_BINARY", mps.DefaultBinary, "MPS control program, by path or found on PATH")
 	fsAdd(&f.mpsShmDir, "mps-shm-dir", "GPU_AGENT_MPS_SHM_DIR", "/dev/shm", "host directory MPS daemons and their clients share as /dev/shm")
+	fsAdd(&f.kubeconfig, "kubeconfig", "KUBECONFIG", "", "kubeconfig for the Kubernetes API (empty: in-cluster config when in a pod, else standalone)")
+	fsAdd(&f.configMap, "configmap", "GPU_AGENT_CONFIGMAP", "", "NAMESPACE/NAME of the ConfigMap to read the config from through the API (wins over --config, which stays the fallback)")
 	fsAdd(&f.nvmlLib, "nvml-lib", "GPU_AGENT_NVML_LIB", "", "path of libnvidia-ml.so.1 for the nvml backend (empty: the loader's search path)")
 	fsAdd(&f.logLevel, "log-level", "GPU_AGENT_LOG_LEVEL", "info", "debug, info, warn or error")
 	fsAdd(&f.logFormat, "log-format", "GPU_AGENT_LOG_FORMAT", "text", "text or json")
@@ -148,11 +152,45 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 			return fmt.Errorf("--config %s: %w", f.config, err)
 		}
 	}
+	// The Kubernetes API, when there is one: the Node's labels pick the
+	// config, the ConfigMap is read directly (faster than a mounted
+	// volume), and labels and Events go back. Trouble with it never stops
+	// the agent: it serves standalone.
+	var cluster agent.Cluster
+	var kubeRuns []func(context.Context) error
+	client, how, err := kube.Connect(f.kubeconfig, "gpu-agent")
+	switch {
+	case err != nil:
+		log.Error("kubernetes API not usable; running standalone", "error", err)
+	case client == nil:
+		log.Info("no kubeconfig and not in a pod: running standalone, without the Kubernetes API")
+	default:
+		log.Info("kubernetes API", "via", how, "node", f.nodeName)
+		pub := kube.NewPublisher(client, f.nodeName, log.With("component", "kube"))
+		cluster = pub
+		nodes := kube.NewNodeWatcher(client, f.nodeName, func(l map[string]string) { inbox.Post(agent.LabelsChanged{Labels: l}) }, log.With("component", "kube"))
+		kubeRuns = append(kubeRuns, pub.Run, nodes.Run)
+		if f.configMap != "" {
+			ns, name, err := kube.ParseConfigMapRef(f.configMap)
+			if err != nil {
+				return usageError{"--configmap " + err.Error()}
+			}
+			cms := kube.NewConfigMapWatcher(client, ns, name, func(data map[string]string, deleted bool) {
+				inbox.Post(agent.ConfigChanged{Update: configMapUpdate(data, deleted), Source: agent.SourceAPI})
+			}, log.With("component", "kube"))
+			kubeRuns = append(kubeRuns, cms.Run)
+		}
+	}
+	if f.configMap != "" && client == nil {
+		log.Warn("--configmap needs the Kubernetes API; using --config only", "configmap", f.configMap)
+	}
+
 	ag := agent.New(agent.Options{
 		Observer:           mig.NewObserver(be.Lib, be.InventoryOptions),
 		NodeName:           f.nodeName,
 		ConfigSource:       f.config,
-		WaitForConfig:      cfgWatcher != nil,
+		WaitForConfig:      cfgWatcher != nil || (client != nil && f.configMap != ""),
+		Cluster:            cluster,
 		Inbox:              inbox,
 		Publisher:          mgr,
 		Health:             watcher,
@@ -210,6 +248,9 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 			return forward(ctx, updates, inbox, func(u config.Update) agent.Event { return agent.ConfigChanged{Update: u} })
 		})
 	}
+	for i, run := range kubeRuns {
+		goRun(fmt.Sprintf("kubernetes API %d", i), func() error { return run(ctx) })
+	}
 	goRun("http", func() error {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			return err
@@ -245,4 +286,23 @@ func forward[T any](ctx context.Context, ch <-chan T, inbox *agent.Inbox, ev fun
 			inbox.Post(ev(v))
 		}
 	}
+}
+
+// configMapUpdate turns a ConfigMap's data into config content: the key the
+// mounted file would be (its only key, or config.yaml), or, deleted, no
+// content (the mounted file takes over).
+func configMapUpdate(data map[string]string, deleted bool) config.Update {
+	if deleted {
+		return config.Update{}
+	}
+	if v, ok := data["config.yaml"]; ok || len(data) != 1 {
+		if !ok {
+			return config.Update{Err: fmt.Errorf("ConfigMap has %d keys and no config.yaml", len(data))}
+		}
+		return config.Update{Data: []byte(v)}
+	}
+	for _, v := range data {
+		return config.Update{Data: []byte(v)}
+	}
+	return config.Update{}
 }

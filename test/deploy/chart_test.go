@@ -245,6 +245,17 @@ metrics: {port: 9555}
 	}
 	c := container(o)
 	for flag, env := range runFlags(t) {
+		if flag == "kubeconfig" {
+			// In a pod the agent uses its service account (in-cluster
+			// config); a kubeconfig is for running it by hand.
+			continue
+		}
+		if flag == "configmap" {
+			if got := flagValue(c.Args, "--configmap"); got != "$(POD_NAMESPACE)/gpu-agent-config" {
+				t.Errorf("--configmap = %q, want the chart's ConfigMap in the pod's namespace", got)
+			}
+			continue
+		}
 		if flag == "node-name" {
 			// NODE_NAME comes from the downward API (checkDaemonSet).
 			if !slices.ContainsFunc(c.Env, func(e corev1.EnvVar) bool { return e.Name == env }) {

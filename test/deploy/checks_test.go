@@ -184,13 +184,16 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {
 	}
 }
 
-// checkRBAC asserts the ClusterRole grants only what the agent uses.
+// checkRBAC asserts the ClusterRole and Role grant only what the agent uses
+// (deploy/README.md justifies each verb), and the Role only on the
+// ConfigMap the DaemonSet reads.
 func checkRBAC(t *testing.T, o *objects, sa, ns string) {
 	t.Helper()
-	if len(o.ClusterRoles) != 1 || len(o.ClusterRoleBindings) != 1 {
-		t.Fatalf("got %d ClusterRoles and %d bindings, want 1 each", len(o.ClusterRoles), len(o.ClusterRoleBindings))
+	if len(o.ClusterRoles) != 1 || len(o.ClusterRoleBindings) != 1 || len(o.Roles) != 1 || len(o.RoleBindings) != 1 {
+		t.Fatalf("got %d ClusterRoles, %d bindings, %d Roles, %d bindings; want 1 each",
+			len(o.ClusterRoles), len(o.ClusterRoleBindings), len(o.Roles), len(o.RoleBindings))
 	}
-	allowed := map[string][]string{"nodes": {"get", "watch"}, "events": {"create", "patch"}}
+	allowed := map[string][]string{"nodes": {"get", "list", "watch", "patch"}, "events": {"create", "patch"}}
 	for _, r := range o.ClusterRoles[0].Rules {
 		for _, res := range r.Resources {
 			for _, verb := range r.Verbs {
@@ -200,14 +203,37 @@ func checkRBAC(t *testing.T, o *objects, sa, ns string) {
 			}
 		}
 	}
+	cm := ""
+	if len(o.DaemonSets) == 1 {
+		cm = configMapVolume(o.DaemonSets[0])
+	}
+	for _, r := range o.Roles[0].Rules {
+		if !slices.Equal(r.Resources, []string{"configmaps"}) || !slices.Equal(r.ResourceNames, []string{cm}) {
+			t.Errorf("Role rule %+v: want configmaps, only %q", r, cm)
+		}
+		for _, verb := range r.Verbs {
+			if !slices.Contains([]string{"get", "list", "watch"}, verb) {
+				t.Errorf("Role grants %s on ConfigMaps; the agent only reads", verb)
+			}
+		}
+	}
+	if o.Roles[0].Namespace != ns {
+		t.Errorf("Role in namespace %q, want %q", o.Roles[0].Namespace, ns)
+	}
 	b := o.ClusterRoleBindings[0]
 	if b.RoleRef.Kind != "ClusterRole" || b.RoleRef.Name != o.ClusterRoles[0].Name {
 		t.Errorf("binding roleRef %+v, want ClusterRole %s", b.RoleRef, o.ClusterRoles[0].Name)
 	}
-	if !slices.ContainsFunc(b.Subjects, func(s rbacv1.Subject) bool {
-		return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == ns
-	}) {
-		t.Errorf("binding subjects %+v do not include ServiceAccount %s/%s", b.Subjects, ns, sa)
+	rb := o.RoleBindings[0]
+	if rb.RoleRef.Kind != "Role" || rb.RoleRef.Name != o.Roles[0].Name {
+		t.Errorf("role binding roleRef %+v, want Role %s", rb.RoleRef, o.Roles[0].Name)
+	}
+	for _, subjects := range [][]rbacv1.Subject{b.Subjects, rb.Subjects} {
+		if !slices.ContainsFunc(subjects, func(s rbacv1.Subject) bool {
+			return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == ns
+		}) {
+			t.Errorf("binding subjects %+v do not include ServiceAccount %s/%s", subjects, ns, sa)
+		}
 	}
 }
 

@@ -83,6 +83,10 @@ func TestDaemonSetRunsAgent(t *testing.T) {
 		case name == "--listen":
 			// The pod has its own network namespace; here port 9400 may be taken.
 			args = append(args, name+"="+addr)
+		case name == "--configmap":
+			// A ConfigMap's name, not a path; without an API server here
+			// the agent serves the mounted file (and says so).
+			args = append(args, a)
 		case name == "--mps-binary" && !strings.HasPrefix(val, "/"):
 			args = append(args, a) // a program name, looked up on PATH
 		case name == "--mps-shm-dir" && val == "/dev/shm":
@@ -97,6 +101,8 @@ func TestDaemonSetRunsAgent(t *testing.T) {
 		switch {
 		case e.Name == "NODE_NAME" && e.ValueFrom != nil:
 			env = append(env, "NODE_NAME=gpu-node-1")
+		case e.Name == "POD_NAMESPACE" && e.ValueFrom != nil:
+			env = append(env, "POD_NAMESPACE=gpu-agent")
 		case e.ValueFrom == nil:
 			env = append(env, e.Name+"="+e.Value)
 		default:

@@ -53,6 +53,8 @@ type objects struct {
 	DaemonSets          []*appsv1.DaemonSet
 	ClusterRoles        []*rbacv1.ClusterRole
 	ClusterRoleBindings []*rbacv1.ClusterRoleBinding
+	Roles               []*rbacv1.Role
+	RoleBindings        []*rbacv1.RoleBinding
 	ServiceMonitors     []*serviceMonitor
 }
 
@@ -102,6 +104,12 @@ func decodeStrict(name string, data []byte, into *objects) error {
 		case "rbac.authorization.k8s.io/v1/ClusterRoleBinding":
 			o := &rbacv1.ClusterRoleBinding{}
 			into.ClusterRoleBindings, obj = append(into.ClusterRoleBindings, o), o
+		case "rbac.authorization.k8s.io/v1/Role":
+			o := &rbacv1.Role{}
+			into.Roles, obj = append(into.Roles, o), o
+		case "rbac.authorization.k8s.io/v1/RoleBinding":
+			o := &rbacv1.RoleBinding{}
+			into.RoleBindings, obj = append(into.RoleBindings, o), o
 		case "monitoring.coreos.com/v1/ServiceMonitor":
 			o := &serviceMonitor{}
 			into.ServiceMonitors, obj = append(into.ServiceMonitors, o), o
