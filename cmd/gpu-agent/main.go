@@ -24,6 +24,8 @@ Usage:
   gpu-agent mig plan --config FILE [--backend B]
                                            print the MIG repartitioning plan per GPU
   gpu-agent sim list                       list the simulated nodes
+  gpu-agent node-cleanup [--all | --node-name N] [--kubeconfig F]
+                                           remove the Node labels gpu-agent owns (uninstall)
 
 Run 'gpu-agent COMMAND --help' for a command's flags.
 `
@@ -57,6 +59,8 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = cmdSim(args[1:], stdout, stderr)
 	case "mig":
 		err = cmdMIG(args[1:], stdout, stderr)
+	case "node-cleanup":
+		err = cmdNodeCleanup(ctx, args[1:], stdout, stderr)
 	default:
 		fmt.Fprintf(stderr, "gpu-agent: unknown command %q\n\n%s", args[0], usage)
 		return 2
