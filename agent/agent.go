@@ -75,6 +75,9 @@ type Options struct {
 	NodeName string
 	// ConfigSource names where the config comes from, for /status ("" = built-in default).
 	ConfigSource string
+	// DefaultConfig names the config (a key of a multi-key ConfigMap) used
+	// when no node entry or label selects one (NVIDIA's config.default).
+	DefaultConfig string
 	// WaitForConfig: the config arrives as a ConfigChanged event; until a
 	// valid one does, nothing is served. Otherwise the built-in default
 	// config is in force from the start.

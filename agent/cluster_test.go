@@ -192,3 +192,32 @@ func TestConfigSourcePrecedence(t *testing.T) {
 		}
 	}
 }
+
+// A mig-parted file as the GPU Operator ships it, mounted as is: without a
+// label the node serves its whole GPUs; labelling it
+// nvidia.com/mig.config=<entry> repartitions it, in one step.
+func TestStepMIGConfigLabel(t *testing.T) {
+	const migParted = "version: v1\nmig-configs:\n  all-disabled:\n  - devices: all\n    mig-enabled: false\n" +
+		"  all-1g.10gb:\n  - device-filter: [\"0x233010DE\"]\n    devices: all\n    mig-enabled: true\n    mig-devices: {\"1g.10gb\": 7}\n"
+	c := &cluster{}
+	h := newHarness(t, simNode(t, "dgx-h100", sim.WithMIGEnabled()), withMIG(), withCluster(c))
+	h.config(migParted)
+	if h.a.Status().Config.Error != "" {
+		t.Fatalf("status %+v", h.a.Status().Config)
+	}
+	passes := h.a.PlanPasses()
+	h.step(LabelsChanged{Labels: map[string]string{"nvidia.com/mig.config": "all-1g.10gb"}})
+	if n := h.count("nvidia.com/mig-1g.10gb"); n != 56 {
+		t.Fatalf("after the label: %v, want 56 1g.10gb", resourceSummary(h.pub.last()))
+	}
+	if got := c.labels[LabelMIGConfigState]; got != MIGConfigSuccess {
+		t.Errorf("mig.config.state=%q, want success", got)
+	}
+	if p := h.a.PlanPasses() - passes; p > 2 {
+		t.Errorf("%d plan passes for one label change, want at most 2 (plan, apply, plan)", p)
+	}
+	h.step(LabelsChanged{Labels: map[string]string{"nvidia.com/mig.config": "all-2g"}})
+	if st := h.a.Status(); !strings.Contains(st.Config.Error, "all-2g") || h.count("nvidia.com/mig-1g.10gb") != 56 {
+		t.Errorf("an unknown entry: error %q, %d devices; want the error named and the layout kept", st.Config.Error, h.count("nvidia.com/mig-1g.10gb"))
+	}
+}

@@ -93,7 +93,7 @@ func (a *Agent) configFrom(e ConfigChanged) (config.Update, bool) {
 		a.sources = map[ConfigSource]config.Update{}
 	}
 	before, beforeSrc := a.inForce()
-	if e.Source == SourceAPI && e.Update.Err == nil && e.Update.Data == nil {
+	if e.Source == SourceAPI && e.Update.Err == nil && e.Update.Data == nil && e.Update.Files == nil {
 		delete(a.sources, SourceAPI) // the ConfigMap is gone: the file takes over
 	} else {
 		a.sources[e.Source] = e.Update
@@ -123,7 +123,7 @@ func sameUpdate(a, b config.Update) bool {
 	if (a.Err == nil) != (b.Err == nil) || (a.Err != nil && a.Err.Error() != b.Err.Error()) {
 		return false
 	}
-	return string(a.Data) == string(b.Data)
+	return string(a.Data) == string(b.Data) && maps.Equal(a.Files, b.Files) && (a.Files == nil) == (b.Files == nil)
 }
 
 func sourceName(src ConfigSource, file string) string {
@@ -143,7 +143,7 @@ func (a *Agent) applyConfig(u config.Update) bool {
 	var warnings []string
 	err := u.Err
 	if err == nil {
-		f, warnings, err = config.Parse(u.Data)
+		f, warnings, err = u.Parse(a.opts.DefaultConfig)
 	}
 	if err != nil {
 		a.metrics.configErrors.Inc()

@@ -718,8 +718,11 @@ func TestMigPartedConversion(t *testing.T) {
 		!reflect.DeepEqual(sel.MIGLayout[2].MigDevices, map[string]int{"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}) {
 		t.Errorf("Select = %+v", sel)
 	}
-	if _, err := f.Select("n1", nil); err == nil || !strings.Contains(err.Error(), "no \"default\" config") {
-		t.Errorf("Select without label or default: err = %v", err)
+	// Defect: a bare mig-parted file (the GPU Operator's
+	// default-mig-parted-config) served nothing without a label.
+	if sel, err := f.Select("n1", nil); err != nil || sel.Reason != ReasonImplicit || sel.MIGLayout != nil ||
+		sel.Config.MIG.Strategy != MIGStrategyMixed {
+		t.Errorf("Select without label or default: %+v, %v; want the implicit whole-GPU default, MIG left alone", sel, err)
 	}
 }
 
@@ -774,14 +777,14 @@ func TestNoDefaultIsAWarning(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []string{
-		`configs: no "default" config: a node without a nodes: entry or gpu-agent.io/config label will fail to select a config (line 3)`,
+		`configs: no "default" config: a node without a nodes: entry or a gpu-agent.io/config or nvidia.com/device-plugin.config label gets the implicit default (whole GPUs, existing MIG devices) (line 3)`,
 		`configs["bad+name"]: config name is not a valid label value, so the gpu-agent.io/config label cannot select it (line 5)`,
 	}
 	if !reflect.DeepEqual(warnings, want) {
 		t.Errorf("warnings = %q, want %q", warnings, want)
 	}
-	if _, err := f.Select("b", nil); err == nil {
-		t.Error("Select for an unlisted node without a default succeeded")
+	if sel, err := f.Select("b", nil); err != nil || sel.Reason != ReasonImplicit {
+		t.Errorf("Select for an unlisted node without a default: %+v, %v; want the implicit default", sel, err)
 	}
 	if sel, err := f.Select("a", nil); err != nil || sel.Name != "x" {
 		t.Errorf("Select(a) = %+v, %v", sel, err)

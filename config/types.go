@@ -45,6 +45,9 @@ type File struct {
 	MigConfigs map[string]MigLayout `yaml:"mig-configs,omitempty"`
 	// Format the file was read in (not part of the schema).
 	Format Format `yaml:"-"`
+	// DefaultKey is the config used when nothing else selects one, before
+	// "default" (ParseConfigMap's defaultKey; not part of the schema).
+	DefaultKey string `yaml:"-"`
 
 	// lines maps each decoded field path (in the file's own format) to its line,
 	// so validation errors found after decoding can still name a line.

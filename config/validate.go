@@ -61,8 +61,8 @@ func (v *validator) file() {
 			v.errorf("configs", "at least one config is required")
 		}
 	} else if _, ok := f.Configs[DefaultConfigName]; !ok {
-		v.warnf("configs", "no %q config: a node without a nodes: entry or %s label will fail to select a config",
-			DefaultConfigName, ConfigLabel)
+		v.warnf("configs", "no %q config: a node without a nodes: entry or a %s or %s label gets the implicit default (whole GPUs, existing MIG devices)",
+			DefaultConfigName, ConfigLabel, DevicePluginConfigLabel)
 	}
 
 	for _, node := range sortedKeys(f.Nodes) {

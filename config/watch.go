@@ -7,7 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -18,7 +21,19 @@ import (
 // parse or read error it keeps its last good config.
 type Update struct {
 	Data []byte
-	Err  error
+	// Files, instead of Data, holds every key of a ConfigMap (a watched
+	// directory, or the ConfigMap read through the API); ParseConfigMap
+	// reads it.
+	Files map[string]string
+	Err   error
+}
+
+// Parse decodes the update's content (Data or Files).
+func (u Update) Parse(defaultKey string) (*File, []string, error) {
+	if u.Files != nil {
+		return ParseConfigMap(u.Files, defaultKey)
+	}
+	return Parse(u.Data)
 }
 
 // Watcher follows a config file in a mounted ConfigMap. The kubelet updates
@@ -29,8 +44,10 @@ type Update struct {
 // holding it is watched, and every event leads to re-reading the file through
 // its symlinks and comparing contents.
 type Watcher struct {
-	path   string
-	dir    string
+	path string
+	dir  string
+	// isDir: path is a ConfigMap volume directory, not one key file.
+	isDir  bool
 	logger *slog.Logger
 
 	// Debounce is how long the directory must be quiet before the file is
@@ -59,9 +76,17 @@ func NewWatcher(path string, logger *slog.Logger) (*Watcher, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
+	dir := filepath.Dir(abs)
+	isDir := false
+	if st, err := os.Stat(abs); err == nil && st.IsDir() {
+		// The ConfigMap volume itself: every key is read (multi-key
+		// ConfigMaps), and the directory is what changes.
+		dir, isDir = abs, true
+	}
 	return &Watcher{
 		path:       abs,
-		dir:        filepath.Dir(abs),
+		dir:        dir,
+		isDir:      isDir,
 		logger:     logger.With("config", abs),
 		Debounce:   100 * time.Millisecond,
 		ErrorGrace: 2 * time.Second,
@@ -169,7 +194,19 @@ func (w *Watcher) watch(fw *fsnotify.Watcher) bool {
 // what was last sent, or when it has been unreadable for ErrorGrace. It
 // returns false when ctx ended while sending.
 func (w *Watcher) check(ctx context.Context, out chan<- Update, st *watchState, initial bool, retry *time.Timer) bool {
-	data, err := ReadFile(w.path)
+	var data []byte
+	var files map[string]string
+	var err error
+	if w.isDir {
+		if files, err = ReadDir(w.path); err == nil {
+			for _, k := range slices.Sorted(maps.Keys(files)) {
+				data = append(append(append(data, k...), 0), files[k]...)
+				data = append(data, 0)
+			}
+		}
+	} else {
+		data, err = ReadFile(w.path)
+	}
 	if err != nil {
 		if st.errSent {
 			return true
@@ -194,6 +231,9 @@ func (w *Watcher) check(ctx context.Context, out chan<- Update, st *watchState, 
 	}
 	st.sum, st.sent, st.errSent = sum, true, false
 	w.logger.Info("config content changed", "bytes", len(data), "initial", initial)
+	if w.isDir {
+		return send(ctx, out, Update{Files: files})
+	}
 	return send(ctx, out, Update{Data: data})
 }
 

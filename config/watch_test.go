@@ -261,6 +261,9 @@ func expectRefusal(t *testing.T, ch <-chan Update, path, reason string) {
 
 func TestWatcherRefusesHostileFiles(t *testing.T) {
 	for _, h := range hostileFiles() {
+		if h.name == "directory" {
+			continue // a directory given as --config is a ConfigMap volume (TestWatcherConfigMapDirectory)
+		}
 		t.Run(h.name, func(t *testing.T) {
 			path := filepath.Join(t.TempDir(), "config.yaml")
 			h.make(t, path)
@@ -290,4 +293,36 @@ func TestWatcherRefusalAfterGoodContent(t *testing.T) {
 
 	replaceWith(t, path, "two")
 	expectData(t, ch, "two")
+}
+
+// A ConfigMap volume given as the path: every key is delivered, and a
+// kubelet-style update (the ..data swap) delivers the new set.
+func TestWatcherConfigMapDirectory(t *testing.T) {
+	dir := t.TempDir()
+	write := func(stamp string, files map[string]string) {
+		ts := filepath.Join(dir, stamp)
+		must(t, os.Mkdir(ts, 0o755))
+		for k, v := range files {
+			must(t, os.WriteFile(filepath.Join(ts, k), []byte(v), 0o644))
+		}
+		must(t, os.Symlink(stamp, filepath.Join(dir, "..data_tmp")))
+		must(t, os.Rename(filepath.Join(dir, "..data_tmp"), filepath.Join(dir, "..data")))
+		for k := range files {
+			link := filepath.Join(dir, k)
+			if _, err := os.Lstat(link); err != nil {
+				must(t, os.Symlink(filepath.Join("..data", k), link))
+			}
+		}
+	}
+	write("..2026_11_23_01", map[string]string{"a100": "version: v1\n", "config.default": "x"})
+	ch := startWatcher(t, dir, 300*time.Millisecond)
+	u := recv(t, ch)
+	if u.Err != nil || len(u.Files) != 2 || u.Files["a100"] != "version: v1\n" {
+		t.Fatalf("first update %+v, want both keys", u)
+	}
+	write("..2026_11_23_02", map[string]string{"a100": "version: v1 # edited\n", "config.default": "x"})
+	u = recv(t, ch)
+	if u.Err != nil || u.Files["a100"] != "version: v1 # edited\n" {
+		t.Fatalf("after the swap %+v", u)
+	}
 }

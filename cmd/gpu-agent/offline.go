@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 	"text/tabwriter"
 
 	"github.com/gpu-agent/gpu-agent/agent"
@@ -27,6 +28,8 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	host, _ := os.Hostname()
 	node := fs.String("node-name", envDefault("NODE_NAME", host), "node whose config is selected [NODE_NAME]")
 	nvmlLib := fs.String("nvml-lib", envDefault("GPU_AGENT_NVML_LIB", ""), "libnvidia-ml path for --backend nvml [GPU_AGENT_NVML_LIB]")
+	labelList := fs.String("labels", "", "the node's labels, k=v[,k=v...] (gpu-agent.io/config, nvidia.com/device-plugin.config, nvidia.com/mig.config)")
+	defaultConfig := fs.String("default-config", envDefault("GPU_AGENT_DEFAULT_CONFIG", ""), "config for nodes nothing selects [GPU_AGENT_DEFAULT_CONFIG]")
 	// Accept FILE before or after the flags.
 	var file string
 	rest := args[1:]
@@ -41,18 +44,35 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	} else if fs.NArg() > 0 || file == "" {
 		return usageError{"want exactly one FILE"}
 	}
-	data, err := config.ReadFile(file)
-	if err != nil {
+	labels := map[string]string{}
+	for kv := range strings.SplitSeq(*labelList, ",") {
+		if kv == "" {
+			continue
+		}
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return usageError{fmt.Sprintf("--labels %q: want key=value", kv)}
+		}
+		labels[k] = v
+	}
+	// A directory is a ConfigMap volume: every key is read.
+	var u config.Update
+	if st, err := os.Stat(file); err == nil && st.IsDir() {
+		u.Files, err = config.ReadDir(file)
+		if err != nil {
+			return err
+		}
+	} else if u.Data, err = config.ReadFile(file); err != nil {
 		return err
 	}
-	f, warnings, err := config.Parse(data)
+	f, warnings, err := u.Parse(*defaultConfig)
 	for _, w := range warnings {
 		fmt.Fprintf(stderr, "warning: %s: %s\n", file, w)
 	}
 	if err != nil {
 		return fmt.Errorf("%s: invalid:\n%w", file, err)
 	}
-	sel, err := f.Select(*node, nil)
+	sel, err := f.Select(*node, labels)
 	if err != nil {
 		return fmt.Errorf("%s: node %s: %w", file, *node, err)
 	}

@@ -28,7 +28,7 @@ import (
 // runFlags are `gpu-agent run`'s flags; each has an environment variable.
 type runFlags struct {
 	backend, config, nodeName, pluginDir, podResources string
-	kubeconfig, configMap                              string
+	kubeconfig, configMap, defaultConfig               string
 	listen, stateDir, mpsRoot, nvmlLib                 string
 	mpsBinary, mpsShmDir                               string
 	logLevel, logFormat                                string
@@ -49,6 +49,7 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.mpsShmDir, "mps-shm-dir", "GPU_AGENT_MPS_SHM_DIR", "/dev/shm", "host directory MPS daemons and their clients share as /dev/shm")
 	fsAdd(&f.kubeconfig, "kubeconfig", "KUBECONFIG", "", "kubeconfig for the Kubernetes API (empty: in-cluster config when in a pod, else standalone)")
 	fsAdd(&f.configMap, "configmap", "GPU_AGENT_CONFIGMAP", "", "NAMESPACE/NAME of the ConfigMap to read the config from through the API (wins over --config, which stays the fallback)")
+	fsAdd(&f.defaultConfig, "default-config", "GPU_AGENT_DEFAULT_CONFIG", "", "config (a key of a multi-key ConfigMap) for nodes no entry or label selects, before \"default\" (NVIDIA's config.default)")
 	fsAdd(&f.nvmlLib, "nvml-lib", "GPU_AGENT_NVML_LIB", "", "path of libnvidia-ml.so.1 for the nvml backend (empty: the loader's search path)")
 	fsAdd(&f.logLevel, "log-level", "GPU_AGENT_LOG_LEVEL", "info", "debug, info, warn or error")
 	fsAdd(&f.logFormat, "log-format", "GPU_AGENT_LOG_FORMAT", "text", "text or json")
@@ -190,6 +191,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		NodeName:           f.nodeName,
 		ConfigSource:       f.config,
 		WaitForConfig:      cfgWatcher != nil || (client != nil && f.configMap != ""),
+		DefaultConfig:      f.defaultConfig,
 		Cluster:            cluster,
 		Inbox:              inbox,
 		Publisher:          mgr,
@@ -288,21 +290,15 @@ func forward[T any](ctx context.Context, ch <-chan T, inbox *agent.Inbox, ev fun
 	}
 }
 
-// configMapUpdate turns a ConfigMap's data into config content: the key the
-// mounted file would be (its only key, or config.yaml), or, deleted, no
-// content (the mounted file takes over).
+// configMapUpdate turns a ConfigMap's data into config content: every key,
+// as a mounted ConfigMap directory gives them; deleted, no content (the
+// mounted file takes over).
 func configMapUpdate(data map[string]string, deleted bool) config.Update {
 	if deleted {
 		return config.Update{}
 	}
-	if v, ok := data["config.yaml"]; ok || len(data) != 1 {
-		if !ok {
-			return config.Update{Err: fmt.Errorf("ConfigMap has %d keys and no config.yaml", len(data))}
-		}
-		return config.Update{Data: []byte(v)}
+	if data == nil {
+		data = map[string]string{}
 	}
-	for _, v := range data {
-		return config.Update{Data: []byte(v)}
-	}
-	return config.Update{}
+	return config.Update{Files: data}
 }

@@ -214,7 +214,7 @@ backend: sim:dgx-h100
 logLevel: debug
 logFormat: text
 resync: 45s
-config: {key: marker.yaml}
+config: {key: marker.yaml, default: a100-ts4}
 paths:
   devicePluginDir: /marker/device-plugins
   podResourcesDir: /marker/pod-resources
@@ -238,6 +238,7 @@ metrics: {port: 9555}
 		"mps-shm-dir":          "/marker/shm",
 		"nvml-lib":             "/marker/libnvidia-ml.so.1",
 		"listen":               ":9555",
+		"default-config":       "a100-ts4",
 	}
 	o, err := renderChart(t, values)
 	if err != nil {
