@@ -8,6 +8,12 @@
 // next agent adopts them. Only Set dropping a device (after the first Set,
 // also a leftover daemon for a device it does not list) or
 // Supervisor.StopAll quits one.
+//
+// In Kubernetes that is not enough: a daemon still ends with the container
+// that started it. There the daemons run in `gpu-agent mps-host` (Host, a
+// Supervisor in a DaemonSet of its own), and the agent drives them through
+// Remote, which has the Supervisor's Set, Healthy and Changes; the two talk
+// through desired.json and health.json in the MPS root (hostfiles.go).
 package mps
 
 import (
@@ -23,15 +29,15 @@ import (
 // Daemon is the desired MPS control daemon for one device.
 type Daemon struct {
 	// Device is the GPU or MIG UUID the daemon is pinned to (CUDA_VISIBLE_DEVICES).
-	Device string
+	Device string `json:"device"`
 	// Index is the NVML index of the physical GPU; used in logs and errors only.
-	Index int
+	Index int `json:"gpu"`
 	// ActiveThreadPercentage limits each client's share of the SMs (1..100);
 	// 0 leaves MPS's default (100).
-	ActiveThreadPercentage int
+	ActiveThreadPercentage int `json:"activeThreadPercentage,omitempty"`
 	// PinnedMemLimitBytes limits each client's device memory; 0 means no limit.
 	// MPS takes the limit in MiB, so it is rounded down to a whole MiB.
-	PinnedMemLimitBytes uint64
+	PinnedMemLimitBytes uint64 `json:"pinnedMemLimitBytes,omitempty"`
 }
 
 // Validate checks the fields the daemon and the clients would reject.

@@ -117,6 +117,11 @@ type Supervisor struct {
 type status struct {
 	healthy bool
 	reason  string
+	// pid is the daemon's process (0: none runs) and carries the limits it
+	// is known to have (Device "" until they were applied once); mps-host
+	// reports both in health.json.
+	pid     int
+	carries Daemon
 }
 
 // proc is what Run knows about one device's daemon.
@@ -177,15 +182,9 @@ func NewSupervisor(opts Options) *Supervisor {
 // as a whole and the previous one stays (and a refused first Set does not
 // count as one).
 func (s *Supervisor) Set(daemons []Daemon) error {
-	next := make(map[string]Daemon, len(daemons))
-	for _, d := range daemons {
-		if err := d.Validate(); err != nil {
-			return err
-		}
-		if _, dup := next[d.Device]; dup {
-			return fmt.Errorf("gpu %d (%s): mps daemon listed twice", d.Index, d.Device)
-		}
-		next[d.Device] = d
+	next, err := validateDaemons(daemons)
+	if err != nil {
+		return err
 	}
 	s.mu.Lock()
 	s.desired, s.wanted = next, true
@@ -317,7 +316,7 @@ func (s *Supervisor) StopAll(ctx context.Context) error {
 			}
 		}
 		delete(s.procs, dev)
-		s.setHealth(dev, false, "mps daemon stopped")
+		s.setHealth(dev, status{reason: "mps daemon stopped"})
 	}
 	for _, f := range s.found() {
 		if done[f.pid] {
@@ -410,7 +409,7 @@ func (s *Supervisor) supervise(ctx context.Context, d Daemon) {
 	}
 	if err != nil {
 		p.unanswered++
-		s.setHealth(d.Device, false, fmt.Sprintf("mps daemon (pid %d) not answering: %v", p.pid, err))
+		s.setHealth(d.Device, status{reason: fmt.Sprintf("mps daemon (pid %d) not answering: %v", p.pid, err), pid: p.pid, carries: p.applied})
 		if p.unanswered >= maxUnanswered {
 			if p.ours {
 				s.log.Warn("killing unresponsive mps daemon", "gpu", d.Index, "device", d.Device, "pid", p.pid, "err", err)
@@ -428,7 +427,7 @@ func (s *Supervisor) supervise(ctx context.Context, d Daemon) {
 		return
 	}
 	p.unanswered, p.attempts = 0, 0
-	s.setHealth(d.Device, true, "")
+	s.setHealth(d.Device, status{healthy: true, pid: p.pid, carries: p.applied})
 }
 
 // adopt takes over d's daemon when its pid file names a live process other
@@ -472,8 +471,10 @@ func (s *Supervisor) record(d Daemon, pid int) {
 			err = nil
 		}
 	} else {
+		// Atomic: a torn record would only cost a re-apply, but the
+		// record shares its writer with the files mps-host keeps.
 		b, _ := json.Marshal(newRecord(d, pid))
-		err = os.WriteFile(path, b, 0o644)
+		err = writeFileAtomic(path, b)
 	}
 	if err != nil {
 		s.log.Warn("cannot record applied mps limits", "gpu", d.Index, "device", d.Device, "err", err)
@@ -486,17 +487,28 @@ func (s *Supervisor) failed(d Daemon, p *proc, reason string) {
 	wait := s.opts.RestartBackoff << min(p.attempts-1, 5)
 	p.nextStart = s.opts.Now().Add(wait)
 	s.log.Warn("mps daemon down", "gpu", d.Index, "device", d.Device, "reason", reason, "retryIn", wait)
-	s.setHealth(d.Device, false, reason)
+	s.setHealth(d.Device, status{reason: reason})
 }
 
-func (s *Supervisor) setHealth(dev string, healthy bool, reason string) {
+func (s *Supervisor) setHealth(dev string, st status) {
 	s.mu.Lock()
 	old, had := s.health[dev]
-	s.health[dev] = status{healthy: healthy, reason: reason}
+	s.health[dev] = st
 	s.mu.Unlock()
-	if !had || old.healthy != healthy {
+	if !had || old.healthy != st.healthy {
 		s.notify()
 	}
+}
+
+// report returns the desired daemons (nil before the first Set) and the
+// health of each, as one consistent view.
+func (s *Supervisor) report() (map[string]Daemon, map[string]status) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.wanted {
+		return nil, nil
+	}
+	return maps.Clone(s.desired), maps.Clone(s.health)
 }
 
 func (s *Supervisor) forget(dev string) {

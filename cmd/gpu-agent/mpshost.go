@@ -1,0 +1,94 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/mps"
+)
+
+// cmdMPSHost runs `gpu-agent mps-host`: the MPS control daemons, in a
+// process of their own. In Kubernetes a daemon dies with the container that
+// started it; run by the agent, every agent upgrade would kill every MPS
+// client. mps-host runs in its own DaemonSet, rarely upgraded, and learns
+// which daemons to run from the desired.json the agent (`run --mps-host`)
+// writes in the MPS root; it reports back in health.json there.
+func cmdMPSHost(ctx context.Context, args []string, _, stderr io.Writer) error {
+	fs := newFlagSet("mps-host", "mps-host [flags]", stderr)
+	root := fs.String("mps-root", envDefault("GPU_AGENT_MPS_ROOT", "/run/gpu-agent/mps"),
+		"root of the MPS pipe and log directories, shared with the agent (desired.json, health.json) [GPU_AGENT_MPS_ROOT]")
+	binary := fs.String("mps-binary", envDefault("GPU_AGENT_MPS_BINARY", mps.DefaultBinary),
+		"MPS control program, by path or found on PATH [GPU_AGENT_MPS_BINARY]")
+	logLevel := fs.String("log-level", envDefault("GPU_AGENT_LOG_LEVEL", "info"), "debug, info, warn or error [GPU_AGENT_LOG_LEVEL]")
+	logFormat := fs.String("log-format", envDefault("GPU_AGENT_LOG_FORMAT", "text"), "text or json [GPU_AGENT_LOG_FORMAT]")
+	interval, err := time.ParseDuration(envDefault("GPU_AGENT_MPS_INTERVAL", "5s"))
+	if err != nil {
+		return usageError{fmt.Sprintf("GPU_AGENT_MPS_INTERVAL: %v", err)}
+	}
+	fs.DurationVar(&interval, "interval", interval,
+		"check every daemon and rewrite health.json this often; the agent counts mps-host gone after 3 intervals without a rewrite [GPU_AGENT_MPS_INTERVAL]")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageError{fmt.Sprintf("unexpected arguments: %s", strings.Join(fs.Args(), " "))}
+	}
+	if interval <= 0 {
+		return usageError{fmt.Sprintf("--interval %v: must be positive", interval)}
+	}
+	if *root == "" {
+		return usageError{"--mps-root: must not be empty"}
+	}
+	log, err := newLogger(stderr, *logLevel, *logFormat)
+	if err != nil {
+		return usageError{err.Error()}
+	}
+	log.Info("gpu-agent mps-host starting", "mps-root", *root, "mps-binary", *binary, "interval", interval)
+	err = mps.NewHost(mps.Options{Binary: *binary, Root: *root, Logger: log, Interval: interval}).Run(ctx)
+	if err == nil {
+		log.Info("gpu-agent mps-host stopped")
+	}
+	return err
+}
+
+// mpsControl is what `gpu-agent run` needs of its MPS side: the loop's
+// MPSControl, a signal when daemon health changes, and a Run that keeps it
+// going. mps.Supervisor and mps.Remote both are one.
+type mpsControl interface {
+	agent.MPSControl
+	Changes() <-chan struct{}
+	Run(ctx context.Context) error
+}
+
+// newMPSControl is the agent's MPS side: with --mps-host, a Remote that asks
+// mps-host for the daemons; otherwise a Supervisor that runs them in the
+// agent's own container (where they die with it).
+func newMPSControl(f runFlags, log *slog.Logger) mpsControl {
+	if f.mpsHost {
+		log.Info("MPS daemons are run by gpu-agent mps-host; this agent asks for them in the MPS root", "mps-root", f.mpsRoot)
+		return mps.NewRemote(mps.RemoteOptions{Root: f.mpsRoot, Logger: log})
+	}
+	return mps.NewSupervisor(mps.Options{Binary: f.mpsBinary, Root: f.mpsRoot, Logger: log.With("component", "mps")})
+}
+
+// registerMPSHostFlag adds `run --mps-host` [GPU_AGENT_MPS_HOST] to fs.
+func registerMPSHostFlag(fs *flag.FlagSet, p *bool) error {
+	def := false
+	if v := envDefault("GPU_AGENT_MPS_HOST", ""); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return usageError{fmt.Sprintf("GPU_AGENT_MPS_HOST %q: want true or false", v)}
+		}
+		def = b
+	}
+	fs.BoolVar(p, "mps-host", def,
+		"MPS daemons are run by gpu-agent mps-host (its own DaemonSet), asked for through the MPS root, so that they and their clients outlive this agent's container [GPU_AGENT_MPS_HOST]")
+	return nil
+}

@@ -1,0 +1,230 @@
+package mps
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// The agent and `gpu-agent mps-host` run in different containers (so that an
+// agent upgrade does not take the daemons, and every MPS client, down with
+// the agent's container) and talk through two files in the MPS root, a host
+// directory both mount:
+//
+//   - DesiredFileName, written by the agent (Remote.Set): the daemons to run.
+//   - HealthFileName, written by mps-host (Host): how each daemon is doing,
+//     rewritten every interval as a heartbeat.
+//
+// Each side only ever writes its own file, and always atomically
+// (writeFileAtomic), so a reader sees a whole old or a whole new file.
+const (
+	DesiredFileName = "desired.json"
+	HealthFileName  = "health.json"
+	// FileVersion is the version of both formats. A reader refuses another
+	// version, and unknown fields: mps-host is rarely upgraded, and running
+	// daemons without a setting a newer agent asked for would be silently
+	// wrong, while a refusal shows (the replicas turn unhealthy, saying why).
+	FileVersion = 1
+	// maxHostFileBytes bounds what is read from either file; a few thousand
+	// devices fit many times over.
+	maxHostFileBytes = 4 << 20
+)
+
+// DesiredFile is the content of DesiredFileName.
+type DesiredFile struct {
+	Version int `json:"version"`
+	// Generation goes up by one with each change of Daemons; health.json
+	// says which generation mps-host has taken in and what each daemon
+	// carries.
+	Generation int64    `json:"generation"`
+	Daemons    []Daemon `json:"daemons"`
+}
+
+// HealthFile is the content of HealthFileName.
+type HealthFile struct {
+	Version int `json:"version"`
+	// Written is when mps-host wrote the file; it rewrites it every
+	// Interval, so an old Written means mps-host is gone or hung.
+	Written  time.Time `json:"written"`
+	Interval Duration  `json:"interval"`
+	// PID is mps-host's process id, for messages.
+	PID int `json:"pid"`
+	// Generation is the generation of desired.json mps-host runs (0: none
+	// read yet, so it touches no daemon).
+	Generation int64 `json:"generation"`
+	// Rejected says why the current desired.json was not taken in ("" when
+	// it was); mps-host keeps running the last good one meanwhile.
+	Rejected string `json:"rejected,omitempty"`
+	// Stopped: mps-host ended and wrote this as its last word. In a pod its
+	// daemons end with its container, so they count as gone.
+	Stopped bool `json:"stopped,omitempty"`
+	// Devices are the daemons of generation Generation, by device UUID.
+	Devices map[string]DeviceHealth `json:"devices"`
+}
+
+// DeviceHealth is one daemon's state in HealthFile.
+type DeviceHealth struct {
+	Healthy bool   `json:"healthy"`
+	Reason  string `json:"reason,omitempty"`
+	// PID is the daemon's process id as mps-host sees it (0: none runs).
+	PID int `json:"pid,omitempty"`
+	// Generation is the newest generation of desired.json whose limits for
+	// this device the daemon is known to carry (0: none yet).
+	Generation int64 `json:"generation,omitempty"`
+}
+
+// Duration is a time.Duration written as a string ("5s") in the files.
+type Duration time.Duration
+
+func (d Duration) MarshalJSON() ([]byte, error) {
+	return json.Marshal(time.Duration(d).String())
+}
+
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("duration: %w", err)
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// validateDaemons checks a daemon list as Set takes it: each valid, none
+// listed twice. It returns the list by device.
+func validateDaemons(daemons []Daemon) (map[string]Daemon, error) {
+	byDevice := make(map[string]Daemon, len(daemons))
+	for _, d := range daemons {
+		if err := d.Validate(); err != nil {
+			return nil, err
+		}
+		if _, dup := byDevice[d.Device]; dup {
+			return nil, fmt.Errorf("gpu %d (%s): mps daemon listed twice", d.Index, d.Device)
+		}
+		byDevice[d.Device] = d
+	}
+	return byDevice, nil
+}
+
+// readHostFile checks path's version and decodes it strictly into v (a
+// *DesiredFile or *HealthFile). Errors name the file.
+func readHostFile(path string, v any) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err // names the path; callers tell "missing" apart
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxHostFileBytes+1))
+	if err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if len(b) > maxHostFileBytes {
+		return fmt.Errorf("%s: larger than %d bytes", path, maxHostFileBytes)
+	}
+	// The version first: a file of another version is refused as that, not
+	// for the fields it has that this one does not know.
+	var head struct {
+		Version int `json:"version"`
+	}
+	if err := json.Unmarshal(b, &head); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if head.Version != FileVersion {
+		return fmt.Errorf("%s: version %d, this gpu-agent reads version %d", path, head.Version, FileVersion)
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if dec.More() {
+		return fmt.Errorf("%s: data after the JSON object", path)
+	}
+	return nil
+}
+
+// ReadDesiredFile reads and validates a desired.json. A missing file is an
+// error for which errors.Is(err, fs.ErrNotExist) holds.
+func ReadDesiredFile(path string) (*DesiredFile, error) {
+	var f DesiredFile
+	if err := readHostFile(path, &f); err != nil {
+		return nil, err
+	}
+	if f.Generation < 1 {
+		return nil, fmt.Errorf("%s: generation %d: must be at least 1", path, f.Generation)
+	}
+	if _, err := validateDaemons(f.Daemons); err != nil {
+		return nil, fmt.Errorf("%s: generation %d: %w", path, f.Generation, err)
+	}
+	return &f, nil
+}
+
+// ReadHealthFile reads a health.json. A missing file is an error for which
+// errors.Is(err, fs.ErrNotExist) holds.
+func ReadHealthFile(path string) (*HealthFile, error) {
+	var f HealthFile
+	if err := readHostFile(path, &f); err != nil {
+		return nil, err
+	}
+	if f.Interval <= 0 {
+		return nil, fmt.Errorf("%s: interval %v: must be positive", path, time.Duration(f.Interval))
+	}
+	return &f, nil
+}
+
+// writeJSONAtomic writes v as indented JSON to path with writeFileAtomic.
+func writeJSONAtomic(path string, v any) error {
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	return writeFileAtomic(path, append(b, '\n'))
+}
+
+// writeFileAtomic replaces path with data so that a reader, or the next
+// process after a crash, sees the old or the new content and never a part:
+// a temp file in the same directory (the rename must not cross file
+// systems), fsync, rename over path, fsync of the directory so the rename
+// itself is durable. The temp file's name starts with a dot and never equals
+// a watched name, so watchers that filter on the final name ignore it.
+func writeFileAtomic(path string, data []byte) error {
+	dir := filepath.Dir(path)
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	defer os.Remove(f.Name()) // fails harmlessly after the rename
+	_, err = f.Write(data)
+	if err == nil {
+		err = f.Chmod(0o644)
+	}
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(f.Name(), path)
+	}
+	if err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	d, err := os.Open(dir)
+	if err != nil {
+		return fmt.Errorf("%s: sync directory: %w", path, err)
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil && !errors.Is(err, os.ErrInvalid) {
+		return fmt.Errorf("%s: sync directory: %w", path, err)
+	}
+	return nil
+}
