@@ -78,10 +78,16 @@ type Options struct {
 	// DefaultConfig names the config (a key of a multi-key ConfigMap) used
 	// when no node entry or label selects one (NVIDIA's config.default).
 	DefaultConfig string
-	// WaitForConfig: the config arrives as a ConfigChanged event; until a
-	// valid one does, nothing is served. Otherwise the built-in default
-	// config is in force from the start.
+	// WaitForConfig: the config arrives as a ConfigChanged event; until it
+	// does, nothing is served (a config that is rejected or selects nothing
+	// on arrival, or does not fit the node, gets the built-in default
+	// served instead, saying why). Otherwise the built-in default config is
+	// in force from the start.
 	WaitForConfig bool
+	// MIGStrategy is --mig-strategy: the MIG strategy of configs that do
+	// not give one (config.ParseOptions.MIGStrategy); "" for each format's
+	// own default.
+	MIGStrategy config.MIGStrategy
 	// Inbox is where every producer posts (nil: a new one, see Inbox()).
 	Inbox     *Inbox
 	Publisher Publisher
@@ -139,8 +145,15 @@ type Agent struct {
 	cfgErrAt time.Time
 	fitErr   error
 	fitErrAt time.Time
+	// selErr: the node's entry or labels select nothing (the last
+	// selection stays).
+	selErr   error
+	selErrAt time.Time
 	warnings []string
-	gen      int
+	// planWarnings are the last plan's (Desired.Warnings), shown with the
+	// file's own warnings.
+	planWarnings []string
+	gen          int
 	// sources holds each config source's latest content; source is the
 	// one in force.
 	sources   map[ConfigSource]config.Update
@@ -194,8 +207,14 @@ func New(opts Options) *Agent {
 	a.metrics = newMetrics(opts.Registerer)
 	a.ledger = map[string]time.Time{}
 	a.restore(opts.Restored)
+	// Until a config applies, the built-in default is both what is selected
+	// and the last config that fitted: a config that is rejected, selects
+	// nothing or does not fit on the first start then leaves the node
+	// serving whole GPUs (and existing MIG devices), never nothing.
+	a.selected = builtInSelection(a.parseOptions())
+	a.lastGood = a.selected
 	if !opts.WaitForConfig {
-		a.file = config.Default()
+		a.file = config.BuiltIn(a.parseOptions())
 		a.selectConfig()
 	}
 	a.status.Store(&Status{Node: opts.NodeName})

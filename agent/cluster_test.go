@@ -221,3 +221,30 @@ func TestStepMIGConfigLabel(t *testing.T) {
 		t.Errorf("an unknown entry: error %q, %d devices; want the error named and the layout kept", st.Config.Error, h.count("nvidia.com/mig-1g.10gb"))
 	}
 }
+
+// Defect (found in review): a change of nvidia.com/mig.config alone did not
+// replan (the selection was compared by config pointer), and a label error
+// stayed on /status after the label was fixed.
+func TestStepMIGLabelAloneReplans(t *testing.T) {
+	const file = "version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\nmig-configs:\n" +
+		"  all-1g:\n  - devices: all\n    mig-enabled: true\n    mig-devices: {\"1g.10gb\": 7}\n" +
+		"  all-7g:\n  - devices: all\n    mig-enabled: true\n    mig-devices: {\"7g.80gb\": 1}\n"
+	h := newHarness(t, simNode(t, "dgx-h100", sim.WithMIGEnabled()), withMIG())
+	h.config(file)
+	h.step(LabelsChanged{Labels: map[string]string{"nvidia.com/mig.config": "all-1g"}})
+	if n := h.count("nvidia.com/mig-1g.10gb"); n != 56 {
+		t.Fatalf("all-1g: %v", resourceSummary(h.pub.last()))
+	}
+	h.step(LabelsChanged{Labels: map[string]string{"nvidia.com/mig.config": "all-7g"}})
+	if n := h.count("nvidia.com/mig-7g.80gb"); n != 8 {
+		t.Fatalf("all-7g: %v", resourceSummary(h.pub.last()))
+	}
+	h.step(LabelsChanged{Labels: map[string]string{"nvidia.com/mig.config": "all-2g"}})
+	if !strings.Contains(h.a.Status().Config.Error, "all-2g") {
+		t.Fatalf("unknown entry: status error %q", h.a.Status().Config.Error)
+	}
+	h.step(LabelsChanged{Labels: map[string]string{"nvidia.com/mig.config": "all-7g"}})
+	if e := h.a.Status().Config.Error; e != "" {
+		t.Errorf("label fixed, status still says %q", e)
+	}
+}

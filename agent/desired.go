@@ -79,6 +79,9 @@ type Desired struct {
 	// NeedFreshHoldings: a MIG plan would destroy instances, but Holdings
 	// is not fresh; ask the kubelet and plan again.
 	NeedFreshHoldings bool
+	// Warnings are what the catalog's config asks that this node cannot
+	// do, while the rest applies (Planned.Warnings).
+	Warnings []string
 }
 
 // GPUMIG is one GPU's MIG plan.
@@ -124,7 +127,7 @@ func Plan(s Snapshot) Desired {
 		}
 	}
 	keepHeld(planned.Catalog, s.Published, s.Holdings.Attribution)
-	d.Catalog, d.MPSDaemons = planned.Catalog, planned.MPSDaemons
+	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, planned.MPSDaemons, planned.Warnings
 	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)
 	return d
 }
@@ -144,15 +147,17 @@ func planWith(s Snapshot, sel config.Selected) (Planned, error) {
 		scorer = s.Scorer(policy)
 	}
 	return PlanResources(PlanInput{
-		Inventory:       s.Inventory,
-		ConfigName:      sel.Name,
-		PassDeviceSpecs: cfg.DevicePlugin.PassDeviceSpecs,
-		MIGStrategy:     cfg.MIG.Strategy,
-		Sharing:         cfg.Sharing,
-		Unhealthy:       s.Health.UnhealthyDevices(),
-		Failed:          s.Failed,
-		Scorer:          scorer,
-		MPS:             s.MPS,
+		Inventory:        s.Inventory,
+		ConfigName:       sel.Name,
+		PassDeviceSpecs:  cfg.DevicePlugin.PassDeviceSpecs,
+		DeviceIDStrategy: cfg.DevicePlugin.DeviceIDStrategy,
+		Env:              cfg.DevicePlugin.ContainerEnv(),
+		MIGStrategy:      cfg.MIG.Strategy,
+		Sharing:          cfg.Sharing,
+		Unhealthy:        s.Health.UnhealthyDevices(),
+		Failed:           s.Failed,
+		Scorer:           scorer,
+		MPS:              s.MPS,
 	})
 }
 

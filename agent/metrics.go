@@ -6,6 +6,8 @@ type metrics struct {
 	configValid       prometheus.Gauge
 	configErrors      prometheus.Counter
 	configReloads     prometheus.Counter
+	configWarnings    prometheus.Gauge
+	configFallback    prometheus.Gauge
 	inventoryErrors   prometheus.Counter
 	reconcileDuration prometheus.Histogram
 	devices           *prometheus.GaugeVec
@@ -26,6 +28,14 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		configReloads: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "gpu_agent_config_reloads_total",
 			Help: "Config contents accepted since start.",
+		}),
+		configWarnings: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "gpu_agent_config_warnings",
+			Help: "Warnings about the config in force (shown on /status): fields accepted but ignored, and entries this node cannot honour while the rest applies.",
+		}),
+		configFallback: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "gpu_agent_config_fallback",
+			Help: "1 while the built-in default (whole GPUs, existing MIG devices, no sharing) is served because no config has applied since start; /status says why.",
 		}),
 		inventoryErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "gpu_agent_inventory_errors_total",
@@ -51,7 +61,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	}
 	m.configValid.Set(1)
 	if reg != nil {
-		reg.MustRegister(m.configValid, m.configErrors, m.configReloads, m.inventoryErrors, m.reconcileDuration, m.devices, m.migPhases, m.planPasses)
+		reg.MustRegister(m.configValid, m.configErrors, m.configReloads, m.configWarnings, m.configFallback, m.inventoryErrors, m.reconcileDuration, m.devices, m.migPhases, m.planPasses)
 	}
 	return m
 }

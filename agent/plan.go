@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
@@ -33,9 +34,19 @@ type PlanInput struct {
 	// PassDeviceSpecs adds /dev/nvidia* device nodes to Allocate responses
 	// (needed where the container runtime does not inject them itself).
 	PassDeviceSpecs bool
-	// MIGStrategy decides how existing MIG devices are offered: none (not at
-	// all), single (as nvidia.com/gpu), mixed (as nvidia.com/mig-<profile>).
+	// MIGStrategy decides how MIG-enabled GPUs are offered: none ("" too)
+	// ignores MIG and offers each such GPU whole as nvidia.com/gpu, as
+	// NVIDIA's plugin does; single offers its MIG devices as nvidia.com/gpu,
+	// mixed as nvidia.com/mig-<profile>.
 	MIGStrategy config.MIGStrategy
+	// DeviceIDStrategy is how a device is named to the container runtime
+	// (NVIDIA_VISIBLE_DEVICES): config.DeviceIDStrategyUUID ("" too) or
+	// config.DeviceIDStrategyIndex ("0", "<gpu>:<mig>"). Device IDs the
+	// kubelet sees are UUIDs either way, as in NVIDIA's plugin.
+	DeviceIDStrategy string
+	// Env is added to every container given a device of any resource
+	// (NVIDIA_GDS=enabled and the like, config.DevicePlugin.ContainerEnv).
+	Env map[string]string
 	// Sharing turns selected devices into replicas.
 	Sharing config.Sharing
 	// Unhealthy maps a GPU or MIG UUID to the reason it is unhealthy.
@@ -67,13 +78,17 @@ type Planned struct {
 	Catalog *catalog.Catalog
 	// MPSDaemons are the MPS control daemons the catalog's MPS replicas need.
 	MPSDaemons []mps.Daemon
+	// Warnings name config fields this node could not honour although the
+	// rest of the config applies (a sharing entry for a resource the node
+	// does not offer), one sentence each, for the log and /status.
+	Warnings []string
 }
 
-// PlanCatalog decides what the node offers. MIG-enabled GPUs are not offered
-// as whole GPUs: their memory and SMs belong to their instances, and handing
-// the parent to a pod would give it a GPU it cannot use. An error names the
-// config field that cannot be applied to this node; the caller keeps
-// serving what it served before.
+// PlanCatalog decides what the node offers. MIG-enabled GPUs are offered as
+// their MIG devices under the single and mixed strategies, and whole under
+// none, as NVIDIA's plugin does (with a warning: CUDA cannot use such a GPU
+// without its MIG devices). An error names the config field that cannot be
+// applied to this node; the caller keeps serving what it served before.
 func PlanCatalog(in PlanInput) (*catalog.Catalog, error) {
 	p, err := PlanResources(in)
 	return p.Catalog, err
@@ -105,6 +120,9 @@ func PlanResources(in PlanInput) (Planned, error) {
 			if in.PassDeviceSpecs {
 				r.Common.DeviceNodes = slices.Clone(controlDeviceNodes)
 			}
+			if len(in.Env) > 0 {
+				r.Common.Env = maps.Clone(in.Env)
+			}
 			c.Resources[name] = r
 		}
 		if reason, bad := unhealthy[d.ID]; bad {
@@ -114,20 +132,30 @@ func PlanResources(in PlanInput) (Planned, error) {
 		}
 		r.Devices = append(r.Devices, d)
 	}
+	var warnings []string
+	// index is each device's name under deviceIDStrategy index, by UUID:
+	// the NVML index of a GPU, "<gpu>:<mig>" for a MIG device, where <mig>
+	// is its GetMigDeviceHandleByIndex index, as NVIDIA's plugin numbers
+	// them and the container runtime reads them.
+	index := map[string]string{}
+	var wholeMIG []string
 	for _, g := range gpus {
 		nodes := []string(nil)
 		if in.PassDeviceSpecs {
 			nodes = []string{fmt.Sprintf("/dev/nvidia%d", g.Minor)}
 		}
-		if !g.MIG.Current {
+		index[g.UUID] = strconv.Itoa(g.Index)
+		none := in.MIGStrategy == config.MIGStrategyNone || in.MIGStrategy == ""
+		if !g.MIG.Current || none {
+			if g.MIG.Current {
+				wholeMIG = append(wholeMIG, strconv.Itoa(g.Index))
+			}
 			add(ResourceGPU, catalog.Device{ID: g.UUID, Healthy: true, NUMANode: g.NUMANode, GPU: g.Index,
 				Spec: catalog.AllocateSpec{VisibleID: g.UUID, DeviceNodes: nodes}})
 			continue
 		}
-		if in.MIGStrategy == config.MIGStrategyNone || in.MIGStrategy == "" {
-			continue
-		}
 		for _, m := range g.Instances {
+			index[m.UUID] = fmt.Sprintf("%d:%d", g.Index, m.Index)
 			name := ResourceGPU
 			if in.MIGStrategy == config.MIGStrategyMixed {
 				name = MIGResourceName(m.Profile)
@@ -141,21 +169,34 @@ func PlanResources(in PlanInput) (Planned, error) {
 			add(name, d)
 		}
 	}
-	daemons, err := applySharing(c, in)
+	if len(wholeMIG) > 0 {
+		// NVIDIA's strategy none makes no difference between MIG-enabled
+		// GPUs and others; say what that gives a container.
+		warnings = append(warnings, fmt.Sprintf("configs.%s.mig.strategy: none offers MIG-enabled GPU(s) %s whole as %s, as NVIDIA's plugin does; "+
+			"CUDA cannot use such a GPU without its MIG devices: use single or mixed to offer those instead",
+			in.ConfigName, strings.Join(wholeMIG, ", "), ResourceGPU))
+	}
+	daemons, shareWarnings, err := applySharing(c, in)
 	if err != nil {
 		return Planned{}, err
 	}
+	warnings = append(warnings, shareWarnings...)
 	for name, r := range c.Resources {
 		if len(r.Devices) == 0 {
 			delete(c.Resources, name) // a resource without devices would register and offer nothing
 			continue
+		}
+		if in.DeviceIDStrategy == config.DeviceIDStrategyIndex {
+			for i := range r.Devices {
+				r.Devices[i].Spec.RuntimeID = index[r.Devices[i].Spec.VisibleID]
+			}
 		}
 		slices.SortFunc(r.Devices, func(a, b catalog.Device) int { return cmp.Compare(a.ID, b.ID) })
 		if in.Scorer != nil {
 			r.Preferred = topology.NewPreferrer(in.Scorer, r.Devices)
 		}
 	}
-	return Planned{Catalog: c, MPSDaemons: daemons}, nil
+	return Planned{Catalog: c, MPSDaemons: daemons, Warnings: warnings}, nil
 }
 
 // MIGResourceName is the mixed-strategy resource of a MIG profile: NVIDIA's
@@ -166,8 +207,12 @@ func MIGResourceName(profile string) string {
 
 // applySharing replaces the devices each time-slicing or MPS entry selects
 // by their replicas, under the entry's rename or its own name, and returns
-// the MPS daemons the MPS replicas need.
-func applySharing(c *catalog.Catalog, in PlanInput) ([]mps.Daemon, error) {
+// the MPS daemons the MPS replicas need. An entry naming a resource this
+// node does not offer is skipped with a warning, as NVIDIA's plugin skips
+// it: one ConfigMap then serves unlike nodes (whole GPUs on one, MIG
+// devices on another). Devices it names that the resource lacks are still
+// an error, as there.
+func applySharing(c *catalog.Catalog, in PlanInput) ([]mps.Daemon, []string, error) {
 	field := fmt.Sprintf("configs.%s.sharing", in.ConfigName)
 	type group struct {
 		name, target string
@@ -176,11 +221,20 @@ func applySharing(c *catalog.Catalog, in PlanInput) ([]mps.Daemon, error) {
 		limit        bool
 	}
 	var groups []group
-	// take moves the devices an entry selects out of its resource.
+	var warnings []string
+	// take moves the devices an entry selects out of its resource and
+	// returns where their replicas go; target "" (and a warning) when the
+	// node does not offer the resource.
 	take := func(f string, e config.ReplicatedResource) ([]catalog.Device, string, error) {
 		src := c.Resources[e.Name]
 		if src == nil {
-			return nil, "", fmt.Errorf("%s.name: this node offers no %s (it offers %s)", f, e.Name, strings.Join(c.Names(), ", "))
+			offers := "nothing"
+			if names := c.Names(); len(names) > 0 {
+				offers = strings.Join(names, ", ")
+			}
+			warnings = append(warnings, fmt.Sprintf("%s.name: this node offers no %s (it offers %s); the entry is skipped, as NVIDIA's plugin skips it",
+				f, e.Name, offers))
+			return nil, "", nil
 		}
 		sel, err := timeslice.Select(e.Devices, byGPU(src.Devices), f+".devices")
 		if err != nil {
@@ -199,7 +253,10 @@ func applySharing(c *catalog.Catalog, in PlanInput) ([]mps.Daemon, error) {
 		for i, e := range ts.Resources {
 			sel, target, err := take(fmt.Sprintf("%s.timeSlicing.resources[%d]", field, i), e)
 			if err != nil {
-				return nil, err
+				return nil, nil, err
+			}
+			if target == "" {
+				continue // skipped: the node does not offer the resource
 			}
 			groups = append(groups, group{name: e.Name, target: target, devs: sel, replicas: e.Replicas, limit: ts.FailsRequestsGreaterThanOne()})
 		}
@@ -210,12 +267,20 @@ func applySharing(c *catalog.Catalog, in PlanInput) ([]mps.Daemon, error) {
 			f := fmt.Sprintf("%s.mps.resources[%d]", field, i)
 			sel, target, err := take(f, e.ReplicatedResource)
 			if err != nil {
-				return nil, err
+				return nil, nil, err
+			}
+			if target == "" {
+				continue // skipped: the node does not offer the resource
 			}
 			for j, d := range sel {
 				g, mem := deviceOf(in.Inventory, d.Spec.VisibleID)
+				if isMIG := g.UUID != "" && d.Spec.VisibleID != g.UUID; isMIG && m.RefuseMIGDevices {
+					return nil, nil, fmt.Errorf("%s.name: %s is MIG device %s on GPU %d: NVIDIA's device plugin refuses MPS sharing of MIG devices, "+
+						"and a config in its format is refused here too; write it in gpu-agent's format to share MIG devices with MPS",
+						f, e.Name, d.Spec.VisibleID, g.Index)
+				}
 				if err := mps.ValidateReplicas(e.Replicas, g.ComputeCapability); err != nil {
-					return nil, fmt.Errorf("%s.replicas: GPU %d (%s): %w", f, g.Index, g.Name, err)
+					return nil, nil, fmt.Errorf("%s.replicas: GPU %d (%s): %w", f, g.Index, g.Name, err)
 				}
 				dm := mps.DefaultDaemon(d.Spec.VisibleID, d.GPU, mem, e.Replicas)
 				if e.ActiveThreadPercentage != nil {
@@ -225,7 +290,7 @@ func applySharing(c *catalog.Catalog, in PlanInput) ([]mps.Daemon, error) {
 					dm.PinnedMemLimitBytes = uint64(*e.PinnedDeviceMemoryLimit)
 				}
 				if err := dm.Validate(); err != nil {
-					return nil, fmt.Errorf("%s: %w", f, err)
+					return nil, nil, fmt.Errorf("%s: %w", f, err)
 				}
 				daemons = append(daemons, dm)
 				env, mounts := mps.ContainerSpec(in.MPS.Root, in.MPS.ShmDir, dm)
@@ -251,7 +316,7 @@ func applySharing(c *catalog.Catalog, in PlanInput) ([]mps.Daemon, error) {
 			r.MaxPerContainer = 1
 		}
 	}
-	return daemons, nil
+	return daemons, warnings, nil
 }
 
 // deviceOf finds the GPU that a GPU or MIG UUID belongs to, and the memory

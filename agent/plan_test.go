@@ -29,15 +29,15 @@ func TestPlanCatalogWholeGPUs(t *testing.T) {
 		wantHealthy map[string]bool
 	}{
 		{
-			name:        "MIG-enabled GPU withheld, pending-only change still served, sorted by ID",
-			in:          PlanInput{Inventory: testInventory()},
+			name:        "MIG-enabled GPU without instances withheld (mixed), pending-only change still served, sorted by ID",
+			in:          PlanInput{Inventory: testInventory(), MIGStrategy: config.MIGStrategyMixed},
 			wantIDs:     []string{"GPU-a", "GPU-b", "GPU-d"},
 			wantNodes:   map[string][]string{"GPU-a": nil, "GPU-b": nil, "GPU-d": nil},
 			wantHealthy: map[string]bool{"GPU-a": true, "GPU-b": true, "GPU-d": true},
 		},
 		{
 			name:        "device specs only when asked, by minor number",
-			in:          PlanInput{Inventory: testInventory(), PassDeviceSpecs: true},
+			in:          PlanInput{Inventory: testInventory(), MIGStrategy: config.MIGStrategyMixed, PassDeviceSpecs: true},
 			wantIDs:     []string{"GPU-a", "GPU-b", "GPU-d"},
 			wantNodes:   map[string][]string{"GPU-a": {"/dev/nvidia1"}, "GPU-b": {"/dev/nvidia0"}, "GPU-d": {"/dev/nvidia7"}},
 			wantCommon:  []string{"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"},
@@ -45,7 +45,7 @@ func TestPlanCatalogWholeGPUs(t *testing.T) {
 		},
 		{
 			name:        "unhealthy GPU stays listed, marked unhealthy",
-			in:          PlanInput{Inventory: testInventory(), Unhealthy: map[string]string{"GPU-b": "XID 79"}},
+			in:          PlanInput{Inventory: testInventory(), MIGStrategy: config.MIGStrategyMixed, Unhealthy: map[string]string{"GPU-b": "XID 79"}},
 			wantIDs:     []string{"GPU-a", "GPU-b", "GPU-d"},
 			wantNodes:   map[string][]string{"GPU-a": nil, "GPU-b": nil, "GPU-d": nil},
 			wantHealthy: map[string]bool{"GPU-a": true, "GPU-b": false, "GPU-d": true},
@@ -93,7 +93,7 @@ func TestPlanCatalogWholeGPUs(t *testing.T) {
 
 func TestPlanCatalogNoWholeGPUs(t *testing.T) {
 	inv := &gpu.Inventory{GPUs: []gpu.GPU{{Index: 0, UUID: "GPU-x", MIGCapable: true, MIG: gpu.MIGMode{Current: true}}}}
-	for name, in := range map[string]PlanInput{"all MIG": {Inventory: inv}, "no inventory": {}} {
+	for name, in := range map[string]PlanInput{"all MIG": {Inventory: inv, MIGStrategy: config.MIGStrategyMixed}, "no inventory": {}} {
 		c, _ := PlanCatalog(in)
 		if len(c.Resources) != 0 {
 			t.Errorf("%s: resources %v, want none (an empty resource would register with no devices)", name, c.Names())
@@ -168,12 +168,13 @@ func TestPlanCatalogSharingAndMIG(t *testing.T) {
 	}{
 		{
 			name: "all GPUs time-sliced in place",
-			in:   PlanInput{Sharing: ts(config.ReplicatedResource{Name: ResourceGPU, Devices: config.ReplicaDevices{All: true}, Replicas: 2})},
+			in: PlanInput{MIGStrategy: config.MIGStrategyMixed,
+				Sharing: ts(config.ReplicatedResource{Name: ResourceGPU, Devices: config.ReplicaDevices{All: true}, Replicas: 2})},
 			want: map[string][]string{ResourceGPU: {"GPU-a::0", "GPU-a::1", "GPU-b::0", "GPU-b::1", "GPU-d::0", "GPU-d::1"}},
 		},
 		{
 			name: "some GPUs renamed, the rest stay whole; limit only when asked",
-			in: PlanInput{Sharing: config.Sharing{TimeSlicing: &config.TimeSlicing{FailRequestsGreaterThanOne: boolPtr(true),
+			in: PlanInput{MIGStrategy: config.MIGStrategyMixed, Sharing: config.Sharing{TimeSlicing: &config.TimeSlicing{FailRequestsGreaterThanOne: boolPtr(true),
 				Resources: []config.ReplicatedResource{{Name: ResourceGPU, Rename: "nvidia.com/gpu.shared",
 					Devices: config.ReplicaDevices{List: []string{"3"}}, Replicas: 3}}}}},
 			want: map[string][]string{ResourceGPU: {"GPU-a", "GPU-b"}, "nvidia.com/gpu.shared": {"GPU-d::0", "GPU-d::1", "GPU-d::2"}},
@@ -201,9 +202,11 @@ func TestPlanCatalogSharingAndMIG(t *testing.T) {
 			wantErr: `configs.default.sharing.timeSlicing.resources[0].devices[0]: "9" names no device`,
 		},
 		{
-			name:    "resource the node does not offer",
-			in:      PlanInput{Sharing: ts(config.ReplicatedResource{Name: "nvidia.com/mig-1g.10gb", Devices: config.ReplicaDevices{All: true}, Replicas: 2})},
-			wantErr: "resources[0].name: this node offers no nvidia.com/mig-1g.10gb",
+			// As NVIDIA's plugin does; the warning is tested in compat_plan_test.go.
+			name: "resource the node does not offer: skipped, the rest served",
+			in: PlanInput{MIGStrategy: config.MIGStrategyMixed,
+				Sharing: ts(config.ReplicatedResource{Name: "nvidia.com/mig-1g.10gb", Devices: config.ReplicaDevices{All: true}, Replicas: 2})},
+			want: map[string][]string{ResourceGPU: {"GPU-a", "GPU-b", "GPU-d"}},
 		},
 		{
 			name: "rename onto another offered resource",

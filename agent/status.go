@@ -48,6 +48,13 @@ type ConfigStatus struct {
 	Warnings   []string  `json:"warnings,omitempty"`
 	Error      string    `json:"error,omitempty"`
 	ErrorSince time.Time `json:"errorSince,omitzero"`
+	// Serving names what the node serves when it is not the selected
+	// config: the last config that fitted this node, or the built-in
+	// default (BuiltInConfigName) while no config has applied since start.
+	// Error says why. Warnings are the file's (accepted but probably not
+	// meant) and the plan's (what the config asks that this node cannot
+	// do while the rest applies), each naming its field.
+	Serving string `json:"serving,omitempty"`
 }
 
 // ResourceState is one served resource and its devices.
@@ -101,6 +108,14 @@ type MIGState struct {
 }
 
 func (a *Agent) publishStatus() {
+	warnings := slices.Concat(a.warnings, a.planWarnings)
+	serving := a.serving()
+	a.metrics.configWarnings.Set(float64(len(warnings)))
+	if serving == BuiltInConfigName {
+		a.metrics.configFallback.Set(1)
+	} else {
+		a.metrics.configFallback.Set(0)
+	}
 	s := &Status{
 		Node:     a.opts.NodeName,
 		LastPass: a.lastPass,
@@ -110,8 +125,14 @@ func (a *Agent) publishStatus() {
 			Name:       a.selected.Name,
 			SelectedBy: string(a.selected.Reason),
 			Generation: a.gen,
-			Warnings:   slices.Clone(a.warnings),
+			Serving:    serving,
+			Warnings:   warnings,
 		},
+	}
+	if a.file == nil {
+		// No config yet: the built-in selection waiting in a.selected is
+		// not in force.
+		s.Config.Name, s.Config.SelectedBy = "", ""
 	}
 	if s.Config.Source == "" {
 		s.Config.Source = "built-in default"
@@ -124,6 +145,9 @@ func (a *Agent) publishStatus() {
 	case a.cfgErr != nil:
 		s.Config.Error = a.cfgErr.Error()
 		s.Config.ErrorSince = a.cfgErrAt
+	case a.selErr != nil:
+		s.Config.Error = a.selErr.Error()
+		s.Config.ErrorSince = a.selErrAt
 	case a.fitErr != nil:
 		s.Config.Error = a.fitErr.Error()
 		s.Config.ErrorSince = a.fitErrAt

@@ -143,27 +143,28 @@ func (a *Agent) applyConfig(u config.Update) bool {
 	var warnings []string
 	err := u.Err
 	if err == nil {
-		f, warnings, err = u.Parse(a.opts.DefaultConfig)
+		f, warnings, err = u.ParseWith(a.opts.DefaultConfig, a.parseOptions())
 	}
 	if err != nil {
 		a.metrics.configErrors.Inc()
 		a.metrics.configValid.Set(0)
 		if a.cfgErr == nil || a.cfgErr.Error() != err.Error() {
 			a.cfgErrAt = a.now()
-			kept := "nothing is served until it is fixed"
-			if a.file != nil {
+			kept := "the built-in default (" + builtInSummary + ") is served until it is fixed"
+			if a.gen > 0 {
 				kept = fmt.Sprintf("config %q (generation %d) stays in force", a.selected.Name, a.gen)
 			}
 			a.event(true, ReasonConfigRejected, "config %s rejected, %s: %v", a.opts.ConfigSource, kept, err)
 		}
 		a.cfgErr = err
 		if a.file == nil {
-			a.log.Error("config rejected and no earlier config to keep; serving nothing until it is fixed",
-				"source", a.opts.ConfigSource, "error", err)
-		} else {
-			a.log.Error("config rejected; keeping the last good config",
-				"source", a.opts.ConfigSource, "kept", a.selected.Name, "generation", a.gen, "error", err)
+			a.log.Error("config rejected and no earlier config to keep; serving the built-in default until it is fixed",
+				"source", a.opts.ConfigSource, "serving", builtInSummary, "error", err)
+			a.serveBuiltIn()
+			return true // the built-in default is new: observe and plan
 		}
+		a.log.Error("config rejected; keeping the last good config",
+			"source", a.opts.ConfigSource, "kept", a.selected.Name, "generation", a.gen, "error", err)
 		return false
 	}
 	a.cfgErr = nil
@@ -189,19 +190,37 @@ func (a *Agent) setLabels(labels map[string]string) bool {
 	}
 	before := a.selected
 	a.selectConfig()
-	return before.Config != a.selected.Config || before.Name != a.selected.Name
+	// Equal, not the config pointer: a new nvidia.com/mig.config alone
+	// changes only the MIG layout.
+	return !before.Equal(a.selected)
 }
 
 func (a *Agent) selectConfig() {
 	sel, err := a.file.Select(a.opts.NodeName, a.labels)
 	if err != nil {
-		a.cfgErr, a.cfgErrAt = err, a.now()
+		if a.selErr == nil || a.selErr.Error() != err.Error() {
+			a.selErrAt = a.now()
+			a.log.Error("no config applies to this node; keeping the last selection", "node", a.opts.NodeName,
+				"kept", a.selected.Name, "error", err)
+			a.event(true, ReasonConfigRejected, "node labels select nothing; config %q stays in force: %v", a.selected.Name, err)
+		}
+		a.selErr = err
 		a.metrics.configValid.Set(0)
-		a.log.Error("no config applies to this node", "node", a.opts.NodeName, "error", err)
 		return
 	}
-	if sel.Name != a.selected.Name || sel.Reason != a.selected.Reason {
-		a.log.Info("config selected", "node", a.opts.NodeName, "config", sel.Name, "by", sel.Reason, "generation", a.gen)
+	if a.selErr != nil {
+		a.log.Info("node labels select a config again", "config", sel.Name)
+		a.selErr = nil
+		if a.cfgErr == nil {
+			a.metrics.configValid.Set(1)
+		}
+	}
+	if !sel.Equal(a.selected) {
+		a.log.Info("config selected", "node", a.opts.NodeName, "config", sel.Name, "by", sel.Reason,
+			"mig", sel.MIGSource, "generation", a.gen)
+		for _, n := range sel.Notes {
+			a.log.Info("config selection note", "note", n)
+		}
 	}
 	a.selected = sel
 }
@@ -246,6 +265,7 @@ func (a *Agent) pass(why string) {
 	}
 	a.fresh = false
 	a.noteFit(d)
+	a.notePlanWarnings(d.Warnings)
 	if d.Catalog == nil {
 		return // nothing fits: what is served stays as it is
 	}

@@ -105,12 +105,12 @@ func findGPU(h *harness, idx int) catalog.Device {
 }
 
 // The config file's edits: a rejected one keeps the last good config and
-// says which field; the first one invalid serves nothing.
+// says which field; the first one invalid serves the built-in default.
 func TestStepConfigEdits(t *testing.T) {
 	h := newHarness(t, simNode(t, "pcie-4gpu"))
 	h.config("version: v2\n")
-	if h.pub.published() != 0 || h.a.Status().Config.Error == "" {
-		t.Fatalf("invalid first config: published %d, status %+v; want nothing served and the error", h.pub.published(), h.a.Status().Config)
+	if st := h.a.Status().Config; h.count(ResourceGPU) != 4 || st.Error == "" || st.Serving != BuiltInConfigName {
+		t.Fatalf("invalid first config: %d GPUs, status %+v; want the built-in default's 4 whole GPUs and the error", h.count(ResourceGPU), st)
 	}
 	h.config("version: v1\nconfigs:\n  default:\n    devicePlugin:\n      passDeviceSpecs: true\n")
 	if n := h.count(ResourceGPU); n != 4 || len(h.pub.last().Resources[ResourceGPU].Devices[0].Spec.DeviceNodes) != 1 {

@@ -62,6 +62,11 @@ type AllocateSpec struct {
 	// VisibleID goes into NVIDIA_VISIBLE_DEVICES: a GPU or MIG UUID. Replicas
 	// of one GPU share it; Allocate lists each distinct VisibleID once.
 	VisibleID string
+	// RuntimeID, when set, is how the device is named to the container
+	// runtime instead of VisibleID (NVIDIA's deviceIDStrategy index: the GPU
+	// index "0" or the MIG device "<gpu>:<mig>"). VisibleID stays the UUID,
+	// which is what identifies the device everywhere else (health, metrics).
+	RuntimeID string
 	// Env is extra environment (e.g. MPS limits). Later devices do not
 	// override earlier ones with different values: that is an allocation error.
 	Env map[string]string
@@ -69,6 +74,15 @@ type AllocateSpec struct {
 	DeviceNodes []string
 	// Mounts are host paths bound into the container.
 	Mounts []Mount
+}
+
+// RuntimeName is what NVIDIA_VISIBLE_DEVICES lists for the device:
+// RuntimeID when set, else VisibleID.
+func (s AllocateSpec) RuntimeName() string {
+	if s.RuntimeID != "" {
+		return s.RuntimeID
+	}
+	return s.VisibleID
 }
 
 // Mount is a bind mount for a container.
@@ -116,7 +130,7 @@ func sameDevice(a, b Device) bool {
 }
 
 func sameSpec(a, b AllocateSpec) bool {
-	return a.VisibleID == b.VisibleID && maps.Equal(a.Env, b.Env) &&
+	return a.VisibleID == b.VisibleID && a.RuntimeID == b.RuntimeID && maps.Equal(a.Env, b.Env) &&
 		slices.Equal(a.DeviceNodes, b.DeviceNodes) && slices.Equal(a.Mounts, b.Mounts)
 }
 

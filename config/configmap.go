@@ -11,157 +11,292 @@ import (
 	"strings"
 )
 
-// ParseConfigMap reads a ConfigMap's data: every key is a file of one of
-// the three formats. Like NVIDIA's device plugin config map, a key holding
-// an NVIDIA device-plugin config becomes the config named after the key; a
-// key holding a gpu-agent file contributes its configs, nodes and
-// mig-configs; a key holding a mig-parted file contributes its mig-configs
-// (and, as when mounted alone, a config per entry). A name defined by two
-// keys is an error naming both. defaultKey (NVIDIA's config.default; "" =
-// none) names the config used when no node entry or label selects one. One
-// key holding a gpu-agent file is the same as Parse of that file.
+// ParseConfigMap reads a ConfigMap's data, in which every key holds a file
+// of one of the three formats, into one File. As in NVIDIA's device plugin
+// config map:
 //
-// Errors and warnings are prefixed with the key. The whole ConfigMap is
-// bounded by MaxBytes, as the API server bounds it.
+//   - a key holding an NVIDIA device-plugin config becomes the config named
+//     after the key (so nvidia.com/device-plugin.config=<key> selects it);
+//   - a key holding a gpu-agent file contributes its configs, nodes and
+//     mig-configs;
+//   - a key holding a mig-parted file contributes its mig-configs entries
+//     (for nvidia.com/mig.config), and, as when that file is used alone, a
+//     config per entry that serves its layout, unless another key defines a
+//     config of that name, which then wins.
+//
+// A config, mig-configs entry or node defined by two keys is an error
+// naming both. References may cross keys: a nodes: entry may name a config
+// of another key, a migPartedConfig an entry of a mig-parted key.
+//
+// defaultKey (NVIDIA's config.default; "" for none) names the config used
+// when no node entry or label selects one, ahead of the config named
+// "default"; it must name a config. When it is "", the map has no config
+// named "default" and its only config comes from a single device-plugin
+// key, that key is the default (NVIDIA's "single" fallback); the result's
+// DefaultKey says which.
+//
+// Bounds: the whole map (keys and values) is at most MaxBytes, as the API
+// server bounds a ConfigMap; MaxStructure and the key length bound apply to
+// each key; the alias-expansion budget (nodes and value bytes) is the whole
+// map's, since everything decoded ends up in the one File.
+//
+// Keys are read in sorted order. Errors are an ErrorList whose entries name
+// the key (FieldError.Key) with the path and line within it; warnings are
+// prefixed "key <key>: ". A map of one key holding a gpu-agent file gives
+// what Parse gives for that file.
 func ParseConfigMap(data map[string]string, defaultKey string) (*File, []string, error) {
+	return ParseConfigMapWith(data, defaultKey, ParseOptions{})
+}
+
+// ParseConfigMapWith is ParseConfigMap with the agent's options
+// (--mig-strategy).
+func ParseConfigMapWith(data map[string]string, defaultKey string, o ParseOptions) (*File, []string, error) {
 	total := 0
 	for k, v := range data {
 		total += len(k) + len(v)
 	}
 	if total > MaxBytes {
-		return nil, nil, ErrorList{{Msg: fmt.Sprintf("ConfigMap of %d bytes exceeds the maximum of %d bytes", total, MaxBytes)}}
+		return nil, nil, ErrorList{{Msg: fmt.Sprintf("ConfigMap of %d bytes (keys and values) exceeds the maximum of %d bytes (a ConfigMap's limit)", total, MaxBytes)}}
 	}
 	if len(data) == 0 {
 		return nil, nil, ErrorList{{Msg: "ConfigMap has no keys"}}
 	}
-	out := &File{Version: Version, Format: FormatGPUAgent, Configs: map[string]*Config{}, DefaultKey: defaultKey}
-	configFrom := map[string]string{} // config name → key that defined it
-	migFrom := map[string]string{}
-	nodeFrom := map[string]string{}
+
 	var warnings []string
 	var errs ErrorList
-	keyErr := func(key string, err error) {
-		var el ErrorList
-		if errors.As(err, &el) {
-			for _, e := range el {
-				e.Path = keyPath(key, e.Path)
-				errs = append(errs, e)
-			}
-			return
-		}
-		errs = append(errs, &FieldError{Path: keyPath(key, ""), Msg: err.Error()})
-	}
-	keys := slices.Sorted(maps.Keys(data))
-	if len(keys) == 1 {
-		f, w, err := Parse([]byte(data[keys[0]]))
-		if err != nil {
-			keyErr(keys[0], err)
-			return nil, prefixAll(keys[0], w), errs
-		}
-		if f.Format == FormatNVIDIADevicePlugin && keys[0] != DefaultConfigName {
-			// NVIDIA's map: the config is named after its key; with one key
-			// it is also what every node gets.
-			f.Configs = map[string]*Config{keys[0]: f.Configs[DefaultConfigName]}
-			if defaultKey == "" {
-				defaultKey = keys[0]
-			}
-		}
-		f.DefaultKey = defaultKey
-		return f, prefixAll(keys[0], w), checkDefaultKey(f)
-	}
-	for _, key := range keys {
-		f, w, err := Parse([]byte(data[key]))
-		warnings = append(warnings, prefixAll(key, w)...)
-		if err != nil {
-			keyErr(key, err)
+	var parts []mapPart
+	// The decoder's budget carries from key to key: a few hundred bytes of
+	// aliases expand to the whole budget, and a thousand such keys would
+	// otherwise expand to a thousand budgets.
+	spentNodes, spentBytes := 0, 0
+	for _, key := range slices.Sorted(maps.Keys(data)) {
+		if msg := checkConfigMapKey(key); msg != "" {
+			// The API server enforces this; a directory's file names or a
+			// caller's map need not, and a key can become a config name.
+			errs = append(errs, &FieldError{Key: key, Msg: msg})
 			continue
 		}
-		configs := f.Configs
-		if f.Format == FormatNVIDIADevicePlugin {
-			configs = map[string]*Config{key: f.Configs[DefaultConfigName]}
+		d := newDecoder()
+		d.nodes, d.bytes, d.shared = spentNodes, spentBytes, true
+		f, w, err := parse([]byte(data[key]), d, checkLocal, o)
+		spentNodes, spentBytes = d.nodes, d.bytes
+		warnings = append(warnings, prefixAll(key, w)...)
+		if err != nil {
+			errs = append(errs, inKey(key, err)...)
+			if d.tooLarge {
+				break // the budget is spent: later keys cannot be read
+			}
+			continue
 		}
-		for name, c := range configs {
-			if other, dup := configFrom[name]; dup {
-				errs = append(errs, &FieldError{Path: keyPath(key, "configs."+name), Msg: fmt.Sprintf("config %q is also defined by key %q", name, other)})
-				continue
-			}
-			configFrom[name] = key
-			out.Configs[name] = c
+		parts = append(parts, mapPart{key, f})
+	}
+
+	out, w, mergeErrs := mergeParts(parts, defaultKey, len(errs) == 0)
+	warnings = append(warnings, w...)
+	errs = append(errs, mergeErrs...)
+	if len(errs) > 0 {
+		return nil, warnings, errs.err()
+	}
+	out.DefaultMIGStrategy = o.MIGStrategy
+	return out, warnings, nil
+}
+
+// mapPart is one key of a ConfigMap, parsed and checked on its own.
+type mapPart struct {
+	key string
+	f   *File
+}
+
+// origin is where a merged name was defined, for the clash error.
+type origin struct {
+	key  string
+	path string
+	line int
+}
+
+// mergeParts merges the keys' files into one and checks what needs them
+// all: clashes, references across keys and the default key. Only clashes
+// are checked unless complete (every key was read): the rest could name
+// what the key that failed defines.
+func mergeParts(parts []mapPart, defaultKey string, complete bool) (*File, []string, ErrorList) {
+	out := &File{Version: Version, Configs: map[string]*Config{}}
+	var warnings []string
+	var errs ErrorList
+	configFrom := map[string]origin{}
+	migFrom := map[string]origin{}
+	nodeFrom := map[string]origin{}
+	define := func(what, name string, at origin, seen map[string]origin) bool {
+		if first, dup := seen[name]; dup {
+			errs = append(errs, &FieldError{Key: at.key, Path: at.path, Line: at.line,
+				Msg: fmt.Sprintf("%s %q is also defined by key %s", what, name, quoteKey(first.key))})
+			return false
 		}
-		for name, l := range f.MigConfigs {
-			if other, dup := migFrom[name]; dup {
-				errs = append(errs, &FieldError{Path: keyPath(key, "mig-configs."+name), Msg: fmt.Sprintf("mig-configs entry %q is also defined by key %q", name, other)})
-				continue
+		seen[name] = at
+		return true
+	}
+	here := func(p mapPart, path string) origin {
+		return origin{p.key, path, p.f.lineOf(path)}
+	}
+
+	// Configs users wrote first, so that those a mig-parted key implies
+	// (one per entry) only fill the names left free.
+	onlyDevicePluginKey, written := "", 0
+	for _, p := range parts {
+		switch p.f.Format {
+		case FormatNVIDIADevicePlugin:
+			// The whole key is the config: a clash is reported at the key.
+			if define("config", p.key, origin{key: p.key}, configFrom) {
+				out.Configs[p.key] = p.f.Configs[DefaultConfigName]
+				if !isLabelValue(p.key) {
+					warnings = append(warnings, fmt.Sprintf("key %s: not a valid label value, so the %s label cannot select this config",
+						quoteKey(p.key), DevicePluginConfigLabel))
+				}
 			}
-			migFrom[name] = key
-			if out.MigConfigs == nil {
-				out.MigConfigs = map[string]MigLayout{}
+			onlyDevicePluginKey, written = p.key, written+1
+		case FormatGPUAgent:
+			for _, name := range sortedKeys(p.f.Configs) {
+				if define("config", name, here(p, joinKey("configs", name)), configFrom) {
+					out.Configs[name] = p.f.Configs[name]
+				}
+				written++
 			}
-			out.MigConfigs[name] = l
+			for _, node := range sortedKeys(p.f.Nodes) {
+				if define("nodes: entry for node", node, here(p, joinKey("nodes", node)), nodeFrom) {
+					if out.Nodes == nil {
+						out.Nodes = map[string]string{}
+					}
+					out.Nodes[node] = p.f.Nodes[node]
+				}
+			}
 		}
-		for node, name := range f.Nodes {
-			if other, dup := nodeFrom[node]; dup {
-				errs = append(errs, &FieldError{Path: keyPath(key, "nodes."+node), Msg: fmt.Sprintf("node %q is also listed by key %q", node, other)})
-				continue
+		for _, name := range sortedKeys(p.f.MigConfigs) {
+			if define("mig-configs entry", name, here(p, joinKey("mig-configs", name)), migFrom) {
+				if out.MigConfigs == nil {
+					out.MigConfigs = map[string]MigLayout{}
+				}
+				out.MigConfigs[name] = p.f.MigConfigs[name]
 			}
-			nodeFrom[node] = key
-			if out.Nodes == nil {
-				out.Nodes = map[string]string{}
-			}
-			out.Nodes[node] = name
 		}
 	}
+	for _, p := range parts {
+		if p.f.Format != FormatMigParted {
+			continue
+		}
+		for _, name := range sortedKeys(p.f.Configs) {
+			if _, taken := out.Configs[name]; !taken {
+				out.Configs[name] = p.f.Configs[name]
+			}
+		}
+	}
+	out.Format = FormatGPUAgent // the converted form, unless every key is of one format
+	for i, p := range parts {
+		if i == 0 {
+			out.Format = p.f.Format
+		} else if p.f.Format != out.Format {
+			out.Format = FormatGPUAgent
+			break
+		}
+	}
+	if len(errs) > 0 || !complete {
+		return nil, warnings, errs
+	}
+
+	// References, checked in the file that makes them (for its paths and
+	// lines) against the whole map's names.
+	for _, p := range parts {
+		v := newValidator(p.f, checkRefs)
+		v.configs, v.migs = out.Configs, out.MigConfigs
+		v.file()
+		errs = append(errs, inKey(p.key, v.errs)...)
+	}
+
+	_, hasDefault := out.Configs[DefaultConfigName]
+	switch {
+	case defaultKey != "":
+		if _, ok := out.Configs[defaultKey]; !ok {
+			errs = append(errs, &FieldError{Msg: fmt.Sprintf("default key %q names no config (configs: %s)", defaultKey, listNames(out.Configs))})
+		}
+		out.DefaultKey = defaultKey
+	case !hasDefault && written == 1 && onlyDevicePluginKey != "":
+		out.DefaultKey = onlyDevicePluginKey
+	}
+	v := newValidator(out, checkWhole)
+	v.file()
+	warnings = append(warnings, v.warnings...)
+	errs = append(errs, v.errs...)
 	if len(errs) > 0 {
 		return nil, warnings, errs
 	}
-	for node, name := range out.Nodes {
-		if _, ok := out.Configs[name]; !ok {
-			errs = append(errs, &FieldError{Path: keyPath(nodeFrom[node], "nodes."+node), Msg: fmt.Sprintf("names config %q, which no key defines", name)})
-		}
-	}
-	for name, c := range out.Configs {
-		if p := c.MIG.MigPartedConfig; p != "" {
-			if _, ok := out.MigConfigs[p]; !ok {
-				errs = append(errs, &FieldError{Path: keyPath(configFrom[name], "configs."+name+".mig.migPartedConfig"), Msg: fmt.Sprintf("names mig-configs entry %q, which no key defines", p)})
-			}
-		}
-	}
-	if len(errs) > 0 {
-		return nil, warnings, errs
-	}
-	return out, warnings, checkDefaultKey(out)
+	return out, warnings, nil
 }
 
-func checkDefaultKey(f *File) error {
-	if f.DefaultKey == "" {
-		return nil
+// checkConfigMapKey applies Kubernetes' rule for a ConfigMap key; "" when
+// it is valid.
+func checkConfigMapKey(k string) string {
+	switch {
+	case k == "":
+		return "empty key"
+	case len(k) > maxKeyBytes:
+		return fmt.Sprintf("key of %d bytes exceeds the maximum of %d bytes", len(k), maxKeyBytes)
+	case k == "." || strings.HasPrefix(k, ".."):
+		return `not a valid ConfigMap key: "." or starting with ".."`
 	}
-	if _, ok := f.Configs[f.DefaultKey]; !ok {
-		return ErrorList{{Msg: fmt.Sprintf("default key %q names no config (defined: %s)", f.DefaultKey, listNames(f.Configs))}}
+	for i := 0; i < len(k); i++ {
+		c := k[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-' || c == '.') {
+			return "not a valid ConfigMap key: only letters, digits, '-', '_' and '.' are allowed"
+		}
 	}
-	return nil
+	return ""
 }
 
-func keyPath(key, path string) string {
-	if path == "" {
-		return "key " + key
+// inKey attributes the errors in err to a ConfigMap key.
+func inKey(key string, err error) ErrorList {
+	var el ErrorList
+	if !errors.As(err, &el) {
+		return ErrorList{{Key: key, Msg: err.Error()}}
 	}
-	return "key " + key + ": " + path
+	out := make(ErrorList, 0, len(el))
+	for _, e := range el {
+		c := *e
+		c.Key = key
+		out = append(out, &c)
+	}
+	return out
 }
 
 func prefixAll(key string, ws []string) []string {
 	out := make([]string, 0, len(ws))
 	for _, w := range ws {
-		out = append(out, "key "+key+": "+w)
+		out = append(out, "key "+quoteKey(key)+": "+w)
 	}
 	return out
 }
 
-// ReadDir reads a mounted ConfigMap volume: every key file (the kubelet's
-// ..data and timestamped entries are skipped, key symlinks followed), each
-// through ReadFile's bounds.
+// ReadDir reads a mounted ConfigMap volume into a ConfigMap's data: one
+// entry per key file, each read through ReadFile's bounds, and at most
+// MaxBytes in all (keys and values, as ParseConfigMap counts them).
+//
+// The kubelet lays such a volume out as a timestamped directory holding
+// the keys, a symlink ..data to it, and a symlink per key into ..data; an
+// update writes a new timestamped directory and swaps ..data. When ..data
+// exists it is resolved once and the keys read from its target, so all of
+// them come from one version even if a swap happens meanwhile (the old
+// directory is then deleted, which fails the read instead of mixing
+// versions; the Watcher reads again). Entries whose names start with ".."
+// are the kubelet's and skipped (a ConfigMap key cannot start so), as are
+// directories (a key's items path with a "/"; keys themselves have none).
+// Any other directory is read the same way, each regular file (or symlink
+// to one) a key.
 func ReadDir(dir string) (map[string]string, error) {
-	entries, err := os.ReadDir(dir)
+	src := dir
+	if target, err := os.Readlink(filepath.Join(dir, "..data")); err == nil {
+		if !filepath.IsAbs(target) {
+			target = filepath.Join(dir, target)
+		}
+		src = target
+	}
+	entries, err := os.ReadDir(src)
 	if err != nil {
 		return nil, fmt.Errorf("config dir %s: %w", dir, err)
 	}
@@ -169,14 +304,14 @@ func ReadDir(dir string) (map[string]string, error) {
 	total := 0
 	for _, e := range entries {
 		name := e.Name()
-		if strings.HasPrefix(name, "..") || strings.HasPrefix(name, ".") {
+		if strings.HasPrefix(name, "..") {
 			continue
 		}
-		p := filepath.Join(dir, name)
+		p := filepath.Join(src, name)
 		st, err := os.Stat(p)
 		if err != nil {
-			if errors.Is(err, fs.ErrNotExist) {
-				continue // a key removed mid-update
+			if errors.Is(err, fs.ErrNotExist) && src == dir {
+				continue // a key symlink left dangling by an update in progress
 			}
 			return nil, fmt.Errorf("config dir %s: %w", dir, err)
 		}
@@ -185,9 +320,9 @@ func ReadDir(dir string) (map[string]string, error) {
 		}
 		b, err := ReadFile(p)
 		if err != nil {
-			return nil, err
+			return nil, err // names the key's path
 		}
-		total += len(b)
+		total += len(name) + len(b)
 		if total > MaxBytes {
 			return nil, fmt.Errorf("config dir %s: more than %d bytes in all (a ConfigMap's limit)", dir, MaxBytes)
 		}
@@ -197,4 +332,19 @@ func ReadDir(dir string) (map[string]string, error) {
 		return nil, fmt.Errorf("config dir %s: no key files", dir)
 	}
 	return out, nil
+}
+
+// LoadDir reads a mounted ConfigMap volume (see ReadDir) and parses it as
+// ParseConfigMap does, with no default key. Like Load for a file: the
+// error names the directory and wraps the ErrorList.
+func LoadDir(dir string) (*File, []string, error) {
+	data, err := ReadDir(dir)
+	if err != nil {
+		return nil, nil, err // names the directory already
+	}
+	f, warnings, err := ParseConfigMap(data, "")
+	if err != nil {
+		return nil, warnings, fmt.Errorf("config dir %s: %w", dir, err)
+	}
+	return f, warnings, nil
 }

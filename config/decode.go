@@ -3,6 +3,7 @@ package config
 import (
 	"fmt"
 	"reflect"
+	"sort"
 	"strings"
 
 	"gopkg.in/yaml.v3"
@@ -39,6 +40,56 @@ type decoder struct {
 	nodes    int
 	bytes    int
 	tooLarge bool
+	// shared: the budget is the whole ConfigMap's, carried from key to key
+	// (see ParseConfigMap), which the error then says.
+	shared bool
+	// lenient reads a key the schema lacks as NVIDIA's parser (which
+	// decodes through encoding/json) does: one that names a field but for
+	// case is that field, any other is ignored. Each is a warning, at most
+	// maxLenientWarnings of them, so a file of thousands of unknown keys
+	// gives a short list.
+	lenient  bool
+	warnings []string
+	unknown  int
+}
+
+// maxLenientWarnings bounds the warnings a lenient decode lists one by one.
+const maxLenientWarnings = 20
+
+// warnf records a warning at path, written as a FieldError is.
+func (d *decoder) warnf(path string, line int, format string, args ...any) {
+	d.unknown++
+	switch {
+	case d.unknown <= maxLenientWarnings:
+		w := &FieldError{Path: path, Line: line, Msg: fmt.Sprintf(format, args...)}
+		d.warnings = append(d.warnings, w.Error())
+	case d.unknown == maxLenientWarnings+1:
+		d.warnings = append(d.warnings, fmt.Sprintf("more than %d unknown or mis-cased fields; the rest are ignored without a warning each", maxLenientWarnings))
+	}
+}
+
+// foldField finds the field a key names but for case (encoding/json's
+// matching), in field order.
+func foldField(fields map[string][]int, key string) (string, []int, bool) {
+	names := make([]string, 0, len(fields))
+	for name := range fields {
+		names = append(names, name)
+	}
+	sort.Slice(names, func(i, j int) bool {
+		a, b := fields[names[i]], fields[names[j]]
+		for k := 0; k < len(a) && k < len(b); k++ {
+			if a[k] != b[k] {
+				return a[k] < b[k]
+			}
+		}
+		return len(a) < len(b)
+	})
+	for _, name := range names {
+		if strings.EqualFold(name, key) {
+			return name, fields[name], true
+		}
+	}
+	return "", nil, false
 }
 
 func newDecoder() *decoder { return &decoder{lines: map[string]int{}} }
@@ -57,11 +108,15 @@ func (d *decoder) spend(path string, line, nodes, bytes int) bool {
 	}
 	d.nodes += nodes
 	d.bytes += bytes
+	what, where := "document", ""
+	if d.shared {
+		what, where = "ConfigMap", " in all keys"
+	}
 	switch {
 	case d.nodes > maxNodes:
-		d.errorf(path, line, "document too large (more than %d nodes after expanding aliases)", maxNodes)
+		d.errorf(path, line, "%s too large (more than %d nodes%s after expanding aliases)", what, maxNodes, where)
 	case d.bytes > maxValueBytes:
-		d.errorf(path, line, "document too large (more than %d bytes of values after expanding aliases)", maxValueBytes)
+		d.errorf(path, line, "%s too large (more than %d bytes of values%s after expanding aliases)", what, maxValueBytes, where)
 	default:
 		return true
 	}
@@ -144,13 +199,23 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) {
 		}
 		fields := structFields(v.Type())
 		d.mapping(n, path, map[string]int{}, func(key string, kn, vn *yaml.Node) {
+			name := key
 			idx, ok := fields[key]
+			if !ok && d.lenient {
+				if name, idx, ok = foldField(fields, key); ok {
+					d.warnf(joinKey(path, key), kn.Line, "read as %s, as NVIDIA's parser matches field names regardless of case", name)
+				}
+			}
 			if !ok {
+				if d.lenient {
+					d.warnf(joinKey(path, key), kn.Line, "unknown field, ignored as NVIDIA's device plugin ignores it")
+					return
+				}
 				d.errorf(joinKey(path, key), kn.Line, "unknown field")
 				return
 			}
-			d.keyLine(joinKey(path, key), kn)
-			d.decode(vn, v.FieldByIndex(idx), joinKey(path, key))
+			d.keyLine(joinKey(path, name), kn)
+			d.decode(vn, v.FieldByIndex(idx), joinKey(path, name))
 		})
 	case reflect.Map:
 		if isNull {

@@ -10,6 +10,10 @@ import (
 // FieldError is one problem in a config file, at a field path such as
 // configs.default.sharing.timeSlicing.resources[0].replicas.
 type FieldError struct {
+	// Key is the ConfigMap key whose content has the problem (ParseConfigMap,
+	// LoadDir); "" for a single file or the ConfigMap as a whole. Path and
+	// Line are then within that key's content.
+	Key string
 	// Path in the file as the user wrote it; "" for the whole file.
 	Path string
 	// Line is 1-based; 0 when unknown (e.g. a File built in code).
@@ -19,6 +23,11 @@ type FieldError struct {
 
 func (e *FieldError) Error() string {
 	var b strings.Builder
+	if e.Key != "" {
+		b.WriteString("key ")
+		b.WriteString(quoteKey(e.Key))
+		b.WriteString(": ")
+	}
 	if e.Path != "" {
 		b.WriteString(e.Path)
 		b.WriteString(": ")
@@ -55,11 +64,15 @@ func (l ErrorList) Error() string {
 	return fmt.Sprintf("%d errors:\n%s", len(l), strings.Join(msgs, "\n"))
 }
 
-// sorted orders by line, then path, then message, so output is stable; an
-// entry without a line (0) sorts first, as it concerns the whole file.
+// sorted orders by key, then line, then path, then message, so output is
+// stable; an entry without a line (0) sorts first, as it concerns the whole
+// file (or ConfigMap).
 func (l ErrorList) sorted() ErrorList {
 	sort.SliceStable(l, func(i, j int) bool {
 		a, b := l[i], l[j]
+		if a.Key != b.Key {
+			return a.Key < b.Key
+		}
 		if a.Line != b.Line {
 			return a.Line < b.Line
 		}
@@ -91,6 +104,22 @@ func isPlainKey(k string) bool {
 		}
 	}
 	return true
+}
+
+// quoteKey writes a ConfigMap key as it is when it only has the characters
+// Kubernetes allows in one ([-._a-zA-Z0-9]), else quoted: a key read from a
+// directory can be any file name, and must not garble the message.
+func quoteKey(k string) string {
+	for i := 0; i < len(k); i++ {
+		c := k[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-' || c == '.') {
+			return strconv.Quote(k)
+		}
+	}
+	if k == "" {
+		return `""`
+	}
+	return k
 }
 
 // joinKey appends a mapping key to a path. Keys with dots or other

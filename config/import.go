@@ -46,6 +46,10 @@ type nvdpPluginFlags struct {
 	ContainerDriverRoot *string     `yaml:"containerDriverRoot"`
 	KubeletSocket       *string     `yaml:"kubeletSocket"`
 	CDIFeatureFlags     *string     `yaml:"cdiFeatureFlags"`
+	// SharedDevicesAllocationPolicy (v0.20.0) is how GetPreferredAllocation
+	// picks replicas and MIG devices: distributed (NVIDIA's default, the
+	// least used GPU first) or packed (the most used first).
+	SharedDevicesAllocationPolicy *string `yaml:"sharedDevicesAllocationPolicy"`
 }
 
 type nvdpGFDFlags struct {
@@ -105,12 +109,8 @@ func nvdpIgnored() map[string]string {
 		"flags.mpsRoot":                    "use the agent's --mps-root flag",
 		"flags.nvidiaDriverRoot":           "not configurable in gpu-agent yet",
 		"flags.nvidiaDevRoot":              "not configurable in gpu-agent yet",
-		"flags.gdrcopyEnabled":             "not supported by gpu-agent",
-		"flags.gdsEnabled":                 "not supported by gpu-agent",
-		"flags.mofedEnabled":               "not supported by gpu-agent",
 		"flags.useNodeFeatureAPI":          "gpu-agent does not publish node features",
 		"flags.deviceDiscoveryStrategy":    "gpu-agent always discovers devices through NVML",
-		"flags.plugin.deviceIDStrategy":    "gpu-agent always uses device UUIDs",
 		"flags.plugin.cdiAnnotationPrefix": "CDI is not supported by gpu-agent yet",
 		"flags.plugin.nvidiaCTKPath":       "CDI is not supported by gpu-agent yet",
 		"flags.plugin.containerDriverRoot": "not configurable in gpu-agent yet",
@@ -124,12 +124,25 @@ func nvdpIgnored() map[string]string {
 	}
 }
 
-// fromNVIDIA converts a device-plugin file into one config named "default".
-func fromNVIDIA(n *nvdpFile, lines map[string]int) (*File, []string) {
+// fromNVIDIA converts a device-plugin file into one config named "default",
+// with NVIDIA's defaults where the file is silent, and returns the errors
+// NVIDIA's plugin would refuse to start with that validation cannot see
+// in the converted config.
+func fromNVIDIA(n *nvdpFile, lines map[string]int, o ParseOptions) (*File, []string, ErrorList) {
+	var errs ErrorList
+	errAt := func(path, format string, args ...any) {
+		errs = append(errs, &FieldError{Path: path, Line: lines[path], Msg: fmt.Sprintf(format, args...)})
+	}
 	c := &Config{Sharing: n.Sharing}
+	// Without flags.migStrategy NVIDIA's plugin takes its --mig-strategy
+	// (MIG_STRATEGY), so the agent's does the same.
+	c.MIG.Strategy = o.MIGStrategy
 	if n.Flags.MigStrategy != nil {
 		c.MIG.Strategy = MIGStrategy(*n.Flags.MigStrategy)
 	}
+	// NVIDIA's default for replicas and MIG devices; whole GPUs get the
+	// best-connected set under every policy, there as here.
+	c.Allocation.Policy = PolicyDistributed
 	if p := n.Flags.Plugin; p != nil {
 		if p.PassDeviceSpecs != nil {
 			c.DevicePlugin.PassDeviceSpecs = *p.PassDeviceSpecs
@@ -138,6 +151,37 @@ func fromNVIDIA(n *nvdpFile, lines map[string]int) (*File, []string) {
 			// Several strategies at once are legal for NVIDIA; gpu-agent has
 			// only envvar, so anything else fails validation by name.
 			c.DevicePlugin.DeviceListStrategy = strings.Join(*p.DeviceListStrategy, ",")
+		}
+		if p.DeviceIDStrategy != nil {
+			c.DevicePlugin.DeviceIDStrategy = *p.DeviceIDStrategy // checked by validation, at this path
+		}
+		if v := p.SharedDevicesAllocationPolicy; v != nil {
+			switch AllocationPolicy(*v) {
+			case PolicyDistributed, PolicyPacked:
+				c.Allocation.Policy = AllocationPolicy(*v)
+			default:
+				errAt("flags.plugin.sharedDevicesAllocationPolicy", "unknown value %q: must be %s or %s, as for NVIDIA's plugin",
+					*v, PolicyDistributed, PolicyPacked)
+			}
+		}
+	}
+	c.DevicePlugin.GDSEnabled = n.Flags.GDSEnabled != nil && *n.Flags.GDSEnabled
+	c.DevicePlugin.MOFEDEnabled = n.Flags.MOFEDEnabled != nil && *n.Flags.MOFEDEnabled
+	c.DevicePlugin.GDRCopyEnabled = n.Flags.GDRCopyEnabled != nil && *n.Flags.GDRCopyEnabled
+	if m := c.Sharing.MPS; m != nil && len(m.Resources) > 0 {
+		// NVIDIA's plugin shares no MIG device with MPS: it refuses to
+		// start with the mixed strategy, and fails a resource holding MIG
+		// devices (single) when it is served. A file in its format fails
+		// the same way here; gpu-agent's own format may share them.
+		m.RefuseMIGDevices = true
+		if c.MIG.Strategy == MIGStrategyMixed {
+			if n.Flags.MigStrategy != nil {
+				errAt("flags.migStrategy", "mixed is not supported with sharing.mps: NVIDIA's device plugin refuses the pair, as it shares no MIG device with MPS; "+
+					"use none or single, or write the config in gpu-agent's format, which does")
+			} else {
+				errAt("sharing.mps", "not supported with the agent's --mig-strategy mixed: NVIDIA's device plugin refuses the pair, as it shares no MIG device with MPS; "+
+					"set flags.migStrategy to none or single, or write the config in gpu-agent's format, which does")
+			}
 		}
 	}
 	// NVIDIA prefixes a bare name with nvidia.com/, so "gpu" means nvidia.com/gpu.
@@ -163,9 +207,6 @@ func fromNVIDIA(n *nvdpFile, lines map[string]int) (*File, []string) {
 
 	// Values that are what gpu-agent does anyway need no warning.
 	harmless := map[string]bool{}
-	if p := n.Flags.Plugin; p != nil && p.DeviceIDStrategy != nil && *p.DeviceIDStrategy == "uuid" {
-		harmless["flags.plugin.deviceIDStrategy"] = true
-	}
 	if r := n.Flags.NvidiaDriverRoot; r != nil && (*r == "/" || *r == "") {
 		harmless["flags.nvidiaDriverRoot"] = true
 	}
@@ -190,11 +231,16 @@ func fromNVIDIA(n *nvdpFile, lines map[string]int) (*File, []string) {
 			{def + ".mig.strategy", "flags.migStrategy"},
 			{def + ".devicePlugin.passDeviceSpecs", "flags.plugin.passDeviceSpecs"},
 			{def + ".devicePlugin.deviceListStrategy", "flags.plugin.deviceListStrategy"},
+			{def + ".devicePlugin.deviceIDStrategy", "flags.plugin.deviceIDStrategy"},
+			{def + ".devicePlugin.gdsEnabled", "flags.gdsEnabled"},
+			{def + ".devicePlugin.mofedEnabled", "flags.mofedEnabled"},
+			{def + ".devicePlugin.gdrcopyEnabled", "flags.gdrcopyEnabled"},
+			{def + ".allocation.policy", "flags.plugin.sharedDevicesAllocationPolicy"},
 			{def + ".health.ignoredXids", "health.ignoredXIDs"},
 			{def + ".health.fatalXids", "health.criticalXIDs"},
 			{def, ""},
 		},
-	}, warnings
+	}, warnings, errs
 }
 
 func qualifyNVIDIA(r *ReplicatedResource) {
@@ -213,9 +259,10 @@ type migPartedFile struct {
 }
 
 // fromMigParted makes one config per mig-configs entry, each exposing its
-// layout with the mixed strategy, so an entry is picked like any named
-// config (nodes:, the node label, or one named "default").
-func fromMigParted(m *migPartedFile) *File {
+// layout with the agent's --mig-strategy (mixed when unset), so an entry is
+// picked like any named config (nodes:, the node label, or one named
+// "default").
+func fromMigParted(m *migPartedFile, o ParseOptions) *File {
 	f := &File{
 		Version:    m.Version,
 		Configs:    map[string]*Config{},
@@ -223,7 +270,7 @@ func fromMigParted(m *migPartedFile) *File {
 		Format:     FormatMigParted,
 	}
 	for name := range m.MigConfigs {
-		f.Configs[name] = &Config{MIG: MIG{Strategy: MIGStrategyMixed, MigPartedConfig: name}}
+		f.Configs[name] = &Config{MIG: MIG{Strategy: o.layoutStrategy(), MigPartedConfig: name}}
 		f.rewrites = append(f.rewrites, pathRewrite{joinKey("configs", name), joinKey("mig-configs", name)})
 	}
 	// Longest first, so no entry's prefix shadows another's.

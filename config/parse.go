@@ -12,6 +12,7 @@ import (
 	"io"
 	"reflect"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -42,6 +43,13 @@ func structuralBytes(data []byte) int {
 // not what the author meant, or fields of another format that the agent
 // ignores. The error, when not nil, is an ErrorList.
 func Parse(data []byte) (*File, []string, error) {
+	return parse(data, newDecoder(), checkAll, ParseOptions{})
+}
+
+// parse is Parse with the decoder (whose budget may already be partly
+// spent, by earlier keys of a ConfigMap), the checks to run and the agent's
+// options.
+func parse(data []byte, d *decoder, what checks, o ParseOptions) (*File, []string, error) {
 	if len(data) > MaxBytes {
 		// Refused before parsing: the YAML tree alone costs about a hundred
 		// times the input's size.
@@ -66,7 +74,7 @@ func Parse(data []byte) (*File, []string, error) {
 
 	var f *File
 	var warnings []string
-	d := newDecoder()
+	var importErrs ErrorList
 	switch format {
 	case FormatGPUAgent:
 		f = &File{}
@@ -74,13 +82,19 @@ func Parse(data []byte) (*File, []string, error) {
 		f.Format = FormatGPUAgent
 	case FormatNVIDIADevicePlugin:
 		var nf nvdpFile
+		// NVIDIA's parser ignores keys it does not know (it decodes
+		// through encoding/json): warn about them instead of refusing a
+		// file that works there.
+		d.lenient = true
 		d.decode(root, reflect.ValueOf(&nf).Elem(), "")
-		f, warnings = fromNVIDIA(&nf, d.lines)
+		f, warnings, importErrs = fromNVIDIA(&nf, d.lines, o)
 	case FormatMigParted:
 		var mf migPartedFile
 		d.decode(root, reflect.ValueOf(&mf).Elem(), "")
-		f = fromMigParted(&mf)
+		f = fromMigParted(&mf, o)
 	}
+	warnings = append(d.warnings, warnings...)
+	fillMIGStrategy(f, o)
 	f.lines = d.lines
 	if d.tooLarge {
 		return nil, nil, d.errs.err() // validating a truncated document would only add noise
@@ -91,14 +105,13 @@ func Parse(data []byte) (*File, []string, error) {
 	// that failed to decode holds a zero value, so drop validation errors
 	// at or under a path that already has a decode error.
 	applyDefaults(f)
-	vw, verr := f.Validate()
-	warnings = append(warnings, vw...)
-	errs := d.errs
-	if verr != nil {
-		for _, e := range verr.(ErrorList) {
-			if !underAny(e.Path, d.errs) {
-				errs = append(errs, e)
-			}
+	v := newValidator(f, what)
+	v.file()
+	warnings = append(warnings, v.warnings...)
+	errs := append(slices.Clip(d.errs), importErrs...)
+	for _, e := range v.errs {
+		if !underAny(e.Path, d.errs) {
+			errs = append(errs, e)
 		}
 	}
 	if len(errs) > 0 {
@@ -133,8 +146,9 @@ func Load(path string) (*File, []string, error) {
 	return f, warnings, nil
 }
 
-// Default is what the agent runs with when no config file is given: whole
-// GPUs, no MIG changes, no sharing, topology-aware allocation.
+// Default is a file of one config with every default: whole GPUs, MIG
+// strategy none, no MIG changes, no sharing, topology-aware allocation.
+// The agent without a config runs BuiltIn, which also serves MIG devices.
 func Default() *File {
 	f := &File{
 		Version: Version,
@@ -227,6 +241,9 @@ func applyDefaults(f *File) {
 		}
 		if c.DevicePlugin.DeviceListStrategy == "" {
 			c.DevicePlugin.DeviceListStrategy = DeviceListStrategyEnvvar
+		}
+		if c.DevicePlugin.DeviceIDStrategy == "" {
+			c.DevicePlugin.DeviceIDStrategy = DeviceIDStrategyUUID
 		}
 		if c.Allocation.Policy == "" {
 			c.Allocation.Policy = PolicyTopology

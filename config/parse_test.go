@@ -403,25 +403,6 @@ sharing:
 			},
 		},
 		{
-			name: "nvidia file: unknown field is not one of theirs",
-			in: `version: v1
-flags:
-  migStrategy: none
-  plugin:
-    passDeviceSpec: true
-`,
-			want: []wantErr{{"flags.plugin.passDeviceSpec", 5, "unknown field"}},
-		},
-		{
-			name: "nvidia file mixed with ours",
-			in: `version: v1
-flags:
-  migStrategy: none
-mig-configs: {}
-`,
-			want: []wantErr{{"mig-configs", 4, "unknown field"}},
-		},
-		{
 			name: "mig-parted file",
 			in: `version: v1
 mig-configs:
@@ -667,7 +648,7 @@ func TestNVIDIAConversion(t *testing.T) {
 		t.Errorf("bare name not qualified as NVIDIA does: %+v", rs[1])
 	}
 	sel, err := f.Select("any-node", nil)
-	if err != nil || sel.Name != "default" || sel.Reason != ReasonDefault {
+	if err != nil || sel.Name != "default" || sel.Reason != ReasonDefaultConfig {
 		t.Errorf("Select = %+v, %v", sel, err)
 	}
 
@@ -690,8 +671,10 @@ imex:
 	if !reflect.DeepEqual(h.IgnoredXids, []int{94}) || !reflect.DeepEqual(h.FatalXids, []int{48}) {
 		t.Errorf("health = %+v", h)
 	}
+	if got := f.Configs["default"].DevicePlugin.DeviceIDStrategy; got != DeviceIDStrategyIndex {
+		t.Errorf("deviceIDStrategy = %q, want index", got)
+	}
 	wantWarn := []string{
-		"flags.plugin.deviceIDStrategy: ignored: gpu-agent always uses device UUIDs (line 4)",
 		"health.ignoredXIDs: added to the default ignored list [13 31 43 45 68 109] (line 6)",
 		"imex: ignored: IMEX channels are not supported by gpu-agent (line 8)",
 	}
@@ -714,7 +697,7 @@ func TestMigPartedConversion(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if sel.Reason != ReasonNodeLabel || len(sel.MIGLayout) != 3 ||
+	if sel.Reason != ReasonGPUAgentLabel || len(sel.MIGLayout) != 3 ||
 		!reflect.DeepEqual(sel.MIGLayout[2].MigDevices, map[string]int{"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}) {
 		t.Errorf("Select = %+v", sel)
 	}
@@ -744,12 +727,12 @@ func TestSelect(t *testing.T) {
 		{name: "node entry beats label", node: "gpu-node-8.example.com", labels: map[string]string{ConfigLabel: "a100-all-1g"},
 			want: "shared", reason: ReasonNodeEntry},
 		{name: "label", node: "gpu-node-9", labels: map[string]string{ConfigLabel: "a100-all-1g"},
-			want: "a100-all-1g", reason: ReasonNodeLabel, layoutLen: 1},
+			want: "a100-all-1g", reason: ReasonGPUAgentLabel, layoutLen: 1},
 		{name: "empty label is no label", node: "gpu-node-9", labels: map[string]string{ConfigLabel: ""},
-			want: "default", reason: ReasonDefault},
-		{name: "default", node: "gpu-node-9", labels: map[string]string{"other": "x"}, want: "default", reason: ReasonDefault},
+			want: "default", reason: ReasonDefaultConfig},
+		{name: "default", node: "gpu-node-9", labels: map[string]string{"other": "x"}, want: "default", reason: ReasonDefaultConfig},
 		{name: "label naming a missing config", node: "gpu-node-9", labels: map[string]string{ConfigLabel: "nope"},
-			wantErr: "label gpu-agent.io/config=nope names a config that is not defined"},
+			wantErr: "node gpu-node-9: label gpu-agent.io/config=nope names no config (configs: a100-all-1g, default, mig-mixed, shared)"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

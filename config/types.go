@@ -48,6 +48,11 @@ type File struct {
 	// DefaultKey is the config used when nothing else selects one, before
 	// "default" (ParseConfigMap's defaultKey; not part of the schema).
 	DefaultKey string `yaml:"-"`
+	// DefaultMIGStrategy is ParseOptions.MIGStrategy, the agent's
+	// --mig-strategy, which Select gives the implicit default and a layout
+	// picked by the nvidia.com/mig.config label; "" means mixed there (not
+	// part of the schema).
+	DefaultMIGStrategy MIGStrategy `yaml:"-"`
 
 	// lines maps each decoded field path (in the file's own format) to its line,
 	// so validation errors found after decoding can still name a line.
@@ -73,10 +78,48 @@ type DevicePlugin struct {
 	// DeviceListStrategy is how the allocated devices reach the container;
 	// only "envvar" (NVIDIA_VISIBLE_DEVICES) is implemented.
 	DeviceListStrategy string `yaml:"deviceListStrategy"`
+	// DeviceIDStrategy is how a device is named in NVIDIA_VISIBLE_DEVICES:
+	// "uuid" (the default) or "index" (the GPU index, "<gpu>:<mig>" for a
+	// MIG device), NVIDIA's flags.plugin.deviceIDStrategy. The IDs the
+	// kubelet sees stay UUIDs either way, as in NVIDIA's plugin.
+	DeviceIDStrategy string `yaml:"deviceIDStrategy"`
+	// GDSEnabled, MOFEDEnabled and GDRCopyEnabled add NVIDIA_GDS,
+	// NVIDIA_MOFED and NVIDIA_GDRCOPY=enabled to every container given a
+	// device, as NVIDIA's flags of those names do: the NVIDIA container
+	// runtime then adds GPUDirect Storage, MOFED and GDRCopy support.
+	GDSEnabled     bool `yaml:"gdsEnabled"`
+	MOFEDEnabled   bool `yaml:"mofedEnabled"`
+	GDRCopyEnabled bool `yaml:"gdrcopyEnabled"`
 }
 
 // The values DevicePlugin.DeviceListStrategy accepts.
 const DeviceListStrategyEnvvar = "envvar"
+
+// The values DevicePlugin.DeviceIDStrategy accepts.
+const (
+	DeviceIDStrategyUUID  = "uuid"
+	DeviceIDStrategyIndex = "index"
+)
+
+// ContainerEnv is the environment every container given a device gets
+// from these settings (nil when none): what NVIDIA's plugin adds for
+// gdsEnabled, mofedEnabled and gdrcopyEnabled.
+func (p DevicePlugin) ContainerEnv() map[string]string {
+	var env map[string]string
+	set := func(on bool, name string) {
+		if !on {
+			return
+		}
+		if env == nil {
+			env = map[string]string{}
+		}
+		env[name] = "enabled"
+	}
+	set(p.GDSEnabled, "NVIDIA_GDS")
+	set(p.MOFEDEnabled, "NVIDIA_MOFED")
+	set(p.GDRCopyEnabled, "NVIDIA_GDRCOPY")
+	return env
+}
 
 // AllocationPolicy chooses devices for GetPreferredAllocation.
 type AllocationPolicy string
@@ -90,6 +133,10 @@ const (
 
 // Allocation configures GetPreferredAllocation.
 type Allocation struct {
+	// Policy decides for shared devices (replicas, several MIG devices of
+	// one GPU); whole GPUs always get the best-connected set. packed and
+	// distributed are NVIDIA's sharedDevicesAllocationPolicy values, with
+	// their meaning (fill the most used GPU first, or the least used).
 	Policy AllocationPolicy `yaml:"policy"`
 }
 
@@ -158,6 +205,12 @@ type MPS struct {
 	// plugin: a container given two replicas of one GPU gets one MPS client.
 	FailRequestsGreaterThanOne *bool         `yaml:"failRequestsGreaterThanOne,omitempty"`
 	Resources                  []MPSResource `yaml:"resources"`
+	// RefuseMIGDevices makes sharing a MIG device with MPS an error when
+	// the config is planned, as NVIDIA's plugin refuses it. Set for files in
+	// NVIDIA's format, so that one fails here as it fails there; gpu-agent's
+	// own format may share MIG devices (one daemon per MIG device, which
+	// CUDA supports). Not part of the schema.
+	RefuseMIGDevices bool `yaml:"-"`
 }
 
 // ReplicatedResource selects devices of one resource and how many replicas

@@ -20,15 +20,45 @@ import (
 // whether an index and a UUID name the same device), placement feasibility,
 // and MPS limits that depend on the compute capability.
 func (f *File) Validate() ([]string, error) {
-	v := &validator{f: f}
+	v := newValidator(f, checkAll)
 	v.file()
 	return v.warnings, v.errs.err()
 }
 
+// checks selects what a validator looks at. A ConfigMap key is checked on
+// its own (checkLocal), then its references against the whole map
+// (checkRefs), then the map once as a whole (checkWhole), so that a name
+// defined by another key is not an error and nothing is reported twice.
+type checks int
+
+const (
+	// checkLocal is everything that needs nothing outside the file.
+	checkLocal checks = 1 << iota
+	// checkRefs is each name the file uses that another key may define:
+	// nodes: entries' configs, migPartedConfig's mig-configs entry and its
+	// layout against the config's MIG strategy. Names are looked up in
+	// validator.configs and validator.migs.
+	checkRefs
+	// checkWhole is about the whole set of configs: at least one, and
+	// which a node without an entry or label gets.
+	checkWhole
+
+	checkAll = checkLocal | checkRefs | checkWhole
+)
+
 type validator struct {
-	f        *File
+	f    *File
+	what checks
+	// configs and migs are where referenced names are looked up: the
+	// file's own, or those of the whole ConfigMap.
+	configs  map[string]*Config
+	migs     map[string]MigLayout
 	errs     ErrorList
 	warnings []string
+}
+
+func newValidator(f *File, what checks) *validator {
+	return &validator{f: f, what: what, configs: f.Configs, migs: f.MigConfigs}
 }
 
 // errorf records an error at a path of the converted File, reported at the
@@ -46,50 +76,62 @@ func (v *validator) warnf(path, format string, args ...any) {
 
 func (v *validator) file() {
 	f := v.f
-	switch f.Version {
-	case Version:
-	case "":
-		v.errorf("version", "required; must be %s", Version)
-	default:
-		v.errorf("version", "unsupported version %q; must be %s", f.Version, Version)
+	local, refs := v.what&checkLocal != 0, v.what&checkRefs != 0
+	if local {
+		switch f.Version {
+		case Version:
+		case "":
+			v.errorf("version", "required; must be %s", Version)
+		default:
+			v.errorf("version", "unsupported version %q; must be %s", f.Version, Version)
+		}
+		if f.Format == FormatMigParted && len(f.MigConfigs) == 0 {
+			v.errorf("mig-configs", "at least one entry is required")
+		}
 	}
 
-	if len(f.Configs) == 0 {
-		if f.Format == FormatMigParted {
-			v.errorf("mig-configs", "at least one entry is required")
-		} else {
-			v.errorf("configs", "at least one config is required")
+	if v.what&checkWhole != 0 {
+		if len(f.Configs) == 0 {
+			if f.Format != FormatMigParted { // reported above, in its own terms
+				v.errorf("configs", "at least one config is required")
+			}
+		} else if _, ok := f.Configs[DefaultConfigName]; !ok && f.DefaultKey == "" {
+			v.warnf("configs", "no %q config: a node without a nodes: entry or a %s or %s label gets the implicit default (whole GPUs, existing MIG devices)",
+				DefaultConfigName, ConfigLabel, DevicePluginConfigLabel)
 		}
-	} else if _, ok := f.Configs[DefaultConfigName]; !ok {
-		v.warnf("configs", "no %q config: a node without a nodes: entry or a %s or %s label gets the implicit default (whole GPUs, existing MIG devices)",
-			DefaultConfigName, ConfigLabel, DevicePluginConfigLabel)
 	}
 
 	for _, node := range sortedKeys(f.Nodes) {
 		name := f.Nodes[node]
 		p := joinKey("nodes", node)
-		switch _, ok := f.Configs[name]; {
+		switch _, ok := v.configs[name]; {
 		case node == "":
-			v.errorf(p, "empty node name")
+			if local {
+				v.errorf(p, "empty node name")
+			}
 		case name == "":
-			v.errorf(p, "empty config name")
-		case !ok:
+			if local {
+				v.errorf(p, "empty config name")
+			}
+		case !ok && refs:
 			v.errorf(p, "config %q is not defined under configs", name)
 		}
 	}
 
-	for _, name := range sortedKeys(f.MigConfigs) {
-		p := joinKey("mig-configs", name)
-		if len(f.MigConfigs[name]) == 0 {
-			v.errorf(p, "at least one entry is required")
-			continue
+	if local {
+		for _, name := range sortedKeys(f.MigConfigs) {
+			p := joinKey("mig-configs", name)
+			if len(f.MigConfigs[name]) == 0 {
+				v.errorf(p, "at least one entry is required")
+				continue
+			}
+			v.layout(p, f.MigConfigs[name])
 		}
-		v.layout(p, f.MigConfigs[name])
 	}
 
 	for _, name := range sortedKeys(f.Configs) {
 		p := joinKey("configs", name)
-		if !isLabelValue(name) {
+		if local && !isLabelValue(name) {
 			v.warnf(p, "config name is not a valid label value, so the %s label cannot select it", ConfigLabel)
 		}
 		c := f.Configs[name]
@@ -101,46 +143,72 @@ func (v *validator) file() {
 }
 
 func (v *validator) config(p string, c *Config) {
-	switch s := c.DevicePlugin.DeviceListStrategy; s {
-	case "", DeviceListStrategyEnvvar:
-	default:
-		v.errorf(p+".devicePlugin.deviceListStrategy", "unsupported value %q: only %q is implemented", s, DeviceListStrategyEnvvar)
-	}
-	switch c.Allocation.Policy {
-	case "", PolicyTopology, PolicyPacked, PolicyDistributed:
-	default:
-		v.errorf(p+".allocation.policy", "unknown policy %q: must be topology, packed or distributed", c.Allocation.Policy)
-	}
-	switch c.MIG.Strategy {
-	case "", MIGStrategyNone, MIGStrategySingle, MIGStrategyMixed:
-	default:
-		v.errorf(p+".mig.strategy", "unknown strategy %q: must be none, single or mixed", c.MIG.Strategy)
+	if v.what&checkLocal != 0 {
+		switch s := c.DevicePlugin.DeviceListStrategy; s {
+		case "", DeviceListStrategyEnvvar:
+		default:
+			v.errorf(p+".devicePlugin.deviceListStrategy", "unsupported value %q: only %q is implemented", s, DeviceListStrategyEnvvar)
+		}
+		switch s := c.DevicePlugin.DeviceIDStrategy; s {
+		case "", DeviceIDStrategyUUID, DeviceIDStrategyIndex:
+		default:
+			v.errorf(p+".devicePlugin.deviceIDStrategy", "unknown value %q: must be %s or %s", s, DeviceIDStrategyUUID, DeviceIDStrategyIndex)
+		}
+		switch c.Allocation.Policy {
+		case "", PolicyTopology, PolicyPacked, PolicyDistributed:
+		default:
+			v.errorf(p+".allocation.policy", "unknown policy %q: must be topology, packed or distributed", c.Allocation.Policy)
+		}
+		switch c.MIG.Strategy {
+		case "", MIGStrategyNone, MIGStrategySingle, MIGStrategyMixed:
+		default:
+			v.errorf(p+".mig.strategy", "unknown strategy %q: must be none, single or mixed", c.MIG.Strategy)
+		}
+		v.sharing(p+".sharing", &c.Sharing, c.MIG.Strategy)
+		v.health(p+".health", &c.Health)
 	}
 	v.mig(p+".mig", &c.MIG)
-	v.sharing(p+".sharing", &c.Sharing, c.MIG.Strategy)
-	v.health(p+".health", &c.Health)
 }
 
+// mig checks a config's MIG part. A layout given inline is checked with
+// the file (checkLocal); one named by migPartedConfig may be another key's,
+// so it is checked with the references (checkRefs).
 func (v *validator) mig(p string, m *MIG) {
+	local, refs := v.what&checkLocal != 0, v.what&checkRefs != 0
 	layout, layoutPath := m.Devices, p+".devices"
 	switch {
 	case m.Devices != nil && m.MigPartedConfig != "":
-		v.errorf(p+".migPartedConfig", "set together with mig.devices; use one of them")
+		if local {
+			v.errorf(p+".migPartedConfig", "set together with mig.devices; use one of them")
+		}
 		return
 	case m.Devices != nil:
+		if !local {
+			return
+		}
 		if len(m.Devices) == 0 {
 			v.errorf(layoutPath, "empty layout; omit mig.devices to leave MIG alone")
 			return
 		}
 		v.layout(layoutPath, m.Devices)
 	case m.MigPartedConfig != "":
-		l, ok := v.f.MigConfigs[m.MigPartedConfig]
+		if !refs {
+			return
+		}
+		l, ok := v.migs[m.MigPartedConfig]
 		if !ok {
 			v.errorf(p+".migPartedConfig", "%q is not defined under mig-configs", m.MigPartedConfig)
 			return
 		}
-		// The entry itself is validated once, under mig-configs.
+		// The entry itself is validated once, under mig-configs; a problem
+		// of the pair is reported there when this file has the entry, else
+		// at the reference.
 		layout, layoutPath = l, joinKey("mig-configs", m.MigPartedConfig)
+		if _, own := v.f.MigConfigs[m.MigPartedConfig]; !own {
+			layoutPath = p + ".migPartedConfig"
+		}
+	default:
+		return
 	}
 	enabled := false
 	profiles := map[string]bool{}
@@ -153,6 +221,11 @@ func (v *validator) mig(p string, m *MIG) {
 		}
 	}
 	switch {
+	case v.f.Format == FormatMigParted:
+		// The strategy of a config made from a mig-parted entry is the
+		// agent's --mig-strategy, not the file's: like NVIDIA's plugin,
+		// report a layout it cannot serve on the node that selects it, not
+		// as an error in every entry of a shared file.
 	case enabled && (m.Strategy == "" || m.Strategy == MIGStrategyNone):
 		v.errorf(p+".strategy", "is none, which exposes no MIG devices, but the layout enables MIG; use single or mixed")
 	case m.Strategy == MIGStrategySingle && len(profiles) > 1:

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -20,20 +21,49 @@ import (
 // not be read (ReadFile's bounds apply). Decoding is the consumer's job; on a
 // parse or read error it keeps its last good config.
 type Update struct {
+	// Data is the content of a single config file (--config naming a file).
 	Data []byte
-	// Files, instead of Data, holds every key of a ConfigMap (a watched
-	// directory, or the ConfigMap read through the API); ParseConfigMap
-	// reads it.
+	// Files, instead of Data, holds every key of a ConfigMap by key: a
+	// watched ConfigMap volume directory (ReadDir), or the ConfigMap read
+	// through the API. ParseConfigMap reads it. Exactly one of Data and
+	// Files is set in an Update with content; neither when Err is set.
 	Files map[string]string
 	Err   error
 }
 
-// Parse decodes the update's content (Data or Files).
+// Parse decodes the update's content: Files with ParseConfigMap, Data with
+// Parse. defaultKey (--default-config) names the config for nodes that
+// nothing selects, in both cases; "" for none. For a single file it must
+// name one of the file's configs, as for a ConfigMap.
 func (u Update) Parse(defaultKey string) (*File, []string, error) {
+	return u.ParseWith(defaultKey, ParseOptions{})
+}
+
+// ParseWith is Parse with the agent's options (--mig-strategy).
+func (u Update) ParseWith(defaultKey string, o ParseOptions) (*File, []string, error) {
 	if u.Files != nil {
-		return ParseConfigMap(u.Files, defaultKey)
+		return ParseConfigMapWith(u.Files, defaultKey, o)
 	}
-	return Parse(u.Data)
+	if defaultKey == "" {
+		return ParseWith(u.Data, o)
+	}
+	// The whole-file checks run once the default key is known: a file
+	// without a "default" config is then not worth a warning.
+	f, warnings, err := parse(u.Data, newDecoder(), checkLocal|checkRefs, o)
+	if err != nil {
+		return nil, warnings, err
+	}
+	if _, ok := f.Configs[defaultKey]; !ok {
+		return nil, warnings, ErrorList{{Msg: fmt.Sprintf("default key %q names no config (configs: %s)", defaultKey, listNames(f.Configs))}}
+	}
+	f.DefaultKey = defaultKey
+	v := newValidator(f, checkWhole)
+	v.file()
+	warnings = append(warnings, v.warnings...)
+	if err := v.errs.err(); err != nil {
+		return nil, warnings, err
+	}
+	return f, warnings, nil
 }
 
 // Watcher follows a config file in a mounted ConfigMap. The kubelet updates
@@ -199,9 +229,13 @@ func (w *Watcher) check(ctx context.Context, out chan<- Update, st *watchState, 
 	var err error
 	if w.isDir {
 		if files, err = ReadDir(w.path); err == nil {
+			// Each key and value length-prefixed, so that no two maps
+			// serialise alike (a value may hold any byte).
 			for _, k := range slices.Sorted(maps.Keys(files)) {
-				data = append(append(append(data, k...), 0), files[k]...)
-				data = append(data, 0)
+				data = binary.AppendUvarint(data, uint64(len(k)))
+				data = append(data, k...)
+				data = binary.AppendUvarint(data, uint64(len(files[k])))
+				data = append(data, files[k]...)
 			}
 		}
 	} else {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -324,5 +325,20 @@ func TestWatcherConfigMapDirectory(t *testing.T) {
 	u = recv(t, ch)
 	if u.Err != nil || u.Files["a100"] != "version: v1 # edited\n" {
 		t.Fatalf("after the swap %+v", u)
+	}
+
+	// Defect: keys and values were joined with NUL bytes to tell versions
+	// apart, so a value holding NULs could read like two keys, and the
+	// change was never delivered. Each version here must be.
+	for i, files := range []map[string]string{
+		{"a": "x", "b": "y"},
+		{"a": "x\x00b\x00y"},
+		{"a": "x\x00b", "y": ""},
+	} {
+		write(fmt.Sprintf("..2026_11_23_1%d", i), files)
+		u = recv(t, ch)
+		if u.Err != nil || !maps.Equal(u.Files, files) {
+			t.Fatalf("version %d: update %+v, want %q", i, u, files)
+		}
 	}
 }

@@ -111,7 +111,7 @@ func allocateContainer(res *catalog.Resource, ids []string) (*pluginapi.Containe
 	var visible []string
 	seenVisible := map[string]bool{}
 	for _, d := range devs {
-		if v := d.Spec.VisibleID; v != "" && !seenVisible[v] {
+		if v := d.Spec.RuntimeName(); v != "" && !seenVisible[v] {
 			seenVisible[v] = true
 			visible = append(visible, v)
 		}

@@ -17,6 +17,8 @@ const usage = `gpu-agent: one node agent for Kubernetes GPU nodes.
 
 Usage:
   gpu-agent run [flags]                    serve the node's GPUs to the kubelet
+  gpu-agent mps-host [flags]               run the MPS control daemons the agent (run --mps-host)
+                                           asks for, outside the agent's container
   gpu-agent status [--addr URL]            show a running agent's state
   gpu-agent config validate FILE [flags]   check a config file offline
   gpu-agent inventory [--backend B] [-o table|json]
@@ -49,6 +51,8 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 0
 	case "run":
 		err = cmdRun(ctx, args[1:], stdout, stderr)
+	case "mps-host":
+		err = cmdMPSHost(ctx, args[1:], stdout, stderr)
 	case "status":
 		err = cmdStatus(ctx, args[1:], stdout, stderr)
 	case "config":

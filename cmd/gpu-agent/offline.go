@@ -30,6 +30,7 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	nvmlLib := fs.String("nvml-lib", envDefault("GPU_AGENT_NVML_LIB", ""), "libnvidia-ml path for --backend nvml [GPU_AGENT_NVML_LIB]")
 	labelList := fs.String("labels", "", "the node's labels, k=v[,k=v...] (gpu-agent.io/config, nvidia.com/device-plugin.config, nvidia.com/mig.config)")
 	defaultConfig := fs.String("default-config", envDefault("GPU_AGENT_DEFAULT_CONFIG", ""), "config for nodes nothing selects [GPU_AGENT_DEFAULT_CONFIG]")
+	migStrategy := fs.String("mig-strategy", envDefault("MIG_STRATEGY", ""), "the agent's --mig-strategy: none, single or mixed [MIG_STRATEGY]")
 	// Accept FILE before or after the flags.
 	var file string
 	rest := args[1:]
@@ -65,7 +66,11 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	} else if u.Data, err = config.ReadFile(file); err != nil {
 		return err
 	}
-	f, warnings, err := u.Parse(*defaultConfig)
+	opts := config.ParseOptions{MIGStrategy: config.MIGStrategy(*migStrategy)}
+	if err := opts.Check(); err != nil {
+		return usageError{"--mig-strategy: " + err.Error()}
+	}
+	f, warnings, err := u.ParseWith(*defaultConfig, opts)
 	for _, w := range warnings {
 		fmt.Fprintf(stderr, "warning: %s: %s\n", file, w)
 	}
@@ -88,6 +93,9 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	d := agent.Plan(snap)
 	if d.FitErr != nil {
 		return fmt.Errorf("%s: does not fit %s: %w", file, be.Name, d.FitErr)
+	}
+	for _, w := range d.Warnings {
+		fmt.Fprintf(stderr, "warning: %s: on %s: %s\n", file, be.Name, w)
 	}
 	cat := d.Catalog
 	if sel.MIGLayout != nil {

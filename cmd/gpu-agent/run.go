@@ -32,7 +32,9 @@ type runFlags struct {
 	listen, stateDir, mpsRoot, nvmlLib                 string
 	mpsBinary, mpsShmDir                               string
 	logLevel, logFormat                                string
+	migStrategy                                        string
 	resync                                             time.Duration
+	mpsHost                                            bool
 }
 
 func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) {
@@ -50,6 +52,8 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.kubeconfig, "kubeconfig", "KUBECONFIG", "", "kubeconfig for the Kubernetes API (empty: in-cluster config when in a pod, else standalone)")
 	fsAdd(&f.configMap, "configmap", "GPU_AGENT_CONFIGMAP", "", "NAMESPACE/NAME of the ConfigMap to read the config from through the API (wins over --config, which stays the fallback)")
 	fsAdd(&f.defaultConfig, "default-config", "GPU_AGENT_DEFAULT_CONFIG", "", "config (a key of a multi-key ConfigMap) for nodes no entry or label selects, before \"default\" (NVIDIA's config.default)")
+	// NVIDIA's variable name, so a device plugin DaemonSet's env carries over.
+	fsAdd(&f.migStrategy, "mig-strategy", "MIG_STRATEGY", "", "none, single or mixed: MIG strategy of configs that set none, mig-parted entries and the implicit default (empty: none for configs, mixed for the others; the GPU Operator sets single)")
 	fsAdd(&f.nvmlLib, "nvml-lib", "GPU_AGENT_NVML_LIB", "", "path of libnvidia-ml.so.1 for the nvml backend (empty: the loader's search path)")
 	fsAdd(&f.logLevel, "log-level", "GPU_AGENT_LOG_LEVEL", "info", "debug, info, warn or error")
 	fsAdd(&f.logFormat, "log-format", "GPU_AGENT_LOG_FORMAT", "text", "text or json")
@@ -66,11 +70,17 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return usageError{fmt.Sprintf("GPU_AGENT_RESYNC: %v", err)}
 	}
 	fs.DurationVar(&f.resync, "resync", resync, "re-read the GPUs this often even without events [GPU_AGENT_RESYNC]")
+	if err := registerMPSHostFlag(fs, &f.mpsHost); err != nil {
+		return err
+	}
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
 		return usageError{fmt.Sprintf("unexpected arguments: %s", strings.Join(fs.Args(), " "))}
+	}
+	if err := (config.ParseOptions{MIGStrategy: config.MIGStrategy(f.migStrategy)}).Check(); err != nil {
+		return usageError{"--mig-strategy: " + err.Error()}
 	}
 	logger, err := newLogger(stderr, f.logLevel, f.logFormat)
 	if err != nil {
@@ -133,7 +143,9 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Socket: f.podResources, Logger: log.With("component", "pod-resources"),
 		OnChange: func(a *health.Attribution) { inbox.Post(agent.HoldingsChanged{Attribution: a}) },
 	})
-	mpsSup := mps.NewSupervisor(mps.Options{Binary: f.mpsBinary, Root: f.mpsRoot, Logger: log.With("component", "mps")})
+	// The MPS daemons' supervisor, or with --mps-host the agent's side of
+	// mps-host, which runs them outside this container (mpshost.go).
+	mpsSup := newMPSControl(f, log)
 
 	mgr, err := plugin.NewManager(plugin.Options{
 		Dir: f.pluginDir, Logger: log.With("component", "plugin"),
@@ -192,6 +204,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		ConfigSource:       f.config,
 		WaitForConfig:      cfgWatcher != nil || (client != nil && f.configMap != ""),
 		DefaultConfig:      f.defaultConfig,
+		MIGStrategy:        config.MIGStrategy(f.migStrategy),
 		Cluster:            cluster,
 		Inbox:              inbox,
 		Publisher:          mgr,

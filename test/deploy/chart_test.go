@@ -54,7 +54,10 @@ func renderChart(t *testing.T, values string) (*objects, error) {
 	return o, nil
 }
 
-func container(o *objects) corev1.Container { return o.DaemonSets[0].Spec.Template.Spec.Containers[0] }
+// container is the agent's container (`gpu-agent run`).
+func container(o *objects) corev1.Container {
+	return agentDaemonSet(o).Spec.Template.Spec.Containers[0]
+}
 
 func envValue(c corev1.Container, name string) (string, bool) {
 	for _, e := range c.Env {
@@ -70,6 +73,7 @@ func TestChartVariants(t *testing.T) {
 		name, values   string
 		serviceMonitor bool
 		namespace      bool
+		mpsHost        bool
 		privileged     bool
 		addCaps        []corev1.Capability
 		// env wants these variables set ("" value: must be absent).
@@ -111,7 +115,7 @@ func TestChartVariants(t *testing.T) {
 				if !slices.Contains(c.Args, "--nvml-lib=/driver-root/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1") {
 					t.Errorf("args %v lack --nvml-lib under /driver-root", c.Args)
 				}
-				if !slices.ContainsFunc(o.DaemonSets[0].Spec.Template.Spec.Volumes, func(v corev1.Volume) bool {
+				if !slices.ContainsFunc(agentDaemonSet(o).Spec.Template.Spec.Volumes, func(v corev1.Volume) bool {
 					return v.HostPath != nil && v.HostPath.Path == "/run/nvidia/driver"
 				}) || !slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool {
 					return m.MountPath == "/driver-root" && m.ReadOnly
@@ -124,10 +128,34 @@ func TestChartVariants(t *testing.T) {
 			name: "existing ConfigMap", values: "config: {create: false, name: site-gpu-config, key: gpu.yaml}",
 			addCaps: []corev1.Capability{"SYS_ADMIN"},
 			check: func(t *testing.T, o *objects) {
-				if len(o.ConfigMaps) != 0 || configMapVolume(o.DaemonSets[0]) != "site-gpu-config" ||
+				if len(o.ConfigMaps) != 0 || configMapVolume(agentDaemonSet(o)) != "site-gpu-config" ||
 					!slices.Contains(container(o).Args, "--config=/etc/gpu-agent/gpu.yaml") {
 					t.Errorf("want the existing ConfigMap site-gpu-config mounted and its key gpu.yaml read; got %d ConfigMaps, volume %q, args %v",
-						len(o.ConfigMaps), configMapVolume(o.DaemonSets[0]), container(o).Args)
+						len(o.ConfigMaps), configMapVolume(agentDaemonSet(o)), container(o).Args)
+				}
+			},
+		},
+		{
+			name: "MPS", values: "mps: {enabled: true}", mpsHost: true, addCaps: []corev1.Capability{"SYS_ADMIN"},
+			env: map[string]string{"NVIDIA_DRIVER_CAPABILITIES": "utility"},
+		},
+		{
+			name: "MPS with driver root", values: "mps: {enabled: true, binary: /driver-root/usr/bin/nvidia-cuda-mps-control}\ndriver: {root: /}",
+			mpsHost: true, privileged: true, env: map[string]string{"NVIDIA_VISIBLE_DEVICES": ""},
+			check: func(t *testing.T, o *objects) {
+				m := mpsDaemonSet(o)
+				c := m.Spec.Template.Spec.Containers[0]
+				if sc := c.SecurityContext; sc.Privileged == nil || !*sc.Privileged {
+					t.Error("mps-host is not privileged without the toolkit; it could not open /dev/nvidia*")
+				}
+				if _, ok := envValue(c, "NVIDIA_VISIBLE_DEVICES"); ok {
+					t.Error("mps-host sets NVIDIA_VISIBLE_DEVICES with driver.root: the toolkit is not in use")
+				}
+				if !slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool { return m.MountPath == "/driver-root" && m.ReadOnly }) {
+					t.Error("mps-host lacks the driver root at /driver-root")
+				}
+				if got := flagValue(c.Args, "--mps-binary"); got != "/driver-root/usr/bin/nvidia-cuda-mps-control" {
+					t.Errorf("mps-host --mps-binary = %q", got)
 				}
 			},
 		},
@@ -138,7 +166,7 @@ func TestChartVariants(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			checkInstall(t, o, tt.serviceMonitor)
+			checkInstall(t, o, tt.serviceMonitor, tt.mpsHost)
 			if got := len(o.Namespaces) == 1; got != tt.namespace {
 				t.Errorf("Namespace rendered: %v, want %v", got, tt.namespace)
 			}
@@ -190,21 +218,25 @@ func flagValue(args []string, flag string) string {
 	return ""
 }
 
-// runFlags lists `gpu-agent run`'s flags and their environment variables from
-// the binary's own help, so a new flag without a chart value fails this test.
-func runFlags(t *testing.T) map[string]string {
+// commandFlags lists a gpu-agent subcommand's flags and their environment
+// variables from the binary's own help, so a new flag without a chart value
+// fails the tests that use it. Bool flags have no type after their name.
+func commandFlags(t *testing.T, sub string, atLeast int) map[string]string {
 	t.Helper()
-	out, _ := exec.Command(agentBin, "run", "-h").CombinedOutput()
+	out, _ := exec.Command(agentBin, sub, "-h").CombinedOutput()
 	flags := map[string]string{}
-	re := regexp.MustCompile(`(?m)^\s+-([a-z-]+) \S+\n\s+.*\[([A-Z_]+)\]`)
+	re := regexp.MustCompile(`(?m)^\s+-([a-z-]+)(?: \S+)?\n\s+.*\[([A-Z_]+)\]`)
 	for _, m := range re.FindAllStringSubmatch(string(out), -1) {
 		flags[m[1]] = m[2]
 	}
-	if len(flags) < 10 {
-		t.Fatalf("found only %d flags in `gpu-agent run -h`:\n%s", len(flags), out)
+	if len(flags) < atLeast {
+		t.Fatalf("found only %d flags in `gpu-agent %s -h`:\n%s", len(flags), sub, out)
 	}
 	return flags
 }
+
+// runFlags are `gpu-agent run`'s flags.
+func runFlags(t *testing.T) map[string]string { return commandFlags(t, "run", 10) }
 
 // TestChartValuesCoverFlags sets every value that feeds a flag to a marker and
 // checks that each `gpu-agent run` flag reaches the container with it.
@@ -215,12 +247,13 @@ logLevel: debug
 logFormat: text
 resync: 45s
 config: {key: marker.yaml, default: a100-ts4}
+migStrategy: single
 paths:
   devicePluginDir: /marker/device-plugins
   podResourcesDir: /marker/pod-resources
   stateDir: /marker/state
   mpsRoot: /marker/mps
-mps: {enabled: true, binary: /marker/mps-control, shmDir: /marker/shm}
+mps: {enabled: true, binary: /marker/mps-control, shmDir: /marker/shm, host: {interval: 7s}}
 driver: {nvmlLib: /marker/libnvidia-ml.so.1}
 metrics: {port: 9555}
 `
@@ -234,11 +267,12 @@ metrics: {port: 9555}
 		"pod-resources-socket": "/marker/pod-resources/kubelet.sock",
 		"state-dir":            "/marker/state",
 		"mps-root":             "/marker/mps",
-		"mps-binary":           "/marker/mps-control",
 		"mps-shm-dir":          "/marker/shm",
+		"mps-host":             "true",
 		"nvml-lib":             "/marker/libnvidia-ml.so.1",
 		"listen":               ":9555",
 		"default-config":       "a100-ts4",
+		"mig-strategy":         "single",
 	}
 	o, err := renderChart(t, values)
 	if err != nil {
@@ -264,6 +298,14 @@ metrics: {port: 9555}
 			}
 			continue
 		}
+		if flag == "mps-binary" {
+			// With mps-host the agent runs no daemon: mps.binary goes to
+			// mps-host (below), and to the agent without it (further below).
+			if got := flagValue(c.Args, "--mps-binary"); got != "" {
+				t.Errorf("--mps-binary = %q given to an agent that runs no daemon", got)
+			}
+			continue
+		}
 		w, ok := want[flag]
 		if !ok {
 			t.Errorf("--%s [%s] has no chart value (add one to values.yaml and this test)", flag, env)
@@ -272,6 +314,41 @@ metrics: {port: 9555}
 		if got := flagValue(c.Args, "--"+flag); got != w {
 			t.Errorf("--%s = %q, want %q from the values", flag, got, w)
 		}
+	}
+
+	// Every mps-host flag has a value too.
+	wantHost := map[string]string{
+		"mps-root":   "/marker/mps",
+		"mps-binary": "/marker/mps-control",
+		"interval":   "7s",
+		"log-level":  "debug",
+		"log-format": "text",
+	}
+	hc := mpsDaemonSet(o).Spec.Template.Spec.Containers[0]
+	for flag, env := range commandFlags(t, "mps-host", 5) {
+		w, ok := wantHost[flag]
+		if !ok {
+			t.Errorf("mps-host --%s [%s] has no chart value (add one to values.yaml and this test)", flag, env)
+			continue
+		}
+		if got := flagValue(hc.Args, "--"+flag); got != w {
+			t.Errorf("mps-host --%s = %q, want %q from the values", flag, got, w)
+		}
+	}
+	for _, m := range hc.VolumeMounts {
+		if strings.HasPrefix(m.MountPath, "/run/") {
+			t.Errorf("mps-host volume %s still mounted at default path %s", m.Name, m.MountPath)
+		}
+	}
+
+	// Without mps.enabled the agent supervises daemons itself (as before
+	// mps-host): mps.binary is its --mps-binary.
+	o2, err := renderChart(t, "mps: {binary: /marker/mps-control}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c2 := container(o2); flagValue(c2.Args, "--mps-binary") != "/marker/mps-control" || flagValue(c2.Args, "--mps-host") != "" {
+		t.Errorf("agent args without mps.enabled %v: want --mps-binary from the values and no --mps-host", c2.Args)
 	}
 	if c.Ports[0].ContainerPort != 9555 || o.Services[0].Spec.Ports[0].Port != 9555 {
 		t.Errorf("metrics.port does not reach the container port (%d) and Service (%d)", c.Ports[0].ContainerPort, o.Services[0].Spec.Ports[0].Port)
@@ -321,44 +398,50 @@ func TestChartMatchesManifests(t *testing.T) {
 	}
 }
 
-// With mps.enabled the pod can host MPS daemons for its clients: host IPC,
-// the host shm directory as its /dev/shm and the same path for clients, and
-// the driver's compute tools injected.
+// With mps.enabled the daemons run in the mps-host DaemonSet, which has what
+// they need (host IPC, the host shm directory as /dev/shm, compute tools);
+// the agent needs none of it any more: it asks mps-host through the MPS root
+// and hands clients the pipe and shm directories by host path.
 func TestChartMPSEnabled(t *testing.T) {
 	o, err := renderChart(t, "mps: {enabled: true, shmDir: /run/gpu-agent/shm}\n")
 	if err != nil {
 		t.Fatal(err)
 	}
-	ds := o.DaemonSets[0]
-	if !ds.Spec.Template.Spec.HostIPC {
-		t.Error("hostIPC is off")
+	checkInstall(t, o, false, true)
+	ds, m := agentDaemonSet(o), mpsDaemonSet(o)
+	if m.Name != "gpu-agent-mps" {
+		t.Errorf("mps-host DaemonSet %q, want gpu-agent-mps", m.Name)
+	}
+
+	// The agent: no host IPC, no shared /dev/shm, no compute tools.
+	if ds.Spec.Template.Spec.HostIPC {
+		t.Error("the agent still has hostIPC; the daemons no longer run in it")
 	}
 	c := container(o)
 	if got := flagValue(c.Args, "--mps-shm-dir"); got != "/run/gpu-agent/shm" {
-		t.Errorf("--mps-shm-dir = %q", got)
+		t.Errorf("agent --mps-shm-dir = %q, want the host directory clients get", got)
 	}
-	var shmVolume string
-	for _, m := range c.VolumeMounts {
-		if m.MountPath == "/dev/shm" {
-			shmVolume = m.Name
-		}
+	if slices.ContainsFunc(c.VolumeMounts, func(vm corev1.VolumeMount) bool { return vm.MountPath == "/dev/shm" }) {
+		t.Error("the agent still mounts the shared /dev/shm")
 	}
-	found := false
-	for _, v := range ds.Spec.Template.Spec.Volumes {
-		if v.Name == shmVolume && v.HostPath != nil && v.HostPath.Path == "/run/gpu-agent/shm" {
-			found = true
-		}
+	if caps, _ := envValue(c, "NVIDIA_DRIVER_CAPABILITIES"); caps != "utility" {
+		t.Errorf("agent NVIDIA_DRIVER_CAPABILITIES = %q, want utility only", caps)
 	}
-	if !found {
-		t.Errorf("/dev/shm is not the host's /run/gpu-agent/shm (mount %q)", shmVolume)
+
+	// mps-host: the daemons' needs.
+	mc := m.Spec.Template.Spec.Containers[0]
+	if caps, _ := envValue(mc, "NVIDIA_DRIVER_CAPABILITIES"); caps != "compute,utility" {
+		t.Errorf("mps-host NVIDIA_DRIVER_CAPABILITIES = %q, want compute,utility (nvidia-cuda-mps-control)", caps)
 	}
-	caps := ""
-	for _, e := range c.Env {
-		if e.Name == "NVIDIA_DRIVER_CAPABILITIES" {
-			caps = e.Value
-		}
+	if v, _ := envValue(mc, "NVIDIA_VISIBLE_DEVICES"); v != "all" {
+		t.Errorf("mps-host NVIDIA_VISIBLE_DEVICES = %q, want all", v)
 	}
-	if !strings.Contains(caps, "compute") {
-		t.Errorf("NVIDIA_DRIVER_CAPABILITIES = %q, want compute (nvidia-cuda-mps-control)", caps)
+	if got := flagValue(mc.Args, "--interval"); got != "5s" {
+		t.Errorf("mps-host --interval = %q, want the default 5s", got)
+	}
+	sc := mc.SecurityContext
+	if sc.Privileged != nil && *sc.Privileged || sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
+		len(sc.Capabilities.Add) != 0 || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+		t.Errorf("mps-host securityContext %+v: want unprivileged, all capabilities dropped", sc)
 	}
 }

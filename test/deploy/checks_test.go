@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -20,15 +21,45 @@ var hostDirFlags = map[string]string{
 	"/run/gpu-agent/mps":              "--mps-root",
 }
 
-// checkInstall asserts what issue 9 asks of every install variant: the parts
-// that must agree with each other (DaemonSet, Service, ServiceMonitor, RBAC).
-func checkInstall(t *testing.T, o *objects, wantServiceMonitor bool) {
-	t.Helper()
-	if len(o.DaemonSets) != 1 {
-		t.Fatalf("got %d DaemonSets, want 1", len(o.DaemonSets))
+// daemonSetRunning is the DaemonSet whose container runs the gpu-agent
+// subcommand sub (nil: none does).
+func daemonSetRunning(o *objects, sub string) *appsv1.DaemonSet {
+	for _, ds := range o.DaemonSets {
+		if cs := ds.Spec.Template.Spec.Containers; len(cs) > 0 && len(cs[0].Args) > 0 && cs[0].Args[0] == sub {
+			return ds
+		}
 	}
-	ds := o.DaemonSets[0]
+	return nil
+}
+
+// agentDaemonSet runs `gpu-agent run`; mpsDaemonSet `gpu-agent mps-host`.
+func agentDaemonSet(o *objects) *appsv1.DaemonSet { return daemonSetRunning(o, "run") }
+func mpsDaemonSet(o *objects) *appsv1.DaemonSet   { return daemonSetRunning(o, "mps-host") }
+
+// checkInstall asserts what issue 9 asks of every install variant: the parts
+// that must agree with each other (DaemonSets, Service, ServiceMonitor, RBAC).
+// wantMPSHost: besides the agent's, the mps-host DaemonSet is installed.
+func checkInstall(t *testing.T, o *objects, wantServiceMonitor, wantMPSHost bool) {
+	t.Helper()
+	want := 1
+	if wantMPSHost {
+		want = 2
+	}
+	if len(o.DaemonSets) != want {
+		t.Fatalf("got %d DaemonSets, want %d (the agent's, and mps-host's: %v)", len(o.DaemonSets), want, wantMPSHost)
+	}
+	ds := agentDaemonSet(o)
+	if ds == nil {
+		t.Fatal("no DaemonSet runs gpu-agent run")
+	}
 	checkDaemonSet(t, ds)
+	if wantMPSHost {
+		m := mpsDaemonSet(o)
+		if m == nil {
+			t.Fatal("no DaemonSet runs gpu-agent mps-host")
+		}
+		checkMPSDaemonSet(t, m, ds)
+	}
 	if len(o.ServiceAccounts) != 1 || o.ServiceAccounts[0].Name != ds.Spec.Template.Spec.ServiceAccountName {
 		t.Errorf("ServiceAccount %v does not match the DaemonSet's %q", o.ServiceAccounts, ds.Spec.Template.Spec.ServiceAccountName)
 	}
@@ -41,6 +72,9 @@ func checkInstall(t *testing.T, o *objects, wantServiceMonitor bool) {
 	svc := o.Services[0]
 	if !selects(svc.Spec.Selector, podLabels) {
 		t.Errorf("Service selector %v does not select the pods %v", svc.Spec.Selector, podLabels)
+	}
+	if m := mpsDaemonSet(o); m != nil && selects(svc.Spec.Selector, m.Spec.Template.Labels) {
+		t.Errorf("Service selector %v also selects the mps-host pods %v", svc.Spec.Selector, m.Spec.Template.Labels)
 	}
 	if len(svc.Spec.Ports) != 1 || svc.Spec.Ports[0].Name != "metrics" || svc.Spec.Ports[0].Port != 9400 ||
 		svc.Spec.Ports[0].TargetPort.String() != "metrics" {
@@ -204,8 +238,8 @@ func checkRBAC(t *testing.T, o *objects, sa, ns string) {
 		}
 	}
 	cm := ""
-	if len(o.DaemonSets) == 1 {
-		cm = configMapVolume(o.DaemonSets[0])
+	if ds := agentDaemonSet(o); ds != nil {
+		cm = configMapVolume(ds)
 	}
 	for _, r := range o.Roles[0].Rules {
 		if !slices.Equal(r.Resources, []string{"configmaps"}) || !slices.Equal(r.ResourceNames, []string{cm}) {
@@ -245,4 +279,85 @@ func configMapVolume(ds *appsv1.DaemonSet) string {
 		}
 	}
 	return ""
+}
+
+// checkMPSDaemonSet asserts what the mps-host DaemonSet needs to run the MPS
+// daemons for the agent's clients on the same nodes, and that an upgrade
+// never restarts it by itself.
+func checkMPSDaemonSet(t *testing.T, m, agent *appsv1.DaemonSet) {
+	t.Helper()
+	if !selects(m.Spec.Selector.MatchLabels, m.Spec.Template.Labels) {
+		t.Errorf("mps-host selector %v does not select its template labels %v", m.Spec.Selector.MatchLabels, m.Spec.Template.Labels)
+	}
+	// Overlapping DaemonSet selectors make both controllers fight over pods.
+	if selects(m.Spec.Selector.MatchLabels, agent.Spec.Template.Labels) || selects(agent.Spec.Selector.MatchLabels, m.Spec.Template.Labels) {
+		t.Errorf("selectors overlap: mps-host %v, agent %v", m.Spec.Selector.MatchLabels, agent.Spec.Selector.MatchLabels)
+	}
+	if m.Namespace != agent.Namespace || m.Name == agent.Name {
+		t.Errorf("mps-host DaemonSet %s/%s beside the agent's %s/%s: want the same namespace, another name", m.Namespace, m.Name, agent.Namespace, agent.Name)
+	}
+	if m.Spec.UpdateStrategy.Type != appsv1.OnDeleteDaemonSetStrategyType {
+		t.Errorf("mps-host updateStrategy = %+v, want OnDelete: a restart ends every MPS daemon and client", m.Spec.UpdateStrategy)
+	}
+	ps, as := m.Spec.Template.Spec, agent.Spec.Template.Spec
+	// On every node the agent runs, and only there.
+	if !reflect.DeepEqual(ps.NodeSelector, as.NodeSelector) || !reflect.DeepEqual(ps.Tolerations, as.Tolerations) ||
+		!reflect.DeepEqual(ps.Affinity, as.Affinity) || ps.PriorityClassName != as.PriorityClassName ||
+		!reflect.DeepEqual(ps.RuntimeClassName, as.RuntimeClassName) || !reflect.DeepEqual(ps.ImagePullSecrets, as.ImagePullSecrets) {
+		t.Errorf("mps-host placement (nodeSelector %v, tolerations %v, affinity %v, priority %q) differs from the agent's (%v, %v, %v, %q)",
+			ps.NodeSelector, ps.Tolerations, ps.Affinity, ps.PriorityClassName, as.NodeSelector, as.Tolerations, as.Affinity, as.PriorityClassName)
+	}
+	if !ps.HostIPC || ps.HostPID || ps.HostNetwork {
+		t.Errorf("mps-host hostIPC %v, hostPID %v, hostNetwork %v: want host IPC (MPS clients share it) and nothing else",
+			ps.HostIPC, ps.HostPID, ps.HostNetwork)
+	}
+	if ps.AutomountServiceAccountToken == nil || *ps.AutomountServiceAccountToken {
+		t.Error("mps-host mounts a service account token; it never calls the API")
+	}
+	if len(ps.Containers) != 1 {
+		t.Fatalf("mps-host: %d containers, want 1", len(ps.Containers))
+	}
+	c, ac := ps.Containers[0], as.Containers[0]
+	if c.Image != ac.Image {
+		t.Errorf("mps-host image %q, the agent's %q", c.Image, ac.Image)
+	}
+	if c.LivenessProbe != nil || c.ReadinessProbe != nil || c.StartupProbe != nil {
+		t.Error("mps-host has a probe; a failed one would restart it and end every MPS client")
+	}
+	if l, ok := c.Resources.Limits[corev1.ResourceMemory]; ok {
+		t.Errorf("mps-host memory limit %s: the MPS servers run in its cgroup, and an OOM kill ends every client", l.String())
+	}
+
+	volumes := map[string]corev1.Volume{}
+	for _, v := range ps.Volumes {
+		volumes[v.Name] = v
+	}
+	hostPathAt := func(c corev1.Container, vols map[string]corev1.Volume, mountPath string) string {
+		for _, vm := range c.VolumeMounts {
+			if v, ok := vols[vm.Name]; ok && vm.MountPath == mountPath && v.HostPath != nil {
+				return v.HostPath.Path
+			}
+		}
+		return ""
+	}
+	agentVolumes := map[string]corev1.Volume{}
+	for _, v := range as.Volumes {
+		agentVolumes[v.Name] = v
+	}
+	// Both see the same MPS root: desired.json, health.json, the pipes.
+	root, agentRoot := flagValue(c.Args, "--mps-root"), flagValue(ac.Args, "--mps-root")
+	if hp := hostPathAt(c, volumes, root); hp == "" || hp != hostPathAt(ac, agentVolumes, agentRoot) || root != agentRoot {
+		t.Errorf("mps-host --mps-root %q (host %q) is not the agent's %q (host %q)", root, hp, agentRoot, hostPathAt(ac, agentVolumes, agentRoot))
+	}
+	// The daemons' /dev/shm is the directory the agent hands to clients.
+	if hp, shm := hostPathAt(c, volumes, "/dev/shm"), flagValue(ac.Args, "--mps-shm-dir"); hp == "" || hp != shm {
+		t.Errorf("mps-host /dev/shm is host %q, the agent hands clients %q", hp, shm)
+	}
+	if !slices.Contains(ac.Args, "--mps-host=true") {
+		t.Errorf("agent args %v lack --mps-host=true: it would run daemons itself", ac.Args)
+	}
+	sc := c.SecurityContext
+	if sc == nil || sc.RunAsUser == nil || *sc.RunAsUser != 0 {
+		t.Errorf("mps-host securityContext %+v: want runAsUser 0", sc)
+	}
 }

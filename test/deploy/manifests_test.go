@@ -60,7 +60,8 @@ func loadManifests(t *testing.T) (*objects, *kustomization) {
 
 func TestManifests(t *testing.T) {
 	o, k := loadManifests(t)
-	checkInstall(t, o, true)
+	// MPS stays off here (no mps-host DaemonSet); the chart has it.
+	checkInstall(t, o, true, false)
 
 	// kustomize rewrites namespaces; the files say the same, so they also
 	// work with a plain `kubectl apply -f`.

@@ -38,3 +38,23 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "/driver-root/%s" (.Values.driver.libPath | trimPrefix "/") -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The mps-host DaemonSet: its own name and selector, so that neither
+DaemonSet's selector nor the metrics Service ever selects the other's pods. */}}
+{{- define "gpu-agent.mpsName" -}}
+{{- printf "%s-mps" (include "gpu-agent.fullname" . | trunc 59 | trimSuffix "-") -}}
+{{- end -}}
+
+{{- define "gpu-agent.mpsSelectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-mps
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "gpu-agent.mpsLabels" -}}
+{{ include "gpu-agent.mpsSelectorLabels" . }}
+app.kubernetes.io/component: mps-host
+app.kubernetes.io/part-of: {{ .Chart.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
