@@ -150,6 +150,10 @@ func (w *Watcher) Run(ctx context.Context) error {
 	for ctx.Err() == nil {
 		w.applyPending(set)
 		w.scanNew()
+		// Published after the scan: a caller that sees a GPU as watched
+		// knows its earlier faults were read too, so what it injects next
+		// is an event, not a trace the scan also reports.
+		w.publishWatched()
 		if interval := w.tr.policy.ProbeInterval; time.Since(lastProbe) >= interval {
 			w.probeAll()
 			lastProbe = time.Now()
@@ -231,14 +235,6 @@ func (w *Watcher) applyPending(set nvml.EventSet) {
 			w.register(set, d)
 		}
 	}
-	watched := make([]string, 0, len(w.devs))
-	for _, d := range w.devs {
-		if d.registered != 0 {
-			watched = append(watched, d.uuid)
-		}
-	}
-	slices.Sort(watched)
-	w.watched.Store(&watched)
 }
 
 // discover finds the GPUs through NVML itself, so they are registered for
@@ -278,6 +274,18 @@ func (w *Watcher) scanNew() {
 		d.scanned = true
 		w.tr.initial(uuid, w.probeWith(d, true), now)
 	}
+}
+
+// publishWatched records the GPUs registered for events (Watched).
+func (w *Watcher) publishWatched() {
+	watched := make([]string, 0, len(w.devs))
+	for _, d := range w.devs {
+		if d.registered != 0 {
+			watched = append(watched, d.uuid)
+		}
+	}
+	slices.Sort(watched)
+	w.watched.Store(&watched)
 }
 
 // Changes is signalled after a new State is published; signals coalesce, so
