@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the e2e suite (make e2e): installs containerd, runc and busybox-static from Debian when missing, builds
-# the kubelet once per version (cached), the pause image's binary and gpu-agent, then runs the Go tests.
+# the kubelet, the control plane and etcd once per version (cached), the pause image's binary and gpu-agent,
+# then runs the Go tests.
 # Any missing piece is an error: this script never skips. Extra arguments go to `go test` (e.g. -run TestOneGPU).
 set -euo pipefail
 
@@ -32,16 +33,42 @@ for bin in containerd ctr runc containerd-shim-runc-v2; do
 	command -v "$bin" >/dev/null || die "$bin not found after installing containerd and runc"
 done
 
-# The kubelet comes from the k8s.io/kubernetes version pinned in go.mod; building it takes minutes and ~2 GB of
-# build cache, so the binary is kept per version.
+# The kubelet and the control plane (kube-apiserver, kube-controller-manager, kube-scheduler) come from the
+# k8s.io/kubernetes version pinned in go.mod, etcd from the etcd server module that version requires (the
+# module's root package is etcd's main). Building them takes minutes and a few GB of build cache, so each
+# binary is kept per version; the missing ones are built in one `go build`, which compiles the packages they
+# share once and keeps both cores busy.
 version="$(cd "$here" && go list -m -f '{{.Version}}' k8s.io/kubernetes)" || die "cannot read the kubelet version from go.mod"
+etcd_version="$(cd "$here" && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)" || die "cannot read the etcd version from go.mod"
 kubelet="$E2E_CACHE/kubelet-$version"
-if [ ! -x "$kubelet" ]; then
-	step "building kubelet $version (cold: about 5 minutes on 2 cores)"
+apiserver="$E2E_CACHE/kube-apiserver-$version"
+controller_manager="$E2E_CACHE/kube-controller-manager-$version"
+scheduler="$E2E_CACHE/kube-scheduler-$version"
+etcd="$E2E_CACHE/etcd-$etcd_version"
+# binary in the cache, the package, the name `go build -o DIR/` gives it
+builds=(
+	"$kubelet k8s.io/kubernetes/cmd/kubelet kubelet"
+	"$apiserver k8s.io/kubernetes/cmd/kube-apiserver kube-apiserver"
+	"$controller_manager k8s.io/kubernetes/cmd/kube-controller-manager kube-controller-manager"
+	"$scheduler k8s.io/kubernetes/cmd/kube-scheduler kube-scheduler"
+	"$etcd go.etcd.io/etcd/server/v3 server"
+)
+pkgs=()
+for b in "${builds[@]}"; do
+	read -r bin pkg _ <<<"$b"
+	[ -x "$bin" ] || pkgs+=("$pkg")
+done
+if [ "${#pkgs[@]}" -gt 0 ]; then
+	step "building ${pkgs[*]##*/cmd/} (k8s.io/kubernetes $version, etcd $etcd_version; cold, all five: about 25 minutes on 2 cores)"
+	out="$(mktemp -d "$E2E_CACHE/build.XXXXXX")"
 	(cd "$here" && CGO_ENABLED=0 nice -n 10 go build \
 		-ldflags "-X k8s.io/component-base/version.gitVersion=$version" \
-		-o "$kubelet.tmp" k8s.io/kubernetes/cmd/kubelet) || die "kubelet build failed"
-	mv "$kubelet.tmp" "$kubelet"
+		-o "$out/" "${pkgs[@]}") || { rm -rf "$out"; die "build of ${pkgs[*]} failed"; }
+	for b in "${builds[@]}"; do
+		read -r bin _ name <<<"$b"
+		if [ -e "$out/$name" ]; then mv "$out/$name" "$bin"; fi
+	done
+	rm -rf "$out"
 fi
 
 step "building pause and gpu-agent"
@@ -56,6 +83,8 @@ fi
 export E2E_FAKEMPS="$E2E_CACHE/fakemps"
 
 export E2E_KUBELET="$kubelet" E2E_GPU_AGENT E2E_PAUSE="$E2E_CACHE/pause" E2E_BUSYBOX="${E2E_BUSYBOX:-/bin/busybox}"
+export E2E_KUBE_APISERVER="$apiserver" E2E_KUBE_CONTROLLER_MANAGER="$controller_manager" E2E_KUBE_SCHEDULER="$scheduler" \
+	E2E_ETCD="$etcd"
 step "running the suite"
 cd "$here"
 exec go test -tags e2e -count=1 -v -timeout 20m ./... "$@"

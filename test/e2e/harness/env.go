@@ -87,6 +87,14 @@ type Env struct {
 	agentN     int
 	// extraBackend is appended to the next agent's --backend (SetBackendOptions).
 	extraBackend string
+	// kubeletArgs are added to every kubelet start (a Cluster's --kubeconfig and --node-labels).
+	kubeletArgs []string
+	// controlPlane are a Cluster's etcd and control plane components, in start order; the teardown stops
+	// them last, in reverse.
+	controlPlane []*Process
+	// mpsHost is the `gpu-agent mps-host` process (StartMPSHost); mpsHostN counts its starts.
+	mpsHost  *Process
+	mpsHostN int
 }
 
 // Start brings up containerd (with the images imported), the kubelet, and gpu-agent, and registers the
@@ -252,13 +260,13 @@ func (e *Env) StartKubelet(ctx context.Context) error {
 		}
 	}
 	e.kubeletN++
-	p, err := startProcess("kubelet", filepath.Join(e.d.logs, fmt.Sprintf("kubelet-%d.log", e.kubeletN)), e.ledger,
-		e.cfg.Kubelet,
+	argv := append([]string{e.cfg.Kubelet,
 		"--config", e.d.kubeletConfig,
 		"--root-dir", e.d.kubeletRoot,
 		"--cert-dir", e.d.certs,
 		"--hostname-override", e.cfg.NodeName,
-		"--v", "2")
+		"--v", "2"}, e.kubeletArgs...)
+	p, err := startProcess("kubelet", filepath.Join(e.d.logs, fmt.Sprintf("kubelet-%d.log", e.kubeletN)), e.ledger, argv...)
 	if err != nil {
 		return err
 	}
@@ -443,6 +451,9 @@ func (e *Env) teardown() {
 	if e.agent != nil {
 		add(e.agent.Stop(5 * time.Second))
 	}
+	if e.mpsHost != nil {
+		add(e.mpsHost.Stop(5 * time.Second))
+	}
 	if e.kubelet != nil {
 		add(e.kubelet.Stop(10 * time.Second))
 	}
@@ -451,6 +462,9 @@ func (e *Env) teardown() {
 		add(e.removeAllTasks(ctx))
 		cancel()
 		add(e.containerd.Stop(10 * time.Second))
+	}
+	for i := len(e.controlPlane) - 1; i >= 0; i-- {
+		add(e.controlPlane[i].Stop(10 * time.Second))
 	}
 	killShims(e.d.run, t.Logf)
 	killMPSDaemons(e.d.agentMPS, t.Logf)
@@ -672,3 +686,56 @@ func (e *Env) WaitAgentStatus(ctx context.Context, what string, cond func(*Agent
 	}
 	return st, nil
 }
+
+// StartMPSHost starts `gpu-agent mps-host` on the agent's MPS root (the directory its --mps-root maps to here),
+// with args added, and waits until it has written health.json. Like the agent it is a plain process: outside a
+// container its daemons outlive it, so the teardown ends them by their pipe directory.
+func (e *Env) StartMPSHost(ctx context.Context, args ...string) error {
+	if e.mpsHost != nil {
+		if done, _ := e.mpsHost.Exited(); !done {
+			return errors.New("gpu-agent mps-host: already running")
+		}
+	}
+	e.mpsHostN++
+	argv := append([]string{e.cfg.Agent, "mps-host", "--mps-root=" + e.d.agentMPS}, args...)
+	p, err := startProcess("gpu-agent mps-host", filepath.Join(e.d.logs, fmt.Sprintf("mps-host-%d.log", e.mpsHostN)), e.ledger, argv...)
+	if err != nil {
+		return err
+	}
+	e.mpsHost = p
+	health := filepath.Join(e.d.agentMPS, "health.json")
+	err = poll(ctx, 100*time.Millisecond, func() error {
+		if done, werr := p.Exited(); done {
+			return stop(fmt.Errorf("gpu-agent mps-host exited: %v (see %s)", werr, p.LogPath))
+		}
+		b, err := os.ReadFile(health)
+		if err != nil {
+			return err
+		}
+		var h struct {
+			PID int `json:"pid"`
+		}
+		if err := json.Unmarshal(b, &h); err != nil {
+			return fmt.Errorf("%s: %w", health, err)
+		}
+		if h.PID != p.PID() {
+			return fmt.Errorf("%s is from pid %d, not this mps-host (%d)", health, h.PID, p.PID())
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("gpu-agent mps-host: no health.json: %w", err)
+	}
+	return nil
+}
+
+// StopMPSHost ends gpu-agent mps-host with SIGTERM.
+func (e *Env) StopMPSHost() error {
+	if e.mpsHost == nil {
+		return nil
+	}
+	return e.mpsHost.Stop(10 * time.Second)
+}
+
+// MPSHost is the last gpu-agent mps-host process started (nil before StartMPSHost); Kill ends it as a crash would.
+func (e *Env) MPSHost() *Process { return e.mpsHost }

@@ -35,6 +35,11 @@ type ImageSpec struct {
 	Files      []ImageFile
 	Entrypoint []string
 	Env        []string
+	// Cmd, User, Labels and ExposedPorts (e.g. "9400/tcp") are left out of the config when empty.
+	Cmd          []string
+	User         string
+	Labels       map[string]string
+	ExposedPorts []string
 }
 
 // WriteDockerArchive writes spec as a docker-archive tarball (manifest.json, config blob, one layer.tar) to
@@ -47,15 +52,32 @@ func WriteDockerArchive(dst string, spec ImageSpec) error {
 	layerSum := sha256.Sum256(layer)
 	layerHex := hex.EncodeToString(layerSum[:])
 
+	imageConfig := map[string]any{
+		"Entrypoint": spec.Entrypoint,
+		"Env":        spec.Env,
+	}
+	if len(spec.Cmd) > 0 {
+		imageConfig["Cmd"] = spec.Cmd
+	}
+	if spec.User != "" {
+		imageConfig["User"] = spec.User
+	}
+	if len(spec.Labels) > 0 {
+		imageConfig["Labels"] = spec.Labels
+	}
+	if len(spec.ExposedPorts) > 0 {
+		ports := map[string]any{}
+		for _, p := range spec.ExposedPorts {
+			ports[p] = map[string]any{}
+		}
+		imageConfig["ExposedPorts"] = ports
+	}
 	// The config's diff_ids must be the digest of the uncompressed layer, or containerd refuses to unpack.
 	config, err := json.Marshal(map[string]any{
 		"architecture": runtime.GOARCH,
 		"os":           "linux",
 		"created":      time.Unix(0, 0).UTC().Format(time.RFC3339),
-		"config": map[string]any{
-			"Entrypoint": spec.Entrypoint,
-			"Env":        spec.Env,
-		},
+		"config":       imageConfig,
 		"rootfs": map[string]any{
 			"type":     "layers",
 			"diff_ids": []string{"sha256:" + layerHex},

@@ -77,7 +77,12 @@ func (e *Env) WaitAllocatable(ctx context.Context, resource string, n int) ([]st
 // PodDevices returns, from pod-resources List, the device IDs of resource that the kubelet assigned to the
 // static pod's container.
 func (e *Env) PodDevices(ctx context.Context, name, resource string) ([]string, error) {
-	full := e.PodName(name)
+	return e.podDevices(ctx, PodNamespace, e.PodName(name), resource)
+}
+
+// podDevices returns, from pod-resources List, the device IDs of resource that the kubelet assigned to the
+// containers of pod namespace/full.
+func (e *Env) podDevices(ctx context.Context, namespace, full, resource string) ([]string, error) {
 	var ids []string
 	found := false
 	err := e.withPodResources(ctx, func(c podresourcesv1.PodResourcesListerClient) error {
@@ -86,7 +91,7 @@ func (e *Env) PodDevices(ctx context.Context, name, resource string) ([]string, 
 			return err
 		}
 		for _, p := range resp.GetPodResources() {
-			if p.GetName() != full || p.GetNamespace() != PodNamespace {
+			if p.GetName() != full || p.GetNamespace() != namespace {
 				continue
 			}
 			found = true
@@ -104,7 +109,7 @@ func (e *Env) PodDevices(ctx context.Context, name, resource string) ([]string, 
 		return nil, err
 	}
 	if !found {
-		return nil, fmt.Errorf("pod-resources List: pod %s/%s not listed", PodNamespace, full)
+		return nil, fmt.Errorf("pod-resources List: pod %s/%s not listed", namespace, full)
 	}
 	slices.Sort(ids)
 	return ids, nil

@@ -37,25 +37,31 @@ func podManifest(spec PodSpec) ([]byte, error) {
 	for name, n := range spec.Limits {
 		limits[corev1.ResourceName(name)] = *resource.NewQuantity(n, resource.DecimalSI)
 	}
-	grace := int64(1) // the container's sleep ignores SIGTERM as PID 1; do not wait 30s for it on delete
 	pod := corev1.Pod{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Pod"},
 		ObjectMeta: metav1.ObjectMeta{Name: spec.Name, Namespace: PodNamespace},
-		Spec: corev1.PodSpec{
-			// Host network: the node has no CNI, and the kubelet starts only host-network pods without one.
-			HostNetwork:                   true,
-			RestartPolicy:                 corev1.RestartPolicyNever,
-			TerminationGracePeriodSeconds: &grace,
-			Containers: []corev1.Container{{
-				Name:            "main",
-				Image:           "docker.io/" + BusyboxImage,
-				ImagePullPolicy: corev1.PullNever, // there is no registry; the image was imported
-				Command:         []string{"sh", "-c", "env; echo " + readyMarker + "; exec sleep 86400"},
-				Resources:       corev1.ResourceRequirements{Limits: limits},
-			}},
-		},
+		Spec:       envDumpPodSpec(limits, corev1.RestartPolicyNever),
 	}
 	return json.MarshalIndent(pod, "", "  ")
+}
+
+// envDumpPodSpec is a pod with one busybox container, "main", that prints its environment and readyMarker, then
+// sleeps; limits are its extended resources.
+func envDumpPodSpec(limits corev1.ResourceList, restart corev1.RestartPolicy) corev1.PodSpec {
+	grace := int64(1) // the container's sleep ignores SIGTERM as PID 1; do not wait 30s for it on delete
+	return corev1.PodSpec{
+		// Host network: the node has no CNI, and the kubelet starts only host-network pods without one.
+		HostNetwork:                   true,
+		RestartPolicy:                 restart,
+		TerminationGracePeriodSeconds: &grace,
+		Containers: []corev1.Container{{
+			Name:            "main",
+			Image:           "docker.io/" + BusyboxImage,
+			ImagePullPolicy: corev1.PullNever, // there is no registry; the image was imported
+			Command:         []string{"sh", "-c", "env; echo " + readyMarker + "; exec sleep 86400"},
+			Resources:       corev1.ResourceRequirements{Limits: limits},
+		}},
+	}
 }
 
 // AddPod writes a static pod manifest. It writes a dotfile first (the kubelet ignores those) and renames it
@@ -214,8 +220,18 @@ func DescribePod(p *corev1.Pod) string {
 // ContainerEnv returns the environment the pod's container really started with, as it printed it into its
 // log, waiting until the dump is complete.
 func (e *Env) ContainerEnv(ctx context.Context, name string) (map[string]string, error) {
+	env, err := e.containerEnv(ctx, PodNamespace, e.PodName(name), "*")
+	if err != nil {
+		return nil, fmt.Errorf("pod %s: container env: %w", name, err)
+	}
+	return env, nil
+}
+
+// containerEnv reads the environment that the container "main" of pod namespace/name (uid may be a glob)
+// printed into its log.
+func (e *Env) containerEnv(ctx context.Context, namespace, name, uid string) (map[string]string, error) {
 	// The kubelet names pod log directories namespace_podname_uid/container/N.log.
-	pattern := filepath.Join(e.d.podLogs, PodNamespace+"_"+e.PodName(name)+"_*", "main", "*.log")
+	pattern := filepath.Join(e.d.podLogs, namespace+"_"+name+"_"+uid, "main", "*.log")
 	var env map[string]string
 	err := poll(ctx, 200*time.Millisecond, func() error {
 		files, err := filepath.Glob(pattern)
@@ -240,10 +256,7 @@ func (e *Env) ContainerEnv(ctx context.Context, name string) (map[string]string,
 		}
 		return nil
 	})
-	if err != nil {
-		return nil, fmt.Errorf("pod %s: container env: %w", name, err)
-	}
-	return env, nil
+	return env, err
 }
 
 // parseEnvLog reads a CRI log file (`TIMESTAMP STREAM TAG MESSAGE` per line, TAG P for a partial line that

@@ -1,0 +1,539 @@
+package harness
+
+import (
+	"context"
+	"crypto/tls"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apiresource "k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+)
+
+// ClusterConfig is what a Cluster needs from outside: the binaries (all built from the k8s.io/kubernetes
+// version in go.mod, etcd from the etcd server module it requires) and the node.
+type ClusterConfig struct {
+	Kubelet, APIServer, ControllerManager, Scheduler, Etcd string
+	Images                                                 []string // docker-archive tarballs to import (see BuildImages)
+	NodeName                                               string
+	NodeLabels                                             map[string]string // the kubelet's --node-labels
+	LedgerPath                                             string
+}
+
+// Cluster is a one-node Kubernetes cluster started by this process from empty state: etcd, kube-apiserver,
+// kube-controller-manager and kube-scheduler on loopback, and the Env's containerd and kubelet registered as
+// its Node. gpu-agent is not started: it is installed the way users install it (Apply), and runs as the
+// DaemonSet's pod.
+type Cluster struct {
+	*Env
+	// Client and Dynamic act as a cluster admin (group system:masters).
+	Client  kubernetes.Interface
+	Dynamic dynamic.Interface
+	// APIPort is the API server's port on 127.0.0.1.
+	APIPort int
+
+	pki             *pki
+	adminKubeconfig string
+}
+
+// The Service range's first address is the "kubernetes" Service's; the serving certificate names it.
+const (
+	serviceCIDR      = "10.0.0.0/24"
+	kubernetesSvcIP  = "10.0.0.1"
+	saIssuer         = "https://kubernetes.default.svc.cluster.local"
+	clusterStartTime = 4 * time.Minute
+)
+
+// StartCluster brings up etcd, the control plane, containerd (with the images imported) and the kubelet, and
+// waits until the Node is Ready and the default ServiceAccount exists; the teardown is registered with
+// t.Cleanup. It fails t on error.
+func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
+	t.Helper()
+	for name, bin := range map[string]string{"kubelet": cfg.Kubelet, "kube-apiserver": cfg.APIServer,
+		"kube-controller-manager": cfg.ControllerManager, "kube-scheduler": cfg.Scheduler, "etcd": cfg.Etcd} {
+		if bin == "" {
+			t.Fatalf("e2e cluster: no %s binary given", name)
+		}
+	}
+	e, err := newEnv(t, Config{Kubelet: cfg.Kubelet, Images: cfg.Images, NodeName: cfg.NodeName, LedgerPath: cfg.LedgerPath})
+	if err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
+	t.Cleanup(e.teardown)
+	c := &Cluster{Env: e}
+	ctx, cancel := context.WithTimeout(context.Background(), clusterStartTime)
+	defer cancel()
+	start := time.Now()
+	if err := c.startControlPlane(ctx, cfg); err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
+	controlPlaneUp := time.Since(start)
+	// containerd reports the pod network ready only once a CNI network config loads; without one the kubelet
+	// keeps the Node NotReady. Every pod here uses the host network, so no CNI plugin ever runs: the config
+	// names a plugin that is not installed, and a pod that is not host-network fails loudly at sandbox setup.
+	cni := `{"cniVersion": "0.4.0", "name": "e2e-host-network-only", "plugins": [{"type": "e2e-pods-must-use-host-network"}]}`
+	if err := os.WriteFile(filepath.Join(e.d.cniDir, "10-e2e.conflist"), []byte(cni+"\n"), 0o644); err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
+	if err := e.startContainerd(ctx); err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
+	kubeletCred, err := c.pki.issue("kubelet", "system:node:"+cfg.NodeName, []string{"system:nodes"}, false, nil, nil)
+	if err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
+	kubeletKubeconfig, err := c.pki.kubeconfig("kubelet", c.apiURL(), kubeletCred)
+	if err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
+	e.kubeletArgs = []string{"--kubeconfig", kubeletKubeconfig}
+	if len(cfg.NodeLabels) > 0 {
+		var labels []string
+		for k, v := range cfg.NodeLabels {
+			labels = append(labels, k+"="+v)
+		}
+		sort.Strings(labels)
+		e.kubeletArgs = append(e.kubeletArgs, "--node-labels", strings.Join(labels, ","))
+	}
+	if err := e.StartKubelet(ctx); err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
+	if err := c.waitNodeReady(ctx); err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
+	// The ServiceAccount admission plugin refuses pods until their namespace's "default" ServiceAccount
+	// exists, which the controller manager creates shortly after it starts.
+	if err := poll(ctx, 200*time.Millisecond, func() error {
+		_, err := c.Client.CoreV1().ServiceAccounts("default").Get(ctx, "default", metav1.GetOptions{})
+		return err
+	}); err != nil {
+		t.Fatalf("e2e cluster: ServiceAccount default/default: %v", err)
+	}
+	t.Logf("e2e cluster in %s (kubeconfig %s): control plane up in %s, node %s Ready %s after start",
+		e.RunDir(), c.adminKubeconfig, controlPlaneUp.Round(100*time.Millisecond), cfg.NodeName,
+		time.Since(start).Round(100*time.Millisecond))
+	return c
+}
+
+func (c *Cluster) apiURL() string { return fmt.Sprintf("https://127.0.0.1:%d", c.APIPort) }
+
+// AdminKubeconfig is a kubeconfig for a cluster admin (kubectl --kubeconfig works with it while the test runs).
+func (c *Cluster) AdminKubeconfig() string { return c.adminKubeconfig }
+
+// startControlPlane generates the PKI and starts etcd, kube-apiserver, kube-controller-manager and
+// kube-scheduler, each on a free loopback port, waiting for each to serve.
+func (c *Cluster) startControlPlane(ctx context.Context, cfg ClusterConfig) error {
+	e := c.Env
+	ports, err := freePorts(5)
+	if err != nil {
+		return err
+	}
+	etcdClient, etcdPeer, kcmPort, schedPort := ports[0], ports[1], ports[3], ports[4]
+	c.APIPort = ports[2]
+	if c.pki, err = newPKI(filepath.Join(e.d.run, "pki"), "gpu-agent-e2e-ca"); err != nil {
+		return err
+	}
+	serving, err := c.pki.issue("kube-apiserver", "kube-apiserver", nil, true,
+		[]net.IP{net.ParseIP("127.0.0.1"), net.ParseIP(kubernetesSvcIP)},
+		[]string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"})
+	if err != nil {
+		return err
+	}
+	saKey, err := c.pki.serviceAccountKey()
+	if err != nil {
+		return err
+	}
+	// The aggregation layer's front proxy has a CA of its own, as kubeadm sets it up: the API server publishes
+	// it (configmap kube-system/extension-apiserver-authentication), and the controller manager and the
+	// scheduler, which authenticate their own HTTPS clients through the API server, read it from there.
+	frontProxy, err := newPKI(filepath.Join(e.d.run, "pki", "front-proxy"), "gpu-agent-e2e-front-proxy-ca")
+	if err != nil {
+		return err
+	}
+	proxyClient, err := frontProxy.issue("front-proxy-client", "front-proxy-client", nil, false, nil, nil)
+	if err != nil {
+		return err
+	}
+	// Each component has its own identity; the bootstrap RBAC policy the API server creates grants them what
+	// they need (system:kube-controller-manager, system:kube-scheduler).
+	kubeconfigs := map[string]string{}
+	for _, id := range []struct{ name, cn, group string }{
+		{"admin", "e2e-admin", "system:masters"},
+		{"kube-controller-manager", "system:kube-controller-manager", ""},
+		{"kube-scheduler", "system:kube-scheduler", ""},
+	} {
+		var groups []string
+		if id.group != "" {
+			groups = []string{id.group}
+		}
+		cred, err := c.pki.issue(id.name, id.cn, groups, false, nil, nil)
+		if err != nil {
+			return err
+		}
+		if kubeconfigs[id.name], err = c.pki.kubeconfig(id.name, c.apiURL(), cred); err != nil {
+			return err
+		}
+	}
+	c.adminKubeconfig = kubeconfigs["admin"]
+
+	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdClient)
+	peerURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPeer)
+	etcd, err := c.startComponent("etcd", cfg.Etcd,
+		"--name", "e2e",
+		"--data-dir", filepath.Join(e.d.run, "etcd"),
+		"--listen-client-urls", etcdURL,
+		"--advertise-client-urls", etcdURL,
+		"--listen-peer-urls", peerURL,
+		"--initial-advertise-peer-urls", peerURL,
+		"--initial-cluster", "e2e="+peerURL,
+		// The data lives only as long as the test; fsync would only make a busy shared disk slower.
+		"--unsafe-no-fsync",
+		"--log-level", "warn")
+	if err != nil {
+		return err
+	}
+	if err := waitServing(ctx, etcd, func() error { return httpOK(ctx, etcdURL+"/health") }); err != nil {
+		return err
+	}
+
+	apiserver, err := c.startComponent("kube-apiserver", cfg.APIServer,
+		"--etcd-servers", etcdURL,
+		"--bind-address", "127.0.0.1",
+		"--secure-port", fmt.Sprint(c.APIPort),
+		// The "kubernetes" Service's endpoints would name this address, and an endpoint may not be loopback:
+		// the reconciler is off (no kube-proxy here could route the Service anyway; in-cluster clients are
+		// pointed at 127.0.0.1 instead, see InstallPatches).
+		"--advertise-address", "127.0.0.1",
+		"--endpoint-reconciler-type", "none",
+		"--tls-cert-file", serving.CertFile,
+		"--tls-private-key-file", serving.KeyFile,
+		"--client-ca-file", c.pki.caFile(),
+		"--requestheader-client-ca-file", frontProxy.caFile(),
+		"--requestheader-allowed-names", "front-proxy-client",
+		"--requestheader-username-headers", "X-Remote-User",
+		"--requestheader-group-headers", "X-Remote-Group",
+		"--requestheader-extra-headers-prefix", "X-Remote-Extra-",
+		"--proxy-client-cert-file", proxyClient.CertFile,
+		"--proxy-client-key-file", proxyClient.KeyFile,
+		"--service-account-issuer", saIssuer,
+		"--service-account-key-file", saKey,
+		"--service-account-signing-key-file", saKey,
+		"--service-cluster-ip-range", serviceCIDR,
+		"--authorization-mode", "Node,RBAC",
+		"--enable-admission-plugins", "NodeRestriction",
+		"--allow-privileged=true",
+		"--cert-dir", filepath.Join(e.d.run, "pki", "kube-apiserver-generated"),
+		"--v", "1")
+	if err != nil {
+		return err
+	}
+	restCfg := &rest.Config{
+		Host: c.apiURL(),
+		TLSClientConfig: rest.TLSClientConfig{
+			CAFile:   c.pki.caFile(),
+			CertFile: filepath.Join(c.pki.dir, "admin.crt"),
+			KeyFile:  filepath.Join(c.pki.dir, "admin.key"),
+		},
+		QPS: 50, Burst: 100, Timeout: 30 * time.Second,
+	}
+	if c.Client, err = kubernetes.NewForConfig(restCfg); err != nil {
+		return err
+	}
+	if c.Dynamic, err = dynamic.NewForConfig(restCfg); err != nil {
+		return err
+	}
+	// /readyz turns 200 once the post-start hooks are done: bootstrap RBAC, the system priority classes.
+	if err := waitServing(ctx, apiserver, func() error {
+		body, err := c.Client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(ctx)
+		if err != nil {
+			return fmt.Errorf("/readyz: %w: %s", err, body)
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+
+	kcm, err := c.startComponent("kube-controller-manager", cfg.ControllerManager,
+		"--kubeconfig", kubeconfigs["kube-controller-manager"],
+		"--authentication-kubeconfig", kubeconfigs["kube-controller-manager"],
+		"--authorization-kubeconfig", kubeconfigs["kube-controller-manager"],
+		"--bind-address", "127.0.0.1",
+		"--secure-port", fmt.Sprint(kcmPort),
+		"--leader-elect=false",
+		// Every controller the default set runs (daemonset, deployment, replicaset, serviceaccount,
+		// serviceaccount-token, namespace, garbage collector, node lifecycle, root CA publisher, ...), each
+		// with its own service account, as kubeadm sets it up.
+		"--controllers", "*",
+		"--use-service-account-credentials=true",
+		"--service-account-private-key-file", saKey,
+		"--root-ca-file", c.pki.caFile(),
+		"--v", "1")
+	if err != nil {
+		return err
+	}
+	sched, err := c.startComponent("kube-scheduler", cfg.Scheduler,
+		"--kubeconfig", kubeconfigs["kube-scheduler"],
+		"--authentication-kubeconfig", kubeconfigs["kube-scheduler"],
+		"--authorization-kubeconfig", kubeconfigs["kube-scheduler"],
+		"--bind-address", "127.0.0.1",
+		"--secure-port", fmt.Sprint(schedPort),
+		"--leader-elect=false",
+		"--v", "1")
+	if err != nil {
+		return err
+	}
+	for _, s := range []struct {
+		p    *Process
+		port int
+	}{{kcm, kcmPort}, {sched, schedPort}} {
+		url := fmt.Sprintf("https://127.0.0.1:%d/healthz", s.port)
+		if err := waitServing(ctx, s.p, func() error { return httpsOKInsecure(ctx, url) }); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// startComponent starts a control plane process, logging to logs/<name>.log and recorded in the ledger.
+func (c *Cluster) startComponent(name, bin string, args ...string) (*Process, error) {
+	p, err := startProcess(name, filepath.Join(c.d.logs, name+".log"), c.ledger, append([]string{bin}, args...)...)
+	if err != nil {
+		return nil, err
+	}
+	c.controlPlane = append(c.controlPlane, p)
+	return p, nil
+}
+
+// waitServing polls ready until it succeeds, giving up at once if p exits.
+func waitServing(ctx context.Context, p *Process, ready func() error) error {
+	err := poll(ctx, 200*time.Millisecond, func() error {
+		if done, werr := p.Exited(); done {
+			return stop(fmt.Errorf("%s exited: %v (see %s)", p.Name, werr, p.LogPath))
+		}
+		return ready()
+	})
+	if err != nil {
+		return fmt.Errorf("%s: not serving: %w", p.Name, err)
+	}
+	return nil
+}
+
+// httpsOKInsecure GETs url from a component that serves a self-signed certificate on loopback.
+func httpsOKInsecure(ctx context.Context, url string) error {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	tr := &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}
+	defer tr.CloseIdleConnections()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := (&http.Client{Transport: tr}).Do(req)
+	if err != nil {
+		return err
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	return nil
+}
+
+// waitNodeReady waits until the kubelet's Node is Ready and carries no NoSchedule taint (the node lifecycle
+// controller lifts node.kubernetes.io/not-ready a moment after Ready).
+func (c *Cluster) waitNodeReady(ctx context.Context) error {
+	err := poll(ctx, 250*time.Millisecond, func() error {
+		if done, werr := c.kubelet.Exited(); done {
+			return stop(fmt.Errorf("kubelet exited: %v", werr))
+		}
+		n, err := c.Client.CoreV1().Nodes().Get(ctx, c.cfg.NodeName, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		ready := false
+		for _, cond := range n.Status.Conditions {
+			if cond.Type == corev1.NodeReady {
+				if cond.Status != corev1.ConditionTrue {
+					return fmt.Errorf("node %s: Ready=%s: %s", n.Name, cond.Status, cond.Message)
+				}
+				ready = true
+			}
+		}
+		if !ready {
+			return fmt.Errorf("node %s: no Ready condition yet", n.Name)
+		}
+		for _, taint := range n.Spec.Taints {
+			if taint.Effect == corev1.TaintEffectNoSchedule {
+				return fmt.Errorf("node %s: tainted %s", n.Name, taint.ToString())
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("node %s: %w", c.cfg.NodeName, err)
+	}
+	return nil
+}
+
+// Node returns the cluster's Node.
+func (c *Cluster) Node(ctx context.Context) (*corev1.Node, error) {
+	return c.Client.CoreV1().Nodes().Get(ctx, c.cfg.NodeName, metav1.GetOptions{})
+}
+
+// NodeName is the kubelet's Node name.
+func (c *Cluster) NodeName() string { return c.cfg.NodeName }
+
+// WaitNodeAllocatable waits until the Node's status.allocatable shows n of resource.
+func (c *Cluster) WaitNodeAllocatable(ctx context.Context, resource string, n int64) error {
+	err := poll(ctx, 200*time.Millisecond, func() error {
+		node, err := c.Node(ctx)
+		if err != nil {
+			return err
+		}
+		q, ok := node.Status.Allocatable[corev1.ResourceName(resource)]
+		if !ok || q.Value() != n {
+			return fmt.Errorf("node %s: allocatable %s = %v, want %d", node.Name, resource, q.String(), n)
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("allocatable %s: %w", resource, err)
+	}
+	return nil
+}
+
+// WaitPodsRunning waits until exactly n pods in namespace match selector and each one's containers run, and
+// returns them sorted by name; a pod that ends or is stuck unscheduled shows in the error.
+func (c *Cluster) WaitPodsRunning(ctx context.Context, namespace, selector string, n int) ([]corev1.Pod, error) {
+	var pods []corev1.Pod
+	err := poll(ctx, 250*time.Millisecond, func() error {
+		if done, werr := c.kubelet.Exited(); done {
+			return stop(fmt.Errorf("kubelet exited: %v", werr))
+		}
+		list, err := c.Client.CoreV1().Pods(namespace).List(ctx, metav1.ListOptions{LabelSelector: selector})
+		if err != nil {
+			return err
+		}
+		pods = list.Items
+		sort.Slice(pods, func(i, j int) bool { return pods[i].Name < pods[j].Name })
+		var notYet []string
+		for i := range pods {
+			p := &pods[i]
+			if p.Status.Phase == corev1.PodFailed || p.Status.Phase == corev1.PodSucceeded {
+				return stop(fmt.Errorf("pod %s/%s ended: %s", namespace, p.Name, DescribeAPIPod(p)))
+			}
+			if !podRunning(p) {
+				notYet = append(notYet, p.Name+": "+DescribeAPIPod(p))
+			}
+		}
+		if len(pods) != n || len(notYet) > 0 {
+			return fmt.Errorf("%d pods match %q, want %d running; not running: %v", len(pods), selector, n, notYet)
+		}
+		return nil
+	})
+	if err != nil {
+		return pods, fmt.Errorf("pods %s in %s: %w", selector, namespace, err)
+	}
+	return pods, nil
+}
+
+func podRunning(p *corev1.Pod) bool {
+	if p.Status.Phase != corev1.PodRunning || len(p.Status.ContainerStatuses) != len(p.Spec.Containers) {
+		return false
+	}
+	for _, cs := range p.Status.ContainerStatuses {
+		if cs.State.Running == nil {
+			return false
+		}
+	}
+	return true
+}
+
+// DescribeAPIPod is DescribePod with the scheduling state the API server knows (node, PodScheduled).
+func DescribeAPIPod(p *corev1.Pod) string {
+	if p == nil {
+		return "<none>"
+	}
+	s := DescribePod(p)
+	if p.Spec.NodeName != "" {
+		s += " node=" + p.Spec.NodeName
+	}
+	for _, cond := range p.Status.Conditions {
+		if cond.Type == corev1.PodScheduled && cond.Status != corev1.ConditionTrue {
+			s += fmt.Sprintf(" unscheduled: %s %q", cond.Reason, cond.Message)
+		}
+	}
+	return s
+}
+
+// PodContainerEnv returns the environment that the API pod's container "main" printed into its log (see
+// GPUPodTemplate).
+func (c *Cluster) PodContainerEnv(ctx context.Context, p *corev1.Pod) (map[string]string, error) {
+	env, err := c.containerEnv(ctx, p.Namespace, p.Name, string(p.UID))
+	if err != nil {
+		return nil, fmt.Errorf("pod %s/%s: container env: %w", p.Namespace, p.Name, err)
+	}
+	return env, nil
+}
+
+// PodDevicesOf returns, from the kubelet's pod-resources List, the device IDs of resource it assigned to the
+// API pod.
+func (c *Cluster) PodDevicesOf(ctx context.Context, p *corev1.Pod, resource string) ([]string, error) {
+	return c.podDevices(ctx, p.Namespace, p.Name, resource)
+}
+
+// GPUPodTemplate is the pod template of a workload whose single container, "main", requests gpus of
+// resource, prints its environment, then sleeps (PodContainerEnv reads it). It uses the host network and the
+// imported busybox image.
+func GPUPodTemplate(labels map[string]string, resource string, gpus int64) corev1.PodTemplateSpec {
+	limits := corev1.ResourceList{corev1.ResourceName(resource): *apiresource.NewQuantity(gpus, apiresource.DecimalSI)}
+	return corev1.PodTemplateSpec{
+		ObjectMeta: metav1.ObjectMeta{Labels: labels},
+		Spec:       envDumpPodSpec(limits, corev1.RestartPolicyAlways),
+	}
+}
+
+// ImportImage imports a docker-archive tarball into the node's containerd (the CRI's namespace), so that a
+// pod whose imagePullPolicy is IfNotPresent or Never finds it.
+func (c *Cluster) ImportImage(ctx context.Context, tarball string) error {
+	if out, err := c.ctr(ctx, "images", "import", "--snapshotter", "overlayfs", tarball); err != nil {
+		return fmt.Errorf("containerd: import %s: %w: %s", tarball, err, out)
+	}
+	return nil
+}
+
+// WaitPodMatching waits until one pod in namespace matches selector and cond holds for it, and returns it;
+// on timeout the error shows the pods' last status.
+func (c *Cluster) WaitPodMatching(ctx context.Context, namespace, selector, what string, cond func(*corev1.Pod) bool) (*corev1.Pod, error) {
+	var found *corev1.Pod
+	err := poll(ctx, 250*time.Millisecond, func() error {
+		list, err := c.Client.CoreV1().Pods(namespace).List(ctx, metav1.ListOptions{LabelSelector: selector})
+		if err != nil {
+			return err
+		}
+		if len(list.Items) != 1 {
+			return fmt.Errorf("%d pods match %q, want 1", len(list.Items), selector)
+		}
+		p := &list.Items[0]
+		if !cond(p) {
+			return fmt.Errorf("pod %s not yet %s: %s", p.Name, what, DescribeAPIPod(p))
+		}
+		found = p
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("pods %s in %s: %w", selector, namespace, err)
+	}
+	return found, nil
+}
