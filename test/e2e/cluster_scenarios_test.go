@@ -59,6 +59,19 @@ func waitAllocatableQ(t *testing.T, c *harness.Cluster, resource string, n int64
 	return time.Since(since)
 }
 
+// waitOfferedQ waits until the kubelet's device manager offers n devices of
+// resource (pod-resources GetAllocatableResources, polled every 200 ms) and
+// returns how long that took from since: what the agent serves, before the
+// kubelet's next node status sync copies it into the Node's allocatable.
+func waitOfferedQ(t *testing.T, c *harness.Cluster, resource string, n int, since time.Time) time.Duration {
+	t.Helper()
+	if _, err := c.WaitAllocatable(clusterCtx(t), resource, n); err != nil {
+		dumpPods(t, c, "gpu-agent")
+		t.Fatal(err)
+	}
+	return time.Since(since)
+}
+
 // setConfigMap replaces the agent's ConfigMap data through the API.
 func setConfigMap(t *testing.T, c *harness.Cluster, data map[string]string) time.Time {
 	t.Helper()
@@ -196,6 +209,8 @@ func TestClusterSelectionByAPI(t *testing.T) {
 
 	// A ConfigMap edit through the API: time-slicing ×4.
 	edited := setConfigMap(t, c, map[string]string{"config.yaml": timeSliced4})
+	offered := waitOfferedQ(t, c, gpuResource, 4*nodeGPUs, edited)
+	t.Logf("MEASURED ConfigMap edit through the API -> kubelet offers %d %s (pod-resources): %s", 4*nodeGPUs, gpuResource, offered.Round(10*time.Millisecond))
 	took := waitAllocatableQ(t, c, gpuResource, 4*nodeGPUs, edited)
 	t.Logf("MEASURED ConfigMap edit through the API -> Node allocatable %s=%d: %s", gpuResource, 4*nodeGPUs, took.Round(10*time.Millisecond))
 	if l := nodeLabels(t, c); l["nvidia.com/gpu.sharing-strategy"] != "time-slicing" || l["nvidia.com/gpu.replicas"] != "4" {
@@ -206,6 +221,8 @@ func TestClusterSelectionByAPI(t *testing.T) {
 	setConfigMap(t, c, map[string]string{"config.yaml": "version: v1\nconfigs:\n  default: {}\n", "mig-parted.yaml": operatorMIGConfigs})
 	waitAllocatableQ(t, c, gpuResource, nodeGPUs, time.Now())
 	labelled := labelNode(t, c, "nvidia.com/mig.config", "all-balanced")
+	offered = waitOfferedQ(t, c, "nvidia.com/mig-3g.20gb", nodeGPUs, labelled)
+	t.Logf("MEASURED label nvidia.com/mig.config=all-balanced -> repartitioned and served, kubelet offers %d nvidia.com/mig-3g.20gb (pod-resources): %s", nodeGPUs, offered.Round(10*time.Millisecond))
 	took = waitAllocatableQ(t, c, "nvidia.com/mig-3g.20gb", nodeGPUs, labelled)
 	for res, n := range map[string]int64{"nvidia.com/mig-1g.5gb": 2 * nodeGPUs, "nvidia.com/mig-2g.10gb": nodeGPUs, gpuResource: 0} {
 		if err := c.WaitNodeAllocatable(clusterCtx(t), res, n); err != nil {
@@ -248,6 +265,8 @@ func TestClusterConfigMapMountedVolume(t *testing.T) {
 	}
 	installAgent(t, c, layer, append(crd, objs...))
 	edited := setConfigMap(t, c, map[string]string{"config.yaml": timeSliced4})
+	offered := waitOfferedQ(t, c, gpuResource, 4*nodeGPUs, edited)
+	t.Logf("MEASURED ConfigMap edit through the mounted volume only -> kubelet offers %d %s (pod-resources): %s", 4*nodeGPUs, gpuResource, offered.Round(10*time.Millisecond))
 	took := waitAllocatableQ(t, c, gpuResource, 4*nodeGPUs, edited)
 	t.Logf("MEASURED ConfigMap edit through the mounted volume only -> Node allocatable %s=%d: %s (this kubelet syncs every 10s; the default is 1m)",
 		gpuResource, 4*nodeGPUs, took.Round(10*time.Millisecond))
