@@ -13,9 +13,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -103,6 +105,9 @@ type Options struct {
 	MPS MPSControl
 	// Cluster publishes labels and Events (nil: standalone, no API).
 	Cluster Cluster
+	// DRA publishes the node's DRA pool (nil: DRA is off). The agent then
+	// also answers PrepareClaims and UnprepareClaims.
+	DRA DRAPublisher
 	// MPSRoot and MPSShmDir: where daemons keep their pipes, and the host
 	// directory MPS clients get as /dev/shm.
 	MPSRoot, MPSShmDir string
@@ -175,9 +180,12 @@ type Agent struct {
 	holdErr      error
 	holdFailedAt time.Time
 	ledger       map[string]time.Time
+	// claims are the prepared DRA claims: the ledger's DRA side.
+	claims map[types.UID]PreparedClaim
 
 	// Published.
 	cat       *catalog.Catalog
+	draPool   *dra.Pool
 	migStates map[int]MIGState
 	migErr    error
 	lastPass  time.Time
@@ -206,6 +214,7 @@ func New(opts Options) *Agent {
 	a := &Agent{opts: opts, log: opts.Logger, now: opts.Now, inbox: opts.Inbox, ctx: context.Background()}
 	a.metrics = newMetrics(opts.Registerer)
 	a.ledger = map[string]time.Time{}
+	a.claims = map[types.UID]PreparedClaim{}
 	a.restore(opts.Restored)
 	// Until a config applies, the built-in default is both what is selected
 	// and the last config that fitted: a config that is rejected, selects

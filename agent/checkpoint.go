@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"time"
 
+	"k8s.io/apimachinery/pkg/types"
+
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 )
@@ -20,7 +22,11 @@ const CheckpointFile = "checkpoint.json"
 // CheckpointVersion is the format written. A file of another version is set
 // aside, not trusted: guessing at fields that changed meaning could mark
 // healthy GPUs unhealthy or, worse, forget a held device.
-const CheckpointVersion = 1
+const CheckpointVersion = 2
+
+// checkpointV1 is the format before DRA claims; it reads as a version 2
+// checkpoint without claims.
+const checkpointV1 = 1
 
 // maxCheckpointBytes bounds what is read back: the checkpoint holds a few
 // records per GPU and device, so anything larger is not ours.
@@ -28,8 +34,8 @@ const maxCheckpointBytes = 8 << 20
 
 // Checkpoint is what must survive an agent restart: the GPUs last seen (so
 // one lost at start is offered unhealthy, not dropped), the allocations no
-// kubelet answer has accounted for yet, and the active health causes with
-// the evidence their recovery is judged by.
+// kubelet answer has accounted for yet, the prepared DRA claims, and the
+// active health causes with the evidence their recovery is judged by.
 type Checkpoint struct {
 	Version int       `json:"version"`
 	Node    string    `json:"node,omitempty"`
@@ -38,6 +44,8 @@ type Checkpoint struct {
 	// Allocated maps device UUIDs to when the plugin allocated them.
 	Allocated map[string]time.Time `json:"allocated,omitempty"`
 	Health    []health.SavedCause  `json:"health,omitempty"`
+	// Claims are the prepared DRA claims, by claim UID (version 2).
+	Claims map[types.UID]PreparedClaim `json:"claims,omitempty"`
 }
 
 // LoadCheckpoint reads dir's checkpoint. A missing file is (nil, nil). An
@@ -65,7 +73,7 @@ func LoadCheckpoint(dir string) (*Checkpoint, error) {
 		dec.DisallowUnknownFields()
 		err = dec.Decode(&cp)
 	}
-	if err == nil && cp.Version != CheckpointVersion {
+	if err == nil && cp.Version != CheckpointVersion && cp.Version != checkpointV1 {
 		err = fmt.Errorf("version %d, this agent reads version %d", cp.Version, CheckpointVersion)
 	}
 	if err != nil {
@@ -105,6 +113,7 @@ func (a *Agent) restore(cp *Checkpoint) {
 		return
 	}
 	maps.Copy(a.ledger, cp.Allocated)
+	maps.Copy(a.claims, cp.Claims)
 	if len(cp.GPUs) > 0 {
 		// What the last agent believed, as the base the first read settles
 		// against: a GPU that cannot be read now is then offered unhealthy
@@ -117,15 +126,16 @@ func (a *Agent) restore(cp *Checkpoint) {
 		a.health = health.RestoredState(cp.Health)
 	}
 	a.log.Info("checkpoint restored", "written", cp.Written, "gpus", len(cp.GPUs),
-		"allocations", len(cp.Allocated), "healthCauses", len(cp.Health))
+		"allocations", len(cp.Allocated), "healthCauses", len(cp.Health), "draClaims", len(cp.Claims))
 }
 
-// checkpoint writes the checkpoint when its content changed.
-func (a *Agent) checkpoint() {
+// checkpoint writes the checkpoint when its content changed; the error says
+// why it could not.
+func (a *Agent) checkpoint() error {
 	if a.opts.StateDir == "" {
-		return
+		return nil
 	}
-	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Allocated: a.ledger}
+	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Allocated: a.ledger, Claims: a.claims}
 	if a.inv != nil {
 		cp.GPUs = a.inv.GPUs
 		for _, f := range a.failed {
@@ -138,10 +148,10 @@ func (a *Agent) checkpoint() {
 	body, err := json.Marshal(cp)
 	if err != nil {
 		a.log.Error("checkpoint not written", "error", err)
-		return
+		return err
 	}
 	if bytes.Equal(body, a.saved) {
-		return
+		return nil
 	}
 	cp.Written = a.now()
 	out, err := json.MarshalIndent(cp, "", " ")
@@ -150,9 +160,10 @@ func (a *Agent) checkpoint() {
 	}
 	if err != nil {
 		a.log.Error("checkpoint not written; a restart would forget allocations and health causes", "error", err)
-		return
+		return err
 	}
 	a.saved = body
+	return nil
 }
 
 // writeAtomic writes a temp file in the same directory, syncs it and renames

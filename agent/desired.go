@@ -10,6 +10,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -39,7 +40,9 @@ type Snapshot struct {
 	MPSSupervised bool
 	// MIGApplies: a MIG applier runs (without one, layouts are not applied).
 	MIGApplies bool
-	Holdings   Holdings
+	// DRA: the node also offers its devices through DRA.
+	DRA      bool
+	Holdings Holdings
 	// Published is the catalog the kubelet was last given.
 	Published *catalog.Catalog
 	// Scorer returns the topology scorer for an allocation policy (nil:
@@ -59,6 +62,9 @@ type Holdings struct {
 	// Allocated are device UUIDs the plugin allocated that no fresh answer
 	// has accounted for yet, with when (the checkpointed ledger).
 	Allocated map[string]time.Time
+	// Claimed maps the device UUIDs that prepared DRA claims hold to the
+	// claim (the ledger's DRA side, checkpointed too).
+	Claimed map[string]string
 }
 
 // Desired is what the node should run and offer.
@@ -82,6 +88,8 @@ type Desired struct {
 	// Warnings are what the catalog's config asks that this node cannot
 	// do, while the rest applies (Planned.Warnings).
 	Warnings []string
+	// DRA is what the node offers through DRA (nil: DRA is off).
+	DRA *dra.Pool
 }
 
 // GPUMIG is one GPU's MIG plan.
@@ -105,6 +113,7 @@ func (g GPUMIG) Apply() bool {
 // always gives the same Desired.
 func Plan(s Snapshot) Desired {
 	var d Desired
+	d.DRA = planDRA(s)
 	if s.Selected.Config == nil {
 		return d
 	}
@@ -127,6 +136,7 @@ func Plan(s Snapshot) Desired {
 		}
 	}
 	keepHeld(planned.Catalog, s.Published, s.Holdings.Attribution)
+	withholdClaimed(planned.Catalog, s.Holdings.Claimed)
 	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, planned.MPSDaemons, planned.Warnings
 	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)
 	return d
@@ -292,6 +302,11 @@ func (h Holdings) heldMIG(inv *gpu.Inventory) map[string]string {
 			if hs := h.Attribution.Holders(m.UUID); len(hs) > 0 {
 				held[m.UUID] = hs[0].String()
 			}
+		}
+	}
+	for _, uuid := range slices.Sorted(maps.Keys(h.Claimed)) {
+		if _, ok := held[uuid]; !ok {
+			held[uuid] = h.Claimed[uuid] + " (DRA)"
 		}
 	}
 	for _, uuid := range slices.Sorted(maps.Keys(h.Allocated)) {

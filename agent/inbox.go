@@ -67,9 +67,10 @@ func (Tick) kind() string            { return "tick" }
 
 // Inbox is the loop's one queue. Post never blocks and the queue is bounded:
 // state events (config, labels, health, MPS, holdings, tick) replace an
-// unread one of their kind, because only the latest matters, and allocations
+// unread one of their kind, because only the latest matters, allocations
 // merge into one event whose IDs are de-duplicated (they are devices the
-// catalog offered, so their number is bounded by the catalog).
+// catalog offered, so their number is bounded by the catalog), and DRA
+// requests queue as they come.
 type Inbox struct {
 	mu      sync.Mutex
 	pending []Event
@@ -93,6 +94,13 @@ func (b *Inbox) Post(e Event) {
 }
 
 func coalesce(q []Event, e Event) []Event {
+	switch e.(type) {
+	case ClaimsPrepare, ClaimsUnprepare:
+		// Requests, each with a caller waiting for its answer: never
+		// merged. The kubelet plugin helper serializes them, so at most a
+		// few wait.
+		return append(q, e)
+	}
 	for i, old := range q {
 		if old.kind() != e.kind() {
 			continue

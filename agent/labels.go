@@ -57,7 +57,7 @@ func NodeLabels(inv *gpu.Inventory, cfg config.Selected, migStates []MIGState) m
 	if cc := g.ComputeCapability; cc.Major > 0 {
 		l[LabelComputeMajor] = strconv.Itoa(cc.Major)
 		l[LabelComputeMinor] = strconv.Itoa(cc.Minor)
-		if f := family(cc); f != "" {
+		if f := cc.Family(); f != "" {
 			l[LabelFamily] = f
 		}
 	}
@@ -173,31 +173,6 @@ func representative(gpus []gpu.GPU) gpu.GPU {
 		}
 	}
 	return best
-}
-
-// family names the architecture of a compute capability, as GFD does.
-func family(cc gpu.ComputeCapability) string {
-	switch {
-	case cc.Major == 3:
-		return "kepler"
-	case cc.Major == 5:
-		return "maxwell"
-	case cc.Major == 6:
-		return "pascal"
-	case cc.Major == 7 && cc.Minor < 5:
-		return "volta"
-	case cc.Major == 7:
-		return "turing"
-	case cc.Major == 8 && cc.Minor < 9:
-		return "ampere"
-	case cc.Major == 8:
-		return "ada-lovelace"
-	case cc.Major == 9:
-		return "hopper"
-	case cc.Major == 10 || cc.Major == 12:
-		return "blackwell"
-	}
-	return ""
 }
 
 // sharingOf is the config's sharing strategy and its largest replica count.

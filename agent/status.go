@@ -24,6 +24,9 @@ type Status struct {
 	Sharing []SharingState `json:"sharing,omitempty"`
 	// MIG is each GPU's repartitioning state when the config has a layout.
 	MIG []MIGState `json:"mig,omitempty"`
+	// DRA is what the node offers through DRA and which claims are
+	// prepared (absent when DRA is off).
+	DRA *DRAStatus `json:"dra,omitempty"`
 	// LastPass is the last catalog published; LastLoop the last turn of the
 	// loop, published or not (liveness).
 	LastPass time.Time `json:"lastPass"`
@@ -36,6 +39,15 @@ type Status struct {
 	// HealthEvents lists the GPUs NVML delivers health events for (filled
 	// by the HTTP layer from the health watcher).
 	HealthEvents []string `json:"healthEvents,omitempty"`
+}
+
+// DRAStatus is the DRA side of the node.
+type DRAStatus struct {
+	// Devices are the pool's device names, Unhealthy those tainted.
+	Devices   []string `json:"devices"`
+	Unhealthy []string `json:"unhealthy,omitempty"`
+	// Claims are the prepared claims, "namespace/name: device, ...".
+	Claims []string `json:"claims,omitempty"`
 }
 
 // ConfigStatus says which config is in force and whether the file's latest
@@ -136,6 +148,9 @@ func (a *Agent) publishStatus() {
 	}
 	if s.Config.Source == "" {
 		s.Config.Source = "built-in default"
+	}
+	if a.opts.DRA != nil {
+		s.DRA = a.draStatus()
 	}
 	s.Cluster = "standalone: no API"
 	if a.opts.Cluster != nil {

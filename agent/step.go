@@ -36,6 +36,8 @@ const refreshRetry = 10 * time.Second
 //	allocated  allocation ledger (checkpointed)          -
 //	holdings   who holds what                            plan
 //	tick       -                                         observe + plan
+//	dra-*      DRA claims in the ledger (checkpointed    plan, if a claim was
+//	           before the kubelet gets its answer)       prepared or released
 //
 // A plan pass is Plan, then at most: ask the kubelet afresh and Plan again
 // (a MIG plan would destroy), apply MIG and Plan again (the GPUs changed);
@@ -44,6 +46,8 @@ const refreshRetry = 10 * time.Second
 func (a *Agent) Step(batch []Event) {
 	var observe, plan bool
 	var why []string
+	var prepares []ClaimsPrepare
+	var unprepares []ClaimsUnprepare
 	for _, ev := range batch {
 		switch e := ev.(type) {
 		case ConfigChanged:
@@ -66,6 +70,10 @@ func (a *Agent) Step(batch []Event) {
 			plan = true
 		case Tick:
 			observe, plan = true, true
+		case ClaimsPrepare:
+			prepares = append(prepares, e)
+		case ClaimsUnprepare:
+			unprepares = append(unprepares, e)
 		}
 		why = append(why, ev.kind())
 	}
@@ -73,6 +81,10 @@ func (a *Agent) Step(batch []Event) {
 	if observe && a.file != nil {
 		a.observe(reason)
 	}
+	// Claims are decided against what is observed now, before the pass
+	// that then withholds them from the device plugin.
+	replies := a.claimsStep(prepares, unprepares)
+	plan = plan || replies.changed
 	if plan && a.file != nil {
 		a.pass(reason)
 	}
@@ -83,6 +95,7 @@ func (a *Agent) Step(batch []Event) {
 	}
 	a.checkpoint()
 	a.publishStatus()
+	replies.send()
 }
 
 // configFrom keeps the latest content of each source and returns the one in
@@ -237,7 +250,9 @@ func (a *Agent) snapshot() Snapshot {
 		Profiles: a.profiles, ProfileErrs: a.profileErrs,
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
-		Holdings:  Holdings{Attribution: a.att, Fresh: a.fresh, Err: a.holdErr, Allocated: a.ledger},
+		Holdings: Holdings{Attribution: a.att, Fresh: a.fresh, Err: a.holdErr, Allocated: a.ledger,
+			Claimed: claimedUUIDs(a.claims)},
+		DRA:       a.opts.DRA != nil,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
 	}
 }
@@ -286,6 +301,10 @@ func (a *Agent) pass(why string) {
 		}
 	}
 	a.publish(d.Catalog, why)
+	if a.opts.DRA != nil && d.DRA != nil {
+		a.draPool = d.DRA
+		a.opts.DRA.Publish(d.DRA)
+	}
 	a.lastPass = a.now()
 	a.metrics.reconcileDuration.Observe(a.lastPass.Sub(start).Seconds())
 }

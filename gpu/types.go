@@ -150,6 +150,33 @@ type ComputeCapability struct {
 
 func (c ComputeCapability) String() string { return fmt.Sprintf("%d.%d", c.Major, c.Minor) }
 
+// Family names the GPU architecture of c in lower case, as GPU feature
+// discovery's nvidia.com/gpu.family label does ("ampere", "hopper"); "" when
+// unknown.
+func (c ComputeCapability) Family() string {
+	switch {
+	case c.Major == 3:
+		return "kepler"
+	case c.Major == 5:
+		return "maxwell"
+	case c.Major == 6:
+		return "pascal"
+	case c.Major == 7 && c.Minor < 5:
+		return "volta"
+	case c.Major == 7:
+		return "turing"
+	case c.Major == 8 && c.Minor < 9:
+		return "ampere"
+	case c.Major == 8:
+		return "ada-lovelace"
+	case c.Major == 9:
+		return "hopper"
+	case c.Major == 10 || c.Major == 12:
+		return "blackwell"
+	}
+	return ""
+}
+
 // AtLeast reports whether c >= major.minor.
 func (c ComputeCapability) AtLeast(major, minor int) bool {
 	return c.Major > major || (c.Major == major && c.Minor >= minor)

@@ -80,15 +80,20 @@ func newMPSControl(f runFlags, log *slog.Logger) mpsControl {
 
 // registerMPSHostFlag adds `run --mps-host` [GPU_AGENT_MPS_HOST] to fs.
 func registerMPSHostFlag(fs *flag.FlagSet, p *bool) error {
+	return registerBoolFlag(fs, p, "mps-host", "GPU_AGENT_MPS_HOST",
+		"MPS daemons are run by gpu-agent mps-host (its own DaemonSet), asked for through the MPS root, so that they and their clients outlive this agent's container")
+}
+
+// registerBoolFlag adds a boolean flag whose default comes from env.
+func registerBoolFlag(fs *flag.FlagSet, p *bool, name, env, help string) error {
 	def := false
-	if v := envDefault("GPU_AGENT_MPS_HOST", ""); v != "" {
+	if v := envDefault(env, ""); v != "" {
 		b, err := strconv.ParseBool(v)
 		if err != nil {
-			return usageError{fmt.Sprintf("GPU_AGENT_MPS_HOST %q: want true or false", v)}
+			return usageError{fmt.Sprintf("%s %q: want true or false", env, v)}
 		}
 		def = b
 	}
-	fs.BoolVar(p, "mps-host", def,
-		"MPS daemons are run by gpu-agent mps-host (its own DaemonSet), asked for through the MPS root, so that they and their clients outlive this agent's container [GPU_AGENT_MPS_HOST]")
+	fs.BoolVar(p, name, def, fmt.Sprintf("%s [%s]", help, env))
 	return nil
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
@@ -33,8 +34,9 @@ type runFlags struct {
 	mpsBinary, mpsShmDir                               string
 	logLevel, logFormat                                string
 	migStrategy                                        string
+	draPluginDir, kubeletRegistryDir                   string
 	resync                                             time.Duration
-	mpsHost                                            bool
+	mpsHost, dra                                       bool
 }
 
 func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) {
@@ -54,6 +56,8 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.defaultConfig, "default-config", "GPU_AGENT_DEFAULT_CONFIG", "", "config (a key of a multi-key ConfigMap) for nodes no entry or label selects, before \"default\" (NVIDIA's config.default)")
 	// NVIDIA's variable name, so a device plugin DaemonSet's env carries over.
 	fsAdd(&f.migStrategy, "mig-strategy", "MIG_STRATEGY", "", "none, single or mixed: MIG strategy of configs that set none, mig-parted entries and the implicit default (empty: none for configs, mixed for the others; the GPU Operator sets single)")
+	fsAdd(&f.draPluginDir, "dra-plugin-dir", "GPU_AGENT_DRA_PLUGIN_DIR", "/var/lib/kubelet/plugins/"+dra.DriverName, "where the DRA driver's socket goes (with --dra)")
+	fsAdd(&f.kubeletRegistryDir, "kubelet-registry-dir", "GPU_AGENT_KUBELET_REGISTRY_DIR", "/var/lib/kubelet/plugins_registry", "the kubelet's plugin registration directory (with --dra)")
 	fsAdd(&f.nvmlLib, "nvml-lib", "GPU_AGENT_NVML_LIB", "", "path of libnvidia-ml.so.1 for the nvml backend (empty: the loader's search path)")
 	fsAdd(&f.logLevel, "log-level", "GPU_AGENT_LOG_LEVEL", "info", "debug, info, warn or error")
 	fsAdd(&f.logFormat, "log-format", "GPU_AGENT_LOG_FORMAT", "text", "text or json")
@@ -71,6 +75,10 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	}
 	fs.DurationVar(&f.resync, "resync", resync, "re-read the GPUs this often even without events [GPU_AGENT_RESYNC]")
 	if err := registerMPSHostFlag(fs, &f.mpsHost); err != nil {
+		return err
+	}
+	if err := registerBoolFlag(fs, &f.dra, "dra", "GPU_AGENT_DRA",
+		"also offer the GPUs through Dynamic Resource Allocation, as driver "+dra.DriverName+" (needs the Kubernetes API)"); err != nil {
 		return err
 	}
 	if err := parseFlags(fs, args); err != nil {
@@ -197,6 +205,18 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	if f.configMap != "" && client == nil {
 		log.Warn("--configmap needs the Kubernetes API; using --config only", "configmap", f.configMap)
 	}
+	// DRA: the driver publishes what the loop plans and asks the loop to
+	// prepare claims; it starts once the loop exists.
+	var draDriver *dra.Driver
+	var draPub agent.DRAPublisher
+	switch {
+	case f.dra && client == nil:
+		log.Error("--dra needs the Kubernetes API (ResourceSlices); DRA is off, the device plugin serves alone")
+	case f.dra:
+		draDriver = dra.New(dra.Options{NodeName: f.nodeName, Client: client, PluginDir: f.draPluginDir,
+			RegistryDir: f.kubeletRegistryDir, Logger: log.With("component", "dra")})
+		draPub = draDriver
+	}
 
 	ag := agent.New(agent.Options{
 		Observer:           mig.NewObserver(be.Lib, be.InventoryOptions),
@@ -206,6 +226,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		DefaultConfig:      f.defaultConfig,
 		MIGStrategy:        config.MIGStrategy(f.migStrategy),
 		Cluster:            cluster,
+		DRA:                draPub,
 		Inbox:              inbox,
 		Publisher:          mgr,
 		Health:             watcher,
@@ -262,6 +283,17 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		goRun("config events", func() error {
 			return forward(ctx, updates, inbox, func(u config.Update) agent.Event { return agent.ConfigChanged{Update: u} })
 		})
+	}
+	if draDriver != nil {
+		draDriver.SetClaims(ag)
+		// A driver that cannot register leaves the device plugin serving:
+		// the node loses DRA, not its GPUs.
+		if err := draDriver.Start(ctx); err != nil {
+			log.Error("DRA driver not started; the device plugin serves alone", "error", err)
+		} else {
+			defer draDriver.Stop()
+			log.Info("DRA driver registered", "driver", dra.DriverName, "plugin-dir", f.draPluginDir)
+		}
 	}
 	for i, run := range kubeRuns {
 		goRun(fmt.Sprintf("kubernetes API %d", i), func() error { return run(ctx) })

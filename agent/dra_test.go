@@ -1,0 +1,269 @@
+package agent
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/mig"
+)
+
+// draRecorder is the DRA driver as the loop sees it: it keeps the pools.
+type draRecorder struct {
+	mu    sync.Mutex
+	pools []*dra.Pool
+}
+
+func (r *draRecorder) Publish(p *dra.Pool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.pools = append(r.pools, p)
+}
+
+func (r *draRecorder) last() *dra.Pool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.pools) == 0 {
+		return nil
+	}
+	return r.pools[len(r.pools)-1]
+}
+
+func withDRA(r *draRecorder) harnessOption {
+	return func(h *harness) { h.opts.DRA = r }
+}
+
+// prepare runs one Prepare request through a Step and returns its answer.
+func (h *harness) prepare(claims ...dra.Claim) map[types.UID]dra.Prepared {
+	h.t.Helper()
+	reply := make(chan map[types.UID]dra.Prepared, 1)
+	h.step(ClaimsPrepare{Claims: claims, Reply: reply})
+	select {
+	case r := <-reply:
+		return r
+	default:
+		h.t.Fatal("Step did not answer the Prepare request")
+		return nil
+	}
+}
+
+func (h *harness) unprepare(refs ...dra.ClaimRef) map[types.UID]error {
+	h.t.Helper()
+	reply := make(chan map[types.UID]error, 1)
+	h.step(ClaimsUnprepare{Claims: refs, Reply: reply})
+	select {
+	case r := <-reply:
+		return r
+	default:
+		h.t.Fatal("Step did not answer the Unprepare request")
+		return nil
+	}
+}
+
+func claim(uid, name string, devices ...string) dra.Claim {
+	c := dra.Claim{UID: types.UID(uid), Namespace: "default", Name: name}
+	for i, d := range devices {
+		c.Devices = append(c.Devices, dra.Allocated{Request: "gpu" + string(rune('0'+i)), Device: d})
+	}
+	return c
+}
+
+func poolNames(p *dra.Pool) []string {
+	var out []string
+	for _, d := range p.Devices {
+		out = append(out, d.Name)
+	}
+	return out
+}
+
+// The DRA side as a table: what the pool offers, what a claim gets, and how
+// the device plugin and DRA keep out of each other's way through the one
+// ledger.
+func TestDRAClaimsTable(t *testing.T) {
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "dgx-a100"), withDRA(rec))
+	h.config(wholeGPUs)
+	if p := rec.last(); p == nil || len(p.Devices) != 8 || p.Devices[0].Name != "gpu-0" || p.Devices[0].Type != dra.TypeGPU {
+		t.Fatalf("pool after the first config: %v", rec.last())
+	}
+	uuid := func(i int) string { return findGPU(h, i).ID }
+	d0 := rec.last().Devices[0]
+	if d0.UUID != uuid(0) || d0.ProductName != "NVIDIA A100-SXM4-40GB" || d0.Architecture != "ampere" || d0.MemoryBytes == 0 || d0.PCIBusID == "" {
+		t.Errorf("gpu-0 attributes: %+v", d0)
+	}
+
+	// A container holds GPU 0 through the device plugin: DRA stops offering it.
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, uuid(0))})
+	if _, ok := rec.last().Device("gpu-0"); ok {
+		t.Errorf("gpu-0 held through the device plugin is still in the DRA pool: %v", poolNames(rec.last()))
+	}
+
+	rows := []struct {
+		name    string
+		claim   dra.Claim
+		passes  int64
+		wantErr string // "" = prepared
+	}{
+		{"a whole GPU", claim("uid-a", "a", "gpu-1"), 1, ""},
+		{"the same claim again: the same answer, nothing planned", claim("uid-a", "a", "gpu-1"), 0, ""},
+		{"another claim on the same device", claim("uid-b", "b", "gpu-1"), 0, "in use by ResourceClaim default/a"},
+		{"a device the device plugin holds", claim("uid-c", "c", "gpu-0"), 0, `device "gpu-0" is not offered`},
+		{"an unknown device", claim("uid-d", "d", "gpu-99"), 0, `device "gpu-99" is not offered`},
+		{"no device of ours", claim("uid-e", "e"), 0, "no device of driver gpu.nvidia.com"},
+		{"two devices", claim("uid-f", "f", "gpu-2", "gpu-3"), 1, ""},
+	}
+	for _, r := range rows {
+		before := h.a.PlanPasses()
+		got := h.prepare(r.claim)[r.claim.UID]
+		if passes := h.a.PlanPasses() - before; passes != r.passes {
+			t.Errorf("%s: %d plan passes, want %d", r.name, passes, r.passes)
+		}
+		if r.wantErr != "" {
+			if got.Err == nil || !strings.Contains(got.Err.Error(), r.wantErr) {
+				t.Errorf("%s: %+v, want an error containing %q", r.name, got, r.wantErr)
+			}
+			continue
+		}
+		if got.Err != nil || len(got.Devices) != len(r.claim.Devices) {
+			t.Fatalf("%s: %+v, want %d devices", r.name, got, len(r.claim.Devices))
+		}
+		for i, pd := range got.Devices {
+			dev, _ := rec.last().Device(r.claim.Devices[i].Device)
+			if want := "nvidia.com/gpu=" + dev.UUID; len(pd.CDIDevices) != 1 || pd.CDIDevices[0] != want || pd.Requests[0] != r.claim.Devices[i].Request {
+				t.Errorf("%s: device %d: %+v, want CDI device %s for request %s", r.name, i, pd, want, r.claim.Devices[i].Request)
+			}
+			// The device plugin no longer gives it out.
+			if cd := findGPU(h, dev.Index); cd.Healthy || !strings.Contains(cd.Reason, "ResourceClaim default/"+r.claim.Name+" through DRA") {
+				t.Errorf("%s: the device plugin still offers %s: %+v", r.name, dev.Name, cd)
+			}
+		}
+	}
+
+	// A fatal XID: the device stays in the pool, marked unhealthy (a taint),
+	// and no claim gets it.
+	h.step(HealthChanged{State: xidState(uuid(4), 48)})
+	if d, _ := rec.last().Device("gpu-4"); d.Unhealthy == "" {
+		t.Errorf("gpu-4 after XID 48: %+v, want unhealthy", d)
+	}
+	if got := h.prepare(claim("uid-g", "g", "gpu-4"))["uid-g"]; got.Err == nil || !strings.Contains(got.Err.Error(), "unhealthy") {
+		t.Errorf("claim on an unhealthy device: %+v", got)
+	}
+
+	// Released: the device plugin offers it again; an unknown claim is
+	// already released.
+	out := h.unprepare(dra.ClaimRef{UID: "uid-a", Namespace: "default", Name: "a"}, dra.ClaimRef{UID: "uid-zz", Namespace: "default", Name: "zz"})
+	if out["uid-a"] != nil || out["uid-zz"] != nil || len(out) != 2 {
+		t.Errorf("unprepare: %v", out)
+	}
+	if cd := findGPU(h, 1); !cd.Healthy {
+		t.Errorf("GPU 1 after its claim was released: %+v", cd)
+	}
+	if st := h.a.Status().DRA; st == nil || len(st.Claims) != 1 || !strings.HasPrefix(st.Claims[0], "default/f: gpu-2, gpu-3") || len(st.Unhealthy) != 1 {
+		t.Errorf("/status dra: %+v", st)
+	}
+}
+
+// A restart between Prepare and the container's start: the claim is in the
+// checkpoint, the next agent withholds its device from its first catalog
+// and answers the kubelet's repeated Prepare the same way.
+func TestDRAClaimsSurviveRestart(t *testing.T) {
+	node := simNode(t, "dgx-a100")
+	dir := t.TempDir()
+	rec := &draRecorder{}
+	h := newHarnessIn(t, node, dir, withDRA(rec))
+	h.config(wholeGPUs)
+	first := h.prepare(claim("uid-a", "a", "gpu-5"))["uid-a"]
+	if first.Err != nil {
+		t.Fatal(first.Err)
+	}
+
+	rec2 := &draRecorder{}
+	h2 := newHarnessIn(t, node, dir, withDRA(rec2), withCheckpoint())
+	h2.config(wholeGPUs)
+	if cd := findGPU(h2, 5); cd.Healthy {
+		t.Errorf("after the restart the device plugin offers the claimed GPU 5: %+v", cd)
+	}
+	again := h2.prepare(claim("uid-a", "a", "gpu-5"))["uid-a"]
+	if again.Err != nil || len(again.Devices) != 1 || again.Devices[0].CDIDevices[0] != first.Devices[0].CDIDevices[0] {
+		t.Errorf("Prepare after the restart: %+v, want %+v", again, first)
+	}
+	if got := h2.prepare(claim("uid-b", "b", "gpu-5"))["uid-b"]; got.Err == nil {
+		t.Errorf("a second claim got GPU 5 after the restart: %+v", got)
+	}
+}
+
+// A claim that cannot be checkpointed is refused, not half-prepared.
+func TestDRAPrepareNeedsTheCheckpoint(t *testing.T) {
+	rec := &draRecorder{}
+	blocker := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(blocker, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h := newHarnessIn(t, simNode(t, "pcie-4gpu"), filepath.Join(blocker, "state"), withDRA(rec))
+	h.config(wholeGPUs)
+	got := h.prepare(claim("uid-a", "a", "gpu-0"))["uid-a"]
+	if got.Err == nil || !strings.Contains(got.Err.Error(), "checkpointed") {
+		t.Fatalf("Prepare with an unwritable state dir: %+v, want refused", got)
+	}
+	if cd := findGPU(h, 0); !cd.Healthy {
+		t.Errorf("the refused claim's GPU is withheld from the device plugin: %+v", cd)
+	}
+	if st := h.a.Status().DRA; len(st.Claims) != 0 {
+		t.Errorf("refused claim listed: %v", st.Claims)
+	}
+}
+
+// A MIG device a claim holds is never destroyed by a layout edit: its GPU
+// waits, naming the claim.
+func TestDRAClaimedMIGDeviceSurvivesLayoutEdit(t *testing.T) {
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "dgx-h100", sim.WithMIGEnabled()), withMIG(), withDRA(rec))
+	h.config(mixedLayout(`{"1g.10gb": 2, "3g.40gb": 1}`))
+	var target dra.Device
+	for _, d := range rec.last().Devices {
+		if d.Type == dra.TypeMIG && d.ParentIndex == 0 && d.Profile == "1g.10gb" {
+			target = d
+			break
+		}
+	}
+	if target.Name == "" || target.ParentUUID == "" {
+		t.Fatalf("no 1g.10gb MIG device on GPU 0 in the pool: %v", poolNames(rec.last()))
+	}
+	if got := h.prepare(claim("uid-m", "m", target.Name))["uid-m"]; got.Err != nil {
+		t.Fatal(got.Err)
+	}
+	h.config(mixedLayout(`{"3g.40gb": 2}`))
+	if st := h.migState(0); st.Phase != mig.PhasePending || !strings.Contains(st.Reason, "ResourceClaim default/m") {
+		t.Errorf("GPU 0: %+v, want pending naming the claim", st)
+	}
+	if _, ok := rec.last().Device(target.Name); !ok {
+		t.Errorf("claimed MIG device %s was destroyed: %v", target.Name, poolNames(rec.last()))
+	}
+	if st := h.migState(1); st.Phase != mig.PhaseApplied {
+		t.Errorf("GPU 1: %+v, want applied", st)
+	}
+	h.unprepare(dra.ClaimRef{UID: "uid-m", Namespace: "default", Name: "m"})
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU)})
+	if st := h.migState(0); st.Phase != mig.PhaseApplied {
+		t.Errorf("GPU 0 after the claim was released: %+v, want applied", st)
+	}
+}
+
+// Requests are never merged: each caller waits for its own answer.
+func TestInboxKeepsEveryClaimRequest(t *testing.T) {
+	b := NewInbox()
+	r1, r2 := make(chan map[types.UID]dra.Prepared, 1), make(chan map[types.UID]dra.Prepared, 1)
+	b.Post(ClaimsPrepare{Claims: []dra.Claim{claim("1", "a", "gpu-0")}, Reply: r1})
+	b.Post(Tick{})
+	b.Post(ClaimsPrepare{Claims: []dra.Claim{claim("2", "b", "gpu-1")}, Reply: r2})
+	b.Post(Tick{})
+	if got := b.Drain(); len(got) != 3 {
+		t.Errorf("queued %d events, want both requests and one tick: %v", len(got), got)
+	}
+}

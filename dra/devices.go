@@ -1,0 +1,132 @@
+package dra
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+// DriverName is the DRA driver name, NVIDIA's, so that DeviceClasses and
+// claims written for NVIDIA's driver can be reused unchanged.
+const DriverName = "gpu.nvidia.com"
+
+// CDIKind is the CDI vendor/class of the device names Prepare returns; the
+// agent's CDI spec defines one CDI device per GPU and MIG UUID under it.
+const CDIKind = "nvidia.com/gpu"
+
+// Device types, the "type" attribute.
+const (
+	TypeGPU = "gpu"
+	TypeMIG = "mig"
+)
+
+// Device is one device the node offers through DRA: a whole GPU (not in
+// MIG mode) or an existing MIG device.
+type Device struct {
+	// Name is the device's name in the pool: "gpu-<index>" or
+	// "gpu-<index>-mig-<gi>-<ci>"; a DNS label, unique on the node.
+	Name string
+	Type string
+	UUID string
+	// Index is the GPU's NVML index, or for a MIG device its index under
+	// the parent; Minor is N in /dev/nvidiaN (of the parent for MIG).
+	Index, Minor int
+	ProductName  string
+	Architecture string
+	CC           gpu.ComputeCapability
+	// DriverVersion is NVML's ("550.54.15").
+	DriverVersion string
+	PCIBusID      string
+	MemoryBytes   uint64
+	// MIG devices only.
+	Profile     string
+	ParentUUID  string
+	ParentIndex int
+	Placement   gpu.Placement
+	// Unhealthy is why the device must not be used ("" when healthy): it is
+	// published with a NoSchedule taint.
+	Unhealthy string
+}
+
+// CDIDevice is the fully qualified CDI device name a container that gets d
+// is given.
+func (d Device) CDIDevice() string { return CDIKind + "=" + d.UUID }
+
+// Pool is everything the node offers through DRA, ordered by name.
+type Pool struct {
+	Devices []Device
+}
+
+// Device returns the device with the given name.
+func (p *Pool) Device(name string) (Device, bool) {
+	if p == nil {
+		return Device{}, false
+	}
+	i, ok := slices.BinarySearchFunc(p.Devices, name, func(d Device, n string) int { return strings.Compare(d.Name, n) })
+	if !ok {
+		return Device{}, false
+	}
+	return p.Devices[i], true
+}
+
+// Equal reports whether p and q offer the same devices, the same way.
+func (p *Pool) Equal(q *Pool) bool {
+	if p == nil || q == nil {
+		return p == q
+	}
+	return slices.Equal(p.Devices, q.Devices)
+}
+
+// GPUName and MIGName are the device names of a GPU and a MIG device.
+func GPUName(index int) string { return fmt.Sprintf("gpu-%d", index) }
+
+// MIGName names a MIG device by its parent and GPU/compute instance ids,
+// which are unique on the GPU while the device exists.
+func MIGName(parent, gi, ci int) string { return fmt.Sprintf("gpu-%d-mig-%d-%d", parent, gi, ci) }
+
+// Devices lists what inv can offer through DRA, unhealthy ones marked with
+// the reason unhealthy gives by UUID: every GPU not in MIG mode, and every
+// MIG device. A GPU whose MIG mode could not be read, or that is changing
+// MIG mode (pending differs from current), is offered as neither: what it
+// will be is not known.
+func Devices(inv *gpu.Inventory, unhealthy map[string]string) []Device {
+	if inv == nil {
+		return nil
+	}
+	var out []Device
+	for _, g := range inv.GPUs {
+		if g.Unknown(gpu.FactMIGMode) || g.MIG.Current != g.MIG.Pending {
+			continue
+		}
+		base := Device{
+			ProductName:   g.Name,
+			Architecture:  g.ComputeCapability.Family(),
+			CC:            g.ComputeCapability,
+			DriverVersion: inv.DriverVersion,
+			PCIBusID:      g.PCIBusID,
+			Minor:         g.Minor,
+		}
+		if !g.MIG.Current {
+			d := base
+			d.Name, d.Type, d.UUID, d.Index = GPUName(g.Index), TypeGPU, g.UUID, g.Index
+			d.MemoryBytes, d.Unhealthy = g.MemoryBytes, unhealthy[g.UUID]
+			out = append(out, d)
+			continue
+		}
+		for _, m := range g.Instances {
+			d := base
+			d.Name, d.Type, d.UUID, d.Index = MIGName(g.Index, m.GI, m.CI), TypeMIG, m.UUID, m.Index
+			d.MemoryBytes, d.Profile, d.Placement = m.MemoryBytes, m.Profile, m.Placement
+			d.ParentUUID, d.ParentIndex = g.UUID, g.Index
+			d.Unhealthy = unhealthy[m.UUID]
+			if d.Unhealthy == "" {
+				d.Unhealthy = unhealthy[g.UUID]
+			}
+			out = append(out, d)
+		}
+	}
+	slices.SortFunc(out, func(a, b Device) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}

@@ -1,0 +1,304 @@
+package dra
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes/fake"
+	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+)
+
+func inventory(t *testing.T, profile string, opts ...sim.Option) *gpu.Inventory {
+	t.Helper()
+	n, err := sim.New(profile, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.Init()
+	inv, err := gpu.New(n, gpu.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return inv
+}
+
+func TestDevicesFromInventory(t *testing.T) {
+	whole := inventory(t, "dgx-a100")
+	migged := inventory(t, "dgx-h100-mig")
+	switching := inventory(t, "pcie-4gpu")
+	switching.GPUs[1].MIG.Pending = true // a mode change waiting for a reset
+	unknown := inventory(t, "pcie-4gpu")
+	unknown.GPUs[2].Unread = []gpu.Fact{gpu.FactMIGMode}
+
+	tests := []struct {
+		name      string
+		inv       *gpu.Inventory
+		unhealthy map[string]string
+		want      int
+		check     func(t *testing.T, ds []Device)
+	}{
+		{name: "whole GPUs", inv: whole, want: 8, check: func(t *testing.T, ds []Device) {
+			d := ds[0]
+			if d.Name != "gpu-0" || d.Type != TypeGPU || d.UUID != whole.GPUs[0].UUID || d.Architecture != "ampere" ||
+				d.CC != (gpu.ComputeCapability{Major: 8}) || d.MemoryBytes != whole.GPUs[0].MemoryBytes || d.DriverVersion == "" {
+				t.Errorf("gpu-0: %+v", d)
+			}
+			if d.CDIDevice() != "nvidia.com/gpu="+whole.GPUs[0].UUID {
+				t.Errorf("CDI device %q", d.CDIDevice())
+			}
+		}},
+		{name: "MIG devices, not their GPUs", inv: migged, want: 56, check: func(t *testing.T, ds []Device) {
+			for _, d := range ds {
+				if d.Type != TypeMIG || d.Profile != "1g.10gb" || d.ParentUUID == "" || !strings.HasPrefix(d.UUID, "MIG-") ||
+					!strings.HasPrefix(d.Name, fmt.Sprintf("gpu-%d-mig-", d.ParentIndex)) {
+					t.Fatalf("MIG device %+v", d)
+				}
+			}
+		}},
+		{name: "unhealthy marked, a MIG device by its GPU", inv: migged, unhealthy: map[string]string{migged.GPUs[3].UUID: "XID 79"}, want: 56,
+			check: func(t *testing.T, ds []Device) {
+				bad := 0
+				for _, d := range ds {
+					if d.Unhealthy != "" {
+						bad++
+						if d.ParentIndex != 3 || d.Unhealthy != "XID 79" {
+							t.Errorf("unhealthy %+v", d)
+						}
+					}
+				}
+				if bad != 7 {
+					t.Errorf("%d unhealthy, want GPU 3's 7", bad)
+				}
+			}},
+		{name: "a GPU changing MIG mode is neither", inv: switching, want: 3, check: func(t *testing.T, ds []Device) {
+			if slices.ContainsFunc(ds, func(d Device) bool { return d.Name == "gpu-1" }) {
+				t.Errorf("gpu-1 offered while its MIG mode changes")
+			}
+		}},
+		{name: "a GPU whose MIG mode is unread is neither", inv: unknown, want: 3},
+		{name: "no inventory", inv: nil, want: 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ds := Devices(tt.inv, tt.unhealthy)
+			if len(ds) != tt.want {
+				t.Fatalf("%d devices, want %d", len(ds), tt.want)
+			}
+			if !slices.IsSortedFunc(ds, func(a, b Device) int { return strings.Compare(a.Name, b.Name) }) {
+				t.Errorf("not sorted by name")
+			}
+			if tt.check != nil {
+				tt.check(t, ds)
+			}
+		})
+	}
+}
+
+func TestResources(t *testing.T) {
+	inv := inventory(t, "dgx-h100-mig")
+	pool := &Pool{Devices: Devices(inv, map[string]string{inv.GPUs[0].Instances[0].UUID: "XID 48"})}
+	for _, taints := range []bool{true, false} {
+		res := Resources("node-a", pool, 3, taints)
+		p, ok := res.Pools["node-a"]
+		if !ok || p.Generation != 3 || len(p.Slices) != 1 {
+			t.Fatalf("pools %+v", res.Pools)
+		}
+		devs := p.Slices[0].Devices
+		want := 56
+		if !taints {
+			want = 55
+		}
+		if len(devs) != want {
+			t.Errorf("taints=%v: %d devices, want %d", taints, len(devs), want)
+		}
+		tainted := 0
+		for _, d := range devs {
+			if len(d.Taints) > 0 {
+				tainted++
+				if d.Taints[0].Key != TaintUnhealthy || d.Taints[0].Effect != resourceapi.DeviceTaintEffectNoSchedule {
+					t.Errorf("taint %+v", d.Taints)
+				}
+			}
+		}
+		if tainted != want-55 {
+			t.Errorf("taints=%v: %d tainted devices", taints, tainted)
+		}
+	}
+	d := apiDevice(pool.Devices[1])
+	attr := func(name string) resourceapi.DeviceAttribute { return d.Attributes[resourceapi.QualifiedName(name)] }
+	if *attr("type").StringValue != "mig" || *attr("profile").StringValue != "1g.10gb" || *attr("parentUUID").StringValue != inv.GPUs[0].UUID ||
+		*attr("productName").StringValue != inv.GPUs[0].Name || *attr("cudaComputeCapability").VersionValue != "9.0.0" ||
+		*attr("architecture").StringValue != "hopper" || attr("driverVersion").VersionValue == nil || *attr("pcieBusID").StringValue != inv.GPUs[0].PCIBusID {
+		t.Errorf("attributes %+v", d.Attributes)
+	}
+	if q := d.Capacity["memory"].Value; q.Value() != int64(pool.Devices[1].MemoryBytes) {
+		t.Errorf("memory capacity %s", q.String())
+	}
+}
+
+func TestSemver(t *testing.T) {
+	for in, want := range map[string]string{"550.54.15": "550.54.15", "535.104": "535.104.0", "": "", "abc": "", "570": ""} {
+		got, ok := semver(in)
+		if got != want || ok != (want != "") {
+			t.Errorf("semver(%q) = %q, %v; want %q", in, got, ok, want)
+		}
+	}
+}
+
+// fakeClaims records what the driver asks and answers from a table.
+type fakeClaims struct {
+	mu       sync.Mutex
+	prepared []Claim
+	answer   map[types.UID]Prepared
+	released []ClaimRef
+}
+
+func (f *fakeClaims) PrepareClaims(_ context.Context, claims []Claim) (map[types.UID]Prepared, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.prepared = append(f.prepared, claims...)
+	return f.answer, nil
+}
+
+func (f *fakeClaims) UnprepareClaims(_ context.Context, claims []ClaimRef) (map[types.UID]error, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.released = append(f.released, claims...)
+	out := map[types.UID]error{}
+	for _, c := range claims {
+		out[c.UID] = nil
+	}
+	return out, nil
+}
+
+func allocatedClaim(uid, name string, results ...resourceapi.DeviceRequestAllocationResult) *resourceapi.ResourceClaim {
+	return &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default", UID: types.UID(uid)},
+		Status: resourceapi.ResourceClaimStatus{Allocation: &resourceapi.AllocationResult{
+			Devices: resourceapi.DeviceAllocationResult{Results: results},
+		}},
+	}
+}
+
+// The driver as the kubelet and the API server see it: registered on its
+// sockets, ResourceSlices written through the API, NodePrepareResources
+// answered from the loop's decisions.
+func TestDriverServesKubelet(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	mine := resourceapi.DeviceRequestAllocationResult{Request: "gpu", Driver: DriverName, Pool: "node-a", Device: "gpu-1"}
+	other := resourceapi.DeviceRequestAllocationResult{Request: "nic", Driver: "net.example.com", Pool: "node-a", Device: "eth0"}
+	elsewhere := resourceapi.DeviceRequestAllocationResult{Request: "gpu2", Driver: DriverName, Pool: "node-b", Device: "gpu-0"}
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a", UID: "node-a-uid"}}
+	client := fake.NewClientset(node, allocatedClaim("uid-a", "a", mine, other, elsewhere))
+	claims := &fakeClaims{answer: map[types.UID]Prepared{"uid-a": {Devices: []PreparedDevice{
+		{Requests: []string{"gpu"}, Device: "gpu-1", CDIDevices: []string{"nvidia.com/gpu=GPU-1"}},
+	}}}}
+	dir := t.TempDir()
+	if err := os.Mkdir(filepath.Join(dir, "registry"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	d := New(Options{NodeName: "node-a", Client: client, PluginDir: filepath.Join(dir, "plugin"), RegistryDir: filepath.Join(dir, "registry")})
+	inv := inventory(t, "pcie-4gpu")
+	d.Publish(&Pool{Devices: Devices(inv, map[string]string{inv.GPUs[3].UUID: "XID 48"})})
+	d.SetClaims(claims)
+	w, err := client.ResourceV1().ResourceSlices().Watch(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	if err := d.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer d.Stop()
+
+	// The pool published before Start reaches the API.
+	slice := nextSlice(t, w)
+	if slice.Spec.Driver != DriverName || slice.Spec.Pool.Name != "node-a" || slice.Spec.NodeName == nil || *slice.Spec.NodeName != "node-a" || len(slice.Spec.Devices) != 4 {
+		t.Fatalf("ResourceSlice %+v", slice.Spec)
+	}
+	if i := slices.IndexFunc(slice.Spec.Devices, func(d resourceapi.Device) bool { return len(d.Taints) > 0 }); i != 3 {
+		t.Errorf("tainted device at %d, want gpu-3", i)
+	}
+
+	conn, err := grpc.NewClient("unix://"+filepath.Join(dir, "plugin", "dra.sock"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	kubelet := drapb.NewDRAPluginClient(conn)
+	resp, err := kubelet.NodePrepareResources(ctx, &drapb.NodePrepareResourcesRequest{Claims: []*drapb.Claim{{Namespace: "default", Name: "a", Uid: "uid-a"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := resp.Claims["uid-a"]
+	if got.GetError() != "" || len(got.GetDevices()) != 1 || got.Devices[0].DeviceName != "gpu-1" || got.Devices[0].PoolName != "node-a" ||
+		!slices.Equal(got.Devices[0].CdiDeviceIds, []string{"nvidia.com/gpu=GPU-1"}) {
+		t.Errorf("NodePrepareResources: %+v", got)
+	}
+	claims.mu.Lock()
+	if len(claims.prepared) != 1 || !slices.Equal(claims.prepared[0].Devices, []Allocated{{Request: "gpu", Device: "gpu-1"}}) {
+		t.Errorf("the loop was asked %+v; want only this driver's results in this node's pool", claims.prepared)
+	}
+	claims.mu.Unlock()
+
+	// A refusal reaches the kubelet with its reason.
+	claims.mu.Lock()
+	claims.answer = map[types.UID]Prepared{"uid-a": {Err: fmt.Errorf("device gpu-1 is in use by ml/trainer (device plugin)")}}
+	claims.mu.Unlock()
+	resp, err = kubelet.NodePrepareResources(ctx, &drapb.NodePrepareResourcesRequest{Claims: []*drapb.Claim{{Namespace: "default", Name: "a", Uid: "uid-a"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e := resp.Claims["uid-a"].GetError(); !strings.Contains(e, "ml/trainer") {
+		t.Errorf("refusal reached the kubelet as %q", e)
+	}
+
+	un, err := kubelet.NodeUnprepareResources(ctx, &drapb.NodeUnprepareResourcesRequest{Claims: []*drapb.Claim{{Namespace: "default", Name: "a", Uid: "uid-a"}}})
+	if err != nil || un.Claims["uid-a"].GetError() != "" {
+		t.Fatalf("NodeUnprepareResources: %+v, %v", un, err)
+	}
+
+	// A new pool (GPU 3 recovered) replaces the slice's devices.
+	d.Publish(&Pool{Devices: Devices(inv, nil)})
+	for {
+		s := nextSlice(t, w)
+		if !slices.ContainsFunc(s.Spec.Devices, func(d resourceapi.Device) bool { return len(d.Taints) > 0 }) {
+			break
+		}
+	}
+}
+
+func nextSlice(t *testing.T, w watch.Interface) *resourceapi.ResourceSlice {
+	t.Helper()
+	// The deadline only bounds a broken test; the slice is written at once.
+	timeout := time.After(30 * time.Second)
+	for {
+		select {
+		case ev := <-w.ResultChan():
+			if s, ok := ev.Object.(*resourceapi.ResourceSlice); ok && (ev.Type == watch.Added || ev.Type == watch.Modified) {
+				return s
+			}
+		case <-timeout:
+			t.Fatal("no ResourceSlice written")
+			return nil
+		}
+	}
+}

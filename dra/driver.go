@@ -1,0 +1,257 @@
+package dra
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+
+	"github.com/go-logr/logr"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
+	"k8s.io/klog/v2"
+)
+
+// Claim is one ResourceClaim's allocation on this node, as Prepare sees it.
+type Claim struct {
+	UID       types.UID
+	Namespace string
+	Name      string
+	// Devices are the claim's allocation results for this driver and this
+	// node's pool, in the claim's order.
+	Devices []Allocated
+}
+
+// Allocated is one allocation result: which device serves which request.
+type Allocated struct {
+	// Request is the request's name, "<request>/<subrequest>" for a
+	// subrequest.
+	Request string `json:"request"`
+	Device  string `json:"device"`
+}
+
+// ClaimRef names a claim to unprepare; the claim object may be gone.
+type ClaimRef struct {
+	UID       types.UID
+	Namespace string
+	Name      string
+}
+
+func (c ClaimRef) String() string { return c.Namespace + "/" + c.Name }
+
+func (c Claim) String() string { return c.Namespace + "/" + c.Name }
+
+// Prepared is what one claim's containers get, or why they get nothing yet.
+type Prepared struct {
+	Devices []PreparedDevice
+	Err     error
+}
+
+// PreparedDevice is one device of a prepared claim.
+type PreparedDevice struct {
+	Requests   []string `json:"requests"`
+	Device     string   `json:"device"`
+	CDIDevices []string `json:"cdiDevices"`
+}
+
+// Claims prepares and unprepares claims: the agent's loop, which owns the
+// allocation ledger both the device plugin and DRA draw on. Both calls are
+// idempotent, and return only once the outcome is checkpointed.
+type Claims interface {
+	PrepareClaims(ctx context.Context, claims []Claim) (map[types.UID]Prepared, error)
+	UnprepareClaims(ctx context.Context, claims []ClaimRef) (map[types.UID]error, error)
+}
+
+// Options configure a Driver.
+type Options struct {
+	NodeName string
+	Client   kubernetes.Interface
+	Claims   Claims
+	// PluginDir is where the DRA socket goes ("": the kubelet's default,
+	// /var/lib/kubelet/plugins/gpu.nvidia.com); RegistryDir the kubelet's
+	// plugin registration directory ("": /var/lib/kubelet/plugins_registry).
+	PluginDir, RegistryDir string
+	Logger                 *slog.Logger
+}
+
+// Driver is the kubelet plugin: registration, the DRA gRPC service, and
+// ResourceSlice publishing.
+type Driver struct {
+	opts   Options
+	log    *slog.Logger
+	helper *kubeletplugin.Helper
+
+	mu sync.Mutex
+	// pool is the last one published, gen its generation; taints is false
+	// once the API server dropped a device taint (DRADeviceTaints off):
+	// unhealthy devices are then left out instead.
+	pool   *Pool
+	gen    int64
+	taints bool
+	// published: the pool last handed to the helper, to skip no-op updates.
+	published *Pool
+}
+
+// New returns a driver that keeps what Publish gives it until Start.
+func New(opts Options) *Driver {
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &Driver{opts: opts, log: opts.Logger, taints: true}
+}
+
+// SetClaims sets who prepares claims (the agent, built after the driver it
+// publishes through); call before Start.
+func (d *Driver) SetClaims(c Claims) { d.opts.Claims = c }
+
+// Start registers the driver with the kubelet, starts serving claims to
+// opts.Claims and publishes the pool last given to Publish.
+func (d *Driver) Start(ctx context.Context) error {
+	opts := d.opts
+	if opts.NodeName == "" || opts.Client == nil || opts.Claims == nil {
+		return errors.New("dra: NodeName, Client and Claims are required")
+	}
+	// The helper logs through klog's contextual logger: route it to ours.
+	ctx = klog.NewContext(ctx, logr.FromSlogHandler(opts.Logger.With("component", "dra").Handler()))
+	kopts := []kubeletplugin.Option{
+		kubeletplugin.DriverName(DriverName),
+		kubeletplugin.NodeName(opts.NodeName),
+		kubeletplugin.KubeClient(opts.Client),
+	}
+	if opts.PluginDir != "" {
+		// The kubelet creates its plugins_registry, not a driver's own directory.
+		if err := os.MkdirAll(opts.PluginDir, 0o750); err != nil {
+			return fmt.Errorf("dra: plugin directory: %w", err)
+		}
+		kopts = append(kopts, kubeletplugin.PluginDataDirectoryPath(opts.PluginDir))
+	}
+	if opts.RegistryDir != "" {
+		kopts = append(kopts, kubeletplugin.RegistrarDirectoryPath(opts.RegistryDir))
+	}
+	h, err := kubeletplugin.Start(ctx, d, kopts...)
+	if err != nil {
+		return fmt.Errorf("dra: start the kubelet plugin %s: %w", DriverName, err)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.helper = h
+	d.publishLocked()
+	return nil
+}
+
+// Stop stops serving. ResourceSlices stay: the next agent publishes over
+// them, and `gpu-agent node-cleanup` removes them on uninstall.
+func (d *Driver) Stop() {
+	d.mu.Lock()
+	h := d.helper
+	d.mu.Unlock()
+	if h != nil {
+		h.Stop()
+	}
+}
+
+// Publish sets what the node offers through DRA; the helper's controller
+// writes the ResourceSlices in the background. It never blocks on the API.
+// Before Start it only keeps the pool.
+func (d *Driver) Publish(p *Pool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.pool = p
+	d.publishLocked()
+}
+
+func (d *Driver) publishLocked() {
+	if d.helper == nil || d.pool == nil || d.published != nil && d.published.Equal(d.pool) {
+		return
+	}
+	d.gen++
+	res := Resources(d.opts.NodeName, d.pool, d.gen, d.taints)
+	if err := d.helper.PublishResources(context.Background(), res); err != nil {
+		d.log.Error("DRA: cannot publish ResourceSlices", "err", err)
+		return
+	}
+	d.published = d.pool
+	d.log.Info("DRA: ResourceSlices updated", "devices", len(res.Pools[d.opts.NodeName].Slices[0].Devices), "generation", d.gen)
+}
+
+// PrepareResourceClaims implements kubeletplugin.DRAPlugin: the loop
+// decides, this only translates.
+func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	in := make([]Claim, 0, len(claims))
+	for _, c := range claims {
+		in = append(in, ClaimOf(c, d.opts.NodeName))
+	}
+	got, err := d.opts.Claims.PrepareClaims(ctx, in)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[types.UID]kubeletplugin.PrepareResult, len(in))
+	for _, c := range in {
+		p, ok := got[c.UID]
+		if !ok {
+			out[c.UID] = kubeletplugin.PrepareResult{Err: fmt.Errorf("claim %s: no answer", c)}
+			continue
+		}
+		if p.Err != nil {
+			out[c.UID] = kubeletplugin.PrepareResult{Err: p.Err}
+			continue
+		}
+		r := kubeletplugin.PrepareResult{Devices: make([]kubeletplugin.Device, 0, len(p.Devices))}
+		for _, pd := range p.Devices {
+			r.Devices = append(r.Devices, kubeletplugin.Device{
+				Requests: pd.Requests, PoolName: d.opts.NodeName, DeviceName: pd.Device, CDIDeviceIDs: pd.CDIDevices,
+			})
+		}
+		out[c.UID] = r
+	}
+	return out, nil
+}
+
+// ClaimOf extracts what Prepare needs from an allocated claim: the results
+// of this driver in this node's pool.
+func ClaimOf(c *resourceapi.ResourceClaim, pool string) Claim {
+	out := Claim{UID: c.UID, Namespace: c.Namespace, Name: c.Name}
+	if c.Status.Allocation == nil {
+		return out
+	}
+	for _, r := range c.Status.Allocation.Devices.Results {
+		if r.Driver == DriverName && r.Pool == pool {
+			out.Devices = append(out.Devices, Allocated{Request: r.Request, Device: r.Device})
+		}
+	}
+	return out
+}
+
+// UnprepareResourceClaims implements kubeletplugin.DRAPlugin.
+func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	in := make([]ClaimRef, 0, len(claims))
+	for _, c := range claims {
+		in = append(in, ClaimRef{UID: c.UID, Namespace: c.Namespace, Name: c.Name})
+	}
+	return d.opts.Claims.UnprepareClaims(ctx, in)
+}
+
+// HandleError implements kubeletplugin.DRAPlugin: errors of the background
+// ResourceSlice publishing. None is fatal; a dropped taint means the API
+// server does not know device taints, so unhealthy devices are withheld
+// from then on instead.
+func (d *Driver) HandleError(_ context.Context, err error, msg string) {
+	var dropped *resourceslice.DroppedFieldsError
+	if errors.As(err, &dropped) {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		if d.taints {
+			d.taints = false
+			d.log.Warn("DRA: the API server dropped device taints (feature DRADeviceTaints off?); unhealthy devices are left out of the ResourceSlices instead", "err", err)
+			d.published = nil
+			d.publishLocked()
+			return
+		}
+	}
+	d.log.Error("DRA: "+msg, "err", err)
+}
