@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -18,11 +19,12 @@ import (
 // BenchmarkScrape measures one /metrics request on sim:dgx-h100 with 7 MIG
 // devices per GPU, each shared as 4 replicas held by 4 different pods.
 func BenchmarkScrape(b *testing.B) {
-	n := newNode(b, "dgx-h100", sim.WithMIGEnabled())
+	clk := newClock()
+	n := newNode(b, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.now))
 	createMIG(b, n, 7)
 	inv := inventory(b, n)
 
-	s := NewSampler(n, SamplerOptions{})
+	s := newSampler(n, clk)
 	s.SetInventory(inv)
 	s.Sample()
 	tr := newTracker(Policy{}, slog.New(slog.DiscardHandler))
@@ -67,12 +69,15 @@ func BenchmarkScrape(b *testing.B) {
 
 // BenchmarkSample measures one sampling pass (the NVML side, off the scrape path).
 func BenchmarkSample(b *testing.B) {
-	n := newNode(b, "dgx-h100", sim.WithMIGEnabled())
+	clk := newClock()
+	n := newNode(b, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.now))
 	createMIG(b, n, 7)
-	s := NewSampler(n, SamplerOptions{})
+	s := newSampler(n, clk)
 	s.SetInventory(inventory(b, n))
+	s.Sample() // GPM's first samples
 	b.ReportAllocs()
 	for b.Loop() {
+		clk.add(10 * time.Second) // a pass an interval after the last: every GPM source samples
 		s.Sample()
 	}
 }

@@ -46,23 +46,46 @@ type dcgmDef struct {
 	name  string
 	help  string
 	typ   prometheus.ValueType
-	// mig: NVML gives the value per MIG device too.
+	// mig: NVML gives the value per MIG device (or GPU instance) too.
 	mig  bool
 	desc *prometheus.Desc
 }
 
-// dcgmDefs are the dcgm-exporter fields NVML can supply, with its names and
-// units, so existing dashboards keep working.
+// dcgmDefs are the dcgm-exporter fields NVML can supply, with its names,
+// types and units, so existing dashboards keep working. A field NVML does
+// not give for a device (NOT_SUPPORTED) has no series there, never a 0:
+//   - ENC_UTIL, DEC_UTIL: GPUs without the engine (A100 and H100 have no
+//     NVENC) and every MIG-enabled GPU, for which NVML refuses them;
+//   - MEMORY_TEMP: GPUs without HBM (GDDR boards such as the L40S);
+//   - NVLINK_BANDWIDTH_TOTAL: GPUs without NVLink;
+//   - VGPU_LICENSE_STATUS: everywhere but in vGPU guests;
+//   - GPU_UTIL, MEM_COPY_UTIL: MIG-enabled GPUs (NVML refuses them);
+//   - DCGM_FI_PROF_*: GPUs older than Hopper (A100, V100, L40S), because
+//     NVML's only source of them is GPM (GPU Performance Monitoring),
+//     Hopper and newer. dcgm-exporter reads them from DCGM's own
+//     profiling module, which gpu-agent does not have. On a MIG-enabled
+//     Hopper GPU they exist per GPU instance too (GPM samples GPU
+//     instances) where NVML gives them per instance: the engine, SM,
+//     pipe and DRAM ratios; PCIe and NVLink traffic only per GPU.
+//     An A100 in MIG mode thus has no utilization series at all, neither
+//     per GPU (NVML refuses it) nor per instance (no GPM).
 var dcgmDefs = []dcgmDef{
 	{field: FieldSMClock, name: "DCGM_FI_DEV_SM_CLOCK", help: "SM clock frequency in MHz.", typ: prometheus.GaugeValue},
 	{field: FieldMemClock, name: "DCGM_FI_DEV_MEM_CLOCK", help: "Memory clock frequency in MHz.", typ: prometheus.GaugeValue},
 	{field: FieldGPUTemp, name: "DCGM_FI_DEV_GPU_TEMP", help: "GPU temperature in degrees C.", typ: prometheus.GaugeValue},
+	{field: FieldMemTemp, name: "DCGM_FI_DEV_MEMORY_TEMP", help: "HBM memory temperature in degrees C.", typ: prometheus.GaugeValue},
 	{field: FieldPower, name: "DCGM_FI_DEV_POWER_USAGE", help: "Power draw in W.", typ: prometheus.GaugeValue},
 	{field: FieldEnergy, name: "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", help: "Energy consumed since the driver was loaded, in mJ.", typ: prometheus.CounterValue},
+	{field: FieldPCIeReplays, name: "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", help: "PCIe packets the link had to send again (replays).", typ: prometheus.CounterValue},
 	{field: FieldGPUUtil, name: "DCGM_FI_DEV_GPU_UTIL", help: "GPU utilization in %.", typ: prometheus.GaugeValue},
 	{field: FieldMemCopyUtil, name: "DCGM_FI_DEV_MEM_COPY_UTIL", help: "Memory (copy) utilization in %.", typ: prometheus.GaugeValue},
+	{field: FieldEncUtil, name: "DCGM_FI_DEV_ENC_UTIL", help: "Video encoder (NVENC) utilization in %.", typ: prometheus.GaugeValue},
+	{field: FieldDecUtil, name: "DCGM_FI_DEV_DEC_UTIL", help: "Video decoder (NVDEC) utilization in %.", typ: prometheus.GaugeValue},
 	{field: FieldFBFree, name: "DCGM_FI_DEV_FB_FREE", help: "Free framebuffer memory in MiB.", typ: prometheus.GaugeValue, mig: true},
 	{field: FieldFBUsed, name: "DCGM_FI_DEV_FB_USED", help: "Used framebuffer memory in MiB.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldFBReserved, name: "DCGM_FI_DEV_FB_RESERVED", help: "Framebuffer memory the driver and firmware reserve, in MiB.", typ: prometheus.GaugeValue},
+	{field: FieldNVLinkBandwidth, name: "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", help: "NVLink traffic over all links, sent and received, protocol overhead included, in KiB.", typ: prometheus.CounterValue},
+	{field: FieldVGPULicense, name: "DCGM_FI_DEV_VGPU_LICENSE_STATUS", help: "1 when the vGPU feature is licensed, 0 when not (vGPU guests only).", typ: prometheus.GaugeValue},
 	{field: FieldECCSBEVolatile, name: "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", help: "Single-bit ECC errors since the last reset.", typ: prometheus.CounterValue},
 	{field: FieldECCDBEVolatile, name: "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", help: "Double-bit ECC errors since the last reset.", typ: prometheus.CounterValue},
 	{field: FieldECCSBEAggregate, name: "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", help: "Single-bit ECC errors over the GPU's lifetime.", typ: prometheus.CounterValue},
@@ -71,6 +94,18 @@ var dcgmDefs = []dcgmDef{
 	{field: FieldRemappedCorrectable, name: "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", help: "Rows remapped for correctable errors.", typ: prometheus.CounterValue},
 	{field: FieldRemapFailure, name: "DCGM_FI_DEV_ROW_REMAP_FAILURE", help: "1 when a row remapping failed.", typ: prometheus.GaugeValue},
 	{field: FieldRemapPending, name: "DCGM_FI_DEV_ROW_REMAP_PENDING", help: "1 when a remapped row waits for a GPU reset.", typ: prometheus.GaugeValue},
+	{field: FieldGrEngineActive, name: "DCGM_FI_PROF_GR_ENGINE_ACTIVE", help: "Fraction of time (0-1) the graphics/compute engine was busy, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldSMActive, name: "DCGM_FI_PROF_SM_ACTIVE", help: "Fraction (0-1) of SM cycles with at least one warp resident, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldSMOccupancy, name: "DCGM_FI_PROF_SM_OCCUPANCY", help: "Resident warps as a fraction (0-1) of the SMs' maximum, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldTensorActive, name: "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", help: "Fraction (0-1) of cycles a tensor pipe was busy, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldDRAMActive, name: "DCGM_FI_PROF_DRAM_ACTIVE", help: "Device memory bandwidth used, as a fraction (0-1) of the maximum, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldFP64Active, name: "DCGM_FI_PROF_PIPE_FP64_ACTIVE", help: "Fraction (0-1) of cycles the FP64 pipes were busy, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldFP32Active, name: "DCGM_FI_PROF_PIPE_FP32_ACTIVE", help: "Fraction (0-1) of cycles the FP32 pipes were busy, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldFP16Active, name: "DCGM_FI_PROF_PIPE_FP16_ACTIVE", help: "Fraction (0-1) of cycles the FP16 pipes were busy, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldPCIeTxBytes, name: "DCGM_FI_PROF_PCIE_TX_BYTES", help: "PCIe bytes/s sent by the GPU, headers included, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldPCIeRxBytes, name: "DCGM_FI_PROF_PCIE_RX_BYTES", help: "PCIe bytes/s received by the GPU, headers included, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldNVLinkTxBytes, name: "DCGM_FI_PROF_NVLINK_TX_BYTES", help: "NVLink bytes/s sent over all links, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
+	{field: FieldNVLinkRxBytes, name: "DCGM_FI_PROF_NVLINK_RX_BYTES", help: "NVLink bytes/s received over all links, over the sampling interval.", typ: prometheus.GaugeValue, mig: true},
 }
 
 // Collector is a prometheus.Collector for the node's GPUs: dcgm-exporter's
@@ -96,7 +131,7 @@ func NewCollector(opts CollectorOptions) *Collector {
 	c.xid = prometheus.NewDesc("DCGM_FI_DEV_XID_ERRORS", "The latest XID the GPU reported (0: none since the agent started).", dcgmLabels, nil)
 	dev := []string{"gpu", "UUID", "GPU_I_PROFILE", "GPU_I_ID"}
 	gpuL := []string{"gpu", "UUID"}
-	c.healthy = prometheus.NewDesc("gpu_agent_device_healthy", "1 when the GPU or MIG device (and its replicas) is healthy, 0 when the health watcher marked it.", dev, nil)
+	c.healthy = prometheus.NewDesc("gpu_agent_device_healthy", "1 when the GPU or MIG device (and its replicas) is healthy, 0 when the health watcher marked it; a GPU instance split into compute instances counts as one device.", dev, nil)
 	c.causes = prometheus.NewDesc("gpu_agent_health_causes", "Active reasons for devices of a GPU to be unhealthy, by kind and what clears them.", append(slices.Clone(gpuL), "kind", "class"), nil)
 	c.xids = prometheus.NewDesc("gpu_agent_xid_events_total", "XID events seen since the agent started, fatal or not.", append(slices.Clone(gpuL), "xid"), nil)
 	c.ecc = prometheus.NewDesc("gpu_agent_ecc_events_total", "ECC error events seen since the agent started.", append(slices.Clone(gpuL), "type"), nil)
@@ -164,8 +199,19 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		emit(ch, c.xid, prometheus.GaugeValue, float64(last), lv, hs)
 		for k := range g.Instances {
 			in := &g.Instances[k]
+			// Framebuffer and GPM belong to the GPU instance, which the
+			// labels name: its compute instances (MIG devices of a 1c.*
+			// profile) share one series, held by whoever holds any of them.
+			if slices.ContainsFunc(g.Instances[:k], func(o MIGSample) bool { return o.GI == in.GI }) {
+				continue
+			}
 			lv[5], lv[6] = in.Profile, strconv.Itoa(in.GI)
 			hs := attr.Holders(in.UUID)
+			for _, o := range g.Instances[k+1:] {
+				if o.GI == in.GI {
+					hs = mergeHolders(hs, attr.Holders(o.UUID))
+				}
+			}
 			for j := range c.defs {
 				d := &c.defs[j]
 				if !d.mig {
@@ -178,6 +224,16 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 	c.sharing(ch, attr)
+}
+
+// mergeHolders is a ∪ b, sorted, without changing either.
+func mergeHolders(a, b []Holder) []Holder {
+	if len(b) == 0 {
+		return a
+	}
+	out := slices.Concat(a, b)
+	slices.SortFunc(out, Holder.compare)
+	return slices.Compact(out)
 }
 
 // emit sends one series per holder, or one without pod labels when none.
@@ -196,26 +252,41 @@ func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueT
 
 // gpuAgent sends gpu-agent's own per-GPU metrics.
 func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx string, st *State, attr *Attribution, served map[string]bool) {
-	device := func(uuid, profile, gi string) {
-		h := 1.0
-		if ok, offered := served[uuid]; offered {
-			// What the kubelet was told, so the metric and the node's
-			// allocatable never disagree.
-			if !ok {
+	// device sends the metrics of the devices its labels name: a GPU, or
+	// a GPU instance with every MIG device (compute instance) in it.
+	device := func(profile, gi string, uuids ...string) {
+		h, holders, held := 1.0, 0, 0
+		for _, uuid := range uuids {
+			if ok, offered := served[uuid]; offered {
+				// What the kubelet was told, so the metric and the node's
+				// allocatable never disagree.
+				if !ok {
+					h = 0
+				}
+			} else if _, bad := st.Unhealthy(uuid); bad {
 				h = 0
 			}
-		} else if _, bad := st.Unhealthy(uuid); bad {
-			h = 0
+			holders += len(attr.Holders(uuid))
+			held += attr.Held(uuid)
 		}
 		ch <- prometheus.MustNewConstMetric(c.healthy, prometheus.GaugeValue, h, idx, g.UUID, profile, gi)
-		ch <- prometheus.MustNewConstMetric(c.holders, prometheus.GaugeValue, float64(len(attr.Holders(uuid))), idx, g.UUID, profile, gi)
-		ch <- prometheus.MustNewConstMetric(c.held, prometheus.GaugeValue, float64(attr.Held(uuid)), idx, g.UUID, profile, gi)
+		ch <- prometheus.MustNewConstMetric(c.holders, prometheus.GaugeValue, float64(holders), idx, g.UUID, profile, gi)
+		ch <- prometheus.MustNewConstMetric(c.held, prometheus.GaugeValue, float64(held), idx, g.UUID, profile, gi)
 	}
-	device(g.UUID, "", "")
+	device("", "", g.UUID)
 	profiles := map[string]int{}
-	for _, in := range g.Instances {
-		device(in.UUID, in.Profile, strconv.Itoa(in.GI))
+	for k, in := range g.Instances {
 		profiles[in.Profile]++
+		if slices.ContainsFunc(g.Instances[:k], func(o MIGSample) bool { return o.GI == in.GI }) {
+			continue
+		}
+		uuids := []string{in.UUID}
+		for _, o := range g.Instances[k+1:] {
+			if o.GI == in.GI {
+				uuids = append(uuids, o.UUID)
+			}
+		}
+		device(in.Profile, strconv.Itoa(in.GI), uuids...)
 	}
 	for _, p := range slices.Sorted(maps.Keys(profiles)) {
 		ch <- prometheus.MustNewConstMetric(c.migDevices, prometheus.GaugeValue, float64(profiles[p]), idx, g.UUID, p)

@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -44,10 +45,9 @@ func pod(ns, name, container, resource string, ids ...string) *podresourcesv1.Po
 
 // goldenNode is a dgx-h100 trimmed to two GPUs: GPU 0 in MIG mode with two
 // 1g instances (one running a process), GPU 1 whole, busy, shared by replicas.
-func goldenNode(t *testing.T) (*sim.Node, *gpu.Inventory) {
+func goldenNode(t *testing.T, clk *fakeClock) (*sim.Node, *gpu.Inventory) {
 	t.Helper()
-	at := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
-	n := newNode(t, "dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithClock(func() time.Time { return at }))
+	n := newNode(t, "dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithClock(clk.now))
 	dev, _ := n.DeviceGetHandleByIndex(0)
 	if _, r := dev.SetMigMode(nvml.DEVICE_MIG_ENABLE); r != nvml.SUCCESS {
 		t.Fatalf("SetMigMode: %v", r)
@@ -77,6 +77,9 @@ func goldenNode(t *testing.T) (*sim.Node, *gpu.Inventory) {
 	must(t, n.SetClocks(1, 1755, 2619))
 	must(t, n.SetECC(1, 7, 1))
 	must(t, n.SetRemappedRows(1, 2, 1, true, false))
+	must(t, n.SetCodecUtilization(1, 0, 12))
+	must(t, n.SetPCIeReplays(1, 3))
+	must(t, n.SetInstanceUtilization(0, gi.GI, 50, 20))
 	return n, inv
 }
 
@@ -104,8 +107,9 @@ func scrape(tb testing.TB, c prometheus.Collector, reg *prometheus.Registry) str
 
 func goldenCollector(t *testing.T) (*Collector, *gpu.Inventory) {
 	t.Helper()
-	n, inv := goldenNode(t)
-	s := NewSampler(n, SamplerOptions{Now: func() time.Time { return time.Unix(1767323045, 0) }})
+	clk := newClock()
+	n, inv := goldenNode(t, clk)
+	s := newSampler(n, clk)
 	s.SetInventory(inv)
 	s.Sample()
 
@@ -237,6 +241,23 @@ func TestCollectorSemantics(t *testing.T) {
 		{"mig mode", "gpu_agent_mig_mode", "1", []string{q("gpu", "0"), q("state", "current")}, true},
 		{"mig devices", "gpu_agent_mig_devices", "2", []string{q("gpu", "0"), q("profile", "1g.10gb")}, true},
 		{"active cause", "gpu_agent_health_causes", "1", []string{q("gpu", "1"), q("class", "reset-gpu"), q("kind", "xid")}, true},
+		{"decoder utilization, attributed", "DCGM_FI_DEV_DEC_UTIL", "12", []string{q("gpu", "1"), q("pod", "train-a")}, true},
+		{"no encoder series on an H100 (no NVENC), not a 0", "DCGM_FI_DEV_ENC_UTIL", "", nil, false},
+		{"no decoder series on a MIG-enabled GPU", "DCGM_FI_DEV_DEC_UTIL", "", []string{q("gpu", "0")}, false},
+		{"PCIe replays", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "3", []string{q("gpu", "1")}, true},
+		{"HBM temperature follows the GPU's and memory load", "DCGM_FI_DEV_MEMORY_TEMP", "67", []string{q("gpu", "1")}, true},
+		{"reserved framebuffer", "DCGM_FI_DEV_FB_RESERVED", "407", []string{q("gpu", "1")}, true},
+		{"no reserved framebuffer per MIG device", "DCGM_FI_DEV_FB_RESERVED", "", []string{q("GPU_I_ID", gi)}, false},
+		{"MIG-enabled GPU's used framebuffer is its instances'", "DCGM_FI_DEV_FB_USED", "3072", []string{q("gpu", "0"), q("GPU_I_ID", "")}, true},
+		{"NVLink counter", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "", []string{q("gpu", "1")}, true},
+		{"engine activity of a whole GPU from GPM", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "0.8000000000000002", []string{q("gpu", "1"), q("pod", "train-b")}, true},
+		{"engine activity per MIG instance, attributed", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "0.5", []string{q("gpu", "0"), q("UUID", g0.UUID),
+			q("GPU_I_PROFILE", "1g.10gb"), q("GPU_I_ID", gi), q("pod", "infer")}, true},
+		{"idle MIG instance has a 0, not no series", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "0", []string{q("gpu", "0"), q("GPU_I_ID", itoa(g0.Instances[1].GI))}, true},
+		{"MIG-enabled GPU's engine activity weighs its instances by slices", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "0.07142857142857142", []string{q("gpu", "0"), q("GPU_I_ID", "")}, true},
+		{"NVLink traffic in bytes/s", "DCGM_FI_PROF_NVLINK_TX_BYTES", "1.08e+11", []string{q("gpu", "1")}, true},
+		{"no PCIe traffic per MIG instance", "DCGM_FI_PROF_PCIE_TX_BYTES", "", []string{q("GPU_I_ID", gi)}, false},
+		{"no NVLink traffic per MIG instance", "DCGM_FI_PROF_NVLINK_RX_BYTES", "", []string{q("GPU_I_ID", gi)}, false},
 	}
 	for _, tt := range tests {
 		if got := has(tt.metric, tt.value, tt.labels...); got != tt.want {
@@ -282,5 +303,72 @@ func TestNVMLBusID(t *testing.T) {
 		if got := nvmlBusID(in); got != want {
 			t.Errorf("nvmlBusID(%q) = %q, want %q", in, got, want)
 		}
+	}
+}
+
+// A GPU instance split into compute instances (a 1c.* profile) is one
+// series per holder, not one per MIG device: those would carry the same
+// labels, and a registry refuses duplicates (the whole scrape fails).
+func TestCollectorComputeInstancesShareTheirGPUInstance(t *testing.T) {
+	clk := newClock()
+	n := newNode(t, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.now))
+	dev, _ := n.DeviceGetHandleByIndex(0)
+	info, _ := dev.GetGpuInstanceProfileInfo(nvml.GPU_INSTANCE_PROFILE_2_SLICE)
+	gi, r := dev.CreateGpuInstance(&info)
+	if r != nvml.SUCCESS {
+		t.Fatal(r)
+	}
+	ci, _ := gi.GetComputeInstanceProfileInfo(nvml.COMPUTE_INSTANCE_PROFILE_1_SLICE, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+	for range 2 {
+		if _, r := gi.CreateComputeInstance(&ci); r != nvml.SUCCESS {
+			t.Fatal(r)
+		}
+	}
+	inv := inventory(t, n)
+	ins := inv.GPUs[0].Instances
+	if len(ins) != 2 || ins[0].GI != ins[1].GI {
+		t.Fatalf("want two MIG devices in one GPU instance, got %+v", ins)
+	}
+	must(t, n.SetInstanceUtilization(0, ins[0].GI, 30, 10))
+	s := newSampler(n, clk)
+	s.SetInventory(inv)
+	s.Sample()
+	tests := []struct {
+		name  string
+		pods  []*podresourcesv1.PodResources
+		holds []string // pods of the GPU instance's series, "" for none
+	}{
+		{"neither held", nil, []string{""}},
+		{"one held", []*podresourcesv1.PodResources{pod("a", "p1", "c", "nvidia.com/mig-1c.2g.20gb", ins[1].UUID)}, []string{"p1"}},
+		{"each held by another pod", []*podresourcesv1.PodResources{
+			pod("a", "p1", "c", "nvidia.com/mig-1c.2g.20gb", ins[0].UUID),
+			pod("a", "p2", "c", "nvidia.com/mig-1c.2g.20gb", ins[1].UUID),
+		}, []string{"p1", "p2"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := NewCollector(CollectorOptions{Samples: s, Attribution: fixedAttribution{NewAttribution(tt.pods, IsGPUResource)}})
+			out := scrape(t, c, nil) // fails on duplicate series
+			for _, name := range []string{"DCGM_FI_DEV_FB_USED", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"} {
+				var got []string
+				for _, l := range strings.Split(out, "\n") {
+					if strings.HasPrefix(l, name+"{") && strings.Contains(l, `GPU_I_ID="`+itoa(ins[0].GI)+`"`) {
+						_, rest, _ := strings.Cut(l, `pod="`)
+						p, _, _ := strings.Cut(rest, `"`)
+						got = append(got, p)
+					}
+				}
+				if !slices.Equal(got, tt.holds) {
+					t.Errorf("%s: series for pods %q, want %q", name, got, tt.holds)
+				}
+			}
+			holders := "0"
+			if tt.pods != nil {
+				holders = itoa(len(tt.pods))
+			}
+			if want := `gpu_agent_device_holders{GPU_I_ID="` + itoa(ins[0].GI) + `",GPU_I_PROFILE="` + ins[0].Profile + `",UUID="` + inv.GPUs[0].UUID + `",gpu="0"} ` + holders; !strings.Contains(out, want+"\n") {
+				t.Errorf("no %s", want)
+			}
+		})
 	}
 }

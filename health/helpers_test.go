@@ -67,8 +67,23 @@ func inventory(tb testing.TB, lib nvml.Interface) *gpu.Inventory {
 }
 
 // fakeClock is a settable clock for quiet periods.
-type fakeClock struct{ t time.Time }
+type fakeClock struct {
+	t     time.Time
+	slept []time.Duration // what sleep was asked to wait
+}
 
 func (c *fakeClock) now() time.Time      { return c.t }
 func (c *fakeClock) add(d time.Duration) { c.t = c.t.Add(d) }
 func newClock() *fakeClock               { return &fakeClock{t: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)} }
+
+// sleep is SamplerOptions.Sleep: it moves the clock instead of waiting.
+func (c *fakeClock) sleep(d time.Duration) {
+	c.slept = append(c.slept, d)
+	c.add(d)
+}
+
+// newSampler is a sampler on clk (which the node should share, so that
+// GPM's averages see the time pass).
+func newSampler(lib nvml.Interface, clk *fakeClock) *Sampler {
+	return NewSampler(lib, SamplerOptions{Now: clk.now, Sleep: clk.sleep})
+}

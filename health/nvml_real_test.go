@@ -42,10 +42,24 @@ func TestRealNVML(t *testing.T) {
 	}
 
 	s := NewSampler(lib, SamplerOptions{})
+	defer s.release()
 	s.SetInventory(inv)
 	s.Sample()
 	out := scrape(t, NewCollector(CollectorOptions{Samples: s, Health: w, Hostname: "real"}), nil)
-	for _, name := range []string{"DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_SM_CLOCK"} {
+	want := []string{"DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_SM_CLOCK",
+		"DCGM_FI_DEV_PCIE_REPLAY_COUNTER"}
+	// GPM from Hopper on: its first pass must already have profiling series.
+	for _, g := range inv.GPUs {
+		dev, ret := lib.DeviceGetHandleByUUID(g.UUID)
+		if ret != nvml.SUCCESS {
+			continue
+		}
+		if arch, ret := dev.GetArchitecture(); ret == nvml.SUCCESS && arch >= nvml.DEVICE_ARCH_HOPPER && arch != nvml.DEVICE_ARCH_UNKNOWN {
+			want = append(want, "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_PROF_DRAM_ACTIVE")
+			break
+		}
+	}
+	for _, name := range want {
 		if !strings.Contains(out, name+"{") {
 			t.Errorf("no %s on a real GPU", name)
 		}

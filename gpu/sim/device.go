@@ -1,7 +1,6 @@
 package sim
 
 import (
-	"encoding/binary"
 	"fmt"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -344,11 +343,21 @@ func (d *device) GetUtilizationRates() (nvml.Utilization, nvml.Return) {
 	return nvml.Utilization{Gpu: d.g.gpuUtil, Memory: d.g.memUtil}, nvml.SUCCESS
 }
 
-// memory returns total and used bytes of the GPU or of the MIG device's GPU
-// instance (used: what its processes hold).
-func (d *device) memory() (total, used uint64) {
+// memory returns the total, reserved and used bytes of the GPU or of the MIG
+// device's GPU instance. Used is what processes hold (SetMemoryUsed, or
+// with MIG instances the sum over them, as NVML aggregates them on the
+// GPU's handle); a GPU instance has nothing reserved.
+func (d *device) memory() (total, reserved, used uint64) {
 	if d.ci == nil {
-		return d.model().memMiB * mib, d.g.memUsed
+		m := d.model()
+		used = d.g.memUsed
+		if d.g.migCurrent && len(d.g.gis) > 0 {
+			used = 0
+			for _, p := range d.g.procs {
+				used += p.UsedGpuMemory
+			}
+		}
+		return m.memMiB * mib, m.reservedMiB() * mib, min(used, m.usable())
 	}
 	for _, p := range d.g.procs {
 		if p.GpuInstanceId == uint32(d.ci.gi.id) {
@@ -356,29 +365,30 @@ func (d *device) memory() (total, used uint64) {
 		}
 	}
 	total = d.ci.gi.prof.memMiB * mib
-	return total, min(used, total)
+	return total, 0, min(used, total)
 }
 
-// GetMemoryInfo follows SetMemoryUsed; on a MIG device, its instance's memory.
+// GetMemoryInfo counts reserved memory as used, as NVML's first version
+// does; on a MIG device, its instance's memory.
 func (d *device) GetMemoryInfo() (nvml.Memory, nvml.Return) {
 	r := d.lock("GetMemoryInfo", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.Memory{}, r
 	}
-	total, used := d.memory()
-	return nvml.Memory{Total: total, Used: used, Free: total - used}, nvml.SUCCESS
+	total, reserved, used := d.memory()
+	return nvml.Memory{Total: total, Used: used + reserved, Free: total - reserved - used}, nvml.SUCCESS
 }
 
-// GetMemoryInfo_v2 is GetMemoryInfo with no reserved memory.
+// GetMemoryInfo_v2 reports reserved memory apart from used.
 func (d *device) GetMemoryInfo_v2() (nvml.Memory_v2, nvml.Return) {
 	r := d.lock("GetMemoryInfo_v2", true)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.Memory_v2{}, r
 	}
-	total, used := d.memory()
-	return nvml.Memory_v2{Version: 2, Total: total, Used: used, Free: total - used}, nvml.SUCCESS
+	total, reserved, used := d.memory()
+	return nvml.Memory_v2{Version: 2, Total: total, Reserved: reserved, Used: used, Free: total - reserved - used}, nvml.SUCCESS
 }
 
 // GetTemperature knows the one sensor NVML defines, TEMPERATURE_GPU.
@@ -409,15 +419,6 @@ func (d *device) GetEnforcedPowerLimit() (uint32, nvml.Return) {
 	return get(d, "GetEnforcedPowerLimit", false, func() uint32 { return d.model().powerLimitMW })
 }
 
-// advanceEnergy integrates power since the last reading; callers hold n.mu.
-func (g *gpuState) advanceEnergy(n *Node) {
-	now := n.opts.now()
-	if dt := now.Sub(g.energyAt).Seconds(); dt > 0 {
-		g.energyMJ += float64(g.powerMW) * dt // mW × s = mJ
-	}
-	g.energyAt = now
-}
-
 // GetTotalEnergyConsumption is mJ since the node was built, the integral of
 // the power readings over the injected clock.
 func (d *device) GetTotalEnergyConsumption() (uint64, nvml.Return) {
@@ -426,7 +427,7 @@ func (d *device) GetTotalEnergyConsumption() (uint64, nvml.Return) {
 	if r != nvml.SUCCESS {
 		return 0, r
 	}
-	d.g.advanceEnergy(d.n)
+	d.g.advance(d.n)
 	return uint64(d.g.energyMJ), nvml.SUCCESS
 }
 
@@ -518,7 +519,10 @@ func (d *device) GetRemappedRows() (int, int, bool, bool, nvml.Return) {
 }
 
 // GetFieldValues answers FI_DEV_GET_GPU_RECOVERY_ACTION (what the driver
-// asks an admin to do after an error; cleared by a reset). Other fields are
+// asks an admin to do after an error; cleared by a reset), the memory
+// temperature (HBM models only), the PCIe replay counter, the energy
+// counter and the NVLink throughput counters (KiB; scopeId a link or
+// UINT_MAX for all of them; GPUs with NVLink only). Other fields are
 // NOT_SUPPORTED, per value, as NVML reports them.
 func (d *device) GetFieldValues(values []nvml.FieldValue) nvml.Return {
 	r := d.lock("GetFieldValues", false)
@@ -526,16 +530,10 @@ func (d *device) GetFieldValues(values []nvml.FieldValue) nvml.Return {
 	if r != nvml.SUCCESS {
 		return r
 	}
+	d.g.advance(d.n)
 	for i := range values {
-		v := &values[i]
-		v.Timestamp = d.n.opts.now().UnixMicro()
-		if v.FieldId != nvml.FI_DEV_GET_GPU_RECOVERY_ACTION {
-			v.NvmlReturn = uint32(nvml.ERROR_NOT_SUPPORTED)
-			continue
-		}
-		v.ValueType = uint32(nvml.VALUE_TYPE_UNSIGNED_INT)
-		v.NvmlReturn = uint32(nvml.SUCCESS)
-		binary.NativeEndian.PutUint32(v.Value[:4], uint32(d.g.recovery))
+		values[i].Timestamp = d.n.opts.now().UnixMicro()
+		d.fieldValue(&values[i])
 	}
 	return nvml.SUCCESS
 }

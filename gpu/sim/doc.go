@@ -38,6 +38,24 @@
 //   - Handles are the sim's own types; do not type-assert them to go-nvml's
 //     mock types.
 //
+// # Telemetry and the load model
+//
+// Setters (SetUtilization, SetInstanceUtilization for a MIG GPU instance,
+// SetMemoryUsed, SetTemperature, SetPower, SetClocks, SetCodecUtilization,
+// SetPCIeReplays) set what NVML reports. What moves with load follows from
+// the utilization through a fixed workload mix (telemetry.go): GPM's
+// engine, SM, tensor, FP and DRAM activity and PCIe and NVLink traffic,
+// integrated over the WithClock clock like the energy counter, so GPM's
+// averages between two samples and the NVLink throughput counters agree
+// with the utilization in force between them. Per model, as on hardware:
+// GPM (GpmQueryDeviceSupport, GpmSampleGet, GpmMigSampleGet,
+// GpmMetricsGet) from Hopper on; FI_DEV_MEMORY_TEMP on HBM models only;
+// NVLink throughput fields where the GPU has NVLink; encoder utilization
+// where the model has NVENC (not A100 or H100), and neither encoder nor
+// decoder utilization with MIG on. GetMemoryInfo_v2 reports the memory the
+// driver reserves, which GetMemoryInfo counts as used. GPMSamplesAllocated
+// lets tests check that GPM sample buffers are freed.
+//
 // # State that outlives the process
 //
 // Real GPUs keep their MIG mode, instances, ECC counters, recovery action,
@@ -81,8 +99,9 @@
 //	POST /sim/xid          {"gpu":0,"xid":48}            optional "gi","ci" (default 4294967295: whole GPU)
 //	POST /sim/lost         {"gpu":0}                     optional "lost":false to bring it back
 //	POST /sim/reset        {"gpu":0}
-//	POST /sim/utilization  {"gpu":0,"gpu_util":80,"mem_used_bytes":1073741824}  optional "mem_util";
-//	                       fields left out keep their value, at least one is needed
+//	POST /sim/utilization  {"gpu":0,"gpu_util":80,"mem_used_bytes":1073741824}  optional "mem_util",
+//	                       "enc_util", "dec_util"; fields left out keep their value, at least one
+//	                       is needed; with "gi" (a GPU instance id) only "gpu_util" and "mem_util"
 //	POST /sim/fail         {"gpu":0,"call":"GetMigMode","count":1}  optional "error" (default
 //	                       "ERROR_UNKNOWN"; any ERROR_* name); "count" -1 fails until cleared, 0 clears;
 //	                       "call" as FailCalls names it

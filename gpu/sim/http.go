@@ -142,9 +142,12 @@ func serveReset(n *Node, dec *json.Decoder) error {
 func serveUtilization(n *Node, dec *json.Decoder) error {
 	var req struct {
 		GPU     *int    `json:"gpu"`
+		GI      *int    `json:"gi"`
 		GPUUtil *uint32 `json:"gpu_util"`
 		MemUtil *uint32 `json:"mem_util"`
 		MemUsed *uint64 `json:"mem_used_bytes"`
+		EncUtil *uint32 `json:"enc_util"`
+		DecUtil *uint32 `json:"dec_util"`
 	}
 	if err := decode(dec, &req); err != nil {
 		return err
@@ -153,29 +156,47 @@ func serveUtilization(n *Node, dec *json.Decoder) error {
 	if err != nil {
 		return err
 	}
-	if req.GPUUtil == nil && req.MemUtil == nil && req.MemUsed == nil {
-		return errors.New(`nothing to set: give "gpu_util", "mem_util" or "mem_used_bytes"`)
+	if req.GI != nil {
+		if req.MemUsed != nil || req.EncUtil != nil || req.DecUtil != nil {
+			return errors.New(`a GPU instance ("gi") takes only "gpu_util" and "mem_util"`)
+		}
+	} else if req.GPUUtil == nil && req.MemUtil == nil && req.MemUsed == nil && req.EncUtil == nil && req.DecUtil == nil {
+		return errors.New(`nothing to set: give "gpu_util", "mem_util", "mem_used_bytes", "enc_util" or "dec_util"`)
 	}
 	// Apply under one lock so a bad field leaves the GPU unchanged.
 	return n.update(gpu, func(g *gpuState) error {
-		gu, mu := g.gpuUtil, g.memUtil
-		if req.GPUUtil != nil {
-			gu = *req.GPUUtil
+		pick := func(p *uint32, old uint32) uint32 {
+			if p != nil {
+				return *p
+			}
+			return old
 		}
-		if req.MemUtil != nil {
-			mu = *req.MemUtil
+		if req.GI != nil {
+			for _, gi := range g.gis {
+				if gi.id == *req.GI {
+					gu, mu := pick(req.GPUUtil, gi.util), pick(req.MemUtil, gi.memUtil)
+					if gu > 100 || mu > 100 {
+						return fmt.Errorf("utilization %d%%/%d%% above 100%%", gu, mu)
+					}
+					gi.util, gi.memUtil = gu, mu
+					return nil
+				}
+			}
+			return fmt.Errorf("no GPU instance %d", *req.GI)
 		}
-		if gu > 100 || mu > 100 {
-			return fmt.Errorf("utilization %d%%/%d%% above 100%%", gu, mu)
+		gu, mu := pick(req.GPUUtil, g.gpuUtil), pick(req.MemUtil, g.memUtil)
+		eu, du := pick(req.EncUtil, g.encUtil), pick(req.DecUtil, g.decUtil)
+		if gu > 100 || mu > 100 || eu > 100 || du > 100 {
+			return fmt.Errorf("utilization %d%%/%d%% (encoder %d%%, decoder %d%%) above 100%%", gu, mu, eu, du)
 		}
 		used := g.memUsed
 		if req.MemUsed != nil {
 			used = *req.MemUsed
 		}
-		if total := n.spec.model.memMiB * mib; used > total {
-			return fmt.Errorf("memory used %d bytes exceeds total %d", used, total)
+		if usable := n.spec.model.usable(); used > usable {
+			return fmt.Errorf("memory used %d bytes exceeds the %d not reserved", used, usable)
 		}
-		g.gpuUtil, g.memUtil, g.memUsed = gu, mu, used
+		g.gpuUtil, g.memUtil, g.memUsed, g.encUtil, g.decUtil = gu, mu, used, eu, du
 		return nil
 	})
 }

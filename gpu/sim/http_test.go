@@ -32,6 +32,11 @@ func TestHTTPHandler(t *testing.T) {
 		{"utilization", "POST", "/sim/utilization", `{"gpu":3,"gpu_util":80,"mem_used_bytes":1073741824,"mem_util":20}`, 200, ""},
 		{"utilization over 100", "POST", "/sim/utilization", `{"gpu":3,"gpu_util":180}`, 400, "above 100"},
 		{"utilization nothing to set", "POST", "/sim/utilization", `{"gpu":3}`, 400, "nothing to set"},
+		{"codec utilization", "POST", "/sim/utilization", `{"gpu":2,"enc_util":30,"dec_util":40}`, 200, ""},
+		{"codec utilization over 100", "POST", "/sim/utilization", `{"gpu":2,"dec_util":101}`, 400, "above 100"},
+		{"GPU instance utilization without MIG", "POST", "/sim/utilization", `{"gpu":2,"gi":1,"gpu_util":10}`, 400, "no GPU instance 1"},
+		{"GPU instance takes no memory bytes", "POST", "/sim/utilization", `{"gpu":2,"gi":1,"mem_used_bytes":1}`, 400, "takes only"},
+		{"memory above what is not reserved", "POST", "/sim/utilization", `{"gpu":2,"mem_used_bytes":42949672960}`, 400, "not reserved"},
 		{"lost", "POST", "/sim/lost", `{"gpu":5}`, 200, ""},
 		{"reset", "POST", "/sim/reset", `{"gpu":6}`, 200, ""},
 		{"GET not allowed", "GET", "/sim/xid", ``, 405, "use POST"},
@@ -79,8 +84,11 @@ func TestHTTPHandler(t *testing.T) {
 	if u, _ := handle(t, n, 3).GetUtilizationRates(); u != (nvml.Utilization{Gpu: 80, Memory: 20}) {
 		t.Errorf("utilization %+v", u)
 	}
-	if m, _ := handle(t, n, 3).GetMemoryInfo(); m.Used != 1<<30 {
+	if m, _ := handle(t, n, 3).GetMemoryInfo_v2(); m.Used != 1<<30 {
 		t.Errorf("memory used %d", m.Used)
+	}
+	if u, _, r := handle(t, n, 2).GetDecoderUtilization(); r != nvml.SUCCESS || u != 40 {
+		t.Errorf("decoder utilization %d, %v", u, r)
 	}
 	if _, r := n.DeviceGetHandleByIndex(5); r != nvml.ERROR_GPU_IS_LOST {
 		t.Errorf("GPU 5 after /sim/lost: %v", r)

@@ -95,12 +95,14 @@ func (n *Node) Reset(gpu int) error {
 	if err != nil {
 		return err
 	}
+	g.advance(n)
 	return n.change(g, func() error {
 		g.migCurrent = g.migPending
 		g.destroyAll()
 		g.lost = false
 		g.procs = nil
 		g.gpuUtil, g.memUtil, g.memUsed = 0, 0, 0
+		g.encUtil, g.decUtil = 0, 0
 		g.ecc[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.VOLATILE_ECC] = 0
 		g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC] = 0
 		g.recovery = nvml.GPU_RECOVERY_ACTION_NONE
@@ -119,7 +121,8 @@ func (n *Node) SetRecoveryAction(gpu int, action nvml.DeviceGpuRecoveryAction) e
 }
 
 // update runs set on GPU gpu under the node lock and writes what it
-// changed to the state file, if any (see change).
+// changed to the state file, if any (see change). The GPU's counters are
+// brought up to now first, under the load in force until now.
 func (n *Node) update(gpu int, set func(g *gpuState) error) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -127,6 +130,7 @@ func (n *Node) update(gpu int, set func(g *gpuState) error) error {
 	if err != nil {
 		return err
 	}
+	g.advance(n)
 	return n.change(g, func() error {
 		if err := set(g); err != nil {
 			return fmt.Errorf("sim gpu %d (%s): %w", g.index, g.uuid, err)
@@ -146,11 +150,12 @@ func (n *Node) SetUtilization(gpu int, gpuUtil, memUtil uint32) error {
 	})
 }
 
-// SetMemoryUsed sets the used bytes GetMemoryInfo reports; free follows.
+// SetMemoryUsed sets the bytes processes use (GetMemoryInfo_v2's used;
+// GetMemoryInfo adds the reserved memory); free follows.
 func (n *Node) SetMemoryUsed(gpu int, bytes uint64) error {
 	return n.update(gpu, func(g *gpuState) error {
-		if total := n.spec.model.memMiB * mib; bytes > total {
-			return fmt.Errorf("memory used %d bytes exceeds total %d", bytes, total)
+		if usable := n.spec.model.usable(); bytes > usable {
+			return fmt.Errorf("memory used %d bytes exceeds the %d not reserved", bytes, usable)
 		}
 		g.memUsed = bytes
 		return nil
@@ -172,7 +177,6 @@ func (n *Node) SetTemperature(gpu int, celsius uint32) error {
 // the old value up to now and the new one from now on.
 func (n *Node) SetPower(gpu int, milliwatts uint32) error {
 	return n.update(gpu, func(g *gpuState) error {
-		g.advanceEnergy(n)
 		g.powerMW = milliwatts
 		return nil
 	})

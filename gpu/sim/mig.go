@@ -22,6 +22,10 @@ type gpuInstance struct {
 	placement nvml.GpuInstancePlacement
 	cis       []*computeInstance // ordered by id
 	destroyed bool
+	// util and memUtil are the instance's load (SetInstanceUtilization),
+	// act its integral (telemetry.go).
+	util, memUtil uint32
+	act           activity
 }
 
 type mockGpuInstance struct{ *mock.GpuInstance }

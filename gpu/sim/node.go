@@ -87,6 +87,9 @@ type Node struct {
 	failures  map[failKey]failure
 	flakyRate float64
 	flakyRand *rand.Rand
+
+	// gpmLive counts GPM sample buffers not yet freed.
+	gpmLive int
 }
 
 // mockInterface puts the go-nvml mock one level deeper than Node's own
@@ -115,6 +118,11 @@ type gpuState struct {
 	powerMW          uint32
 	energyMJ         float64
 	energyAt         time.Time
+	// act integrates the load (see telemetry.go) for GPM and the NVLink
+	// throughput counters.
+	act              activity
+	encUtil, decUtil uint32
+	pcieReplays      uint32
 	smMHz, memMHz    uint32
 	ecc              [2][2]uint64 // [MemoryErrorType][EccCounterType]
 	// recovery is what FI_DEV_GET_GPU_RECOVERY_ACTION reports (NONE = 0).

@@ -93,7 +93,12 @@ func TestIdentity(t *testing.T) {
 				pci, r := d.GetPciInfo()
 				wantRet(t, "GetPciInfo", r, nvml.SUCCESS)
 				bus := cstr(pci.BusId[:])
-				if name != tt.name || mem.Total != tt.memMiB<<20 || mem.Free != mem.Total || [2]int{major, minor} != tt.cc ||
+				// Idle: only the reserved memory is in use.
+				mem2, _ := d.GetMemoryInfo_v2()
+				if mem2.Reserved == 0 || mem2.Used != 0 || mem.Used != mem2.Reserved || mem.Free+mem.Used != mem.Total {
+					t.Errorf("gpu %d: idle memory %+v, v2 %+v", i, mem, mem2)
+				}
+				if name != tt.name || mem.Total != tt.memMiB<<20 || [2]int{major, minor} != tt.cc ||
 					numa != tt.numa[i] || minorNum != i || idx != i || arch != tt.arch {
 					t.Errorf("gpu %d: name %q mem %d cc %d.%d numa %d minor %d index %d arch %d", i, name, mem.Total, major, minor, numa, minorNum, idx, arch)
 				}

@@ -451,6 +451,9 @@ func (n *Node) change(g *gpuState, set func() error) error {
 // mutate is change for the NVML calls that change kept state: f cannot
 // fail, and a failed write is ERROR_UNKNOWN, logged with its cause.
 func (n *Node) mutate(g *gpuState, call string, f func()) nvml.Return {
+	// The change may change the load (MIG mode, instances): count what
+	// the old one did first.
+	g.advance(n)
 	err := n.change(g, func() error { f(); return nil })
 	if err != nil {
 		n.opts.logger.Error("sim: NVML call failed: cannot save GPU state", "call", call, "gpu", g.index, "err", err)
