@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/plugin"
 )
 
@@ -27,9 +28,12 @@ type registrations interface {
 // eventWatch is what they read from the health watcher.
 type eventWatch interface{ Watched() []string }
 
+// sampled is what /readyz reads from the metrics sampler.
+type sampled interface{ Snapshot() *health.Snapshot }
+
 // newHTTPHandler serves /metrics, /healthz, /readyz, /status and, on a
 // simulated node only, the /sim/ fault injection endpoints.
-func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, reg *prometheus.Registry, be *backend) http.Handler {
+func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples sampled, reg *prometheus.Registry, be *backend) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -46,6 +50,10 @@ func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, reg *prom
 			http.Error(w, "no reconcile pass yet", http.StatusServiceUnavailable)
 		case !mgr.Ready():
 			http.Error(w, "not every resource is registered with the kubelet", http.StatusServiceUnavailable)
+		case len(st.GPUs) > 0 && !hasSamples(samples.Snapshot()):
+			// Not ready, not in the Service's endpoints, not scraped: the
+			// first scrape then already has the DCGM series.
+			http.Error(w, "GPU metrics not sampled yet", http.StatusServiceUnavailable)
 		default:
 			fmt.Fprintln(w, "ok")
 		}
@@ -71,3 +79,5 @@ func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, reg *prom
 	}
 	return mux
 }
+
+func hasSamples(s *health.Snapshot) bool { return s != nil && len(s.GPUs) > 0 }

@@ -248,6 +248,10 @@ func TestRunBinarySIGTERM(t *testing.T) {
 	if !strings.Contains(mb.String(), `gpu_agent_devices{health="healthy",resource="nvidia.com/gpu"} 4`) {
 		t.Errorf("metrics lack the device gauge:\n%s", grepLines(mb.String(), "gpu_agent_"))
 	}
+	// Ready means scrapeable: the first scrape has every GPU's DCGM series.
+	if n := strings.Count(mb.String(), "\nDCGM_FI_DEV_GPU_TEMP{"); n != 4 {
+		t.Errorf("first scrape after /readyz: %d DCGM_FI_DEV_GPU_TEMP series, want 4:\n%s", n, grepLines(mb.String(), "DCGM_FI_DEV_GPU_TEMP"))
+	}
 	socks, _ := filepath.Glob(filepath.Join(pluginDir, "gpu-agent-*.sock"))
 	if len(socks) != 1 {
 		t.Fatalf("plugin sockets %v, want one", socks)

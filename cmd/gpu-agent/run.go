@@ -247,7 +247,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Samples: sampler, Health: watcher, Attribution: podres, Catalog: ag, Hostname: f.nodeName,
 	}))
 
-	srv, ln, err := newHTTPServer(f.listen, newHTTPHandler(ag, mgr, watcher, reg, be), defaultHTTPServerConfig(), log.With("component", "http"))
+	srv, ln, err := newHTTPServer(f.listen, newHTTPHandler(ag, mgr, watcher, sampler, reg, be), defaultHTTPServerConfig(), log.With("component", "http"))
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
