@@ -98,7 +98,13 @@ func TestDRAClaimsTable(t *testing.T) {
 		t.Errorf("gpu-0 attributes: %+v", d0)
 	}
 
-	// A container holds GPU 0 through the device plugin: DRA stops offering it.
+	// The device plugin allocates GPU 0: DRA stops offering it at once, before
+	// the kubelet lists the container.
+	before := h.a.PlanPasses()
+	h.step(Allocated{Resource: ResourceGPU, IDs: []string{uuid(0)}})
+	if _, ok := rec.last().Device("gpu-0"); ok || h.a.PlanPasses()-before != 1 {
+		t.Errorf("gpu-0 allocated through the device plugin: %d passes, pool %v; want one pass, without it", h.a.PlanPasses()-before, poolNames(rec.last()))
+	}
 	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, uuid(0))})
 	if _, ok := rec.last().Device("gpu-0"); ok {
 		t.Errorf("gpu-0 held through the device plugin is still in the DRA pool: %v", poolNames(rec.last()))

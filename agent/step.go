@@ -33,7 +33,7 @@ const refreshRetry = 10 * time.Second
 //	labels     selection                                 observe + plan, if the selection changed
 //	health     health state                              plan
 //	mps        -                                         plan
-//	allocated  allocation ledger (checkpointed)          -
+//	allocated  allocation ledger (checkpointed)          - (plan, with DRA)
 //	holdings   who holds what                            plan
 //	tick       -                                         observe + plan
 //	dra-*      DRA claims in the ledger (checkpointed    plan, if a claim was
@@ -65,6 +65,9 @@ func (a *Agent) Step(batch []Event) {
 			plan = true
 		case Allocated:
 			a.noteAllocated(e.IDs)
+			// With DRA, the device leaves the DRA pool at once: a claim
+			// the scheduler gave it meanwhile would fail to prepare.
+			plan = plan || a.opts.DRA != nil
 		case HoldingsChanged:
 			a.att = e.Attribution
 			plan = true

@@ -253,6 +253,9 @@ paths:
   podResourcesDir: /marker/pod-resources
   stateDir: /marker/state
   mpsRoot: /marker/mps
+  kubeletPluginsDir: /marker/plugins
+  kubeletRegistryDir: /marker/plugins_registry
+dra: {enabled: true}
 mps: {enabled: true, binary: /marker/mps-control, shmDir: /marker/shm, host: {interval: 7s}}
 driver: {nvmlLib: /marker/libnvidia-ml.so.1}
 metrics: {port: 9555}
@@ -273,6 +276,9 @@ metrics: {port: 9555}
 		"listen":               ":9555",
 		"default-config":       "a100-ts4",
 		"mig-strategy":         "single",
+		"dra":                  "true",
+		"dra-plugin-dir":       "/marker/plugins/gpu.nvidia.com",
+		"kubelet-registry-dir": "/marker/plugins_registry",
 	}
 	o, err := renderChart(t, values)
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	resourcev1 "k8s.io/api/resource/v1"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
 )
@@ -56,6 +57,7 @@ type objects struct {
 	Roles               []*rbacv1.Role
 	RoleBindings        []*rbacv1.RoleBinding
 	ServiceMonitors     []*serviceMonitor
+	DeviceClasses       []*resourcev1.DeviceClass
 }
 
 // decodeStrict decodes every YAML document of data into its Kubernetes API type;
@@ -110,6 +112,9 @@ func decodeStrict(name string, data []byte, into *objects) error {
 		case "rbac.authorization.k8s.io/v1/RoleBinding":
 			o := &rbacv1.RoleBinding{}
 			into.RoleBindings, obj = append(into.RoleBindings, o), o
+		case "resource.k8s.io/v1/DeviceClass":
+			o := &resourcev1.DeviceClass{}
+			into.DeviceClasses, obj = append(into.DeviceClasses, o), o
 		case "monitoring.coreos.com/v1/ServiceMonitor":
 			o := &serviceMonitor{}
 			into.ServiceMonitors, obj = append(into.ServiceMonitors, o), o

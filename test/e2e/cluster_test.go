@@ -184,14 +184,12 @@ func installAgent(t *testing.T, c *harness.Cluster, layer harness.NodeLayer, obj
 		t.Fatalf("agent pod: GET %s: %s: %s", url, resp.Status, body)
 	}
 
-	got, err := c.Client.AppsV1().DaemonSets(ds.Namespace).Get(ctx, ds.Name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got.Status.DesiredNumberScheduled != 1 || got.Status.NumberReady != 1 {
-		t.Fatalf("DaemonSet %s/%s: desired %d, ready %d; want 1 and 1", ds.Namespace, ds.Name,
-			got.Status.DesiredNumberScheduled, got.Status.NumberReady)
-	}
+	// The DaemonSet controller counts the ready pod on its own schedule, after the pod's status says so.
+	var got *appsv1.DaemonSet
+	eventually(t, "the DaemonSet counts its pod ready", func() bool {
+		got, err = c.Client.AppsV1().DaemonSets(ds.Namespace).Get(ctx, ds.Name, metav1.GetOptions{})
+		return err == nil && got.Status.DesiredNumberScheduled == 1 && got.Status.NumberReady == 1
+	})
 }
 
 // dumpPods logs every pod in namespace with its status, to explain a failed wait.

@@ -26,6 +26,10 @@ import (
 // hard-codes it (it does not follow --root-dir), so only one Env may run on a machine at a time.
 const DevicePluginDir = "/var/lib/kubelet/device-plugins"
 
+// DRAPluginsDir holds DRA drivers' sockets: the kubelet dials the path a driver registers, which is the
+// one inside the driver's container, so an installed DaemonSet's pod keeps the real directory.
+const DRAPluginsDir = "/var/lib/kubelet/plugins"
+
 // Config is what an Env needs from outside: binaries, images, and the agent's settings.
 type Config struct {
 	Kubelet    string   // kubelet binary built from k8s.io/kubernetes
@@ -131,6 +135,10 @@ func newEnv(t testing.TB, cfg Config) (*Env, error) {
 	}
 	if err := os.MkdirAll(DevicePluginDir, 0o755); err != nil {
 		return nil, err
+	}
+	// A DRA driver's socket from an earlier run, in the real plugins directory (see NodeLayer).
+	if err := os.RemoveAll(filepath.Join(DRAPluginsDir, "gpu.nvidia.com")); err != nil {
+		return nil, fmt.Errorf("wipe the DRA driver's directory: %w", err)
 	}
 	// A short path: unix socket paths are limited to 108 bytes, and containerd nests its own below this.
 	run, err := os.MkdirTemp("", "gpu-agent-e2e-")

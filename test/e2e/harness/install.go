@@ -37,8 +37,9 @@ import (
 //   - hostNetwork: true, as the node has no CNI (see StartCluster), and so a free metrics port instead of 9400;
 //   - KUBERNETES_SERVICE_HOST/PORT pointing at the API server on 127.0.0.1, as no kube-proxy routes the
 //     "kubernetes" Service's ClusterIP; in-cluster clients (rest.InClusterConfig) then work as on a node;
-//   - host paths: the pod-resources directory is the kubelet's --root-dir's, and the agent's state and MPS
-//     directories are the run's; the device plugin directory stays the kubelet's real one.
+//   - host paths: the pod-resources and plugins_registry directories are the kubelet's --root-dir's, and the
+//     agent's state and MPS directories are the run's; the device plugin and DRA plugins directories stay
+//     the real ones.
 
 // NodeLayer is how an install on this Cluster differs from a real node's (see above).
 type NodeLayer struct {
@@ -67,6 +68,11 @@ func (c *Cluster) NodeLayer() (NodeLayer, error) {
 			"/var/lib/kubelet/pod-resources": filepath.Dir(c.d.podResources),
 			"/var/lib/gpu-agent":             c.d.agentState,
 			"/run/gpu-agent/mps":             c.d.agentMPS,
+			// DRA: the kubelet finds registration sockets in its --root-dir's plugins_registry, and dials
+			// the DRA socket at the path the driver registers, which is the one inside its container: the
+			// plugins directory stays the real one, like the device plugin directory.
+			"/var/lib/kubelet/plugins_registry": filepath.Join(c.d.kubeletRoot, "plugins_registry"),
+			DRAPluginsDir:                       DRAPluginsDir,
 		},
 		APIHost: "127.0.0.1",
 		APIPort: c.APIPort,
@@ -343,7 +349,7 @@ func (c *Cluster) buildChecked(dir string, layer NodeLayer) ([]*unstructured.Uns
 			if v.HostPath == nil {
 				continue
 			}
-			if p := v.HostPath.Path; p != DevicePluginDir && !strings.HasPrefix(p, c.d.run+"/") {
+			if p := v.HostPath.Path; p != DevicePluginDir && p != DRAPluginsDir && !strings.HasPrefix(p, c.d.run+"/") {
 				return nil, fmt.Errorf("%s: DaemonSet %s: volume %s would mount the host's %s", dir, ds.Name, v.Name, p)
 			}
 		}

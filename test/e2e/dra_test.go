@@ -1,0 +1,185 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
+)
+
+// The DRA issue's scenarios on the real control plane: gpu-agent installed from deploy/manifests with its
+// DRA component (testdata/sim-dra-overlay) serves the same simulated DGX A100 through its device plugin and
+// as DRA driver gpu.nvidia.com, and a device goes one way at a time.
+
+const draDriver = "gpu.nvidia.com"
+
+func installDRA(t *testing.T) (*harness.Cluster, string) {
+	t.Helper()
+	c := startCluster(t)
+	layer, err := c.NodeLayer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := c.BuildManifests(filepath.Join("testdata", "sim-dra-overlay"), layer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	crd, err := harness.ReadObjects(filepath.Join("testdata", "servicemonitor-crd.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	installAgent(t, c, layer, append(crd, objs...))
+	return c, fmt.Sprintf("http://127.0.0.1:%d", layer.MetricsPort)
+}
+
+// nodeSlice returns the agent's ResourceSlice devices on the node, by name (nil when there is no slice).
+func nodeSlice(t *testing.T, c *harness.Cluster) map[string]resourceapi.Device {
+	t.Helper()
+	list, err := c.Client.ResourceV1().ResourceSlices().List(clusterCtx(t), metav1.ListOptions{
+		FieldSelector: "spec.driver=" + draDriver + ",spec.nodeName=" + c.NodeName(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list.Items) == 0 {
+		return nil
+	}
+	out := map[string]resourceapi.Device{}
+	for _, s := range list.Items {
+		for _, d := range s.Spec.Devices {
+			out[d.Name] = d
+		}
+	}
+	return out
+}
+
+func attr(d resourceapi.Device, name string) string {
+	a, ok := d.Attributes[resourceapi.QualifiedName(name)]
+	switch {
+	case !ok:
+		return ""
+	case a.StringValue != nil:
+		return *a.StringValue
+	case a.VersionValue != nil:
+		return *a.VersionValue
+	}
+	return ""
+}
+
+// claimPod is a pod whose one container uses the claim, and asks for no device plugin resource.
+func claimPod(name, claim string) *corev1.Pod {
+	tpl := harness.GPUPodTemplate(map[string]string{"app": name}, gpuResource, 1)
+	spec := tpl.Spec
+	delete(spec.Containers[0].Resources.Limits, gpuResource)
+	delete(spec.Containers[0].Resources.Requests, gpuResource)
+	spec.ResourceClaims = []corev1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim}}
+	spec.Containers[0].Resources.Claims = []corev1.ResourceClaim{{Name: "gpu"}}
+	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default", Labels: tpl.Labels}, Spec: spec}
+}
+
+func wholeGPUClaim(name string) *resourceapi.ResourceClaim {
+	return &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default"},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+			Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: draDriver},
+		}}}},
+	}
+}
+
+// TestClusterDRAWholeGPU: the ResourceSlice lists the node's 8 GPUs with NVIDIA's attributes; a claim
+// through NVIDIA's DeviceClass gets one, which the device plugin then withholds; a device plugin pod's GPUs
+// leave the slice; a released claim's GPU returns to both.
+func TestClusterDRAWholeGPU(t *testing.T) {
+	c, agent := installDRA(t)
+	ctx := clusterCtx(t)
+	var devs map[string]resourceapi.Device
+	eventually(t, "the agent's ResourceSlice with 8 GPUs", func() bool {
+		devs = nodeSlice(t, c)
+		return len(devs) == nodeGPUs
+	})
+	g0 := devs["gpu-0"]
+	mem := g0.Capacity["memory"].Value
+	if attr(g0, "type") != "gpu" || !strings.HasPrefix(attr(g0, "uuid"), "GPU-") || attr(g0, "productName") != "NVIDIA A100-SXM4-40GB" ||
+		attr(g0, "architecture") != "ampere" || attr(g0, "cudaComputeCapability") != "8.0.0" || mem.IsZero() {
+		t.Errorf("gpu-0 in the ResourceSlice: %+v", g0)
+	}
+
+	// A claim through NVIDIA's DeviceClass, used by a pod.
+	created := time.Now()
+	if _, err := c.Client.ResourceV1().ResourceClaims("default").Create(ctx, wholeGPUClaim("one-gpu"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Client.CoreV1().Pods("default").Create(ctx, claimPod("dra-user", "one-gpu"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.WaitPodsRunning(ctx, "default", "app=dra-user", 1); err != nil {
+		dumpPods(t, c, "default")
+		dumpPods(t, c, "gpu-agent")
+		t.Fatal(err)
+	}
+	t.Logf("MEASURED DRA claim (whole GPU) created -> container running: %s", time.Since(created).Round(10*time.Millisecond))
+	cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, "one-gpu", metav1.GetOptions{})
+	if err != nil || cl.Status.Allocation == nil || len(cl.Status.Allocation.Devices.Results) != 1 {
+		t.Fatalf("claim one-gpu: %+v (%v)", cl.Status, err)
+	}
+	got := cl.Status.Allocation.Devices.Results[0]
+	uuid := attr(devs[got.Device], "uuid")
+	if got.Driver != draDriver || got.Pool != c.NodeName() || uuid == "" {
+		t.Fatalf("claim one-gpu allocated %+v", got)
+	}
+	t.Logf("claim one-gpu: device %s (%s)", got.Device, uuid)
+	var st struct {
+		DRA struct {
+			Claims []string `json:"claims"`
+		} `json:"dra"`
+	}
+	agentGet(t, agent, "/status", &st)
+	if want := "default/one-gpu: " + got.Device; !slices.Contains(st.DRA.Claims, want) {
+		t.Errorf("/status dra claims %v, want %q", st.DRA.Claims, want)
+	}
+	// The device plugin withholds it: the Node's allocatable drops to 7.
+	waitAllocatableQ(t, c, gpuResource, nodeGPUs-1, time.Now())
+
+	// A device plugin pod for the other 7 GPUs: none is the claimed one, and they leave the slice.
+	if _, err := c.Client.AppsV1().Deployments("default").Create(ctx, gpuDeployment("dp-user", 1, nodeGPUs-1), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pods, err := c.WaitPodsRunning(ctx, "default", "app=dp-user", 1)
+	if err != nil {
+		dumpPods(t, c, "default")
+		t.Fatal(err)
+	}
+	held, err := c.PodDevicesOf(ctx, &pods[0], gpuResource)
+	if err != nil || len(held) != nodeGPUs-1 || slices.Contains(held, uuid) {
+		t.Fatalf("device plugin pod holds %v (%v); want 7 GPUs without the claimed %s", held, err, uuid)
+	}
+	eventually(t, "the ResourceSlice keeps only the claimed GPU", func() bool {
+		d := nodeSlice(t, c)
+		_, ok := d[got.Device]
+		return len(d) == 1 && ok
+	})
+
+	// Released: the claim's GPU is the device plugin's again, and stays in the slice.
+	if err := c.Client.CoreV1().Pods("default").Delete(ctx, "dra-user", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the claim unprepared", func() bool {
+		st.DRA.Claims = nil // absent when empty: do not keep the last answer's
+		agentGet(t, agent, "/status", &st)
+		return len(st.DRA.Claims) == 0
+	})
+	waitAllocatableQ(t, c, gpuResource, nodeGPUs, time.Now())
+	if d := nodeSlice(t, c); len(d) != 1 {
+		t.Errorf("slice after the release: %d devices, want the one GPU no pod holds", len(d))
+	}
+}
