@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes/fake"
+	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
@@ -215,7 +216,8 @@ func TestDriverServesKubelet(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(dir, "registry"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	d := New(Options{NodeName: "node-a", Client: client, PluginDir: filepath.Join(dir, "plugin"), RegistryDir: filepath.Join(dir, "registry")})
+	d := New(Options{NodeName: "node-a", Client: client, PluginDir: filepath.Join(dir, "plugin"), RegistryDir: filepath.Join(dir, "registry"),
+		HealthResend: time.Hour}) // no resend during the test: each report is a change
 	inv := inventory(t, "pcie-4gpu")
 	d.Publish(&Pool{Devices: Devices(inv, map[string]string{inv.GPUs[3].UUID: "XID 48"})})
 	d.SetClaims(claims)
@@ -276,14 +278,49 @@ func TestDriverServesKubelet(t *testing.T) {
 		t.Fatalf("NodeUnprepareResources: %+v, %v", un, err)
 	}
 
-	// A new pool (GPU 3 recovered) replaces the slice's devices.
+	// The kubelet's health stream: the whole pool at once, then each change.
+	health, err := drahealth.NewDRAResourceHealthClient(conn).NodeWatchResources(ctx, &drahealth.NodeWatchResourcesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := health.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := healthOf(first); len(got) != 4 || got["gpu-0"] != "HEALTHY" || got["gpu-3"] != "UNHEALTHY: XID 48" {
+		t.Errorf("first health report %v", got)
+	}
+
+	// A new pool (GPU 3 recovered) replaces the slice's devices and is streamed.
 	d.Publish(&Pool{Devices: Devices(inv, nil)})
+	next, err := health.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := healthOf(next); len(got) != 4 || got["gpu-3"] != "HEALTHY" {
+		t.Errorf("health after recovery %v", got)
+	}
 	for {
 		s := nextSlice(t, w)
 		if !slices.ContainsFunc(s.Spec.Devices, func(d resourceapi.Device) bool { return len(d.Taints) > 0 }) {
 			break
 		}
 	}
+}
+
+func healthOf(r *drahealth.NodeWatchResourcesResponse) map[string]string {
+	out := map[string]string{}
+	for _, d := range r.Devices {
+		v := d.Health.String()
+		if d.Message != "" {
+			v += ": " + d.Message
+		}
+		if d.Device.PoolName != "node-a" || d.LastUpdatedTime == 0 || d.HealthCheckTimeoutSeconds != 3*3600 {
+			v += fmt.Sprintf(" (pool %q, updated %d, timeout %d)", d.Device.PoolName, d.LastUpdatedTime, d.HealthCheckTimeoutSeconds)
+		}
+		out[d.Device.DeviceName] = v
+	}
+	return out
 }
 
 func nextSlice(t *testing.T, w watch.Interface) *resourceapi.ResourceSlice {

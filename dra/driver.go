@@ -7,14 +7,17 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"time"
 
 	"github.com/go-logr/logr"
+	"google.golang.org/grpc"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
+	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
 )
 
 // Claim is one ResourceClaim's allocation on this node, as Prepare sees it.
@@ -72,6 +75,11 @@ type Options struct {
 	NodeName string
 	Client   kubernetes.Interface
 	Claims   Claims
+	// HealthResend is how often the health stream repeats the devices'
+	// health unchanged (0: 10s), so the kubelet never times them out.
+	HealthResend time.Duration
+	// Now is the clock (nil: time.Now).
+	Now func() time.Time
 	// PluginDir is where the DRA socket goes ("": the kubelet's default,
 	// /var/lib/kubelet/plugins/gpu.nvidia.com); RegistryDir the kubelet's
 	// plugin registration directory ("": /var/lib/kubelet/plugins_registry).
@@ -79,12 +87,16 @@ type Options struct {
 	Logger                 *slog.Logger
 }
 
-// Driver is the kubelet plugin: registration, the DRA gRPC service, and
-// ResourceSlice publishing.
+// Driver is the kubelet plugin: registration, the DRA gRPC service, the
+// device health stream, and ResourceSlice publishing.
 type Driver struct {
+	drahealth.UnimplementedDRAResourceHealthServer
+
 	opts   Options
 	log    *slog.Logger
 	helper *kubeletplugin.Helper
+	// watchers are the kubelet's health streams, signalled on each Publish.
+	watchers map[chan struct{}]struct{}
 
 	mu sync.Mutex
 	// pool is the last one published, gen its generation; taints is false
@@ -102,7 +114,13 @@ func New(opts Options) *Driver {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
-	return &Driver{opts: opts, log: opts.Logger, taints: true}
+	if opts.HealthResend <= 0 {
+		opts.HealthResend = 10 * time.Second
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	return &Driver{opts: opts, log: opts.Logger, taints: true, watchers: map[chan struct{}]struct{}{}}
 }
 
 // SetClaims sets who prepares claims (the agent, built after the driver it
@@ -163,6 +181,12 @@ func (d *Driver) Publish(p *Pool) {
 	defer d.mu.Unlock()
 	d.pool = p
 	d.publishLocked()
+	for w := range d.watchers {
+		select {
+		case w <- struct{}{}:
+		default: // a send is pending; it reads the newest pool
+		}
+	}
 }
 
 func (d *Driver) publishLocked() {
@@ -254,4 +278,64 @@ func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 		}
 	}
 	d.log.Error("DRA: "+msg, "err", err)
+}
+
+// NodeWatchResources implements the kubelet's DRA health service: the
+// complete list of the pool's devices with their health, at once, on every
+// change, and again every HealthResend.
+func (d *Driver) NodeWatchResources(_ *drahealth.NodeWatchResourcesRequest, stream grpc.ServerStreamingServer[drahealth.NodeWatchResourcesResponse]) error {
+	changed := make(chan struct{}, 1)
+	d.mu.Lock()
+	d.watchers[changed] = struct{}{}
+	d.mu.Unlock()
+	defer func() {
+		d.mu.Lock()
+		delete(d.watchers, changed)
+		d.mu.Unlock()
+	}()
+	resend := time.NewTicker(d.opts.HealthResend)
+	defer resend.Stop()
+	for {
+		if err := stream.Send(d.healthResponse()); err != nil {
+			return err
+		}
+		select {
+		case <-stream.Context().Done():
+			return nil
+		case <-changed:
+		case <-resend.C:
+		}
+	}
+}
+
+func (d *Driver) healthResponse() *drahealth.NodeWatchResourcesResponse {
+	d.mu.Lock()
+	pool := d.pool
+	d.mu.Unlock()
+	now := d.opts.Now().Unix()
+	out := &drahealth.NodeWatchResourcesResponse{}
+	if pool == nil {
+		return out
+	}
+	for _, dev := range pool.Devices {
+		h := &drahealth.DeviceHealth{
+			Device:          &drahealth.DeviceIdentifier{PoolName: d.opts.NodeName, DeviceName: dev.Name},
+			Health:          drahealth.HealthStatus_HEALTHY,
+			LastUpdatedTime: now,
+			// Three resends missed: the agent is gone, the kubelet says Unknown.
+			HealthCheckTimeoutSeconds: int64(3 * d.opts.HealthResend / time.Second),
+		}
+		if dev.Unhealthy != "" {
+			h.Health, h.Message = drahealth.HealthStatus_UNHEALTHY, truncate(dev.Unhealthy, 1024)
+		}
+		out.Devices = append(out.Devices, h)
+	}
+	return out
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n-3] + "..."
 }

@@ -96,9 +96,29 @@ func wholeGPUClaim(name string) *resourceapi.ResourceClaim {
 	}
 }
 
+// draDeviceHealth is the health the pod's status gives a DRA device (by its resource ID), "" when absent.
+func draDeviceHealth(t *testing.T, c *harness.Cluster, pod, device string) corev1.ResourceHealthStatus {
+	t.Helper()
+	p, err := c.Client.CoreV1().Pods("default").Get(clusterCtx(t), pod, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, cs := range p.Status.ContainerStatuses {
+		for _, rs := range cs.AllocatedResourcesStatus {
+			for _, r := range rs.Resources {
+				if string(r.ResourceID) == device {
+					return r.Health
+				}
+			}
+		}
+	}
+	return ""
+}
+
 // TestClusterDRAWholeGPU: the ResourceSlice lists the node's 8 GPUs with NVIDIA's attributes; a claim
 // through NVIDIA's DeviceClass gets one, which the device plugin then withholds; a device plugin pod's GPUs
-// leave the slice; a released claim's GPU returns to both.
+// leave the slice; a fatal XID taints the claimed GPU and shows in the pod's status; a released claim's GPU
+// returns to both.
 func TestClusterDRAWholeGPU(t *testing.T) {
 	c, agent := installDRA(t)
 	ctx := clusterCtx(t)
@@ -150,6 +170,29 @@ func TestClusterDRAWholeGPU(t *testing.T) {
 	// The device plugin withholds it: the Node's allocatable drops to 7.
 	waitAllocatableQ(t, c, gpuResource, nodeGPUs-1, time.Now())
 
+	// A fatal XID on the claimed GPU: its slice entry gets the NoSchedule taint, and the kubelet's DRA health
+	// stream puts it into the pod's status; a reset clears both.
+	idx := gpuIndex(t, agent, uuid)
+	injected := time.Now()
+	agentPost(t, agent, "/sim/xid", fmt.Sprintf(`{"gpu":%d,"xid":48}`, idx))
+	eventually(t, "the claimed GPU tainted in the ResourceSlice", func() bool {
+		d := nodeSlice(t, c)[got.Device]
+		return slices.ContainsFunc(d.Taints, func(tt resourceapi.DeviceTaint) bool {
+			return tt.Key == "gpu.nvidia.com/unhealthy" && tt.Effect == resourceapi.DeviceTaintEffectNoSchedule
+		})
+	})
+	t.Logf("MEASURED fatal XID -> DRA device taint: %s", time.Since(injected).Round(10*time.Millisecond))
+	// The kubelet names a DRA device in pod status by its first CDI device ID.
+	want := "nvidia.com/gpu=" + uuid
+	eventually(t, "the DRA pod's allocatedResourcesStatus shows "+want+" unhealthy", func() bool {
+		return draDeviceHealth(t, c, "dra-user", want) == corev1.ResourceHealthStatusUnhealthy
+	})
+	t.Logf("MEASURED fatal XID -> DRA pod status unhealthy: %s", time.Since(injected).Round(10*time.Millisecond))
+	agentPost(t, agent, "/sim/reset", fmt.Sprintf(`{"gpu":%d}`, idx))
+	eventually(t, "the taint gone and the pod's device healthy after the reset", func() bool {
+		return len(nodeSlice(t, c)[got.Device].Taints) == 0 && draDeviceHealth(t, c, "dra-user", want) == corev1.ResourceHealthStatusHealthy
+	})
+
 	// A device plugin pod for the other 7 GPUs: none is the claimed one, and they leave the slice.
 	if _, err := c.Client.AppsV1().Deployments("default").Create(ctx, gpuDeployment("dp-user", 1, nodeGPUs-1), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -181,5 +224,105 @@ func TestClusterDRAWholeGPU(t *testing.T) {
 	waitAllocatableQ(t, c, gpuResource, nodeGPUs, time.Now())
 	if d := nodeSlice(t, c); len(d) != 1 {
 		t.Errorf("slice after the release: %d devices, want the one GPU no pod holds", len(d))
+	}
+}
+
+// TestClusterDRAExtendedResource: with NVIDIA's DeviceClass mapped to nvidia.com/gpu, a label switches the node's
+// config to devicePlugin.enabled: false, live: the Node's allocatable drops to 0, an unchanged pod asking for
+// nvidia.com/gpu: 1 is served through DRA, and the pod that got its GPU through the device plugin keeps it;
+// switched back, both keep their devices and the device plugin offers the rest.
+func TestClusterDRAExtendedResource(t *testing.T) {
+	c := startCluster(t)
+	layer, err := c.NodeLayer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := c.BuildManifests(filepath.Join("testdata", "sim-dra-ext-overlay"), layer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	crd, err := harness.ReadObjects(filepath.Join("testdata", "servicemonitor-crd.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	installAgent(t, c, layer, append(crd, objs...))
+	agent := fmt.Sprintf("http://127.0.0.1:%d", layer.MetricsPort)
+	ctx := clusterCtx(t)
+	setConfigMap(t, c, map[string]string{"config.yaml": "version: v1\nconfigs:\n  default: {}\n  dra-only:\n    devicePlugin:\n      enabled: false\n"})
+
+	// A pod served by the device plugin.
+	if _, err := c.Client.AppsV1().Deployments("default").Create(ctx, gpuDeployment("dp-holder", 1, 1), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pods, err := c.WaitPodsRunning(ctx, "default", "app=dp-holder", 1)
+	if err != nil {
+		dumpPods(t, c, "default")
+		t.Fatal(err)
+	}
+	holder := pods[0]
+	held, err := c.PodDevicesOf(ctx, &holder, gpuResource)
+	if err != nil || len(held) != 1 {
+		t.Fatalf("dp-holder holds %v (%v)", held, err)
+	}
+	container := runningContainerID(t, c, holder.Name)
+
+	// Switch the node to DRA only.
+	switched := labelNode(t, c, "gpu-agent.io/config", "dra-only")
+	took := waitAllocatableQ(t, c, gpuResource, 0, switched)
+	t.Logf("MEASURED label gpu-agent.io/config=dra-only -> Node allocatable %s=0: %s", gpuResource, took.Round(10*time.Millisecond))
+	eventually(t, "the ResourceSlice offers the 7 GPUs no container holds", func() bool { return len(nodeSlice(t, c)) == nodeGPUs-1 })
+
+	// An unchanged pod asking for nvidia.com/gpu: 1, through DRA.
+	created := time.Now()
+	if _, err := c.Client.AppsV1().Deployments("default").Create(ctx, gpuDeployment("ext-user", 1, 1), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pods, err = c.WaitPodsRunning(ctx, "default", "app=ext-user", 1)
+	if err != nil {
+		dumpPods(t, c, "default")
+		t.Fatal(err)
+	}
+	t.Logf("MEASURED nvidia.com/gpu pod through DRA created -> container running: %s", time.Since(created).Round(10*time.Millisecond))
+	ext := pods[0]
+	if ext.Status.ExtendedResourceClaimStatus == nil || ext.Status.ExtendedResourceClaimStatus.ResourceClaimName == "" {
+		t.Fatalf("ext-user: no extended resource claim in its status: %+v", ext.Status)
+	}
+	claimName := ext.Status.ExtendedResourceClaimStatus.ResourceClaimName
+	cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, claimName, metav1.GetOptions{})
+	if err != nil || cl.Status.Allocation == nil || len(cl.Status.Allocation.Devices.Results) != 1 {
+		t.Fatalf("claim %s: %+v (%v)", claimName, cl, err)
+	}
+	dev := cl.Status.Allocation.Devices.Results[0].Device
+	t.Logf("ext-user: claim %s, device %s", claimName, dev)
+	var st struct {
+		DRA struct {
+			Claims []string `json:"claims"`
+		} `json:"dra"`
+	}
+	agentGet(t, agent, "/status", &st)
+	if want := "default/" + claimName + ": " + dev; !slices.Contains(st.DRA.Claims, want) {
+		t.Errorf("/status dra claims %v, want %q", st.DRA.Claims, want)
+	}
+	if idx := gpuIndex(t, agent, held[0]); dev == fmt.Sprintf("gpu-%d", idx) {
+		t.Fatalf("DRA gave %s, the GPU dp-holder holds", dev)
+	}
+
+	// Back to both paths: nobody loses a device.
+	labelNode(t, c, "gpu-agent.io/config", "")
+	waitAllocatableQ(t, c, gpuResource, nodeGPUs-1, time.Now())
+	if got := runningContainerID(t, c, holder.Name); got != container {
+		t.Errorf("dp-holder's container %s replaced by %s", container, got)
+	}
+	p, err := c.Client.CoreV1().Pods("default").Get(ctx, holder.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if still, err := c.PodDevicesOf(ctx, p, gpuResource); err != nil || !slices.Equal(still, held) {
+		t.Errorf("dp-holder holds %v (%v), want %v", still, err, held)
+	}
+	st.DRA.Claims = nil
+	agentGet(t, agent, "/status", &st)
+	if len(st.DRA.Claims) != 1 {
+		t.Errorf("after switching back the DRA claims are %v, want ext-user's", st.DRA.Claims)
 	}
 }
