@@ -145,6 +145,14 @@ func Plan(s Snapshot) Desired {
 // planWith plans the catalog for sel.
 func planWith(s Snapshot, sel config.Selected) (Planned, error) {
 	cfg := sel.Config
+	if !cfg.DevicePlugin.Serves() {
+		if !s.DRA {
+			return Planned{}, fmt.Errorf("configs.%s.devicePlugin.enabled: false would leave the node offering nothing: this agent runs without --dra", sel.Name)
+		}
+		// DRA only: nothing through the device plugin (keepHeld still
+		// shows what running containers hold, unhealthy).
+		return Planned{Catalog: &catalog.Catalog{Resources: map[string]*catalog.Resource{}}}, nil
+	}
 	if cfg.Sharing.MPS != nil && len(cfg.Sharing.MPS.Resources) > 0 && !s.MPSSupervised {
 		return Planned{}, fmt.Errorf("configs.%s.sharing.mps: this agent runs no MPS supervisor", sel.Name)
 	}

@@ -3,6 +3,7 @@ package agent
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -271,5 +272,59 @@ func TestInboxKeepsEveryClaimRequest(t *testing.T) {
 	b.Post(Tick{})
 	if got := b.Drain(); len(got) != 3 {
 		t.Errorf("queued %d events, want both requests and one tick: %v", len(got), got)
+	}
+}
+
+const (
+	draOnly     = "version: v1\nconfigs:\n  default:\n    devicePlugin:\n      enabled: false\n"
+	twoPaths    = "version: v1\nconfigs:\n  default: {}\n  dra-only:\n    devicePlugin:\n      enabled: false\n"
+	draOnlyNode = "dra-only"
+)
+
+// devicePlugin.enabled: false switches a node to DRA only, live: the device
+// plugin's resources go (what containers hold stays, unhealthy, so the
+// Node's allocatable is 0 and the scheduler maps nvidia.com/gpu requests to
+// DRA), DRA offers every GPU no container holds; switching back, a claimed
+// GPU stays withheld from the device plugin.
+func TestDevicePluginSwitchedOffForDRA(t *testing.T) {
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "pcie-4gpu"), withDRA(rec))
+	h.config(twoPaths)
+	held := findGPU(h, 0).ID
+	h.step(Allocated{Resource: ResourceGPU, IDs: []string{held}}, HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, held)})
+
+	h.step(LabelsChanged{Labels: map[string]string{"gpu-agent.io/config": draOnlyNode}})
+	r := h.pub.last().Resources[ResourceGPU]
+	if r == nil || len(r.Devices) != 1 || r.Devices[0].ID != held || r.Devices[0].Healthy {
+		t.Fatalf("DRA only: the device plugin offers %+v; want only the held GPU, unhealthy", r)
+	}
+	if got := poolNames(rec.last()); len(got) != 3 || slices.Contains(got, "gpu-0") {
+		t.Errorf("DRA only: pool %v, want the 3 GPUs no container holds", got)
+	}
+	if got := h.prepare(claim("uid-x", "x", "gpu-2"))["uid-x"]; got.Err != nil {
+		t.Fatal(got.Err)
+	}
+
+	// The holder leaves; back to both paths: the claimed GPU stays withheld.
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU)})
+	h.step(LabelsChanged{Labels: map[string]string{}})
+	if n := h.count(ResourceGPU); n != 4 {
+		t.Fatalf("back to the device plugin: %d GPUs, want 4", n)
+	}
+	if cd := findGPU(h, 2); cd.Healthy {
+		t.Errorf("the claimed GPU 2 is offered by the device plugin again: %+v", cd)
+	}
+}
+
+// Without --dra, a config that switches the device plugin off would leave
+// the node offering nothing: it does not fit, naming the field, and the
+// last good config stays.
+func TestDevicePluginOffNeedsDRA(t *testing.T) {
+	h := newHarness(t, simNode(t, "pcie-4gpu"))
+	h.config(wholeGPUs)
+	h.config(draOnly)
+	st := h.a.Status().Config
+	if h.count(ResourceGPU) != 4 || !strings.Contains(st.Error, "devicePlugin.enabled") {
+		t.Errorf("%d GPUs, status %+v; want the last good config's 4 and the field named", h.count(ResourceGPU), st)
 	}
 }

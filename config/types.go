@@ -90,7 +90,17 @@ type DevicePlugin struct {
 	GDSEnabled     bool `yaml:"gdsEnabled"`
 	MOFEDEnabled   bool `yaml:"mofedEnabled"`
 	GDRCopyEnabled bool `yaml:"gdrcopyEnabled"`
+	// Enabled: false withdraws the device plugin's resources on the nodes
+	// this config selects; with the agent's DRA driver on (--dra), their GPUs
+	// are then offered through DRA only, and pods asking for nvidia.com/gpu
+	// are served through a DeviceClass's extendedResourceName. Containers
+	// that hold devices keep them. Unset: true.
+	Enabled *bool `yaml:"enabled"`
 }
+
+// Serves reports whether the device plugin offers resources (Enabled unset
+// or true).
+func (p DevicePlugin) Serves() bool { return p.Enabled == nil || *p.Enabled }
 
 // The values DevicePlugin.DeviceListStrategy accepts.
 const DeviceListStrategyEnvvar = "envvar"

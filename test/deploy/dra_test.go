@@ -47,6 +47,19 @@ func TestDRAInstall(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	mapped, err := renderChart(t, "dra: {enabled: true, extendedResourceName: nvidia.com/gpu}\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range append(mapped.DeviceClasses, chart.DeviceClasses...) {
+		want := ""
+		if c.Name == "gpu.nvidia.com" && slices.Contains(mapped.DeviceClasses, c) {
+			want = "nvidia.com/gpu"
+		}
+		if got := c.Spec.ExtendedResourceName; (got == nil) != (want == "") || got != nil && *got != want {
+			t.Errorf("DeviceClass %s: extendedResourceName %v, want %q", c.Name, got, want)
+		}
+	}
 	off, err := renderChart(t, "")
 	if err != nil {
 		t.Fatal(err)
