@@ -8,6 +8,8 @@ import (
 	"strings"
 	"time"
 
+	"k8s.io/apimachinery/pkg/types"
+
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
@@ -63,8 +65,9 @@ type Holdings struct {
 	// has accounted for yet, with when (the checkpointed ledger).
 	Allocated map[string]time.Time
 	// Claimed maps the device UUIDs that prepared DRA claims hold to the
-	// claim (the ledger's DRA side, checkpointed too).
+	// claim (the ledger's DRA side, checkpointed too); Claims are the claims.
 	Claimed map[string]string
+	Claims  map[types.UID]PreparedClaim
 }
 
 // Desired is what the node should run and offer.
@@ -136,7 +139,7 @@ func Plan(s Snapshot) Desired {
 		}
 	}
 	keepHeld(planned.Catalog, s.Published, s.Holdings.Attribution)
-	withholdClaimed(planned.Catalog, s.Holdings.Claimed)
+	withholdClaimed(planned.Catalog, s.Holdings.Claimed, s.Inventory)
 	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, planned.MPSDaemons, planned.Warnings
 	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)
 	return d

@@ -13,6 +13,8 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 // DRAPublisher publishes the node's DRA pool (dra.Driver); it must not block.
@@ -49,6 +51,13 @@ type PreparedClaim struct {
 type PreparedClaimDevice struct {
 	dra.PreparedDevice
 	UUID string `json:"uuid"`
+	// Created: the MIG device was created for this claim (dynamic MIG) on
+	// GPU Parent, profile Profile at Placement; Unprepare destroys it.
+	Created      bool          `json:"created,omitempty"`
+	Parent       string        `json:"parent,omitempty"`
+	Profile      string        `json:"profile,omitempty"`
+	ProfileIndex int           `json:"profileIndex,omitempty"`
+	Placement    gpu.Placement `json:"placement,omitzero"`
 }
 
 func (c PreparedClaim) String() string { return "ResourceClaim " + c.Namespace + "/" + c.Name }
@@ -130,9 +139,22 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %q is not offered on this node (any more)", c, r.Request, r.Device)
 		}
 		if d.Unhealthy != "" {
+			a.undoCreated(pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s (%s) is unhealthy: %s", c, r.Request, r.Device, d.UUID, d.Unhealthy)
 		}
+		if d.Partition {
+			pd, err := a.createPartition(c, d)
+			if err != nil {
+				a.undoCreated(pc)
+				return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s: %w", c, r.Request, r.Device, err)
+			}
+			pd.Requests = []string{r.Request}
+			byDevice[r.Device] = len(pc.Devices)
+			pc.Devices = append(pc.Devices, pd)
+			continue
+		}
 		if by := a.heldElsewhere(d.UUID, c.UID); by != "" {
+			a.undoCreated(pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s (%s) is in use by %s", c, r.Request, r.Device, d.UUID, by)
 		}
 		byDevice[r.Device] = len(pc.Devices)
@@ -142,6 +164,115 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 		})
 	}
 	return pc, nil
+}
+
+// createPartition creates the MIG device d stands for (dynamic MIG): MIG
+// mode on first if it is off (only on GPUs that need no reset for it, and
+// only while no container holds the GPU), then the GPU instance at d's
+// placement with one compute instance spanning it, journaled by the MIG
+// applier like any layout change.
+func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice, error) {
+	if a.opts.MIG == nil {
+		return PreparedClaimDevice{}, errors.New("this agent does not manage MIG")
+	}
+	g, ok := a.inv.GPUByUUID(d.ParentUUID)
+	if !ok {
+		return PreparedClaimDevice{}, fmt.Errorf("GPU %s is gone", d.ParentUUID)
+	}
+	if by := a.heldElsewhere(g.UUID, c.UID); by != "" {
+		return PreparedClaimDevice{}, fmt.Errorf("GPU %d (%s) is in use by %s", g.Index, g.UUID, by)
+	}
+	for _, m := range g.Instances {
+		if m.Placement.Start < d.Placement.Start+d.Placement.Size && d.Placement.Start < m.Placement.Start+m.Placement.Size {
+			return PreparedClaimDevice{}, fmt.Errorf("GPU %d: MIG device %s (%s at %d) already occupies memory slices %d-%d",
+				g.Index, m.UUID, m.Profile, m.Placement.Start, d.Placement.Start, d.Placement.Start+d.Placement.Size-1)
+		}
+	}
+	counts := map[string]int{d.Profile: 1}
+	for _, m := range g.Instances {
+		counts[m.Profile]++
+	}
+	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: true, Counts: counts}}
+	why := "DRA claim " + c.String()
+	if !g.MIG.Current {
+		plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpSetMode, Enable: true, Reason: why + ": the first MIG device on an idle GPU"})
+	}
+	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpCreate, Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement, Reason: why})
+	st, err := a.opts.MIG.Apply(a.ctx, plan)
+	if err == nil && st.Phase != mig.PhaseApplied {
+		err = fmt.Errorf("GPU %d: %s: %s", g.Index, st.Phase, st.Reason)
+	}
+	a.observe("dynamic MIG: " + why)
+	if err != nil {
+		return PreparedClaimDevice{}, err
+	}
+	if g, ok = a.inv.GPUByUUID(g.UUID); ok {
+		for _, m := range g.Instances {
+			if m.Placement == d.Placement && m.Profile == d.Profile {
+				a.log.Info("DRA: MIG device created", "claim", c.String(), "gpu", g.Index, "profile", d.Profile, "placement", d.Placement.Start, "uuid", m.UUID)
+				return PreparedClaimDevice{
+					PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}},
+					UUID:           m.UUID, Created: true, Parent: g.UUID,
+					Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement,
+				}, nil
+			}
+		}
+	}
+	return PreparedClaimDevice{}, fmt.Errorf("GPU %d: %s at %d was created but NVML does not list it", plan.GPU, d.Profile, d.Placement.Start)
+}
+
+// undoCreated destroys the MIG devices created for a claim that then failed
+// to prepare, so nothing is left half-applied.
+func (a *Agent) undoCreated(pc PreparedClaim) {
+	for _, d := range pc.Devices {
+		if d.Created {
+			a.destroyPartition(pc, d)
+		}
+	}
+}
+
+// destroyPartition destroys a MIG device created for a claim once the claim
+// no longer holds it, unless a container got it through the device plugin
+// meanwhile; a GPU left without MIG devices goes back to MIG off where that
+// needs no reset, so it is offered whole again.
+func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) {
+	if a.opts.MIG == nil || a.inv == nil {
+		return
+	}
+	g, ok := a.inv.GPUByUUID(d.Parent)
+	if !ok {
+		return
+	}
+	i := slices.IndexFunc(g.Instances, func(m gpu.MIGInstance) bool { return m.UUID == d.UUID })
+	if i < 0 {
+		return // already gone
+	}
+	if hs := a.att.Holders(d.UUID); len(hs) > 0 {
+		a.log.Warn("DRA: MIG device of a released claim is held through the device plugin; left as it is", "claim", pc.String(), "uuid", d.UUID, "holder", hs[0].String())
+		return
+	}
+	m := g.Instances[i]
+	counts := map[string]int{}
+	for _, o := range g.Instances {
+		if o.UUID != m.UUID {
+			counts[o.Profile]++
+		}
+	}
+	last := len(counts) == 0 && len(g.GIsWithoutCI) == 0
+	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: !(last && migModeWithoutReset(g)), Counts: counts}}
+	why := pc.String() + " released"
+	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpDestroy, Profile: m.Profile, ProfileIndex: m.GIProfileID, Placement: m.Placement,
+		GI: m.GI, UUIDs: []string{m.UUID}, Reason: why})
+	if !plan.Want.MIGEnabled {
+		plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpSetMode, Enable: false, Reason: why + ": no MIG device left, the GPU is offered whole again"})
+	}
+	st, err := a.opts.MIG.Apply(a.ctx, plan)
+	if err != nil || st.Phase != mig.PhaseApplied {
+		a.log.Error("DRA: MIG device of a released claim not destroyed", "claim", pc.String(), "uuid", d.UUID, "phase", st.Phase, "reason", st.Reason, "error", err)
+	} else {
+		a.log.Info("DRA: MIG device destroyed", "claim", pc.String(), "gpu", g.Index, "uuid", d.UUID, "mig-off", !plan.Want.MIGEnabled)
+	}
+	a.observe("dynamic MIG: " + why)
 }
 
 // heldElsewhere names who, other than claim uid, holds the device: a
@@ -180,6 +311,11 @@ func (a *Agent) unprepareClaims(e ClaimsUnprepare) (map[types.UID]error, []Prepa
 		}
 		delete(a.claims, c.UID)
 		removed = append(removed, pc)
+		for _, d := range pc.Devices {
+			if d.Created {
+				a.destroyPartition(pc, d)
+			}
+		}
 		a.log.Info("DRA claim unprepared", "claim", c.String(), "uid", c.UID, "devices", deviceNames(pc))
 	}
 	return out, removed
@@ -207,22 +343,107 @@ func claimedUUIDs(claims map[types.UID]PreparedClaim) map[string]string {
 // planDRA is the pool the node offers through DRA: every device the
 // inventory has, less those the device plugin's containers hold (a device
 // goes one way at a time); devices prepared for claims stay in (the
-// scheduler already counts them as allocated).
+// scheduler already counts them as allocated). MIG-capable GPUs that no
+// config layout governs get their MIG devices on demand: every profile at
+// every free placement, drawing on the GPU's counters (dynamicGPUs).
 func planDRA(s Snapshot) *dra.Pool {
 	if !s.DRA {
 		return nil
 	}
-	all := dra.Devices(s.Inventory, s.Health.UnhealthyDevices())
-	p := &dra.Pool{Devices: make([]dra.Device, 0, len(all))}
-	for _, d := range all {
-		_, claimed := s.Holdings.Claimed[d.UUID]
-		if !claimed && (len(s.Holdings.Attribution.Holders(d.UUID)) > 0 || hasKey(s.Holdings.Allocated, d.UUID)) {
+	unhealthy := s.Health.UnhealthyDevices()
+	dynamic := dynamicGPUs(s)
+	held := func(uuid string) bool {
+		return len(s.Holdings.Attribution.Holders(uuid)) > 0 || hasKey(s.Holdings.Allocated, uuid)
+	}
+	p := &dra.Pool{}
+	for _, d := range dra.Devices(s.Inventory, unhealthy) {
+		if dyn, ok := dynamic[d.ParentIndexOrSelf()]; ok && !dynamicKeepsStatic(dyn, d) {
+			continue // the GPU's dynamic devices stand for it
+		}
+		if _, claimed := s.Holdings.Claimed[d.UUID]; !claimed && held(d.UUID) {
 			continue
 		}
 		p.Devices = append(p.Devices, d)
 	}
+	for _, idx := range slices.Sorted(maps.Keys(dynamic)) {
+		dyn := dynamic[idx]
+		g := dyn.GPU
+		if _, claimed := s.Holdings.Claimed[g.UUID]; !claimed && held(g.UUID) {
+			continue // a container holds the whole GPU
+		}
+		base := dra.Device{
+			ProductName: g.Name, Architecture: g.ComputeCapability.Family(), CC: g.ComputeCapability,
+			DriverVersion: s.Inventory.DriverVersion, PCIBusID: g.PCIBusID, Minor: g.Minor, Unhealthy: unhealthy[g.UUID],
+		}
+		devs, set := dra.Partitions(dyn, base)
+		p.Devices = append(p.Devices, devs...)
+		p.CounterSets = append(p.CounterSets, set)
+	}
+	slices.SortFunc(p.Devices, func(a, b dra.Device) int { return strings.Compare(a.Name, b.Name) })
 	return p
 }
+
+// dynamicKeepsStatic reports whether d, a device of a dynamic GPU, stays in
+// the pool as it is: a MIG device no claim created, which blocks its
+// placement.
+func dynamicKeepsStatic(dyn dra.Dynamic, d dra.Device) bool {
+	return d.Type == dra.TypeMIG && slices.Contains(dyn.Blocked, d.Placement)
+}
+
+// dynamicGPUs are the GPUs whose MIG devices are created on demand, by
+// index: MIG-capable, read completely, not changing MIG mode, with known
+// profiles, and governed by no MIG layout of the config. A GPU with MIG off
+// qualifies only where turning it on needs no reset (Hopper and newer; an
+// A100 needs one, so it stays a whole GPU). Placements taken by MIG devices
+// that no claim created are blocked.
+func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
+	if !s.DRA || !s.MIGApplies || s.Inventory == nil {
+		return nil
+	}
+	laid := map[int]bool{}
+	if layout := s.Selected.MIGLayout; layout != nil {
+		wants, err := mig.Desired(layout, s.Inventory)
+		if err != nil {
+			return nil // a broken layout: leave every GPU as it is
+		}
+		for i := range wants {
+			laid[i] = true
+		}
+	}
+	created := map[string]bool{} // parent UUID + placement of claim-created devices
+	for _, pc := range s.Holdings.Claims {
+		for _, d := range pc.Devices {
+			if d.Created {
+				created[fmt.Sprintf("%s/%d+%d", d.Parent, d.Placement.Start, d.Placement.Size)] = true
+			}
+		}
+	}
+	out := map[int]dra.Dynamic{}
+	for _, g := range s.Inventory.GPUs {
+		profiles, ok := s.Profiles[g.Name]
+		if laid[g.Index] || !g.MIGCapable || g.MIGUnknown() || g.MIG.Current != g.MIG.Pending || !ok || len(profiles) == 0 {
+			continue
+		}
+		if !g.MIG.Current && !migModeWithoutReset(g) {
+			continue
+		}
+		dyn := dra.Dynamic{GPU: g, Profiles: profiles, Whole: !g.MIG.Current}
+		for _, m := range g.Instances {
+			if !created[fmt.Sprintf("%s/%d+%d", g.UUID, m.Placement.Start, m.Placement.Size)] {
+				dyn.Blocked = append(dyn.Blocked, m.Placement)
+			}
+		}
+		for _, gi := range g.GIsWithoutCI {
+			dyn.Blocked = append(dyn.Blocked, gi.Placement)
+		}
+		out[g.Index] = dyn
+	}
+	return out
+}
+
+// migModeWithoutReset: from Hopper on, an idle GPU changes MIG mode at once;
+// Ampere needs a GPU reset, which the agent never does.
+func migModeWithoutReset(g gpu.GPU) bool { return g.ComputeCapability.AtLeast(9, 0) }
 
 func hasKey[V any](m map[string]V, k string) bool {
 	_, ok := m[k]
@@ -230,11 +451,32 @@ func hasKey[V any](m map[string]V, k string) bool {
 }
 
 // withholdClaimed marks every catalog device that stands for a device a
-// claim holds (the device itself or its replicas) unavailable to the kubelet's
+// claim holds (the device itself, its replicas, or the whole GPU one of its
+// MIG devices is on) unavailable to the kubelet's
 // device manager: a device goes one way at a time.
-func withholdClaimed(cat *catalog.Catalog, claimed map[string]string) {
+func withholdClaimed(cat *catalog.Catalog, claimed map[string]string, inv *gpu.Inventory) {
 	if cat == nil || len(claimed) == 0 {
 		return
+	}
+	// A GPU offered whole while one of its MIG devices is claimed (MIG
+	// strategy none) is not free either.
+	if inv != nil {
+		parents := map[string]string{}
+		for _, g := range inv.GPUs {
+			for _, m := range g.Instances {
+				if by, ok := claimed[m.UUID]; ok {
+					parents[g.UUID] = by
+				}
+			}
+		}
+		if len(parents) > 0 {
+			claimed = maps.Clone(claimed)
+			for uuid, by := range parents {
+				if _, ok := claimed[uuid]; !ok {
+					claimed[uuid] = by
+				}
+			}
+		}
 	}
 	for _, r := range cat.Resources {
 		for i := range r.Devices {

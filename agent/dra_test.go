@@ -328,3 +328,125 @@ func TestDevicePluginOffNeedsDRA(t *testing.T) {
 		t.Errorf("%d GPUs, status %+v; want the last good config's 4 and the field named", h.count(ResourceGPU), st)
 	}
 }
+
+func partitionsOf(p *dra.Pool, gpuIndex int) (whole bool, parts []string) {
+	for _, d := range p.Devices {
+		switch {
+		case d.Type == dra.TypeGPU && d.Index == gpuIndex:
+			whole = true
+		case d.Partition && d.ParentIndex == gpuIndex:
+			parts = append(parts, d.Name)
+		}
+	}
+	return whole, parts
+}
+
+// Dynamic MIG: an idle H100 with MIG off is offered whole and as every
+// profile at every placement, all drawing on its counters; a claim for a
+// 3g and one for a 4g create them (MIG mode on first), a 7g then fails
+// without touching anything, the device plugin no longer offers the GPU;
+// released, the instances go, MIG goes off, and the 7g fits.
+func TestDRADynamicMIG(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	dir := t.TempDir()
+	h := newHarnessIn(t, node, dir, withDRA(rec), withMIG())
+	h.config(wholeGPUs)
+	whole, parts := partitionsOf(rec.last(), 0)
+	if !whole || len(parts) != 25 || len(rec.last().CounterSets) != 8 {
+		t.Fatalf("GPU 0: whole %v, %d partitions %v, %d counter sets; want whole, 25 (7+7+4+3+2+1+1), 8", whole, len(parts), parts, len(rec.last().CounterSets))
+	}
+	set := rec.last().CounterSets[0].Counters
+	if set["memory-slice-0"] != 1 || set["memory-slice-7"] != 1 || set["compute-slices"] != 7 {
+		t.Errorf("GPU 0's counters %v", set)
+	}
+	if d, _ := rec.last().Device("gpu-0-mig-3g40gb-4"); d.Consumes["memory-slice-4"] != 1 || d.Consumes["memory-slice-3"] != 0 || d.Consumes["compute-slices"] != 3 {
+		t.Errorf("3g.40gb at 4 consumes %v", d.Consumes)
+	}
+
+	a := h.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]
+	if a.Err != nil || len(a.Devices) != 1 || !strings.HasPrefix(a.Devices[0].CDIDevices[0], "nvidia.com/gpu=MIG-") {
+		t.Fatalf("3g claim: %+v", a)
+	}
+	b := h.prepare(claim("uid-4g", "four", "gpu-0-mig-4g40gb-0"))["uid-4g"]
+	if b.Err != nil {
+		t.Fatalf("4g claim: %v", b.Err)
+	}
+	inv, err := h.opts.Observer.Inventory()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := inv.GPUs[0]; !g.MIG.Current || len(g.Instances) != 2 {
+		t.Fatalf("GPU 0 after two claims: MIG %v, instances %+v", g.MIG, g.Instances)
+	}
+	if cd := findGPU(h, 0); cd.Healthy {
+		t.Errorf("the device plugin still offers GPU 0 whole: %+v", cd)
+	}
+	whole, parts = partitionsOf(rec.last(), 0)
+	if whole || len(parts) != 25 {
+		t.Errorf("GPU 0 in MIG mode: whole %v, %d partitions; want not whole, all 25 names kept", whole, len(parts))
+	}
+	c := h.prepare(claim("uid-7g", "seven", "gpu-0-mig-7g80gb-0"))["uid-7g"]
+	if c.Err == nil || !strings.Contains(c.Err.Error(), "already occupies") {
+		t.Errorf("7g claim on a busy GPU: %+v", c)
+	}
+	if inv, _ := h.opts.Observer.Inventory(); len(inv.GPUs[0].Instances) != 2 {
+		t.Errorf("the failed 7g claim changed GPU 0: %+v", inv.GPUs[0].Instances)
+	}
+
+	// A restart keeps both claims: nothing is blocked, nothing destroyed.
+	rec2 := &draRecorder{}
+	h2 := newHarnessIn(t, node, dir, withDRA(rec2), withMIG(), withCheckpoint())
+	h2.config(wholeGPUs)
+	if again := h2.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]; again.Err != nil || again.Devices[0].CDIDevices[0] != a.Devices[0].CDIDevices[0] {
+		t.Errorf("3g claim after a restart: %+v, want %+v", again, a)
+	}
+	if _, parts := partitionsOf(rec2.last(), 0); len(parts) != 25 {
+		t.Errorf("after the restart GPU 0 offers %d partitions, want 25 (the claims' instances block nothing)", len(parts))
+	}
+
+	h2.unprepare(dra.ClaimRef{UID: "uid-3g", Namespace: "default", Name: "three"}, dra.ClaimRef{UID: "uid-4g", Namespace: "default", Name: "four"})
+	inv, _ = h2.opts.Observer.Inventory()
+	if g := inv.GPUs[0]; g.MIG.Current || len(g.Instances) != 0 {
+		t.Fatalf("GPU 0 after the releases: MIG %v, instances %+v; want MIG off, none", g.MIG, g.Instances)
+	}
+	if whole, _ := partitionsOf(rec2.last(), 0); !whole {
+		t.Errorf("GPU 0 is not offered whole again")
+	}
+	if cd := findGPU(h2, 0); !cd.Healthy {
+		t.Errorf("the device plugin does not offer GPU 0 again: %+v", cd)
+	}
+	if c := h2.prepare(claim("uid-7g", "seven", "gpu-0-mig-7g80gb-0"))["uid-7g"]; c.Err != nil {
+		t.Errorf("7g claim once the GPU is free: %v", c.Err)
+	}
+}
+
+// An A100 needs a GPU reset to turn MIG on: with MIG off it stays a whole
+// GPU; with MIG on (and no layout) its MIG devices are made on demand, and
+// an existing instance no claim made blocks its placement.
+func TestDRADynamicMIGResetRule(t *testing.T) {
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "dgx-a100"), withDRA(rec), withMIG())
+	h.config(wholeGPUs)
+	if whole, parts := partitionsOf(rec.last(), 0); !whole || len(parts) != 0 || len(rec.last().CounterSets) != 0 {
+		t.Errorf("A100 with MIG off: whole %v, partitions %v; want whole only", whole, parts)
+	}
+
+	rec2 := &draRecorder{}
+	node := simNode(t, "dgx-a100", sim.WithMIGEnabled())
+	h2 := newHarness(t, node, withDRA(rec2), withMIG())
+	h2.config(mixedLayout(`{"7g.40gb": 1}`)) // lay out every GPU ...
+	h2.config(wholeGPUs)                    // ... then let DRA have them: the 7g instances stay and block
+	if whole, parts := partitionsOf(rec2.last(), 0); whole || len(parts) != 0 {
+		t.Errorf("A100 with a 7g instance: whole %v, partitions %v; want none (all slices taken)", whole, parts)
+	}
+	var static int
+	for _, d := range rec2.last().Devices {
+		if d.Type == dra.TypeMIG && !d.Partition {
+			static++
+		}
+	}
+	if static != 8 {
+		t.Errorf("%d existing MIG devices offered, want the 8 7g instances", static)
+	}
+}

@@ -254,7 +254,7 @@ func (a *Agent) snapshot() Snapshot {
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
 		Holdings: Holdings{Attribution: a.att, Fresh: a.fresh, Err: a.holdErr, Allocated: a.ledger,
-			Claimed: claimedUUIDs(a.claims)},
+			Claimed: claimedUUIDs(a.claims), Claims: a.claims},
 		DRA:       a.opts.DRA != nil,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
 	}

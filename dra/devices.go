@@ -2,6 +2,8 @@ package dra
 
 import (
 	"fmt"
+	"maps"
+	"reflect"
 	"slices"
 	"strings"
 
@@ -48,6 +50,21 @@ type Device struct {
 	// Unhealthy is why the device must not be used ("" when healthy): it is
 	// published with a NoSchedule taint.
 	Unhealthy string
+	// Partition: a MIG device that does not exist yet (dynamic MIG): Prepare
+	// creates it at Placement with the GPU instance profile ProfileIndex.
+	Partition    bool
+	ProfileIndex int
+	// Consumes are the counters of the GPU's counter set (CounterSetName of
+	// the parent) the device uses while allocated; nil: none.
+	Consumes map[string]int64
+}
+
+// ParentIndexOrSelf is the index of the physical GPU the device is on.
+func (d Device) ParentIndexOrSelf() int {
+	if d.Type == TypeMIG {
+		return d.ParentIndex
+	}
+	return d.Index
 }
 
 // CDIDevice is the fully qualified CDI device name a container that gets d
@@ -57,7 +74,20 @@ func (d Device) CDIDevice() string { return CDIKind + "=" + d.UUID }
 // Pool is everything the node offers through DRA, ordered by name.
 type Pool struct {
 	Devices []Device
+	// CounterSets are the shared counters of the GPUs whose MIG devices are
+	// created on demand, by GPU index (see Partitions).
+	CounterSets []CounterSet
 }
+
+// CounterSet is one GPU's capacity that its devices draw on: the scheduler
+// never allocates devices whose counters together exceed it.
+type CounterSet struct {
+	GPU      int
+	Counters map[string]int64
+}
+
+// CounterSetName names GPU index's counter set.
+func CounterSetName(index int) string { return fmt.Sprintf("gpu-%d-counters", index) }
 
 // Device returns the device with the given name.
 func (p *Pool) Device(name string) (Device, bool) {
@@ -76,8 +106,12 @@ func (p *Pool) Equal(q *Pool) bool {
 	if p == nil || q == nil {
 		return p == q
 	}
-	return slices.Equal(p.Devices, q.Devices)
+	return slices.EqualFunc(p.Devices, q.Devices, sameDevice) && slices.EqualFunc(p.CounterSets, q.CounterSets, func(a, b CounterSet) bool {
+		return a.GPU == b.GPU && maps.Equal(a.Counters, b.Counters)
+	})
 }
+
+func sameDevice(a, b Device) bool { return reflect.DeepEqual(a, b) }
 
 // GPUName and MIGName are the device names of a GPU and a MIG device.
 func GPUName(index int) string { return fmt.Sprintf("gpu-%d", index) }

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
@@ -24,6 +25,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 func inventory(t *testing.T, profile string, opts ...sim.Option) *gpu.Inventory {
@@ -337,5 +339,60 @@ func nextSlice(t *testing.T, w watch.Interface) *resourceapi.ResourceSlice {
 			t.Fatal("no ResourceSlice written")
 			return nil
 		}
+	}
+}
+
+// A node whose GPUs all make MIG devices on demand: counter sets in slices
+// of their own, at most 8 each; counting devices at most 64 per slice; every
+// device's consumption names its own GPU's set.
+func TestResourcesPartitionable(t *testing.T) {
+	n, err := sim.New("dgx-h100")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.Init()
+	inv, err := gpu.New(n, gpu.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev, ret := n.DeviceGetHandleByIndex(0)
+	if ret != nvml.SUCCESS {
+		t.Fatal(ret)
+	}
+	profiles, err := mig.QueryProfiles(dev, inv.GPUs[0].MemoryBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := &Pool{}
+	for _, g := range append(slices.Clone(inv.GPUs), inv.GPUs...) { // 16 GPUs' worth
+		devs, set := Partitions(Dynamic{GPU: g, Profiles: profiles, Whole: true}, Device{ProductName: g.Name})
+		pool.Devices = append(pool.Devices, devs...)
+		pool.CounterSets = append(pool.CounterSets, set)
+	}
+	res := Resources("node-a", pool, 1, true).Pools["node-a"].Slices
+	var counterSlices, devices int
+	for i, s := range res {
+		if len(s.SharedCounters) > 0 && len(s.Devices) > 0 {
+			t.Errorf("slice %d has both counters and devices", i)
+		}
+		if len(s.SharedCounters) > 8 || len(s.Devices) > 64 {
+			t.Errorf("slice %d: %d counter sets, %d devices", i, len(s.SharedCounters), len(s.Devices))
+		}
+		if len(s.SharedCounters) > 0 {
+			counterSlices++
+		}
+		for _, d := range s.Devices {
+			devices++
+			if len(d.ConsumesCounters) != 1 || !strings.HasPrefix(d.ConsumesCounters[0].CounterSet, "gpu-") {
+				t.Errorf("device %s consumes %+v", d.Name, d.ConsumesCounters)
+			}
+		}
+	}
+	if counterSlices != 2 || devices != 16*26 {
+		t.Errorf("%d counter slices, %d devices; want 2 and %d", counterSlices, devices, 16*26)
+	}
+	whole := pool.Devices[slices.IndexFunc(pool.Devices, func(d Device) bool { return d.Type == TypeGPU })]
+	if len(whole.Consumes) != len(pool.CounterSets[0].Counters) {
+		t.Errorf("the whole GPU consumes %v, not every counter of %v", whole.Consumes, pool.CounterSets[0].Counters)
 	}
 }

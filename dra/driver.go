@@ -200,7 +200,8 @@ func (d *Driver) publishLocked() {
 		return
 	}
 	d.published = d.pool
-	d.log.Info("DRA: ResourceSlices updated", "devices", len(res.Pools[d.opts.NodeName].Slices[0].Devices), "generation", d.gen)
+	d.log.Info("DRA: ResourceSlices updated", "devices", len(d.pool.Devices), "counterSets", len(d.pool.CounterSets),
+		"slices", len(res.Pools[d.opts.NodeName].Slices), "generation", d.gen)
 }
 
 // PrepareResourceClaims implements kubeletplugin.DRAPlugin: the loop

@@ -16,22 +16,67 @@ const TaintUnhealthy = DriverName + "/unhealthy"
 // busIDAttr is the GPU's PCI bus ID, under the name NVIDIA's driver uses.
 const busIDAttr = "pcieBusID"
 
+// Limits of one ResourceSlice: devices (fewer when they consume counters or
+// carry taints), and counter sets.
+const (
+	maxDevicesPerSlice        = 128
+	maxCountingDevicesInSlice = 64
+	maxCounterSetsPerSlice    = 8
+)
+
 // Resources is what the kubelet plugin helper publishes for pool on
-// nodeName: one pool named for the node, one slice with every device.
-// Unhealthy devices carry the NoSchedule taint TaintUnhealthy, or, when
-// taints is false (the API server drops them: the DRADeviceTaints feature
-// is off), are left out.
+// nodeName: one pool named for the node; the GPUs' counter sets in slices
+// of their own (a slice holds devices or counters, not both), then the
+// devices, as many slices as the API's limits need. Unhealthy devices carry
+// the NoSchedule taint TaintUnhealthy, or, when taints is false (the API
+// server drops them: the DRADeviceTaints feature is off), are left out.
 func Resources(nodeName string, pool *Pool, generation int64, taints bool) resourceslice.DriverResources {
-	devs := make([]resourceapi.Device, 0, len(pool.Devices))
+	var out []resourceslice.Slice
+	for sets := pool.CounterSets; len(sets) > 0; {
+		n := min(len(sets), maxCounterSetsPerSlice)
+		var cs []resourceapi.CounterSet
+		for _, set := range sets[:n] {
+			cs = append(cs, resourceapi.CounterSet{Name: CounterSetName(set.GPU), Counters: apiCounters(set.Counters)})
+		}
+		out = append(out, resourceslice.Slice{SharedCounters: cs})
+		sets = sets[n:]
+	}
+	var devs []resourceapi.Device
+	limit := maxDevicesPerSlice
+	flush := func() {
+		if len(devs) > 0 {
+			out = append(out, resourceslice.Slice{Devices: devs})
+		}
+		devs, limit = nil, maxDevicesPerSlice
+	}
 	for _, d := range pool.Devices {
 		if d.Unhealthy != "" && !taints {
 			continue
 		}
-		devs = append(devs, apiDevice(d))
+		ad := apiDevice(d)
+		if len(ad.ConsumesCounters) > 0 || len(ad.Taints) > 0 {
+			limit = maxCountingDevicesInSlice
+		}
+		if len(devs) >= limit {
+			flush()
+		}
+		devs = append(devs, ad)
+	}
+	flush()
+	if len(out) == 0 {
+		out = []resourceslice.Slice{{}} // an empty pool, still published: the node has none
 	}
 	return resourceslice.DriverResources{Pools: map[string]resourceslice.Pool{
-		nodeName: {Generation: generation, Slices: []resourceslice.Slice{{Devices: devs}}},
+		nodeName: {Generation: generation, Slices: out},
 	}}
+}
+
+func apiCounters(c map[string]int64) map[string]resourceapi.Counter {
+	out := make(map[string]resourceapi.Counter, len(c))
+	for name, v := range c {
+		out[name] = resourceapi.Counter{Value: *resource.NewQuantity(v, resource.DecimalSI)}
+	}
+	return out
 }
 
 func apiDevice(d Device) resourceapi.Device {
@@ -69,6 +114,11 @@ func apiDevice(d Device) resourceapi.Device {
 		Capacity: map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{
 			"memory": {Value: *resource.NewQuantity(int64(d.MemoryBytes), resource.BinarySI)},
 		},
+	}
+	if len(d.Consumes) > 0 {
+		out.ConsumesCounters = []resourceapi.DeviceCounterConsumption{{
+			CounterSet: CounterSetName(d.ParentIndexOrSelf()), Counters: apiCounters(d.Consumes),
+		}}
 	}
 	if d.Unhealthy != "" {
 		out.Taints = []resourceapi.DeviceTaint{{Key: TaintUnhealthy, Effect: resourceapi.DeviceTaintEffectNoSchedule}}
