@@ -388,6 +388,25 @@ func TestResourcesPartitionable(t *testing.T) {
 			}
 		}
 	}
+	// Each GPU's devices in one slice; a profile's placements from the top down (the scheduler takes the
+	// first that fits).
+	where := map[string][2]int{}
+	for i, s := range res {
+		for j, d := range s.Devices {
+			where[d.Name] = [2]int{i, j}
+		}
+	}
+	for idx := range 8 {
+		first := where[fmt.Sprintf("gpu-%d", idx)][0]
+		for name, at := range where {
+			if strings.HasPrefix(name, fmt.Sprintf("gpu-%d-", idx)) && at[0] != first {
+				t.Errorf("GPU %d's devices span slices %d and %d", idx, first, at[0])
+			}
+		}
+	}
+	if hi, lo := where["gpu-0-mig-1g10gb-6"], where["gpu-0-mig-1g10gb-0"]; hi[1] >= lo[1] {
+		t.Errorf("1g.10gb at 6 is published at %d, after the one at 0 (%d)", hi[1], lo[1])
+	}
 	if counterSlices != 2 || devices != 16*26 {
 		t.Errorf("%d counter slices, %d devices; want 2 and %d", counterSlices, devices, 16*26)
 	}

@@ -12,5 +12,8 @@ require (
 
 require (
 	github.com/NVIDIA/go-nvlib v0.12.0 // indirect
+	github.com/fsnotify/fsnotify v1.10.1 // indirect
 	github.com/google/uuid v1.6.0 // indirect
+	golang.org/x/sys v0.48.0 // indirect
+	gopkg.in/yaml.v3 v3.0.1 // indirect
 )
