@@ -326,3 +326,122 @@ func TestClusterDRAExtendedResource(t *testing.T) {
 		t.Errorf("after switching back the DRA claims are %v, want ext-user's", st.DRA.Claims)
 	}
 }
+
+func migClaim(name, profile string, parent int) *resourceapi.ResourceClaim {
+	expr := fmt.Sprintf("device.attributes['gpu.nvidia.com'].profile == '%s' && device.attributes['gpu.nvidia.com'].parentIndex == %d", profile, parent)
+	return &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default"},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+			Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
+				DeviceClassName: "mig.nvidia.com",
+				Selectors:       []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: expr}}},
+			},
+		}}}},
+	}
+}
+
+// claimAndRun creates a claim and a pod using it; it returns when the pod runs, with how long that took.
+func claimAndRun(t *testing.T, c *harness.Cluster, claim *resourceapi.ResourceClaim) time.Duration {
+	t.Helper()
+	ctx := clusterCtx(t)
+	created := time.Now()
+	if _, err := c.Client.ResourceV1().ResourceClaims("default").Create(ctx, claim, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Client.CoreV1().Pods("default").Create(ctx, claimPod(claim.Name, claim.Name), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.WaitPodsRunning(ctx, "default", "app="+claim.Name, 1); err != nil {
+		dumpPods(t, c, "default")
+		dumpPods(t, c, "gpu-agent")
+		t.Fatal(err)
+	}
+	return time.Since(created)
+}
+
+// TestClusterDRADynamicMIG: an A100 node with MIG on and no layout offers every profile at every placement; a
+// 3g and a 4g claim for GPU 0 land there as MIG devices created on demand; a 7g claim for GPU 0 then stays
+// unschedulable (the scheduler counts the GPU's memory slices), and runs once the two are released.
+func TestClusterDRADynamicMIG(t *testing.T) {
+	c := startCluster(t)
+	layer, err := c.NodeLayer()
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := c.BuildManifests(filepath.Join("testdata", "sim-dra-mig-overlay"), layer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	crd, err := harness.ReadObjects(filepath.Join("testdata", "servicemonitor-crd.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	installAgent(t, c, layer, append(crd, objs...))
+	agent := fmt.Sprintf("http://127.0.0.1:%d", layer.MetricsPort)
+	ctx := clusterCtx(t)
+	const perGPU = 7 + 7 + 4 + 3 + 2 + 1 + 1 // A100 profiles x placements
+	eventually(t, "the ResourceSlices with every A100 profile at every placement", func() bool {
+		return len(nodeSlice(t, c)) == nodeGPUs*perGPU
+	})
+
+	took := claimAndRun(t, c, migClaim("three", "3g.20gb", 0))
+	t.Logf("MEASURED DRA claim (dynamic MIG 3g.20gb) created -> container running: %s", took.Round(10*time.Millisecond))
+	took = claimAndRun(t, c, migClaim("four", "4g.20gb", 0))
+	t.Logf("MEASURED DRA claim (dynamic MIG 4g.20gb) created -> container running: %s", took.Round(10*time.Millisecond))
+	var st struct {
+		GPUs []struct {
+			Index     int `json:"index"`
+			Instances []struct {
+				Profile string `json:"profile"`
+				UUID    string `json:"uuid"`
+			} `json:"instances"`
+		} `json:"gpus"`
+		DRA struct {
+			Claims []string `json:"claims"`
+		} `json:"dra"`
+	}
+	agentGet(t, agent, "/status", &st)
+	var profiles []string
+	for _, m := range st.GPUs[0].Instances {
+		profiles = append(profiles, m.Profile)
+	}
+	slices.Sort(profiles)
+	if !slices.Equal(profiles, []string{"3g.20gb", "4g.20gb"}) || len(st.DRA.Claims) != 2 {
+		t.Fatalf("GPU 0 has %v, DRA claims %v; want a 3g.20gb and a 4g.20gb made for the two claims", profiles, st.DRA.Claims)
+	}
+
+	// A 7g claim for the same GPU: the scheduler sees its memory slices taken.
+	ctx7 := clusterCtx(t)
+	if _, err := c.Client.ResourceV1().ResourceClaims("default").Create(ctx7, migClaim("seven", "7g.40gb", 0), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Client.CoreV1().Pods("default").Create(ctx7, claimPod("seven", "seven"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.WaitPodMatching(ctx7, "default", "app=seven", "unschedulable", func(p *corev1.Pod) bool {
+		for _, cond := range p.Status.Conditions {
+			if cond.Type == corev1.PodScheduled && cond.Status == corev1.ConditionFalse && cond.Reason == corev1.PodReasonUnschedulable {
+				return true
+			}
+		}
+		return false
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	released := time.Now()
+	for _, p := range []string{"three", "four"} {
+		if err := c.Client.CoreV1().Pods("default").Delete(ctx, p, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := c.WaitPodsRunning(ctx, "default", "app=seven", 1); err != nil {
+		dumpPods(t, c, "default")
+		t.Fatal(err)
+	}
+	t.Logf("MEASURED 3g and 4g pods deleted -> the 7g claim's container running: %s", time.Since(released).Round(10*time.Millisecond))
+	agentGet(t, agent, "/status", &st)
+	if n := len(st.GPUs[0].Instances); n != 1 || st.GPUs[0].Instances[0].Profile != "7g.40gb" {
+		t.Errorf("GPU 0 after the release: %+v, want one 7g.40gb", st.GPUs[0].Instances)
+	}
+}
