@@ -180,8 +180,10 @@ type Agent struct {
 	holdErr      error
 	holdFailedAt time.Time
 	ledger       map[string]time.Time
-	// claims are the prepared DRA claims: the ledger's DRA side.
-	claims map[types.UID]PreparedClaim
+	// claims are the prepared DRA claims: the ledger's DRA side;
+	// dynamicMIG the GPUs (UUIDs) whose MIG mode a claim turned on.
+	claims     map[types.UID]PreparedClaim
+	dynamicMIG map[string]bool
 
 	// Published.
 	cat       *catalog.Catalog
@@ -215,6 +217,7 @@ func New(opts Options) *Agent {
 	a.metrics = newMetrics(opts.Registerer)
 	a.ledger = map[string]time.Time{}
 	a.claims = map[types.UID]PreparedClaim{}
+	a.dynamicMIG = map[string]bool{}
 	a.restore(opts.Restored)
 	// Until a config applies, the built-in default is both what is selected
 	// and the last config that fitted: a config that is rejected, selects

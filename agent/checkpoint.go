@@ -8,6 +8,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
@@ -44,8 +45,10 @@ type Checkpoint struct {
 	// Allocated maps device UUIDs to when the plugin allocated them.
 	Allocated map[string]time.Time `json:"allocated,omitempty"`
 	Health    []health.SavedCause  `json:"health,omitempty"`
-	// Claims are the prepared DRA claims, by claim UID (version 2).
-	Claims map[types.UID]PreparedClaim `json:"claims,omitempty"`
+	// Claims are the prepared DRA claims, by claim UID (version 2), and
+	// DynamicMIG the GPUs whose MIG mode a claim turned on.
+	Claims     map[types.UID]PreparedClaim `json:"claims,omitempty"`
+	DynamicMIG []string                    `json:"dynamicMIG,omitempty"`
 }
 
 // LoadCheckpoint reads dir's checkpoint. A missing file is (nil, nil). An
@@ -114,6 +117,9 @@ func (a *Agent) restore(cp *Checkpoint) {
 	}
 	maps.Copy(a.ledger, cp.Allocated)
 	maps.Copy(a.claims, cp.Claims)
+	for _, uuid := range cp.DynamicMIG {
+		a.dynamicMIG[uuid] = true
+	}
 	if len(cp.GPUs) > 0 {
 		// What the last agent believed, as the base the first read settles
 		// against: a GPU that cannot be read now is then offered unhealthy
@@ -135,7 +141,8 @@ func (a *Agent) checkpoint() error {
 	if a.opts.StateDir == "" {
 		return nil
 	}
-	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Allocated: a.ledger, Claims: a.claims}
+	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Allocated: a.ledger, Claims: a.claims,
+		DynamicMIG: slices.Sorted(maps.Keys(a.dynamicMIG))}
 	if a.inv != nil {
 		cp.GPUs = a.inv.GPUs
 		for _, f := range a.failed {

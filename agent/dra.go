@@ -202,6 +202,11 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 	if err == nil && st.Phase != mig.PhaseApplied {
 		err = fmt.Errorf("GPU %d: %s: %s", g.Index, st.Phase, st.Reason)
 	}
+	if err == nil && !g.MIG.Current {
+		// Turned on at once: this GPU changes MIG mode without a reset, so it
+		// may go back to MIG off when its last on-demand device goes.
+		a.dynamicMIG[g.UUID] = true
+	}
 	a.observe("dynamic MIG: " + why)
 	if err != nil {
 		return PreparedClaimDevice{}, err
@@ -233,8 +238,8 @@ func (a *Agent) undoCreated(pc PreparedClaim) {
 
 // destroyPartition destroys a MIG device created for a claim once the claim
 // no longer holds it, unless a container got it through the device plugin
-// meanwhile; a GPU left without MIG devices goes back to MIG off where that
-// needs no reset, so it is offered whole again.
+// meanwhile; a GPU left without MIG devices goes back to MIG off where a
+// claim turned it on, so it is offered whole again.
 func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) {
 	if a.opts.MIG == nil || a.inv == nil {
 		return
@@ -258,8 +263,10 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) {
 			counts[o.Profile]++
 		}
 	}
+	// MIG goes back off only where a claim turned it on (and so it switched
+	// without a reset): one an admin turned on stays on.
 	last := len(counts) == 0 && len(g.GIsWithoutCI) == 0
-	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: !(last && migModeWithoutReset(g)), Counts: counts}}
+	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: !(last && a.dynamicMIG[g.UUID]), Counts: counts}}
 	why := pc.String() + " released"
 	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpDestroy, Profile: m.Profile, ProfileIndex: m.GIProfileID, Placement: m.Placement,
 		GI: m.GI, UUIDs: []string{m.UUID}, Reason: why})
@@ -267,6 +274,9 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) {
 		plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpSetMode, Enable: false, Reason: why + ": no MIG device left, the GPU is offered whole again"})
 	}
 	st, err := a.opts.MIG.Apply(a.ctx, plan)
+	if err == nil && st.Phase == mig.PhaseApplied && !plan.Want.MIGEnabled {
+		delete(a.dynamicMIG, g.UUID)
+	}
 	if err != nil || st.Phase != mig.PhaseApplied {
 		a.log.Error("DRA: MIG device of a released claim not destroyed", "claim", pc.String(), "uuid", d.UUID, "phase", st.Phase, "reason", st.Reason, "error", err)
 	} else {

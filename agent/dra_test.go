@@ -436,7 +436,7 @@ func TestDRADynamicMIGResetRule(t *testing.T) {
 	node := simNode(t, "dgx-a100", sim.WithMIGEnabled())
 	h2 := newHarness(t, node, withDRA(rec2), withMIG())
 	h2.config(mixedLayout(`{"7g.40gb": 1}`)) // lay out every GPU ...
-	h2.config(wholeGPUs)                    // ... then let DRA have them: the 7g instances stay and block
+	h2.config(wholeGPUs)                     // ... then let DRA have them: the 7g instances stay and block
 	if whole, parts := partitionsOf(rec2.last(), 0); whole || len(parts) != 0 {
 		t.Errorf("A100 with a 7g instance: whole %v, partitions %v; want none (all slices taken)", whole, parts)
 	}
@@ -448,5 +448,25 @@ func TestDRADynamicMIGResetRule(t *testing.T) {
 	}
 	if static != 8 {
 		t.Errorf("%d existing MIG devices offered, want the 8 7g instances", static)
+	}
+}
+
+// MIG mode goes back off only on a GPU where a claim turned it on: one an
+// admin turned on stays on when its last on-demand device goes.
+func TestDRADynamicMIGLeavesAdminMIGOn(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithMIGEnabled(), sim.WithImmediateMIGModeChange())
+	h := newHarness(t, node, withDRA(rec), withMIG())
+	h.config(wholeGPUs)
+	if got := h.prepare(claim("uid-1", "one", "gpu-2-mig-1g10gb-6"))["uid-1"]; got.Err != nil {
+		t.Fatal(got.Err)
+	}
+	h.unprepare(dra.ClaimRef{UID: "uid-1", Namespace: "default", Name: "one"})
+	inv, err := h.opts.Observer.Inventory()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := inv.GPUs[2]; !g.MIG.Current || len(g.Instances) != 0 {
+		t.Errorf("GPU 2 after the release: MIG %+v, instances %v; want MIG still on, none", g.MIG, g.Instances)
 	}
 }

@@ -133,7 +133,7 @@ func (h *healthControl) SetPolicy(p health.Policy)   { h.policies = append(h.pol
 // harness drives one agent by hand: events in, Step, assertions on what it
 // published. No goroutine runs the loop, so nothing depends on timing.
 type harness struct {
-	t      *testing.T
+	t      testing.TB
 	node   *sim.Node
 	a      *Agent
 	pub    *recorder
@@ -149,6 +149,11 @@ type harnessOption func(*harness)
 // withMIG gives the agent a MIG applier journaling under the harness's dir.
 func withMIG() harnessOption {
 	return func(h *harness) { h.opts.MIG = mig.NewApplier(h.node, h.dir, nil) }
+}
+
+// withQuietLog drops the agent's log (benchmarks).
+func withQuietLog() harnessOption {
+	return func(h *harness) { h.opts.Logger = slog.New(slog.DiscardHandler) }
 }
 
 // withoutHoldings leaves the agent without a pod-resources API.
@@ -168,14 +173,14 @@ func withCheckpoint() harnessOption {
 	}
 }
 
-func newHarness(t *testing.T, node *sim.Node, opts ...harnessOption) *harness {
+func newHarness(t testing.TB, node *sim.Node, opts ...harnessOption) *harness {
 	t.Helper()
 	return newHarnessIn(t, node, t.TempDir(), opts...)
 }
 
 // newHarnessIn runs the agent with dir as its state dir (a restart reuses
 // the dir of the agent it replaces).
-func newHarnessIn(t *testing.T, node *sim.Node, dir string, opts ...harnessOption) *harness {
+func newHarnessIn(t testing.TB, node *sim.Node, dir string, opts ...harnessOption) *harness {
 	t.Helper()
 	h := &harness{t: t, node: node, pub: newRecorder(), hold: &holdings{}, health: &healthControl{}, clock: newClock(), dir: dir}
 	h.opts = Options{
@@ -191,14 +196,14 @@ func newHarnessIn(t *testing.T, node *sim.Node, dir string, opts ...harnessOptio
 	return h
 }
 
-type testWriter struct{ t *testing.T }
+type testWriter struct{ t testing.TB }
 
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimSuffix(string(p), "\n"))
 	return len(p), nil
 }
 
-func simNode(t *testing.T, profile string, opts ...sim.Option) *sim.Node {
+func simNode(t testing.TB, profile string, opts ...sim.Option) *sim.Node {
 	t.Helper()
 	n, err := sim.New(profile, opts...)
 	if err != nil {
