@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -444,4 +445,66 @@ func TestClusterDRADynamicMIG(t *testing.T) {
 	if n := len(st.GPUs[0].Instances); n != 1 || st.GPUs[0].Instances[0].Profile != "7g.40gb" {
 		t.Errorf("GPU 0 after the release: %+v, want one 7g.40gb", st.GPUs[0].Instances)
 	}
+}
+
+// TestClusterDRARestartBeforeStart: the agent is replaced (a rolling update) after it prepared a claim and
+// before the pod's container starts (an init container waits on a file): the new agent restores the claim from
+// its checkpoint, keeps its GPU from the device plugin, the container then starts, and deleting the pod
+// releases the claim through the new agent.
+func TestClusterDRARestartBeforeStart(t *testing.T) {
+	c, agent := installDRA(t)
+	ctx := clusterCtx(t)
+	eventually(t, "the agent's ResourceSlice with 8 GPUs", func() bool { return len(nodeSlice(t, c)) == nodeGPUs })
+	gate := t.TempDir()
+	pod := claimPod("gated", "gated")
+	pod.Spec.Volumes = []corev1.Volume{{Name: "gate", VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: gate}}}}
+	pod.Spec.InitContainers = []corev1.Container{{
+		Name: "gate", Image: pod.Spec.Containers[0].Image, ImagePullPolicy: corev1.PullNever,
+		Command:      []string{"sh", "-c", "until [ -e /gate/open ]; do sleep 0.1; done"},
+		VolumeMounts: []corev1.VolumeMount{{Name: "gate", MountPath: "/gate"}},
+	}}
+	if _, err := c.Client.ResourceV1().ResourceClaims("default").Create(ctx, wholeGPUClaim("gated"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Client.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var st struct {
+		DRA struct {
+			Claims []string `json:"claims"`
+		} `json:"dra"`
+	}
+	eventually(t, "the claim prepared, the pod's init container waiting", func() bool {
+		st.DRA.Claims = nil
+		agentGet(t, agent, "/status", &st)
+		p, err := c.Client.CoreV1().Pods("default").Get(clusterCtx(t), "gated", metav1.GetOptions{})
+		return err == nil && len(st.DRA.Claims) == 1 && len(p.Status.InitContainerStatuses) == 1 && p.Status.InitContainerStatuses[0].State.Running != nil
+	})
+	prepared := st.DRA.Claims[0]
+	waitAllocatableQ(t, c, gpuResource, nodeGPUs-1, time.Now())
+
+	upgradeAgentImage(t, c, "v0.1.1")
+	st.DRA.Claims = nil
+	agentGet(t, agent, "/status", &st)
+	if !slices.Equal(st.DRA.Claims, []string{prepared}) {
+		t.Fatalf("the new agent's claims %v, want %q restored", st.DRA.Claims, prepared)
+	}
+	waitAllocatableQ(t, c, gpuResource, nodeGPUs-1, time.Now())
+
+	if err := os.WriteFile(filepath.Join(gate, "open"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.WaitPodsRunning(ctx, "default", "app=gated", 1); err != nil {
+		dumpPods(t, c, "default")
+		t.Fatal(err)
+	}
+	if err := c.Client.CoreV1().Pods("default").Delete(ctx, "gated", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the new agent unprepares the claim", func() bool {
+		st.DRA.Claims = nil
+		agentGet(t, agent, "/status", &st)
+		return len(st.DRA.Claims) == 0
+	})
+	waitAllocatableQ(t, c, gpuResource, nodeGPUs, time.Now())
 }
