@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -129,7 +130,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 	pc := PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now()}
 	byDevice := map[string]int{}
 	for _, r := range c.Devices {
-		if i, ok := byDevice[r.Device]; ok {
+		if i, ok := byDevice[r.Device+"/"+string(r.ShareID)]; ok {
 			// Two requests served by one device: one entry, both requests.
 			pc.Devices[i].Requests = append(pc.Devices[i].Requests, r.Request)
 			continue
@@ -149,17 +150,17 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 				return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s: %w", c, r.Request, r.Device, err)
 			}
 			pd.Requests = []string{r.Request}
-			byDevice[r.Device] = len(pc.Devices)
+			byDevice[r.Device+"/"+string(r.ShareID)] = len(pc.Devices)
 			pc.Devices = append(pc.Devices, pd)
 			continue
 		}
-		if by := a.heldElsewhere(d.UUID, c.UID); by != "" {
+		if by := a.usedElsewhere(d, c.UID); by != "" {
 			a.undoCreated(pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s (%s) is in use by %s", c, r.Request, r.Device, d.UUID, by)
 		}
-		byDevice[r.Device] = len(pc.Devices)
+		byDevice[r.Device+"/"+string(r.ShareID)] = len(pc.Devices)
 		pc.Devices = append(pc.Devices, PreparedClaimDevice{
-			PreparedDevice: dra.PreparedDevice{Requests: []string{r.Request}, Device: r.Device, CDIDevices: []string{d.CDIDevice()}},
+			PreparedDevice: dra.PreparedDevice{Requests: []string{r.Request}, Device: r.Device, CDIDevices: []string{d.CDIDevice()}, ShareID: r.ShareID},
 			UUID:           d.UUID,
 		})
 	}
@@ -283,6 +284,32 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) {
 		a.log.Info("DRA: MIG device destroyed", "claim", pc.String(), "gpu", g.Index, "uuid", d.UUID, "mig-off", !plan.Want.MIGEnabled)
 	}
 	a.observe("dynamic MIG: " + why)
+}
+
+// usedElsewhere is heldElsewhere for a device of the pool: a shared device
+// (Shares above 1) may be held by other claims, as many as it has shares;
+// containers of the device plugin still exclude it.
+func (a *Agent) usedElsewhere(d dra.Device, uid types.UID) string {
+	if d.Shares <= 1 {
+		return a.heldElsewhere(d.UUID, uid)
+	}
+	if hs := a.att.Holders(d.UUID); len(hs) > 0 {
+		return hs[0].String() + " (device plugin)"
+	}
+	if at, ok := a.ledger[d.UUID]; ok {
+		return "a container the device plugin gave it at " + at.UTC().Format(time.TimeOnly) + " UTC"
+	}
+	var sharing []string
+	for other, pc := range a.claims {
+		if other != uid && slices.ContainsFunc(pc.Devices, func(x PreparedClaimDevice) bool { return x.UUID == d.UUID }) {
+			sharing = append(sharing, pc.String())
+		}
+	}
+	if len(sharing) >= d.Shares {
+		slices.Sort(sharing)
+		return fmt.Sprintf("%d claims, all its shares (%s)", len(sharing), strings.Join(sharing, ", "))
+	}
+	return ""
 }
 
 // heldElsewhere names who, other than claim uid, holds the device: a
@@ -455,6 +482,39 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 // Ampere needs a GPU reset, which the agent never does.
 func migModeWithoutReset(g gpu.GPU) bool { return g.ComputeCapability.AtLeast(9, 0) }
 
+// shareDevices marks the pool's devices that the config time-slices: each
+// may be shared by as many claims as the catalog has replicas of it.
+func shareDevices(p *dra.Pool, cat *catalog.Catalog, sel config.Selected) {
+	if p == nil || cat == nil || sel.Config == nil || sel.Config.Sharing.TimeSlicing == nil {
+		return
+	}
+	ts := sel.Config.Sharing.TimeSlicing
+	replicas := map[string]int{}
+	for _, r := range ts.Resources {
+		name := r.Rename
+		if name == "" {
+			name = r.Name
+			if ts.RenameByDefault {
+				name += ".shared"
+			}
+		}
+		res := cat.Resources[name]
+		if res == nil {
+			continue
+		}
+		for _, dev := range res.Devices {
+			if dev.Replica {
+				replicas[dev.Spec.VisibleID]++
+			}
+		}
+	}
+	for i := range p.Devices {
+		if n := replicas[p.Devices[i].UUID]; n > 1 && !p.Devices[i].Partition {
+			p.Devices[i].Shares = n
+		}
+	}
+}
+
 func hasKey[V any](m map[string]V, k string) bool {
 	_, ok := m[k]
 	return ok
@@ -538,6 +598,7 @@ func (a *Agent) claimsStep(prepares []ClaimsPrepare, unprepares []ClaimsUnprepar
 	var added []types.UID
 	if len(prepares) > 0 {
 		pool := planDRA(a.snapshot())
+		shareDevices(pool, a.cat, a.lastGood) // the config the catalog was planned with
 		for _, e := range prepares {
 			out, add := a.prepareClaims(e, pool)
 			r.prepared = append(r.prepared, out)

@@ -470,3 +470,35 @@ func TestDRADynamicMIGLeavesAdminMIGOn(t *testing.T) {
 		t.Errorf("GPU 2 after the release: MIG %+v, instances %v; want MIG still on, none", g.MIG, g.Instances)
 	}
 }
+
+// Time-slicing through DRA: with the config's 2 replicas, each GPU may be
+// shared by two claims (consumable capacity "shares"); a third is refused,
+// and the device plugin offers neither replica meanwhile.
+func TestDRASharedGPU(t *testing.T) {
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "pcie-4gpu"), withDRA(rec))
+	h.config(sliced2)
+	d, _ := rec.last().Device("gpu-1")
+	if d.Shares != 2 {
+		t.Fatalf("gpu-1 shares %d, want the config's 2 replicas", d.Shares)
+	}
+	shared := func(uid, name, share string) dra.Claim {
+		c := claim(uid, name, "gpu-1")
+		c.Devices[0].ShareID = types.UID(share)
+		return c
+	}
+	for _, c := range []dra.Claim{shared("uid-a", "a", "share-a"), shared("uid-b", "b", "share-b")} {
+		got := h.prepare(c)[c.UID]
+		if got.Err != nil || got.Devices[0].ShareID != c.Devices[0].ShareID {
+			t.Fatalf("claim %s: %+v", c.Name, got)
+		}
+	}
+	if got := h.prepare(shared("uid-c", "c", "share-c"))["uid-c"]; got.Err == nil || !strings.Contains(got.Err.Error(), "all its shares") {
+		t.Errorf("a third claim on a 2-share GPU: %+v", got)
+	}
+	for _, dev := range h.pub.last().Resources[ResourceGPU].Devices {
+		if dev.GPU == 1 && dev.Healthy {
+			t.Errorf("the device plugin offers %s of the shared GPU 1", dev.ID)
+		}
+	}
+}

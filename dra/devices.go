@@ -57,6 +57,11 @@ type Device struct {
 	// Consumes are the counters of the GPU's counter set (CounterSetName of
 	// the parent) the device uses while allocated; nil: none.
 	Consumes map[string]int64
+	// Shares, when above 1, lets that many claims share the device
+	// (time-slicing, the config's replicas): it is published with
+	// allowMultipleAllocations and a "shares" capacity each claim takes one
+	// of by default.
+	Shares int
 }
 
 // ParentIndexOrSelf is the index of the physical GPU the device is on.

@@ -156,6 +156,20 @@ func TestResources(t *testing.T) {
 	}
 }
 
+// A shared device: allowMultipleAllocations, and a "shares" capacity a
+// claim takes one of by default, up to all of them.
+func TestResourcesSharedDevice(t *testing.T) {
+	d := apiDevice(Device{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Shares: 4, MemoryBytes: 1 << 30})
+	c, ok := d.Capacity[CapacityShares]
+	if d.AllowMultipleAllocations == nil || !*d.AllowMultipleAllocations || !ok || c.Value.Value() != 4 || c.RequestPolicy == nil ||
+		c.RequestPolicy.Default.Value() != 1 || c.RequestPolicy.ValidRange.Min.Value() != 1 || c.RequestPolicy.ValidRange.Max.Value() != 4 {
+		t.Errorf("shared device: %+v", d)
+	}
+	if e := apiDevice(Device{Name: "gpu-1", Type: TypeGPU, UUID: "GPU-1"}); e.AllowMultipleAllocations != nil || len(e.Capacity) != 1 {
+		t.Errorf("exclusive device: %+v", e)
+	}
+}
+
 func TestSemver(t *testing.T) {
 	for in, want := range map[string]string{"550.54.15": "550.54.15", "535.104": "535.104.0", "": "", "abc": "", "570": ""} {
 		got, ok := semver(in)

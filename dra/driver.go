@@ -36,6 +36,9 @@ type Allocated struct {
 	// subrequest.
 	Request string `json:"request"`
 	Device  string `json:"device"`
+	// ShareID identifies this claim's share of a shared device ("" for
+	// exclusive devices).
+	ShareID types.UID `json:"shareID,omitempty"`
 }
 
 // ClaimRef names a claim to unprepare; the claim object may be gone.
@@ -57,9 +60,10 @@ type Prepared struct {
 
 // PreparedDevice is one device of a prepared claim.
 type PreparedDevice struct {
-	Requests   []string `json:"requests"`
-	Device     string   `json:"device"`
-	CDIDevices []string `json:"cdiDevices"`
+	Requests   []string  `json:"requests"`
+	Device     string    `json:"device"`
+	CDIDevices []string  `json:"cdiDevices"`
+	ShareID    types.UID `json:"shareID,omitempty"`
 }
 
 // Claims prepares and unprepares claims: the agent's loop, which owns the
@@ -228,9 +232,11 @@ func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceap
 		}
 		r := kubeletplugin.PrepareResult{Devices: make([]kubeletplugin.Device, 0, len(p.Devices))}
 		for _, pd := range p.Devices {
-			r.Devices = append(r.Devices, kubeletplugin.Device{
-				Requests: pd.Requests, PoolName: d.opts.NodeName, DeviceName: pd.Device, CDIDeviceIDs: pd.CDIDevices,
-			})
+			kd := kubeletplugin.Device{Requests: pd.Requests, PoolName: d.opts.NodeName, DeviceName: pd.Device, CDIDeviceIDs: pd.CDIDevices}
+			if pd.ShareID != "" {
+				kd.ShareID = &pd.ShareID
+			}
+			r.Devices = append(r.Devices, kd)
 		}
 		out[c.UID] = r
 	}
@@ -246,7 +252,11 @@ func ClaimOf(c *resourceapi.ResourceClaim, pool string) Claim {
 	}
 	for _, r := range c.Status.Allocation.Devices.Results {
 		if r.Driver == DriverName && r.Pool == pool {
-			out.Devices = append(out.Devices, Allocated{Request: r.Request, Device: r.Device})
+			a := Allocated{Request: r.Request, Device: r.Device}
+			if r.ShareID != nil {
+				a.ShareID = *r.ShareID
+			}
+			out.Devices = append(out.Devices, a)
 		}
 	}
 	return out

@@ -12,6 +12,11 @@ import (
 	"k8s.io/utils/ptr"
 )
 
+// CapacityShares is the capacity of a shared device: how many claims may
+// share it (the config's time-slicing replicas); a claim takes one unless it
+// asks for more.
+const CapacityShares = "shares"
+
 // TaintUnhealthy is the device taint an unhealthy device carries: the
 // scheduler gives it to no new claim that does not tolerate it.
 const TaintUnhealthy = DriverName + "/unhealthy"
@@ -175,6 +180,13 @@ func apiDevice(d Device) resourceapi.Device {
 		Capacity: map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{
 			"memory": {Value: *resource.NewQuantity(int64(d.MemoryBytes), resource.BinarySI)},
 		},
+	}
+	if d.Shares > 1 {
+		one, n := resource.NewQuantity(1, resource.DecimalSI), resource.NewQuantity(int64(d.Shares), resource.DecimalSI)
+		out.AllowMultipleAllocations = ptr.To(true)
+		out.Capacity[CapacityShares] = resourceapi.DeviceCapacity{Value: *n, RequestPolicy: &resourceapi.CapacityRequestPolicy{
+			Default: one, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: one, Max: n, Step: one},
+		}}
 	}
 	if len(d.Consumes) > 0 {
 		out.ConsumesCounters = []resourceapi.DeviceCounterConsumption{{
