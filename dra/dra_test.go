@@ -165,6 +165,10 @@ func TestResourcesSharedDevice(t *testing.T) {
 		c.RequestPolicy.Default.Value() != 1 || c.RequestPolicy.ValidRange.Min.Value() != 1 || c.RequestPolicy.ValidRange.Max.Value() != 4 {
 		t.Errorf("shared device: %+v", d)
 	}
+	// Memory is shared too: a claim takes none of it unless it asks (else the first would take it all).
+	if m := d.Capacity["memory"]; m.RequestPolicy == nil || m.RequestPolicy.Default.Value() != 0 {
+		t.Errorf("shared device's memory policy: %+v", m)
+	}
 	if e := apiDevice(Device{Name: "gpu-1", Type: TypeGPU, UUID: "GPU-1"}); e.AllowMultipleAllocations != nil || len(e.Capacity) != 1 {
 		t.Errorf("exclusive device: %+v", e)
 	}

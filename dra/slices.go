@@ -184,6 +184,13 @@ func apiDevice(d Device) resourceapi.Device {
 	if d.Shares > 1 {
 		one, n := resource.NewQuantity(1, resource.DecimalSI), resource.NewQuantity(int64(d.Shares), resource.DecimalSI)
 		out.AllowMultipleAllocations = ptr.To(true)
+		// Every capacity of a shared device is consumed by its claims, all
+		// of it unless its policy says less: time-sliced claims share the
+		// memory, so each takes none of it unless it asks.
+		zero := resource.NewQuantity(0, resource.BinarySI)
+		mem := out.Capacity["memory"]
+		mem.RequestPolicy = &resourceapi.CapacityRequestPolicy{Default: zero, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: zero}}
+		out.Capacity["memory"] = mem
 		out.Capacity[CapacityShares] = resourceapi.DeviceCapacity{Value: *n, RequestPolicy: &resourceapi.CapacityRequestPolicy{
 			Default: one, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: one, Max: n, Step: one},
 		}}

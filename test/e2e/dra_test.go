@@ -508,3 +508,49 @@ func TestClusterDRARestartBeforeStart(t *testing.T) {
 	})
 	waitAllocatableQ(t, c, gpuResource, nodeGPUs, time.Now())
 }
+
+// TestClusterDRASharedGPU: with the config time-slicing GPUs ×4, the ResourceSlice offers each GPU to several
+// claims (consumable capacity "shares"); two claims for GPU 0 both get it, each with its own share, and both
+// pods run.
+func TestClusterDRASharedGPU(t *testing.T) {
+	c, agent := installDRA(t)
+	ctx := clusterCtx(t)
+	setConfigMap(t, c, map[string]string{"config.yaml": timeSliced4})
+	eventually(t, "gpu-0 shared 4 ways in the ResourceSlice", func() bool {
+		d := nodeSlice(t, c)["gpu-0"]
+		q, ok := d.Capacity["shares"]
+		return ok && q.Value.Value() == 4 && d.AllowMultipleAllocations != nil && *d.AllowMultipleAllocations
+	})
+	for _, name := range []string{"share-a", "share-b"} {
+		cl := wholeGPUClaim(name)
+		cl.Spec.Devices.Requests[0].Exactly.Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
+			Expression: "device.attributes['gpu.nvidia.com'].index == 0",
+		}}}
+		took := claimAndRun(t, c, cl)
+		t.Logf("MEASURED DRA claim (a share of GPU 0) created -> container running: %s", took.Round(10*time.Millisecond))
+	}
+	shares := map[string]bool{}
+	for _, name := range []string{"share-a", "share-b"} {
+		cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, name, metav1.GetOptions{})
+		if err != nil || cl.Status.Allocation == nil {
+			t.Fatalf("claim %s: %v", name, err)
+		}
+		r := cl.Status.Allocation.Devices.Results[0]
+		if r.Device != "gpu-0" || r.ShareID == nil {
+			t.Fatalf("claim %s allocated %+v, want a share of gpu-0", name, r)
+		}
+		shares[string(*r.ShareID)] = true
+	}
+	if len(shares) != 2 {
+		t.Errorf("the two claims got shares %v, want two different ones", shares)
+	}
+	var st struct {
+		DRA struct {
+			Claims []string `json:"claims"`
+		} `json:"dra"`
+	}
+	agentGet(t, agent, "/status", &st)
+	if !slices.Equal(st.DRA.Claims, []string{"default/share-a: gpu-0", "default/share-b: gpu-0"}) && !slices.Equal(st.DRA.Claims, []string{"default/share-b: gpu-0", "default/share-a: gpu-0"}) {
+		t.Errorf("/status dra claims %v", st.DRA.Claims)
+	}
+}
