@@ -30,6 +30,12 @@ import (
 
 func inventory(t *testing.T, profile string, opts ...sim.Option) *gpu.Inventory {
 	t.Helper()
+	_, inv := simInventory(t, profile, opts...)
+	return inv
+}
+
+func simInventory(t *testing.T, profile string, opts ...sim.Option) (*sim.Node, *gpu.Inventory) {
+	t.Helper()
 	n, err := sim.New(profile, opts...)
 	if err != nil {
 		t.Fatal(err)
@@ -39,7 +45,7 @@ func inventory(t *testing.T, profile string, opts ...sim.Option) *gpu.Inventory 
 	if err != nil {
 		t.Fatal(err)
 	}
-	return inv
+	return n, inv
 }
 
 func TestDevicesFromInventory(t *testing.T) {
@@ -364,15 +370,7 @@ func nextSlice(t *testing.T, w watch.Interface) *resourceapi.ResourceSlice {
 // of their own, at most 8 each; counting devices at most 64 per slice; every
 // device's consumption names its own GPU's set.
 func TestResourcesPartitionable(t *testing.T) {
-	n, err := sim.New("dgx-h100")
-	if err != nil {
-		t.Fatal(err)
-	}
-	n.Init()
-	inv, err := gpu.New(n, gpu.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	n, inv := simInventory(t, "dgx-h100")
 	dev, ret := n.DeviceGetHandleByIndex(0)
 	if ret != nvml.SUCCESS {
 		t.Fatal(ret)

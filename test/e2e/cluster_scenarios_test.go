@@ -31,12 +31,20 @@ import (
 // and returns the cluster and the agent's HTTP base URL.
 func installMIGCapable(t *testing.T) (*harness.Cluster, string) {
 	t.Helper()
+	return installOverlay(t, "sim-mig-overlay")
+}
+
+// installOverlay starts a cluster and installs the overlay of
+// deploy/manifests in testdata/<overlay> with the node layer; it returns the
+// cluster and the agent's HTTP base URL.
+func installOverlay(t *testing.T, overlay string) (*harness.Cluster, string) {
+	t.Helper()
 	c := startCluster(t)
 	layer, err := c.NodeLayer()
 	if err != nil {
 		t.Fatal(err)
 	}
-	objs, err := c.BuildManifests(filepath.Join("testdata", "sim-mig-overlay"), layer)
+	objs, err := c.BuildManifests(filepath.Join("testdata", overlay), layer)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -250,20 +258,7 @@ func TestClusterSelectionByAPI(t *testing.T) {
 // mounted volume only (the agent without --configmap), for comparison: it
 // waits for the kubelet's volume sync.
 func TestClusterConfigMapMountedVolume(t *testing.T) {
-	c := startCluster(t)
-	layer, err := c.NodeLayer()
-	if err != nil {
-		t.Fatal(err)
-	}
-	objs, err := c.BuildManifests(filepath.Join("testdata", "sim-volume-only-overlay"), layer)
-	if err != nil {
-		t.Fatal(err)
-	}
-	crd, err := harness.ReadObjects(filepath.Join("testdata", "servicemonitor-crd.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	installAgent(t, c, layer, append(crd, objs...))
+	c, _ := installOverlay(t, "sim-volume-only-overlay")
 	edited := setConfigMap(t, c, map[string]string{"config.yaml": timeSliced4})
 	offered := waitOfferedQ(t, c, gpuResource, 4*nodeGPUs, edited)
 	t.Logf("MEASURED ConfigMap edit through the mounted volume only -> kubelet offers %d %s (pod-resources): %s", 4*nodeGPUs, gpuResource, offered.Round(10*time.Millisecond))

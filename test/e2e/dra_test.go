@@ -26,21 +26,7 @@ const draDriver = "gpu.nvidia.com"
 
 func installDRA(t *testing.T) (*harness.Cluster, string) {
 	t.Helper()
-	c := startCluster(t)
-	layer, err := c.NodeLayer()
-	if err != nil {
-		t.Fatal(err)
-	}
-	objs, err := c.BuildManifests(filepath.Join("testdata", "sim-dra-overlay"), layer)
-	if err != nil {
-		t.Fatal(err)
-	}
-	crd, err := harness.ReadObjects(filepath.Join("testdata", "servicemonitor-crd.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	installAgent(t, c, layer, append(crd, objs...))
-	return c, fmt.Sprintf("http://127.0.0.1:%d", layer.MetricsPort)
+	return installOverlay(t, "sim-dra-overlay")
 }
 
 // nodeSlice returns the agent's ResourceSlice devices on the node, by name (nil when there is no slice).
@@ -233,21 +219,7 @@ func TestClusterDRAWholeGPU(t *testing.T) {
 // nvidia.com/gpu: 1 is served through DRA, and the pod that got its GPU through the device plugin keeps it;
 // switched back, both keep their devices and the device plugin offers the rest.
 func TestClusterDRAExtendedResource(t *testing.T) {
-	c := startCluster(t)
-	layer, err := c.NodeLayer()
-	if err != nil {
-		t.Fatal(err)
-	}
-	objs, err := c.BuildManifests(filepath.Join("testdata", "sim-dra-ext-overlay"), layer)
-	if err != nil {
-		t.Fatal(err)
-	}
-	crd, err := harness.ReadObjects(filepath.Join("testdata", "servicemonitor-crd.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	installAgent(t, c, layer, append(crd, objs...))
-	agent := fmt.Sprintf("http://127.0.0.1:%d", layer.MetricsPort)
+	c, agent := installOverlay(t, "sim-dra-ext-overlay")
 	ctx := clusterCtx(t)
 	setConfigMap(t, c, map[string]string{"config.yaml": "version: v1\nconfigs:\n  default: {}\n  dra-only:\n    devicePlugin:\n      enabled: false\n"})
 
@@ -364,21 +336,7 @@ func claimAndRun(t *testing.T, c *harness.Cluster, claim *resourceapi.ResourceCl
 // 3g and a 4g claim for GPU 0 land there as MIG devices created on demand; a 7g claim for GPU 0 then stays
 // unschedulable (the scheduler counts the GPU's memory slices), and runs once the two are released.
 func TestClusterDRADynamicMIG(t *testing.T) {
-	c := startCluster(t)
-	layer, err := c.NodeLayer()
-	if err != nil {
-		t.Fatal(err)
-	}
-	objs, err := c.BuildManifests(filepath.Join("testdata", "sim-dra-mig-overlay"), layer)
-	if err != nil {
-		t.Fatal(err)
-	}
-	crd, err := harness.ReadObjects(filepath.Join("testdata", "servicemonitor-crd.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	installAgent(t, c, layer, append(crd, objs...))
-	agent := fmt.Sprintf("http://127.0.0.1:%d", layer.MetricsPort)
+	c, agent := installOverlay(t, "sim-dra-mig-overlay")
 	ctx := clusterCtx(t)
 	const perGPU = 7 + 7 + 4 + 3 + 2 + 1 + 1 // A100 profiles x placements
 	eventually(t, "the ResourceSlices with every A100 profile at every placement", func() bool {
