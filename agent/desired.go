@@ -140,6 +140,7 @@ func Plan(s Snapshot) Desired {
 	}
 	keepHeld(planned.Catalog, s.Published, s.Holdings.Attribution)
 	shareDevices(d.DRA, planned.Catalog, d.Config)
+	evictOnUnhealthy(d.DRA, d.Config)
 	withholdClaimed(planned.Catalog, s.Holdings.Claimed, s.Inventory)
 	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, planned.MPSDaemons, planned.Warnings
 	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)

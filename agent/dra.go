@@ -515,6 +515,17 @@ func shareDevices(p *dra.Pool, cat *catalog.Catalog, sel config.Selected) {
 	}
 }
 
+// evictOnUnhealthy gives unhealthy devices the NoExecute taint when the
+// config asks for it (health.draTaintEffect).
+func evictOnUnhealthy(p *dra.Pool, sel config.Selected) {
+	if p == nil || sel.Config == nil || sel.Config.Health.DRATaintEffect != config.DRATaintNoExecute {
+		return
+	}
+	for i := range p.Devices {
+		p.Devices[i].Evict = p.Devices[i].Unhealthy != ""
+	}
+}
+
 func hasKey[V any](m map[string]V, k string) bool {
 	_, ok := m[k]
 	return ok

@@ -502,3 +502,23 @@ func TestDRASharedGPU(t *testing.T) {
 		}
 	}
 }
+
+// health.draTaintEffect: NoExecute: an unhealthy device's taint evicts.
+func TestDRATaintEffect(t *testing.T) {
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "pcie-4gpu"), withDRA(rec))
+	h.config(wholeGPUs)
+	uuid := findGPU(h, 2).ID
+	h.step(HealthChanged{State: xidState(uuid, 48)})
+	if d, _ := rec.last().Device("gpu-2"); d.Unhealthy == "" || d.Evict {
+		t.Errorf("default: gpu-2 %+v, want unhealthy, NoSchedule", d)
+	}
+	h.config("version: v1\nconfigs:\n  default:\n    health:\n      draTaintEffect: NoExecute\n")
+	if d, _ := rec.last().Device("gpu-2"); !d.Evict {
+		t.Errorf("draTaintEffect NoExecute: gpu-2 %+v, want evicting", d)
+	}
+	h.config("version: v1\nconfigs:\n  default:\n    health:\n      draTaintEffect: Evict\n")
+	if st := h.a.Status().Config; !strings.Contains(st.Error, "configs.default.health.draTaintEffect") {
+		t.Errorf("a bad value: %+v, want the field named", st)
+	}
+}

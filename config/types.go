@@ -261,7 +261,18 @@ type Health struct {
 	RecoveryQuietPeriod Duration `yaml:"recoveryQuietPeriod"`
 	// ProbeInterval is how often health is probed besides NVML events.
 	ProbeInterval Duration `yaml:"probeInterval"`
+	// DRATaintEffect is the effect of the device taint an unhealthy device
+	// carries in the DRA driver's ResourceSlice: NoSchedule (the default)
+	// keeps new claims off it, NoExecute also evicts the pods whose claims
+	// hold it (those that do not tolerate the taint).
+	DRATaintEffect string `yaml:"draTaintEffect,omitempty"`
 }
+
+// The values Health.DRATaintEffect accepts.
+const (
+	DRATaintNoSchedule = "NoSchedule"
+	DRATaintNoExecute  = "NoExecute"
+)
 
 // Default durations of Health.
 const (

@@ -501,6 +501,11 @@ func (v *validator) health(p string, h *Health) {
 	if h.ProbeInterval < 0 {
 		v.errorf(p+".probeInterval", "must be > 0, got %s", h.ProbeInterval.D())
 	}
+	switch h.DRATaintEffect {
+	case "", DRATaintNoSchedule, DRATaintNoExecute:
+	default:
+		v.errorf(p+".draTaintEffect", "unknown value %q: must be %s or %s", h.DRATaintEffect, DRATaintNoSchedule, DRATaintNoExecute)
+	}
 }
 
 var (

@@ -48,8 +48,9 @@ type Device struct {
 	ParentIndex int
 	Placement   gpu.Placement
 	// Unhealthy is why the device must not be used ("" when healthy): it is
-	// published with a NoSchedule taint.
+	// published with a taint, NoSchedule unless Evict (NoExecute).
 	Unhealthy string
+	Evict     bool
 	// Partition: a MIG device that does not exist yet (dynamic MIG): Prepare
 	// creates it at Placement with the GPU instance profile ProfileIndex.
 	Partition    bool

@@ -175,6 +175,9 @@ func TestResourcesSharedDevice(t *testing.T) {
 	if m := d.Capacity["memory"]; m.RequestPolicy == nil || m.RequestPolicy.Default.Value() != 0 {
 		t.Errorf("shared device's memory policy: %+v", m)
 	}
+	if e := apiDevice(Device{Name: "gpu-2", Type: TypeGPU, UUID: "GPU-2", Unhealthy: "XID 79", Evict: true}); len(e.Taints) != 1 || e.Taints[0].Effect != resourceapi.DeviceTaintEffectNoExecute {
+		t.Errorf("evicting taint: %+v", e.Taints)
+	}
 	if e := apiDevice(Device{Name: "gpu-1", Type: TypeGPU, UUID: "GPU-1"}); e.AllowMultipleAllocations != nil || len(e.Capacity) != 1 {
 		t.Errorf("exclusive device: %+v", e)
 	}

@@ -18,7 +18,8 @@ import (
 const CapacityShares = "shares"
 
 // TaintUnhealthy is the device taint an unhealthy device carries: the
-// scheduler gives it to no new claim that does not tolerate it.
+// scheduler gives it to no new claim that does not tolerate it (NoSchedule),
+// and with NoExecute the pods whose claims hold it are evicted.
 const TaintUnhealthy = DriverName + "/unhealthy"
 
 // busIDAttr is the GPU's PCI bus ID, under the name NVIDIA's driver uses.
@@ -201,7 +202,11 @@ func apiDevice(d Device) resourceapi.Device {
 		}}
 	}
 	if d.Unhealthy != "" {
-		out.Taints = []resourceapi.DeviceTaint{{Key: TaintUnhealthy, Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+		effect := resourceapi.DeviceTaintEffectNoSchedule
+		if d.Evict {
+			effect = resourceapi.DeviceTaintEffectNoExecute
+		}
+		out.Taints = []resourceapi.DeviceTaint{{Key: TaintUnhealthy, Effect: effect}}
 	}
 	return out
 }
