@@ -59,6 +59,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzParse -fuzztime $(FUZZTIME) ./config
 	$(GO) test -run '^$$' -fuzz FuzzNormalizeBusID -fuzztime $(FUZZTIME) ./gpu
 	$(GO) test -run '^$$' -fuzz FuzzParent -fuzztime $(FUZZTIME) ./timeslice
+	$(GO) test -run '^$$' -fuzz FuzzParseMigMinors -fuzztime $(FUZZTIME) ./cdi
 
 # Runs the agent on a simulated DGX A100 with its sockets and GPU state under $(RUN_DIR).
 run: build

@@ -105,6 +105,9 @@ type Options struct {
 	MPS MPSControl
 	// Cluster publishes labels and Events (nil: standalone, no API).
 	Cluster Cluster
+	// CDI keeps the node's CDI spec, which CDI device list strategies and
+	// the DRA driver name devices from (nil: no spec is written).
+	CDI CDISpecs
 	// DRA publishes the node's DRA pool (nil: DRA is off). The agent then
 	// also answers PrepareClaims and UnprepareClaims.
 	DRA DRAPublisher
@@ -139,6 +142,11 @@ type Agent struct {
 
 	// Everything below is owned by the loop (Run or Step), one goroutine.
 	ctx context.Context
+
+	cdiStatus CDIStatus
+	// cdiPlugin: the config in force gives the device plugin a CDI device
+	// list strategy.
+	cdiPlugin bool
 
 	// Config: the file's content, the config selected for this node, the
 	// last one that planned here, and why the latest was rejected.

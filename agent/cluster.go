@@ -18,6 +18,7 @@ const (
 	ReasonMIGReset         = "MIGResetRequired"
 	ReasonGPUUnhealthy     = "GPUUnhealthy"
 	ReasonGPURecovered     = "GPURecovered"
+	ReasonCDISpecFailed    = "CDISpecNotWritten"
 )
 
 // maxEventMessage bounds an Event's message (the API server refuses more

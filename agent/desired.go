@@ -175,6 +175,7 @@ func planWith(s Snapshot, sel config.Selected) (Planned, error) {
 		PassDeviceSpecs:  cfg.DevicePlugin.PassDeviceSpecs,
 		DeviceIDStrategy: cfg.DevicePlugin.DeviceIDStrategy,
 		Env:              cfg.DevicePlugin.ContainerEnv(),
+		Delivery:         catalog.Delivery{Strategies: cfg.DevicePlugin.ListStrategies(), CDIAnnotationPrefix: cfg.DevicePlugin.CDIAnnotationPrefix},
 		MIGStrategy:      cfg.MIG.Strategy,
 		Sharing:          cfg.Sharing,
 		Unhealthy:        s.Health.UnhealthyDevices(),

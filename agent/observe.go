@@ -55,6 +55,7 @@ func (a *Agent) observe(why string) {
 	for _, o := range a.opts.InventoryObservers {
 		o(a.inv)
 	}
+	a.syncCDI(why)
 }
 
 // settle decides what to believe after a read. A GPU NVML could only partly

@@ -47,6 +47,9 @@ type PlanInput struct {
 	// Env is added to every container given a device of any resource
 	// (NVIDIA_GDS=enabled and the like, config.DevicePlugin.ContainerEnv).
 	Env map[string]string
+	// Delivery is how containers are told their devices (the config's
+	// device list strategies).
+	Delivery catalog.Delivery
 	// Sharing turns selected devices into replicas.
 	Sharing config.Sharing
 	// Unhealthy maps a GPU or MIG UUID to the reason it is unhealthy.
@@ -116,7 +119,7 @@ func PlanResources(in PlanInput) (Planned, error) {
 	add := func(name string, d catalog.Device) {
 		r := c.Resources[name]
 		if r == nil {
-			r = &catalog.Resource{Name: name}
+			r = &catalog.Resource{Name: name, Delivery: in.Delivery}
 			if in.PassDeviceSpecs {
 				r.Common.DeviceNodes = slices.Clone(controlDeviceNodes)
 			}

@@ -27,6 +27,8 @@ type Status struct {
 	// DRA is what the node offers through DRA and which claims are
 	// prepared (absent when DRA is off).
 	DRA *DRAStatus `json:"dra,omitempty"`
+	// CDI is the CDI spec the agent keeps (absent when it keeps none).
+	CDI *CDIStatus `json:"cdi,omitempty"`
 	// LastPass is the last catalog published; LastLoop the last turn of the
 	// loop, published or not (liveness).
 	LastPass time.Time `json:"lastPass"`
@@ -151,6 +153,10 @@ func (a *Agent) publishStatus() {
 	}
 	if a.opts.DRA != nil {
 		s.DRA = a.draStatus()
+	}
+	if a.opts.CDI != nil {
+		c := a.cdiStatus
+		s.CDI = &c
 	}
 	s.Cluster = "standalone: no API"
 	if a.opts.Cluster != nil {

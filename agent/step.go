@@ -303,6 +303,10 @@ func (a *Agent) pass(why string) {
 			a.log.Error("MPS daemons not updated", "error", err)
 		}
 	}
+	// The spec first: a container may be given a CDI name as soon as the
+	// catalog is out.
+	a.cdiPlugin = d.Config.Config != nil && d.Config.Config.DevicePlugin.UsesCDI()
+	a.syncCDI(why)
 	a.publish(d.Catalog, why)
 	if a.opts.DRA != nil && d.DRA != nil {
 		a.draPool = d.DRA

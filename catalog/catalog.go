@@ -32,6 +32,33 @@ type Resource struct {
 	// replicas give no more GPU. Requests for whole devices only are not
 	// limited, as in NVIDIA's plugin.
 	MaxPerContainer int
+	// Delivery is how Allocate tells a container its devices.
+	Delivery Delivery
+}
+
+// Delivery is how a container is told its devices: NVIDIA's device list
+// strategies. The zero value is envvar alone.
+type Delivery struct {
+	// Strategies are "envvar", "volume-mounts", "cdi-annotations" and
+	// "cdi-cri", any of them (nil: envvar).
+	Strategies []string
+	// CDIAnnotationPrefix is the cdi-annotations key prefix ("": cdi.k8s.io/).
+	CDIAnnotationPrefix string
+}
+
+// Has reports whether strategy s is one of d's.
+func (d Delivery) Has(s string) bool {
+	if len(d.Strategies) == 0 {
+		return s == "envvar"
+	}
+	return slices.Contains(d.Strategies, s)
+}
+
+// CDIOnly reports whether the container learns its devices through CDI
+// alone: then it gets no NVIDIA_VISIBLE_DEVICES and no device nodes from the
+// response, only from the CDI spec, as with NVIDIA's plugin.
+func (d Delivery) CDIOnly() bool {
+	return !d.Has("envvar") && !d.Has("volume-mounts")
 }
 
 // Preferrer chooses which devices to offer the kubelet for a request.
@@ -121,7 +148,8 @@ func SameDevices(a, b *Resource) bool {
 			return false
 		}
 	}
-	return sameSpec(a.Common, b.Common) && a.MaxPerContainer == b.MaxPerContainer
+	return sameSpec(a.Common, b.Common) && a.MaxPerContainer == b.MaxPerContainer &&
+		slices.Equal(a.Delivery.Strategies, b.Delivery.Strategies) && a.Delivery.CDIAnnotationPrefix == b.Delivery.CDIAnnotationPrefix
 }
 
 func sameDevice(a, b Device) bool {

@@ -108,14 +108,13 @@ func nvdpIgnored() map[string]string {
 		"flags.failOnInitError":            "the agent always keeps running and reports errors on /status",
 		"flags.mpsRoot":                    "use the agent's --mps-root flag",
 		"flags.nvidiaDriverRoot":           "not configurable in gpu-agent yet",
-		"flags.nvidiaDevRoot":              "not configurable in gpu-agent yet",
+		"flags.nvidiaDevRoot":              "use the agent's --nvidia-dev-root flag (NVIDIA_DEV_ROOT)",
 		"flags.useNodeFeatureAPI":          "gpu-agent does not publish node features",
 		"flags.deviceDiscoveryStrategy":    "gpu-agent always discovers devices through NVML",
-		"flags.plugin.cdiAnnotationPrefix": "CDI is not supported by gpu-agent yet",
-		"flags.plugin.nvidiaCTKPath":       "CDI is not supported by gpu-agent yet",
+		"flags.plugin.nvidiaCTKPath":       "gpu-agent writes its CDI specs itself, without nvidia-ctk",
 		"flags.plugin.containerDriverRoot": "not configurable in gpu-agent yet",
 		"flags.plugin.kubeletSocket":       "use the agent's --device-plugin-dir flag",
-		"flags.plugin.cdiFeatureFlags":     "CDI is not supported by gpu-agent yet",
+		"flags.plugin.cdiFeatureFlags":     "gpu-agent's CDI specs have no feature flags",
 		"flags.gfd":                        "gpu-agent does not include GPU feature discovery",
 		"resources":                        "resource names are NVIDIA's fixed names in gpu-agent",
 		"imex":                             "IMEX channels are not supported by gpu-agent",
@@ -148,9 +147,12 @@ func fromNVIDIA(n *nvdpFile, lines map[string]int, o ParseOptions) (*File, []str
 			c.DevicePlugin.PassDeviceSpecs = *p.PassDeviceSpecs
 		}
 		if p.DeviceListStrategy != nil {
-			// Several strategies at once are legal for NVIDIA; gpu-agent has
-			// only envvar, so anything else fails validation by name.
+			// Several strategies at once, as NVIDIA's plugin takes them;
+			// an unknown one fails validation at their path.
 			c.DevicePlugin.DeviceListStrategy = strings.Join(*p.DeviceListStrategy, ",")
+		}
+		if p.CDIAnnotationPrefix != nil {
+			c.DevicePlugin.CDIAnnotationPrefix = *p.CDIAnnotationPrefix
 		}
 		if p.DeviceIDStrategy != nil {
 			c.DevicePlugin.DeviceIDStrategy = *p.DeviceIDStrategy // checked by validation, at this path
@@ -232,6 +234,7 @@ func fromNVIDIA(n *nvdpFile, lines map[string]int, o ParseOptions) (*File, []str
 			{def + ".devicePlugin.passDeviceSpecs", "flags.plugin.passDeviceSpecs"},
 			{def + ".devicePlugin.deviceListStrategy", "flags.plugin.deviceListStrategy"},
 			{def + ".devicePlugin.deviceIDStrategy", "flags.plugin.deviceIDStrategy"},
+			{def + ".devicePlugin.cdiAnnotationPrefix", "flags.plugin.cdiAnnotationPrefix"},
 			{def + ".devicePlugin.gdsEnabled", "flags.gdsEnabled"},
 			{def + ".devicePlugin.mofedEnabled", "flags.mofedEnabled"},
 			{def + ".devicePlugin.gdrcopyEnabled", "flags.gdrcopyEnabled"},

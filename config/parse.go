@@ -242,6 +242,9 @@ func applyDefaults(f *File) {
 		if c.DevicePlugin.DeviceListStrategy == "" {
 			c.DevicePlugin.DeviceListStrategy = DeviceListStrategyEnvvar
 		}
+		if c.DevicePlugin.CDIAnnotationPrefix == "" {
+			c.DevicePlugin.CDIAnnotationPrefix = DefaultCDIAnnotationPrefix
+		}
 		if c.DevicePlugin.DeviceIDStrategy == "" {
 			c.DevicePlugin.DeviceIDStrategy = DeviceIDStrategyUUID
 		}

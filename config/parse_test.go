@@ -154,16 +154,18 @@ configs:
 configs:
   default:
     devicePlugin:
-      deviceListStrategy: volume-mounts
+      deviceListStrategy: envvar,volume-mount
+      cdiAnnotationPrefix: cdi.k8s.io
     allocation:
       policy: spread
     mig:
       strategy: mixd
 `,
 			want: []wantErr{
-				{"configs.default.devicePlugin.deviceListStrategy", 5, `unsupported value "volume-mounts"`},
-				{"configs.default.allocation.policy", 7, `unknown policy "spread"`},
-				{"configs.default.mig.strategy", 9, `unknown strategy "mixd"`},
+				{"configs.default.devicePlugin.deviceListStrategy", 5, `unknown strategy "volume-mount": must be one or more of envvar, volume-mounts, cdi-annotations, cdi-cri`},
+				{"configs.default.devicePlugin.cdiAnnotationPrefix", 6, `must end with "/"`},
+				{"configs.default.allocation.policy", 8, `unknown policy "spread"`},
+				{"configs.default.mig.strategy", 10, `unknown strategy "mixd"`},
 			},
 		},
 		{
@@ -389,7 +391,7 @@ configs:
 flags:
   migStrategy: mixd
   plugin:
-    deviceListStrategy: [envvar, cdi-annotations]
+    deviceListStrategy: [envvar, cdi-annotation]
 sharing:
   timeSlicing:
     resources:
@@ -398,7 +400,7 @@ sharing:
 `,
 			want: []wantErr{
 				{"flags.migStrategy", 3, `unknown strategy "mixd"`},
-				{"flags.plugin.deviceListStrategy", 5, `unsupported value "envvar,cdi-annotations"`},
+				{"flags.plugin.deviceListStrategy", 5, `unknown strategy "cdi-annotation"`},
 				{"sharing.timeSlicing.resources[0].replicas", 10, "must be >= 2"},
 			},
 		},

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/big"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -75,9 +76,18 @@ type Config struct {
 type DevicePlugin struct {
 	// PassDeviceSpecs adds /dev/nvidia* device specs to Allocate responses.
 	PassDeviceSpecs bool `yaml:"passDeviceSpecs"`
-	// DeviceListStrategy is how the allocated devices reach the container;
-	// only "envvar" (NVIDIA_VISIBLE_DEVICES) is implemented.
+	// DeviceListStrategy is how the allocated devices reach the container,
+	// NVIDIA's strategies, one or several comma-separated: "envvar"
+	// (NVIDIA_VISIBLE_DEVICES, the default), "volume-mounts" (one /dev/null
+	// mount per device under /var/run/nvidia-container-devices),
+	// "cdi-annotations" (a cdi.k8s.io/ annotation naming the CDI devices)
+	// and "cdi-cri" (the CDI devices in the CRI's own field). With only CDI
+	// strategies the container gets its devices from the agent's CDI spec
+	// alone: no NVIDIA_VISIBLE_DEVICES and no device specs.
 	DeviceListStrategy string `yaml:"deviceListStrategy"`
+	// CDIAnnotationPrefix is the key prefix of the cdi-annotations strategy
+	// (default "cdi.k8s.io/"), NVIDIA's flags.plugin.cdiAnnotationPrefix.
+	CDIAnnotationPrefix string `yaml:"cdiAnnotationPrefix"`
 	// DeviceIDStrategy is how a device is named in NVIDIA_VISIBLE_DEVICES:
 	// "uuid" (the default) or "index" (the GPU index, "<gpu>:<mig>" for a
 	// MIG device), NVIDIA's flags.plugin.deviceIDStrategy. The IDs the
@@ -103,7 +113,39 @@ type DevicePlugin struct {
 func (p DevicePlugin) Serves() bool { return p.Enabled == nil || *p.Enabled }
 
 // The values DevicePlugin.DeviceListStrategy accepts.
-const DeviceListStrategyEnvvar = "envvar"
+const (
+	DeviceListStrategyEnvvar         = "envvar"
+	DeviceListStrategyVolumeMounts   = "volume-mounts"
+	DeviceListStrategyCDIAnnotations = "cdi-annotations"
+	DeviceListStrategyCDICRI         = "cdi-cri"
+)
+
+// DeviceListStrategies are all of them, in the order NVIDIA documents them.
+var DeviceListStrategies = []string{DeviceListStrategyEnvvar, DeviceListStrategyVolumeMounts, DeviceListStrategyCDIAnnotations, DeviceListStrategyCDICRI}
+
+// DefaultCDIAnnotationPrefix is the CDI annotation key prefix runtimes read.
+const DefaultCDIAnnotationPrefix = "cdi.k8s.io/"
+
+// ListStrategies returns the strategies of DeviceListStrategy, envvar when
+// none is given.
+func (p DevicePlugin) ListStrategies() []string {
+	if strings.TrimSpace(p.DeviceListStrategy) == "" {
+		return []string{DeviceListStrategyEnvvar}
+	}
+	var out []string
+	for _, s := range strings.Split(p.DeviceListStrategy, ",") {
+		if s = strings.TrimSpace(s); s != "" && !slices.Contains(out, s) {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// UsesCDI reports whether a CDI strategy is among the device list strategies.
+func (p DevicePlugin) UsesCDI() bool {
+	s := p.ListStrategies()
+	return slices.Contains(s, DeviceListStrategyCDIAnnotations) || slices.Contains(s, DeviceListStrategyCDICRI)
+}
 
 // The values DevicePlugin.DeviceIDStrategy accepts.
 const (

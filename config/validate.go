@@ -7,6 +7,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"k8s.io/apimachinery/pkg/util/validation"
 )
 
 // Validate checks f without the hardware and returns warnings and an
@@ -144,10 +146,15 @@ func (v *validator) file() {
 
 func (v *validator) config(p string, c *Config) {
 	if v.what&checkLocal != 0 {
-		switch s := c.DevicePlugin.DeviceListStrategy; s {
-		case "", DeviceListStrategyEnvvar:
-		default:
-			v.errorf(p+".devicePlugin.deviceListStrategy", "unsupported value %q: only %q is implemented", s, DeviceListStrategyEnvvar)
+		for _, s := range c.DevicePlugin.ListStrategies() {
+			if !slices.Contains(DeviceListStrategies, s) {
+				v.errorf(p+".devicePlugin.deviceListStrategy", "unknown strategy %q: must be one or more of %s", s, strings.Join(DeviceListStrategies, ", "))
+			}
+		}
+		if pre := c.DevicePlugin.CDIAnnotationPrefix; pre != "" {
+			if err := checkAnnotationPrefix(pre); err != "" {
+				v.errorf(p+".devicePlugin.cdiAnnotationPrefix", "%q: %s", pre, err)
+			}
 		}
 		switch s := c.DevicePlugin.DeviceIDStrategy; s {
 		case "", DeviceIDStrategyUUID, DeviceIDStrategyIndex:
@@ -555,4 +562,17 @@ func sortedKeys[V any](m map[string]V) []string {
 	}
 	sort.Strings(keys)
 	return keys
+}
+
+// checkAnnotationPrefix checks that prefix starts valid annotation keys: a
+// DNS subdomain and a slash, as in "cdi.k8s.io/" ("" when it does).
+func checkAnnotationPrefix(prefix string) string {
+	dom, ok := strings.CutSuffix(prefix, "/")
+	if !ok {
+		return `must end with "/"`
+	}
+	if errs := validation.IsDNS1123Subdomain(dom); len(errs) > 0 {
+		return "not a DNS subdomain followed by \"/\": " + strings.Join(errs, "; ")
+	}
+	return ""
 }

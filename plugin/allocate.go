@@ -2,15 +2,19 @@ package plugin
 
 import (
 	"fmt"
+	"path"
 	"slices"
 	"strconv"
 	"strings"
 
+	"github.com/google/uuid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/cdi"
 )
 
 // visibleDevicesEnv is read by the NVIDIA container runtime hook.
@@ -107,7 +111,10 @@ func allocateContainer(res *catalog.Resource, ids []string) (*pluginapi.Containe
 			res.Name, len(ids), res.MaxPerContainer)
 	}
 
-	b := specBuilder{res: res.Name, env: map[string]string{}, nodes: map[string]bool{}, mounts: map[string]catalog.Mount{}}
+	b := specBuilder{res: res.Name, env: map[string]string{}, nodes: map[string]bool{}, mounts: map[string]catalog.Mount{},
+		// With CDI alone the spec gives the device nodes, as NVIDIA's plugin
+		// leaves out passDeviceSpecs then.
+		noNodes: res.Delivery.CDIOnly()}
 	var visible []string
 	seenVisible := map[string]bool{}
 	for _, d := range devs {
@@ -115,9 +122,6 @@ func allocateContainer(res *catalog.Resource, ids []string) (*pluginapi.Containe
 			seenVisible[v] = true
 			visible = append(visible, v)
 		}
-	}
-	if len(visible) > 0 {
-		b.env[visibleDevicesEnv] = strings.Join(visible, ",")
 	}
 	// Common first: the control nodes (/dev/nvidiactl, /dev/nvidia-uvm) are
 	// listed before the per-GPU nodes, as every NVIDIA runtime does.
@@ -129,7 +133,69 @@ func allocateContainer(res *catalog.Resource, ids []string) (*pluginapi.Containe
 			return nil, err
 		}
 	}
+	if err := deliver(&b, res.Delivery, visible); err != nil {
+		return nil, status.Errorf(codes.Internal, "resource %s: %v", res.Name, err)
+	}
 	return b.resp, nil
+}
+
+// The volume-mounts strategy: NVIDIA_VISIBLE_DEVICES names this directory
+// and each device is an empty mount in it, which the NVIDIA container
+// runtime reads (unlike the environment, a pod cannot set mounts there).
+const (
+	volumeMountsHostPath = "/dev/null"
+	volumeMountsRoot     = "/var/run/nvidia-container-devices"
+)
+
+// cdiAnnotationPlugin names the agent in cdi-annotations keys.
+const cdiAnnotationPlugin = "gpu-agent"
+
+// deliver names the visible devices to the container in each of the
+// resource's device list strategies, as NVIDIA's plugin does: envvar sets
+// NVIDIA_VISIBLE_DEVICES, volume-mounts overrides it with its directory,
+// and the CDI strategies name the agent's CDI devices (nvidia.com/gpu=<id>)
+// in an annotation or in the CRI's field.
+func deliver(b *specBuilder, d catalog.Delivery, visible []string) error {
+	if len(visible) == 0 {
+		return nil
+	}
+	if d.Has("envvar") {
+		b.env[visibleDevicesEnv] = strings.Join(visible, ",")
+	}
+	if d.Has("volume-mounts") {
+		b.env[visibleDevicesEnv] = volumeMountsRoot
+		for _, id := range visible {
+			b.resp.Mounts = append(b.resp.Mounts, &pluginapi.Mount{HostPath: volumeMountsHostPath, ContainerPath: path.Join(volumeMountsRoot, id), ReadOnly: true})
+		}
+	}
+	if !d.Has("cdi-annotations") && !d.Has("cdi-cri") {
+		return nil
+	}
+	names := make([]string, len(visible))
+	for i, id := range visible {
+		names[i] = cdi.QualifiedName(id)
+	}
+	if d.Has("cdi-annotations") {
+		// A key per response: a container given devices of two resources
+		// gets two annotations, which the runtime merges.
+		ann, err := cdiapi.UpdateAnnotations(map[string]string{}, cdiAnnotationPlugin, uuid.NewString(), names)
+		if err != nil {
+			return err
+		}
+		b.resp.Annotations = map[string]string{}
+		for k, v := range ann {
+			if d.CDIAnnotationPrefix != "" {
+				k = d.CDIAnnotationPrefix + strings.TrimPrefix(k, cdiapi.AnnotationPrefix)
+			}
+			b.resp.Annotations[k] = v
+		}
+	}
+	if d.Has("cdi-cri") {
+		for _, n := range names {
+			b.resp.CdiDevices = append(b.resp.CdiDevices, &pluginapi.CDIDevice{Name: n})
+		}
+	}
+	return nil
 }
 
 // specBuilder merges AllocateSpecs into one container response.
@@ -139,6 +205,8 @@ type specBuilder struct {
 	nodes  map[string]bool
 	mounts map[string]catalog.Mount // by container path
 	resp   *pluginapi.ContainerAllocateResponse
+	// noNodes drops the specs' device nodes (the CDI spec gives them).
+	noNodes bool
 }
 
 func (b *specBuilder) add(what string, s catalog.AllocateSpec) error {
@@ -152,7 +220,7 @@ func (b *specBuilder) add(what string, s catalog.AllocateSpec) error {
 		b.env[k] = v
 	}
 	for _, p := range s.DeviceNodes {
-		if b.nodes[p] {
+		if b.noNodes || b.nodes[p] {
 			continue
 		}
 		b.nodes[p] = true

@@ -378,3 +378,111 @@ func TestMaxPerContainerOnlyLimitsReplicas(t *testing.T) {
 		t.Errorf("two whole GPUs refused by a replica limit: %v", err)
 	}
 }
+
+// TestDeviceListStrategies checks each of NVIDIA's device list strategies,
+// alone and combined, on a request for two replicas of one GPU and one of a
+// second: what the container is told, and that with CDI alone the response
+// carries no device nodes and no NVIDIA_VISIBLE_DEVICES.
+func TestDeviceListStrategies(t *testing.T) {
+	type want struct {
+		env        string // NVIDIA_VISIBLE_DEVICES ("" absent)
+		mounts     []string
+		nodes      int
+		annotation string // value of the one CDI annotation ("" none)
+		annPrefix  string
+		cdiDevices []string
+	}
+	cdiNames := "nvidia.com/gpu=GPU-a,nvidia.com/gpu=GPU-b"
+	tests := []struct {
+		name     string
+		delivery catalog.Delivery
+		want     want
+	}{
+		{"default envvar", catalog.Delivery{}, want{env: "GPU-a,GPU-b", nodes: 4}},
+		{"envvar", catalog.Delivery{Strategies: []string{"envvar"}}, want{env: "GPU-a,GPU-b", nodes: 4}},
+		{"volume-mounts", catalog.Delivery{Strategies: []string{"volume-mounts"}},
+			want{env: "/var/run/nvidia-container-devices", nodes: 4, mounts: []string{"/var/run/nvidia-container-devices/GPU-a", "/var/run/nvidia-container-devices/GPU-b"}}},
+		{"cdi-annotations", catalog.Delivery{Strategies: []string{"cdi-annotations"}},
+			want{annotation: cdiNames, annPrefix: "cdi.k8s.io/gpu-agent_"}},
+		{"cdi-annotations, own prefix", catalog.Delivery{Strategies: []string{"cdi-annotations"}, CDIAnnotationPrefix: "nvidia.cdi.k8s.io/"},
+			want{annotation: cdiNames, annPrefix: "nvidia.cdi.k8s.io/gpu-agent_"}},
+		{"cdi-cri", catalog.Delivery{Strategies: []string{"cdi-cri"}}, want{cdiDevices: []string{"nvidia.com/gpu=GPU-a", "nvidia.com/gpu=GPU-b"}}},
+		{"envvar and cdi-cri", catalog.Delivery{Strategies: []string{"envvar", "cdi-cri"}},
+			want{env: "GPU-a,GPU-b", nodes: 4, cdiDevices: []string{"nvidia.com/gpu=GPU-a", "nvidia.com/gpu=GPU-b"}}},
+		{"all four", catalog.Delivery{Strategies: []string{"envvar", "volume-mounts", "cdi-annotations", "cdi-cri"}},
+			want{env: "/var/run/nvidia-container-devices", nodes: 4, mounts: []string{"/var/run/nvidia-container-devices/GPU-a", "/var/run/nvidia-container-devices/GPU-b"},
+				annotation: cdiNames, annPrefix: "cdi.k8s.io/gpu-agent_", cdiDevices: []string{"nvidia.com/gpu=GPU-a", "nvidia.com/gpu=GPU-b"}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			res := testCatalog().Resources[resShared]
+			res.Delivery = tt.delivery
+			resp, err := allocate(res, allocReq([]string{"GPU-a::0", "GPU-a::1", "GPU-b::0"}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := resp.ContainerResponses[0]
+			if got, ok := c.Envs[visibleDevicesEnv]; got != tt.want.env || ok != (tt.want.env != "") {
+				t.Errorf("NVIDIA_VISIBLE_DEVICES %q (set %v), want %q", got, ok, tt.want.env)
+			}
+			if c.Envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "50" {
+				t.Errorf("env %v: the replicas' own environment is lost", c.Envs)
+			}
+			var mounts []string
+			for _, m := range c.Mounts {
+				if m.HostPath == "/dev/null" {
+					mounts = append(mounts, m.ContainerPath)
+					if !m.ReadOnly {
+						t.Errorf("device list mount %s is writable", m.ContainerPath)
+					}
+				}
+			}
+			if !slices.Equal(mounts, tt.want.mounts) {
+				t.Errorf("device list mounts %v, want %v", mounts, tt.want.mounts)
+			}
+			if len(c.Devices) != tt.want.nodes {
+				t.Errorf("%d device nodes, want %d", len(c.Devices), tt.want.nodes)
+			}
+			if tt.want.annotation == "" && len(c.Annotations) > 0 {
+				t.Errorf("annotations %v, want none", c.Annotations)
+			}
+			if tt.want.annotation != "" {
+				if len(c.Annotations) != 1 {
+					t.Fatalf("annotations %v, want one", c.Annotations)
+				}
+				for k, v := range c.Annotations {
+					if !strings.HasPrefix(k, tt.want.annPrefix) || v != tt.want.annotation {
+						t.Errorf("annotation %s=%s, want %s<id>=%s", k, v, tt.want.annPrefix, tt.want.annotation)
+					}
+				}
+			}
+			var cdi []string
+			for _, d := range c.CdiDevices {
+				cdi = append(cdi, d.Name)
+			}
+			if !slices.Equal(cdi, tt.want.cdiDevices) {
+				t.Errorf("CDI devices %v, want %v", cdi, tt.want.cdiDevices)
+			}
+		})
+	}
+}
+
+// Two containers of one pod get distinct annotation keys: the runtime
+// merges the annotations of all of a container's responses.
+func TestCDIAnnotationKeysDistinct(t *testing.T) {
+	res := testCatalog().Resources[resGPU]
+	res.Delivery = catalog.Delivery{Strategies: []string{"cdi-annotations"}}
+	resp, err := allocate(res, allocReq([]string{"GPU-a"}, []string{"GPU-b"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := map[string]bool{}
+	for _, c := range resp.ContainerResponses {
+		for k := range c.Annotations {
+			keys[k] = true
+		}
+	}
+	if len(keys) != 2 {
+		t.Errorf("annotation keys %v, want two distinct", keys)
+	}
+}

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/cdi"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
@@ -35,6 +36,7 @@ type runFlags struct {
 	logLevel, logFormat                                string
 	migStrategy                                        string
 	draPluginDir, kubeletRegistryDir                   string
+	cdiSpecDir, devRoot, migMinors                     string
 	resync                                             time.Duration
 	mpsHost, dra                                       bool
 }
@@ -58,6 +60,10 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.migStrategy, "mig-strategy", "MIG_STRATEGY", "", "none, single or mixed: MIG strategy of configs that set none, mig-parted entries and the implicit default (empty: none for configs, mixed for the others; the GPU Operator sets single)")
 	fsAdd(&f.draPluginDir, "dra-plugin-dir", "GPU_AGENT_DRA_PLUGIN_DIR", "/var/lib/kubelet/plugins/"+dra.DriverName, "where the DRA driver's socket goes (with --dra)")
 	fsAdd(&f.kubeletRegistryDir, "kubelet-registry-dir", "GPU_AGENT_KUBELET_REGISTRY_DIR", "/var/lib/kubelet/plugins_registry", "the kubelet's plugin registration directory (with --dra)")
+	fsAdd(&f.cdiSpecDir, "cdi-spec-dir", "GPU_AGENT_CDI_SPEC_DIR", cdi.DefaultDir, "where the node's CDI spec goes, written while the DRA driver or a CDI device list strategy needs it (empty: never)")
+	// NVIDIA's variable name, as for MIG_STRATEGY.
+	fsAdd(&f.devRoot, "nvidia-dev-root", "NVIDIA_DEV_ROOT", "/", "host root under which the driver's /dev/nvidia* nodes are (the driver container's root under the GPU Operator)")
+	fsAdd(&f.migMinors, "mig-minors", "GPU_AGENT_MIG_MINORS", cdi.MigMinorsPath, "the driver's MIG capability table, for the CDI spec of MIG devices (sim backends number them as the driver does)")
 	fsAdd(&f.nvmlLib, "nvml-lib", "GPU_AGENT_NVML_LIB", "", "path of libnvidia-ml.so.1 for the nvml backend (empty: the loader's search path)")
 	fsAdd(&f.logLevel, "log-level", "GPU_AGENT_LOG_LEVEL", "info", "debug, info, warn or error")
 	fsAdd(&f.logFormat, "log-format", "GPU_AGENT_LOG_FORMAT", "text", "text or json")
@@ -218,6 +224,19 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		draPub = draDriver
 	}
 
+	var cdiSpecs agent.CDISpecs
+	if f.cdiSpecDir != "" {
+		w, err := cdi.NewWriter(f.cdiSpecDir)
+		if err != nil {
+			return usageError{"--cdi-spec-dir: " + err.Error()}
+		}
+		k := &cdi.Keeper{W: w, DevRoot: f.devRoot, Exists: func(p string) bool { _, err := os.Stat(p); return err == nil }}
+		if be.Sim == nil {
+			k.Caps = func() (cdi.CapMinors, error) { return cdi.ReadMigMinors(f.migMinors) }
+		}
+		cdiSpecs = k
+	}
+
 	ag := agent.New(agent.Options{
 		Observer:           mig.NewObserver(be.Lib, be.InventoryOptions),
 		NodeName:           f.nodeName,
@@ -227,6 +246,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		MIGStrategy:        config.MIGStrategy(f.migStrategy),
 		Cluster:            cluster,
 		DRA:                draPub,
+		CDI:                cdiSpecs,
 		Inbox:              inbox,
 		Publisher:          mgr,
 		Health:             watcher,

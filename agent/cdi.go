@@ -1,0 +1,62 @@
+package agent
+
+import (
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+// CDISpecs keeps the node's CDI spec (cdi.Keeper).
+type CDISpecs interface {
+	// Sync writes the spec of inv when want is set, removes it otherwise,
+	// and says whether the file changed and how many devices it names.
+	Sync(inv *gpu.Inventory, want bool) (changed bool, devices int, err error)
+	Path() string
+}
+
+// CDIStatus is the CDI spec's state on /status.
+type CDIStatus struct {
+	// Spec is the spec file ("" while no spec is needed).
+	Spec    string `json:"spec,omitempty"`
+	Devices int    `json:"devices,omitempty"`
+	Error   string `json:"error,omitempty"`
+}
+
+// cdiWanted says whether containers may be given CDI device names: the DRA
+// driver always answers with them, the device plugin when the config in
+// force has a CDI device list strategy.
+func (a *Agent) cdiWanted() bool {
+	if a.opts.DRA != nil {
+		return true
+	}
+	return a.cdiPlugin
+}
+
+// syncCDI brings the CDI spec in step with the inventory before anything
+// hands out a CDI name for it: a runtime that finds no such device fails
+// the container.
+func (a *Agent) syncCDI(why string) {
+	if a.opts.CDI == nil || a.inv == nil {
+		return
+	}
+	want := a.cdiWanted()
+	changed, n, err := a.opts.CDI.Sync(a.inv, want)
+	if err != nil {
+		if a.cdiStatus.Error != err.Error() {
+			a.log.Error("CDI spec not written: containers given CDI devices will fail to start", "spec", a.opts.CDI.Path(), "reason", why, "error", err)
+			a.event(true, ReasonCDISpecFailed, "CDI spec %s not written: %v", a.opts.CDI.Path(), err)
+		}
+		a.cdiStatus.Error = err.Error()
+		return
+	}
+	if a.cdiStatus.Error != "" {
+		a.log.Info("CDI spec written again", "spec", a.opts.CDI.Path())
+	}
+	a.cdiStatus = CDIStatus{}
+	if want {
+		a.cdiStatus = CDIStatus{Spec: a.opts.CDI.Path(), Devices: n}
+	}
+	if changed && want {
+		a.log.Info("CDI spec written", "spec", a.opts.CDI.Path(), "devices", n, "reason", why)
+	} else if changed {
+		a.log.Info("CDI spec removed: neither the DRA driver nor the config's device list strategy uses CDI", "spec", a.opts.CDI.Path())
+	}
+}
