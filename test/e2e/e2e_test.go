@@ -36,6 +36,8 @@ const (
 type suite struct {
 	kubelet, agent, ledger string
 	images                 []string
+	// containerd2 is the directory of the containerd 2.x build the CDI scenarios run on.
+	containerd2 string
 }
 
 // The suite's inputs are fixed once in TestMain and only read afterwards.
@@ -70,7 +72,8 @@ func setup() (func(*testing.M) int, error) {
 	for _, v := range []struct {
 		dst *string
 		env string
-	}{{&inputs.kubelet, "E2E_KUBELET"}, {&inputs.agent, "E2E_GPU_AGENT"}, {&pause, "E2E_PAUSE"}, {&busybox, "E2E_BUSYBOX"}} {
+	}{{&inputs.kubelet, "E2E_KUBELET"}, {&inputs.agent, "E2E_GPU_AGENT"}, {&pause, "E2E_PAUSE"}, {&busybox, "E2E_BUSYBOX"},
+		{&inputs.containerd2, "E2E_CONTAINERD2"}} {
 		if *v.dst, err = need(v.env); err != nil {
 			return nil, err
 		}
@@ -271,6 +274,11 @@ func assertTaskRunning(t *testing.T, e *harness.Env, id string) {
 func TestOneGPU(t *testing.T) {
 	uuids := nodeUUIDs(t)
 	e := start(t, "")
+	// The standalone scenarios run on Debian's containerd 1.6 (no CDI); the CDI ones on a 2.x. Each Env
+	// logs its containerd's version; this one and TestCDIWithContainerd2 check theirs.
+	if v, err := e.ContainerdVersion(stepCtx(t)); err != nil || !strings.HasPrefix(v, "1.6") {
+		t.Fatalf("containerd %q (%v), want Debian's 1.6", v, err)
+	}
 	if got := waitAllocatable(t, e, nodeGPUs); !slices.Equal(got, uuids) {
 		t.Fatalf("kubelet offers %v, the node has %v", got, uuids)
 	}

@@ -89,6 +89,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 	if err := e.startContainerd(ctx); err != nil {
 		t.Fatalf("e2e cluster: %v", err)
 	}
+	e.logContainerd(ctx)
 	kubeletCred, err := c.pki.issue("kubelet", "system:node:"+cfg.NodeName, []string{"system:nodes"}, false, nil, nil)
 	if err != nil {
 		t.Fatalf("e2e cluster: %v", err)

@@ -42,6 +42,43 @@ state = %q
 		"docker.io/"+PauseImage, d.cniDir, d.cniDir)
 }
 
+// containerd2Config renders containerd 2.x's config (version 3) for a private instance, as containerdConfig
+// does for 1.6, with CDI specs read from the Env's own spec directory only (CDI is always on in 2.x) and the
+// runc shim of the same build.
+func containerd2Config(d dirs, shim string) string {
+	return fmt.Sprintf(`version = 3
+root = %q
+state = %q
+
+[grpc]
+  address = %q
+
+[ttrpc]
+  address = %q
+
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = %q
+
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+  enable_selinux = false
+  cdi_spec_dirs = [%q]
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = [%q]
+    conf_dir = %q
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      runtime_path = %q
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+`, d.containerdRoot, d.containerdState, d.containerdSock, d.containerdSock+".ttrpc",
+		"docker.io/"+PauseImage, d.cdiSpecs, d.cniDir, d.cniDir, shim)
+}
+
 // kubeletConfig renders a KubeletConfiguration for a standalone kubelet (no API server): static pods only,
 // anonymous read access on 127.0.0.1 so the suite can GET /pods, cgroup v1 allowed.
 func kubeletConfig(d dirs, port, healthzPort int) string {

@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"io/fs"
 	"strings"
 	"syscall"
 	"testing"
@@ -42,6 +43,10 @@ type Config struct {
 	AgentConfig string
 	// AgentArgs are added after the DaemonSet's own args (later flags win).
 	AgentArgs []string
+	// Containerd2 is the directory of a containerd 2.x build (containerd, containerd-shim-runc-v2, ctr) to run
+	// instead of Debian's containerd 1.6, with CDI on: the agent then writes its CDI spec where containerd
+	// reads specs, and the node's device nodes are stand-ins under DevRoot (see CDIDevRoot).
+	Containerd2 string
 }
 
 type dirs struct {
@@ -51,6 +56,7 @@ type dirs struct {
 	kubeletRoot, certs, manifests, podLogs     string
 	volumePlugins, kubeletConfig, podResources string
 	agentState, agentMPS, agentConfigDir       string
+	cdiSpecs, devRoot                          string
 }
 
 func newDirs(run string) dirs {
@@ -71,6 +77,8 @@ func newDirs(run string) dirs {
 		agentState:      filepath.Join(run, "agent", "state"),
 		agentMPS:        filepath.Join(run, "agent", "mps"),
 		agentConfigDir:  filepath.Join(run, "agent", "config"),
+		cdiSpecs:        filepath.Join(run, "cdi"),
+		devRoot:         filepath.Join(run, "devroot"),
 	}
 }
 
@@ -115,6 +123,7 @@ func Start(t testing.TB, cfg Config) *Env {
 	if err := e.startContainerd(ctx); err != nil {
 		t.Fatalf("e2e env: %v", err)
 	}
+	e.logContainerd(ctx)
 	if err := e.StartKubelet(ctx); err != nil {
 		t.Fatalf("e2e env: %v", err)
 	}
@@ -195,11 +204,18 @@ func freePorts(n int) ([]int, error) {
 
 func (e *Env) startContainerd(ctx context.Context) error {
 	cfgPath := filepath.Join(e.d.run, "containerd.toml")
-	if err := os.WriteFile(cfgPath, []byte(containerdConfig(e.d)), 0o644); err != nil {
+	cfg, bin := containerdConfig(e.d), "containerd"
+	if dir := e.cfg.Containerd2; dir != "" {
+		cfg, bin = containerd2Config(e.d, filepath.Join(dir, "containerd-shim-runc-v2")), filepath.Join(dir, "containerd")
+		if err := makeDevRoot(e.d.devRoot, 16); err != nil {
+			return err
+		}
+	}
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return err
 	}
 	p, err := startProcess("containerd", filepath.Join(e.d.logs, "containerd.log"), e.ledger,
-		"containerd", "--config", cfgPath)
+		bin, "--config", cfgPath)
 	if err != nil {
 		return err
 	}
@@ -222,10 +238,81 @@ func (e *Env) startContainerd(ctx context.Context) error {
 	return nil
 }
 
+// logContainerd says in the test's log which containerd the scenario runs on.
+func (e *Env) logContainerd(ctx context.Context) {
+	v, err := e.ContainerdVersion(ctx)
+	if err != nil {
+		e.t.Logf("containerd: version unknown: %v", err)
+		return
+	}
+	e.t.Logf("containerd %s", v)
+}
+
+// ContainerdVersion is the version the running containerd reports ("1.6.20~ds1", "2.4.2").
+func (e *Env) ContainerdVersion(ctx context.Context) (string, error) {
+	out, err := e.ctr(ctx, "version")
+	if err != nil {
+		return "", fmt.Errorf("ctr version: %w: %s", err, out)
+	}
+	// Client: ... Server:\n  Version: X
+	_, server, ok := strings.Cut(out, "Server:")
+	if !ok {
+		return "", fmt.Errorf("ctr version: no server section in %q", out)
+	}
+	for _, line := range strings.Split(server, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "Version:"); ok {
+			return strings.TrimSpace(v), nil
+		}
+	}
+	return "", fmt.Errorf("ctr version: no server version in %q", out)
+}
+
+// CDISpecDir is where this Env's containerd 2.x reads CDI specs (and the agent must write them).
+func (e *Env) CDISpecDir() string { return e.d.cdiSpecs }
+
+// CDIDevRoot is the stand-in driver root: dev/nvidia<N>, the control nodes and every MIG capability node,
+// each a character device with /dev/null's numbers, so a container given one can open it.
+func (e *Env) CDIDevRoot() string { return e.d.devRoot }
+
+// makeDevRoot creates the stand-in device nodes of up to gpus GPUs under root.
+func makeDevRoot(root string, gpus int) error {
+	caps := filepath.Join(root, "dev", "nvidia-caps")
+	if err := os.MkdirAll(caps, 0o755); err != nil {
+		return err
+	}
+	nodes := []string{"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"}
+	for i := range gpus {
+		nodes = append(nodes, fmt.Sprintf("nvidia%d", i))
+	}
+	// The driver numbers MIG capabilities 3 + gpu*135 + gi*9 + (ci+1): see the agent's cdi.DriverNumbering.
+	for i := 1; i < 3+gpus*135; i++ {
+		nodes = append(nodes, fmt.Sprintf("nvidia-caps/nvidia-cap%d", i))
+	}
+	const devNull = 1<<8 | 3 // major 1, minor 3
+	for _, n := range nodes {
+		p := filepath.Join(root, "dev", n)
+		if err := syscall.Mknod(p, syscall.S_IFCHR|0o666, devNull); err != nil && !errors.Is(err, fs.ErrExist) {
+			return fmt.Errorf("stand-in device node %s: %w", p, err)
+		}
+	}
+	return nil
+}
+
 // ctr runs containerd's own client against this Env's containerd, in the CRI's namespace.
 func (e *Env) ctr(ctx context.Context, args ...string) (string, error) {
 	argv := append([]string{"--address", e.d.containerdSock, "--namespace", "k8s.io"}, args...)
-	out, err := exec.CommandContext(ctx, "ctr", argv...).CombinedOutput()
+	bin := "ctr"
+	if e.cfg.Containerd2 != "" {
+		bin = filepath.Join(e.cfg.Containerd2, "ctr")
+	}
+	// stdout only: ctr 2.x warns on it (cgroup v1 deprecation) otherwise mixed into listings.
+	var stderr strings.Builder
+	cmd := exec.CommandContext(ctx, bin, argv...)
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		err = fmt.Errorf("%w: %s", err, strings.TrimSpace(stderr.String()))
+	}
 	return string(out), err
 }
 
@@ -362,6 +449,9 @@ func (e *Env) spawnAgent() (*Process, error) {
 	}
 	argv = append([]string{e.cfg.Agent}, argv...)
 	argv = append(argv, "--backend", e.backend())
+	if e.cfg.Containerd2 != "" {
+		argv = append(argv, "--cdi-spec-dir", e.d.cdiSpecs, "--nvidia-dev-root", e.d.devRoot)
+	}
 	argv = append(argv, e.cfg.AgentArgs...)
 	p, err := startProcessEnv("gpu-agent", filepath.Join(e.d.logs, fmt.Sprintf("gpu-agent-%d.log", e.agentN)), e.ledger, env, argv...)
 	if err != nil {

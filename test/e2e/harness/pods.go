@@ -58,7 +58,9 @@ func envDumpPodSpec(limits corev1.ResourceList, restart corev1.RestartPolicy) co
 			Name:            "main",
 			Image:           "docker.io/" + BusyboxImage,
 			ImagePullPolicy: corev1.PullNever, // there is no registry; the image was imported
-			Command:         []string{"sh", "-c", "env; echo " + readyMarker + "; exec sleep 86400"},
+			// E2E_DEVICES: the GPU device nodes the container has (CDI scenarios check them).
+			Command: []string{"sh", "-c", "env; echo E2E_DEVICES=$(ls -d /dev/nvidia* /dev/nvidia-caps/* 2>/dev/null); echo " +
+				readyMarker + "; exec sleep 86400"},
 			Resources:       corev1.ResourceRequirements{Limits: limits},
 		}},
 	}

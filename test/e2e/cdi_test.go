@@ -1,0 +1,139 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
+)
+
+// cdiSpecNodes reads the agent's CDI spec in e's spec directory and returns the container paths of the device
+// nodes a container given CDI device name gets: the device's own and the spec's common ones.
+func cdiSpecNodes(t *testing.T, e *harness.Env, name string) []string {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(e.CDISpecDir(), "gpu-agent.json"))
+	if err != nil {
+		t.Fatalf("the agent's CDI spec: %v", err)
+	}
+	type edits struct {
+		DeviceNodes []struct {
+			Path string `json:"path"`
+		} `json:"deviceNodes"`
+	}
+	var spec struct {
+		Kind    string `json:"kind"`
+		Devices []struct {
+			Name           string `json:"name"`
+			ContainerEdits edits  `json:"containerEdits"`
+		} `json:"devices"`
+		ContainerEdits edits `json:"containerEdits"`
+	}
+	if err := json.Unmarshal(data, &spec); err != nil {
+		t.Fatalf("the agent's CDI spec: %v", err)
+	}
+	if spec.Kind != "nvidia.com/gpu" {
+		t.Fatalf("the agent's CDI spec is of kind %q, want NVIDIA's nvidia.com/gpu", spec.Kind)
+	}
+	var out []string
+	for _, n := range spec.ContainerEdits.DeviceNodes {
+		out = append(out, n.Path)
+	}
+	for _, d := range spec.Devices {
+		if d.Name == name {
+			for _, n := range d.ContainerEdits.DeviceNodes {
+				out = append(out, n.Path)
+			}
+			slices.Sort(out)
+			return out
+		}
+	}
+	t.Fatalf("the agent's CDI spec has no device %q", name)
+	return nil
+}
+
+// containerDevices runs pod name and returns the GPU device nodes its container has, sorted, after checking
+// that it was told of them through CDI alone (no NVIDIA_VISIBLE_DEVICES).
+func containerDevices(t *testing.T, e *harness.Env, name string) []string {
+	t.Helper()
+	ctx := stepCtx(t)
+	if _, err := e.WaitRunning(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	env, err := e.ContainerEnv(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, ok := env["NVIDIA_VISIBLE_DEVICES"]; ok {
+		t.Errorf("pod %s: NVIDIA_VISIBLE_DEVICES=%s with a CDI-only device list strategy", name, v)
+	}
+	var got []string
+	for _, f := range strings.Fields(env["E2E_DEVICES"]) {
+		if f != "/dev/nvidia-caps" { // the directory itself
+			got = append(got, f)
+		}
+	}
+	slices.Sort(got)
+	return got
+}
+
+// CDI through a CDI-enabled containerd (2.x, built from its Go module): the agent writes the node's CDI spec,
+// the device plugin names the devices by CDI (cdi-cri, then cdi-annotations after a live config change), and
+// each container gets exactly its MIG device's nodes (the parent GPU and its two nvidia-caps access nodes)
+// plus the control nodes, and no other GPU.
+func TestCDIWithContainerd2(t *testing.T) {
+	const res3g = "nvidia.com/mig-3g.20gb"
+	layout := migLayoutConfig(`{"3g.20gb": 2}`)
+	e := harness.Start(t, harness.Config{
+		Kubelet: inputs.kubelet, Agent: inputs.agent, Images: inputs.images, LedgerPath: inputs.ledger,
+		Backend: backend + ",mig-enabled", NodeName: nodeName, Containerd2: inputs.containerd2,
+		AgentConfig: layout + "    devicePlugin:\n      deviceListStrategy: cdi-cri\n",
+	})
+	ctx := stepCtx(t)
+	if v, err := e.ContainerdVersion(ctx); err != nil || !strings.HasPrefix(v, "2.") {
+		t.Fatalf("containerd %q (%v), want a 2.x with CDI", v, err)
+	}
+	if _, err := e.WaitAllocatable(ctx, res3g, 2*nodeGPUs); err != nil {
+		t.Fatal(err)
+	}
+	gen := loadedConfig(t, e, 0)
+	for i, strategy := range []string{"cdi-cri", "cdi-annotations"} {
+		if i > 0 {
+			if err := e.UpdateAgentConfig(layout + "    devicePlugin:\n      deviceListStrategy: " + strategy + "\n"); err != nil {
+				t.Fatal(err)
+			}
+			gen = loadedConfig(t, e, gen)
+		}
+		name := "cdi-" + strategy
+		if err := e.AddPod(harness.PodSpec{Name: name, Limits: map[string]int64{res3g: 1}}); err != nil {
+			t.Fatal(err)
+		}
+		got := containerDevices(t, e, name)
+		held, err := e.PodDevices(stepCtx(t), name, res3g)
+		if err != nil || len(held) != 1 {
+			t.Fatalf("pod %s holds %v (%v), want one MIG device", name, held, err)
+		}
+		want := cdiSpecNodes(t, e, held[0])
+		if !slices.Equal(got, want) {
+			t.Fatalf("%s: pod %s holds %s; its container has %v, want %v", strategy, name, held[0], got, want)
+		}
+		var gpuNodes, caps int
+		for _, p := range got {
+			switch {
+			case strings.HasPrefix(p, "/dev/nvidia-caps/"):
+				caps++
+			case strings.TrimLeft(strings.TrimPrefix(p, "/dev/nvidia"), "0123456789") == "":
+				gpuNodes++
+			}
+		}
+		if gpuNodes != 1 || caps != 2 {
+			t.Fatalf("%s: container devices %v: want one GPU node and its MIG device's two capability nodes", strategy, got)
+		}
+		t.Logf("%s: pod %s holds %s, its container has %v", strategy, name, held[0], got)
+	}
+}
