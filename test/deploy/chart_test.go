@@ -259,6 +259,7 @@ dra: {enabled: true}
 mps: {enabled: true, binary: /marker/mps-control, shmDir: /marker/shm, host: {interval: 7s}}
 driver: {nvmlLib: /marker/libnvidia-ml.so.1}
 metrics: {port: 9555}
+cdi: {specDir: /marker/cdi, nvidiaDevRoot: /marker/driver, migMinors: /marker/mig-minors}
 `
 	want := map[string]string{
 		"backend":              "sim:dgx-h100",
@@ -279,6 +280,9 @@ metrics: {port: 9555}
 		"dra":                  "true",
 		"dra-plugin-dir":       "/marker/plugins/gpu.nvidia.com",
 		"kubelet-registry-dir": "/marker/plugins_registry",
+		"cdi-spec-dir":         "/marker/cdi",
+		"nvidia-dev-root":      "/marker/driver",
+		"mig-minors":           "/marker/mig-minors",
 	}
 	o, err := renderChart(t, values)
 	if err != nil {

@@ -9,6 +9,9 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
 )
@@ -57,6 +60,18 @@ func cdiSpecNodes(t *testing.T, e *harness.Env, name string) []string {
 	return nil
 }
 
+// gpuDevices returns the sorted GPU device nodes of an E2E_DEVICES listing, without the nvidia-caps directory.
+func gpuDevices(listing string) []string {
+	var got []string
+	for _, f := range strings.Fields(listing) {
+		if f != "/dev/nvidia-caps" { // the directory itself
+			got = append(got, f)
+		}
+	}
+	slices.Sort(got)
+	return got
+}
+
 // containerDevices runs pod name and returns the GPU device nodes its container has, sorted, after checking
 // that it was told of them through CDI alone (no NVIDIA_VISIBLE_DEVICES).
 func containerDevices(t *testing.T, e *harness.Env, name string) []string {
@@ -72,14 +87,7 @@ func containerDevices(t *testing.T, e *harness.Env, name string) []string {
 	if v, ok := env["NVIDIA_VISIBLE_DEVICES"]; ok {
 		t.Errorf("pod %s: NVIDIA_VISIBLE_DEVICES=%s with a CDI-only device list strategy", name, v)
 	}
-	var got []string
-	for _, f := range strings.Fields(env["E2E_DEVICES"]) {
-		if f != "/dev/nvidia-caps" { // the directory itself
-			got = append(got, f)
-		}
-	}
-	slices.Sort(got)
-	return got
+	return gpuDevices(env["E2E_DEVICES"])
 }
 
 // CDI through a CDI-enabled containerd (2.x, built from its Go module): the agent writes the node's CDI spec,
@@ -136,4 +144,53 @@ func TestCDIWithContainerd2(t *testing.T) {
 		}
 		t.Logf("%s: pod %s holds %s, its container has %v", strategy, name, held[0], got)
 	}
+}
+
+// A DRA claim on a node whose containerd has CDI: the agent, installed as the DaemonSet with its DRA
+// component, answers Prepare with the CDI name of the GPU (nvidia.com/gpu=<UUID>), containerd resolves it in
+// the spec the agent keeps in the node's /var/run/cdi (the install's hostPath), and the pod's container gets
+// that GPU's device node and no other.
+func TestClusterDRACDIContainerd2(t *testing.T) {
+	c, _ := installOverlayOn(t, "sim-dra-overlay", inputs.containerd2)
+	ctx := clusterCtx(t)
+	if v, err := c.ContainerdVersion(ctx); err != nil || !strings.HasPrefix(v, "2.") {
+		t.Fatalf("containerd %q (%v), want a 2.x with CDI", v, err)
+	}
+	created := time.Now()
+	if _, err := c.Client.ResourceV1().ResourceClaims("default").Create(ctx, wholeGPUClaim("cdi-gpu"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Client.CoreV1().Pods("default").Create(ctx, claimPod("cdi-user", "cdi-gpu"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pods, err := c.WaitPodsRunning(ctx, "default", "app=cdi-user", 1)
+	if err != nil {
+		dumpPods(t, c, "default")
+		t.Fatal(err)
+	}
+	t.Logf("MEASURED DRA claim (whole GPU, CDI on containerd 2) created -> container running: %s", time.Since(created).Round(10*time.Millisecond))
+	cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, "cdi-gpu", metav1.GetOptions{})
+	if err != nil || cl.Status.Allocation == nil || len(cl.Status.Allocation.Devices.Results) != 1 {
+		t.Fatalf("claim cdi-gpu: %+v (%v)", cl.Status, err)
+	}
+	uuid := attr(nodeSlice(t, c)[cl.Status.Allocation.Devices.Results[0].Device], "uuid")
+	env, err := c.PodContainerEnv(ctx, &pods[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := gpuDevices(env["E2E_DEVICES"])
+	want := cdiSpecNodes(t, c.Env, uuid)
+	if !slices.Equal(got, want) || len(want) == 0 {
+		t.Fatalf("claim cdi-gpu holds %s; the container has %v, the agent's CDI spec gives it %v", uuid, got, want)
+	}
+	var gpuNodes []string
+	for _, p := range got {
+		if strings.TrimLeft(strings.TrimPrefix(p, "/dev/nvidia"), "0123456789") == "" {
+			gpuNodes = append(gpuNodes, p)
+		}
+	}
+	if len(gpuNodes) != 1 {
+		t.Fatalf("container devices %v: want exactly the claimed GPU's node", got)
+	}
+	t.Logf("claim cdi-gpu: %s, the container has %v", uuid, got)
 }

@@ -39,7 +39,13 @@ func installMIGCapable(t *testing.T) (*harness.Cluster, string) {
 // cluster and the agent's HTTP base URL.
 func installOverlay(t *testing.T, overlay string) (*harness.Cluster, string) {
 	t.Helper()
-	c := startCluster(t)
+	return installOverlayOn(t, overlay, "")
+}
+
+// installOverlayOn is installOverlay on a node whose containerd is the 2.x build in containerd2 ("": 1.6).
+func installOverlayOn(t *testing.T, overlay, containerd2 string) (*harness.Cluster, string) {
+	t.Helper()
+	c := startClusterOn(t, containerd2)
 	layer, err := c.NodeLayer()
 	if err != nil {
 		t.Fatal(err)

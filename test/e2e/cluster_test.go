@@ -88,6 +88,12 @@ func clusterInputs(t *testing.T) clusterSuite {
 
 func startCluster(t *testing.T) *harness.Cluster {
 	t.Helper()
+	return startClusterOn(t, "")
+}
+
+// startClusterOn starts the cluster with its node on the containerd 2.x build in containerd2 ("": Debian's 1.6).
+func startClusterOn(t *testing.T, containerd2 string) *harness.Cluster {
+	t.Helper()
 	in := clusterInputs(t)
 	return harness.StartCluster(t, harness.ClusterConfig{
 		Kubelet:           inputs.kubelet,
@@ -99,6 +105,7 @@ func startCluster(t *testing.T) *harness.Cluster {
 		NodeName:          nodeName,
 		NodeLabels:        gpuNodeLabels,
 		LedgerPath:        inputs.ledger,
+		Containerd2:       containerd2,
 	})
 }
 

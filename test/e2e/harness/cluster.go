@@ -28,6 +28,8 @@ type ClusterConfig struct {
 	Images                                                 []string // docker-archive tarballs to import (see BuildImages)
 	NodeName                                               string
 	NodeLabels                                             map[string]string // the kubelet's --node-labels
+	// Containerd2: see Config.Containerd2. The node layer then points the agent at the stand-in dev root.
+	Containerd2 string
 	LedgerPath                                             string
 }
 
@@ -66,7 +68,8 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 			t.Fatalf("e2e cluster: no %s binary given", name)
 		}
 	}
-	e, err := newEnv(t, Config{Kubelet: cfg.Kubelet, Images: cfg.Images, NodeName: cfg.NodeName, LedgerPath: cfg.LedgerPath})
+	e, err := newEnv(t, Config{Kubelet: cfg.Kubelet, Images: cfg.Images, NodeName: cfg.NodeName, LedgerPath: cfg.LedgerPath,
+		Containerd2: cfg.Containerd2})
 	if err != nil {
 		t.Fatalf("e2e cluster: %v", err)
 	}

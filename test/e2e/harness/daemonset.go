@@ -42,6 +42,7 @@ func daemonSetArgs(e *Env) (args, env []string, err error) {
 		"/var/lib/gpu-agent":             e.d.agentState,
 		"/run/gpu-agent/mps":             e.d.agentMPS,
 		"/etc/gpu-agent":                 e.d.agentConfigDir,
+		"/var/run/cdi":                   e.d.cdiSpecs,
 	}
 	for _, m := range c.VolumeMounts {
 		if _, ok := volumes[m.MountPath]; !ok {

@@ -10,13 +10,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"io/fs"
 	"strings"
 	"syscall"
 	"testing"
@@ -450,7 +450,7 @@ func (e *Env) spawnAgent() (*Process, error) {
 	argv = append([]string{e.cfg.Agent}, argv...)
 	argv = append(argv, "--backend", e.backend())
 	if e.cfg.Containerd2 != "" {
-		argv = append(argv, "--cdi-spec-dir", e.d.cdiSpecs, "--nvidia-dev-root", e.d.devRoot)
+		argv = append(argv, "--nvidia-dev-root", e.d.devRoot) // the spec dir is the DaemonSet's, mapped
 	}
 	argv = append(argv, e.cfg.AgentArgs...)
 	p, err := startProcessEnv("gpu-agent", filepath.Join(e.d.logs, fmt.Sprintf("gpu-agent-%d.log", e.agentN)), e.ledger, env, argv...)

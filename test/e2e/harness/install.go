@@ -48,6 +48,8 @@ type NodeLayer struct {
 	HostDirs map[string]string
 	APIHost  string
 	APIPort  int
+	// DevRoot, when set, is the agent's NVIDIA_DEV_ROOT: the stand-in device nodes of a containerd 2.x node.
+	DevRoot string
 }
 
 // NodeLayer returns this Cluster's node layer, with a free metrics port.
@@ -56,7 +58,11 @@ func (c *Cluster) NodeLayer() (NodeLayer, error) {
 	if err != nil {
 		return NodeLayer{}, err
 	}
-	for _, d := range []string{c.d.agentState, c.d.agentMPS} {
+	devRoot := ""
+	if c.Env.cfg.Containerd2 != "" {
+		devRoot = c.d.devRoot
+	}
+	for _, d := range []string{c.d.agentState, c.d.agentMPS, c.d.cdiSpecs} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return NodeLayer{}, err
 		}
@@ -68,6 +74,7 @@ func (c *Cluster) NodeLayer() (NodeLayer, error) {
 			"/var/lib/kubelet/pod-resources": filepath.Dir(c.d.podResources),
 			"/var/lib/gpu-agent":             c.d.agentState,
 			"/run/gpu-agent/mps":             c.d.agentMPS,
+			"/var/run/cdi":                   c.d.cdiSpecs,
 			// DRA: the kubelet finds registration sockets in its --root-dir's plugins_registry, and dials
 			// the DRA socket at the path the driver registers, which is the one inside its container: the
 			// plugins directory stays the real one, like the device plugin directory.
@@ -76,6 +83,7 @@ func (c *Cluster) NodeLayer() (NodeLayer, error) {
 		},
 		APIHost: "127.0.0.1",
 		APIPort: c.APIPort,
+		DevRoot: devRoot,
 	}, nil
 }
 
@@ -283,15 +291,16 @@ func nodeKustomization(resources []string, agent string, layer NodeLayer, volume
 	if err != nil {
 		return nil, err
 	}
+	env := []obj{
+		{"name": "KUBERNETES_SERVICE_HOST", "value": layer.APIHost},
+		{"name": "KUBERNETES_SERVICE_PORT", "value": fmt.Sprint(layer.APIPort)},
+	}
+	if layer.DevRoot != "" {
+		env = append(env, obj{"name": "NVIDIA_DEV_ROOT", "value": layer.DevRoot})
+	}
 	agentSpec := obj{
 		// The container is matched by name; AgentDaemonSet checks it.
-		"containers": []obj{{
-			"name": agentContainer,
-			"env": []obj{
-				{"name": "KUBERNETES_SERVICE_HOST", "value": layer.APIHost},
-				{"name": "KUBERNETES_SERVICE_PORT", "value": fmt.Sprint(layer.APIPort)},
-			},
-		}},
+		"containers": []obj{{"name": agentContainer, "env": env}},
 	}
 	if len(volumes) > 0 {
 		agentSpec["volumes"] = volumes
