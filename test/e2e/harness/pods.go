@@ -61,7 +61,7 @@ func envDumpPodSpec(limits corev1.ResourceList, restart corev1.RestartPolicy) co
 			// E2E_DEVICES: the GPU device nodes the container has (CDI scenarios check them).
 			Command: []string{"sh", "-c", "env; echo E2E_DEVICES=$(ls -d /dev/nvidia* /dev/nvidia-caps/* 2>/dev/null); echo " +
 				readyMarker + "; exec sleep 86400"},
-			Resources:       corev1.ResourceRequirements{Limits: limits},
+			Resources: corev1.ResourceRequirements{Limits: limits},
 		}},
 	}
 }
