@@ -30,7 +30,7 @@ type ClusterConfig struct {
 	NodeLabels                                             map[string]string // the kubelet's --node-labels
 	// Containerd2: see Config.Containerd2. The node layer then points the agent at the stand-in dev root.
 	Containerd2 string
-	LedgerPath                                             string
+	LedgerPath  string
 }
 
 // Cluster is a one-node Kubernetes cluster started by this process from empty state: etcd, kube-apiserver,
