@@ -227,6 +227,16 @@ func New(opts Options) *Agent {
 	a.claims = map[types.UID]PreparedClaim{}
 	a.dynamicMIG = map[string]bool{}
 	a.restore(opts.Restored)
+	if opts.CDI != nil {
+		// A claim unprepared while no agent ran leaves its spec behind.
+		removed, err := opts.CDI.RemoveStaleClaims(func(uid string) bool { return hasKey(a.claims, types.UID(uid)) })
+		if err != nil {
+			a.log.Warn("stale CDI claim specs not all removed", "error", err)
+		}
+		if len(removed) > 0 {
+			a.log.Info("stale CDI claim specs removed", "specs", removed)
+		}
+	}
 	// Until a config applies, the built-in default is both what is selected
 	// and the last config that fitted: a config that is rejected, selects
 	// nothing or does not fit on the first start then leaves the node

@@ -1,15 +1,20 @@
 package agent
 
 import (
+	"github.com/gpu-agent/gpu-agent/cdi"
 	"github.com/gpu-agent/gpu-agent/gpu"
 )
 
-// CDISpecs keeps the node's CDI spec (cdi.Keeper).
+// CDISpecs keeps the node's CDI spec and the specs of DRA claims that need
+// their own (cdi.Keeper).
 type CDISpecs interface {
 	// Sync writes the spec of inv when want is set, removes it otherwise,
 	// and says whether the file changed and how many devices it names.
 	Sync(inv *gpu.Inventory, want bool) (changed bool, devices int, err error)
 	Path() string
+	WriteClaim(uid string, devs []cdi.ClaimDevice) error
+	RemoveClaim(uid string) error
+	RemoveStaleClaims(keep func(uid string) bool) ([]string, error)
 }
 
 // CDIStatus is the CDI spec's state on /status.

@@ -2,9 +2,13 @@ package agent
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"slices"
+	"strings"
 	"testing"
+
+	"k8s.io/apimachinery/pkg/types"
 
 	specs "tags.cncf.io/container-device-interface/specs-go"
 
@@ -130,5 +134,110 @@ func TestCDISpecHasDynamicMIGBeforePrepareReturns(t *testing.T) {
 	h.unprepare(dra.ClaimRef{UID: "uid-1", Namespace: "default", Name: "one"})
 	if names := specNames(t, dir); slices.ContainsFunc(names, func(n string) bool { return n == "2:0" }) {
 		t.Errorf("released MIG device still in the spec: %v", names)
+	}
+}
+
+// claimSpecEnv reads claim uid's CDI spec and returns the environment of
+// its one device, and its mounts' container paths.
+func claimSpecEnv(t *testing.T, dir, uid string) (map[string]string, []string) {
+	t.Helper()
+	data, err := os.ReadFile(dir + "/" + cdi.ClaimSpecName(uid) + ".json")
+	if err != nil {
+		t.Fatalf("claim %s: %v", uid, err)
+	}
+	var s specs.Spec
+	if err := json.Unmarshal(data, &s); err != nil {
+		t.Fatal(err)
+	}
+	if len(s.Devices) != 1 || s.Kind != cdi.Kind {
+		t.Fatalf("claim %s spec: %+v", uid, s)
+	}
+	env := map[string]string{}
+	for _, kv := range s.Devices[0].ContainerEdits.Env {
+		k, v, _ := strings.Cut(kv, "=")
+		env[k] = v
+	}
+	var mounts []string
+	for _, m := range s.Devices[0].ContainerEdits.Mounts {
+		mounts = append(mounts, m.ContainerPath)
+	}
+	return env, mounts
+}
+
+// MPS through DRA: a GPU the config shares by MPS (4 replicas) is offered
+// with 4 shares; each claim's containers get, through a CDI spec of the
+// claim's own, the daemon's pipe directory and limits from what the claim
+// consumes: 2 shares and 10 GiB give 50% of the threads and a 10240M pin.
+// Unprepare removes the spec; a restart removes specs of claims it does not
+// hold.
+func TestDRAMPSClaimLimits(t *testing.T) {
+	dir, state := t.TempDir(), t.TempDir()
+	rec := &draRecorder{}
+	node := simNode(t, "pcie-4gpu")
+	h := newHarnessIn(t, node, state, withDRA(rec), withCDI(dir), withMPS(&fakeMPS{}))
+	h.config("version: v1\nconfigs:\n  default:\n    sharing:\n      mps:\n        resources:\n        - name: nvidia.com/gpu\n          replicas: 4\n")
+	d, _ := rec.last().Device("gpu-1")
+	if d.Shares != 4 || !d.MPS {
+		t.Fatalf("gpu-1 %+v, want 4 MPS shares", d)
+	}
+	mk := func(uid string, shares int64, mem uint64) dra.Claim {
+		c := claim(uid, uid, "gpu-1")
+		c.Devices[0].ShareID = types.UID("share-" + uid)
+		c.Devices[0].SharesTaken, c.Devices[0].MemoryBytes = shares, mem
+		return c
+	}
+	tests := []struct {
+		claim      dra.Claim
+		atp, limit string
+	}{
+		{mk("uid-big", 2, 10<<30), "50", "0=10240M"},
+		{mk("uid-default", 0, 0), "25", fmt.Sprintf("0=%dM", d.MemoryBytes/4>>20)},
+	}
+	for _, tt := range tests {
+		got := h.prepare(tt.claim)[tt.claim.UID]
+		if got.Err != nil {
+			t.Fatal(got.Err)
+		}
+		want := []string{d.CDIDevice(), cdi.QualifiedName(cdi.ClaimDeviceName(string(tt.claim.UID), 0))}
+		if !slices.Equal(got.Devices[0].CDIDevices, want) {
+			t.Errorf("%s: CDI devices %v, want %v", tt.claim.UID, got.Devices[0].CDIDevices, want)
+		}
+		env, mounts := claimSpecEnv(t, dir, string(tt.claim.UID))
+		if env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != tt.atp || env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] != tt.limit ||
+			!strings.Contains(env["CUDA_MPS_PIPE_DIRECTORY"], d.UUID) {
+			t.Errorf("%s: env %v, want %s%% and %s, the GPU's pipe directory", tt.claim.UID, env, tt.atp, tt.limit)
+		}
+		if !slices.Contains(mounts, env["CUDA_MPS_PIPE_DIRECTORY"]) {
+			t.Errorf("%s: mounts %v lack the pipe directory", tt.claim.UID, mounts)
+		}
+	}
+	h.unprepare(dra.ClaimRef{UID: "uid-big", Namespace: "default", Name: "uid-big"})
+	if _, err := os.Stat(dir + "/" + cdi.ClaimSpecName("uid-big") + ".json"); !os.IsNotExist(err) {
+		t.Errorf("unprepared claim's spec: %v, want it gone", err)
+	}
+	// A spec the ledger does not know (its claim unprepared while no agent
+	// ran) goes at the next start; the held claim's stays.
+	if err := os.WriteFile(dir+"/"+cdi.ClaimSpecName("uid-gone")+".json", []byte("{}"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	newHarnessIn(t, node, state, withDRA(&draRecorder{}), withCDI(dir), withMPS(&fakeMPS{}), withCheckpoint())
+	if _, err := os.Stat(dir + "/" + cdi.ClaimSpecName("uid-gone") + ".json"); !os.IsNotExist(err) {
+		t.Errorf("stale claim spec: %v, want it removed at start", err)
+	}
+	if _, err := os.Stat(dir + "/" + cdi.ClaimSpecName("uid-default") + ".json"); err != nil {
+		t.Errorf("held claim's spec after a restart: %v", err)
+	}
+}
+
+// Without CDI specs an MPS claim cannot be given its environment: Prepare
+// says so rather than hand out a device without its limits.
+func TestDRAMPSNeedsCDI(t *testing.T) {
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "pcie-4gpu"), withDRA(rec), withMPS(&fakeMPS{}))
+	h.config("version: v1\nconfigs:\n  default:\n    sharing:\n      mps:\n        resources:\n        - name: nvidia.com/gpu\n          replicas: 2\n")
+	c := claim("uid-1", "one", "gpu-0")
+	c.Devices[0].ShareID = "share-1"
+	if got := h.prepare(c)["uid-1"]; got.Err == nil || !strings.Contains(got.Err.Error(), "--cdi-spec-dir") {
+		t.Errorf("MPS claim without CDI: %+v, want an error naming --cdi-spec-dir", got)
 	}
 }

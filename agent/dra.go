@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/cdi"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
@@ -59,6 +61,9 @@ type PreparedClaimDevice struct {
 	Profile      string        `json:"profile,omitempty"`
 	ProfileIndex int           `json:"profileIndex,omitempty"`
 	Placement    gpu.Placement `json:"placement,omitzero"`
+	// MPSEnv is the MPS client environment the claim's spec gives its
+	// containers (a shared device under MPS).
+	MPSEnv map[string]string `json:"mpsEnv,omitempty"`
 }
 
 func (c PreparedClaim) String() string { return "ResourceClaim " + c.Namespace + "/" + c.Name }
@@ -129,6 +134,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 	}
 	pc := PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now()}
 	byDevice := map[string]int{}
+	var claimDevs []cdi.ClaimDevice
 	for _, r := range c.Devices {
 		if i, ok := byDevice[r.Device+"/"+string(r.ShareID)]; ok {
 			// Two requests served by one device: one entry, both requests.
@@ -158,14 +164,80 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 			a.undoCreated(pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s (%s) is in use by %s", c, r.Request, r.Device, d.UUID, by)
 		}
-		byDevice[r.Device+"/"+string(r.ShareID)] = len(pc.Devices)
-		pc.Devices = append(pc.Devices, PreparedClaimDevice{
+		pd := PreparedClaimDevice{
 			PreparedDevice: dra.PreparedDevice{Requests: []string{r.Request}, Device: r.Device, CDIDevices: []string{d.CDIDevice()}, ShareID: r.ShareID},
 			UUID:           d.UUID,
-		})
+		}
+		if d.MPS {
+			env, mounts, err := a.mpsClient(d, r)
+			if err != nil {
+				a.undoCreated(pc)
+				return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s (%s): %w", c, r.Request, r.Device, d.UUID, err)
+			}
+			name := cdi.ClaimDeviceName(string(c.UID), len(claimDevs))
+			claimDevs = append(claimDevs, cdi.ClaimDevice{Name: name, Env: env, Mounts: mounts})
+			pd.CDIDevices = append(pd.CDIDevices, cdi.QualifiedName(name))
+			pd.MPSEnv = env
+		}
+		byDevice[r.Device+"/"+string(r.ShareID)] = len(pc.Devices)
+		pc.Devices = append(pc.Devices, pd)
+	}
+	if len(claimDevs) > 0 {
+		// The claim's MPS environment and pipe directory reach its containers
+		// through a CDI spec of its own: DRA has no other way to give a
+		// container environment or mounts.
+		err := errors.New("MPS sharing through DRA needs the agent's CDI specs (--cdi-spec-dir)")
+		if a.opts.CDI != nil {
+			err = a.opts.CDI.WriteClaim(string(c.UID), claimDevs)
+		}
+		if err != nil {
+			a.undoCreated(pc)
+			return PreparedClaim{}, fmt.Errorf("claim %s: %w", c, err)
+		}
 	}
 	return pc, nil
 }
+
+// mpsClient is what a claim's container needs to be a client of the MPS
+// daemon of shared device d: the daemon's pipe directory and shm, as the
+// device plugin's MPS replicas get, with limits from the claim's share of
+// the device's capacity: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is its shares'
+// part of the threads, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT the memory it
+// consumes (by default an equal part).
+func (a *Agent) mpsClient(d dra.Device, r dra.Allocated) (map[string]string, []catalog.Mount, error) {
+	var spec *catalog.AllocateSpec
+	if a.cat != nil {
+	find:
+		for _, res := range a.cat.Resources {
+			for i := range res.Devices {
+				dev := &res.Devices[i]
+				if dev.Replica && dev.Spec.VisibleID == d.UUID && dev.Spec.Env[mpsPipeEnv] != "" {
+					if !dev.Healthy && strings.HasPrefix(dev.Reason, "MPS daemon") {
+						return nil, nil, fmt.Errorf("its %s", dev.Reason)
+					}
+					spec = &dev.Spec
+					break find
+				}
+			}
+		}
+	}
+	if spec == nil {
+		return nil, nil, errors.New("no MPS daemon serves it")
+	}
+	shares := max(r.SharesTaken, 1)
+	mem := r.MemoryBytes
+	if mem == 0 {
+		mem = d.MemoryBytes / uint64(d.Shares)
+	}
+	env := maps.Clone(spec.Env)
+	env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = strconv.FormatInt(max(1, shares*100/int64(d.Shares)), 10)
+	// The container sees only this device, so it is ordinal 0 there.
+	env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = "0=" + strconv.FormatUint(mem>>20, 10) + "M"
+	return env, slices.Clone(spec.Mounts), nil
+}
+
+// mpsPipeEnv marks an MPS client's spec (mps.ContainerSpec).
+const mpsPipeEnv = "CUDA_MPS_PIPE_DIRECTORY"
 
 // createPartition creates the MIG device d stands for (dynamic MIG): MIG
 // mode on first if it is off (only on GPUs that need no reset for it, and
@@ -348,6 +420,11 @@ func (a *Agent) unprepareClaims(e ClaimsUnprepare) (map[types.UID]error, []Prepa
 		}
 		delete(a.claims, c.UID)
 		removed = append(removed, pc)
+		if a.opts.CDI != nil {
+			if err := a.opts.CDI.RemoveClaim(string(c.UID)); err != nil {
+				a.log.Warn("DRA: claim's CDI spec not removed", "claim", c.String(), "error", err)
+			}
+		}
 		for _, d := range pc.Devices {
 			if d.Created {
 				a.destroyPartition(pc, d)
@@ -482,35 +559,48 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 // Ampere needs a GPU reset, which the agent never does.
 func migModeWithoutReset(g gpu.GPU) bool { return g.ComputeCapability.AtLeast(9, 0) }
 
-// shareDevices marks the pool's devices that the config time-slices: each
-// may be shared by as many claims as the catalog has replicas of it.
+// shareDevices marks the pool's devices that the config shares, by
+// time-slicing or MPS: each may be shared by as many claims as the catalog
+// has replicas of it.
 func shareDevices(p *dra.Pool, cat *catalog.Catalog, sel config.Selected) {
-	if p == nil || cat == nil || sel.Config == nil || sel.Config.Sharing.TimeSlicing == nil {
+	if p == nil || cat == nil || sel.Config == nil {
 		return
 	}
-	ts := sel.Config.Sharing.TimeSlicing
 	replicas := map[string]int{}
-	for _, r := range ts.Resources {
-		name := r.Rename
+	mps := map[string]bool{}
+	count := func(e config.ReplicatedResource, renameByDefault, isMPS bool) {
+		name := e.Rename
 		if name == "" {
-			name = r.Name
-			if ts.RenameByDefault {
+			name = e.Name
+			if renameByDefault {
 				name += ".shared"
 			}
 		}
 		res := cat.Resources[name]
 		if res == nil {
-			continue
+			return
 		}
 		for _, dev := range res.Devices {
 			if dev.Replica {
 				replicas[dev.Spec.VisibleID]++
+				mps[dev.Spec.VisibleID] = mps[dev.Spec.VisibleID] || isMPS
 			}
+		}
+	}
+	if ts := sel.Config.Sharing.TimeSlicing; ts != nil {
+		for _, r := range ts.Resources {
+			count(r, ts.RenameByDefault, false)
+		}
+	}
+	if m := sel.Config.Sharing.MPS; m != nil {
+		for _, r := range m.Resources {
+			count(r.ReplicatedResource, m.RenameByDefault, true)
 		}
 	}
 	for i := range p.Devices {
 		if n := replicas[p.Devices[i].UUID]; n > 1 && !p.Devices[i].Partition {
 			p.Devices[i].Shares = n
+			p.Devices[i].MPS = mps[p.Devices[i].UUID]
 		}
 	}
 }
@@ -526,7 +616,7 @@ func evictOnUnhealthy(p *dra.Pool, sel config.Selected) {
 	}
 }
 
-func hasKey[V any](m map[string]V, k string) bool {
+func hasKey[K comparable, V any](m map[K]V, k K) bool {
 	_, ok := m[k]
 	return ok
 }

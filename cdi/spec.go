@@ -107,12 +107,22 @@ func Build(inv *gpu.Inventory, h Host) (*specs.Spec, error) {
 			s.ContainerEdits.DeviceNodes = append(s.ContainerEdits.DeviceNodes, n)
 		}
 	}
-	v, err := cdiapi.MinimumRequiredVersion(s)
+	v, err := minimumVersion(s)
 	if err != nil {
-		return nil, fmt.Errorf("cdi: %w", err)
+		return nil, err
 	}
 	s.Version = v
 	return s, nil
+}
+
+// minimumVersion is the oldest CDI version that can hold s: runtimes that
+// bundle an older CDI library still read it.
+func minimumVersion(s *specs.Spec) (string, error) {
+	v, err := cdiapi.MinimumRequiredVersion(s)
+	if err != nil {
+		return "", fmt.Errorf("cdi: %w", err)
+	}
+	return v, nil
 }
 
 // node is the device node at container path p, found on the host under DevRoot.

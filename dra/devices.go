@@ -63,6 +63,10 @@ type Device struct {
 	// allowMultipleAllocations and a "shares" capacity each claim takes one
 	// of by default.
 	Shares int
+	// MPS: the shares are MPS clients of the device's control daemon, so a
+	// claim's memory is a hard limit: each takes an equal part of it by
+	// default (time-sliced claims take none unless they ask).
+	MPS bool
 }
 
 // ParentIndexOrSelf is the index of the physical GPU the device is on.

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
@@ -174,6 +175,12 @@ func TestResourcesSharedDevice(t *testing.T) {
 	// Memory is shared too: a claim takes none of it unless it asks (else the first would take it all).
 	if m := d.Capacity["memory"]; m.RequestPolicy == nil || m.RequestPolicy.Default.Value() != 0 {
 		t.Errorf("shared device's memory policy: %+v", m)
+	}
+	// MPS: the memory is pinned per client, an equal part by default, in whole MiB.
+	mpsDev := apiDevice(Device{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Shares: 3, MPS: true, MemoryBytes: 1 << 30})
+	if m := mpsDev.Capacity["memory"]; m.RequestPolicy == nil || m.RequestPolicy.Default.Value() != 341<<20 ||
+		m.RequestPolicy.ValidRange.Min.Value() != 1<<20 || m.RequestPolicy.ValidRange.Step.Value() != 1<<20 {
+		t.Errorf("MPS device's memory policy: %+v", m.RequestPolicy)
 	}
 	if e := apiDevice(Device{Name: "gpu-2", Type: TypeGPU, UUID: "GPU-2", Unhealthy: "XID 79", Evict: true}); len(e.Taints) != 1 || e.Taints[0].Effect != resourceapi.DeviceTaintEffectNoExecute {
 		t.Errorf("evicting taint: %+v", e.Taints)
@@ -432,5 +439,27 @@ func TestResourcesPartitionable(t *testing.T) {
 	whole := pool.Devices[slices.IndexFunc(pool.Devices, func(d Device) bool { return d.Type == TypeGPU })]
 	if len(whole.Consumes) != len(pool.CounterSets[0].Counters) {
 		t.Errorf("the whole GPU consumes %v, not every counter of %v", whole.Consumes, pool.CounterSets[0].Counters)
+	}
+}
+
+// ClaimOf keeps this driver's results in this node's pool, with the share and
+// the capacity a shared device's claim consumes.
+func TestClaimOf(t *testing.T) {
+	share := types.UID("share-1")
+	c := &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{UID: "uid-1", Namespace: "ns", Name: "c"},
+		Status: resourceapi.ResourceClaimStatus{Allocation: &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{
+			Results: []resourceapi.DeviceRequestAllocationResult{
+				{Request: "gpu", Driver: DriverName, Pool: "node-a", Device: "gpu-1", ShareID: &share,
+					ConsumedCapacity: map[resourceapi.QualifiedName]resource.Quantity{CapacityShares: resource.MustParse("2"), "memory": resource.MustParse("10Gi")}},
+				{Request: "gpu", Driver: DriverName, Pool: "node-b", Device: "gpu-1"},
+				{Request: "nic", Driver: "other.example.com", Pool: "node-a", Device: "nic-0"},
+			},
+		}}},
+	}
+	got := ClaimOf(c, "node-a")
+	want := []Allocated{{Request: "gpu", Device: "gpu-1", ShareID: share, SharesTaken: 2, MemoryBytes: 10 << 30}}
+	if got.UID != "uid-1" || !slices.Equal(got.Devices, want) {
+		t.Errorf("ClaimOf: %+v, want devices %+v", got, want)
 	}
 }

@@ -39,6 +39,10 @@ type Allocated struct {
 	// ShareID identifies this claim's share of a shared device ("" for
 	// exclusive devices).
 	ShareID types.UID `json:"shareID,omitempty"`
+	// SharesTaken and MemoryBytes are what the claim consumes of a shared
+	// device's "shares" and "memory" capacities (0: not given).
+	SharesTaken int64  `json:"sharesTaken,omitempty"`
+	MemoryBytes uint64 `json:"memoryBytes,omitempty"`
 }
 
 // ClaimRef names a claim to unprepare; the claim object may be gone.
@@ -255,6 +259,12 @@ func ClaimOf(c *resourceapi.ResourceClaim, pool string) Claim {
 			a := Allocated{Request: r.Request, Device: r.Device}
 			if r.ShareID != nil {
 				a.ShareID = *r.ShareID
+			}
+			if q, ok := r.ConsumedCapacity[CapacityShares]; ok {
+				a.SharesTaken = q.Value()
+			}
+			if q, ok := r.ConsumedCapacity["memory"]; ok && q.Sign() > 0 {
+				a.MemoryBytes = uint64(q.Value())
 			}
 			out.Devices = append(out.Devices, a)
 		}

@@ -191,6 +191,13 @@ func apiDevice(d Device) resourceapi.Device {
 		zero := resource.NewQuantity(0, resource.BinarySI)
 		mem := out.Capacity["memory"]
 		mem.RequestPolicy = &resourceapi.CapacityRequestPolicy{Default: zero, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: zero}}
+		if d.MPS {
+			// An MPS client's memory is pinned (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT):
+			// an equal part by default, whole MiB, at least one.
+			part := resource.NewQuantity(int64(d.MemoryBytes/uint64(d.Shares)>>20<<20), resource.BinarySI)
+			mib := resource.NewQuantity(1<<20, resource.BinarySI)
+			mem.RequestPolicy = &resourceapi.CapacityRequestPolicy{Default: part, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: mib, Step: mib}}
+		}
 		out.Capacity["memory"] = mem
 		out.Capacity[CapacityShares] = resourceapi.DeviceCapacity{Value: *n, RequestPolicy: &resourceapi.CapacityRequestPolicy{
 			Default: one, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: one, Max: n, Step: one},
