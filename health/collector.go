@@ -116,10 +116,10 @@ type Collector struct {
 	defs []dcgmDef
 	xid  *prometheus.Desc
 
-	healthy, causes, xids, ecc      *prometheus.Desc
-	migMode, migDevices             *prometheus.Desc
-	holders, held, replicas, allocs *prometheus.Desc
-	sampleTime                      *prometheus.Desc
+	healthy, causes, xids, gpuXIDs, ecc *prometheus.Desc
+	migMode, migDevices                 *prometheus.Desc
+	holders, held, replicas, allocs     *prometheus.Desc
+	sampleTime                          *prometheus.Desc
 }
 
 // NewCollector returns a collector reading opts' sources.
@@ -134,6 +134,9 @@ func NewCollector(opts CollectorOptions) *Collector {
 	c.healthy = prometheus.NewDesc("gpu_agent_device_healthy", "1 when the GPU or MIG device (and its replicas) is healthy, 0 when the health watcher marked it; a GPU instance split into compute instances counts as one device.", dev, nil)
 	c.causes = prometheus.NewDesc("gpu_agent_health_causes", "Active reasons for devices of a GPU to be unhealthy, by kind and what clears them.", append(slices.Clone(gpuL), "kind", "class"), nil)
 	c.xids = prometheus.NewDesc("gpu_agent_xid_events_total", "XID events seen since the agent started, fatal or not.", append(slices.Clone(gpuL), "xid"), nil)
+	// Per GPU, at 0 from the start: rate() and increase() miss a series'
+	// first sample, so a per-XID series born at 1 would never count.
+	c.gpuXIDs = prometheus.NewDesc("gpu_agent_gpu_xid_events_total", "XID events of any XID seen on the GPU since the agent started; 0 from the start.", gpuL, nil)
 	c.ecc = prometheus.NewDesc("gpu_agent_ecc_events_total", "ECC error events seen since the agent started.", append(slices.Clone(gpuL), "type"), nil)
 	c.migMode = prometheus.NewDesc("gpu_agent_mig_mode", "1 when MIG mode is on; state current is in force, pending applies after a GPU reset.", append(slices.Clone(gpuL), "state"), nil)
 	c.migDevices = prometheus.NewDesc("gpu_agent_mig_devices", "MIG devices on the GPU, by profile.", append(slices.Clone(gpuL), "profile"), nil)
@@ -150,7 +153,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range c.defs {
 		ch <- d.desc
 	}
-	for _, d := range []*prometheus.Desc{c.xid, c.healthy, c.causes, c.xids, c.ecc, c.migMode, c.migDevices,
+	for _, d := range []*prometheus.Desc{c.xid, c.healthy, c.causes, c.xids, c.gpuXIDs, c.ecc, c.migMode, c.migDevices,
 		c.holders, c.held, c.replicas, c.allocs, c.sampleTime} {
 		ch <- d
 	}
@@ -307,9 +310,12 @@ func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx stri
 		ch <- prometheus.MustNewConstMetric(c.causes, prometheus.GaugeValue, float64(counts[k]), idx, g.UUID, k.kind, k.class)
 	}
 	if s, ok := st.Stats(g.UUID); ok {
+		var all uint64
 		for _, x := range slices.Sorted(maps.Keys(s.XIDs)) {
 			ch <- prometheus.MustNewConstMetric(c.xids, prometheus.CounterValue, float64(s.XIDs[x]), idx, g.UUID, strconv.FormatUint(x, 10))
+			all += s.XIDs[x]
 		}
+		ch <- prometheus.MustNewConstMetric(c.gpuXIDs, prometheus.CounterValue, float64(all), idx, g.UUID)
 		ch <- prometheus.MustNewConstMetric(c.ecc, prometheus.CounterValue, float64(s.SingleBitEvents), idx, g.UUID, "single-bit")
 		ch <- prometheus.MustNewConstMetric(c.ecc, prometheus.CounterValue, float64(s.DoubleBitEvents), idx, g.UUID, "double-bit")
 	}

@@ -237,6 +237,8 @@ func TestCollectorSemantics(t *testing.T) {
 		{"holders", "gpu_agent_device_holders", "2", []string{q("gpu", "1"), q("GPU_I_ID", "")}, true},
 		{"allocations per container", "gpu_agent_allocated_devices", "2", []string{q("pod", "train-b"), q("resource", "nvidia.com/gpu.shared")}, true},
 		{"xid counter", "gpu_agent_xid_events_total", "1", []string{q("gpu", "1"), q("xid", "13")}, true},
+		{"per-GPU xid counter", "gpu_agent_gpu_xid_events_total", "2", []string{q("gpu", "1")}, true},
+		{"per-GPU xid counter at 0 before any XID", "gpu_agent_gpu_xid_events_total", "0", []string{q("gpu", "0")}, true},
 		{"ecc counter", "gpu_agent_ecc_events_total", "1", []string{q("gpu", "1"), q("type", "single-bit")}, true},
 		{"mig mode", "gpu_agent_mig_mode", "1", []string{q("gpu", "0"), q("state", "current")}, true},
 		{"mig devices", "gpu_agent_mig_devices", "2", []string{q("gpu", "0"), q("profile", "1g.10gb")}, true},

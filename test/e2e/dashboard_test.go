@@ -179,10 +179,16 @@ func TestGrafanaDashboards(t *testing.T) {
 			e := prom.env
 			simPost(t, e, "/sim/xid", `{"gpu":0,"xid":13}`) // in NVIDIA's default application-error list: GPU 0 stays healthy
 			ctx := stepCtx(t)
-			for _, sel := range []string{"gpu_agent_xid_events_total", "gpu_agent_allocated_devices"} {
+			for _, sel := range []string{"gpu_agent_gpu_xid_events_total", "gpu_agent_allocated_devices"} {
 				if err := prom.WaitSamples(ctx, sel, 2); err != nil {
 					t.Fatal(err)
 				}
+			}
+			// The XID panels count the first event of a GPU: the per-GPU counter is there at 0 before it (a
+			// per-XID series born at 1 would give increase() nothing).
+			xids, err := prom.Query(ctx, "sum(increase(gpu_agent_gpu_xid_events_total[1h]))")
+			if err != nil || len(xids) != 1 || len(xids[0].Values) == 0 || xids[0].Values[len(xids[0].Values)-1] <= 0 {
+				t.Errorf("XID errors (1h) after one XID: %+v (%v), want more than 0", xids, err)
 			}
 			for _, nd := range dashboards {
 				t.Run(nd.name, func(t *testing.T) {
