@@ -241,3 +241,35 @@ func TestDRAMPSNeedsCDI(t *testing.T) {
 		t.Errorf("MPS claim without CDI: %+v, want an error naming --cdi-spec-dir", got)
 	}
 }
+
+// Dynamic MIG, MPS and health checks at once (NVIDIA's driver refuses both
+// combinations): on an H100 node whose config shares GPU 1 by MPS, a claim
+// makes a MIG device on GPU 2 while another holds an MPS share of GPU 1,
+// and a fatal XID on GPU 2 taints its devices.
+func TestDRADynamicMIGWithMPSAndHealth(t *testing.T) {
+	dir := t.TempDir()
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()),
+		withDRA(rec), withMIG(), withCDI(dir), withMPS(&fakeMPS{}))
+	h.config("version: v1\nconfigs:\n  default:\n    sharing:\n      mps:\n        resources:\n        - name: nvidia.com/gpu\n          devices: [1]\n          replicas: 2\n")
+	mpsClaim := claim("uid-mps", "mps", "gpu-1")
+	mpsClaim.Devices[0].ShareID = "share-1"
+	if got := h.prepare(mpsClaim)["uid-mps"]; got.Err != nil || len(got.Devices[0].CDIDevices) != 2 {
+		t.Fatalf("MPS claim on GPU 1: %+v", got)
+	}
+	got := h.prepare(claim("uid-mig", "mig", "gpu-2-mig-1g10gb-6"))["uid-mig"]
+	if got.Err != nil {
+		t.Fatalf("dynamic MIG claim on GPU 2 with MPS on: %v", got.Err)
+	}
+	uuid := findGPU(h, 2).ID
+	h.step(HealthChanged{State: xidState(uuid, 79)})
+	var tainted int
+	for _, d := range rec.last().Devices {
+		if d.Unhealthy != "" && d.ParentIndexOrSelf() == 2 {
+			tainted++
+		}
+	}
+	if tainted == 0 {
+		t.Errorf("after XID 79 on GPU 2 no device of it is tainted: %v", poolNames(rec.last()))
+	}
+}
