@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -11,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	resourceapi "k8s.io/api/resource/v1"
+	apiresource "k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
@@ -193,4 +196,83 @@ func TestClusterDRACDIContainerd2(t *testing.T) {
 		t.Fatalf("container devices %v: want exactly the claimed GPU's node", got)
 	}
 	t.Logf("claim cdi-gpu: %s, the container has %v", uuid, got)
+}
+
+// MPS through DRA on a containerd 2.x node: the config shares GPU 0 by MPS (2 replicas, a stand-in control
+// daemon), the slice offers it with 2 shares; one claim takes the default share, the other asks for 8 GiB of its
+// memory. Each pod's container gets, from its claim's own CDI spec, the daemon's pipe directory and MPS limits
+// derived from what its claim consumes: 50% of the threads each, the default half of the memory and the 8 GiB.
+func TestClusterDRAMPSContainerd2(t *testing.T) {
+	fake := os.Getenv("E2E_FAKEMPS")
+	if fake == "" {
+		t.Fatal("E2E_FAKEMPS is not set; run ./run.sh (make e2e)")
+	}
+	c, _ := installOverlayOn(t, "sim-dra-overlay", inputs.containerd2, func(c *harness.Cluster, l *harness.NodeLayer) {
+		// The stand-in daemon, in the agent's state directory (a hostPath) so the agent's container can run it.
+		bin := filepath.Join(c.AgentStateDir(), "e2e-bin", "nvidia-cuda-mps-control")
+		data, err := os.ReadFile(fake)
+		if err == nil {
+			err = os.MkdirAll(filepath.Dir(bin), 0o755)
+		}
+		if err == nil {
+			err = os.WriteFile(bin, data, 0o755)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.ExtraArgs = append(l.ExtraArgs, "--mps-binary=/var/lib/gpu-agent/e2e-bin/nvidia-cuda-mps-control")
+	})
+	setConfigMap(t, c, map[string]string{"config.yaml": `version: v1
+configs:
+  default:
+    sharing:
+      mps:
+        resources:
+        - name: nvidia.com/gpu
+          devices: [0]
+          replicas: 2
+`})
+	var gpu0 resourceapi.Device
+	eventually(t, "gpu-0 shared 2 ways by MPS in the ResourceSlice", func() bool {
+		gpu0 = nodeSlice(t, c)["gpu-0"]
+		q, ok := gpu0.Capacity["shares"]
+		return ok && q.Value.Value() == 2
+	})
+	mem := gpu0.Capacity["memory"].Value
+	half := mem.Value() / 2 >> 20
+	tests := []struct {
+		name   string
+		memory string // "" takes the default
+		limit  string
+	}{
+		{"mps-default", "", fmt.Sprintf("0=%dM", half)},
+		{"mps-8gi", "8Gi", "0=8192M"},
+	}
+	for _, tt := range tests {
+		cl := wholeGPUClaim(tt.name)
+		cl.Spec.Devices.Requests[0].Exactly.Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
+			Expression: "device.attributes['gpu.nvidia.com'].index == 0",
+		}}}
+		if tt.memory != "" {
+			cl.Spec.Devices.Requests[0].Exactly.Capacity = &resourceapi.CapacityRequirements{
+				Requests: map[resourceapi.QualifiedName]apiresource.Quantity{"memory": apiresource.MustParse(tt.memory)},
+			}
+		}
+		took := claimAndRun(t, c, cl)
+		t.Logf("MEASURED DRA claim (MPS share of GPU 0) created -> container running: %s", took.Round(10*time.Millisecond))
+		pods, err := c.WaitPodsRunning(clusterCtx(t), "default", "app="+tt.name, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		env, err := c.PodContainerEnv(clusterCtx(t), &pods[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "50" || env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] != tt.limit ||
+			!strings.Contains(env["CUDA_MPS_PIPE_DIRECTORY"], attr(gpu0, "uuid")) {
+			t.Fatalf("claim %s: container env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%q CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=%q CUDA_MPS_PIPE_DIRECTORY=%q; want 50, %s and GPU 0's pipe directory",
+				tt.name, env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], env["CUDA_MPS_PIPE_DIRECTORY"], tt.limit)
+		}
+		t.Logf("claim %s: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=%s, pipe %s", tt.name, env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], env["CUDA_MPS_PIPE_DIRECTORY"])
+	}
 }

@@ -42,13 +42,17 @@ func installOverlay(t *testing.T, overlay string) (*harness.Cluster, string) {
 	return installOverlayOn(t, overlay, "")
 }
 
-// installOverlayOn is installOverlay on a node whose containerd is the 2.x build in containerd2 ("": 1.6).
-func installOverlayOn(t *testing.T, overlay, containerd2 string) (*harness.Cluster, string) {
+// installOverlayOn is installOverlay on a node whose containerd is the 2.x build in containerd2 ("": 1.6);
+// tweak, if given, adjusts the node layer first.
+func installOverlayOn(t *testing.T, overlay, containerd2 string, tweak ...func(*harness.Cluster, *harness.NodeLayer)) (*harness.Cluster, string) {
 	t.Helper()
 	c := startClusterOn(t, containerd2)
 	layer, err := c.NodeLayer()
 	if err != nil {
 		t.Fatal(err)
+	}
+	for _, f := range tweak {
+		f(c, &layer)
 	}
 	objs, err := c.BuildManifests(filepath.Join("testdata", overlay), layer)
 	if err != nil {

@@ -97,7 +97,7 @@ if [ -z "${E2E_GPU_AGENT:-}" ]; then
 fi
 
 # A stand-in for nvidia-cuda-mps-control that speaks its protocol (the real one needs a GPU).
-(cd "$repo" && go build -o "$E2E_CACHE/fakemps" ./mps/testdata/fakemps) || die "fakemps build failed"
+(cd "$repo" && CGO_ENABLED=0 go build -o "$E2E_CACHE/fakemps" ./mps/testdata/fakemps) || die "fakemps build failed"
 export E2E_FAKEMPS="$E2E_CACHE/fakemps"
 
 export E2E_KUBELET="$kubelet" E2E_GPU_AGENT E2E_PAUSE="$E2E_CACHE/pause" E2E_BUSYBOX="${E2E_BUSYBOX:-/bin/busybox}"

@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	corev1 "k8s.io/api/core/v1"
 )
 
 func repoFile(parts ...string) string {
@@ -85,6 +87,7 @@ func TestBuildManifestsNodeLayer(t *testing.T) {
 			"/var/lib/kubelet/pod-resources": run + "/kubelet/pod-resources",
 			"/var/lib/gpu-agent":             run + "/agent/state",
 			"/run/gpu-agent/mps":             run + "/agent/mps",
+			"/var/run/cdi":                   run + "/cdi",
 		},
 		APIHost: "127.0.0.1", APIPort: 6443,
 	}
@@ -104,8 +107,14 @@ func TestBuildManifestsNodeLayer(t *testing.T) {
 	if c0.Image != "ghcr.io/gpu-agent/gpu-agent:v0.1.0" {
 		t.Errorf("image %s", c0.Image)
 	}
-	if last := c0.Args[len(c0.Args)-1]; last != "--listen=:19400" || c0.Ports[0].ContainerPort != 19400 {
+	if !slices.Contains(c0.Args, "--listen=:19400") || c0.Ports[0].ContainerPort != 19400 {
 		t.Errorf("args %v ports %v", c0.Args, c0.Ports)
+	}
+	// The MPS root at the same path inside and out (clients bind the pipe directories the agent names).
+	mps := run + "/agent/mps"
+	if last := c0.Args[len(c0.Args)-1]; last != "--mps-root="+mps ||
+		!slices.ContainsFunc(c0.VolumeMounts, func(m corev1.VolumeMount) bool { return m.MountPath == mps }) {
+		t.Errorf("args %v mounts %v: want the MPS root at %s", c0.Args, c0.VolumeMounts, mps)
 	}
 	env := map[string]string{}
 	for _, e := range c0.Env {
@@ -145,6 +154,7 @@ func TestRenderChartNodeLayer(t *testing.T) {
 			"/var/lib/kubelet/pod-resources": run + "/kubelet/pod-resources",
 			"/var/lib/gpu-agent":             run + "/agent/state",
 			"/run/gpu-agent/mps":             run + "/agent/mps",
+			"/var/run/cdi":                   run + "/cdi",
 		},
 		APIHost: "127.0.0.1", APIPort: 6443,
 	}

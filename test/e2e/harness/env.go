@@ -267,6 +267,9 @@ func (e *Env) ContainerdVersion(ctx context.Context) (string, error) {
 	return "", fmt.Errorf("ctr version: no server version in %q", out)
 }
 
+// AgentStateDir is the agent's --state-dir on this node (the DaemonSet's hostPath, mapped).
+func (e *Env) AgentStateDir() string { return e.d.agentState }
+
 // CDISpecDir is where this Env's containerd 2.x reads CDI specs (and the agent must write them).
 func (e *Env) CDISpecDir() string { return e.d.cdiSpecs }
 

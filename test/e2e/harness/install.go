@@ -50,6 +50,8 @@ type NodeLayer struct {
 	APIPort  int
 	// DevRoot, when set, is the agent's NVIDIA_DEV_ROOT: the stand-in device nodes of a containerd 2.x node.
 	DevRoot string
+	// ExtraArgs are added to the agent's args last (later flags win).
+	ExtraArgs []string
 }
 
 // NodeLayer returns this Cluster's node layer, with a free metrics port.
@@ -143,12 +145,22 @@ func (c *Cluster) BuildManifests(overlay string, layer NodeLayer) ([]*unstructur
 		return nil, err
 	}
 	// A later --listen wins (Go's flag package); the named port "metrics" (probes, Service) follows it.
-	listen := []map[string]any{
+	patch := []map[string]any{
 		{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": fmt.Sprintf("--listen=:%d", layer.MetricsPort)},
 		{"op": "test", "path": "/spec/template/spec/containers/0/ports/0/name", "value": "metrics"},
 		{"op": "replace", "path": "/spec/template/spec/containers/0/ports/0/containerPort", "value": layer.MetricsPort},
 	}
-	k, err := nodeKustomization([]string{rel}, ds.Name, layer, volumes, listen)
+	// The MPS root at the same path inside and out, as on a real node: MPS clients (device plugin mounts, DRA
+	// claim specs) bind the pipe directories at the paths the agent names.
+	if dir, i := layer.HostDirs["/run/gpu-agent/mps"], mountIndex(ds, "/run/gpu-agent/mps"); dir != "" && i >= 0 {
+		patch = append(patch,
+			map[string]any{"op": "replace", "path": fmt.Sprintf("/spec/template/spec/containers/0/volumeMounts/%d/mountPath", i), "value": dir},
+			map[string]any{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--mps-root=" + dir})
+	}
+	for _, a := range layer.ExtraArgs {
+		patch = append(patch, map[string]any{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": a})
+	}
+	k, err := nodeKustomization([]string{rel}, ds.Name, layer, volumes, patch)
 	if err != nil {
 		return nil, err
 	}
@@ -192,6 +204,7 @@ func (c *Cluster) renderChart(chartDir, name, namespace, serverVersion string, l
 			"stateDir":        layer.HostDirs["/var/lib/gpu-agent"],
 			"mpsRoot":         layer.HostDirs["/run/gpu-agent/mps"],
 		},
+		"cdi": map[string]any{"specDir": layer.HostDirs["/var/run/cdi"]},
 	})
 	kv, err := chartutil.ParseKubeVersion(serverVersion)
 	if err != nil {
@@ -390,6 +403,16 @@ func DecodeObjects(data []byte) ([]*unstructured.Unstructured, error) {
 		}
 		objs = append(objs, u)
 	}
+}
+
+// mountIndex is the index of the agent container's volume mount at path, -1 if none.
+func mountIndex(ds *appsv1.DaemonSet, path string) int {
+	for i, m := range ds.Spec.Template.Spec.Containers[0].VolumeMounts {
+		if m.MountPath == path {
+			return i
+		}
+	}
+	return -1
 }
 
 // agentContainer is the name of gpu-agent's container in the DaemonSet (deploy/manifests, the chart).
