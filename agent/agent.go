@@ -55,8 +55,10 @@ type MIGApplier interface {
 	Apply(ctx context.Context, p mig.Plan) (mig.State, error)
 }
 
-// MPSControl is the part of mps.Supervisor the loop drives; it reports
-// back with MPSChanged events.
+// MPSControl runs the MPS control daemons the loop asks for: mps.Supervisor
+// in the agent's own process, or mps.Remote, which hands them to
+// `gpu-agent mps-host` through the MPS root. Either reports back with
+// MPSChanged events.
 type MPSControl interface {
 	Set(daemons []mps.Daemon) error
 	Healthy(device string) (bool, string)
