@@ -562,14 +562,19 @@ func MIGProfileName(profileID int, info nvml.GpuInstanceProfileInfo, gpuMemoryBy
 }
 
 // migMemoryGB does MIGProfileName's rounding in integers so that the name
-// never depends on floating point.
+// never depends on floating point. The total is taken in whole GiB rounded
+// up before the share is applied, as NVIDIA's tools do: an H200's 143771
+// MiB count as 141 GiB, so half of it is 3g.71gb (70.2 GiB of the exact
+// total would say 70), and a B200's 183359 MiB as 180, so an eighth is
+// 1g.23gb.
 func migMemoryGB(profileMiB, totalMiB uint64) uint64 {
 	if totalMiB == 0 {
 		return (profileMiB + 1023) / 1024
 	}
 	eighths := (8*profileMiB + totalMiB - 1) / totalMiB
-	// eighths/8 of totalMiB, in GiB, rounded half up: (eighths*total/8 + 512) / 1024.
-	return (eighths*totalMiB + 4096) / 8192
+	totalGiB := (totalMiB + 1023) / 1024
+	// eighths/8 of totalGiB, rounded half up.
+	return (eighths*totalGiB + 4) / 8
 }
 
 // profileSuffix marks the profile variants that share a slice count with the

@@ -13,12 +13,21 @@ import (
 )
 
 func TestQueryProfiles(t *testing.T) {
+	// The names the MIG User Guide's "Supported MIG Profiles" tables give
+	// each model, as NVIDIA's tools derive them from NVML's sizes.
 	for _, tc := range []struct {
-		node string
-		want []string
+		node   string
+		want   []string
+		slices int
 	}{
-		{"dgx-a100", []string{"1g.10gb", "1g.5gb", "1g.5gb+me", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"}},
-		{"dgx-h100", []string{"1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"}},
+		{"dgx-a100", []string{"1g.10gb", "1g.5gb", "1g.5gb+me", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"}, 8},
+		{"dgx-a100-80gb", []string{"1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"}, 8},
+		{"dgx-h100", []string{"1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"}, 8},
+		{"pcie-h100nvl-x2", []string{"1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"}, 8},
+		{"gh200", []string{"1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"}, 8},
+		{"dgx-h200", []string{"1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"}, 8},
+		{"dgx-b200", []string{"1g.23gb", "1g.23gb+me", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"}, 8},
+		{"pcie-a30x4", []string{"1g.6gb", "1g.6gb+me", "2g.12gb", "2g.12gb+me", "4g.24gb"}, 4},
 	} {
 		t.Run(tc.node, func(t *testing.T) {
 			r := newRig(t, tc.node, sim.WithMIGEnabled())
@@ -26,8 +35,8 @@ func TestQueryProfiles(t *testing.T) {
 			if got := ps.names(); !slices.Equal(got, tc.want) {
 				t.Fatalf("names = %v, want %v", got, tc.want)
 			}
-			if ps.memorySlices() != 8 {
-				t.Errorf("memory slices = %d, want 8", ps.memorySlices())
+			if ps.memorySlices() != tc.slices {
+				t.Errorf("memory slices = %d, want %d", ps.memorySlices(), tc.slices)
 			}
 			if p := ps["3g.20gb"]; tc.node == "dgx-a100" && (len(p.Placements) != 2 || p.Placements[1].Start != 4) {
 				t.Errorf("3g.20gb placements = %v", p.Placements)

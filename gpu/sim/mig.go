@@ -8,8 +8,21 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock"
 )
 
-// maxMigDevices is NVML's per-GPU MIG device limit on A100 and H100.
+// maxMigDevices is NVML's per-GPU MIG device limit on the 7-slice GPUs
+// (A100, H100 and later); the A30's is 4 (model.maxMIGDevices).
 const maxMigDevices = 7
+
+// maxMIGDevices is how many MIG devices the GPU can have at once: as many
+// as its smallest profile fits (7 on A100 and later, 4 on A30).
+func (m *model) maxMIGDevices() int {
+	n := 0
+	for _, p := range m.mig {
+		if p.slice == 1 {
+			n = max(n, int(p.count))
+		}
+	}
+	return n
+}
 
 // gpuInstance is one MIG GPU instance (an nvml.GpuInstance handle). Guarded
 // by Node.mu; the handle turns invalid once destroyed.
@@ -361,7 +374,7 @@ func (d *device) GetMaxMigDeviceCount() (int, nvml.Return) {
 	if r != nvml.SUCCESS {
 		return 0, r
 	}
-	return maxMigDevices, nvml.SUCCESS
+	return d.n.spec.model.maxMIGDevices(), nvml.SUCCESS
 }
 
 // GetMigDeviceHandleByIndex counts compute instances in GI id, then CI id,
@@ -372,7 +385,7 @@ func (d *device) GetMigDeviceHandleByIndex(index int) (nvml.Device, nvml.Return)
 	if r != nvml.SUCCESS {
 		return nil, r
 	}
-	if index < 0 || index >= maxMigDevices {
+	if index < 0 || index >= d.n.spec.model.maxMIGDevices() {
 		return nil, nvml.ERROR_INVALID_ARGUMENT
 	}
 	i := 0

@@ -18,7 +18,8 @@ func hasMethod(t reflect.Type, name string) bool {
 
 func TestProfilesSortedAndBuildable(t *testing.T) {
 	ps := Profiles()
-	want := []string{"dgx-a100", "dgx-h100", "dgx-h100-mig", "dgx1-v100", "pcie-4gpu", "pcie-8gpu", "two-islands-16"}
+	want := []string{"dgx-a100", "dgx-a100-80gb", "dgx-b200", "dgx-h100", "dgx-h100-mig", "dgx-h200", "dgx1-v100", "gh200",
+		"pcie-4gpu", "pcie-8gpu", "pcie-a30x4", "pcie-h100nvl-x2", "two-islands-16"}
 	var got []string
 	for _, p := range ps {
 		got = append(got, p.Name)
@@ -67,6 +68,12 @@ func TestIdentity(t *testing.T) {
 		{"dgx1-v100", 8, "Tesla V100-SXM2-32GB", 32768, [2]int{7, 0}, []int{0, 0, 0, 0, 1, 1, 1, 1}, "00000000:06:00.0", nvml.DEVICE_ARCH_VOLTA},
 		{"pcie-8gpu", 8, "NVIDIA L40S", 46068, [2]int{8, 9}, []int{0, 0, 0, 0, 1, 1, 1, 1}, "00000000:1B:00.0", nvml.DEVICE_ARCH_ADA},
 		{"pcie-4gpu", 4, "NVIDIA L40S", 46068, [2]int{8, 9}, []int{0, 0, 1, 1}, "00000000:41:00.0", nvml.DEVICE_ARCH_ADA},
+		{"dgx-a100-80gb", 8, "NVIDIA A100-SXM4-80GB", 81920, [2]int{8, 0}, []int{3, 3, 1, 1, 7, 7, 5, 5}, "00000000:07:00.0", nvml.DEVICE_ARCH_AMPERE},
+		{"dgx-h200", 8, "NVIDIA H200", 143771, [2]int{9, 0}, []int{0, 0, 0, 0, 1, 1, 1, 1}, "00000000:18:00.0", nvml.DEVICE_ARCH_HOPPER},
+		{"dgx-b200", 8, "NVIDIA B200", 183359, [2]int{10, 0}, []int{0, 0, 0, 0, 1, 1, 1, 1}, "00000000:1B:00.0", nvml.DEVICE_ARCH_BLACKWELL},
+		{"pcie-a30x4", 4, "NVIDIA A30", 24576, [2]int{8, 0}, []int{0, 0, 1, 1}, "00000000:41:00.0", nvml.DEVICE_ARCH_AMPERE},
+		{"pcie-h100nvl-x2", 2, "NVIDIA H100 NVL", 95830, [2]int{9, 0}, []int{0, 0}, "00000000:41:00.0", nvml.DEVICE_ARCH_HOPPER},
+		{"gh200", 1, "NVIDIA GH200 480GB", 97871, [2]int{9, 0}, []int{0}, "00000000:01:00.0", nvml.DEVICE_ARCH_HOPPER},
 		{"two-islands-16", 16, "Tesla V100-SXM2-32GB", 32768, [2]int{7, 0},
 			[]int{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, "00000000:06:00.0", nvml.DEVICE_ARCH_VOLTA},
 	}

@@ -61,8 +61,9 @@ type giProfile struct {
 	ofa     uint32
 }
 
-// migShape is what A100 and H100 share: profile, compute slices, memory
-// slices per placement, possible starts, max count, and the hardware id.
+// migShape is one GPU instance profile of a MIG geometry: profile, its
+// name's suffix, compute slices, memory slices per placement, possible
+// starts, max count, and the hardware id drivers report.
 type migShape struct {
 	enum   int
 	hwID   uint32
@@ -73,7 +74,10 @@ type migShape struct {
 	count  uint32
 }
 
-var migShapes = [...]migShape{
+// migShapes is the geometry of every 7-compute-slice, 8-memory-slice MIG
+// GPU (A100, H100, H200, GH200, B200): NVIDIA MIG User Guide, "Supported MIG
+// Profiles", the A100 and H100 tables and their diagrams of placements.
+var migShapes = []migShape{
 	{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 19, "", 1, 1, []uint32{0, 1, 2, 3, 4, 5, 6}, 7},
 	{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 20, "+me", 1, 1, []uint32{0, 1, 2, 3, 4, 5, 6}, 1},
 	{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, 15, "", 1, 2, []uint32{0, 2, 4, 6}, 4},
@@ -83,16 +87,30 @@ var migShapes = [...]migShape{
 	{nvml.GPU_INSTANCE_PROFILE_7_SLICE, 0, "", 7, 8, []uint32{0}, 1},
 }
 
-// migEngines are per-shape (in migShapes order) memory, SMs and engines.
+// a30Shapes is the A30's geometry, 4 compute and 4 memory slices: MIG User
+// Guide, "Supported MIG Profiles", "A30 MIG Profiles" (1g.6gb x4, 1g.6gb+me
+// x1, 2g.12gb x2, 2g.12gb+me x1, 4g.24gb x1).
+var a30Shapes = []migShape{
+	{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 14, "", 1, 1, []uint32{0, 1, 2, 3}, 4},
+	{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 21, "+me", 1, 1, []uint32{0, 1, 2, 3}, 1},
+	{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 5, "", 2, 2, []uint32{0, 2}, 2},
+	{nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1, 6, "+me", 2, 2, []uint32{0, 2}, 1},
+	{nvml.GPU_INSTANCE_PROFILE_4_SLICE, 0, "", 4, 4, []uint32{0}, 1},
+}
+
+// migEngines are per-shape (in the shapes' order) memory, SMs and engines.
 type migEngines struct {
 	memGB                     uint64 // the name's "Ngb"
 	memMiB                    uint64
 	sms, ce, dec, enc, jpg, o uint32
 }
 
-func buildMIG(engines [len(migShapes)]migEngines) []giProfile {
-	out := make([]giProfile, len(migShapes))
-	for i, s := range migShapes {
+func buildMIG(shapes []migShape, engines ...migEngines) []giProfile {
+	if len(engines) != len(shapes) {
+		panic("sim: one engine row per MIG shape") // a programming error in the tables below
+	}
+	out := make([]giProfile, len(shapes))
+	for i, s := range shapes {
 		e := engines[i]
 		out[i] = giProfile{
 			enum: s.enum, hwID: s.hwID,
@@ -104,8 +122,41 @@ func buildMIG(engines [len(migShapes)]migEngines) []giProfile {
 	return out
 }
 
-// Memory sizes are what the drivers report (nvidia-smi mig -lgip); each
-// rounds to the name's size with the fraction-of-eighths rule tools use.
+// hopperEngines are the H100 table's SMs and engines per profile, which
+// every Hopper MIG GPU shares (MIG User Guide, "H100 MIG Profiles": 1g:
+// 1 NVDEC, 1 JPEG; +me adds an OFA; 7g: 7 NVDECs, 7 JPEGs, 1 OFA). Memory
+// is per model.
+func hopperEngines(mem [7]uint64, gb [7]uint64) []migEngines {
+	return []migEngines{
+		{gb[0], mem[0], 16, 1, 1, 0, 1, 0},
+		{gb[1], mem[1], 16, 1, 1, 0, 1, 1},
+		{gb[2], mem[2], 16, 1, 1, 0, 1, 0},
+		{gb[3], mem[3], 32, 2, 2, 0, 2, 0},
+		{gb[4], mem[4], 60, 3, 3, 0, 3, 0},
+		{gb[5], mem[5], 64, 4, 4, 0, 4, 0},
+		{gb[6], mem[6], 132, 8, 7, 0, 7, 1},
+	}
+}
+
+// ampereEngines are the A100 table's SMs and engines per profile (MIG User
+// Guide, "A100 MIG Profiles": 1g: no media engines, +me: 1 NVDEC, 1 JPEG,
+// 1 OFA; 7g: 5 NVDECs, 1 JPEG, 1 OFA), shared by the 40 and 80 GB A100.
+func ampereEngines(mem [7]uint64, gb [7]uint64) []migEngines {
+	return []migEngines{
+		{gb[0], mem[0], 14, 1, 0, 0, 0, 0},
+		{gb[1], mem[1], 14, 1, 1, 0, 1, 1},
+		{gb[2], mem[2], 14, 1, 1, 0, 0, 0},
+		{gb[3], mem[3], 28, 2, 1, 0, 0, 0},
+		{gb[4], mem[4], 42, 3, 2, 0, 0, 0},
+		{gb[5], mem[5], 56, 4, 2, 0, 0, 0},
+		{gb[6], mem[6], 98, 7, 5, 0, 1, 1},
+	}
+}
+
+// Memory sizes are what the drivers report (nvidia-smi mig -lgip) where
+// known, else the profile's share of memory less the driver's reserve; each
+// rounds to the name's size with the fraction-of-eighths rule tools use
+// (TestMIGProfileNamesRound checks every model).
 var (
 	a100 = &model{
 		name: "NVIDIA A100-SXM4-40GB", memMiB: 40960, ccMajor: 8, ccMinor: 0,
@@ -113,15 +164,7 @@ var (
 		pciDeviceID: 0x20B010DE, pciSubsystem: 0x134F10DE, sms: 108, copyEngines: 7,
 		maxSMMHz: 1410, maxMemMHz: 1215, idleSMMHz: 210, idlePowerMW: 55_000, powerLimitMW: 400_000,
 		idleTempC: 31, nvlinks: 12, nvlinkVersion: 3, rowRemap: true,
-		mig: buildMIG([len(migShapes)]migEngines{
-			{5, 4864, 14, 1, 0, 0, 0, 0},
-			{5, 4864, 14, 1, 1, 0, 1, 1},
-			{10, 9856, 14, 1, 1, 0, 0, 0},
-			{10, 9856, 28, 2, 1, 0, 0, 0},
-			{20, 19968, 42, 3, 2, 0, 0, 0},
-			{20, 19968, 56, 4, 2, 0, 0, 0},
-			{40, 40192, 98, 7, 5, 0, 1, 1},
-		}),
+		mig: buildMIG(migShapes, ampereEngines([7]uint64{4864, 4864, 9856, 9856, 19968, 19968, 40192}, [7]uint64{5, 5, 10, 10, 20, 20, 40})...),
 	}
 	h100 = &model{
 		name: "NVIDIA H100 80GB HBM3", memMiB: 81559, ccMajor: 9, ccMinor: 0,
@@ -129,15 +172,84 @@ var (
 		pciDeviceID: 0x233010DE, pciSubsystem: 0x16C110DE, sms: 132, copyEngines: 8,
 		maxSMMHz: 1980, maxMemMHz: 2619, idleSMMHz: 345, idlePowerMW: 70_000, powerLimitMW: 700_000,
 		idleTempC: 29, nvlinks: 18, nvlinkVersion: 4, rowRemap: true,
-		mig: buildMIG([len(migShapes)]migEngines{
-			{10, 9984, 16, 1, 1, 0, 1, 0},
-			{10, 9984, 16, 1, 1, 0, 1, 1},
-			{20, 20096, 16, 1, 1, 0, 1, 0},
-			{20, 20096, 32, 2, 2, 0, 2, 0},
-			{40, 40448, 60, 3, 3, 0, 3, 0},
-			{40, 40448, 64, 4, 4, 0, 4, 0},
-			{80, 81152, 132, 8, 7, 0, 7, 1},
-		}),
+		mig: buildMIG(migShapes, hopperEngines([7]uint64{9984, 9984, 20096, 20096, 40448, 40448, 81152}, [7]uint64{10, 10, 20, 20, 40, 40, 80})...),
+	}
+	// MIG User Guide, "Supported MIG Profiles": A100-SXM4-80GB has the
+	// A100-SXM4-40GB table's profiles with twice the memory (1g.10gb ...
+	// 7g.80gb).
+	a100_80 = &model{
+		name: "NVIDIA A100-SXM4-80GB", memMiB: 81920, ccMajor: 8, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_AMPERE, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x20B210DE, pciSubsystem: 0x147F10DE, sms: 108, copyEngines: 7,
+		maxSMMHz: 1410, maxMemMHz: 1593, idleSMMHz: 210, idlePowerMW: 60_000, powerLimitMW: 400_000,
+		idleTempC: 31, nvlinks: 12, nvlinkVersion: 3, rowRemap: true,
+		mig: buildMIG(migShapes, ampereEngines([7]uint64{9728, 9728, 19968, 19968, 40192, 40192, 80896}, [7]uint64{10, 10, 20, 20, 40, 40, 80})...),
+	}
+	// MIG User Guide, "A30 MIG Profiles" (the table cited at a30Shapes):
+	// 1/4 of the SMs per compute slice, media engines on the 2g and +me
+	// profiles.
+	a30 = &model{
+		name: "NVIDIA A30", memMiB: 24576, ccMajor: 8, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_AMPERE, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x20B710DE, pciSubsystem: 0x153210DE, sms: 56, copyEngines: 4,
+		maxSMMHz: 1440, maxMemMHz: 1215, idleSMMHz: 210, idlePowerMW: 30_000, powerLimitMW: 165_000,
+		idleTempC: 30, rowRemap: true,
+		mig: buildMIG(a30Shapes,
+			migEngines{6, 5836, 14, 1, 0, 0, 0, 0},
+			migEngines{6, 5836, 14, 1, 1, 0, 1, 1},
+			migEngines{12, 11928, 28, 2, 2, 0, 0, 0},
+			migEngines{12, 11928, 28, 2, 2, 0, 1, 1},
+			migEngines{24, 24032, 56, 4, 4, 0, 1, 1},
+		),
+	}
+	// MIG User Guide, "H100 MIG Profiles": the 94 GB H100 NVL has the H100
+	// table's profiles named for its memory (1g.12gb ... 7g.94gb).
+	h100nvl = &model{
+		name: "NVIDIA H100 NVL", memMiB: 95830, ccMajor: 9, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_HOPPER, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x232110DE, pciSubsystem: 0x183910DE, sms: 132, copyEngines: 8,
+		maxSMMHz: 1785, maxMemMHz: 2619, idleSMMHz: 345, idlePowerMW: 60_000, powerLimitMW: 400_000,
+		idleTempC: 30, nvlinks: 12, nvlinkVersion: 4, rowRemap: true,
+		mig: buildMIG(migShapes, hopperEngines([7]uint64{11008, 11008, 22144, 22144, 44928, 44928, 90880}, [7]uint64{12, 12, 24, 24, 47, 47, 94})...),
+	}
+	// MIG User Guide, "H200 MIG Profiles": 1g.18gb, 1g.18gb+me, 1g.35gb,
+	// 2g.35gb, 3g.71gb, 4g.71gb, 7g.141gb.
+	h200 = &model{
+		name: "NVIDIA H200", memMiB: 143771, ccMajor: 9, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_HOPPER, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x233510DE, pciSubsystem: 0x18BE10DE, sms: 132, copyEngines: 8,
+		maxSMMHz: 1980, maxMemMHz: 3201, idleSMMHz: 345, idlePowerMW: 75_000, powerLimitMW: 700_000,
+		idleTempC: 29, nvlinks: 18, nvlinkVersion: 4, rowRemap: true,
+		mig: buildMIG(migShapes, hopperEngines([7]uint64{16640, 16640, 33152, 33152, 66560, 66560, 135424}, [7]uint64{18, 18, 35, 35, 71, 71, 141})...),
+	}
+	// MIG User Guide, "H100 MIG Profiles" for the 96 GB H100 of GH200
+	// ("Supported GPUs": H100 on GH200, 96GB): 1g.12gb ... 3g.48gb, 7g.96gb.
+	gh200 = &model{
+		name: "NVIDIA GH200 480GB", memMiB: 97871, ccMajor: 9, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_HOPPER, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x234210DE, pciSubsystem: 0x16EB10DE, sms: 132, copyEngines: 8,
+		maxSMMHz: 1980, maxMemMHz: 2619, idleSMMHz: 345, idlePowerMW: 90_000, powerLimitMW: 900_000,
+		idleTempC: 30, nvlinks: 18, nvlinkVersion: 4, rowRemap: true,
+		mig: buildMIG(migShapes, hopperEngines([7]uint64{11264, 11264, 22784, 22784, 46080, 46080, 93184}, [7]uint64{12, 12, 24, 24, 48, 48, 96})...),
+	}
+	// MIG User Guide, "B200 MIG Profiles": 1g.23gb, 1g.23gb+me, 1g.45gb,
+	// 2g.45gb, 3g.90gb, 4g.90gb, 7g.180gb on 148 SMs; the guide gives SMs as
+	// fractions (1/7 per compute slice), so the counts here are ours.
+	b200 = &model{
+		name: "NVIDIA B200", memMiB: 183359, ccMajor: 10, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_BLACKWELL, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x290110DE, pciSubsystem: 0x199910DE, sms: 148, copyEngines: 8,
+		maxSMMHz: 1965, maxMemMHz: 3996, idleSMMHz: 345, idlePowerMW: 140_000, powerLimitMW: 1_000_000,
+		idleTempC: 30, nvlinks: 18, nvlinkVersion: 5, rowRemap: true,
+		mig: buildMIG(migShapes,
+			migEngines{23, 21760, 20, 1, 1, 0, 1, 0},
+			migEngines{23, 21760, 20, 1, 1, 0, 1, 1},
+			migEngines{45, 44032, 20, 1, 1, 0, 1, 0},
+			migEngines{45, 44032, 40, 2, 2, 0, 2, 0},
+			migEngines{90, 89088, 60, 3, 3, 0, 3, 0},
+			migEngines{90, 89088, 80, 4, 4, 0, 4, 0},
+			migEngines{180, 178944, 148, 8, 7, 0, 7, 1},
+		),
 	}
 	v100 = &model{
 		name: "Tesla V100-SXM2-32GB", memMiB: 32768, ccMajor: 7, ccMinor: 0,
@@ -264,6 +376,67 @@ var nodeSpecs = withMIGVariant([]*nodeSpec{
 		links:      switchLinks([]int{5, 4, 4, 5}),
 		switchBus:  []uint32{0xE4, 0xE5, 0xE6, 0xE7},
 		switchPCIx: 0x22A310DE,
+	},
+	{
+		name: "dgx-a100-80gb", desc: "8x A100-SXM4-80GB, 6 NVSwitches (12 lanes per GPU), 4 NUMA nodes, MIG capable",
+		model: a100_80,
+		bus:   []uint32{0x07, 0x0F, 0x47, 0x4E, 0x87, 0x90, 0xB7, 0xBD},
+		numa: func(i int) int {
+			return [...]int{3, 3, 1, 1, 7, 7, 5, 5}[i]
+		},
+		level:      dgxPCIe,
+		links:      switchLinks([]int{2, 2, 2, 2, 2, 2}),
+		switchBus:  []uint32{0xC4, 0xC5, 0xC6, 0xC7, 0xC8, 0xC9},
+		switchPCIx: 0x1AF110DE,
+	},
+	{
+		name: "dgx-h200", desc: "8x H200 (141 GB), 4 NVSwitches (18 lanes per GPU), 2 NUMA nodes, MIG capable",
+		model:      h200,
+		bus:        []uint32{0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB},
+		numa:       func(i int) int { return i / 4 },
+		level:      dgxPCIe,
+		links:      switchLinks([]int{5, 4, 4, 5}),
+		switchBus:  []uint32{0xE4, 0xE5, 0xE6, 0xE7},
+		switchPCIx: 0x22A310DE,
+	},
+	{
+		name: "dgx-b200", desc: "8x B200 (180 GB), 2 NVSwitch chips (18 lanes per GPU), 2 NUMA nodes, MIG capable",
+		model:      b200,
+		bus:        []uint32{0x1B, 0x43, 0x52, 0x61, 0x9D, 0xC3, 0xD1, 0xDF},
+		numa:       func(i int) int { return i / 4 },
+		level:      dgxPCIe,
+		links:      switchLinks([]int{9, 9}),
+		switchBus:  []uint32{0xE4, 0xE5},
+		switchPCIx: 0x2B0010DE,
+	},
+	{
+		name: "pcie-a30x4", desc: "4x A30 (24 GB) on 2 PCIe switches, no NVLink, 2 NUMA nodes, MIG capable (4 slices)",
+		model: a30,
+		bus:   []uint32{0x41, 0x42, 0xC1, 0xC2},
+		numa:  func(i int) int { return i / 2 },
+		level: func(i, j int) nvml.GpuTopologyLevel {
+			if pairs(i, j) {
+				return nvml.TOPOLOGY_SINGLE
+			}
+			return nvml.TOPOLOGY_SYSTEM
+		},
+		links: noLinks,
+	},
+	{
+		name: "pcie-h100nvl-x2", desc: "2x H100 NVL (94 GB) on one PCIe switch, no NVLink bridge, 1 NUMA node, MIG capable",
+		model: h100nvl,
+		bus:   []uint32{0x41, 0x42},
+		numa:  func(int) int { return 0 },
+		level: func(int, int) nvml.GpuTopologyLevel { return nvml.TOPOLOGY_SINGLE },
+		links: noLinks,
+	},
+	{
+		name: "gh200", desc: "1x GH200 (Grace Hopper, 96 GB HBM3), 1 NUMA node, MIG capable",
+		model: gh200,
+		bus:   []uint32{0x01},
+		numa:  func(int) int { return 0 },
+		level: func(int, int) nvml.GpuTopologyLevel { return nvml.TOPOLOGY_INTERNAL },
+		links: noLinks,
 	},
 	{
 		name: "dgx1-v100", desc: "8x Tesla V100-SXM2-32GB, NVLink hybrid cube-mesh, 2 NUMA nodes, no MIG",
