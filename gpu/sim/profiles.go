@@ -305,6 +305,19 @@ func withMIGVariant(specs []*nodeSpec, base, name, desc string, layout []int) []
 	panic("sim: no profile " + base) // a programming error in the table below
 }
 
+// withModelVariant adds a copy of the spec named base as name, with another
+// GPU model in the same chassis.
+func withModelVariant(specs []*nodeSpec, base, name, desc string, m *model) []*nodeSpec {
+	for _, s := range specs {
+		if s.name == base {
+			v := *s
+			v.name, v.desc, v.model = name, desc, m
+			return append(specs, &v)
+		}
+	}
+	panic("sim: no profile " + base) // a programming error in the table
+}
+
 func pairs(i, j int) bool { return i/2 == j/2 }
 
 // dgxPCIe: GPU pairs share a PCIe switch tree, everything else crosses the SMP link.
@@ -378,28 +391,6 @@ var nodeSpecs = withMIGVariant([]*nodeSpec{
 		switchPCIx: 0x22A310DE,
 	},
 	{
-		name: "dgx-a100-80gb", desc: "8x A100-SXM4-80GB, 6 NVSwitches (12 lanes per GPU), 4 NUMA nodes, MIG capable",
-		model: a100_80,
-		bus:   []uint32{0x07, 0x0F, 0x47, 0x4E, 0x87, 0x90, 0xB7, 0xBD},
-		numa: func(i int) int {
-			return [...]int{3, 3, 1, 1, 7, 7, 5, 5}[i]
-		},
-		level:      dgxPCIe,
-		links:      switchLinks([]int{2, 2, 2, 2, 2, 2}),
-		switchBus:  []uint32{0xC4, 0xC5, 0xC6, 0xC7, 0xC8, 0xC9},
-		switchPCIx: 0x1AF110DE,
-	},
-	{
-		name: "dgx-h200", desc: "8x H200 (141 GB), 4 NVSwitches (18 lanes per GPU), 2 NUMA nodes, MIG capable",
-		model:      h200,
-		bus:        []uint32{0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB},
-		numa:       func(i int) int { return i / 4 },
-		level:      dgxPCIe,
-		links:      switchLinks([]int{5, 4, 4, 5}),
-		switchBus:  []uint32{0xE4, 0xE5, 0xE6, 0xE7},
-		switchPCIx: 0x22A310DE,
-	},
-	{
 		name: "dgx-b200", desc: "8x B200 (180 GB), 2 NVSwitch chips (18 lanes per GPU), 2 NUMA nodes, MIG capable",
 		model:      b200,
 		bus:        []uint32{0x1B, 0x43, 0x52, 0x61, 0x9D, 0xC3, 0xD1, 0xDF},
@@ -408,19 +399,6 @@ var nodeSpecs = withMIGVariant([]*nodeSpec{
 		links:      switchLinks([]int{9, 9}),
 		switchBus:  []uint32{0xE4, 0xE5},
 		switchPCIx: 0x2B0010DE,
-	},
-	{
-		name: "pcie-a30x4", desc: "4x A30 (24 GB) on 2 PCIe switches, no NVLink, 2 NUMA nodes, MIG capable (4 slices)",
-		model: a30,
-		bus:   []uint32{0x41, 0x42, 0xC1, 0xC2},
-		numa:  func(i int) int { return i / 2 },
-		level: func(i, j int) nvml.GpuTopologyLevel {
-			if pairs(i, j) {
-				return nvml.TOPOLOGY_SINGLE
-			}
-			return nvml.TOPOLOGY_SYSTEM
-		},
-		links: noLinks,
 	},
 	{
 		name: "pcie-h100nvl-x2", desc: "2x H100 NVL (94 GB) on one PCIe switch, no NVLink bridge, 1 NUMA node, MIG capable",
@@ -505,6 +483,13 @@ var nodeSpecs = withMIGVariant([]*nodeSpec{
 		links: cubeMeshLinks,
 	},
 }, "dgx-h100", "dgx-h100-mig", "dgx-h100 with MIG on and 7x 1g.10gb instances per GPU", slices.Repeat([]int{nvml.GPU_INSTANCE_PROFILE_1_SLICE}, 7))
+
+// Nodes that are another node's chassis with another GPU model.
+func init() {
+	nodeSpecs = withModelVariant(nodeSpecs, "dgx-a100", "dgx-a100-80gb", "8x A100-SXM4-80GB, 6 NVSwitches (12 lanes per GPU), 4 NUMA nodes, MIG capable", a100_80)
+	nodeSpecs = withModelVariant(nodeSpecs, "dgx-h100", "dgx-h200", "8x H200 (141 GB), 4 NVSwitches (18 lanes per GPU), 2 NUMA nodes, MIG capable", h200)
+	nodeSpecs = withModelVariant(nodeSpecs, "pcie-4gpu", "pcie-a30x4", "4x A30 (24 GB) on 2 PCIe switches, no NVLink, 2 NUMA nodes, MIG capable (4 slices)", a30)
+}
 
 // Profiles lists the simulated nodes New accepts, sorted by name.
 func Profiles() []Profile {
