@@ -44,24 +44,27 @@ func (a *Agent) syncCDI(why string) {
 	}
 	want := a.cdiWanted()
 	changed, n, err := a.opts.CDI.Sync(a.inv, want)
-	if err != nil {
-		if a.cdiStatus.Error != err.Error() {
-			a.log.Error("CDI spec not written: containers given CDI devices will fail to start", "spec", a.opts.CDI.Path(), "reason", why, "error", err)
-			a.event(true, ReasonCDISpecFailed, "CDI spec %s not written: %v", a.opts.CDI.Path(), err)
-		}
-		a.cdiStatus.Error = err.Error()
-		return
-	}
-	if a.cdiStatus.Error != "" {
-		a.log.Info("CDI spec written again", "spec", a.opts.CDI.Path())
-	}
+	prev := a.cdiStatus
 	a.cdiStatus = CDIStatus{}
-	if want {
+	if want && n > 0 {
 		a.cdiStatus = CDIStatus{Spec: a.opts.CDI.Path(), Devices: n}
 	}
-	if changed && want {
+	if err != nil {
+		// What could be described may still have been written (a MIG device
+		// without its capability nodes is left out): the error says what not.
+		a.cdiStatus.Error = err.Error()
+		if prev.Error != err.Error() {
+			a.log.Error("CDI spec incomplete or not written: containers given the devices it lacks will fail to start",
+				"spec", a.opts.CDI.Path(), "reason", why, "error", err)
+			a.event(true, ReasonCDISpecFailed, "CDI spec %s: %v", a.opts.CDI.Path(), err)
+		}
+	} else if prev.Error != "" {
+		a.log.Info("CDI spec complete again", "spec", a.opts.CDI.Path())
+	}
+	switch {
+	case changed && want:
 		a.log.Info("CDI spec written", "spec", a.opts.CDI.Path(), "devices", n, "reason", why)
-	} else if changed {
+	case changed:
 		a.log.Info("CDI spec removed: neither the DRA driver nor the config's device list strategy uses CDI", "spec", a.opts.CDI.Path())
 	}
 }

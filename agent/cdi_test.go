@@ -273,3 +273,26 @@ func TestDRADynamicMIGWithMPSAndHealth(t *testing.T) {
 		t.Errorf("after XID 79 on GPU 2 no device of it is tainted: %v", poolNames(rec.last()))
 	}
 }
+
+// The driver's MIG capability table unreadable: the spec still names every
+// GPU, /status and the log say which MIG devices it lacks and why.
+func TestCDISpecWithoutMIGCapabilities(t *testing.T) {
+	dir := t.TempDir()
+	w, err := cdi.NewWriter(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keeper := &cdi.Keeper{W: w, Caps: func() (cdi.CapMinors, error) {
+		return cdi.ReadMigMinors(dir + "/no-such-mig-minors")
+	}}
+	h := newHarness(t, simNode(t, "dgx-h100-mig"), withMIG(), func(h *harness) { h.opts.CDI = keeper })
+	h.config("version: v1\nconfigs:\n  default:\n    mig: {strategy: mixed}\n    devicePlugin:\n      deviceListStrategy: cdi-cri\n")
+	names := specNames(t, dir)
+	inv, _ := h.opts.Observer.Inventory()
+	if !slices.Contains(names, inv.GPUs[0].UUID) || slices.Contains(names, inv.GPUs[0].Instances[0].UUID) {
+		t.Errorf("spec names %v: want the GPUs, not the MIG devices", names)
+	}
+	if st := h.a.Status().CDI; st == nil || st.Spec == "" || !strings.Contains(st.Error, "no-such-mig-minors") {
+		t.Errorf("/status cdi %+v, want the spec and an error naming the table", st)
+	}
+}

@@ -132,9 +132,17 @@ func TestBuild(t *testing.T) {
 		}
 	})
 	t.Run("MIG device without capabilities", func(t *testing.T) {
-		_, err := Build(node(), Host{Caps: MigMinors{}})
+		s, err := Build(node(), Host{Caps: MigMinors{}})
 		if err == nil || !strings.Contains(err.Error(), "MIG-1111") || !strings.Contains(err.Error(), "gi 1") {
 			t.Errorf("error %v, want one naming MIG-1111 and its GI", err)
+		}
+		// The rest is described all the same.
+		var names []string
+		for _, d := range s.Devices {
+			names = append(names, d.Name)
+		}
+		if !slices.Equal(names, []string{"GPU-aaaa", "0", "GPU-bbbb", "1", "all"}) {
+			t.Errorf("spec devices %v, want the GPUs without the MIG devices", names)
 		}
 	})
 }

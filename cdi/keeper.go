@@ -1,6 +1,7 @@
 package cdi
 
 import (
+	"errors"
 	"sync"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
@@ -31,20 +32,18 @@ func (k *Keeper) Sync(inv *gpu.Inventory, want bool) (changed bool, devices int,
 		return changed, 0, err
 	}
 	h := Host{DevRoot: k.DevRoot, Exists: k.Exists}
+	var capsErr error
 	if hasMIGDevices(inv) {
-		if h.Caps, err = k.capMinors(); err != nil {
-			return false, 0, err
-		}
+		h.Caps, capsErr = k.capMinors()
 	}
-	s, err := Build(inv, h)
-	if err != nil {
-		return false, 0, err
-	}
+	// A spec of what could be described is written even when some MIG
+	// device could not: the error names what is missing.
+	s, buildErr := Build(inv, h)
 	if s != nil {
 		devices = len(s.Devices)
 	}
 	changed, err = k.W.Write(NodeSpec, s)
-	return changed, devices, err
+	return changed, devices, errors.Join(capsErr, buildErr, err)
 }
 
 // Path is the node spec's file.

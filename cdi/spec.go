@@ -11,6 +11,7 @@
 package cdi
 
 import (
+	"errors"
 	"fmt"
 	"path/filepath"
 	"slices"
@@ -57,8 +58,10 @@ type Host struct {
 }
 
 // Build returns the spec of the GPUs and MIG devices in inv. A MIG device
-// whose capability minors are unknown is an error naming it: a spec that
-// listed it without them would give containers a GPU they cannot open.
+// whose capability minors are unknown is left out (a spec that listed it
+// without them would give containers a device they cannot open) and named
+// in the error, which comes with the spec of everything else: one MIG
+// device's trouble must not take every GPU's CDI name away.
 func Build(inv *gpu.Inventory, h Host) (*specs.Spec, error) {
 	if inv == nil || len(inv.GPUs) == 0 {
 		return nil, nil
@@ -75,6 +78,7 @@ func Build(inv *gpu.Inventory, h Host) (*specs.Spec, error) {
 			}
 		}
 	}
+	var errs []error
 	for _, g := range inv.GPUs {
 		gpuNode := h.node(fmt.Sprintf("/dev/nvidia%d", g.Minor))
 		if !g.MIG.Current || len(g.Instances) == 0 {
@@ -86,13 +90,15 @@ func Build(inv *gpu.Inventory, h Host) (*specs.Spec, error) {
 		add([]*specs.DeviceNode{gpuNode}, g.UUID, strconv.Itoa(g.Index))
 		for _, m := range g.Instances {
 			if h.Caps == nil {
-				return nil, fmt.Errorf("cdi: GPU %d MIG device %s: no MIG capability table to find its access devices", g.Index, m.UUID)
+				errs = append(errs, fmt.Errorf("cdi: GPU %d MIG device %s left out: no MIG capability table to find its access devices", g.Index, m.UUID))
+				continue
 			}
 			giCap, ok1 := h.Caps.CapMinor(g.Minor, m.GI, -1)
 			ciCap, ok2 := h.Caps.CapMinor(g.Minor, m.GI, m.CI)
 			if !ok1 || !ok2 {
-				return nil, fmt.Errorf("cdi: GPU %d MIG device %s (gi %d, ci %d): the driver's MIG capability table does not list its access devices",
-					g.Index, m.UUID, m.GI, m.CI)
+				errs = append(errs, fmt.Errorf("cdi: GPU %d MIG device %s (gi %d, ci %d) left out: the driver's MIG capability table does not list its access devices",
+					g.Index, m.UUID, m.GI, m.CI))
+				continue
 			}
 			nodes := []*specs.DeviceNode{gpuNode,
 				h.node(fmt.Sprintf("/dev/nvidia-caps/nvidia-cap%d", giCap)),
@@ -112,7 +118,7 @@ func Build(inv *gpu.Inventory, h Host) (*specs.Spec, error) {
 		return nil, err
 	}
 	s.Version = v
-	return s, nil
+	return s, errors.Join(errs...)
 }
 
 // minimumVersion is the oldest CDI version that can hold s: runtimes that
