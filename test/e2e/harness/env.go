@@ -409,20 +409,33 @@ func (e *Env) StartAgent(ctx context.Context) error {
 			return errors.New("gpu-agent: already running")
 		}
 	}
-	p, err := e.spawnAgent()
-	if err != nil {
-		return err
-	}
-	err = poll(ctx, 200*time.Millisecond, func() error {
-		if done, werr := p.Exited(); done {
-			return stop(fmt.Errorf("gpu-agent exited: %v (see %s)", werr, p.LogPath))
+	for attempt := 1; ; attempt++ {
+		p, err := e.spawnAgent()
+		if err != nil {
+			return err
 		}
-		return httpOK(ctx, "http://"+e.agentAddr+"/readyz")
-	})
-	if err != nil {
+		err = poll(ctx, 200*time.Millisecond, func() error {
+			if done, werr := p.Exited(); done {
+				return stop(fmt.Errorf("gpu-agent exited: %v (see %s)", werr, p.LogPath))
+			}
+			return httpOK(ctx, "http://"+e.agentAddr+"/readyz")
+		})
+		if err == nil {
+			return nil
+		}
+		// freePorts' port can be taken by another process between its check and the agent's bind: take
+		// another one rather than fail the scenario.
+		if log, _ := os.ReadFile(p.LogPath); attempt < 3 && strings.Contains(string(log), "bind: address already in use") {
+			ports, perr := freePorts(1)
+			if perr != nil {
+				return perr
+			}
+			e.t.Logf("gpu-agent: %s was taken, listening on 127.0.0.1:%d instead", e.agentAddr, ports[0])
+			e.agentAddr = fmt.Sprintf("127.0.0.1:%d", ports[0])
+			continue
+		}
 		return fmt.Errorf("gpu-agent: not ready: %w", err)
 	}
-	return nil
 }
 
 // backend is the agent's --backend: a simulated node keeps its GPU state in
