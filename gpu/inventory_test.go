@@ -525,6 +525,27 @@ func TestMIGProfileName(t *testing.T) {
 		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_GFX, prof(1, 9856), h100, "1g.10gb+gfx"},
 		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_NO_ME, prof(1, 9856), h100, "1g.10gb-me"},
 		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME, prof(1, 9856), h100, "1g.10gb+me.all"},
+		// Sizes and totals as drivers report them (nvidia-smi mig -lgip, nvidia-smi)
+		// for the MIG models of the GPU Operator's default mig-parted config.
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE, prof(1, 5952), 24576, "1g.6gb"},
+		{nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1, prof(2, 11968), 24576, "2g.12gb+me"},
+		{nvml.GPU_INSTANCE_PROFILE_4_SLICE, prof(4, 24000), 24576, "4g.24gb"},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE, prof(1, 11008), 95830, "1g.12gb"},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, prof(1, 22144), 95830, "1g.24gb"},
+		{nvml.GPU_INSTANCE_PROFILE_3_SLICE, prof(3, 47488), 95830, "3g.47gb"},
+		{nvml.GPU_INSTANCE_PROFILE_7_SLICE, prof(7, 95360), 95830, "7g.94gb"},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, prof(1, 23552), 97871, "1g.24gb"},
+		{nvml.GPU_INSTANCE_PROFILE_3_SLICE, prof(3, 47616), 97871, "3g.48gb"},
+		{nvml.GPU_INSTANCE_PROFILE_7_SLICE, prof(7, 95232), 97871, "7g.96gb"},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE, prof(1, 16384), 143771, "1g.18gb"},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, prof(1, 33024), 143771, "1g.35gb"},
+		{nvml.GPU_INSTANCE_PROFILE_3_SLICE, prof(3, 71168), 143771, "3g.71gb"},
+		{nvml.GPU_INSTANCE_PROFILE_7_SLICE, prof(7, 143104), 143771, "7g.141gb"},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE, prof(1, 20992), 183359, "1g.23gb"},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE, prof(1, 22528), 183359, "1g.23gb"}, // an older driver's 22.00 GiB
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, prof(1, 45312), 183359, "1g.45gb"},
+		{nvml.GPU_INSTANCE_PROFILE_3_SLICE, prof(3, 91136), 183359, "3g.90gb"},
+		{nvml.GPU_INSTANCE_PROFILE_7_SLICE, prof(7, 182784), 183359, "7g.180gb"},
 		// Unknown GPU memory: plain rounding up of the profile's own size.
 		{nvml.GPU_INSTANCE_PROFILE_1_SLICE, prof(1, 4864), 0, "1g.5gb"},
 	}

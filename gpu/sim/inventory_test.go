@@ -57,6 +57,18 @@ func TestInventoryOfEveryProfile(t *testing.T) {
 			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, pxb, sys) }, func(int, int) int { return 12 }, true},
 		{"dgx-h100", 8, "NVIDIA H100 80GB HBM3", []int{0, 0, 0, 0, 1, 1, 1, 1},
 			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, pxb, sys) }, func(int, int) int { return 18 }, true},
+		{"dgx-a100-80gb", 8, "NVIDIA A100-SXM4-80GB", []int{3, 3, 1, 1, 7, 7, 5, 5},
+			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, pxb, sys) }, func(int, int) int { return 12 }, true},
+		{"dgx-h200", 8, "NVIDIA H200", []int{0, 0, 0, 0, 1, 1, 1, 1},
+			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, pxb, sys) }, func(int, int) int { return 18 }, true},
+		{"dgx-b200", 8, "NVIDIA B200", []int{0, 0, 0, 0, 1, 1, 1, 1},
+			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, pxb, sys) }, func(int, int) int { return 18 }, true},
+		{"pcie-a30x4", 4, "NVIDIA A30", []int{0, 0, 1, 1},
+			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, pix, sys) }, func(int, int) int { return 0 }, true},
+		{"pcie-h100nvl-x2", 2, "NVIDIA H100 NVL", []int{0, 0},
+			func(int, int) gpu.LinkLevel { return pix }, func(int, int) int { return 0 }, true},
+		{"gh200", 1, "NVIDIA GH200 480GB", []int{0}, nil, nil, true},
+		{"gh200-144g", 1, "NVIDIA GH200 144G HBM3e", []int{0}, nil, nil, true},
 		{"dgx1-v100", 8, "Tesla V100-SXM2-32GB", []int{0, 0, 0, 0, 1, 1, 1, 1},
 			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, pix, pick(i/4 == j/4, phb, sys)) }, cubeMeshLanes, false},
 		{"pcie-8gpu", 8, "NVIDIA L40S", []int{0, 0, 0, 0, 1, 1, 1, 1},
@@ -73,6 +85,16 @@ func TestInventoryOfEveryProfile(t *testing.T) {
 				}
 				return cubeMeshLanes(i%8, j%8)
 			}, false},
+	}
+	// Every node but the MIG variant (TestInventoryMIGProfileVariant) has a row.
+	rows := map[string]bool{"dgx-h100-mig": true}
+	for _, tt := range tests {
+		rows[tt.profile] = true
+	}
+	for _, p := range sim.Profiles() {
+		if !rows[p.Name] {
+			t.Errorf("no row for node %s", p.Name)
+		}
 	}
 	for _, tt := range tests {
 		t.Run(tt.profile, func(t *testing.T) {

@@ -221,6 +221,25 @@ func (g *gpuState) countOf(p *giProfile) uint32 {
 	return c
 }
 
+// ofaLeft says whether an instance of p still gets the optical flow
+// accelerators it needs. A GPU has as many as its full-size profile (one on
+// every MIG model) and only the +me profiles take one, so an A30 can have a
+// 1g.6gb+me or a 2g.12gb+me, not both: the "one with media extensions" of
+// each row of the MIG User Guide's A30 table is one per GPU.
+func (g *gpuState) ofaLeft(p *giProfile, m *model) bool {
+	if p.ofa == 0 {
+		return true
+	}
+	var total, used uint32
+	for _, q := range m.mig {
+		total = max(total, q.ofa)
+	}
+	for _, gi := range g.gis {
+		used += gi.prof.ofa
+	}
+	return used+p.ofa <= total
+}
+
 // freeStarts are the placements of p that overlap no GPU instance. A
 // profile's placements never overlap each other, so all of them can be
 // created together.
@@ -236,7 +255,8 @@ func (g *gpuState) freeStarts(p *giProfile) []uint32 {
 }
 
 // GetGpuInstanceRemainingCapacity counts how many more instances of the
-// profile fit, bounded by its per-GPU count (one for the +me profile).
+// profile fit, bounded by its per-GPU count and, for the +me profiles, the
+// GPU's optical flow accelerator.
 func (d *device) GetGpuInstanceRemainingCapacity(info *nvml.GpuInstanceProfileInfo) (int, nvml.Return) {
 	r := d.lockMIG("GetGpuInstanceRemainingCapacity", true)
 	defer d.n.mu.Unlock()
@@ -248,6 +268,9 @@ func (d *device) GetGpuInstanceRemainingCapacity(info *nvml.GpuInstanceProfileIn
 		return 0, r
 	}
 	left := int(p.count) - int(d.g.countOf(p))
+	if !d.g.ofaLeft(p, d.n.spec.model) {
+		left = 0
+	}
 	return max(0, min(left, len(d.g.freeStarts(p)))), nvml.SUCCESS
 }
 
@@ -295,7 +318,7 @@ func (d *device) CreateGpuInstanceWithPlacement(info *nvml.GpuInstanceProfileInf
 // ids from the placement; nothing may rely on either scheme).
 func (d *device) createGI(call string, p *giProfile, start uint32) (nvml.GpuInstance, nvml.Return) {
 	g := d.g
-	if g.countOf(p) >= p.count {
+	if g.countOf(p) >= p.count || !g.ofaLeft(p, d.n.spec.model) {
 		return nil, nvml.ERROR_INSUFFICIENT_RESOURCES
 	}
 	id := 1

@@ -3,6 +3,7 @@ package sim
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -16,68 +17,144 @@ func nameGB(profileMiB, totalMiB uint64) uint64 {
 	return (eighths*totalGiB + 4) / 8
 }
 
+// migProf is one GPU instance profile as NVIDIA documents it: the MIG User
+// Guide's "Supported MIG Profiles" tables (name, compute slices, how many)
+// and the driver's ids and placements (nvidia-smi mig -lgip, -lgipp).
+type migProf struct {
+	enum   int
+	hwID   uint32
+	name   string
+	slices uint32
+	count  uint32
+	starts []uint32
+	size   uint32
+}
+
+// sevenSlice are the profiles of a 7-compute-slice, 8-memory-slice GPU
+// (A100 and later) with the names of one model's table.
+func sevenSlice(names ...string) []migProf {
+	return []migProf{
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 19, names[0], 1, 7, []uint32{0, 1, 2, 3, 4, 5, 6}, 1},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 20, names[1], 1, 1, []uint32{0, 1, 2, 3, 4, 5, 6}, 1},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, 15, names[2], 1, 4, []uint32{0, 2, 4, 6}, 2},
+		{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 14, names[3], 2, 3, []uint32{0, 2, 4}, 2},
+		{nvml.GPU_INSTANCE_PROFILE_3_SLICE, 9, names[4], 3, 2, []uint32{0, 4}, 4},
+		{nvml.GPU_INSTANCE_PROFILE_4_SLICE, 5, names[5], 4, 1, []uint32{0}, 4},
+		{nvml.GPU_INSTANCE_PROFILE_7_SLICE, 0, names[6], 7, 1, []uint32{0}, 8},
+	}
+}
+
+// migTables are the profiles of every simulated MIG node's GPUs.
+var migTables = []struct {
+	profile string
+	want    []migProf
+	// unsupported are GPU_INSTANCE_PROFILE_* the model does not have.
+	unsupported []int
+	maxDevices  int
+}{
+	{"dgx-a100", sevenSlice("1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"), nil, 7},
+	{"dgx-a100-80gb", sevenSlice("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"), nil, 7},
+	{"dgx-h100", sevenSlice("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"), nil, 7},
+	{"pcie-h100nvl-x2", sevenSlice("1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"), nil, 7},
+	{"gh200", sevenSlice("1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"), nil, 7},
+	{"gh200-144g", sevenSlice("1g.18gb", "1g.18gb+me", "1g.36gb", "2g.36gb", "3g.72gb", "4g.72gb", "7g.144gb"), nil, 7},
+	{"dgx-h200", sevenSlice("1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"), nil, 7},
+	{"dgx-b200", sevenSlice("1g.23gb", "1g.23gb+me", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"), nil, 7},
+	// The A30: 4 compute and 4 memory slices, and a 2g profile with media
+	// extensions instead of the 7-slice GPUs' 3g and 7g.
+	{"pcie-a30x4", []migProf{
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 14, "1g.6gb", 1, 4, []uint32{0, 1, 2, 3}, 1},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 21, "1g.6gb+me", 1, 1, []uint32{0, 1, 2, 3}, 1},
+		{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 5, "2g.12gb", 2, 2, []uint32{0, 2}, 2},
+		{nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1, 6, "2g.12gb+me", 2, 1, []uint32{0, 2}, 2},
+		{nvml.GPU_INSTANCE_PROFILE_4_SLICE, 0, "4g.24gb", 4, 1, []uint32{0}, 4},
+	}, []int{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, nvml.GPU_INSTANCE_PROFILE_3_SLICE, nvml.GPU_INSTANCE_PROFILE_7_SLICE}, 4},
+}
+
 func TestGPUInstanceProfilesAndPlacements(t *testing.T) {
-	type prof struct {
-		enum   int
-		name   string
-		slices uint32
-		count  uint32
-		starts []uint32
-		size   uint32
-	}
-	a100 := []prof{
-		{nvml.GPU_INSTANCE_PROFILE_1_SLICE, "1g.5gb", 1, 7, []uint32{0, 1, 2, 3, 4, 5, 6}, 1},
-		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, "1g.5gb+me", 1, 1, []uint32{0, 1, 2, 3, 4, 5, 6}, 1},
-		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, "1g.10gb", 1, 4, []uint32{0, 2, 4, 6}, 2},
-		{nvml.GPU_INSTANCE_PROFILE_2_SLICE, "2g.10gb", 2, 3, []uint32{0, 2, 4}, 2},
-		{nvml.GPU_INSTANCE_PROFILE_3_SLICE, "3g.20gb", 3, 2, []uint32{0, 4}, 4},
-		{nvml.GPU_INSTANCE_PROFILE_4_SLICE, "4g.20gb", 4, 1, []uint32{0}, 4},
-		{nvml.GPU_INSTANCE_PROFILE_7_SLICE, "7g.40gb", 7, 1, []uint32{0}, 8},
-	}
-	h100 := slices.Clone(a100)
-	for i, name := range []string{"1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"} {
-		h100[i].name = name
-	}
-	tests := []struct {
-		profile string
-		want    []prof
-	}{{"dgx-a100", a100}, {"dgx-h100", h100}}
-	for _, tt := range tests {
-		n := newNode(t, tt.profile) // MIG off: profiles and placements are still answered
-		d := handle(t, n, 0)
-		mem, _ := d.GetMemoryInfo()
-		for _, w := range tt.want {
-			info := giInfo(t, d, w.enum)
-			suffix := ""
-			if w.enum == nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1 {
-				suffix = "+me"
-			}
-			name := fmt.Sprintf("%dg.%dgb%s", info.SliceCount, nameGB(info.MemorySizeMB, mem.Total>>20), suffix)
-			// Real drivers report their own ids, not the index asked for.
-			hwIDs := map[int]uint32{0: 19, 7: 20, 9: 15, 1: 14, 2: 9, 3: 5, 4: 0}
-			if info.Id != hwIDs[w.enum] || name != w.name || info.SliceCount != w.slices || info.InstanceCount != w.count ||
-				info.MultiprocessorCount == 0 || info.CopyEngineCount == 0 {
-				t.Errorf("%s profile %d: %+v (named %s), want %+v", tt.profile, w.enum, *info, name, w)
-			}
-			pls, r := d.GetGpuInstancePossiblePlacements(info)
-			wantRet(t, "placements", r, nvml.SUCCESS)
-			var starts []uint32
-			for _, p := range pls {
-				starts = append(starts, p.Start)
-				if p.Size != w.size {
-					t.Errorf("%s %s: placement size %d, want %d", tt.profile, w.name, p.Size, w.size)
+	for _, tt := range migTables {
+		t.Run(tt.profile, func(t *testing.T) {
+			n := newNode(t, tt.profile) // MIG off: profiles and placements are still answered
+			d := handle(t, n, 0)
+			mem, _ := d.GetMemoryInfo()
+			for _, w := range tt.want {
+				info := giInfo(t, d, w.enum)
+				suffix := ""
+				if w.enum == nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1 || w.enum == nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1 {
+					suffix = "+me"
+				}
+				name := fmt.Sprintf("%dg.%dgb%s", info.SliceCount, nameGB(info.MemorySizeMB, mem.Total>>20), suffix)
+				// Real drivers report their own ids, not the index asked for.
+				if info.Id != w.hwID || name != w.name || info.SliceCount != w.slices || info.InstanceCount != w.count ||
+					info.MultiprocessorCount == 0 || info.CopyEngineCount == 0 {
+					t.Errorf("profile %d: %+v (named %s), want %+v", w.enum, info, name, w)
+				}
+				pls, r := d.GetGpuInstancePossiblePlacements(info)
+				wantRet(t, "placements", r, nvml.SUCCESS)
+				var starts []uint32
+				for _, p := range pls {
+					starts = append(starts, p.Start)
+					if p.Size != w.size {
+						t.Errorf("%s: placement size %d, want %d", w.name, p.Size, w.size)
+					}
+				}
+				if !slices.Equal(starts, w.starts) {
+					t.Errorf("%s: starts %v, want %v", w.name, starts, w.starts)
 				}
 			}
-			if !slices.Equal(starts, w.starts) {
-				t.Errorf("%s %s: starts %v, want %v", tt.profile, w.name, starts, w.starts)
+			for _, p := range append([]int{nvml.GPU_INSTANCE_PROFILE_6_SLICE}, tt.unsupported...) {
+				_, r := d.GetGpuInstanceProfileInfo(p)
+				wantRet(t, fmt.Sprintf("profile %d", p), r, nvml.ERROR_NOT_SUPPORTED)
+			}
+			if len(tt.want) == 7 {
+				_, r := d.GetGpuInstanceProfileInfo(nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1)
+				wantRet(t, "2g+me on a 7-slice GPU", r, nvml.ERROR_NOT_SUPPORTED)
+			}
+			_, r := d.GetGpuInstanceProfileInfo(nvml.GPU_INSTANCE_PROFILE_COUNT)
+			wantRet(t, "profile past the count", r, nvml.ERROR_INVALID_ARGUMENT)
+			if c, r := d.GetMaxMigDeviceCount(); r != nvml.SUCCESS || c != tt.maxDevices {
+				t.Errorf("GetMaxMigDeviceCount = %d, %v; want %d", c, r, tt.maxDevices)
+			}
+		})
+	}
+}
+
+// TestMIGProfileNamesRound checks every model's table: each profile's name
+// is what its memory rounds to, from the driver's size and the GPU's total
+// the way NVIDIA's tools name profiles, its memory fits the GPU, and the
+// counts of the smallest profile fill the GPU.
+func TestMIGProfileNamesRound(t *testing.T) {
+	seen := map[*model]bool{}
+	for _, s := range nodeSpecs {
+		m := s.model
+		if m.mig == nil || seen[m] {
+			continue
+		}
+		seen[m] = true
+		var memSlices uint32
+		for _, p := range m.mig {
+			memSlices = max(memSlices, p.size)
+		}
+		for _, p := range m.mig {
+			want := fmt.Sprintf("%dg.%dgb", p.slice, nameGB(p.memMiB, m.memMiB))
+			if !strings.HasPrefix(p.name, want) || len(p.name) != len(want) && p.name[len(want):] != "+me" {
+				t.Errorf("%s %s: %d of %d MiB names it %s", m.name, p.name, p.memMiB, m.memMiB, want)
+			}
+			if p.memMiB >= m.memMiB || p.memMiB*uint64(memSlices) > m.memMiB*uint64(p.size) {
+				t.Errorf("%s %s: %d MiB is more than %d/%d of %d MiB", m.name, p.name, p.memMiB, p.size, memSlices, m.memMiB)
+			}
+			if p.sms == 0 || p.sms > m.sms || p.ce == 0 || p.ce > m.copyEngines {
+				t.Errorf("%s %s: %d SMs, %d copy engines; the GPU has %d, %d", m.name, p.name, p.sms, p.ce, m.sms, m.copyEngines)
+			}
+			for _, st := range p.starts {
+				if st+p.size > memSlices {
+					t.Errorf("%s %s: placement %d+%d past %d memory slices", m.name, p.name, st, p.size, memSlices)
+				}
 			}
 		}
-		for _, p := range []int{nvml.GPU_INSTANCE_PROFILE_6_SLICE, nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1} {
-			_, r := d.GetGpuInstanceProfileInfo(p)
-			wantRet(t, fmt.Sprintf("%s profile %d", tt.profile, p), r, nvml.ERROR_NOT_SUPPORTED)
-		}
-		_, r := d.GetGpuInstanceProfileInfo(nvml.GPU_INSTANCE_PROFILE_COUNT)
-		wantRet(t, "profile past the count", r, nvml.ERROR_INVALID_ARGUMENT)
+	}
+	if len(seen) != 9 {
+		t.Errorf("%d MIG models, want 9 (A100 40/80 GB, A30, H100, H100 NVL, H200, GH200 96/144 GB, B200)", len(seen))
 	}
 }
 
@@ -131,22 +208,68 @@ func TestMIGRules(t *testing.T) {
 			{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV2, -1, 0, nvml.ERROR_INSUFFICIENT_RESOURCES},
 		}},
 	}
-	for _, profile := range []string{"dgx-a100", "dgx-h100"} {
-		for _, tt := range tests {
-			t.Run(profile+"/"+tt.name, func(t *testing.T) {
-				n := newNode(t, profile, WithMIGEnabled())
-				d := handle(t, n, 0)
-				for i, s := range tt.steps {
-					info := giInfo(t, d, s.profile)
-					var r nvml.Return
-					if s.start < 0 {
-						_, r = d.CreateGpuInstance(info)
-					} else {
-						_, r = d.CreateGpuInstanceWithPlacement(info, &nvml.GpuInstancePlacement{Start: uint32(s.start), Size: s.size})
-					}
-					wantRet(t, fmt.Sprintf("step %d (profile %d at %d)", i, s.profile, s.start), r, s.want)
+	// The A30's 4 slices: 2g placements at 0 and 2, one GPU-wide OFA for
+	// whichever +me profile comes first.
+	a30 := []struct {
+		name  string
+		steps []step
+	}{
+		{"overlap rejected", []step{
+			{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 2, 2, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 3, 1, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_4_SLICE, 0, 4, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS}, // lands at 0
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS}, // lands at 1
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.ERROR_INSUFFICIENT_RESOURCES},
+		}},
+		{"placement not possible", []step{
+			{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 1, 2, nvml.ERROR_INVALID_ARGUMENT},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 4, 1, nvml.ERROR_INVALID_ARGUMENT},
+			{nvml.GPU_INSTANCE_PROFILE_7_SLICE, 0, 8, nvml.ERROR_NOT_SUPPORTED},
+			{nvml.GPU_INSTANCE_PROFILE_4_SLICE, 0, 4, nvml.SUCCESS},
+		}},
+		{"one +me of either size", []step{
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 0, 1, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 1, 1, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1, 2, 2, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_2_SLICE, 2, 2, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, 1, 1, nvml.SUCCESS},
+		}},
+		{"four 1g", []step{
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS}, {nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS}, {nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.SUCCESS},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE, -1, 0, nvml.ERROR_INSUFFICIENT_RESOURCES},
+			{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, -1, 0, nvml.ERROR_INSUFFICIENT_RESOURCES},
+		}},
+	}
+	run := func(t *testing.T, profile, name string, steps []step) {
+		t.Run(profile+"/"+name, func(t *testing.T) {
+			n := newNode(t, profile, WithMIGEnabled())
+			d := handle(t, n, 0)
+			for i, s := range steps {
+				var r nvml.Return
+				info, ir := d.GetGpuInstanceProfileInfo(s.profile)
+				switch {
+				case ir != nvml.SUCCESS:
+					r = ir
+				case s.start < 0:
+					_, r = d.CreateGpuInstance(&info)
+				default:
+					_, r = d.CreateGpuInstanceWithPlacement(&info, &nvml.GpuInstancePlacement{Start: uint32(s.start), Size: s.size})
 				}
-			})
+				wantRet(t, fmt.Sprintf("step %d (profile %d at %d)", i, s.profile, s.start), r, s.want)
+			}
+		})
+	}
+	for _, m := range migTables {
+		if m.profile == "pcie-a30x4" {
+			for _, tt := range a30 {
+				run(t, m.profile, tt.name, tt.steps)
+			}
+			continue
+		}
+		for _, tt := range tests {
+			run(t, m.profile, tt.name, tt.steps)
 		}
 	}
 }
@@ -180,6 +303,41 @@ func TestRemainingCapacity(t *testing.T) {
 	for p, c := range want {
 		if got := capOf(p); got != c {
 			t.Errorf("with +me at 2 and 3g at 4: capacity of %d = %d, want %d", p, got, c)
+		}
+	}
+}
+
+// On the A30 the two +me profiles share the GPU's one OFA: once either
+// exists, the other has no capacity although its slices are free.
+func TestRemainingCapacityA30(t *testing.T) {
+	d := handle(t, newNode(t, "pcie-a30x4", WithMIGEnabled()), 0)
+	capOf := func(p int) int {
+		t.Helper()
+		c, r := d.GetGpuInstanceRemainingCapacity(giInfo(t, d, p))
+		wantRet(t, "GetGpuInstanceRemainingCapacity", r, nvml.SUCCESS)
+		return c
+	}
+	for _, tt := range []struct {
+		create int
+		start  uint32
+		want   map[int]int
+	}{
+		{-1, 0, map[int]int{
+			nvml.GPU_INSTANCE_PROFILE_1_SLICE: 4, nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1: 1, nvml.GPU_INSTANCE_PROFILE_2_SLICE: 2,
+			nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1: 1, nvml.GPU_INSTANCE_PROFILE_4_SLICE: 1,
+		}},
+		{nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 0, map[int]int{
+			nvml.GPU_INSTANCE_PROFILE_1_SLICE: 3, nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1: 0, nvml.GPU_INSTANCE_PROFILE_2_SLICE: 1,
+			nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1: 0, nvml.GPU_INSTANCE_PROFILE_4_SLICE: 0,
+		}},
+	} {
+		if tt.create >= 0 {
+			createGI(t, d, tt.create, tt.start)
+		}
+		for p, c := range tt.want {
+			if got := capOf(p); got != c {
+				t.Errorf("after creating %d: capacity of %d = %d, want %d", tt.create, p, got, c)
+			}
 		}
 	}
 }

@@ -19,7 +19,7 @@ func hasMethod(t reflect.Type, name string) bool {
 func TestProfilesSortedAndBuildable(t *testing.T) {
 	ps := Profiles()
 	want := []string{"dgx-a100", "dgx-a100-80gb", "dgx-b200", "dgx-h100", "dgx-h100-mig", "dgx-h200", "dgx1-v100", "gh200",
-		"pcie-4gpu", "pcie-8gpu", "pcie-a30x4", "pcie-h100nvl-x2", "two-islands-16"}
+		"gh200-144g", "pcie-4gpu", "pcie-8gpu", "pcie-a30x4", "pcie-h100nvl-x2", "two-islands-16"}
 	var got []string
 	for _, p := range ps {
 		got = append(got, p.Name)
@@ -74,6 +74,7 @@ func TestIdentity(t *testing.T) {
 		{"pcie-a30x4", 4, "NVIDIA A30", 24576, [2]int{8, 0}, []int{0, 0, 1, 1}, "00000000:41:00.0", nvml.DEVICE_ARCH_AMPERE},
 		{"pcie-h100nvl-x2", 2, "NVIDIA H100 NVL", 95830, [2]int{9, 0}, []int{0, 0}, "00000000:41:00.0", nvml.DEVICE_ARCH_HOPPER},
 		{"gh200", 1, "NVIDIA GH200 480GB", 97871, [2]int{9, 0}, []int{0}, "00000000:01:00.0", nvml.DEVICE_ARCH_HOPPER},
+		{"gh200-144g", 1, "NVIDIA GH200 144G HBM3e", 146511, [2]int{9, 0}, []int{0}, "00000000:01:00.0", nvml.DEVICE_ARCH_HOPPER},
 		{"two-islands-16", 16, "Tesla V100-SXM2-32GB", 32768, [2]int{7, 0},
 			[]int{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, "00000000:06:00.0", nvml.DEVICE_ARCH_VOLTA},
 	}
@@ -141,6 +142,30 @@ func TestIdentity(t *testing.T) {
 	}
 }
 
+// TestPCIIDs pins each model's PCI device and subsystem ids: the device
+// ids are what the GPU Operator's default mig-parted config filters on.
+func TestPCIIDs(t *testing.T) {
+	for _, tt := range []struct {
+		profile           string
+		device, subsystem uint32
+	}{
+		{"dgx-a100", 0x20B010DE, 0x134F10DE},
+		{"dgx-a100-80gb", 0x20B210DE, 0x147F10DE},
+		{"pcie-a30x4", 0x20B710DE, 0x153210DE},
+		{"dgx-h100", 0x233010DE, 0x16C110DE},
+		{"pcie-h100nvl-x2", 0x232110DE, 0x183910DE},
+		{"dgx-h200", 0x233510DE, 0x18BE10DE},
+		{"gh200", 0x234210DE, 0x180910DE},
+		{"gh200-144g", 0x234810DE, 0x18D210DE},
+		{"dgx-b200", 0x290110DE, 0x199910DE},
+	} {
+		pci, r := handle(t, newNode(t, tt.profile), 0).GetPciInfo()
+		if r != nvml.SUCCESS || pci.PciDeviceId != tt.device || pci.PciSubSystemId != tt.subsystem {
+			t.Errorf("%s: device %#x subsystem %#x, %v; want %#x %#x", tt.profile, pci.PciDeviceId, pci.PciSubSystemId, r, tt.device, tt.subsystem)
+		}
+	}
+}
+
 func cstr(b []int8) string {
 	var s []byte
 	for _, c := range b {
@@ -195,6 +220,9 @@ func TestTopologyLevels(t *testing.T) {
 	}{
 		{"dgx-a100", 0, 1, pxb}, {"dgx-a100", 0, 2, sys}, {"dgx-a100", 6, 7, pxb}, {"dgx-a100", 3, 3, nvml.TOPOLOGY_INTERNAL},
 		{"dgx-h100", 4, 5, pxb}, {"dgx-h100", 1, 2, sys},
+		{"dgx-a100-80gb", 0, 1, pxb}, {"dgx-a100-80gb", 0, 2, sys}, {"dgx-h200", 4, 5, pxb}, {"dgx-h200", 1, 2, sys},
+		{"dgx-b200", 2, 3, pxb}, {"dgx-b200", 3, 4, sys}, {"pcie-a30x4", 2, 3, pix}, {"pcie-a30x4", 1, 2, sys},
+		{"pcie-h100nvl-x2", 0, 1, pix}, {"gh200", 0, 0, nvml.TOPOLOGY_INTERNAL}, {"gh200-144g", 0, 0, nvml.TOPOLOGY_INTERNAL},
 		{"dgx1-v100", 2, 3, pix}, {"dgx1-v100", 0, 3, phb}, {"dgx1-v100", 3, 4, sys},
 		{"pcie-8gpu", 4, 5, pix}, {"pcie-8gpu", 4, 7, nod}, {"pcie-8gpu", 0, 7, sys},
 		{"pcie-4gpu", 0, 1, pix}, {"pcie-4gpu", 1, 2, sys},
@@ -285,6 +313,9 @@ func TestNVSwitchLanes(t *testing.T) {
 	}{
 		{"dgx-a100", []int{2, 2, 2, 2, 2, 2}},
 		{"dgx-h100", []int{5, 4, 4, 5}},
+		{"dgx-a100-80gb", []int{2, 2, 2, 2, 2, 2}},
+		{"dgx-h200", []int{5, 4, 4, 5}},
+		{"dgx-b200", []int{9, 9}},
 	}
 	for _, tt := range tests {
 		n := newNode(t, tt.profile)
@@ -322,6 +353,9 @@ func TestNVLinkIndexErrors(t *testing.T) {
 		{"dgx-a100", nvml.NVLINK_MAX_LINKS, nvml.ERROR_INVALID_ARGUMENT},
 		{"dgx-a100", -1, nvml.ERROR_INVALID_ARGUMENT},
 		{"pcie-4gpu", 0, nvml.ERROR_NOT_SUPPORTED},
+		{"dgx-b200", 17, nvml.SUCCESS},
+		{"dgx-b200", 18, nvml.ERROR_NOT_SUPPORTED},
+		{"pcie-a30x4", 0, nvml.ERROR_NOT_SUPPORTED},
 	}
 	for _, tt := range tests {
 		n := newNode(t, tt.profile)

@@ -17,13 +17,16 @@ type Profile struct {
 // model is one GPU product: what NVML reports about it and how it splits into
 // MIG instances.
 type model struct {
-	name         string
-	memMiB       uint64
-	ccMajor      int
-	ccMinor      int
-	arch         nvml.DeviceArchitecture
-	brand        nvml.BrandType
-	pciDeviceID  uint32 // device id << 16 | vendor id, as nvmlPciInfo_t.pciDeviceId
+	name    string
+	memMiB  uint64
+	ccMajor int
+	ccMinor int
+	arch    nvml.DeviceArchitecture
+	brand   nvml.BrandType
+	// pciDeviceID is device id << 16 | vendor id, as nvmlPciInfo_t.pciDeviceId
+	// and the device-filter of mig-parted configs spell it; it and
+	// pciSubsystem are one pair NVIDIA's driver README lists for the name.
+	pciDeviceID  uint32
 	pciSubsystem uint32
 	sms          uint32
 	copyEngines  uint32
@@ -122,15 +125,18 @@ func buildMIG(shapes []migShape, engines ...migEngines) []giProfile {
 	return out
 }
 
-// hopperEngines are the H100 table's SMs and engines per profile, which
-// every Hopper MIG GPU shares (MIG User Guide, "H100 MIG Profiles": 1g:
-// 1 NVDEC, 1 JPEG; +me adds an OFA; 7g: 7 NVDECs, 7 JPEGs, 1 OFA). Memory
-// is per model.
+// hopperEngines are the engines of every Hopper MIG GPU: MIG User Guide,
+// "Supported MIG Profiles", the "H100 MIG Profiles" and "H200 MIG Profiles"
+// tables, which agree (1g: 1 NVDEC, 1 JPEG, 1 copy engine; +me adds an
+// OFA; 7g: 7 NVDECs, 7 JPEGs, 1 OFA, 8 copy engines). The guide gives SMs
+// as sevenths; the counts are the driver's (nvidia-smi mig -lgip on H100
+// NVL, H200 and both GH200s: the 2-memory-slice 1g profile gets 26 SMs, not
+// 16). Memory is per model.
 func hopperEngines(mem [7]uint64, gb [7]uint64) []migEngines {
 	return []migEngines{
 		{gb[0], mem[0], 16, 1, 1, 0, 1, 0},
 		{gb[1], mem[1], 16, 1, 1, 0, 1, 1},
-		{gb[2], mem[2], 16, 1, 1, 0, 1, 0},
+		{gb[2], mem[2], 26, 1, 1, 0, 1, 0},
 		{gb[3], mem[3], 32, 2, 2, 0, 2, 0},
 		{gb[4], mem[4], 60, 3, 3, 0, 3, 0},
 		{gb[5], mem[5], 64, 4, 4, 0, 4, 0},
@@ -153,10 +159,15 @@ func ampereEngines(mem [7]uint64, gb [7]uint64) []migEngines {
 	}
 }
 
-// Memory sizes are what the drivers report (nvidia-smi mig -lgip) where
-// known, else the profile's share of memory less the driver's reserve; each
-// rounds to the name's size with the fraction-of-eighths rule tools use
-// (TestMIGProfileNamesRound checks every model).
+// Every MIG model follows one table of NVIDIA's MIG User Guide, "Supported
+// MIG Profiles" (named next to it): which profiles, their placements, how
+// many, and their engines. The guide gives memory and SMs only as fractions,
+// so the sizes in MiB and the SM counts are what the driver reports
+// (nvidia-smi mig -lgip, as posted with NVIDIA's mig-parted and GPU Operator
+// changes for each model, and by users) where we found them; the few we did
+// not find are ours and say so. The totals are what nvidia-smi reports.
+// Each size rounds to the profile's name the way NVIDIA's tools name
+// profiles (TestMIGProfileNamesRound checks every model).
 var (
 	a100 = &model{
 		name: "NVIDIA A100-SXM4-40GB", memMiB: 40960, ccMajor: 8, ccMinor: 0,
@@ -174,9 +185,9 @@ var (
 		idleTempC: 29, nvlinks: 18, nvlinkVersion: 4, rowRemap: true,
 		mig: buildMIG(migShapes, hopperEngines([7]uint64{9984, 9984, 20096, 20096, 40448, 40448, 81152}, [7]uint64{10, 10, 20, 20, 40, 40, 80})...),
 	}
-	// MIG User Guide, "Supported MIG Profiles": A100-SXM4-80GB has the
-	// A100-SXM4-40GB table's profiles with twice the memory (1g.10gb ...
-	// 7g.80gb).
+	// "A100 MIG Profiles": the A100-SXM4-80GB has the 40 GB table's
+	// profiles with twice the memory (1g.10gb, 1g.10gb+me, 1g.20gb, 2g.20gb,
+	// 3g.40gb, 4g.40gb, 7g.80gb).
 	a100_80 = &model{
 		name: "NVIDIA A100-SXM4-80GB", memMiB: 81920, ccMajor: 8, ccMinor: 0,
 		arch: nvml.DEVICE_ARCH_AMPERE, brand: nvml.BRAND_NVIDIA,
@@ -185,9 +196,11 @@ var (
 		idleTempC: 31, nvlinks: 12, nvlinkVersion: 3, rowRemap: true,
 		mig: buildMIG(migShapes, ampereEngines([7]uint64{9728, 9728, 19968, 19968, 40192, 40192, 80896}, [7]uint64{10, 10, 20, 20, 40, 40, 80})...),
 	}
-	// MIG User Guide, "A30 MIG Profiles" (the table cited at a30Shapes):
-	// 1/4 of the SMs per compute slice, media engines on the 2g and +me
-	// profiles.
+	// "A30 MIG Profiles" (the table cited at a30Shapes): 1g.6gb has no
+	// media engines, +me 1 NVDEC, 1 JPEG, 1 OFA; 2g.12gb 2 NVDECs, +me adds
+	// a JPEG and an OFA; 4g.24gb 4 NVDECs, 1 JPEG, 1 OFA; one copy engine
+	// per compute slice. Sizes: 5.81, 11.69 and 23.44 GiB as the driver
+	// reports them.
 	a30 = &model{
 		name: "NVIDIA A30", memMiB: 24576, ccMajor: 8, ccMinor: 0,
 		arch: nvml.DEVICE_ARCH_AMPERE, brand: nvml.BRAND_NVIDIA,
@@ -195,60 +208,82 @@ var (
 		maxSMMHz: 1440, maxMemMHz: 1215, idleSMMHz: 210, idlePowerMW: 30_000, powerLimitMW: 165_000,
 		idleTempC: 30, rowRemap: true,
 		mig: buildMIG(a30Shapes,
-			migEngines{6, 5836, 14, 1, 0, 0, 0, 0},
-			migEngines{6, 5836, 14, 1, 1, 0, 1, 1},
-			migEngines{12, 11928, 28, 2, 2, 0, 0, 0},
-			migEngines{12, 11928, 28, 2, 2, 0, 1, 1},
-			migEngines{24, 24032, 56, 4, 4, 0, 1, 1},
+			migEngines{6, 5952, 14, 1, 0, 0, 0, 0},
+			migEngines{6, 5952, 14, 1, 1, 0, 1, 1},
+			migEngines{12, 11968, 28, 2, 2, 0, 0, 0},
+			migEngines{12, 11968, 28, 2, 2, 0, 1, 1},
+			migEngines{24, 24000, 56, 4, 4, 0, 1, 1},
 		),
 	}
-	// MIG User Guide, "H100 MIG Profiles": the 94 GB H100 NVL has the H100
-	// table's profiles named for its memory (1g.12gb ... 7g.94gb).
+	// "H100 MIG Profiles", the H100 94GB (PCIe and SXM5) table: the H100
+	// NVL's profiles are named for its 94 GB (1g.12gb ... 7g.94gb). Sizes:
+	// 10.75, 21.62, 46.38 and 93.12 GiB from the driver.
 	h100nvl = &model{
 		name: "NVIDIA H100 NVL", memMiB: 95830, ccMajor: 9, ccMinor: 0,
 		arch: nvml.DEVICE_ARCH_HOPPER, brand: nvml.BRAND_NVIDIA,
 		pciDeviceID: 0x232110DE, pciSubsystem: 0x183910DE, sms: 132, copyEngines: 8,
 		maxSMMHz: 1785, maxMemMHz: 2619, idleSMMHz: 345, idlePowerMW: 60_000, powerLimitMW: 400_000,
 		idleTempC: 30, nvlinks: 12, nvlinkVersion: 4, rowRemap: true,
-		mig: buildMIG(migShapes, hopperEngines([7]uint64{11008, 11008, 22144, 22144, 44928, 44928, 90880}, [7]uint64{12, 12, 24, 24, 47, 47, 94})...),
+		mig: buildMIG(migShapes, hopperEngines([7]uint64{11008, 11008, 22144, 22144, 47488, 47488, 95360}, [7]uint64{12, 12, 24, 24, 47, 47, 94})...),
 	}
-	// MIG User Guide, "H200 MIG Profiles": 1g.18gb, 1g.18gb+me, 1g.35gb,
-	// 2g.35gb, 3g.71gb, 4g.71gb, 7g.141gb.
+	// "H200 MIG Profiles": 1g.18gb, 1g.18gb+me, 1g.35gb, 2g.35gb, 3g.71gb,
+	// 4g.71gb, 7g.141gb. Sizes: 16.00, 32.25, 69.50 and 139.75 GiB from the
+	// driver.
 	h200 = &model{
 		name: "NVIDIA H200", memMiB: 143771, ccMajor: 9, ccMinor: 0,
 		arch: nvml.DEVICE_ARCH_HOPPER, brand: nvml.BRAND_NVIDIA,
 		pciDeviceID: 0x233510DE, pciSubsystem: 0x18BE10DE, sms: 132, copyEngines: 8,
 		maxSMMHz: 1980, maxMemMHz: 3201, idleSMMHz: 345, idlePowerMW: 75_000, powerLimitMW: 700_000,
 		idleTempC: 29, nvlinks: 18, nvlinkVersion: 4, rowRemap: true,
-		mig: buildMIG(migShapes, hopperEngines([7]uint64{16640, 16640, 33152, 33152, 66560, 66560, 135424}, [7]uint64{18, 18, 35, 35, 71, 71, 141})...),
+		mig: buildMIG(migShapes, hopperEngines([7]uint64{16384, 16384, 33024, 33024, 71168, 71168, 143104}, [7]uint64{18, 18, 35, 35, 71, 71, 141})...),
 	}
-	// MIG User Guide, "H100 MIG Profiles" for the 96 GB H100 of GH200
-	// ("Supported GPUs": H100 on GH200, 96GB): 1g.12gb ... 3g.48gb, 7g.96gb.
+	// "H100 MIG Profiles", the H100 96GB table ("Supported GPUs": H100 on
+	// GH200, 96GB): 1g.12gb ... 3g.48gb, 4g.48gb, 7g.96gb. Sizes: 11.00,
+	// 23.00, 46.50 and 93.00 GiB from the driver.
 	gh200 = &model{
 		name: "NVIDIA GH200 480GB", memMiB: 97871, ccMajor: 9, ccMinor: 0,
 		arch: nvml.DEVICE_ARCH_HOPPER, brand: nvml.BRAND_NVIDIA,
-		pciDeviceID: 0x234210DE, pciSubsystem: 0x16EB10DE, sms: 132, copyEngines: 8,
+		pciDeviceID: 0x234210DE, pciSubsystem: 0x180910DE, sms: 132, copyEngines: 8,
 		maxSMMHz: 1980, maxMemMHz: 2619, idleSMMHz: 345, idlePowerMW: 90_000, powerLimitMW: 900_000,
 		idleTempC: 30, nvlinks: 18, nvlinkVersion: 4, rowRemap: true,
-		mig: buildMIG(migShapes, hopperEngines([7]uint64{11264, 11264, 22784, 22784, 46080, 46080, 93184}, [7]uint64{12, 12, 24, 24, 48, 48, 96})...),
+		mig: buildMIG(migShapes, hopperEngines([7]uint64{11264, 11264, 23552, 23552, 47616, 47616, 95232}, [7]uint64{12, 12, 24, 24, 48, 48, 96})...),
 	}
-	// MIG User Guide, "B200 MIG Profiles": 1g.23gb, 1g.23gb+me, 1g.45gb,
-	// 2g.45gb, 3g.90gb, 4g.90gb, 7g.180gb on 148 SMs; the guide gives SMs as
-	// fractions (1/7 per compute slice), so the counts here are ours.
+	// The GH200 with 144 GB of HBM3e has the Hopper profiles the guide's
+	// H100 and H200 tables share, named for its memory as its driver names
+	// them (1g.18gb, 1g.18gb+me, 1g.36gb, 2g.36gb, 3g.72gb, 4g.72gb,
+	// 7g.144gb; the guide has no table of its own). Sizes 17.50 and 35.25
+	// GiB are the driver's; 3g/4g (71 GiB) and 7g (142 GiB) are ours. The
+	// total is ours too: CUDA reports 145920 MiB, and NVML reports 591 MiB
+	// more than OpenCL's total (CUDA's) on the 96 GB GH200; the driver's name
+	// 7g.144gb needs a total above 143 GiB, which that gives.
+	gh200_144 = &model{
+		name: "NVIDIA GH200 144G HBM3e", memMiB: 146511, ccMajor: 9, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_HOPPER, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x234810DE, pciSubsystem: 0x18D210DE, sms: 132, copyEngines: 8,
+		maxSMMHz: 1980, maxMemMHz: 2619, idleSMMHz: 345, idlePowerMW: 90_000, powerLimitMW: 900_000,
+		idleTempC: 30, nvlinks: 18, nvlinkVersion: 4, rowRemap: true,
+		mig: buildMIG(migShapes, hopperEngines([7]uint64{17920, 17920, 36096, 36096, 72704, 72704, 145408}, [7]uint64{18, 18, 36, 36, 72, 72, 144})...),
+	}
+	// "B200 MIG Profiles": 1g.23gb, 1g.23gb+me, 1g.45gb, 2g.45gb, 3g.90gb,
+	// 4g.90gb, 7g.180gb; 1 NVDEC and 1 JPEG in every profile, an OFA in +me
+	// and 7g, and 2, 2, 2, 3, 6, 8, 16 copy engines. (The driver's -lgip
+	// shows 2 NVDECs and 4 copy engines on 2g.45gb; we follow the guide.)
+	// Sizes 20.50, 44.25, 89.00 and 178.50 GiB and SMs 18, 18, 30, 36, 70,
+	// 72 and all 148 are the driver's.
 	b200 = &model{
 		name: "NVIDIA B200", memMiB: 183359, ccMajor: 10, ccMinor: 0,
 		arch: nvml.DEVICE_ARCH_BLACKWELL, brand: nvml.BRAND_NVIDIA,
-		pciDeviceID: 0x290110DE, pciSubsystem: 0x199910DE, sms: 148, copyEngines: 8,
+		pciDeviceID: 0x290110DE, pciSubsystem: 0x199910DE, sms: 148, copyEngines: 16,
 		maxSMMHz: 1965, maxMemMHz: 3996, idleSMMHz: 345, idlePowerMW: 140_000, powerLimitMW: 1_000_000,
 		idleTempC: 30, nvlinks: 18, nvlinkVersion: 5, rowRemap: true,
 		mig: buildMIG(migShapes,
-			migEngines{23, 21760, 20, 1, 1, 0, 1, 0},
-			migEngines{23, 21760, 20, 1, 1, 0, 1, 1},
-			migEngines{45, 44032, 20, 1, 1, 0, 1, 0},
-			migEngines{45, 44032, 40, 2, 2, 0, 2, 0},
-			migEngines{90, 89088, 60, 3, 3, 0, 3, 0},
-			migEngines{90, 89088, 80, 4, 4, 0, 4, 0},
-			migEngines{180, 178944, 148, 8, 7, 0, 7, 1},
+			migEngines{23, 20992, 18, 2, 1, 0, 1, 0},
+			migEngines{23, 20992, 18, 2, 1, 0, 1, 1},
+			migEngines{45, 45312, 30, 2, 1, 0, 1, 0},
+			migEngines{45, 45312, 36, 3, 1, 0, 1, 0},
+			migEngines{90, 91136, 70, 6, 1, 0, 1, 0},
+			migEngines{90, 91136, 72, 8, 1, 0, 1, 0},
+			migEngines{180, 182784, 148, 16, 1, 0, 1, 1},
 		),
 	}
 	v100 = &model{
@@ -488,6 +523,7 @@ var nodeSpecs = withMIGVariant([]*nodeSpec{
 func init() {
 	nodeSpecs = withModelVariant(nodeSpecs, "dgx-a100", "dgx-a100-80gb", "8x A100-SXM4-80GB, 6 NVSwitches (12 lanes per GPU), 4 NUMA nodes, MIG capable", a100_80)
 	nodeSpecs = withModelVariant(nodeSpecs, "dgx-h100", "dgx-h200", "8x H200 (141 GB), 4 NVSwitches (18 lanes per GPU), 2 NUMA nodes, MIG capable", h200)
+	nodeSpecs = withModelVariant(nodeSpecs, "gh200", "gh200-144g", "1x GH200 (Grace Hopper, 144 GB HBM3e), 1 NUMA node, MIG capable", gh200_144)
 	nodeSpecs = withModelVariant(nodeSpecs, "pcie-4gpu", "pcie-a30x4", "4x A30 (24 GB) on 2 PCIe switches, no NVLink, 2 NUMA nodes, MIG capable (4 slices)", a30)
 }
 

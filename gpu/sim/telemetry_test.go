@@ -47,6 +47,13 @@ func TestTelemetryPerModel(t *testing.T) {
 	}{
 		{profile: "dgx-h100", gpm: true, enc: nvml.ERROR_NOT_SUPPORTED, dec: nvml.SUCCESS, memTemp: nvml.SUCCESS, nvlink: nvml.SUCCESS, reservedMiB: 81559 - 81152, mig: true},
 		{profile: "dgx-a100", enc: nvml.ERROR_NOT_SUPPORTED, dec: nvml.SUCCESS, memTemp: nvml.SUCCESS, nvlink: nvml.SUCCESS, reservedMiB: 40960 - 40192, mig: true},
+		{profile: "dgx-a100-80gb", enc: nvml.ERROR_NOT_SUPPORTED, dec: nvml.SUCCESS, memTemp: nvml.SUCCESS, nvlink: nvml.SUCCESS, reservedMiB: 81920 - 80896, mig: true},
+		{profile: "dgx-h200", gpm: true, enc: nvml.ERROR_NOT_SUPPORTED, dec: nvml.SUCCESS, memTemp: nvml.SUCCESS, nvlink: nvml.SUCCESS, reservedMiB: 143771 - 143104, mig: true},
+		{profile: "dgx-b200", gpm: true, enc: nvml.ERROR_NOT_SUPPORTED, dec: nvml.SUCCESS, memTemp: nvml.SUCCESS, nvlink: nvml.SUCCESS, reservedMiB: 183359 - 182784, mig: true},
+		{profile: "pcie-h100nvl-x2", gpm: true, enc: nvml.ERROR_NOT_SUPPORTED, dec: nvml.SUCCESS, memTemp: nvml.SUCCESS, nvlink: nvml.ERROR_NOT_SUPPORTED, reservedMiB: 95830 - 95360, mig: true},
+		{profile: "gh200", gpm: true, enc: nvml.ERROR_NOT_SUPPORTED, dec: nvml.SUCCESS, memTemp: nvml.SUCCESS, nvlink: nvml.ERROR_NOT_SUPPORTED, reservedMiB: 97871 - 95232, mig: true},
+		{profile: "gh200-144g", gpm: true, enc: nvml.ERROR_NOT_SUPPORTED, dec: nvml.SUCCESS, memTemp: nvml.SUCCESS, nvlink: nvml.ERROR_NOT_SUPPORTED, reservedMiB: 146511 - 145408, mig: true},
+		{profile: "pcie-a30x4", enc: nvml.ERROR_NOT_SUPPORTED, dec: nvml.SUCCESS, memTemp: nvml.SUCCESS, nvlink: nvml.ERROR_NOT_SUPPORTED, reservedMiB: 24576 - 24000, mig: true},
 		{profile: "dgx1-v100", enc: nvml.SUCCESS, dec: nvml.SUCCESS, memTemp: nvml.SUCCESS, nvlink: nvml.SUCCESS, reservedMiB: 32768 / 128},
 		{profile: "pcie-4gpu", enc: nvml.SUCCESS, dec: nvml.SUCCESS, memTemp: nvml.ERROR_NOT_SUPPORTED, nvlink: nvml.ERROR_NOT_SUPPORTED, reservedMiB: 46068 / 128},
 	}
