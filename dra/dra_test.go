@@ -190,6 +190,75 @@ func TestResourcesSharedDevice(t *testing.T) {
 	}
 }
 
+// An MPS device's memory policy is one the API server accepts, or none: a
+// policy it rejects takes the whole ResourceSlice with it.
+func TestMPSMemoryPolicy(t *testing.T) {
+	const mib = 1 << 20
+	tests := []struct {
+		name   string
+		memory uint64
+		shares int
+		// want is the default part per claim; 0: no policy (a claim takes all
+		// of the memory unless it asks for less).
+		want int64
+	}{
+		{name: "1 GiB in 3", memory: 1 << 30, shares: 3, want: 341 * mib},
+		{name: "80 GiB in 7", memory: 80 << 30, shares: 7, want: 11702 * mib},
+		{name: "exactly 1 MiB each", memory: 2 * mib, shares: 2, want: mib},
+		{name: "a part rounded down to 1 MiB", memory: 3*mib - 1, shares: 2, want: mib},
+		{name: "a part just under 1 MiB", memory: 2*mib - 1, shares: 2},
+		{name: "less than 1 MiB in all", memory: 512 << 10, shares: 2},
+		{name: "more shares than MiB", memory: 100 * mib, shares: 101},
+		{name: "no memory known", memory: 0, shares: 4},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := apiDevice(Device{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Shares: tt.shares, MPS: true, MemoryBytes: tt.memory})
+			mem, ok := d.Capacity["memory"]
+			if !ok || mem.Value.Value() != int64(tt.memory) {
+				t.Fatalf("memory capacity %+v, want %d", mem, tt.memory)
+			}
+			if tt.want == 0 {
+				if mem.RequestPolicy != nil {
+					t.Errorf("policy %+v, want none", mem.RequestPolicy)
+				}
+				return
+			}
+			if mem.RequestPolicy == nil || mem.RequestPolicy.Default.Value() != tt.want {
+				t.Fatalf("policy %+v, want default %d", mem.RequestPolicy, tt.want)
+			}
+			if err := validRangePolicy(mem); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+}
+
+// validRangePolicy checks a capacity's range policy as the API server does
+// (k8s.io/api resource/v1 CapacityRequestPolicyRange).
+func validRangePolicy(c resourceapi.DeviceCapacity) error {
+	p := c.RequestPolicy
+	if p.Default == nil || p.ValidRange == nil || p.ValidRange.Min == nil {
+		return fmt.Errorf("policy %+v: default and min are required", p)
+	}
+	capacity, def, lo := c.Value.Value(), p.Default.Value(), p.ValidRange.Min.Value()
+	switch {
+	case lo < 0 || lo > capacity:
+		return fmt.Errorf("min %d outside 0..capacity %d", lo, capacity)
+	case def < lo:
+		return fmt.Errorf("default %d below min %d", def, lo)
+	case p.ValidRange.Max != nil && (def > p.ValidRange.Max.Value() || p.ValidRange.Max.Value() > capacity):
+		return fmt.Errorf("default %d or capacity %d against max %d", def, capacity, p.ValidRange.Max.Value())
+	}
+	if p.ValidRange.Step != nil {
+		step := p.ValidRange.Step.Value()
+		if step <= 0 || lo+step > capacity || (def-lo)%step != 0 {
+			return fmt.Errorf("step %d: min %d + step beyond capacity %d, or default %d not min plus steps", step, lo, capacity, def)
+		}
+	}
+	return nil
+}
+
 func TestSemver(t *testing.T) {
 	for in, want := range map[string]string{"550.54.15": "550.54.15", "535.104": "535.104.0", "": "", "abc": "", "570": ""} {
 		got, ok := semver(in)

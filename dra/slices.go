@@ -192,11 +192,7 @@ func apiDevice(d Device) resourceapi.Device {
 		mem := out.Capacity["memory"]
 		mem.RequestPolicy = &resourceapi.CapacityRequestPolicy{Default: zero, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: zero}}
 		if d.MPS {
-			// An MPS client's memory is pinned (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT):
-			// an equal part by default, whole MiB, at least one.
-			part := resource.NewQuantity(int64(d.MemoryBytes/uint64(d.Shares)>>20<<20), resource.BinarySI)
-			mib := resource.NewQuantity(1<<20, resource.BinarySI)
-			mem.RequestPolicy = &resourceapi.CapacityRequestPolicy{Default: part, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: mib, Step: mib}}
+			mem.RequestPolicy = mpsMemoryPolicy(d.MemoryBytes, d.Shares)
 		}
 		out.Capacity["memory"] = mem
 		out.Capacity[CapacityShares] = resourceapi.DeviceCapacity{Value: *n, RequestPolicy: &resourceapi.CapacityRequestPolicy{
@@ -216,6 +212,26 @@ func apiDevice(d Device) resourceapi.Device {
 		out.Taints = []resourceapi.DeviceTaint{{Key: TaintUnhealthy, Effect: effect}}
 	}
 	return out
+}
+
+// mpsMemoryPolicy is the memory policy of a device shared by shares MPS
+// clients, whose memory is pinned (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT): an
+// equal part by default, in whole MiB, at least one. The API server rejects
+// the whole slice unless min <= default and min + step <= the capacity, so a
+// device whose equal part is under 1 MiB gets no policy (nil): each claim
+// then takes all of the memory unless it asks for less, which never
+// over-commits it.
+func mpsMemoryPolicy(memoryBytes uint64, shares int) *resourceapi.CapacityRequestPolicy {
+	const mib = 1 << 20
+	part := memoryBytes / uint64(shares) / mib * mib
+	if part < mib {
+		return nil
+	}
+	step := resource.NewQuantity(mib, resource.BinarySI)
+	return &resourceapi.CapacityRequestPolicy{
+		Default:    resource.NewQuantity(int64(part), resource.BinarySI),
+		ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: step, Step: step},
+	}
 }
 
 // semver turns NVML's driver version ("550.54.15", "535.104") into the
