@@ -3,6 +3,7 @@ package dra
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -19,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes/fake"
 	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
@@ -508,6 +510,80 @@ func TestResourcesPartitionable(t *testing.T) {
 	whole := pool.Devices[slices.IndexFunc(pool.Devices, func(d Device) bool { return d.Type == TypeGPU })]
 	if len(whole.Consumes) != len(pool.CounterSets[0].Counters) {
 		t.Errorf("the whole GPU consumes %v, not every counter of %v", whole.Consumes, pool.CounterSets[0].Counters)
+	}
+}
+
+// Partition names are DNS labels, one per profile and placement: a +me
+// profile and a -me one (Blackwell has both) must not share a name.
+func TestPartitionName(t *testing.T) {
+	tests := []struct {
+		gpu     int
+		profile string
+		start   int
+		want    string
+	}{
+		{0, "3g.40gb", 4, "gpu-0-mig-3g40gb-4"},
+		{0, "1g.24gb", 6, "gpu-0-mig-1g24gb-6"},
+		{0, "1g.24gb+me", 6, "gpu-0-mig-1g24gb-plus-me-6"},
+		{0, "1g.24gb-me", 6, "gpu-0-mig-1g24gb-me-6"},
+		{0, "1g.24gb+me.all", 6, "gpu-0-mig-1g24gb-plus-me-all-6"},
+		{0, "1g.24gb+gfx", 6, "gpu-0-mig-1g24gb-plus-gfx-6"},
+		{0, "2g.48gb-me", 4, "gpu-0-mig-2g48gb-me-4"},
+		{31, "7g.180gb", 0, "gpu-31-mig-7g180gb-0"},
+	}
+	seen := map[string]string{}
+	for _, tt := range tests {
+		got := PartitionName(tt.gpu, tt.profile, tt.start)
+		if got != tt.want {
+			t.Errorf("PartitionName(%d, %q, %d) = %q, want %q", tt.gpu, tt.profile, tt.start, got, tt.want)
+		}
+		if errs := validation.IsDNS1123Label(got); len(errs) > 0 {
+			t.Errorf("%s: not a DNS label: %v", got, errs)
+		}
+		key := fmt.Sprintf("%d %s %d", tt.gpu, tt.profile, tt.start)
+		if other, dup := seen[got]; dup {
+			t.Errorf("%s and %s are both named %s", other, key, got)
+		}
+		seen[got] = key
+	}
+}
+
+// Every simulated MIG model: each GPU's devices on demand (the whole GPU,
+// every profile at every placement) have distinct names that are DNS labels.
+func TestPartitionNamesOfEveryModel(t *testing.T) {
+	models := map[string]bool{}
+	for _, node := range sim.Profiles() {
+		n, inv := simInventory(t, node.Name)
+		for _, g := range inv.GPUs {
+			dev, ret := n.DeviceGetHandleByIndex(g.Index)
+			if ret != nvml.SUCCESS {
+				t.Fatal(ret)
+			}
+			profiles, err := mig.QueryProfiles(dev, g.MemoryBytes)
+			if err != nil {
+				t.Fatalf("%s GPU %d: %v", node.Name, g.Index, err)
+			}
+			if len(profiles) == 0 {
+				continue
+			}
+			models[g.Name] = true
+			devs, _ := Partitions(Dynamic{GPU: g, Profiles: profiles, Whole: true}, Device{})
+			seen := map[string]string{}
+			for _, d := range devs {
+				if errs := validation.IsDNS1123Label(d.Name); len(errs) > 0 {
+					t.Errorf("%s GPU %d: %q is not a DNS label: %v", node.Name, g.Index, d.Name, errs)
+				}
+				what := fmt.Sprintf("%s at %d", d.Profile, d.Placement.Start)
+				if other, dup := seen[d.Name]; dup {
+					t.Errorf("%s GPU %d: %s and %s are both named %s", node.Name, g.Index, other, what, d.Name)
+				}
+				seen[d.Name] = what
+			}
+		}
+	}
+	// A100 40 and 80 GB, A30, H100, H100 NVL, H200, both GH200s, B200.
+	if len(models) < 9 {
+		t.Errorf("only %d MIG models simulated: %v", len(models), slices.Sorted(maps.Keys(models)))
 	}
 }
 

@@ -117,9 +117,27 @@ func overlaps(a, b gpu.Placement) bool {
 }
 
 // PartitionName names the MIG device of profile at placement start on GPU
-// index, e.g. "gpu-0-mig-1g10gb-me-6" for 1g.10gb+me at 6: a DNS label,
-// stable whether or not the instance exists.
+// index, e.g. "gpu-0-mig-3g40gb-4" for 3g.40gb at 4: a DNS label, stable
+// whether or not the instance exists. The profiles NVIDIA names
+// ("<n>g.<m>gb", then "+me", "+me.all", "+gfx" or "-me") must keep distinct
+// names: "+" is spelled out, since a +me profile (with the media engines) and
+// Blackwell's -me one (without them) may both be on one GPU
+// ("gpu-0-mig-1g24gb-plus-me-6", "gpu-0-mig-1g24gb-me-6"); the dot of
+// "<n>g.<m>gb" goes, any other dot becomes "-" ("+me.all": "-plus-me-all").
 func PartitionName(index int, profile string, start int) string {
-	r := strings.NewReplacer(".", "", "+", "-")
-	return fmt.Sprintf("gpu-%d-mig-%s-%d", index, r.Replace(strings.ToLower(profile)), start)
+	var b strings.Builder
+	p := strings.ToLower(profile)
+	for i := 0; i < len(p); i++ {
+		switch c := p[i]; {
+		case c >= 'a' && c <= 'z', c >= '0' && c <= '9', c == '-':
+			b.WriteByte(c)
+		case c == '+':
+			b.WriteString("-plus-")
+		case c == '.' && i+1 < len(p) && p[i+1] >= '0' && p[i+1] <= '9':
+			// "3g.40gb": the letter before the dot already separates the numbers.
+		default:
+			b.WriteByte('-')
+		}
+	}
+	return fmt.Sprintf("gpu-%d-mig-%s-%d", index, b.String(), start)
 }
