@@ -147,6 +147,68 @@ func TestBuild(t *testing.T) {
 	})
 }
 
+// An old-style MIG UUID ("MIG-GPU-<uuid>/<gi>/<ci>", drivers before R470)
+// is no CDI device name: it alone is left out and named in the error; the
+// device keeps its "<gpu>:<mig>" name and its place in "all", and the rest
+// of the spec is written and resolves.
+func TestOldStyleMIGUUID(t *testing.T) {
+	const old = "MIG-GPU-bbbb/1/0"
+	inv := node()
+	inv.GPUs[1].Instances[0].UUID = old
+	gi1, ci1 := capPath(3, 1, -1), capPath(3, 1, 0)
+	gi9, ci9 := capPath(3, 9, -1), capPath(3, 9, 0)
+	root := fakeDev(t, "/dev/nvidia0", "/dev/nvidia3", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", gi1, ci1, gi9, ci9)
+	s, err := Build(inv, Host{DevRoot: root, Caps: DriverNumbering{}})
+	if err == nil || !strings.Contains(err.Error(), `"`+old+`"`) || !strings.Contains(err.Error(), "GPU 1 MIG device 1:0") {
+		t.Errorf("error %v, want one naming %s and its device", err, old)
+	}
+	var names []string
+	for _, d := range s.Devices {
+		names = append(names, d.Name)
+	}
+	if want := []string{"GPU-aaaa", "0", "GPU-bbbb", "1", "1:0", "MIG-2222", "1:1", "all"}; !slices.Equal(names, want) {
+		t.Errorf("spec devices %v, want %v", names, want)
+	}
+	dir := t.TempDir()
+	w, err := NewWriter(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Write(NodeSpec, s); err != nil {
+		t.Fatalf("the rest of the spec is not written: %v", err)
+	}
+	cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(dir), cdiapi.WithAutoRefresh(false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	control := []string{"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
+	tests := []struct {
+		name string
+		want []string
+	}{
+		{"1:0", []string{"/dev/nvidia3", gi1, ci1}},
+		{"MIG-2222", []string{"/dev/nvidia3", gi9, ci9}},
+		{"all", []string{"/dev/nvidia0", "/dev/nvidia3", gi1, ci1, gi9, ci9}},
+	}
+	for _, tt := range tests {
+		spec := &oci.Spec{Linux: &oci.Linux{}}
+		if unresolved, err := cache.InjectDevices(spec, QualifiedName(tt.name)); err != nil || len(unresolved) > 0 {
+			t.Errorf("inject %s: unresolved %v, %v", tt.name, unresolved, err)
+			continue
+		}
+		var got []string
+		for _, d := range spec.Linux.Devices {
+			got = append(got, d.Path)
+		}
+		want := append(slices.Clone(control), tt.want...)
+		slices.Sort(got)
+		slices.Sort(want)
+		if !slices.Equal(got, want) {
+			t.Errorf("%s: container devices %v, want %v", tt.name, got, want)
+		}
+	}
+}
+
 func TestWriter(t *testing.T) {
 	dir := t.TempDir()
 	w, err := NewWriter(dir)

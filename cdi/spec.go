@@ -18,6 +18,7 @@ import (
 	"strconv"
 
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
+	"tags.cncf.io/container-device-interface/pkg/parser"
 	specs "tags.cncf.io/container-device-interface/specs-go"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
@@ -59,8 +60,9 @@ type Host struct {
 
 // Build returns the spec of the GPUs and MIG devices in inv. A MIG device
 // whose capability minors are unknown is left out (a spec that listed it
-// without them would give containers a device they cannot open) and named
-// in the error, which comes with the spec of everything else: one MIG
+// without them would give containers a device they cannot open), and so is
+// a name CDI does not allow (the device keeps its other names); each is
+// named in the error, which comes with the spec of everything else: one
 // device's trouble must not take every GPU's CDI name away.
 func Build(inv *gpu.Inventory, h Host) (*specs.Spec, error) {
 	if inv == nil || len(inv.GPUs) == 0 {
@@ -68,8 +70,18 @@ func Build(inv *gpu.Inventory, h Host) (*specs.Spec, error) {
 	}
 	s := &specs.Spec{Kind: Kind}
 	var all []*specs.DeviceNode
-	add := func(nodes []*specs.DeviceNode, names ...string) {
+	var errs []error
+	// add names the device what with nodes. A name CDI does not allow is left
+	// out and named in the error: the spec is validated as a whole, so one
+	// such name would keep every device from being written. The old MIG UUIDs
+	// ("MIG-GPU-<uuid>/<gi>/<ci>", drivers before R470) have slashes; such a
+	// device is still reached as "<gpu>:<mig>" and through "all".
+	add := func(what string, nodes []*specs.DeviceNode, names ...string) {
 		for _, n := range names {
+			if err := parser.ValidateDeviceName(n); err != nil {
+				errs = append(errs, fmt.Errorf("cdi: %s: name %q left out: %w", what, n, err))
+				continue
+			}
 			s.Devices = append(s.Devices, specs.Device{Name: n, ContainerEdits: specs.ContainerEdits{DeviceNodes: nodes}})
 		}
 		for _, n := range nodes {
@@ -78,16 +90,14 @@ func Build(inv *gpu.Inventory, h Host) (*specs.Spec, error) {
 			}
 		}
 	}
-	var errs []error
 	for _, g := range inv.GPUs {
 		gpuNode := h.node(fmt.Sprintf("/dev/nvidia%d", g.Minor))
-		if !g.MIG.Current || len(g.Instances) == 0 {
-			add([]*specs.DeviceNode{gpuNode}, g.UUID, strconv.Itoa(g.Index))
-			continue
-		}
 		// A GPU in MIG mode is still named whole (nvidia-smi in a container
 		// that has it sees every instance), as NVIDIA's generator does.
-		add([]*specs.DeviceNode{gpuNode}, g.UUID, strconv.Itoa(g.Index))
+		add(fmt.Sprintf("GPU %d", g.Index), []*specs.DeviceNode{gpuNode}, g.UUID, strconv.Itoa(g.Index))
+		if !g.MIG.Current {
+			continue
+		}
 		for _, m := range g.Instances {
 			if h.Caps == nil {
 				errs = append(errs, fmt.Errorf("cdi: GPU %d MIG device %s left out: no MIG capability table to find its access devices", g.Index, m.UUID))
@@ -103,7 +113,7 @@ func Build(inv *gpu.Inventory, h Host) (*specs.Spec, error) {
 			nodes := []*specs.DeviceNode{gpuNode,
 				h.node(fmt.Sprintf("/dev/nvidia-caps/nvidia-cap%d", giCap)),
 				h.node(fmt.Sprintf("/dev/nvidia-caps/nvidia-cap%d", ciCap))}
-			add(nodes, m.UUID, fmt.Sprintf("%d:%d", g.Index, m.Index))
+			add(fmt.Sprintf("GPU %d MIG device %d:%d", g.Index, g.Index, m.Index), nodes, m.UUID, fmt.Sprintf("%d:%d", g.Index, m.Index))
 		}
 	}
 	s.Devices = append(s.Devices, specs.Device{Name: "all", ContainerEdits: specs.ContainerEdits{DeviceNodes: all}})
