@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"os"
+
 	"github.com/gpu-agent/gpu-agent/cdi"
 	"github.com/gpu-agent/gpu-agent/gpu"
 )
@@ -42,7 +44,12 @@ func (a *Agent) syncCDI(why string) {
 	if a.opts.CDI == nil || a.inv == nil {
 		return
 	}
-	want := a.cdiWanted()
+	// Once written, the spec is kept (and kept current) even when nothing
+	// hands out CDI names any more: a container given one earlier resolves
+	// it again whenever it restarts, and would fail without it.
+	_, statErr := os.Stat(a.opts.CDI.Path())
+	written := statErr == nil
+	want := a.cdiWanted() || written
 	changed, n, err := a.opts.CDI.Sync(a.inv, want)
 	prev := a.cdiStatus
 	a.cdiStatus = CDIStatus{}
@@ -61,10 +68,7 @@ func (a *Agent) syncCDI(why string) {
 	} else if prev.Error != "" {
 		a.log.Info("CDI spec complete again", "spec", a.opts.CDI.Path())
 	}
-	switch {
-	case changed && want:
+	if changed {
 		a.log.Info("CDI spec written", "spec", a.opts.CDI.Path(), "devices", n, "reason", why)
-	case changed:
-		a.log.Info("CDI spec removed: neither the DRA driver nor the config's device list strategy uses CDI", "spec", a.opts.CDI.Path())
 	}
 }

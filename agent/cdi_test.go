@@ -58,7 +58,7 @@ func cdiConfig(strategy string) string {
 }
 
 // The spec exists while the config's device list strategy uses CDI, lists
-// every GPU by UUID and index, follows the MIG layout, and goes when the
+// every GPU by UUID and index, follows the MIG layout, and stays when the
 // strategy no longer uses CDI.
 func TestCDISpecFollowsConfigAndLayout(t *testing.T) {
 	dir := t.TempDir()
@@ -103,9 +103,12 @@ func TestCDISpecFollowsConfigAndLayout(t *testing.T) {
 		t.Errorf("spec %v lacks the index name 0:1 of GPU 0's second MIG device", names)
 	}
 
+	// Containers given CDI names under cdi-cri resolve them again when they
+	// restart: the spec stays, naming the MIG devices still there.
 	h.config(cdiConfig("envvar"))
-	if names := specNames(t, dir); names != nil {
-		t.Errorf("back to envvar: spec %v still there", names)
+	names = specNames(t, dir)
+	if !slices.Contains(names, inv.GPUs[3].UUID) || !slices.Contains(names, inv.GPUs[0].Instances[1].UUID) || !slices.Contains(names, "0:1") {
+		t.Errorf("back to envvar: spec %v, want it kept", names)
 	}
 }
 
