@@ -191,8 +191,13 @@ type Agent struct {
 	holdFailedAt time.Time
 	ledger       map[string]time.Time
 	// claims are the prepared DRA claims: the ledger's DRA side;
+	// releasing what released or failed claims left on the node that is
+	// not undone yet (MIG devices created for them, their CDI specs), and
+	// MIG devices about to be created for a claim (so a crash between
+	// creating one and checkpointing its claim orphans nothing);
 	// dynamicMIG the GPUs (UUIDs) whose MIG mode a claim turned on.
 	claims     map[types.UID]PreparedClaim
+	releasing  map[types.UID]PreparedClaim
 	dynamicMIG map[string]bool
 
 	// Published.
@@ -227,6 +232,7 @@ func New(opts Options) *Agent {
 	a.metrics = newMetrics(opts.Registerer)
 	a.ledger = map[string]time.Time{}
 	a.claims = map[types.UID]PreparedClaim{}
+	a.releasing = map[types.UID]PreparedClaim{}
 	a.dynamicMIG = map[string]bool{}
 	a.restore(opts.Restored)
 	if opts.CDI != nil {

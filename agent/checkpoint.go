@@ -45,9 +45,12 @@ type Checkpoint struct {
 	// Allocated maps device UUIDs to when the plugin allocated them.
 	Allocated map[string]time.Time `json:"allocated,omitempty"`
 	Health    []health.SavedCause  `json:"health,omitempty"`
-	// Claims are the prepared DRA claims, by claim UID (version 2), and
+	// Claims are the prepared DRA claims, by claim UID (version 2);
+	// Releasing what claims left on the node that is still to be undone
+	// (MIG devices, CDI specs), intents to create MIG devices included;
 	// DynamicMIG the GPUs whose MIG mode a claim turned on.
 	Claims     map[types.UID]PreparedClaim `json:"claims,omitempty"`
+	Releasing  map[types.UID]PreparedClaim `json:"releasing,omitempty"`
 	DynamicMIG []string                    `json:"dynamicMIG,omitempty"`
 }
 
@@ -117,6 +120,7 @@ func (a *Agent) restore(cp *Checkpoint) {
 	}
 	maps.Copy(a.ledger, cp.Allocated)
 	maps.Copy(a.claims, cp.Claims)
+	maps.Copy(a.releasing, cp.Releasing)
 	for _, uuid := range cp.DynamicMIG {
 		a.dynamicMIG[uuid] = true
 	}
@@ -132,7 +136,7 @@ func (a *Agent) restore(cp *Checkpoint) {
 		a.health = health.RestoredState(cp.Health)
 	}
 	a.log.Info("checkpoint restored", "written", cp.Written, "gpus", len(cp.GPUs),
-		"allocations", len(cp.Allocated), "healthCauses", len(cp.Health), "draClaims", len(cp.Claims))
+		"allocations", len(cp.Allocated), "healthCauses", len(cp.Health), "draClaims", len(cp.Claims), "draReleasing", len(cp.Releasing))
 }
 
 // checkpoint writes the checkpoint when its content changed; the error says
@@ -142,7 +146,7 @@ func (a *Agent) checkpoint() error {
 		return nil
 	}
 	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Allocated: a.ledger, Claims: a.claims,
-		DynamicMIG: slices.Sorted(maps.Keys(a.dynamicMIG))}
+		Releasing: a.releasing, DynamicMIG: slices.Sorted(maps.Keys(a.dynamicMIG))}
 	if a.inv != nil {
 		cp.GPUs = a.inv.GPUs
 		for _, f := range a.failed {

@@ -68,6 +68,9 @@ type Holdings struct {
 	// claim (the ledger's DRA side, checkpointed too); Claims are the claims.
 	Claimed map[string]string
 	Claims  map[types.UID]PreparedClaim
+	// Releasing maps the MIG devices of released claims that are still to
+	// be destroyed to the claim: offered neither way meanwhile.
+	Releasing map[string]string
 }
 
 // Desired is what the node should run and offer.
@@ -141,7 +144,10 @@ func Plan(s Snapshot) Desired {
 	keepHeld(planned.Catalog, s.Published, s.Holdings.Attribution)
 	shareDevices(d.DRA, planned.Catalog, d.Config)
 	evictOnUnhealthy(d.DRA, d.Config)
-	withholdClaimed(planned.Catalog, s.Holdings.Claimed, s.Inventory)
+	withholdClaimed(planned.Catalog, s.Holdings.Claimed, s.Inventory, func(by string) string { return "prepared for " + by + " through DRA" })
+	withholdClaimed(planned.Catalog, s.Holdings.Releasing, nil, func(by string) string {
+		return "created for " + by + " through DRA, which was released: being destroyed"
+	})
 	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, planned.MPSDaemons, planned.Warnings
 	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)
 	return d

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -111,7 +113,22 @@ func (a *Agent) prepareClaims(e ClaimsPrepare, pool *dra.Pool) (map[types.UID]dr
 	var added []types.UID
 	for _, c := range e.Claims {
 		if pc, ok := a.claims[c.UID]; ok {
-			out[c.UID] = pc.prepared()
+			gone := a.notOnNode(c.UID, pc)
+			if gone == "" {
+				out[c.UID] = pc.prepared()
+				continue
+			}
+			// The node rebooted, or its CDI specs were wiped: the answer
+			// given before names what no longer exists. Prepare it afresh.
+			a.log.Warn("DRA claim prepared before no longer matches the node; preparing it again", "claim", c.String(), "uid", c.UID, "reason", gone)
+			delete(a.claims, c.UID)
+			a.release(c.UID, pc)
+			added = append(added, c.UID) // the ledger changed either way
+		}
+		if a.file == nil {
+			// No config in force yet (it is awaited from a ConfigMap): the
+			// GPUs were not read and the layout is unknown.
+			out[c.UID] = dra.Prepared{Err: fmt.Errorf("claim %s: the agent has no config in force yet, so it prepares no claim", c)}
 			continue
 		}
 		pc, err := a.prepareClaim(c, pool)
@@ -126,6 +143,41 @@ func (a *Agent) prepareClaims(e ClaimsPrepare, pool *dra.Pool) (map[types.UID]dr
 		a.log.Info("DRA claim prepared", "claim", c.String(), "uid", c.UID, "devices", deviceNames(pc))
 	}
 	return out, added
+}
+
+// notOnNode says what of prepared claim pc is no longer on the node: a
+// device NVML no longer lists on a GPU it reads (MIG devices do not
+// outlive a reboot), or the claim's CDI spec (kept on a tmpfs). "" when
+// all is there, or when it cannot be told (its GPU cannot be read now).
+func (a *Agent) notOnNode(uid types.UID, pc PreparedClaim) string {
+	if a.inv == nil {
+		return ""
+	}
+	for _, d := range pc.Devices {
+		parent := d.Parent
+		if parent == "" {
+			parent = d.UUID
+		}
+		if a.isFailed(parent) || a.isFailed(d.UUID) {
+			continue
+		}
+		if !a.inv.HasDevice(d.UUID) {
+			return "device " + d.Device + " (" + d.UUID + ") is gone"
+		}
+	}
+	if a.opts.CDI == nil {
+		return ""
+	}
+	for _, d := range pc.Devices {
+		if d.MPSEnv == nil {
+			continue
+		}
+		path := filepath.Join(filepath.Dir(a.opts.CDI.Path()), cdi.ClaimSpecName(string(uid))+".json")
+		if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
+			return "its CDI spec " + path + " is gone"
+		}
+	}
+	return ""
 }
 
 func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error) {
@@ -143,16 +195,17 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 		}
 		d, ok := pool.Device(r.Device)
 		if !ok {
+			a.release(c.UID, pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %q is not offered on this node (any more)", c, r.Request, r.Device)
 		}
 		if d.Unhealthy != "" {
-			a.undoCreated(pc)
+			a.release(c.UID, pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s (%s) is unhealthy: %s", c, r.Request, r.Device, d.UUID, d.Unhealthy)
 		}
 		if d.Partition {
 			pd, err := a.createPartition(c, d)
 			if err != nil {
-				a.undoCreated(pc)
+				a.release(c.UID, pc)
 				return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s: %w", c, r.Request, r.Device, err)
 			}
 			pd.Requests = []string{r.Request}
@@ -161,7 +214,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 			continue
 		}
 		if by := a.usedElsewhere(d, c.UID); by != "" {
-			a.undoCreated(pc)
+			a.release(c.UID, pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s (%s) is in use by %s", c, r.Request, r.Device, d.UUID, by)
 		}
 		pd := PreparedClaimDevice{
@@ -171,7 +224,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 		if d.MPS {
 			env, mounts, err := a.mpsClient(d, r)
 			if err != nil {
-				a.undoCreated(pc)
+				a.release(c.UID, pc)
 				return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s (%s): %w", c, r.Request, r.Device, d.UUID, err)
 			}
 			name := cdi.ClaimDeviceName(string(c.UID), len(claimDevs))
@@ -191,7 +244,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 			err = a.opts.CDI.WriteClaim(string(c.UID), claimDevs)
 		}
 		if err != nil {
-			a.undoCreated(pc)
+			a.release(c.UID, pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: %w", c, err)
 		}
 	}
@@ -271,22 +324,35 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 		plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpSetMode, Enable: true, Reason: why + ": the first MIG device on an idle GPU"})
 	}
 	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpCreate, Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement, Reason: why})
+	intent := PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name}, Created: true, Parent: g.UUID,
+		Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement}
+	if !g.MIG.Current {
+		// Turned on for claims: this GPU changes MIG mode without a reset,
+		// so it goes back to MIG off when its last on-demand device goes.
+		// Recorded with the intent, before the mode changes.
+		a.dynamicMIG[g.UUID] = true
+	}
+	if err := a.intend(c, intent); err != nil {
+		a.intendDone(c.UID, intent)
+		if !g.MIG.Current {
+			delete(a.dynamicMIG, g.UUID)
+		}
+		return PreparedClaimDevice{}, fmt.Errorf("GPU %d: %s at %d not created: it could not be checkpointed first, so a crash could orphan it: %w",
+			g.Index, d.Profile, d.Placement.Start, err)
+	}
 	st, err := a.opts.MIG.Apply(a.ctx, plan)
 	if err == nil && st.Phase != mig.PhaseApplied {
 		err = fmt.Errorf("GPU %d: %s: %s", g.Index, st.Phase, st.Reason)
 	}
-	if err == nil && !g.MIG.Current {
-		// Turned on at once: this GPU changes MIG mode without a reset, so it
-		// may go back to MIG off when its last on-demand device goes.
-		a.dynamicMIG[g.UUID] = true
-	}
 	a.observe("dynamic MIG: " + why)
-	if err != nil {
-		return PreparedClaimDevice{}, err
+	now, ok := a.inv.GPUByUUID(g.UUID)
+	if ok && !now.MIG.Current {
+		delete(a.dynamicMIG, g.UUID) // the mode did not change
 	}
-	if g, ok = a.inv.GPUByUUID(g.UUID); ok {
-		for _, m := range g.Instances {
-			if m.Placement == d.Placement && m.Profile == d.Profile {
+	if ok {
+		for _, m := range now.Instances {
+			if err == nil && m.Placement == d.Placement && m.Profile == d.Profile {
+				a.intendDone(c.UID, intent)
 				a.log.Info("DRA: MIG device created", "claim", c.String(), "gpu", g.Index, "profile", d.Profile, "placement", d.Placement.Start, "uuid", m.UUID)
 				return PreparedClaimDevice{
 					PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}},
@@ -296,53 +362,166 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 			}
 		}
 	}
-	return PreparedClaimDevice{}, fmt.Errorf("GPU %d: %s at %d was created but NVML does not list it", plan.GPU, d.Profile, d.Placement.Start)
+	if err == nil {
+		err = fmt.Errorf("GPU %d: %s at %d was created but NVML does not list it", plan.GPU, d.Profile, d.Placement.Start)
+	}
+	// Whatever the failed creation left (a device NVML lists late, MIG mode
+	// turned on) is undone now or on a later resync.
+	a.intendDone(c.UID, intent)
+	a.release(c.UID, PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now(), Devices: []PreparedClaimDevice{intent}})
+	return PreparedClaimDevice{}, err
 }
 
-// undoCreated destroys the MIG devices created for a claim that then failed
-// to prepare, so nothing is left half-applied.
-func (a *Agent) undoCreated(pc PreparedClaim) {
-	for _, d := range pc.Devices {
-		if d.Created {
-			a.destroyPartition(pc, d)
+// release undoes what preparing claim uid left on the node: its CDI spec
+// and the MIG devices created for it (pc's devices marked Created), for a
+// claim the kubelet released or one that failed to prepare. What cannot be
+// undone now stays in a.releasing, checkpointed, and is tried again on
+// every resync (retryReleases): nothing a claim made is forgotten.
+func (a *Agent) release(uid types.UID, pc PreparedClaim) {
+	rest := pc
+	rest.Devices = nil
+	devs := pc.Devices
+	if earlier, ok := a.releasing[uid]; ok {
+		devs = append(slices.Clone(earlier.Devices), devs...)
+	}
+	var failed []string
+	if a.opts.CDI != nil {
+		if err := a.opts.CDI.RemoveClaim(string(uid)); err != nil {
+			failed = append(failed, "CDI spec: "+err.Error())
 		}
 	}
+	seen := map[string]bool{}
+	for _, d := range devs {
+		if !d.Created {
+			continue
+		}
+		key := fmt.Sprintf("%s/%s/%s@%d+%d", d.UUID, d.Parent, d.Profile, d.Placement.Start, d.Placement.Size)
+		if seen[key] {
+			continue
+		}
+		seen[key] = true
+		if err := a.destroyPartition(pc, d); err != nil {
+			rest.Devices = append(rest.Devices, d)
+			failed = append(failed, err.Error())
+		}
+	}
+	if len(failed) == 0 {
+		delete(a.releasing, uid)
+		return
+	}
+	if _, again := a.releasing[uid]; !again {
+		a.log.Error("DRA: what a claim left on the node is not undone yet; trying again on every resync",
+			"claim", pc.String(), "uid", uid, "left", strings.Join(failed, "; "))
+	}
+	a.releasing[uid] = rest
+}
+
+// retryReleases tries again to undo what released claims left.
+func (a *Agent) retryReleases() {
+	for _, uid := range slices.Sorted(maps.Keys(a.releasing)) {
+		pc := a.releasing[uid]
+		a.release(uid, pc)
+		if _, left := a.releasing[uid]; !left {
+			a.log.Info("DRA: what a released claim left on the node is undone", "claim", pc.String(), "uid", uid)
+		}
+	}
+}
+
+// intend records, checkpointed, that a MIG device is about to be created
+// for claim c; done drops the record once the device is in the claim (or
+// known not to exist). A record found after a crash is undone like a
+// released claim's device: the kubelet never heard of it and asks again.
+func (a *Agent) intend(c dra.Claim, d PreparedClaimDevice) error {
+	pc := a.releasing[c.UID]
+	pc.Namespace, pc.Name, pc.At = c.Namespace, c.Name, a.now()
+	pc.Devices = append(pc.Devices, d)
+	a.releasing[c.UID] = pc
+	return a.checkpoint()
+}
+
+func (a *Agent) intendDone(uid types.UID, d PreparedClaimDevice) {
+	pc, ok := a.releasing[uid]
+	if !ok {
+		return
+	}
+	pc.Devices = slices.DeleteFunc(pc.Devices, func(x PreparedClaimDevice) bool {
+		return x.UUID == "" && x.Parent == d.Parent && x.Placement == d.Placement && x.Profile == d.Profile
+	})
+	if len(pc.Devices) == 0 {
+		delete(a.releasing, uid)
+		return
+	}
+	a.releasing[uid] = pc
 }
 
 // destroyPartition destroys a MIG device created for a claim once the claim
 // no longer holds it, unless a container got it through the device plugin
 // meanwhile; a GPU left without MIG devices goes back to MIG off where a
-// claim turned it on, so it is offered whole again.
-func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) {
+// claim turned it on, so it is offered whole again. A device recorded only
+// as an intent (no UUID yet) is the one at its placement that no claim
+// holds. The error says why it is still there.
+func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error {
 	if a.opts.MIG == nil || a.inv == nil {
-		return
+		return nil
 	}
 	g, ok := a.inv.GPUByUUID(d.Parent)
 	if !ok {
-		return
+		if a.isFailed(d.Parent) {
+			return fmt.Errorf("MIG device %s: GPU %s cannot be read", d.UUID, d.Parent)
+		}
+		return nil // the GPU is gone, and its MIG devices with it
 	}
-	i := slices.IndexFunc(g.Instances, func(m gpu.MIGInstance) bool { return m.UUID == d.UUID })
-	if i < 0 {
-		return // already gone
+	claimed := claimedUUIDs(a.claims)
+	i := slices.IndexFunc(g.Instances, func(m gpu.MIGInstance) bool {
+		if d.UUID != "" {
+			return m.UUID == d.UUID
+		}
+		return m.Placement == d.Placement && m.Profile == d.Profile && !hasKey(claimed, m.UUID)
+	})
+	// A destroy or create cut short leaves the GPU instance without its
+	// compute instance: no MIG device, but its slices are still taken.
+	bare := slices.IndexFunc(g.GIsWithoutCI, func(b gpu.GPUInstance) bool { return b.Placement == d.Placement && b.Profile == d.Profile })
+	var target gpu.MIGInstance
+	switch {
+	case i >= 0:
+		target = g.Instances[i]
+		if by, ok := claimed[target.UUID]; ok {
+			a.log.Warn("DRA: MIG device of a released claim is prepared for another claim; left as it is", "claim", pc.String(), "uuid", target.UUID, "holder", by)
+			return nil
+		}
+		if hs := a.att.Holders(target.UUID); len(hs) > 0 {
+			a.log.Warn("DRA: MIG device of a released claim is held through the device plugin; left as it is", "claim", pc.String(), "uuid", target.UUID, "holder", hs[0].String())
+			return nil
+		}
+	case bare >= 0:
+		b := g.GIsWithoutCI[bare]
+		target = gpu.MIGInstance{GI: b.GI, Profile: b.Profile, GIProfileID: b.GIProfileID, Placement: b.Placement}
+	default:
+		a.migBackOff(g, pc.String()+" released")
+		return nil // already gone
 	}
-	if hs := a.att.Holders(d.UUID); len(hs) > 0 {
-		a.log.Warn("DRA: MIG device of a released claim is held through the device plugin; left as it is", "claim", pc.String(), "uuid", d.UUID, "holder", hs[0].String())
-		return
+	m := target
+	var uuids []string
+	if m.UUID != "" {
+		uuids = []string{m.UUID}
 	}
-	m := g.Instances[i]
 	counts := map[string]int{}
 	for _, o := range g.Instances {
 		if o.UUID != m.UUID {
 			counts[o.Profile]++
 		}
 	}
+	bares := len(g.GIsWithoutCI)
+	if bare >= 0 && i < 0 {
+		bares--
+	}
 	// MIG goes back off only where a claim turned it on (and so it switched
 	// without a reset): one an admin turned on stays on.
-	last := len(counts) == 0 && len(g.GIsWithoutCI) == 0
+	last := len(counts) == 0 && bares == 0
 	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: !(last && a.dynamicMIG[g.UUID]), Counts: counts}}
 	why := pc.String() + " released"
 	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpDestroy, Profile: m.Profile, ProfileIndex: m.GIProfileID, Placement: m.Placement,
-		GI: m.GI, UUIDs: []string{m.UUID}, Reason: why})
+		GI: m.GI, UUIDs: uuids, Reason: why})
 	if !plan.Want.MIGEnabled {
 		plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpSetMode, Enable: false, Reason: why + ": no MIG device left, the GPU is offered whole again"})
 	}
@@ -350,10 +529,31 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) {
 	if err == nil && st.Phase == mig.PhaseApplied && !plan.Want.MIGEnabled {
 		delete(a.dynamicMIG, g.UUID)
 	}
+	if err == nil && st.Phase != mig.PhaseApplied {
+		err = fmt.Errorf("%s: %s", st.Phase, st.Reason)
+	}
+	a.observe("dynamic MIG: " + why)
+	if err != nil {
+		return fmt.Errorf("GPU %d: MIG device %s (%s at %d) not destroyed: %w", g.Index, d.UUID, m.Profile, m.Placement.Start, err)
+	}
+	a.log.Info("DRA: MIG device destroyed", "claim", pc.String(), "gpu", g.Index, "uuid", d.UUID, "gi", m.GI, "mig-off", !plan.Want.MIGEnabled)
+	return nil
+}
+
+// migBackOff turns MIG off on a GPU a claim turned it on for that has no
+// MIG device left (a creation that failed after the mode changed leaves
+// it so), so the GPU is offered whole again.
+func (a *Agent) migBackOff(g gpu.GPU, why string) {
+	if !a.dynamicMIG[g.UUID] || !g.MIG.Current || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0 {
+		return
+	}
+	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: false},
+		Steps: []mig.Step{{Op: mig.OpSetMode, Enable: false, Reason: why + ": no MIG device left, the GPU is offered whole again"}}}
+	st, err := a.opts.MIG.Apply(a.ctx, plan)
 	if err != nil || st.Phase != mig.PhaseApplied {
-		a.log.Error("DRA: MIG device of a released claim not destroyed", "claim", pc.String(), "uuid", d.UUID, "phase", st.Phase, "reason", st.Reason, "error", err)
+		a.log.Warn("DRA: MIG mode not turned back off", "gpu", g.Index, "phase", st.Phase, "reason", st.Reason, "error", err)
 	} else {
-		a.log.Info("DRA: MIG device destroyed", "claim", pc.String(), "gpu", g.Index, "uuid", d.UUID, "mig-off", !plan.Want.MIGEnabled)
+		delete(a.dynamicMIG, g.UUID)
 	}
 	a.observe("dynamic MIG: " + why)
 }
@@ -407,8 +607,9 @@ func (a *Agent) heldElsewhere(uuid string, uid types.UID) string {
 	return ""
 }
 
-// unprepareClaims drops the claims from the ledger; unknown ones are
-// already released.
+// unprepareClaims drops the claims from the ledger and undoes what they
+// made on the node (release). An unknown claim is already released, but
+// its CDI spec may outlive a crash between writing it and checkpointing.
 func (a *Agent) unprepareClaims(e ClaimsUnprepare) (map[types.UID]error, []PreparedClaim) {
 	out := make(map[types.UID]error, len(e.Claims))
 	var removed []PreparedClaim
@@ -416,20 +617,16 @@ func (a *Agent) unprepareClaims(e ClaimsUnprepare) (map[types.UID]error, []Prepa
 		out[c.UID] = nil
 		pc, ok := a.claims[c.UID]
 		if !ok {
+			if a.opts.CDI != nil && !hasKey(a.releasing, c.UID) {
+				if err := a.opts.CDI.RemoveClaim(string(c.UID)); err != nil {
+					a.log.Warn("DRA: CDI spec of an unknown claim not removed", "claim", c.String(), "error", err)
+				}
+			}
 			continue
 		}
 		delete(a.claims, c.UID)
 		removed = append(removed, pc)
-		if a.opts.CDI != nil {
-			if err := a.opts.CDI.RemoveClaim(string(c.UID)); err != nil {
-				a.log.Warn("DRA: claim's CDI spec not removed", "claim", c.String(), "error", err)
-			}
-		}
-		for _, d := range pc.Devices {
-			if d.Created {
-				a.destroyPartition(pc, d)
-			}
-		}
+		a.release(c.UID, pc)
 		a.log.Info("DRA claim unprepared", "claim", c.String(), "uid", c.UID, "devices", deviceNames(pc))
 	}
 	return out, removed
@@ -449,6 +646,23 @@ func claimedUUIDs(claims map[types.UID]PreparedClaim) map[string]string {
 	for _, uid := range slices.Sorted(maps.Keys(claims)) {
 		for _, d := range claims[uid].Devices {
 			out[d.UUID] = claims[uid].String()
+		}
+	}
+	return out
+}
+
+// releasingUUIDs maps each MIG device still to be destroyed for a released
+// claim, and its GPU, to the claim: neither is offered meanwhile.
+func releasingUUIDs(releasing map[types.UID]PreparedClaim) map[string]string {
+	out := map[string]string{}
+	for _, uid := range slices.Sorted(maps.Keys(releasing)) {
+		pc := releasing[uid]
+		for _, d := range pc.Devices {
+			for _, id := range []string{d.UUID, d.Parent} {
+				if id != "" {
+					out[id] = pc.String()
+				}
+			}
 		}
 	}
 	return out
@@ -475,6 +689,9 @@ func planDRA(s Snapshot) *dra.Pool {
 			continue // the GPU's dynamic devices stand for it
 		}
 		if _, claimed := s.Holdings.Claimed[d.UUID]; !claimed && held(d.UUID) {
+			continue
+		}
+		if hasKey(s.Holdings.Releasing, d.UUID) {
 			continue
 		}
 		p.Devices = append(p.Devices, d)
@@ -625,7 +842,7 @@ func hasKey[K comparable, V any](m map[K]V, k K) bool {
 // claim holds (the device itself, its replicas, or the whole GPU one of its
 // MIG devices is on) unavailable to the kubelet's
 // device manager: a device goes one way at a time.
-func withholdClaimed(cat *catalog.Catalog, claimed map[string]string, inv *gpu.Inventory) {
+func withholdClaimed(cat *catalog.Catalog, claimed map[string]string, inv *gpu.Inventory, why func(by string) string) {
 	if cat == nil || len(claimed) == 0 {
 		return
 	}
@@ -657,7 +874,7 @@ func withholdClaimed(cat *catalog.Catalog, claimed map[string]string, inv *gpu.I
 				continue
 			}
 			d.Healthy = false
-			d.Reason = "prepared for " + by + " through DRA"
+			d.Reason = why(by)
 		}
 	}
 }
@@ -712,7 +929,9 @@ func (a *Agent) claimsStep(prepares []ClaimsPrepare, unprepares []ClaimsUnprepar
 	r.changed = true
 	if err := a.checkpoint(); err != nil {
 		for _, uid := range added {
+			pc := a.claims[uid]
 			delete(a.claims, uid)
+			a.release(uid, pc)
 			for _, out := range r.prepared {
 				if _, ok := out[uid]; ok {
 					out[uid] = dra.Prepared{Err: fmt.Errorf("%w: %w", errCheckpoint, err)}
@@ -741,6 +960,22 @@ func (a *Agent) draStatus() *DRAStatus {
 	for _, uid := range slices.Sorted(maps.Keys(a.claims)) {
 		pc := a.claims[uid]
 		st.Claims = append(st.Claims, pc.Namespace+"/"+pc.Name+": "+strings.Join(deviceNames(pc), ", "))
+	}
+	for _, uid := range slices.Sorted(maps.Keys(a.releasing)) {
+		pc := a.releasing[uid]
+		left := []string{}
+		for _, d := range pc.Devices {
+			switch {
+			case d.UUID != "":
+				left = append(left, d.UUID)
+			default:
+				left = append(left, fmt.Sprintf("%s at %d on %s (to be made)", d.Profile, d.Placement.Start, d.Parent))
+			}
+		}
+		if len(left) == 0 {
+			left = append(left, "CDI spec")
+		}
+		st.Releasing = append(st.Releasing, pc.Namespace+"/"+pc.Name+": "+strings.Join(left, ", "))
 	}
 	return st
 }

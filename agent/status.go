@@ -50,6 +50,10 @@ type DRAStatus struct {
 	Unhealthy []string `json:"unhealthy,omitempty"`
 	// Claims are the prepared claims, "namespace/name: device, ...".
 	Claims []string `json:"claims,omitempty"`
+	// Releasing is what released claims left that is still to be undone,
+	// "namespace/name: MIG device UUID, ..." (a CDI spec alone shows as
+	// "namespace/name: CDI spec").
+	Releasing []string `json:"releasing,omitempty"`
 }
 
 // ConfigStatus says which config is in force and whether the file's latest

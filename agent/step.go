@@ -35,7 +35,8 @@ const refreshRetry = 10 * time.Second
 //	mps        -                                         plan
 //	allocated  allocation ledger (checkpointed)          - (plan, with DRA)
 //	holdings   who holds what                            plan
-//	tick       -                                         observe + plan
+//	tick       -                                         observe + plan; undo what released
+//	                                                     claims left (retryReleases)
 //	dra-*      DRA claims in the ledger (checkpointed    plan, if a claim was
 //	           before the kubelet gets its answer)       prepared or released
 //
@@ -83,6 +84,10 @@ func (a *Agent) Step(batch []Event) {
 	reason := strings.Join(slices.Compact(why), "+")
 	if observe && a.file != nil {
 		a.observe(reason)
+	}
+	if slices.Contains(why, Tick{}.kind()) && len(a.releasing) > 0 {
+		a.retryReleases()
+		plan = true
 	}
 	// Claims are decided against what is observed now, before the pass
 	// that then withholds them from the device plugin.
@@ -254,7 +259,7 @@ func (a *Agent) snapshot() Snapshot {
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
 		Holdings: Holdings{Attribution: a.att, Fresh: a.fresh, Err: a.holdErr, Allocated: a.ledger,
-			Claimed: claimedUUIDs(a.claims), Claims: a.claims},
+			Claimed: claimedUUIDs(a.claims), Claims: a.claims, Releasing: releasingUUIDs(a.releasing)},
 		DRA:       a.opts.DRA != nil,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
 	}

@@ -223,3 +223,14 @@ func (inv *Inventory) GPUByUUID(uuid string) (GPU, bool) {
 	}
 	return GPU{}, false
 }
+
+// HasDevice reports whether uuid is a GPU of the inventory or one of their
+// MIG devices.
+func (inv *Inventory) HasDevice(uuid string) bool {
+	for _, g := range inv.GPUs {
+		if g.UUID == uuid || slices.ContainsFunc(g.Instances, func(m MIGInstance) bool { return m.UUID == uuid }) {
+			return true
+		}
+	}
+	return false
+}

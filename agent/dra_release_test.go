@@ -1,0 +1,220 @@
+package agent
+
+import (
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+)
+
+// gpuOf reads GPU i as NVML shows it now.
+func gpuOf(t *testing.T, h *harness, i int) gpu.GPU {
+	t.Helper()
+	inv, err := h.opts.Observer.Inventory()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return inv.GPUs[i]
+}
+
+// A claim that fails after one of its MIG devices was made leaves nothing
+// behind: the device is destroyed and the GPU goes back to MIG off.
+func TestDRAFailedClaimUndoesItsMIGDevice(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		second string
+		err    string
+	}{
+		{"second device not offered", "gpu-42", "not offered"},
+		{"second device overlaps the first", "gpu-0-mig-7g80gb-0", "already occupies"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			rec := &draRecorder{}
+			h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(rec), withMIG())
+			h.config(wholeGPUs)
+			c := claim("uid-1", "two", "gpu-0-mig-3g40gb-4", tt.second)
+			c.Devices[1].Request = "second"
+			got := h.prepare(c)["uid-1"]
+			if got.Err == nil || !strings.Contains(got.Err.Error(), tt.err) {
+				t.Fatalf("Prepare: %+v, want an error saying %q", got, tt.err)
+			}
+			if g := gpuOf(t, h, 0); g.MIG.Current || len(g.Instances) != 0 {
+				t.Errorf("GPU 0 after the failed claim: MIG %v, instances %+v; want MIG off, none", g.MIG, g.Instances)
+			}
+			if st := h.a.Status().DRA; len(st.Claims) != 0 || len(st.Releasing) != 0 {
+				t.Errorf("/status dra %+v, want no claim and nothing releasing", st)
+			}
+		})
+	}
+}
+
+// A MIG device that cannot be destroyed when its claim is released is
+// withheld both ways, remembered across a restart, and destroyed on a
+// later resync.
+func TestDRAReleaseRetriedUntilDone(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	dir := t.TempDir()
+	h := newHarnessIn(t, node, dir, withDRA(rec), withMIG())
+	h.config(wholeGPUs)
+	got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]
+	if got.Err != nil {
+		t.Fatal(got.Err)
+	}
+	uuid := strings.TrimPrefix(got.Devices[0].CDIDevices[0], dra.CDIKind+"=")
+	if err := node.FailCalls(0, "GpuInstanceDestroy", nvml.ERROR_IN_USE, -1); err != nil {
+		t.Fatal(err)
+	}
+	if errs := h.unprepare(dra.ClaimRef{UID: "uid-1", Namespace: "default", Name: "one"}); errs["uid-1"] != nil {
+		t.Fatalf("Unprepare: %v", errs["uid-1"])
+	}
+	// The compute instance went, its GPU instance could not: no MIG
+	// device, but the slices are still taken.
+	if g := gpuOf(t, h, 0); len(g.Instances) != 0 || len(g.GIsWithoutCI) != 1 {
+		t.Fatalf("GPU 0 instances %+v, bare GPU instances %+v; want the GPU instance that could not be destroyed", g.Instances, g.GIsWithoutCI)
+	}
+	if st := h.a.Status().DRA; len(st.Releasing) != 1 || !strings.Contains(st.Releasing[0], uuid) {
+		t.Errorf("/status dra releasing %v, want %s", st.Releasing, uuid)
+	}
+	if _, parts := partitionsOf(rec.last(), 0); len(parts) != 14 || slices.Contains(parts, "gpu-0-mig-3g40gb-4") {
+		// 25 partitions less the 11 that touch slices 4-7 (1g.10gb and
+		// 1g.10gb+me at 4, 5, 6; 1g.20gb at 4, 6; 2g, 3g at 4; 7g).
+		t.Errorf("GPU 0 offers %d partitions %v while its released device is still there; want 14", len(parts), parts)
+	}
+	for _, d := range rec.last().Devices {
+		if d.UUID == uuid {
+			t.Errorf("the released device is offered through DRA: %s", d.Name)
+		}
+	}
+	if cd := findGPU(h, 0); cd.Healthy {
+		t.Errorf("the device plugin offers GPU 0 while a released device is being destroyed: %+v", cd)
+	}
+
+	// A restart remembers it; the next resync that can destroy it does.
+	h2 := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG(), withCheckpoint())
+	h2.config(wholeGPUs)
+	h2.step(Tick{})
+	if g := gpuOf(t, h2, 0); len(g.GIsWithoutCI) != 1 {
+		t.Fatalf("GPU 0 bare GPU instances %+v while destroying still fails", g.GIsWithoutCI)
+	}
+	if err := node.FailCalls(0, "GpuInstanceDestroy", nvml.ERROR_IN_USE, 0); err != nil {
+		t.Fatal(err)
+	}
+	h2.step(Tick{})
+	if g := gpuOf(t, h2, 0); g.MIG.Current || len(g.Instances) != 0 {
+		t.Errorf("GPU 0 after the retry: MIG %v, instances %+v; want MIG off, none", g.MIG, g.Instances)
+	}
+	if st := h2.a.Status().DRA; len(st.Releasing) != 0 {
+		t.Errorf("/status dra releasing %v after the retry, want none", st.Releasing)
+	}
+	if cd := findGPU(h2, 0); !cd.Healthy {
+		t.Errorf("the device plugin does not offer GPU 0 again: %+v", cd)
+	}
+	cp, err := LoadCheckpoint(dir)
+	if err != nil || len(cp.Releasing) != 0 {
+		t.Errorf("checkpoint releasing %+v (%v), want none", cp.Releasing, err)
+	}
+}
+
+type crash struct{}
+
+// An agent killed right after NVML made a claim's MIG device, before the
+// claim reached the checkpoint, leaves no orphan: the next agent finds the
+// intent it recorded first, destroys the device and turns MIG off again;
+// the kubelet's retry then gets a fresh device.
+func TestDRACrashBetweenCreateAndCheckpoint(t *testing.T) {
+	dir := t.TempDir()
+	state := filepath.Join(dir, "gpus.json")
+	// Changes: MIG mode on, GPU instance, compute instance.
+	node, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state), sim.WithCrashAfter(3, func() { panic(crash{}) }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG())
+	h.config(wholeGPUs)
+	func() {
+		defer func() {
+			if r := recover(); r != (crash{}) {
+				t.Fatalf("recovered %v, want the simulated crash", r)
+			}
+		}()
+		h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))
+	}()
+	node.Close()
+
+	node2, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state))
+	if err != nil {
+		t.Fatal(err)
+	}
+	node2.Init()
+	t.Cleanup(func() { node2.Close() })
+	h2 := newHarnessIn(t, node2, dir, withDRA(&draRecorder{}), withMIG(), withCheckpoint())
+	if g := gpuOf(t, h2, 0); len(g.Instances) != 1 {
+		t.Fatalf("after the crash GPU 0 has instances %+v, want the one made before it", g.Instances)
+	}
+	h2.config(wholeGPUs)
+	h2.step(Tick{})
+	if g := gpuOf(t, h2, 0); g.MIG.Current || len(g.Instances) != 0 {
+		t.Errorf("GPU 0 after the restart: MIG %v, instances %+v; want MIG off, none", g.MIG, g.Instances)
+	}
+	got := h2.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]
+	if got.Err != nil {
+		t.Fatalf("the kubelet's retry: %v", got.Err)
+	}
+	if g := gpuOf(t, h2, 0); len(g.Instances) != 1 {
+		t.Errorf("GPU 0 instances %+v after the retry, want one", g.Instances)
+	}
+}
+
+// After a reboot the MIG devices made for claims are gone, and so are the
+// claims' CDI specs (a tmpfs): the kubelet prepares its claims again, and
+// gets devices and specs that exist, not the answer from before (a device
+// the sim makes again at the same place gets the same UUID).
+func TestDRAPreparedClaimCheckedAfterReboot(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	dir := t.TempDir()
+	cdiDir := t.TempDir()
+	h := newHarnessIn(t, node, dir, withDRA(rec), withMIG(), withCDI(cdiDir))
+	h.config(wholeGPUs)
+	before := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]
+	if before.Err != nil {
+		t.Fatal(before.Err)
+	}
+	if err := node.Reset(0); err != nil { // MIG instances do not outlive it
+		t.Fatal(err)
+	}
+	h2 := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG(), withCDI(cdiDir), withCheckpoint())
+	h2.config(wholeGPUs)
+	after := h2.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]
+	if after.Err != nil {
+		t.Fatal(after.Err)
+	}
+	g := gpuOf(t, h2, 0)
+	if len(g.Instances) != 1 || dra.CDIKind+"="+g.Instances[0].UUID != after.Devices[0].CDIDevices[0] {
+		t.Errorf("GPU 0 instances %+v, answer %v", g.Instances, after.Devices[0].CDIDevices)
+	}
+	if names := specNames(t, cdiDir); !slices.Contains(names, g.Instances[0].UUID) {
+		t.Errorf("the new device is not in the CDI spec %v", names)
+	}
+}
+
+// Until its config is in force (awaited from a ConfigMap) the agent has not
+// read the GPUs, so it prepares no claim; the kubelet asks again.
+func TestDRAPrepareWaitsForConfig(t *testing.T) {
+	h := newHarness(t, simNode(t, "pcie-4gpu"), withDRA(&draRecorder{}))
+	got := h.prepare(claim("uid-1", "one", "gpu-0"))["uid-1"]
+	if got.Err == nil || !strings.Contains(got.Err.Error(), "no config in force") {
+		t.Fatalf("Prepare before the config: %+v, want refused", got)
+	}
+	h.config(wholeGPUs)
+	if got := h.prepare(claim("uid-1", "one", "gpu-0"))["uid-1"]; got.Err != nil {
+		t.Errorf("Prepare once the config is in force: %v", got.Err)
+	}
+}
