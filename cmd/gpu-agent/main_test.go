@@ -56,6 +56,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"run", "--backend", "sim:nope"}, 1, "nope"},
 		{[]string{"inventory", "--backend", "sim:dgx-a100,turbo"}, 2, `unknown sim option "turbo"`},
 		{[]string{"inventory", "--backend", "sim:dgx-a100", "-o", "yaml"}, 2, `-o "yaml"`},
+		{[]string{"run", "--backend", "sim:dgx-h100", "--dra", "--cdi-spec-dir="}, 2, "--dra needs --cdi-spec-dir"},
 		{[]string{"config", "validate"}, 2, "FILE"},
 		{[]string{"config", "validate", "/nonexistent.yaml"}, 1, "nonexistent"},
 	}

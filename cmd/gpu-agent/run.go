@@ -96,6 +96,11 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err := (config.ParseOptions{MIGStrategy: config.MIGStrategy(f.migStrategy)}).Check(); err != nil {
 		return usageError{"--mig-strategy: " + err.Error()}
 	}
+	if f.dra && f.cdiSpecDir == "" {
+		// Its answers are CDI names: without the spec the runtime fails
+		// every container given one.
+		return usageError{"--dra needs --cdi-spec-dir: the DRA driver hands out CDI device names, resolved through the spec written there"}
+	}
 	logger, err := newLogger(stderr, f.logLevel, f.logFormat)
 	if err != nil {
 		return usageError{err.Error()}
