@@ -127,7 +127,7 @@ func TestResources(t *testing.T) {
 	inv := inventory(t, "dgx-h100-mig")
 	pool := &Pool{Devices: Devices(inv, map[string]string{inv.GPUs[0].Instances[0].UUID: "XID 48"})}
 	for _, taints := range []bool{true, false} {
-		res := Resources("node-a", pool, 3, taints)
+		res := Resources("node-a", pool, 3, Dropped{Taints: !taints})
 		p, ok := res.Pools["node-a"]
 		if !ok || p.Generation != 3 || len(p.Slices) != 1 {
 			t.Fatalf("pools %+v", res.Pools)
@@ -466,7 +466,7 @@ func TestResourcesPartitionable(t *testing.T) {
 		pool.Devices = append(pool.Devices, devs...)
 		pool.CounterSets = append(pool.CounterSets, set)
 	}
-	res := Resources("node-a", pool, 1, true).Pools["node-a"].Slices
+	res := Resources("node-a", pool, 1, Dropped{}).Pools["node-a"].Slices
 	var counterSlices, devices int
 	for i, s := range res {
 		if len(s.SharedCounters) > 0 && len(s.Devices) > 0 {

@@ -103,16 +103,18 @@ type Driver struct {
 	opts   Options
 	log    *slog.Logger
 	helper *kubeletplugin.Helper
+	// publisher writes the ResourceSlices: the helper, once started.
+	publisher slicePublisher
 	// watchers are the kubelet's health streams, signalled on each Publish.
 	watchers map[chan struct{}]struct{}
 
 	mu sync.Mutex
-	// pool is the last one published, gen its generation; taints is false
-	// once the API server dropped a device taint (DRADeviceTaints off):
-	// unhealthy devices are then left out instead.
-	pool   *Pool
-	gen    int64
-	taints bool
+	// pool is the last one published, gen its generation; dropped is what
+	// the API server has dropped from a slice so far (one-way: a feature
+	// gate the API server starts with does not change under it).
+	pool    *Pool
+	gen     int64
+	dropped Dropped
 	// published: the pool last handed to the helper, to skip no-op updates.
 	published *Pool
 }
@@ -128,7 +130,7 @@ func New(opts Options) *Driver {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &Driver{opts: opts, log: opts.Logger, taints: true, watchers: map[chan struct{}]struct{}{}}
+	return &Driver{opts: opts, log: opts.Logger, watchers: map[chan struct{}]struct{}{}}
 }
 
 // SetClaims sets who prepares claims (the agent, built after the driver it
@@ -165,7 +167,7 @@ func (d *Driver) Start(ctx context.Context) error {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.helper = h
+	d.helper, d.publisher = h, h
 	d.publishLocked()
 	return nil
 }
@@ -197,18 +199,27 @@ func (d *Driver) Publish(p *Pool) {
 	}
 }
 
+// slicePublisher is what publishing needs of the kubelet plugin helper.
+type slicePublisher interface {
+	PublishResources(ctx context.Context, resources resourceslice.DriverResources) error
+}
+
 func (d *Driver) publishLocked() {
-	if d.helper == nil || d.pool == nil || d.published != nil && d.published.Equal(d.pool) {
+	if d.publisher == nil || d.pool == nil || d.published != nil && d.published.Equal(d.pool) {
 		return
 	}
 	d.gen++
-	res := Resources(d.opts.NodeName, d.pool, d.gen, d.taints)
-	if err := d.helper.PublishResources(context.Background(), res); err != nil {
+	res := Resources(d.opts.NodeName, d.pool, d.gen, d.dropped)
+	if err := d.publisher.PublishResources(context.Background(), res); err != nil {
 		d.log.Error("DRA: cannot publish ResourceSlices", "err", err)
 		return
 	}
 	d.published = d.pool
-	d.log.Info("DRA: ResourceSlices updated", "devices", len(d.pool.Devices), "counterSets", len(d.pool.CounterSets),
+	devices, sets := 0, 0
+	for _, s := range res.Pools[d.opts.NodeName].Slices {
+		devices, sets = devices+len(s.Devices), sets+len(s.SharedCounters)
+	}
+	d.log.Info("DRA: ResourceSlices updated", "devices", devices, "counterSets", sets,
 		"slices", len(res.Pools[d.opts.NodeName].Slices), "generation", d.gen)
 }
 
@@ -282,23 +293,58 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 }
 
 // HandleError implements kubeletplugin.DRAPlugin: errors of the background
-// ResourceSlice publishing. None is fatal; a dropped taint means the API
-// server does not know device taints, so unhealthy devices are withheld
-// from then on instead.
+// ResourceSlice publishing. None is fatal. Fields the API server dropped
+// mean a feature is off there: the devices that need them are left out
+// from then on (Dropped), and the slices are published again without them.
 func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 	var dropped *resourceslice.DroppedFieldsError
-	if errors.As(err, &dropped) {
-		d.mu.Lock()
-		defer d.mu.Unlock()
-		if d.taints {
-			d.taints = false
-			d.log.Warn("DRA: the API server dropped device taints (feature DRADeviceTaints off?); unhealthy devices are left out of the ResourceSlices instead", "err", err)
-			d.published = nil
-			d.publishLocked()
-			return
+	if !errors.As(err, &dropped) {
+		d.log.Error("DRA: "+msg, "err", err)
+		return
+	}
+	features := dropped.DisabledFeatures()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	changed := false
+	var unknown []string
+	for _, f := range features {
+		flag, leftOut := d.dropped.flag(f)
+		switch {
+		case flag == nil:
+			unknown = append(unknown, f)
+		case !*flag:
+			*flag, changed = true, true
+			d.log.Warn("DRA: the API server drops the fields of feature "+f+" (off there); left out of the ResourceSlices from now on: "+leftOut,
+				"feature", f, "err", err)
+		default:
+			// A slice written before the last republish.
+			d.log.Debug("DRA: the API server dropped fields of a feature already allowed for", "feature", f, "err", err)
 		}
 	}
-	d.log.Error("DRA: "+msg, "err", err)
+	if len(unknown) > 0 || len(features) == 0 {
+		// Nothing the driver knows to leave out: the slice stays as the API
+		// server stored it.
+		d.log.Error("DRA: "+msg, "err", err, "features", unknown)
+	}
+	if changed {
+		d.published = nil
+		d.publishLocked()
+	}
+}
+
+// flag is the field of x that the dropped fields of feature (as
+// DroppedFieldsError.DisabledFeatures names it) set, and what that leaves
+// out; nil for a feature whose fields the driver does not publish.
+func (x *Dropped) flag(feature string) (*bool, string) {
+	switch feature {
+	case "DRADeviceTaints":
+		return &x.Taints, "unhealthy devices, which cannot carry their taint"
+	case "DRAPartitionableDevices":
+		return &x.Partitions, "the counter sets and every MIG device made on demand, which without counters could be given out overlapping"
+	case "DRAConsumableCapacity":
+		return &x.Sharing, "devices shared by time-slicing or MPS, which cannot be shared by several claims"
+	}
+	return nil, ""
 }
 
 // NodeWatchResources implements the kubelet's DRA health service: the

@@ -33,15 +33,43 @@ const (
 	maxCounterSetsPerSlice    = 8
 )
 
+// Dropped is what the API server has been seen to drop from ResourceSlices
+// because the feature behind it is off. A device that needs a dropped field
+// to be offered safely is left out instead of being published without it.
+type Dropped struct {
+	// Taints (DRADeviceTaints): unhealthy devices are left out, since
+	// without their taint the scheduler would hand them out.
+	Taints bool
+	// Partitions (DRAPartitionableDevices): shared counters and the devices'
+	// consumption of them. Partition devices are left out, since without
+	// counters the scheduler would give out overlapping placements, and so
+	// are the counter sets; other devices are published without counters.
+	Partitions bool
+	// Sharing (DRAConsumableCapacity): allowMultipleAllocations and capacity
+	// policies. Shared devices (Shares above 1) are left out, since without
+	// them a time-sliced or MPS device could not be shared as the config
+	// asks, and the one claim given it would get no share of its own.
+	Sharing bool
+}
+
+// withholds reports whether d must be left out of the slices.
+func (x Dropped) withholds(d Device) bool {
+	return x.Taints && d.Unhealthy != "" || x.Partitions && d.Partition || x.Sharing && d.Shares > 1
+}
+
 // Resources is what the kubelet plugin helper publishes for pool on
 // nodeName: one pool named for the node; the GPUs' counter sets in slices
 // of their own (a slice holds devices or counters, not both), then the
 // devices, as many slices as the API's limits need. Unhealthy devices carry
-// the NoSchedule taint TaintUnhealthy, or, when taints is false (the API
-// server drops them: the DRADeviceTaints feature is off), are left out.
-func Resources(nodeName string, pool *Pool, generation int64, taints bool) resourceslice.DriverResources {
+// the NoSchedule taint TaintUnhealthy. What the API server drops (dropped)
+// is left out, with the devices that need it.
+func Resources(nodeName string, pool *Pool, generation int64, dropped Dropped) resourceslice.DriverResources {
 	var out []resourceslice.Slice
-	for sets := pool.CounterSets; len(sets) > 0; {
+	sets := pool.CounterSets
+	if dropped.Partitions {
+		sets = nil
+	}
+	for len(sets) > 0 {
 		n := min(len(sets), maxCounterSetsPerSlice)
 		var cs []resourceapi.CounterSet
 		for _, set := range sets[:n] {
@@ -65,8 +93,13 @@ func Resources(nodeName string, pool *Pool, generation int64, taints bool) resou
 		var api []resourceapi.Device
 		counting := false
 		for _, d := range group {
-			if d.Unhealthy != "" && !taints {
+			if dropped.withholds(d) {
 				continue
+			}
+			if dropped.Partitions {
+				// The whole GPU of a dynamic MIG GPU draws on its counters only
+				// to exclude its partitions, which are left out.
+				d.Consumes = nil
 			}
 			ad := apiDevice(d)
 			counting = counting || len(ad.ConsumesCounters) > 0 || len(ad.Taints) > 0

@@ -1,0 +1,313 @@
+package dra
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
+
+	"github.com/gpu-agent/gpu-agent/mig"
+)
+
+// mixedPool is one node with each kind of device an API server feature may
+// be needed for: gpu-0 shared (MPS, 4 shares), gpu-1 unhealthy, gpu-2
+// plain, and GPU 3 with MIG devices on demand (gpu-3 whole, drawing on its
+// counter set, and its partitions).
+func mixedPool(t *testing.T) *Pool {
+	t.Helper()
+	n, inv := simInventory(t, "dgx-h100")
+	pool := &Pool{}
+	for _, d := range Devices(inv, map[string]string{inv.GPUs[1].UUID: "XID 79"}) {
+		switch d.Index {
+		case 0:
+			d.Shares, d.MPS = 4, true
+		case 1, 2:
+		default:
+			continue
+		}
+		pool.Devices = append(pool.Devices, d)
+	}
+	dev, ret := n.DeviceGetHandleByIndex(3)
+	if ret != nvml.SUCCESS {
+		t.Fatal(ret)
+	}
+	profiles, err := mig.QueryProfiles(dev, inv.GPUs[3].MemoryBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	devs, set := Partitions(Dynamic{GPU: inv.GPUs[3], Profiles: profiles, Whole: true}, Device{ProductName: inv.GPUs[3].Name})
+	pool.Devices = append(pool.Devices, devs...)
+	pool.CounterSets = []CounterSet{set}
+	slices.SortFunc(pool.Devices, func(a, b Device) int { return strings.Compare(a.Name, b.Name) })
+	return pool
+}
+
+// published sums up what a publish holds.
+type published struct {
+	devices []string // sorted
+	// partitions: devices named "gpu-N-mig-<profile>-<start>"; counterSets,
+	// consuming, shared, tainted: how many.
+	partitions, counterSets, consuming, shared, tainted int
+}
+
+func summarize(res resourceslice.DriverResources) published {
+	var p published
+	for _, s := range res.Pools["node-a"].Slices {
+		p.counterSets += len(s.SharedCounters)
+		for _, d := range s.Devices {
+			p.devices = append(p.devices, d.Name)
+			if strings.HasPrefix(d.Name, "gpu-3-mig-") {
+				p.partitions++
+			}
+			if len(d.ConsumesCounters) > 0 {
+				p.consuming++
+			}
+			if d.AllowMultipleAllocations != nil {
+				p.shared++
+			}
+			if len(d.Taints) > 0 {
+				p.tainted++
+			}
+		}
+	}
+	slices.Sort(p.devices)
+	return p
+}
+
+func (p published) has(name string) bool { _, ok := slices.BinarySearch(p.devices, name); return ok }
+
+// Each feature the API server lacks leaves out what needs it, and only that.
+func TestResourcesDropped(t *testing.T) {
+	pool := mixedPool(t)
+	partitions := len(pool.Devices) - 4
+	if partitions < 20 {
+		t.Fatalf("GPU 3 has %d partitions", partitions)
+	}
+	tests := []struct {
+		name    string
+		dropped Dropped
+		// absent: devices left out; the rest of the pool is published.
+		absent                                              []string
+		partitions, counterSets, consuming, shared, tainted int
+	}{
+		{name: "nothing", partitions: partitions, counterSets: 1, consuming: partitions + 1, shared: 1, tainted: 1},
+		{name: "taints", dropped: Dropped{Taints: true}, absent: []string{"gpu-1"},
+			partitions: partitions, counterSets: 1, consuming: partitions + 1, shared: 1},
+		{name: "partitions", dropped: Dropped{Partitions: true}, shared: 1, tainted: 1},
+		{name: "sharing", dropped: Dropped{Sharing: true}, absent: []string{"gpu-0"},
+			partitions: partitions, counterSets: 1, consuming: partitions + 1, tainted: 1},
+		{name: "all three", dropped: Dropped{Taints: true, Partitions: true, Sharing: true}, absent: []string{"gpu-0", "gpu-1"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := summarize(Resources("node-a", pool, 1, tt.dropped))
+			for _, d := range pool.Devices {
+				want := !slices.Contains(tt.absent, d.Name) && !(d.Partition && tt.dropped.Partitions)
+				if got.has(d.Name) != want {
+					t.Errorf("%s published: %v, want %v", d.Name, got.has(d.Name), want)
+				}
+			}
+			if got.partitions != tt.partitions || got.counterSets != tt.counterSets || got.consuming != tt.consuming ||
+				got.shared != tt.shared || got.tainted != tt.tainted {
+				t.Errorf("%d partitions, %d counter sets, %d consuming, %d shared, %d tainted; want %d, %d, %d, %d, %d",
+					got.partitions, got.counterSets, got.consuming, got.shared, got.tainted,
+					tt.partitions, tt.counterSets, tt.consuming, tt.shared, tt.tainted)
+			}
+		})
+	}
+}
+
+// fakeSlices records what the driver hands the kubelet plugin helper.
+type fakeSlices struct {
+	res []resourceslice.DriverResources
+}
+
+func (f *fakeSlices) PublishResources(_ context.Context, res resourceslice.DriverResources) error {
+	f.res = append(f.res, res)
+	return nil
+}
+
+// logRecords keeps the driver's log records.
+type logRecords struct {
+	mu      sync.Mutex
+	records []slog.Record
+}
+
+func (l *logRecords) Enabled(context.Context, slog.Level) bool { return true }
+func (l *logRecords) Handle(_ context.Context, r slog.Record) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.records = append(l.records, r)
+	return nil
+}
+func (l *logRecords) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *logRecords) WithGroup(string) slog.Handler      { return l }
+
+// at lists the messages logged at level.
+func (l *logRecords) at(level slog.Level) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, r := range l.records {
+		if r.Level == level {
+			out = append(out, r.Message)
+		}
+	}
+	return out
+}
+
+// The API server's dropped fields reach the driver as the helper's
+// controller reports them (a DroppedFieldsError of the slice it wanted and
+// the one stored); the driver latches what they mean and publishes again.
+func TestHandleDroppedFields(t *testing.T) {
+	pool := mixedPool(t)
+	// Strips of a stored slice, each as an API server without the feature.
+	noTaints := func(s *resourceapi.ResourceSliceSpec) {
+		for i := range s.Devices {
+			s.Devices[i].Taints = nil
+		}
+	}
+	noCounters := func(s *resourceapi.ResourceSliceSpec) { s.SharedCounters = nil }
+	noConsumption := func(s *resourceapi.ResourceSliceSpec) {
+		for i := range s.Devices {
+			s.Devices[i].ConsumesCounters = nil
+		}
+	}
+	noSharing := func(s *resourceapi.ResourceSliceSpec) {
+		for i := range s.Devices {
+			s.Devices[i].AllowMultipleAllocations = nil
+		}
+	}
+	tests := []struct {
+		name string
+		// counters: the error is about the counter slice, else the device slice.
+		counters bool
+		strip    []func(*resourceapi.ResourceSliceSpec)
+		// bindingConditions: the driver wanted binding conditions the API
+		// server dropped (a feature this driver never uses).
+		bindingConditions bool
+		wrap              bool
+		want              Dropped
+		// warned: the features named in Warn records; failed: an Error record.
+		warned []string
+		failed bool
+	}{
+		{name: "taints", strip: []func(*resourceapi.ResourceSliceSpec){noTaints}, want: Dropped{Taints: true}, warned: []string{"DRADeviceTaints"}},
+		{name: "shared counters", counters: true, strip: []func(*resourceapi.ResourceSliceSpec){noCounters},
+			want: Dropped{Partitions: true}, warned: []string{"DRAPartitionableDevices"}},
+		{name: "consumed counters", strip: []func(*resourceapi.ResourceSliceSpec){noConsumption},
+			want: Dropped{Partitions: true}, warned: []string{"DRAPartitionableDevices"}},
+		{name: "multiple allocations", strip: []func(*resourceapi.ResourceSliceSpec){noSharing},
+			want: Dropped{Sharing: true}, warned: []string{"DRAConsumableCapacity"}},
+		{name: "taints and sharing at once, wrapped", strip: []func(*resourceapi.ResourceSliceSpec){noTaints, noSharing}, wrap: true,
+			want: Dropped{Taints: true, Sharing: true}, warned: []string{"DRADeviceTaints", "DRAConsumableCapacity"}},
+		{name: "a feature the driver does not know", bindingConditions: true, failed: true},
+		{name: "no feature found", failed: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			logs := &logRecords{}
+			fake := &fakeSlices{}
+			d := New(Options{NodeName: "node-a", Logger: slog.New(logs)})
+			d.publisher = fake
+			d.Publish(pool)
+			if len(fake.res) != 1 {
+				t.Fatalf("%d publishes, want 1", len(fake.res))
+			}
+			i := slices.IndexFunc(fake.res[0].Pools["node-a"].Slices, func(s resourceslice.Slice) bool {
+				return (len(s.SharedCounters) > 0) == tt.counters
+			})
+			s := fake.res[0].Pools["node-a"].Slices[i]
+			desired := (&resourceapi.ResourceSlice{Spec: resourceapi.ResourceSliceSpec{Driver: DriverName, Devices: s.Devices, SharedCounters: s.SharedCounters}}).DeepCopy()
+			actual := desired.DeepCopy()
+			if tt.bindingConditions {
+				desired.Spec.Devices[0].BindingConditions = []string{"example.com/ready"}
+			}
+			for _, strip := range tt.strip {
+				strip(&actual.Spec)
+			}
+			var err error = &resourceslice.DroppedFieldsError{PoolName: "node-a", SliceIndex: i, DesiredSlice: desired, ActualSlice: actual}
+			if tt.wrap {
+				err = fmt.Errorf("update slice: %w", err)
+			}
+
+			d.HandleError(context.Background(), err, "publish ResourceSlices")
+			d.mu.Lock()
+			latched := d.dropped
+			d.mu.Unlock()
+			if latched != tt.want {
+				t.Errorf("dropped %+v, want %+v", latched, tt.want)
+			}
+			wantPublishes := 1
+			if tt.want != (Dropped{}) {
+				wantPublishes = 2
+			}
+			if len(fake.res) != wantPublishes {
+				t.Fatalf("%d publishes, want %d", len(fake.res), wantPublishes)
+			}
+			check := func(when string, pool *Pool, res resourceslice.DriverResources) {
+				t.Helper()
+				got := summarize(res)
+				for _, dev := range pool.Devices {
+					if want := !tt.want.withholds(dev); got.has(dev.Name) != want {
+						t.Errorf("%s: %s published %v, want %v", when, dev.Name, got.has(dev.Name), want)
+					}
+				}
+				if tt.want.Partitions && (got.counterSets > 0 || got.consuming > 0) {
+					t.Errorf("%s: %d counter sets and %d devices consuming counters, want none", when, got.counterSets, got.consuming)
+				}
+			}
+			check("next publish", pool, fake.res[len(fake.res)-1])
+			warned := logs.at(slog.LevelWarn)
+			if len(warned) != len(tt.warned) {
+				t.Errorf("warnings %q, want one for each of %v", warned, tt.warned)
+			}
+			for _, f := range tt.warned {
+				if !slices.ContainsFunc(warned, func(m string) bool { return strings.Contains(m, f) && strings.Contains(m, "left out") }) {
+					t.Errorf("no warning names %s and what is left out: %q", f, warned)
+				}
+			}
+			if failed := len(logs.at(slog.LevelError)) > 0; failed != tt.failed {
+				t.Errorf("error logged: %v, want %v (%q)", failed, tt.failed, logs.at(slog.LevelError))
+			}
+
+			// One way: the same report again changes nothing, and a new pool
+			// is published without what was dropped.
+			d.HandleError(context.Background(), err, "publish ResourceSlices")
+			if len(fake.res) != wantPublishes {
+				t.Errorf("the same report again: %d publishes, want %d", len(fake.res), wantPublishes)
+			}
+			next := &Pool{Devices: slices.Clone(pool.Devices), CounterSets: pool.CounterSets}
+			next.Devices[slices.IndexFunc(next.Devices, func(d Device) bool { return d.Name == "gpu-2" })].Unhealthy = "XID 48"
+			d.Publish(next)
+			if len(fake.res) != wantPublishes+1 {
+				t.Fatalf("a later pool: %d publishes, want %d", len(fake.res), wantPublishes+1)
+			}
+			check("a later pool", next, fake.res[len(fake.res)-1])
+		})
+	}
+}
+
+// Any other error of the helper is only logged.
+func TestHandleOtherError(t *testing.T) {
+	logs := &logRecords{}
+	fake := &fakeSlices{}
+	d := New(Options{NodeName: "node-a", Logger: slog.New(logs)})
+	d.publisher = fake
+	d.Publish(&Pool{Devices: []Device{{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Unhealthy: "XID 79"}}})
+	d.HandleError(context.Background(), errors.New("conflict"), "update ResourceSlice")
+	if len(fake.res) != 1 || summarize(fake.res[0]).tainted != 1 {
+		t.Errorf("publishes %d, want the first only, with its taint", len(fake.res))
+	}
+	if e := logs.at(slog.LevelError); len(e) != 1 || !strings.Contains(e[0], "update ResourceSlice") {
+		t.Errorf("errors logged %q", e)
+	}
+}
