@@ -66,6 +66,8 @@ type PreparedClaimDevice struct {
 	// MPSEnv is the MPS client environment the claim's spec gives its
 	// containers (a shared device under MPS).
 	MPSEnv map[string]string `json:"mpsEnv,omitempty"`
+	// Shares is how many shares of a shared device the claim took.
+	Shares int64 `json:"shares,omitempty"`
 }
 
 func (c PreparedClaim) String() string { return "ResourceClaim " + c.Namespace + "/" + c.Name }
@@ -213,13 +215,16 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 			pc.Devices = append(pc.Devices, pd)
 			continue
 		}
-		if by := a.usedElsewhere(d, c.UID); by != "" {
+		if by := a.usedElsewhere(d, c.UID, max(r.SharesTaken, 1)); by != "" {
 			a.release(c.UID, pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s (%s) is in use by %s", c, r.Request, r.Device, d.UUID, by)
 		}
 		pd := PreparedClaimDevice{
 			PreparedDevice: dra.PreparedDevice{Requests: []string{r.Request}, Device: r.Device, CDIDevices: []string{d.CDIDevice()}, ShareID: r.ShareID},
 			UUID:           d.UUID,
+		}
+		if d.Shares > 1 {
+			pd.Shares = max(r.SharesTaken, 1)
 		}
 		if d.MPS {
 			env, mounts, err := a.mpsClient(d, r)
@@ -559,9 +564,10 @@ func (a *Agent) migBackOff(g gpu.GPU, why string) {
 }
 
 // usedElsewhere is heldElsewhere for a device of the pool: a shared device
-// (Shares above 1) may be held by other claims, as many as it has shares;
-// containers of the device plugin still exclude it.
-func (a *Agent) usedElsewhere(d dra.Device, uid types.UID) string {
+// (Shares above 1) may be held by other claims as long as the shares they
+// took and the want this claim takes fit; containers of the device plugin
+// still exclude it.
+func (a *Agent) usedElsewhere(d dra.Device, uid types.UID, want int64) string {
 	if d.Shares <= 1 {
 		return a.heldElsewhere(d.UUID, uid)
 	}
@@ -572,14 +578,21 @@ func (a *Agent) usedElsewhere(d dra.Device, uid types.UID) string {
 		return "a container the device plugin gave it at " + at.UTC().Format(time.TimeOnly) + " UTC"
 	}
 	var sharing []string
+	taken := int64(0)
 	for other, pc := range a.claims {
-		if other != uid && slices.ContainsFunc(pc.Devices, func(x PreparedClaimDevice) bool { return x.UUID == d.UUID }) {
-			sharing = append(sharing, pc.String())
+		if other == uid {
+			continue
+		}
+		for _, x := range pc.Devices {
+			if x.UUID == d.UUID {
+				sharing = append(sharing, pc.String())
+				taken += max(x.Shares, 1)
+			}
 		}
 	}
-	if len(sharing) >= d.Shares {
+	if taken+want > int64(d.Shares) {
 		slices.Sort(sharing)
-		return fmt.Sprintf("%d claims, all its shares (%s)", len(sharing), strings.Join(sharing, ", "))
+		return fmt.Sprintf("%d claims holding %d of its %d shares, %d wanted (%s)", len(sharing), taken, d.Shares, want, strings.Join(sharing, ", "))
 	}
 	return ""
 }

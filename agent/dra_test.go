@@ -493,8 +493,18 @@ func TestDRASharedGPU(t *testing.T) {
 			t.Fatalf("claim %s: %+v", c.Name, got)
 		}
 	}
-	if got := h.prepare(shared("uid-c", "c", "share-c"))["uid-c"]; got.Err == nil || !strings.Contains(got.Err.Error(), "all its shares") {
+	if got := h.prepare(shared("uid-c", "c", "share-c"))["uid-c"]; got.Err == nil || !strings.Contains(got.Err.Error(), "holding 2 of its 2 shares") {
 		t.Errorf("a third claim on a 2-share GPU: %+v", got)
+	}
+	// Shares count, not claims: one claim that took both leaves none.
+	h.unprepare(dra.ClaimRef{UID: "uid-a", Namespace: "default", Name: "a"}, dra.ClaimRef{UID: "uid-b", Namespace: "default", Name: "b"})
+	both := shared("uid-d", "d", "share-d")
+	both.Devices[0].SharesTaken = 2
+	if got := h.prepare(both)["uid-d"]; got.Err != nil {
+		t.Fatalf("a claim taking both shares: %v", got.Err)
+	}
+	if got := h.prepare(shared("uid-e", "e", "share-e"))["uid-e"]; got.Err == nil || !strings.Contains(got.Err.Error(), "holding 2 of its 2 shares") {
+		t.Errorf("a claim on a GPU whose 2 shares one claim took: %+v", got)
 	}
 	for _, dev := range h.pub.last().Resources[ResourceGPU].Devices {
 		if dev.GPU == 1 && dev.Healthy {
