@@ -225,6 +225,13 @@ func TestWriter(t *testing.T) {
 	if changed, err := w.Write(NodeSpec, s); changed || err != nil {
 		t.Errorf("same spec again: changed %v, %v; want no write", changed, err)
 	}
+	// Someone removed it: the same content is written again.
+	if err := os.Remove(w.Path(NodeSpec)); err != nil {
+		t.Fatal(err)
+	}
+	if changed, err := w.Write(NodeSpec, s); !changed || err != nil {
+		t.Errorf("same spec after the file was removed: changed %v, %v; want it written again", changed, err)
+	}
 	// A new writer (an agent restart) finds the same content on disk.
 	w2, _ := NewWriter(dir)
 	if changed, err := w2.Write(NodeSpec, s); changed || err != nil {

@@ -70,7 +70,11 @@ func (w *Writer) Write(name string, s *specs.Spec) (bool, error) {
 		return false, fmt.Errorf("cdi: spec %s: %w", name, err)
 	}
 	if prev, ok := w.last[name]; ok && bytes.Equal(prev, data) {
-		return false, nil
+		// Unchanged, unless someone removed the file meanwhile (a runtime
+		// would then fail every container given one of its names).
+		if _, err := os.Stat(w.Path(name)); err == nil {
+			return false, nil
+		}
 	}
 	if old, err := os.ReadFile(w.Path(name)); err == nil && bytes.Equal(old, data) {
 		w.last[name] = data // written by an earlier run of the agent
