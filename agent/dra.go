@@ -68,6 +68,8 @@ type PreparedClaimDevice struct {
 	MPSEnv map[string]string `json:"mpsEnv,omitempty"`
 	// Shares is how many shares of a shared device the claim took.
 	Shares int64 `json:"shares,omitempty"`
+	// AdminAccess: given for administrative access; it holds nothing.
+	AdminAccess bool `json:"adminAccess,omitempty"`
 }
 
 func (c PreparedClaim) String() string { return "ResourceClaim " + c.Namespace + "/" + c.Name }
@@ -200,9 +202,22 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 			a.release(c.UID, pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %q is not offered on this node (any more)", c, r.Request, r.Device)
 		}
-		if d.Unhealthy != "" {
+		if d.Unhealthy != "" && !r.ToleratesUnhealthy && !r.AdminAccess {
 			a.release(c.UID, pc)
 			return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s (%s) is unhealthy: %s", c, r.Request, r.Device, d.UUID, d.Unhealthy)
+		}
+		if r.AdminAccess {
+			// Monitoring: the device as it is, shared with whoever holds it;
+			// admin access neither holds nor creates anything.
+			pd, err := a.adminDevice(d)
+			if err != nil {
+				a.release(c.UID, pc)
+				return PreparedClaim{}, fmt.Errorf("claim %s: request %q (admin access): %w", c, r.Request, err)
+			}
+			pd.Requests = []string{r.Request}
+			byDevice[r.Device+"/"+string(r.ShareID)] = len(pc.Devices)
+			pc.Devices = append(pc.Devices, pd)
+			continue
 		}
 		if d.Partition {
 			pd, err := a.createPartition(c, d)
@@ -254,6 +269,23 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 		}
 	}
 	return pc, nil
+}
+
+// adminDevice is what a claim with admin access to d gets: d itself, or
+// for an on-demand MIG device the instance a claim made at its placement
+// (admin access makes none).
+func (a *Agent) adminDevice(d dra.Device) (PreparedClaimDevice, error) {
+	if !d.Partition {
+		return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{d.CDIDevice()}}, UUID: d.UUID, AdminAccess: true}, nil
+	}
+	if g, ok := a.inv.GPUByUUID(d.ParentUUID); ok {
+		for _, m := range g.Instances {
+			if m.Placement == d.Placement && m.Profile == d.Profile {
+				return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}}, UUID: m.UUID, AdminAccess: true}, nil
+			}
+		}
+	}
+	return PreparedClaimDevice{}, fmt.Errorf("device %s: no %s exists at placement %d of GPU %s, and admin access creates none", d.Name, d.Profile, d.Placement.Start, d.ParentUUID)
 }
 
 // mpsClient is what a claim's container needs to be a client of the MPS
@@ -584,7 +616,7 @@ func (a *Agent) usedElsewhere(d dra.Device, uid types.UID, want int64) string {
 			continue
 		}
 		for _, x := range pc.Devices {
-			if x.UUID == d.UUID {
+			if x.UUID == d.UUID && !x.AdminAccess {
 				sharing = append(sharing, pc.String())
 				taken += max(x.Shares, 1)
 			}
@@ -612,7 +644,7 @@ func (a *Agent) heldElsewhere(uuid string, uid types.UID) string {
 			continue
 		}
 		for _, d := range pc.Devices {
-			if d.UUID == uuid {
+			if d.UUID == uuid && !d.AdminAccess {
 				return pc.String()
 			}
 		}
@@ -658,7 +690,9 @@ func claimedUUIDs(claims map[types.UID]PreparedClaim) map[string]string {
 	out := map[string]string{}
 	for _, uid := range slices.Sorted(maps.Keys(claims)) {
 		for _, d := range claims[uid].Devices {
-			out[d.UUID] = claims[uid].String()
+			if !d.AdminAccess {
+				out[d.UUID] = claims[uid].String()
+			}
 		}
 	}
 	return out

@@ -218,3 +218,64 @@ func TestDRAPrepareWaitsForConfig(t *testing.T) {
 		t.Errorf("Prepare once the config is in force: %v", got.Err)
 	}
 }
+
+// Admin access (monitoring) gets the device as it is, beside whoever holds
+// it, and holds nothing itself; a request that tolerates the unhealthy
+// taint gets the unhealthy device the scheduler gave it on purpose.
+func TestDRAAdminAccessAndTolerations(t *testing.T) {
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "pcie-4gpu"), withDRA(rec))
+	h.config(wholeGPUs)
+	held := h.prepare(claim("uid-a", "a", "gpu-0"))["uid-a"]
+	if held.Err != nil {
+		t.Fatal(held.Err)
+	}
+	admin := claim("uid-admin", "watch", "gpu-0")
+	admin.Devices[0].AdminAccess = true
+	got := h.prepare(admin)["uid-admin"]
+	if got.Err != nil || got.Devices[0].CDIDevices[0] != held.Devices[0].CDIDevices[0] {
+		t.Fatalf("admin access to a held GPU: %+v, want %v", got, held.Devices[0].CDIDevices)
+	}
+	if got := h.prepare(claim("uid-b", "b", "gpu-0"))["uid-b"]; got.Err == nil || !strings.Contains(got.Err.Error(), "in use by ResourceClaim default/a") {
+		t.Errorf("a second claim on the held GPU: %+v, want refused naming claim a", got)
+	}
+	h.unprepare(dra.ClaimRef{UID: "uid-a", Namespace: "default", Name: "a"})
+	if cd := findGPU(h, 0); !cd.Healthy {
+		t.Errorf("an admin-access claim withholds GPU 0 from the device plugin: %+v", cd)
+	}
+	if got := h.prepare(claim("uid-b", "b", "gpu-0"))["uid-b"]; got.Err != nil {
+		t.Errorf("a claim beside an admin-access one: %v", got.Err)
+	}
+
+	h.step(HealthChanged{State: xidState(findGPU(h, 2).ID, 48)})
+	if got := h.prepare(claim("uid-c", "c", "gpu-2"))["uid-c"]; got.Err == nil || !strings.Contains(got.Err.Error(), "unhealthy") {
+		t.Errorf("an unhealthy GPU without a toleration: %+v, want refused", got)
+	}
+	tolerant := claim("uid-d", "d", "gpu-2")
+	tolerant.Devices[0].ToleratesUnhealthy = true
+	if got := h.prepare(tolerant)["uid-d"]; got.Err != nil {
+		t.Errorf("an unhealthy GPU the request tolerates: %v", got.Err)
+	}
+}
+
+// Admin access to an on-demand MIG device gets the instance a claim made
+// there, and makes none itself.
+func TestDRAAdminAccessDynamicMIG(t *testing.T) {
+	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(&draRecorder{}), withMIG())
+	h.config(wholeGPUs)
+	admin := claim("uid-admin", "watch", "gpu-0-mig-3g40gb-4")
+	admin.Devices[0].AdminAccess = true
+	if got := h.prepare(admin)["uid-admin"]; got.Err == nil || !strings.Contains(got.Err.Error(), "admin access creates none") {
+		t.Errorf("admin access to a MIG device no one made: %+v", got)
+	}
+	if g := gpuOf(t, h, 0); g.MIG.Current {
+		t.Errorf("admin access turned MIG on: %+v", g.MIG)
+	}
+	made := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]
+	if made.Err != nil {
+		t.Fatal(made.Err)
+	}
+	if got := h.prepare(admin)["uid-admin"]; got.Err != nil || got.Devices[0].CDIDevices[0] != made.Devices[0].CDIDevices[0] {
+		t.Errorf("admin access to the MIG device a claim made: %+v, want %v", got, made.Devices[0].CDIDevices)
+	}
+}

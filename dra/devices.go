@@ -5,6 +5,7 @@ import (
 	"maps"
 	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
@@ -79,7 +80,14 @@ func (d Device) ParentIndexOrSelf() int {
 
 // CDIDevice is the fully qualified CDI device name a container that gets d
 // is given.
-func (d Device) CDIDevice() string { return CDIKind + "=" + d.UUID }
+func (d Device) CDIDevice() string {
+	if d.Type == TypeMIG && strings.Contains(d.UUID, "/") {
+		// An old driver's MIG UUID (MIG-GPU-<uuid>/<gi>/<ci>) is no CDI
+		// name; the spec names the device by its indexes as well.
+		return CDIKind + "=" + strconv.Itoa(d.ParentIndex) + ":" + strconv.Itoa(d.Index)
+	}
+	return CDIKind + "=" + d.UUID
+}
 
 // Pool is everything the node offers through DRA, ordered by name.
 type Pool struct {

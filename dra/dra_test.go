@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
+	"k8s.io/utils/ptr"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
@@ -599,11 +600,22 @@ func TestClaimOf(t *testing.T) {
 					ConsumedCapacity: map[resourceapi.QualifiedName]resource.Quantity{CapacityShares: resource.MustParse("2"), "memory": resource.MustParse("10Gi")}},
 				{Request: "gpu", Driver: DriverName, Pool: "node-b", Device: "gpu-1"},
 				{Request: "nic", Driver: "other.example.com", Pool: "node-a", Device: "nic-0"},
+				{Request: "watch", Driver: DriverName, Pool: "node-a", Device: "gpu-2", AdminAccess: ptr.To(true),
+					Tolerations: []resourceapi.DeviceToleration{{Key: TaintUnhealthy, Operator: resourceapi.DeviceTolerationOpExists}}},
+				{Request: "any", Driver: DriverName, Pool: "node-a", Device: "gpu-3", AdminAccess: ptr.To(false),
+					Tolerations: []resourceapi.DeviceToleration{{Operator: resourceapi.DeviceTolerationOpExists, Effect: resourceapi.DeviceTaintEffectNoExecute}}},
+				{Request: "other", Driver: DriverName, Pool: "node-a", Device: "gpu-4",
+					Tolerations: []resourceapi.DeviceToleration{{Key: "example.com/other", Operator: resourceapi.DeviceTolerationOpExists}}},
 			},
 		}}},
 	}
 	got := ClaimOf(c, "node-a")
-	want := []Allocated{{Request: "gpu", Device: "gpu-1", ShareID: share, SharesTaken: 2, MemoryBytes: 10 << 30}}
+	want := []Allocated{
+		{Request: "gpu", Device: "gpu-1", ShareID: share, SharesTaken: 2, MemoryBytes: 10 << 30},
+		{Request: "watch", Device: "gpu-2", AdminAccess: true, ToleratesUnhealthy: true},
+		{Request: "any", Device: "gpu-3", ToleratesUnhealthy: true},
+		{Request: "other", Device: "gpu-4"},
+	}
 	if got.UID != "uid-1" || !slices.Equal(got.Devices, want) {
 		t.Errorf("ClaimOf: %+v, want devices %+v", got, want)
 	}

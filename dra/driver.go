@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
 	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
@@ -43,6 +44,12 @@ type Allocated struct {
 	// device's "shares" and "memory" capacities (0: not given).
 	SharesTaken int64  `json:"sharesTaken,omitempty"`
 	MemoryBytes uint64 `json:"memoryBytes,omitempty"`
+	// AdminAccess: allocated for administrative access (monitoring), which
+	// the scheduler grants to devices in use too; it holds nothing.
+	AdminAccess bool `json:"adminAccess,omitempty"`
+	// ToleratesUnhealthy: the request tolerates the unhealthy taint, so
+	// the scheduler may have given it an unhealthy device on purpose.
+	ToleratesUnhealthy bool `json:"toleratesUnhealthy,omitempty"`
 }
 
 // ClaimRef names a claim to unprepare; the claim object may be gone.
@@ -277,6 +284,14 @@ func ClaimOf(c *resourceapi.ResourceClaim, pool string) Claim {
 			if q, ok := r.ConsumedCapacity["memory"]; ok && q.Sign() > 0 {
 				a.MemoryBytes = uint64(q.Value())
 			}
+			a.AdminAccess = r.AdminAccess != nil && *r.AdminAccess
+			for _, t := range r.Tolerations {
+				for _, effect := range []resourceapi.DeviceTaintEffect{resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute} {
+					if resourceclaim.ToleratesTaint(t, resourceapi.DeviceTaint{Key: TaintUnhealthy, Effect: effect}) {
+						a.ToleratesUnhealthy = true
+					}
+				}
+			}
 			out.Devices = append(out.Devices, a)
 		}
 	}
@@ -390,7 +405,7 @@ func (d *Driver) healthResponse() *drahealth.NodeWatchResourcesResponse {
 			Health:          drahealth.HealthStatus_HEALTHY,
 			LastUpdatedTime: now,
 			// Three resends missed: the agent is gone, the kubelet says Unknown.
-			HealthCheckTimeoutSeconds: int64(3 * d.opts.HealthResend / time.Second),
+			HealthCheckTimeoutSeconds: max(1, int64(3*d.opts.HealthResend/time.Second)), // a resend under 1/3 s must not round it to 0
 		}
 		if dev.Unhealthy != "" {
 			h.Health, h.Message = drahealth.HealthStatus_UNHEALTHY, truncate(dev.Unhealthy, 1024)
