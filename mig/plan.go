@@ -304,8 +304,34 @@ func validate(profiles Profiles, want Want) error {
 	if total := profiles.memorySlices(); slicesNeeded > total {
 		return fmt.Errorf("layout %s needs %d memory slices, the GPU has %d", want, slicesNeeded, total)
 	}
+	if err := ofaFits(profiles, want); err != nil {
+		return err
+	}
 	if _, ok := place(profiles, 0, need(profiles, want.Counts, nil)); !ok {
 		return fmt.Errorf("no placement of %s fits the GPU's memory slices", want)
+	}
+	return nil
+}
+
+// ofaFits checks the optical flow accelerators: a GPU instance gets its own,
+// so the layout's instances together may have no more than the GPU, which
+// is what its largest profile has (an A30 has one: one of 1g.6gb+me and
+// 2g.12gb+me, not both; an H100 has one for a single +me instance).
+func ofaFits(profiles Profiles, want Want) error {
+	var total uint32
+	for _, p := range profiles {
+		total = max(total, p.Info.OfaCount)
+	}
+	need := uint32(0)
+	var users []string
+	for _, name := range sortedNames(want.Counts) {
+		if c := profiles[name].Info.OfaCount; c > 0 {
+			need += c * uint32(want.Counts[name])
+			users = append(users, fmt.Sprintf("%d× %s", want.Counts[name], name))
+		}
+	}
+	if need > total {
+		return fmt.Errorf("layout %s needs %d optical flow accelerators (%s), the GPU has %d", want, need, strings.Join(users, ", "), total)
 	}
 	return nil
 }

@@ -102,15 +102,17 @@ func TestPlanKeepsWhatFits(t *testing.T) {
 }
 
 func TestImpossibleLayouts(t *testing.T) {
-	r := newRig(t, "dgx-a100", sim.WithMIGEnabled())
-	g, ps := r.gpu(2), r.profiles(2)
-	for _, tc := range []struct{ layout, msg string }{
-		{"1x8g.80gb", "profile 8g.80gb not offered"},
-		{"2x1g.5gb+me", "exceeds the profile's limit of 1"},
-		{"2x3g.20gb 1x1g.5gb", "needs 9 memory slices, the GPU has 8"},
-		{"1x4g.20gb 2x2g.10gb", "no placement"},
+	for _, tc := range []struct{ node, layout, msg string }{
+		{"dgx-a100", "1x8g.80gb", "profile 8g.80gb not offered"},
+		{"dgx-a100", "2x1g.5gb+me", "exceeds the profile's limit of 1"},
+		{"dgx-a100", "2x3g.20gb 1x1g.5gb", "needs 9 memory slices, the GPU has 8"},
+		{"dgx-a100", "1x4g.20gb 2x2g.10gb", "no placement"},
+		// Memory slices and placements allow it; the A30's one OFA does not.
+		{"pcie-a30x4", "1x1g.6gb+me 1x2g.12gb+me", "needs 2 optical flow accelerators (1× 1g.6gb+me, 1× 2g.12gb+me), the GPU has 1"},
 	} {
-		t.Run(tc.layout, func(t *testing.T) {
+		t.Run(tc.node+"/"+tc.layout, func(t *testing.T) {
+			r := newRig(t, tc.node, sim.WithMIGEnabled())
+			g, ps := r.gpu(2), r.profiles(2)
 			p, st, err := MakePlan(g, ps, want(tc.layout), nil)
 			if err == nil || !strings.Contains(err.Error(), tc.msg) || !strings.Contains(err.Error(), "gpu 2 (GPU-") {
 				t.Fatalf("err = %v, want one naming gpu 2 and %q", err, tc.msg)
