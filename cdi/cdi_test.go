@@ -1,6 +1,7 @@
 package cdi
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -90,19 +91,11 @@ func TestSpecResolves(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			spec := &oci.Spec{Linux: &oci.Linux{}}
-			unresolved, err := cache.InjectDevices(spec, QualifiedName(tt.name))
-			if err != nil || len(unresolved) > 0 {
-				t.Fatalf("inject %s: unresolved %v, %v", QualifiedName(tt.name), unresolved, err)
+			got, err := containerDevices(cache, tt.name)
+			if err != nil {
+				t.Fatal(err)
 			}
-			var got []string
-			for _, d := range spec.Linux.Devices {
-				got = append(got, d.Path)
-			}
-			want := append(slices.Clone(control), tt.want...)
-			slices.Sort(got)
-			slices.Sort(want)
-			if !slices.Equal(got, want) {
+			if want := sorted(control, tt.want); !slices.Equal(got, want) {
 				t.Errorf("container devices %v, want %v", got, want)
 			}
 		})
@@ -191,19 +184,12 @@ func TestOldStyleMIGUUID(t *testing.T) {
 		{"all", []string{"/dev/nvidia0", "/dev/nvidia3", gi1, ci1, gi9, ci9}},
 	}
 	for _, tt := range tests {
-		spec := &oci.Spec{Linux: &oci.Linux{}}
-		if unresolved, err := cache.InjectDevices(spec, QualifiedName(tt.name)); err != nil || len(unresolved) > 0 {
-			t.Errorf("inject %s: unresolved %v, %v", tt.name, unresolved, err)
+		got, err := containerDevices(cache, tt.name)
+		if err != nil {
+			t.Error(err)
 			continue
 		}
-		var got []string
-		for _, d := range spec.Linux.Devices {
-			got = append(got, d.Path)
-		}
-		want := append(slices.Clone(control), tt.want...)
-		slices.Sort(got)
-		slices.Sort(want)
-		if !slices.Equal(got, want) {
+		if want := sorted(control, tt.want); !slices.Equal(got, want) {
 			t.Errorf("%s: container devices %v, want %v", tt.name, got, want)
 		}
 	}
@@ -311,4 +297,29 @@ func FuzzParseMigMinors(f *testing.F) {
 			}
 		}
 	})
+}
+
+// containerDevices is what a runtime resolving CDI device name through
+// cache puts in a container: its device nodes' paths, sorted.
+func containerDevices(cache *cdiapi.Cache, name string) ([]string, error) {
+	spec := &oci.Spec{Linux: &oci.Linux{}}
+	unresolved, err := cache.InjectDevices(spec, QualifiedName(name))
+	if err == nil && len(unresolved) > 0 {
+		err = fmt.Errorf("unresolved %v", unresolved)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("inject %s: %w", QualifiedName(name), err)
+	}
+	var got []string
+	for _, d := range spec.Linux.Devices {
+		got = append(got, d.Path)
+	}
+	slices.Sort(got)
+	return got, nil
+}
+
+func sorted(lists ...[]string) []string {
+	out := slices.Concat(lists...)
+	slices.Sort(out)
+	return out
 }
