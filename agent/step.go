@@ -85,7 +85,7 @@ func (a *Agent) Step(batch []Event) {
 	if observe && a.file != nil {
 		a.observe(reason)
 	}
-	if slices.Contains(why, Tick{}.kind()) && len(a.releasing) > 0 {
+	if slices.Contains(why, Tick{}.kind()) && len(a.releasing) > 0 && a.file != nil { // on GPUs just read
 		a.retryReleases()
 		plan = true
 	}
