@@ -177,9 +177,12 @@ type Agent struct {
 
 	// Observed: the inventory believed, GPUs that could not be read, how
 	// many reads in a row missed each GPU, MIG profiles by model.
-	inv         *gpu.Inventory
-	failed      map[string]FailedGPU
-	misses      map[string]int
+	inv    *gpu.Inventory
+	failed map[string]FailedGPU
+	misses map[string]int
+	// readNow: the GPUs (UUIDs) the last observe read afresh; nil when it
+	// kept the last inventory (or none ran yet: a.inv is the checkpoint's).
+	readNow     map[string]bool
 	profiles    map[string]mig.Profiles
 	profileErrs map[string]error
 

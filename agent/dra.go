@@ -116,6 +116,13 @@ func (a *Agent) prepareClaims(e ClaimsPrepare, pool *dra.Pool) (map[types.UID]dr
 	out := make(map[types.UID]dra.Prepared, len(e.Claims))
 	var added []types.UID
 	for _, c := range e.Claims {
+		if a.file == nil {
+			// No config in force yet (it is awaited from a ConfigMap): the
+			// GPUs were not read, so neither a new claim nor the answer
+			// given before (a reboot may have taken its devices) is sure.
+			out[c.UID] = dra.Prepared{Err: fmt.Errorf("claim %s: the agent has no config in force yet, so it prepares no claim", c)}
+			continue
+		}
 		if pc, ok := a.claims[c.UID]; ok {
 			gone := a.notOnNode(c.UID, pc)
 			if gone == "" {
@@ -128,12 +135,6 @@ func (a *Agent) prepareClaims(e ClaimsPrepare, pool *dra.Pool) (map[types.UID]dr
 			delete(a.claims, c.UID)
 			a.release(c.UID, pc)
 			added = append(added, c.UID) // the ledger changed either way
-		}
-		if a.file == nil {
-			// No config in force yet (it is awaited from a ConfigMap): the
-			// GPUs were not read and the layout is unknown.
-			out[c.UID] = dra.Prepared{Err: fmt.Errorf("claim %s: the agent has no config in force yet, so it prepares no claim", c)}
-			continue
 		}
 		pc, err := a.prepareClaim(c, pool)
 		if err != nil {
@@ -158,14 +159,7 @@ func (a *Agent) notOnNode(uid types.UID, pc PreparedClaim) string {
 		return ""
 	}
 	for _, d := range pc.Devices {
-		parent := d.Parent
-		if parent == "" {
-			parent = d.UUID
-		}
-		if a.isFailed(parent) || a.isFailed(d.UUID) {
-			continue
-		}
-		if !a.inv.HasDevice(d.UUID) {
+		if !a.inv.HasDevice(d.UUID) && a.readNow != nil && !a.failedHas(d.UUID) {
 			return "device " + d.Device + " (" + d.UUID + ") is gone"
 		}
 	}
@@ -184,6 +178,17 @@ func (a *Agent) notOnNode(uid types.UID, pc PreparedClaim) string {
 	return ""
 }
 
+// failedHas reports whether uuid is a GPU that cannot be read now, or one
+// of the MIG devices it had.
+func (a *Agent) failedHas(uuid string) bool {
+	for _, f := range a.failed {
+		if f.GPU.UUID == uuid || slices.ContainsFunc(f.GPU.Instances, func(m gpu.MIGInstance) bool { return m.UUID == uuid }) {
+			return true
+		}
+	}
+	return false
+}
+
 func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error) {
 	if len(c.Devices) == 0 {
 		return PreparedClaim{}, fmt.Errorf("claim %s: no device of driver %s on this node is allocated to it", c, dra.DriverName)
@@ -192,7 +197,8 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 	byDevice := map[string]int{}
 	var claimDevs []cdi.ClaimDevice
 	for _, r := range c.Devices {
-		if i, ok := byDevice[r.Device+"/"+string(r.ShareID)]; ok {
+		key := fmt.Sprintf("%s/%s/%v", r.Device, r.ShareID, r.AdminAccess)
+		if i, ok := byDevice[key]; ok {
 			// Two requests served by one device: one entry, both requests.
 			pc.Devices[i].Requests = append(pc.Devices[i].Requests, r.Request)
 			continue
@@ -215,7 +221,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 				return PreparedClaim{}, fmt.Errorf("claim %s: request %q (admin access): %w", c, r.Request, err)
 			}
 			pd.Requests = []string{r.Request}
-			byDevice[r.Device+"/"+string(r.ShareID)] = len(pc.Devices)
+			byDevice[key] = len(pc.Devices)
 			pc.Devices = append(pc.Devices, pd)
 			continue
 		}
@@ -226,7 +232,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 				return PreparedClaim{}, fmt.Errorf("claim %s: request %q: device %s: %w", c, r.Request, r.Device, err)
 			}
 			pd.Requests = []string{r.Request}
-			byDevice[r.Device+"/"+string(r.ShareID)] = len(pc.Devices)
+			byDevice[key] = len(pc.Devices)
 			pc.Devices = append(pc.Devices, pd)
 			continue
 		}
@@ -252,7 +258,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (PreparedClaim, error)
 			pd.CDIDevices = append(pd.CDIDevices, cdi.QualifiedName(name))
 			pd.MPSEnv = env
 		}
-		byDevice[r.Device+"/"+string(r.ShareID)] = len(pc.Devices)
+		byDevice[key] = len(pc.Devices)
 		pc.Devices = append(pc.Devices, pd)
 	}
 	if len(claimDevs) > 0 {
@@ -382,14 +388,24 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 		err = fmt.Errorf("GPU %d: %s: %s", g.Index, st.Phase, st.Reason)
 	}
 	a.observe("dynamic MIG: " + why)
+	if !a.read(g.UUID) {
+		// What NVML made cannot be told now. The intent stays in the
+		// ledger: the claim's release (the caller's) undoes it once the
+		// GPU reads again.
+		if err == nil {
+			err = fmt.Errorf("GPU %d could not be read after %s at %d was created", g.Index, d.Profile, d.Placement.Start)
+		}
+		return PreparedClaimDevice{}, err
+	}
 	now, ok := a.inv.GPUByUUID(g.UUID)
 	if ok && !now.MIG.Current {
 		delete(a.dynamicMIG, g.UUID) // the mode did not change
 	}
-	if ok {
+	if ok && err == nil {
 		for _, m := range now.Instances {
-			if err == nil && m.Placement == d.Placement && m.Profile == d.Profile {
-				a.intendDone(c.UID, intent)
+			if m.Placement == d.Placement && m.Profile == d.Profile {
+				// The intent stays until the claim is checkpointed with
+				// the device (claimsStep).
 				a.log.Info("DRA: MIG device created", "claim", c.String(), "gpu", g.Index, "profile", d.Profile, "placement", d.Placement.Start, "uuid", m.UUID)
 				return PreparedClaimDevice{
 					PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}},
@@ -403,9 +419,8 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 		err = fmt.Errorf("GPU %d: %s at %d was created but NVML does not list it", plan.GPU, d.Profile, d.Placement.Start)
 	}
 	// Whatever the failed creation left (a device NVML lists late, MIG mode
-	// turned on) is undone now or on a later resync.
-	a.intendDone(c.UID, intent)
-	a.release(c.UID, PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now(), Devices: []PreparedClaimDevice{intent}})
+	// turned on) is undone with the claim's release (the caller's), from
+	// the intent, now or on a later resync.
 	return PreparedClaimDevice{}, err
 }
 
@@ -422,7 +437,7 @@ func (a *Agent) release(uid types.UID, pc PreparedClaim) {
 		devs = append(slices.Clone(earlier.Devices), devs...)
 	}
 	var failed []string
-	if a.opts.CDI != nil {
+	if a.opts.CDI != nil && !hasKey(a.claims, uid) { // a claim prepared again keeps its spec
 		if err := a.opts.CDI.RemoveClaim(string(uid)); err != nil {
 			failed = append(failed, "CDI spec: "+err.Error())
 		}
@@ -476,6 +491,21 @@ func (a *Agent) intend(c dra.Claim, d PreparedClaimDevice) error {
 	return a.checkpoint()
 }
 
+// dropIntents forgets the intents of claim uid once the claim, with the
+// devices they stand for, is checkpointed.
+func (a *Agent) dropIntents(uid types.UID) {
+	pc, ok := a.releasing[uid]
+	if !ok {
+		return
+	}
+	pc.Devices = slices.DeleteFunc(pc.Devices, func(x PreparedClaimDevice) bool { return x.UUID == "" })
+	if len(pc.Devices) == 0 {
+		delete(a.releasing, uid)
+		return
+	}
+	a.releasing[uid] = pc
+}
+
 func (a *Agent) intendDone(uid types.UID, d PreparedClaimDevice) {
 	pc, ok := a.releasing[uid]
 	if !ok {
@@ -502,10 +532,12 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 		return nil
 	}
 	g, ok := a.inv.GPUByUUID(d.Parent)
-	if !ok {
-		if a.isFailed(d.Parent) {
-			return fmt.Errorf("MIG device %s: GPU %s cannot be read", d.UUID, d.Parent)
-		}
+	switch {
+	case a.readNow == nil || ok && !a.read(d.Parent) || a.isFailed(d.Parent):
+		// What the loop believes of the GPU is older than the last read
+		// (or the checkpoint's): it cannot tell the device is gone.
+		return fmt.Errorf("%s at %d on GPU %s: the GPU was not read just now; trying again", d.Profile, d.Placement.Start, d.Parent)
+	case !ok:
 		return nil // the GPU is gone, and its MIG devices with it
 	}
 	claimed := claimedUUIDs(a.claims)
@@ -523,19 +555,21 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 	case i >= 0:
 		target = g.Instances[i]
 		if by, ok := claimed[target.UUID]; ok {
+			// Made again, with the same UUID, for another claim: ours is gone.
 			a.log.Warn("DRA: MIG device of a released claim is prepared for another claim; left as it is", "claim", pc.String(), "uuid", target.UUID, "holder", by)
 			return nil
 		}
 		if hs := a.att.Holders(target.UUID); len(hs) > 0 {
-			a.log.Warn("DRA: MIG device of a released claim is held through the device plugin; left as it is", "claim", pc.String(), "uuid", target.UUID, "holder", hs[0].String())
-			return nil
+			return fmt.Errorf("MIG device %s is held through the device plugin by %s; destroyed once released", target.UUID, hs[0].String())
+		}
+		if at, ok := a.ledger[target.UUID]; ok {
+			return fmt.Errorf("MIG device %s was allocated through the device plugin at %s UTC; destroyed once released", target.UUID, at.UTC().Format(time.TimeOnly))
 		}
 	case bare >= 0:
 		b := g.GIsWithoutCI[bare]
 		target = gpu.MIGInstance{GI: b.GI, Profile: b.Profile, GIProfileID: b.GIProfileID, Placement: b.Placement}
 	default:
-		a.migBackOff(g, pc.String()+" released")
-		return nil // already gone
+		return a.migBackOff(g, pc.String()+" released") // the device is gone
 	}
 	m := target
 	var uuids []string
@@ -580,19 +614,22 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 // migBackOff turns MIG off on a GPU a claim turned it on for that has no
 // MIG device left (a creation that failed after the mode changed leaves
 // it so), so the GPU is offered whole again.
-func (a *Agent) migBackOff(g gpu.GPU, why string) {
+func (a *Agent) migBackOff(g gpu.GPU, why string) error {
 	if !a.dynamicMIG[g.UUID] || !g.MIG.Current || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0 {
-		return
+		return nil
 	}
 	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: false},
 		Steps: []mig.Step{{Op: mig.OpSetMode, Enable: false, Reason: why + ": no MIG device left, the GPU is offered whole again"}}}
 	st, err := a.opts.MIG.Apply(a.ctx, plan)
-	if err != nil || st.Phase != mig.PhaseApplied {
-		a.log.Warn("DRA: MIG mode not turned back off", "gpu", g.Index, "phase", st.Phase, "reason", st.Reason, "error", err)
-	} else {
-		delete(a.dynamicMIG, g.UUID)
+	if err == nil && st.Phase != mig.PhaseApplied {
+		err = fmt.Errorf("%s: %s", st.Phase, st.Reason)
 	}
 	a.observe("dynamic MIG: " + why)
+	if err != nil {
+		return fmt.Errorf("GPU %d: MIG mode not turned back off: %w", g.Index, err)
+	}
+	delete(a.dynamicMIG, g.UUID)
+	return nil
 }
 
 // usedElsewhere is heldElsewhere for a device of the pool: a shared device
@@ -699,8 +736,9 @@ func claimedUUIDs(claims map[types.UID]PreparedClaim) map[string]string {
 }
 
 // releasingUUIDs maps each MIG device still to be destroyed for a released
-// claim, and its GPU, to the claim: neither is offered meanwhile.
-func releasingUUIDs(releasing map[types.UID]PreparedClaim) map[string]string {
+// claim (for an intent, the instance no claim holds at its placement), and
+// its GPU, to the claim: neither is offered meanwhile.
+func releasingUUIDs(releasing map[types.UID]PreparedClaim, inv *gpu.Inventory, claimed map[string]string) map[string]string {
 	out := map[string]string{}
 	for _, uid := range slices.Sorted(maps.Keys(releasing)) {
 		pc := releasing[uid]
@@ -708,6 +746,16 @@ func releasingUUIDs(releasing map[types.UID]PreparedClaim) map[string]string {
 			for _, id := range []string{d.UUID, d.Parent} {
 				if id != "" {
 					out[id] = pc.String()
+				}
+			}
+			if d.UUID != "" || inv == nil {
+				continue
+			}
+			if g, ok := inv.GPUByUUID(d.Parent); ok {
+				for _, m := range g.Instances {
+					if m.Placement == d.Placement && m.Profile == d.Profile && !hasKey(claimed, m.UUID) {
+						out[m.UUID] = pc.String()
+					}
 				}
 			}
 		}
@@ -954,6 +1002,7 @@ func (a *Agent) claimsStep(prepares []ClaimsPrepare, unprepares []ClaimsUnprepar
 	if len(prepares)+len(unprepares) == 0 {
 		return r
 	}
+	invBefore, relBefore := a.inv, releasingUUIDs(a.releasing, a.inv, claimedUUIDs(a.claims))
 	var removed []PreparedClaim
 	for _, e := range unprepares {
 		out, rm := a.unprepareClaims(e)
@@ -971,10 +1020,19 @@ func (a *Agent) claimsStep(prepares []ClaimsPrepare, unprepares []ClaimsUnprepar
 		}
 	}
 	if len(added)+len(removed) == 0 {
+		// A claim that failed may still have changed the node (MIG mode,
+		// a device left to destroy): plan for what is there now.
+		r.changed = a.inv != invBefore || !maps.Equal(relBefore, releasingUUIDs(a.releasing, a.inv, claimedUUIDs(a.claims)))
 		return r
 	}
 	r.changed = true
-	if err := a.checkpoint(); err != nil {
+	if err := a.checkpoint(); err == nil {
+		for _, uid := range added {
+			if hasKey(a.claims, uid) {
+				a.dropIntents(uid)
+			}
+		}
+	} else {
 		for _, uid := range added {
 			pc := a.claims[uid]
 			delete(a.claims, uid)

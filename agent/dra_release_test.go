@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"errors"
+	"fmt"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -10,12 +12,14 @@ import (
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/mig"
 )
 
-// gpuOf reads GPU i as NVML shows it now.
+// gpuOf reads GPU i as NVML shows it now (not through the agent's
+// observer, whose reads a test may make fail).
 func gpuOf(t *testing.T, h *harness, i int) gpu.GPU {
 	t.Helper()
-	inv, err := h.opts.Observer.Inventory()
+	inv, err := mig.NewObserver(h.node, gpu.Options{}).Inventory()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -123,52 +127,152 @@ func TestDRAReleaseRetriedUntilDone(t *testing.T) {
 
 type crash struct{}
 
+// flakyObserver fails the next failNext inventory reads, as NVML may.
+type flakyObserver struct {
+	Observer
+	failNext int
+}
+
+func (f *flakyObserver) Inventory() (*gpu.Inventory, error) {
+	if f.failNext > 0 {
+		f.failNext--
+		return nil, errors.New("NVML hiccup")
+	}
+	return f.Observer.Inventory()
+}
+
+func withFlakyObserver(node *sim.Node, fo *flakyObserver) harnessOption {
+	return func(h *harness) {
+		fo.Observer = mig.NewObserver(node, gpu.Options{})
+		h.opts.Observer = fo
+	}
+}
+
 // An agent killed right after NVML made a claim's MIG device, before the
 // claim reached the checkpoint, leaves no orphan: the next agent finds the
-// intent it recorded first, destroys the device and turns MIG off again;
-// the kubelet's retry then gets a fresh device.
+// intents recorded first and, once it has read the GPUs, destroys the
+// devices and turns MIG off again; the kubelet's retry then gets fresh ones.
 func TestDRACrashBetweenCreateAndCheckpoint(t *testing.T) {
-	dir := t.TempDir()
-	state := filepath.Join(dir, "gpus.json")
-	// Changes: MIG mode on, GPU instance, compute instance.
-	node, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state), sim.WithCrashAfter(3, func() { panic(crash{}) }))
-	if err != nil {
-		t.Fatal(err)
-	}
-	node.Init()
-	h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG())
-	h.config(wholeGPUs)
-	func() {
-		defer func() {
-			if r := recover(); r != (crash{}) {
-				t.Fatalf("recovered %v, want the simulated crash", r)
+	for _, tt := range []struct {
+		name       string
+		crashAfter int // NVML changes: MIG mode on, GPU instance, compute instance per GPU
+		devices    []string
+		failReads  int // the restarted agent's first reads that fail
+	}{
+		{"one device", 3, []string{"gpu-0-mig-3g40gb-4"}, 0},
+		{"one device, first reads fail", 3, []string{"gpu-0-mig-3g40gb-4"}, 2},
+		{"second device of a claim", 4, []string{"gpu-0-mig-3g40gb-4", "gpu-1-mig-3g40gb-4"}, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			state := filepath.Join(dir, "gpus.json")
+			node, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state), sim.WithCrashAfter(tt.crashAfter, func() { panic(crash{}) }))
+			if err != nil {
+				t.Fatal(err)
 			}
-		}()
-		h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))
-	}()
-	node.Close()
+			node.Init()
+			h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG())
+			h.config(wholeGPUs)
+			c := claim("uid-1", "one", tt.devices...)
+			for i := range c.Devices {
+				c.Devices[i].Request = fmt.Sprintf("r%d", i)
+			}
+			func() {
+				defer func() {
+					if r := recover(); r != (crash{}) {
+						t.Fatalf("recovered %v, want the simulated crash", r)
+					}
+				}()
+				h.prepare(c)
+			}()
+			node.Close()
 
-	node2, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state))
-	if err != nil {
+			node2, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state))
+			if err != nil {
+				t.Fatal(err)
+			}
+			node2.Init()
+			t.Cleanup(func() { node2.Close() })
+			fo := &flakyObserver{failNext: tt.failReads}
+			h2 := newHarnessIn(t, node2, dir, withDRA(&draRecorder{}), withMIG(), withCheckpoint(), withFlakyObserver(node2, fo))
+			if g := gpuOf(t, h2, 0); len(g.Instances) != 1 {
+				t.Fatalf("after the crash GPU 0 has instances %+v, want the one made before it", g.Instances)
+			}
+			h2.config(wholeGPUs)
+			for range tt.failReads {
+				h2.step(Tick{})
+			}
+			for i := range tt.devices {
+				if g := gpuOf(t, h2, i); g.MIG.Current || len(g.Instances) != 0 {
+					t.Errorf("GPU %d after the restart: MIG %v, instances %+v; want MIG off, none", i, g.MIG, g.Instances)
+				}
+			}
+			got := h2.prepare(c)["uid-1"]
+			if got.Err != nil {
+				t.Fatalf("the kubelet's retry: %v", got.Err)
+			}
+			if g := gpuOf(t, h2, 0); len(g.Instances) != 1 {
+				t.Errorf("GPU 0 instances %+v after the retry, want one", g.Instances)
+			}
+			if st := h2.a.Status().DRA; len(st.Releasing) != 0 {
+				t.Errorf("/status dra releasing %v, want none once the claim is checkpointed", st.Releasing)
+			}
+		})
+	}
+}
+
+// A GPU that cannot be read right after its MIG device was made fails the
+// claim and keeps the intent; the device is destroyed once the GPU reads
+// again, and both the device plugin and DRA offer the GPU as it then is.
+func TestDRAUnreadableAfterCreate(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	fo := &flakyObserver{}
+	h := newHarness(t, node, withDRA(rec), withMIG(), withFlakyObserver(node, fo))
+	h.config(wholeGPUs)
+	fo.failNext = 1 // the read after the creation
+	if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err == nil {
+		t.Fatalf("Prepare with the GPU unreadable after the creation: %+v, want an error", got)
+	}
+	if st := h.a.Status().DRA; len(st.Releasing) != 1 {
+		t.Errorf("/status dra releasing %v, want the intent kept", st.Releasing)
+	}
+	h.step(Tick{})
+	if g := gpuOf(t, h, 0); g.MIG.Current || len(g.Instances) != 0 {
+		t.Errorf("GPU 0 once readable: MIG %v, instances %+v; want MIG off, none", g.MIG, g.Instances)
+	}
+	if whole, _ := partitionsOf(rec.last(), 0); !whole {
+		t.Errorf("GPU 0 is not offered whole through DRA again")
+	}
+	if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err != nil {
+		t.Errorf("the kubelet's retry: %v", got.Err)
+	}
+}
+
+// A claim that fails but leaves something on the node (a bare GPU instance
+// NVML would not destroy, MIG on) is planned for at once: the device plugin
+// withholds the GPU, DRA blocks the slices.
+func TestDRAFailedPrepareReplans(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	h := newHarness(t, node, withDRA(rec), withMIG())
+	h.config(wholeGPUs)
+	if err := node.FailCalls(0, "GpuInstanceDestroy", nvml.ERROR_IN_USE, -1); err != nil {
 		t.Fatal(err)
 	}
-	node2.Init()
-	t.Cleanup(func() { node2.Close() })
-	h2 := newHarnessIn(t, node2, dir, withDRA(&draRecorder{}), withMIG(), withCheckpoint())
-	if g := gpuOf(t, h2, 0); len(g.Instances) != 1 {
-		t.Fatalf("after the crash GPU 0 has instances %+v, want the one made before it", g.Instances)
+	c := claim("uid-1", "two", "gpu-0-mig-3g40gb-4", "gpu-42")
+	c.Devices[1].Request = "second"
+	if got := h.prepare(c)["uid-1"]; got.Err == nil {
+		t.Fatalf("Prepare: %+v, want refused", got)
 	}
-	h2.config(wholeGPUs)
-	h2.step(Tick{})
-	if g := gpuOf(t, h2, 0); g.MIG.Current || len(g.Instances) != 0 {
-		t.Errorf("GPU 0 after the restart: MIG %v, instances %+v; want MIG off, none", g.MIG, g.Instances)
+	if g := gpuOf(t, h, 0); len(g.GIsWithoutCI) != 1 {
+		t.Fatalf("GPU 0 bare GPU instances %+v, want the one NVML would not destroy", g.GIsWithoutCI)
 	}
-	got := h2.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]
-	if got.Err != nil {
-		t.Fatalf("the kubelet's retry: %v", got.Err)
+	if cd := findGPU(h, 0); cd.Healthy {
+		t.Errorf("the device plugin offers GPU 0 whole with a GPU instance left on it: %+v", cd)
 	}
-	if g := gpuOf(t, h2, 0); len(g.Instances) != 1 {
-		t.Errorf("GPU 0 instances %+v after the retry, want one", g.Instances)
+	if whole, parts := partitionsOf(rec.last(), 0); whole || slices.Contains(parts, "gpu-0-mig-3g40gb-4") {
+		t.Errorf("DRA offers GPU 0 whole %v or the taken placement among %v", whole, parts)
 	}
 }
 
@@ -191,6 +295,11 @@ func TestDRAPreparedClaimCheckedAfterReboot(t *testing.T) {
 		t.Fatal(err)
 	}
 	h2 := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG(), withCDI(cdiDir), withCheckpoint())
+	// Before its config the agent has not read the GPUs: the answer from
+	// before the reboot is not given.
+	if early := h2.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; early.Err == nil {
+		t.Errorf("Prepare before the config: %+v, want refused", early)
+	}
 	h2.config(wholeGPUs)
 	after := h2.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]
 	if after.Err != nil {

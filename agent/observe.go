@@ -24,6 +24,7 @@ type FailedGPU struct {
 // observe reads the GPUs and settles what the loop believes about them; on
 // failure the last inventory stays.
 func (a *Agent) observe(why string) {
+	a.readNow = nil // until a read settles
 	for attempt := 1; ; attempt++ {
 		next, err := a.opts.Observer.Inventory()
 		if err != nil {
@@ -72,6 +73,7 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 		a.misses = map[string]int{}
 	}
 	failed := map[string]FailedGPU{}
+	kept := map[string]bool{} // partly read: the last record stands
 	var partial []string
 	for i, g := range next.GPUs {
 		if !unsure(g) {
@@ -81,6 +83,7 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 			if old, ok := prev.GPUByUUID(g.UUID); ok {
 				a.log.Debug("GPU partly read; keeping its last record", "gpu", g.Index, "uuid", g.UUID, "unread", g.Unread)
 				next.GPUs[i] = old
+				kept[g.UUID] = true
 				continue
 			}
 		}
@@ -135,6 +138,12 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 	if transient {
 		return prev, true
 	}
+	a.readNow = map[string]bool{}
+	for _, g := range next.GPUs {
+		if !kept[g.UUID] {
+			a.readNow[g.UUID] = true
+		}
+	}
 	for uuid, f := range failed {
 		if _, was := a.failed[uuid]; !was {
 			a.log.Warn("GPU could not be read; offering it as unhealthy", "gpu", f.GPU.Index, "uuid", uuid, "reason", f.Reason)
@@ -149,6 +158,10 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 func unsure(g gpu.GPU) bool {
 	return g.Unknown(gpu.FactMIGMode, gpu.FactInstances, gpu.FactGIsWithoutCI, gpu.FactComputeCapability)
 }
+
+// read reports whether GPU uuid's record comes from the last read, which
+// succeeded: only such a record may say that a MIG device is gone.
+func (a *Agent) read(uuid string) bool { return a.readNow[uuid] }
 
 func (a *Agent) isFailed(uuid string) bool {
 	_, ok := a.failed[uuid]

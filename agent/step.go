@@ -35,15 +35,16 @@ const refreshRetry = 10 * time.Second
 //	mps        -                                         plan
 //	allocated  allocation ledger (checkpointed)          - (plan, with DRA)
 //	holdings   who holds what                            plan
-//	tick       -                                         observe + plan; undo what released
-//	                                                     claims left (retryReleases)
+//	tick       -                                         observe + plan
 //	dra-*      DRA claims in the ledger (checkpointed    plan, if a claim was
 //	           before the kubelet gets its answer)       prepared or released
 //
 // A plan pass is Plan, then at most: ask the kubelet afresh and Plan again
 // (a MIG plan would destroy), apply MIG and Plan again (the GPUs changed);
 // then the actuators: MPS daemons, health policy, the catalog to the
-// kubelet, status, checkpoint.
+// kubelet, status, checkpoint. After each observe, what released DRA claims
+// left on the node is undone again (retryReleases) before anything is
+// planned.
 func (a *Agent) Step(batch []Event) {
 	var observe, plan bool
 	var why []string
@@ -85,7 +86,8 @@ func (a *Agent) Step(batch []Event) {
 	if observe && a.file != nil {
 		a.observe(reason)
 	}
-	if slices.Contains(why, Tick{}.kind()) && len(a.releasing) > 0 && a.file != nil { // on GPUs just read
+	if observe && a.file != nil && len(a.releasing) > 0 {
+		// On GPUs just read, before anything is planned from them.
 		a.retryReleases()
 		plan = true
 	}
@@ -253,13 +255,14 @@ func (a *Agent) snapshot() Snapshot {
 	if a.opts.MPS != nil {
 		mpsIn.Healthy = a.opts.MPS.Healthy
 	}
+	claimed := claimedUUIDs(a.claims)
 	return Snapshot{
 		Inventory: a.inv, Failed: a.failed,
 		Profiles: a.profiles, ProfileErrs: a.profileErrs,
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
 		Holdings: Holdings{Attribution: a.att, Fresh: a.fresh, Err: a.holdErr, Allocated: a.ledger,
-			Claimed: claimedUUIDs(a.claims), Claims: a.claims, Releasing: releasingUUIDs(a.releasing)},
+			Claimed: claimed, Claims: a.claims, Releasing: releasingUUIDs(a.releasing, a.inv, claimed)},
 		DRA:       a.opts.DRA != nil,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
 	}
