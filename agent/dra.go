@@ -32,6 +32,10 @@ type DRAPublisher interface {
 type ClaimsPrepare struct {
 	Claims []dra.Claim
 	Reply  chan<- map[types.UID]dra.Prepared
+	// GaveUp, when set, says whether the caller stopped waiting: a request
+	// it gave up on is not acted upon (its claims could stay prepared with
+	// nobody to release them).
+	GaveUp func() bool
 }
 
 // ClaimsUnprepare asks the loop to release claims.
@@ -86,7 +90,7 @@ func (c PreparedClaim) prepared() dra.Prepared {
 // waits for its answer.
 func (a *Agent) PrepareClaims(ctx context.Context, claims []dra.Claim) (map[types.UID]dra.Prepared, error) {
 	reply := make(chan map[types.UID]dra.Prepared, 1)
-	a.inbox.Post(ClaimsPrepare{Claims: claims, Reply: reply})
+	a.inbox.Post(ClaimsPrepare{Claims: claims, Reply: reply, GaveUp: func() bool { return ctx.Err() != nil }})
 	select {
 	case r := <-reply:
 		return r, nil
@@ -159,7 +163,7 @@ func (a *Agent) notOnNode(uid types.UID, pc PreparedClaim) string {
 		return ""
 	}
 	for _, d := range pc.Devices {
-		if !a.inv.HasDevice(d.UUID) && a.readNow != nil && !a.failedHas(d.UUID) {
+		if !a.inv.HasDevice(d.UUID) && a.readNow != nil && !a.failedHas(d.UUID) && !a.isFailed(d.Parent) {
 			return "device " + d.Device + " (" + d.UUID + ") is gone"
 		}
 	}
@@ -369,6 +373,7 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpCreate, Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement, Reason: why})
 	intent := PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name}, Created: true, Parent: g.UUID,
 		Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement}
+	wasDynamic := a.dynamicMIG[g.UUID]
 	if !g.MIG.Current {
 		// Turned on for claims: this GPU changes MIG mode without a reset,
 		// so it goes back to MIG off when its last on-demand device goes.
@@ -377,7 +382,7 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 	}
 	if err := a.intend(c, intent); err != nil {
 		a.intendDone(c.UID, intent)
-		if !g.MIG.Current {
+		if !g.MIG.Current && !wasDynamic {
 			delete(a.dynamicMIG, g.UUID)
 		}
 		return PreparedClaimDevice{}, fmt.Errorf("GPU %d: %s at %d not created: it could not be checkpointed first, so a crash could orphan it: %w",
@@ -498,7 +503,12 @@ func (a *Agent) dropIntents(uid types.UID) {
 	if !ok {
 		return
 	}
-	pc.Devices = slices.DeleteFunc(pc.Devices, func(x PreparedClaimDevice) bool { return x.UUID == "" })
+	claim := a.claims[uid]
+	pc.Devices = slices.DeleteFunc(pc.Devices, func(x PreparedClaimDevice) bool {
+		return x.UUID == "" && slices.ContainsFunc(claim.Devices, func(d PreparedClaimDevice) bool {
+			return d.Created && d.Parent == x.Parent && d.Placement == x.Placement && d.Profile == x.Profile
+		})
+	})
 	if len(pc.Devices) == 0 {
 		delete(a.releasing, uid)
 		return
@@ -511,9 +521,13 @@ func (a *Agent) intendDone(uid types.UID, d PreparedClaimDevice) {
 	if !ok {
 		return
 	}
-	pc.Devices = slices.DeleteFunc(pc.Devices, func(x PreparedClaimDevice) bool {
-		return x.UUID == "" && x.Parent == d.Parent && x.Placement == d.Placement && x.Profile == d.Profile
-	})
+	// Only the intent just appended: an identical earlier one (a failed
+	// attempt whose device may exist) still stands.
+	if i := len(pc.Devices) - 1; i >= 0 {
+		if x := pc.Devices[i]; x.UUID == "" && x.Parent == d.Parent && x.Placement == d.Placement && x.Profile == d.Profile {
+			pc.Devices = pc.Devices[:i]
+		}
+	}
 	if len(pc.Devices) == 0 {
 		delete(a.releasing, uid)
 		return
@@ -529,7 +543,7 @@ func (a *Agent) intendDone(uid types.UID, d PreparedClaimDevice) {
 // holds. The error says why it is still there.
 func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error {
 	if a.opts.MIG == nil || a.inv == nil {
-		return nil
+		return fmt.Errorf("%s at %d on GPU %s: this agent cannot change MIG devices now", d.Profile, d.Placement.Start, d.Parent)
 	}
 	g, ok := a.inv.GPUByUUID(d.Parent)
 	switch {
@@ -615,6 +629,9 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 // MIG device left (a creation that failed after the mode changed leaves
 // it so), so the GPU is offered whole again.
 func (a *Agent) migBackOff(g gpu.GPU, why string) error {
+	if !g.MIG.Current && a.read(g.UUID) {
+		delete(a.dynamicMIG, g.UUID) // off already (it never went on)
+	}
 	if !a.dynamicMIG[g.UUID] || !g.MIG.Current || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0 {
 		return nil
 	}
@@ -853,7 +870,9 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 		if !g.MIG.Current && !migModeWithoutReset(g) {
 			continue
 		}
-		dyn := dra.Dynamic{GPU: g, Profiles: profiles, Whole: !g.MIG.Current}
+		// Not whole while a release or intent on it waits: MIG may be on,
+		// with a device left, whatever the last read said.
+		dyn := dra.Dynamic{GPU: g, Profiles: profiles, Whole: !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID)}
 		for _, m := range g.Instances {
 			if !created[fmt.Sprintf("%s/%d+%d", g.UUID, m.Placement.Start, m.Placement.Size)] {
 				dyn.Blocked = append(dyn.Blocked, m.Placement)
@@ -977,46 +996,53 @@ func withholdClaimed(cat *catalog.Catalog, claimed map[string]string, inv *gpu.I
 // claimReplies are the answers of one Step, sent once the ledger they
 // describe is checkpointed.
 type claimReplies struct {
-	changed    bool
-	prepares   []ClaimsPrepare
-	prepared   []map[types.UID]dra.Prepared
-	unprepares []ClaimsUnprepare
-	released   []map[types.UID]error
+	changed bool
+	send    []func()
 }
 
-func (r claimReplies) send() {
-	for i, e := range r.prepares {
-		e.Reply <- r.prepared[i] // buffered: the caller may have given up
-	}
-	for i, e := range r.unprepares {
-		e.Reply <- r.released[i]
+func (r claimReplies) sendAll() {
+	for _, f := range r.send {
+		f() // buffered channels: the caller may have given up
 	}
 }
 
-// claimsStep releases, then prepares, the claims of one batch, and
-// checkpoints the ledger before any answer leaves: a claim the kubelet
-// was told is prepared is never forgotten by a restart, and one that could
-// not be written is refused (the kubelet asks again).
-func (a *Agent) claimsStep(prepares []ClaimsPrepare, unprepares []ClaimsUnprepare) claimReplies {
-	r := claimReplies{prepares: prepares, unprepares: unprepares}
-	if len(prepares)+len(unprepares) == 0 {
+// claimsStep prepares and releases the claims of one batch, in the order
+// the kubelet asked (a Prepare it gave up on, then its Unprepare, leaves
+// nothing prepared), and checkpoints the ledger before any answer leaves:
+// a claim the kubelet was told is prepared is never forgotten by a
+// restart, and one that could not be written is refused (the kubelet asks
+// again).
+func (a *Agent) claimsStep(events []Event) claimReplies {
+	var r claimReplies
+	if len(events) == 0 {
 		return r
 	}
 	invBefore, relBefore := a.inv, releasingUUIDs(a.releasing, a.inv, claimedUUIDs(a.claims))
 	var removed []PreparedClaim
-	for _, e := range unprepares {
-		out, rm := a.unprepareClaims(e)
-		r.released = append(r.released, out)
-		removed = append(removed, rm...)
-	}
 	var added []types.UID
-	if len(prepares) > 0 {
-		pool := planDRA(a.snapshot())
-		shareDevices(pool, a.cat, a.lastGood) // the config the catalog was planned with
-		for _, e := range prepares {
-			out, add := a.prepareClaims(e, pool)
-			r.prepared = append(r.prepared, out)
-			added = append(added, add...)
+	var prepared []map[types.UID]dra.Prepared
+	for _, ev := range events {
+		switch e := ev.(type) {
+		case ClaimsUnprepare:
+			out, rm := a.unprepareClaims(e)
+			removed = append(removed, rm...)
+			r.send = append(r.send, func() { e.Reply <- out })
+		case ClaimsPrepare:
+			var out map[types.UID]dra.Prepared
+			if e.GaveUp != nil && e.GaveUp() {
+				out = map[types.UID]dra.Prepared{}
+				for _, c := range e.Claims {
+					out[c.UID] = dra.Prepared{Err: fmt.Errorf("claim %s: the kubelet stopped waiting before the agent got to it", c)}
+				}
+			} else {
+				pool := planDRA(a.snapshot())
+				shareDevices(pool, a.cat, a.lastGood) // the config the catalog was planned with
+				var add []types.UID
+				out, add = a.prepareClaims(e, pool)
+				added = append(added, add...)
+			}
+			prepared = append(prepared, out)
+			r.send = append(r.send, func() { e.Reply <- out })
 		}
 	}
 	if len(added)+len(removed) == 0 {
@@ -1034,10 +1060,13 @@ func (a *Agent) claimsStep(prepares []ClaimsPrepare, unprepares []ClaimsUnprepar
 		}
 	} else {
 		for _, uid := range added {
-			pc := a.claims[uid]
+			pc, ok := a.claims[uid]
+			if !ok {
+				continue
+			}
 			delete(a.claims, uid)
 			a.release(uid, pc)
-			for _, out := range r.prepared {
+			for _, out := range prepared {
 				if _, ok := out[uid]; ok {
 					out[uid] = dra.Prepared{Err: fmt.Errorf("%w: %w", errCheckpoint, err)}
 				}

@@ -3,16 +3,19 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
+	"k8s.io/apimachinery/pkg/types"
 )
 
 // gpuOf reads GPU i as NVML shows it now (not through the agent's
@@ -386,5 +389,123 @@ func TestDRAAdminAccessDynamicMIG(t *testing.T) {
 	}
 	if got := h.prepare(admin)["uid-admin"]; got.Err != nil || got.Devices[0].CDIDevices[0] != made.Devices[0].CDIDevices[0] {
 		t.Errorf("admin access to the MIG device a claim made: %+v, want %v", got, made.Devices[0].CDIDevices)
+	}
+}
+
+// An intent left by a failed attempt (its GPU could not be read after the
+// creation) outlives a later attempt of the same claim: one that succeeds
+// on another GPU, and one whose own intent could not be checkpointed. The
+// device is destroyed, and MIG turned off, at the next good read.
+func TestDRAEarlierIntentSurvivesRetries(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		retry func(t *testing.T, h *harness)
+	}{
+		{"retried on another GPU", func(t *testing.T, h *harness) {
+			h.unprepare(dra.ClaimRef{UID: "uid-1", Namespace: "default", Name: "one"})
+			if got := h.prepare(claim("uid-1", "one", "gpu-1-mig-3g40gb-4"))["uid-1"]; got.Err != nil {
+				t.Fatalf("the retry on GPU 1: %v", got.Err)
+			}
+		}},
+		{"retry's intent not checkpointed", func(t *testing.T, h *harness) {
+			blocker := filepath.Join(t.TempDir(), "file")
+			if err := os.WriteFile(blocker, nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			good := h.a.opts.StateDir
+			h.a.opts.StateDir = filepath.Join(blocker, "state")
+			if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err == nil {
+				t.Fatalf("the retry without a checkpoint: %+v, want refused", got)
+			}
+			h.a.opts.StateDir = good
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+			fo := &flakyObserver{}
+			h := newHarness(t, node, withDRA(&draRecorder{}), withMIG(), withFlakyObserver(node, fo))
+			h.config(wholeGPUs)
+			fo.failNext = 1 // the read after the creation on GPU 0
+			if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err == nil {
+				t.Fatalf("the first attempt: %+v, want it to fail", got)
+			}
+			tt.retry(t, h)
+			h.step(Tick{})
+			if g := gpuOf(t, h, 0); g.MIG.Current || len(g.Instances) != 0 {
+				t.Errorf("GPU 0: MIG %v, instances %+v; want MIG off, none", g.MIG, g.Instances)
+			}
+		})
+	}
+}
+
+// While an intent on a GPU waits for a good read (its device may exist and
+// MIG may be on, whatever the last read said), the GPU is not given whole.
+func TestDRAWholeGPUNotPreparedOverPendingIntent(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	fo := &flakyObserver{}
+	h := newHarness(t, node, withDRA(rec), withMIG(), withFlakyObserver(node, fo))
+	h.config(wholeGPUs)
+	fo.failNext = 1
+	if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err == nil {
+		t.Fatalf("the first attempt: %+v, want it to fail", got)
+	}
+	if whole, _ := partitionsOf(rec.last(), 0); whole {
+		t.Errorf("GPU 0 offered whole through DRA while its intent waits")
+	}
+	if got := h.prepare(claim("uid-2", "two", "gpu-0"))["uid-2"]; got.Err == nil {
+		t.Errorf("GPU 0 prepared whole (%v) while MIG is on with a device left", got.Devices[0].CDIDevices)
+	}
+}
+
+// A GPU the device plugin gave a container comes back to the DRA pool once
+// an answer of the kubelet's, given long enough after the allocation, no
+// longer lists it: the ledger settles without a MIG layout asking.
+func TestDRALedgerSettlesFromBackgroundAnswers(t *testing.T) {
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "dgx-a100"), withDRA(rec))
+	h.config(wholeGPUs)
+	id := findGPU(h, 0).ID
+	h.step(Allocated{Resource: ResourceGPU, IDs: []string{id}})
+	// An answer that came too soon after the allocation settles nothing.
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU), Answered: h.clock.Now()})
+	if _, ok := rec.last().Device("gpu-0"); ok {
+		t.Fatalf("gpu-0 back in the DRA pool on an answer given right after its allocation")
+	}
+	h.clock.Advance(time.Minute)
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, id), Answered: h.clock.Now()})
+	if _, ok := rec.last().Device("gpu-0"); ok {
+		t.Fatalf("gpu-0 in the DRA pool while a container holds it")
+	}
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU), Answered: h.clock.Now()})
+	if _, ok := rec.last().Device("gpu-0"); !ok {
+		t.Errorf("gpu-0 not back in the DRA pool after its container ended (ledger %v)", h.a.ledger)
+	}
+}
+
+// Claim requests are handled in the order they came: a Prepare the kubelet
+// gave up on, then its Unprepare, in one batch, leave nothing prepared; a
+// Prepare nobody waits for any more is not acted upon.
+func TestDRAClaimRequestsInOrder(t *testing.T) {
+	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(&draRecorder{}), withMIG())
+	h.config(wholeGPUs)
+	p := make(chan map[types.UID]dra.Prepared, 1)
+	u := make(chan map[types.UID]error, 1)
+	h.step(ClaimsPrepare{Claims: []dra.Claim{claim("uid-1", "one", "gpu-0-mig-3g40gb-4")}, Reply: p},
+		ClaimsUnprepare{Claims: []dra.ClaimRef{{UID: "uid-1", Namespace: "default", Name: "one"}}, Reply: u})
+	<-p
+	<-u
+	if st := h.a.Status().DRA; len(st.Claims) != 0 {
+		t.Errorf("claims %v after Prepare then Unprepare in one batch, want none", st.Claims)
+	}
+	if g := gpuOf(t, h, 0); len(g.Instances) != 0 {
+		t.Errorf("GPU 0 instances %+v, want none", g.Instances)
+	}
+	h.step(ClaimsPrepare{Claims: []dra.Claim{claim("uid-2", "two", "gpu-0-mig-3g40gb-4")}, Reply: p, GaveUp: func() bool { return true }})
+	if got := <-p; got["uid-2"].Err == nil {
+		t.Errorf("a Prepare the kubelet gave up on: %+v, want refused", got["uid-2"])
+	}
+	if g := gpuOf(t, h, 0); len(g.Instances) != 0 {
+		t.Errorf("GPU 0 instances %+v after a Prepare nobody waited for, want none", g.Instances)
 	}
 }

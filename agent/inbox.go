@@ -2,6 +2,7 @@ package agent
 
 import (
 	"sync"
+	"time"
 
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/health"
@@ -50,9 +51,15 @@ type Allocated struct {
 
 // HoldingsChanged carries an unsolicited pod-resources answer (the
 // background refresh): who holds what, for status, metrics and withdrawing
-// released devices. It never authorises destroying anything: only an answer
-// the loop asked for itself does.
-type HoldingsChanged struct{ Attribution *health.Attribution }
+// released devices, and to settle the allocation ledger (Answered). It
+// never authorises destroying anything: only an answer the loop asked for
+// itself does.
+type HoldingsChanged struct {
+	Attribution *health.Attribution
+	// Answered is when the kubelet's answer came back (zero: unknown). An
+	// allocation made recentSettle before it is accounted for by it.
+	Answered time.Time
+}
 
 // Tick is the periodic resync: read the GPUs again even without events.
 type Tick struct{}

@@ -48,8 +48,7 @@ const refreshRetry = 10 * time.Second
 func (a *Agent) Step(batch []Event) {
 	var observe, plan bool
 	var why []string
-	var prepares []ClaimsPrepare
-	var unprepares []ClaimsUnprepare
+	var claims []Event // in the order they came
 	for _, ev := range batch {
 		switch e := ev.(type) {
 		case ConfigChanged:
@@ -72,13 +71,14 @@ func (a *Agent) Step(batch []Event) {
 			plan = plan || a.opts.DRA != nil
 		case HoldingsChanged:
 			a.att = e.Attribution
+			if !e.Answered.IsZero() {
+				a.settleLedger(e.Answered)
+			}
 			plan = true
 		case Tick:
 			observe, plan = true, true
-		case ClaimsPrepare:
-			prepares = append(prepares, e)
-		case ClaimsUnprepare:
-			unprepares = append(unprepares, e)
+		case ClaimsPrepare, ClaimsUnprepare:
+			claims = append(claims, e)
 		}
 		why = append(why, ev.kind())
 	}
@@ -93,7 +93,7 @@ func (a *Agent) Step(batch []Event) {
 	}
 	// Claims are decided against what is observed now, before the pass
 	// that then withholds them from the device plugin.
-	replies := a.claimsStep(prepares, unprepares)
+	replies := a.claimsStep(claims)
 	plan = plan || replies.changed
 	if plan && a.file != nil {
 		a.pass(reason)
@@ -105,7 +105,7 @@ func (a *Agent) Step(batch []Event) {
 	}
 	a.checkpoint()
 	a.publishStatus()
-	replies.send()
+	replies.sendAll()
 }
 
 // configFrom keeps the latest content of each source and returns the one in
@@ -405,14 +405,19 @@ func (a *Agent) refreshHoldings() bool {
 		a.log.Info("pod-resources answers again")
 	}
 	a.att, a.fresh, a.holdErr, a.holdFailedAt = att, true, nil, time.Time{}
+	a.settleLedger(asked)
+	return true
+}
+
+// settleLedger forgets the allocations a successful pod-resources answer
+// asked at (or before) asked accounts for: the kubelet had time to list
+// them, so it holds them (the answer says so) or released them.
+func (a *Agent) settleLedger(asked time.Time) {
 	for uuid, at := range a.ledger {
-		// The kubelet had time to list it: it holds it (the answer says
-		// so) or it released it.
 		if asked.Sub(at) >= recentSettle {
 			delete(a.ledger, uuid)
 		}
 	}
-	return true
 }
 
 // applyMIG runs each GPU's MIG plan; it reports whether any GPU changed.

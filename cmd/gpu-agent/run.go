@@ -160,7 +160,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
 	podres := health.NewPodResources(health.PodResourcesOptions{
 		Socket: f.podResources, Logger: log.With("component", "pod-resources"),
-		OnChange: func(a *health.Attribution) { inbox.Post(agent.HoldingsChanged{Attribution: a}) },
+		OnChange: func(a *health.Attribution) { inbox.Post(agent.HoldingsChanged{Attribution: a, Answered: time.Now()}) },
 	})
 	// The MPS daemons' supervisor, or with --mps-host the agent's side of
 	// mps-host, which runs them outside this container (mpshost.go).
