@@ -15,6 +15,7 @@ type CDISpecs interface {
 	Sync(inv *gpu.Inventory, want bool) (changed bool, devices int, err error)
 	Path() string
 	WriteClaim(uid string, devs []cdi.ClaimDevice) error
+	ClaimPath(uid string) string
 	RemoveClaim(uid string) error
 	RemoveStaleClaims(keep func(uid string) bool) ([]string, error)
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"maps"
 	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -174,7 +173,7 @@ func (a *Agent) notOnNode(uid types.UID, pc PreparedClaim) string {
 		if d.MPSEnv == nil {
 			continue
 		}
-		path := filepath.Join(filepath.Dir(a.opts.CDI.Path()), cdi.ClaimSpecName(string(uid))+".json")
+		path := a.opts.CDI.ClaimPath(string(uid))
 		if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
 			return "its CDI spec " + path + " is gone"
 		}
@@ -289,10 +288,8 @@ func (a *Agent) adminDevice(d dra.Device) (PreparedClaimDevice, error) {
 		return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{d.CDIDevice()}}, UUID: d.UUID, AdminAccess: true}, nil
 	}
 	if g, ok := a.inv.GPUByUUID(d.ParentUUID); ok {
-		for _, m := range g.Instances {
-			if m.Placement == d.Placement && m.Profile == d.Profile {
-				return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}}, UUID: m.UUID, AdminAccess: true}, nil
-			}
+		if m, ok := instanceAt(g, d.Profile, d.Placement); ok {
+			return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}}, UUID: m.UUID, AdminAccess: true}, nil
 		}
 	}
 	return PreparedClaimDevice{}, fmt.Errorf("device %s: no %s exists at placement %d of GPU %s, and admin access creates none", d.Name, d.Profile, d.Placement.Start, d.ParentUUID)
@@ -406,19 +403,15 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 	if ok && !now.MIG.Current {
 		delete(a.dynamicMIG, g.UUID) // the mode did not change
 	}
-	if ok && err == nil {
-		for _, m := range now.Instances {
-			if m.Placement == d.Placement && m.Profile == d.Profile {
-				// The intent stays until the claim is checkpointed with
-				// the device (claimsStep).
-				a.log.Info("DRA: MIG device created", "claim", c.String(), "gpu", g.Index, "profile", d.Profile, "placement", d.Placement.Start, "uuid", m.UUID)
-				return PreparedClaimDevice{
-					PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}},
-					UUID:           m.UUID, Created: true, Parent: g.UUID,
-					Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement,
-				}, nil
-			}
-		}
+	if m, made := instanceAt(now, d.Profile, d.Placement); ok && made && err == nil {
+		// The intent stays until the claim is checkpointed with the
+		// device (claimsStep).
+		a.log.Info("DRA: MIG device created", "claim", c.String(), "gpu", g.Index, "profile", d.Profile, "placement", d.Placement.Start, "uuid", m.UUID)
+		return PreparedClaimDevice{
+			PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}},
+			UUID:           m.UUID, Created: true, Parent: g.UUID,
+			Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement,
+		}, nil
 	}
 	if err == nil {
 		err = fmt.Errorf("GPU %d: %s at %d was created but NVML does not list it", plan.GPU, d.Profile, d.Placement.Start)
@@ -555,37 +548,35 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 		return nil // the GPU is gone, and its MIG devices with it
 	}
 	claimed := claimedUUIDs(a.claims)
-	i := slices.IndexFunc(g.Instances, func(m gpu.MIGInstance) bool {
-		if d.UUID != "" {
-			return m.UUID == d.UUID
+	var m gpu.MIGInstance
+	found := false
+	if d.UUID != "" {
+		i := slices.IndexFunc(g.Instances, func(in gpu.MIGInstance) bool { return in.UUID == d.UUID })
+		if found = i >= 0; found {
+			m = g.Instances[i]
 		}
-		return m.Placement == d.Placement && m.Profile == d.Profile && !hasKey(claimed, m.UUID)
-	})
+	} else if in, ok := instanceAt(g, d.Profile, d.Placement); ok && !hasKey(claimed, in.UUID) {
+		m, found = in, true
+	}
 	// A destroy or create cut short leaves the GPU instance without its
 	// compute instance: no MIG device, but its slices are still taken.
 	bare := slices.IndexFunc(g.GIsWithoutCI, func(b gpu.GPUInstance) bool { return b.Placement == d.Placement && b.Profile == d.Profile })
-	var target gpu.MIGInstance
 	switch {
-	case i >= 0:
-		target = g.Instances[i]
-		if by, ok := claimed[target.UUID]; ok {
+	case found:
+		if by, ok := claimed[m.UUID]; ok {
 			// Made again, with the same UUID, for another claim: ours is gone.
-			a.log.Warn("DRA: MIG device of a released claim is prepared for another claim; left as it is", "claim", pc.String(), "uuid", target.UUID, "holder", by)
+			a.log.Warn("DRA: MIG device of a released claim is prepared for another claim; left as it is", "claim", pc.String(), "uuid", m.UUID, "holder", by)
 			return nil
 		}
-		if hs := a.att.Holders(target.UUID); len(hs) > 0 {
-			return fmt.Errorf("MIG device %s is held through the device plugin by %s; destroyed once released", target.UUID, hs[0].String())
-		}
-		if at, ok := a.ledger[target.UUID]; ok {
-			return fmt.Errorf("MIG device %s was allocated through the device plugin at %s UTC; destroyed once released", target.UUID, at.UTC().Format(time.TimeOnly))
+		if by := a.pluginHolder(m.UUID); by != "" {
+			return fmt.Errorf("MIG device %s is held by %s; destroyed once released", m.UUID, by)
 		}
 	case bare >= 0:
 		b := g.GIsWithoutCI[bare]
-		target = gpu.MIGInstance{GI: b.GI, Profile: b.Profile, GIProfileID: b.GIProfileID, Placement: b.Placement}
+		m = gpu.MIGInstance{GI: b.GI, Profile: b.Profile, GIProfileID: b.GIProfileID, Placement: b.Placement}
 	default:
 		return a.migBackOff(g, pc.String()+" released") // the device is gone
 	}
-	m := target
 	var uuids []string
 	if m.UUID != "" {
 		uuids = []string{m.UUID}
@@ -597,8 +588,8 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 		}
 	}
 	bares := len(g.GIsWithoutCI)
-	if bare >= 0 && i < 0 {
-		bares--
+	if !found {
+		bares-- // the one destroyed
 	}
 	// MIG goes back off only where a claim turned it on (and so it switched
 	// without a reset): one an admin turned on stays on.
@@ -623,6 +614,16 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 	}
 	a.log.Info("DRA: MIG device destroyed", "claim", pc.String(), "gpu", g.Index, "uuid", d.UUID, "gi", m.GI, "mig-off", !plan.Want.MIGEnabled)
 	return nil
+}
+
+// instanceAt is g's MIG device of profile at placement pl, if any (a
+// placement holds one GPU instance; ours have one compute instance).
+func instanceAt(g gpu.GPU, profile string, pl gpu.Placement) (gpu.MIGInstance, bool) {
+	i := slices.IndexFunc(g.Instances, func(m gpu.MIGInstance) bool { return m.Placement == pl && m.Profile == profile })
+	if i < 0 {
+		return gpu.MIGInstance{}, false
+	}
+	return g.Instances[i], true
 }
 
 // migBackOff turns MIG off on a GPU a claim turned it on for that has no
@@ -657,11 +658,8 @@ func (a *Agent) usedElsewhere(d dra.Device, uid types.UID, want int64) string {
 	if d.Shares <= 1 {
 		return a.heldElsewhere(d.UUID, uid)
 	}
-	if hs := a.att.Holders(d.UUID); len(hs) > 0 {
-		return hs[0].String() + " (device plugin)"
-	}
-	if at, ok := a.ledger[d.UUID]; ok {
-		return "a container the device plugin gave it at " + at.UTC().Format(time.TimeOnly) + " UTC"
+	if by := a.pluginHolder(d.UUID); by != "" {
+		return by
 	}
 	var sharing []string
 	taken := int64(0)
@@ -683,15 +681,25 @@ func (a *Agent) usedElsewhere(d dra.Device, uid types.UID, want int64) string {
 	return ""
 }
 
-// heldElsewhere names who, other than claim uid, holds the device: a
-// container through the device plugin (the kubelet's answer or an
-// allocation it has not listed yet), or another claim.
-func (a *Agent) heldElsewhere(uuid string, uid types.UID) string {
+// pluginHolder names the container that holds the device through the
+// device plugin: the kubelet's answer, or an allocation it has not listed
+// yet; "" if none.
+func (a *Agent) pluginHolder(uuid string) string {
 	if hs := a.att.Holders(uuid); len(hs) > 0 {
 		return hs[0].String() + " (device plugin)"
 	}
 	if at, ok := a.ledger[uuid]; ok {
 		return "a container the device plugin gave it at " + at.UTC().Format(time.TimeOnly) + " UTC"
+	}
+	return ""
+}
+
+// heldElsewhere names who, other than claim uid, holds the device: a
+// container through the device plugin (the kubelet's answer or an
+// allocation it has not listed yet), or another claim.
+func (a *Agent) heldElsewhere(uuid string, uid types.UID) string {
+	if by := a.pluginHolder(uuid); by != "" {
+		return by
 	}
 	for other, pc := range a.claims {
 		if other == uid {
@@ -769,10 +777,8 @@ func releasingUUIDs(releasing map[types.UID]PreparedClaim, inv *gpu.Inventory, c
 				continue
 			}
 			if g, ok := inv.GPUByUUID(d.Parent); ok {
-				for _, m := range g.Instances {
-					if m.Placement == d.Placement && m.Profile == d.Profile && !hasKey(claimed, m.UUID) {
-						out[m.UUID] = pc.String()
-					}
+				if m, ok := instanceAt(g, d.Profile, d.Placement); ok && !hasKey(claimed, m.UUID) {
+					out[m.UUID] = pc.String()
 				}
 			}
 		}

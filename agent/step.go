@@ -85,11 +85,10 @@ func (a *Agent) Step(batch []Event) {
 	reason := strings.Join(slices.Compact(why), "+")
 	if observe && a.file != nil {
 		a.observe(reason)
-	}
-	if observe && a.file != nil && len(a.releasing) > 0 {
-		// On GPUs just read, before anything is planned from them.
-		a.retryReleases()
-		plan = true
+		if len(a.releasing) > 0 {
+			// On GPUs just read, before anything is planned from them.
+			a.retryReleases()
+		}
 	}
 	// Claims are decided against what is observed now, before the pass
 	// that then withholds them from the device plugin.

@@ -61,6 +61,9 @@ func (k *Keeper) WriteClaim(uid string, devs []ClaimDevice) error {
 	return err
 }
 
+// ClaimPath is the file claim uid's spec is written to.
+func (k *Keeper) ClaimPath(uid string) string { return k.W.Path(ClaimSpecName(uid)) }
+
 // RemoveClaim removes claim uid's spec.
 func (k *Keeper) RemoveClaim(uid string) error {
 	_, err := k.W.Write(ClaimSpecName(uid), nil)
