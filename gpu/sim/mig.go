@@ -8,10 +8,6 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock"
 )
 
-// maxMigDevices is NVML's per-GPU MIG device limit on the 7-slice GPUs
-// (A100, H100 and later); the A30's is 4 (model.maxMIGDevices).
-const maxMigDevices = 7
-
 // maxMIGDevices is how many MIG devices the GPU can have at once: as many
 // as its smallest profile fits (7 on A100 and later, 4 on A30).
 func (m *model) maxMIGDevices() int {

@@ -11,6 +11,11 @@ import (
 
 // nameGB recovers the "Ngb" of a profile name the way NVIDIA's tools do:
 // the profile's share of GPU memory rounded up to an eighth, in whole GiB.
+// maxMigDevices is NVML's per-GPU MIG device limit on the 7-slice GPUs
+// (A100, H100 and later); the sim's own comes from the model
+// (model.maxMIGDevices: 4 on the A30).
+const maxMigDevices = 7
+
 func nameGB(profileMiB, totalMiB uint64) uint64 {
 	eighths := (8*profileMiB + totalMiB - 1) / totalMiB
 	totalGiB := (totalMiB + 1023) / 1024
