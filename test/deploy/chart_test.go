@@ -136,6 +136,19 @@ func TestChartVariants(t *testing.T) {
 			},
 		},
 		{
+			// A multi-key ConfigMap (NVIDIA's config.map style): the mounted
+			// fallback reads every key, as the API path does.
+			name: "existing multi-key ConfigMap", values: "config: {create: false, name: gpu-configs, key: \"\"}",
+			addCaps: []corev1.Capability{"SYS_ADMIN"},
+			check: func(t *testing.T, o *objects) {
+				if configMapVolume(agentDaemonSet(o)) != "gpu-configs" || !slices.Contains(container(o).Args, "--config=/etc/gpu-agent") ||
+					!slices.Contains(container(o).Args, "--configmap=$(POD_NAMESPACE)/gpu-configs") {
+					t.Errorf("want gpu-configs mounted and read whole, as a file tree and through the API; volume %q, args %v",
+						configMapVolume(agentDaemonSet(o)), container(o).Args)
+				}
+			},
+		},
+		{
 			name: "MPS", values: "mps: {enabled: true}", mpsHost: true, addCaps: []corev1.Capability{"SYS_ADMIN"},
 			env: map[string]string{"NVIDIA_DRIVER_CAPABILITIES": "utility"},
 		},
@@ -203,9 +216,15 @@ func TestChartVariants(t *testing.T) {
 	}
 }
 
-func TestChartRejectsBadMIGAccess(t *testing.T) {
-	if _, err := renderChart(t, "mig: {access: all}"); err == nil || !strings.Contains(err.Error(), "mig.access") {
-		t.Fatalf("render with mig.access=all: %v, want an error naming mig.access", err)
+func TestChartRejectsBadValues(t *testing.T) {
+	for _, tt := range []struct{ values, field string }{
+		{"mig: {access: all}", "mig.access"},
+		// The chart's own ConfigMap needs a key to put config.data under.
+		{"config: {key: \"\"}", "config.key"},
+	} {
+		if _, err := renderChart(t, tt.values); err == nil || !strings.Contains(err.Error(), tt.field) {
+			t.Errorf("render with %s: %v, want an error naming %s", tt.values, err, tt.field)
+		}
 	}
 }
 

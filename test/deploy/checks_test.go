@@ -179,9 +179,10 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {
 	if configMount == nil {
 		t.Errorf("the config ConfigMap is not mounted")
 	} else if !slices.ContainsFunc(c.Args, func(a string) bool {
-		return strings.HasPrefix(a, "--config="+configMount.MountPath+"/")
+		// One key of the mount, or the mount itself (every key).
+		return strings.HasPrefix(a, "--config="+configMount.MountPath+"/") || a == "--config="+configMount.MountPath
 	}) {
-		t.Errorf("--config does not point into the ConfigMap mount %s (args %v)", configMount.MountPath, c.Args)
+		t.Errorf("--config does not point into or at the ConfigMap mount %s (args %v)", configMount.MountPath, c.Args)
 	}
 
 	if !slices.ContainsFunc(c.Env, func(e corev1.EnvVar) bool {
