@@ -122,8 +122,13 @@ type Driver struct {
 	pool    *Pool
 	gen     int64
 	dropped Dropped
-	// published: the pool last handed to the helper, to skip no-op updates.
-	published *Pool
+	// stale: the helper does not have pool and dropped as they are now
+	// (unchanged pools are not handed to it again).
+	stale bool
+	// poolSet wakes the first publish (startPublishing) once there is a pool.
+	poolSet chan struct{}
+	// starting is the first publish, running in the background.
+	starting sync.WaitGroup
 }
 
 // New returns a driver that keeps what Publish gives it until Start.
@@ -137,7 +142,7 @@ func New(opts Options) *Driver {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &Driver{opts: opts, log: opts.Logger, watchers: map[chan struct{}]struct{}{}}
+	return &Driver{opts: opts, log: opts.Logger, watchers: map[chan struct{}]struct{}{}, poolSet: make(chan struct{}, 1)}
 }
 
 // SetClaims sets who prepares claims (the agent, built after the driver it
@@ -173,10 +178,48 @@ func (d *Driver) Start(ctx context.Context) error {
 		return fmt.Errorf("dra: start the kubelet plugin %s: %w", DriverName, err)
 	}
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	d.helper, d.publisher = h, h
-	d.publishLocked()
+	d.helper = h
+	d.mu.Unlock()
+	d.startPublishing(ctx, h)
 	return nil
+}
+
+// startPublishing hands pub the first pool in the background, and every
+// later one from then on. The helper's first PublishResources starts its
+// ResourceSlice controller, which waits for its informer to sync with the
+// API server: a second at best (it polls), and for as long as the API
+// server cannot be reached. Neither the agent's loop (Publish) nor the
+// kubelet's calls may wait on that, so it runs here, without the lock.
+func (d *Driver) startPublishing(ctx context.Context, pub slicePublisher) {
+	d.starting.Add(1)
+	go func() {
+		defer d.starting.Done()
+		d.mu.Lock()
+		for d.pool == nil {
+			d.mu.Unlock()
+			select {
+			case <-ctx.Done():
+				return
+			case <-d.poolSet:
+			}
+			d.mu.Lock()
+		}
+		d.gen++
+		res := Resources(d.opts.NodeName, d.pool, d.gen, d.dropped)
+		d.stale = false // a Publish or HandleError from now on sets it again
+		d.mu.Unlock()
+		d.log.Info("DRA: starting ResourceSlice publishing; it waits for the API server")
+		if err := pub.PublishResources(ctx, res); err != nil {
+			// Only a missing option or the end of ctx: nothing to retry.
+			d.log.Error("DRA: cannot publish ResourceSlices", "err", err)
+			return
+		}
+		d.logPublished(res)
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		d.publisher = pub
+		d.publishLocked() // what changed while it waited
+	}()
 }
 
 // Stop stops serving. ResourceSlices stay: the next agent publishes over
@@ -186,17 +229,25 @@ func (d *Driver) Stop() {
 	h := d.helper
 	d.mu.Unlock()
 	if h != nil {
-		h.Stop()
+		h.Stop() // ends a first publish still waiting for the API server
 	}
+	d.starting.Wait()
 }
 
 // Publish sets what the node offers through DRA; the helper's controller
 // writes the ResourceSlices in the background. It never blocks on the API.
-// Before Start it only keeps the pool.
+// Until the first publish is through it only keeps the pool.
 func (d *Driver) Publish(p *Pool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if d.pool == nil || !d.pool.Equal(p) {
+		d.stale = true
+	}
 	d.pool = p
+	select {
+	case d.poolSet <- struct{}{}:
+	default:
+	}
 	d.publishLocked()
 	for w := range d.watchers {
 		select {
@@ -211,8 +262,10 @@ type slicePublisher interface {
 	PublishResources(ctx context.Context, resources resourceslice.DriverResources) error
 }
 
+// publishLocked hands the helper the pool as it is now, if it changed;
+// once its controller runs, that only queues the update.
 func (d *Driver) publishLocked() {
-	if d.publisher == nil || d.pool == nil || d.published != nil && d.published.Equal(d.pool) {
+	if d.publisher == nil || d.pool == nil || !d.stale {
 		return
 	}
 	d.gen++
@@ -221,13 +274,18 @@ func (d *Driver) publishLocked() {
 		d.log.Error("DRA: cannot publish ResourceSlices", "err", err)
 		return
 	}
-	d.published = d.pool
+	d.stale = false
+	d.logPublished(res)
+}
+
+func (d *Driver) logPublished(res resourceslice.DriverResources) {
+	pool := res.Pools[d.opts.NodeName]
 	devices, sets := 0, 0
-	for _, s := range res.Pools[d.opts.NodeName].Slices {
+	for _, s := range pool.Slices {
 		devices, sets = devices+len(s.Devices), sets+len(s.SharedCounters)
 	}
 	d.log.Info("DRA: ResourceSlices updated", "devices", devices, "counterSets", sets,
-		"slices", len(res.Pools[d.opts.NodeName].Slices), "generation", d.gen)
+		"slices", len(pool.Slices), "generation", pool.Generation)
 }
 
 // PrepareResourceClaims implements kubeletplugin.DRAPlugin: the loop
@@ -342,7 +400,7 @@ func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 		d.log.Error("DRA: "+msg, "err", err, "features", unknown)
 	}
 	if changed {
-		d.published = nil
+		d.stale = true
 		d.publishLocked()
 	}
 }

@@ -9,10 +9,12 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
+	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
 
 	"github.com/gpu-agent/gpu-agent/mig"
 )
@@ -310,4 +312,92 @@ func TestHandleOtherError(t *testing.T) {
 	if e := logs.at(slog.LevelError); len(e) != 1 || !strings.Contains(e[0], "update ResourceSlice") {
 		t.Errorf("errors logged %q", e)
 	}
+}
+
+// waitingSlices is a helper whose first PublishResources waits for release,
+// as the real one waits for its ResourceSlice informer to sync with the API
+// server (forever while that cannot be reached).
+type waitingSlices struct {
+	calls   chan resourceslice.DriverResources // each call, as it begins
+	release chan struct{}
+	first   sync.Once
+}
+
+func (w *waitingSlices) PublishResources(ctx context.Context, res resourceslice.DriverResources) error {
+	w.calls <- res
+	var err error
+	w.first.Do(func() {
+		select {
+		case <-w.release:
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+	})
+	return err
+}
+
+// returns fails the test if fn has not returned within a minute: a call
+// that waits on the API server would never return here.
+func returns(t *testing.T, what string, fn func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { defer close(done); fn() }()
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		t.Fatalf("%s is still waiting for the first publish to reach the API server", what)
+	}
+}
+
+// The first publish waits for the API server in the background: the
+// agent's loop (Publish), the dropped-fields handler and the health stream
+// go on meanwhile, and what changed is published once it is through.
+func TestFirstPublishWaitsAlone(t *testing.T) {
+	pool := mixedPool(t)
+	w := &waitingSlices{calls: make(chan resourceslice.DriverResources, 8), release: make(chan struct{})}
+	d := New(Options{NodeName: "node-a"})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	d.startPublishing(ctx, w)
+	// Nothing before the loop's first pool: an empty one would withdraw
+	// the previous agent's slices until then.
+	returns(t, "Publish", func() { d.Publish(pool) })
+	if first := summarize(<-w.calls); len(first.devices) != len(pool.Devices) {
+		t.Fatalf("first publish has %d devices, want the pool's %d", len(first.devices), len(pool.Devices))
+	}
+
+	next := &Pool{Devices: slices.Clone(pool.Devices), CounterSets: pool.CounterSets}
+	next.Devices[slices.IndexFunc(next.Devices, func(d Device) bool { return d.Name == "gpu-2" })].Unhealthy = "XID 48"
+	returns(t, "Publish", func() { d.Publish(next) })
+	returns(t, "HandleError", func() { d.HandleError(ctx, errors.New("conflict"), "update ResourceSlice") })
+	var health *drahealth.NodeWatchResourcesResponse
+	returns(t, "the health stream", func() { health = d.healthResponse() })
+	if i := slices.IndexFunc(health.Devices, func(h *drahealth.DeviceHealth) bool { return h.Device.DeviceName == "gpu-2" }); i < 0 ||
+		health.Devices[i].Health != drahealth.HealthStatus_UNHEALTHY {
+		t.Errorf("health stream while the first publish waits: gpu-2 not unhealthy (%v)", health.Devices)
+	}
+
+	close(w.release)
+	if got, want := summarize(<-w.calls).tainted, summarize(Resources("node-a", next, 0, Dropped{})).tainted; got != want {
+		t.Errorf("after the first publish: %d devices tainted, want the newer pool's %d", got, want)
+	}
+	// From then on a publish is handed over at once, and an unchanged pool
+	// is not handed over again.
+	d.Publish(pool)
+	d.Publish(pool)
+	if n := len(w.calls); n != 1 {
+		t.Errorf("%d publishes of a changed then an unchanged pool, want 1", n)
+	}
+}
+
+// A first publish still waiting when the driver stops ends with it.
+func TestStopEndsWaitingPublish(t *testing.T) {
+	w := &waitingSlices{calls: make(chan resourceslice.DriverResources, 8), release: make(chan struct{})}
+	d := New(Options{NodeName: "node-a"})
+	ctx, cancel := context.WithCancel(context.Background())
+	d.startPublishing(ctx, w)
+	d.Publish(mixedPool(t))
+	<-w.calls
+	cancel() // what the helper's Stop does to its controller's context
+	returns(t, "Stop", d.Stop)
 }

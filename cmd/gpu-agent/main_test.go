@@ -180,6 +180,27 @@ func startFakeKubelet(t *testing.T, dir string) *fakeKubelet {
 // TestRunBinarySIGTERM runs the real binary on a simulated node against a
 // kubelet double: it registers nvidia.com/gpu, serves /status, /readyz and
 // /metrics, and on SIGTERM removes its sockets and exits 0.
+// unreachableKubeconfig writes a kubeconfig whose API server refuses
+// every connection.
+func unreachableKubeconfig(t *testing.T, dir string) string {
+	t.Helper()
+	path := filepath.Join(dir, "kubeconfig")
+	err := os.WriteFile(path, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: down, cluster: {server: "https://127.0.0.1:1", insecure-skip-tls-verify: true}}]
+users: [{name: agent, user: {token: t}}]
+contexts: [{name: down, context: {cluster: down, user: agent}}]
+current-context: down
+`), 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// The binary serves, gets ready and ends cleanly on SIGTERM, standalone and
+// as a DRA driver whose API server cannot be reached (the driver's first
+// ResourceSlice publish then waits for it, and nothing else may).
 func TestRunBinarySIGTERM(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the binary")
@@ -190,6 +211,25 @@ func TestRunBinarySIGTERM(t *testing.T) {
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("build: %v\n%s", err, out)
 	}
+	for _, tt := range []struct {
+		name string
+		args func(t *testing.T, dir string) []string
+	}{
+		{name: "standalone", args: func(*testing.T, string) []string { return nil }},
+		{name: "DRA, API server down", args: func(t *testing.T, dir string) []string {
+			registry := filepath.Join(dir, "plugins_registry")
+			if err := os.Mkdir(registry, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			return []string{"--kubeconfig", unreachableKubeconfig(t, dir), "--dra", "--cdi-spec-dir", filepath.Join(dir, "cdi"),
+				"--dra-plugin-dir", filepath.Join(dir, "dra"), "--kubelet-registry-dir", registry}
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) { runBinaryUntilSIGTERM(t, bin, tt.args) })
+	}
+}
+
+func runBinaryUntilSIGTERM(t *testing.T, bin string, extra func(t *testing.T, dir string) []string) {
 	dir, err := os.MkdirTemp("", "ga")
 	if err != nil {
 		t.Fatal(err)
@@ -202,8 +242,9 @@ func TestRunBinarySIGTERM(t *testing.T) {
 	ln, _ := net.Listen("tcp", "127.0.0.1:0")
 	addr := ln.Addr().String()
 	ln.Close()
-	cmd := exec.Command(bin, "run", "--backend", "sim:pcie-4gpu", "--device-plugin-dir", pluginDir,
-		"--listen", addr, "--state-dir", filepath.Join(dir, "state"), "--node-name", "n1")
+	args := append([]string{"run", "--backend", "sim:pcie-4gpu", "--device-plugin-dir", pluginDir,
+		"--listen", addr, "--state-dir", filepath.Join(dir, "state"), "--node-name", "n1"}, extra(t, dir)...)
+	cmd := exec.Command(bin, args...)
 	var logs bytes.Buffer
 	cmd.Stderr = &logs
 	if err := cmd.Start(); err != nil {
@@ -219,8 +260,10 @@ func TestRunBinarySIGTERM(t *testing.T) {
 	})
 
 	deadline := time.Now().Add(10 * time.Second)
+	// A listener nobody serves accepts and then says nothing.
+	probe := &http.Client{Timeout: 2 * time.Second}
 	for {
-		resp, err := http.Get("http://" + addr + "/readyz")
+		resp, err := probe.Get("http://" + addr + "/readyz")
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {

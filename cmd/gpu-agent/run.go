@@ -309,6 +309,14 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 			return forward(ctx, updates, inbox, func(u config.Update) agent.Event { return agent.ConfigChanged{Update: u} })
 		})
 	}
+	// Probes and scrapes are answered whatever the DRA driver and the API
+	// server do.
+	goRun("http", func() error {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			return err
+		}
+		return nil
+	})
 	if draDriver != nil {
 		draDriver.SetClaims(ag)
 		// A driver that cannot register leaves the device plugin serving:
@@ -323,12 +331,6 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	for i, run := range kubeRuns {
 		goRun(fmt.Sprintf("kubernetes API %d", i), func() error { return run(ctx) })
 	}
-	goRun("http", func() error {
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			return err
-		}
-		return nil
-	})
 
 	<-ctx.Done()
 	log.Info("gpu-agent stopping: removing plugin sockets")
