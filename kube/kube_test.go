@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/cache"
 )
 
 func TestLabelPatch(t *testing.T) {
@@ -241,4 +242,34 @@ func mustJSON(t *testing.T, v any) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// stuckInformer does not watch its context, as client-go's watch-list
+// retry does while it sleeps its backoff.
+type stuckInformer struct {
+	cache.SharedIndexInformer
+	running chan struct{}
+}
+
+func (s *stuckInformer) RunWithContext(context.Context) {
+	close(s.running)
+	select {}
+}
+
+// A watcher told to stop returns at once, whatever its informer is doing:
+// an agent stopping while the API server is down must not wait out a 30 s
+// backoff.
+func TestRunInformerReturnsAtStop(t *testing.T) {
+	inf := &stuckInformer{running: make(chan struct{})}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); runInformer(ctx, inf) }()
+	<-inf.running
+	select {
+	case <-done:
+		t.Fatal("returned before its context ended")
+	default:
+	}
+	cancel()
+	next(t, done)
 }

@@ -85,7 +85,7 @@ func (w *NodeWatcher) Run(ctx context.Context) error {
 		return fmt.Errorf("watch node %s: %w", w.node, err)
 	}
 	_ = inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) { w.errs.failed("watch", err) })
-	inf.RunWithContext(ctx)
+	runInformer(ctx, inf)
 	return nil
 }
 
@@ -162,7 +162,7 @@ func (w *ConfigMapWatcher) Run(ctx context.Context) error {
 		return fmt.Errorf("watch configmap %s/%s: %w", w.namespace, w.name, err)
 	}
 	_ = inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) { w.errs.failed("watch", err) })
-	inf.RunWithContext(ctx)
+	runInformer(ctx, inf)
 	return nil
 }
 
@@ -202,4 +202,13 @@ func (e *errorLog) current() string {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.last
+}
+
+// runInformer runs inf until ctx ends, and returns then without waiting for
+// it: client-go's watch-list retry sleeps its backoff (up to 30 s while the
+// API server cannot be reached) without watching ctx, and an agent told to
+// stop must not wait that out. What it is left doing ends with the process.
+func runInformer(ctx context.Context, inf cache.SharedIndexInformer) {
+	go inf.RunWithContext(ctx)
+	<-ctx.Done()
 }
