@@ -211,7 +211,11 @@ func (d *Driver) startPublishing(ctx context.Context, pub slicePublisher) {
 		d.log.Info("DRA: starting ResourceSlice publishing; it waits for the API server")
 		if err := pub.PublishResources(ctx, res); err != nil {
 			// Only a missing option or the end of ctx: nothing to retry.
-			d.log.Error("DRA: cannot publish ResourceSlices", "err", err)
+			if ctx.Err() != nil {
+				d.log.Info("DRA: stopped before the API server took the ResourceSlices", "err", err)
+			} else {
+				d.log.Error("DRA: cannot publish ResourceSlices", "err", err)
+			}
 			return
 		}
 		d.logPublished(res)

@@ -393,11 +393,15 @@ func TestFirstPublishWaitsAlone(t *testing.T) {
 // A first publish still waiting when the driver stops ends with it.
 func TestStopEndsWaitingPublish(t *testing.T) {
 	w := &waitingSlices{calls: make(chan resourceslice.DriverResources, 8), release: make(chan struct{})}
-	d := New(Options{NodeName: "node-a"})
+	logs := &logRecords{}
+	d := New(Options{NodeName: "node-a", Logger: slog.New(logs)})
 	ctx, cancel := context.WithCancel(context.Background())
 	d.startPublishing(ctx, w)
 	d.Publish(mixedPool(t))
 	<-w.calls
-	cancel() // what the helper's Stop does to its controller's context
+	cancel() // what the agent's end, or the helper's Stop, does to its controller's context
 	returns(t, "Stop", d.Stop)
+	if e := logs.at(slog.LevelError); len(e) > 0 {
+		t.Errorf("stopping logged errors: %q", e)
+	}
 }
