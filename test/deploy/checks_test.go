@@ -207,7 +207,7 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {
 		what string
 		list corev1.ResourceList
 		want string
-	}{{"memory request", c.Resources.Requests, "64Mi"}, {"memory limit", c.Resources.Limits, "128Mi"}} {
+	}{{"memory request", c.Resources.Requests, "96Mi"}, {"memory limit", c.Resources.Limits, "128Mi"}} {
 		got := r.list[corev1.ResourceMemory]
 		if got.Cmp(resource.MustParse(r.want)) != 0 {
 			t.Errorf("%s = %s, want %s", r.what, got.String(), r.want)
