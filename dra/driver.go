@@ -127,8 +127,11 @@ type Driver struct {
 	stale bool
 	// poolSet wakes the first publish (startPublishing) once there is a pool.
 	poolSet chan struct{}
-	// starting is the first publish, running in the background.
+	// starting is the first publish, running in the background; stopping
+	// ends its wait for a pool.
 	starting sync.WaitGroup
+	stopping chan struct{}
+	stopOnce sync.Once
 }
 
 // New returns a driver that keeps what Publish gives it until Start.
@@ -142,7 +145,7 @@ func New(opts Options) *Driver {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &Driver{opts: opts, log: opts.Logger, watchers: map[chan struct{}]struct{}{}, poolSet: make(chan struct{}, 1)}
+	return &Driver{opts: opts, log: opts.Logger, watchers: map[chan struct{}]struct{}{}, poolSet: make(chan struct{}, 1), stopping: make(chan struct{})}
 }
 
 // SetClaims sets who prepares claims (the agent, built after the driver it
@@ -200,6 +203,8 @@ func (d *Driver) startPublishing(ctx context.Context, pub slicePublisher) {
 			select {
 			case <-ctx.Done():
 				return
+			case <-d.stopping:
+				return
 			case <-d.poolSet:
 			}
 			d.mu.Lock()
@@ -235,6 +240,7 @@ func (d *Driver) Stop() {
 	if h != nil {
 		h.Stop() // ends a first publish still waiting for the API server
 	}
+	d.stopOnce.Do(func() { close(d.stopping) })
 	d.starting.Wait()
 }
 

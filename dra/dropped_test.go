@@ -405,3 +405,14 @@ func TestStopEndsWaitingPublish(t *testing.T) {
 		t.Errorf("stopping logged errors: %q", e)
 	}
 }
+
+// A driver stopped before the loop gave it a pool does not wait for one.
+func TestStopBeforeAnyPool(t *testing.T) {
+	w := &waitingSlices{calls: make(chan resourceslice.DriverResources, 8), release: make(chan struct{})}
+	d := New(Options{NodeName: "node-a"})
+	d.startPublishing(context.Background(), w)
+	returns(t, "Stop", d.Stop)
+	if len(w.calls) != 0 {
+		t.Errorf("%d publishes without a pool", len(w.calls))
+	}
+}
