@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 )
@@ -54,6 +55,9 @@ type DRAStatus struct {
 	// "namespace/name: MIG device UUID, ..." (a CDI spec alone shows as
 	// "namespace/name: CDI spec").
 	Releasing []string `json:"releasing,omitempty"`
+	// Slices: where ResourceSlice publishing stands (filled by the HTTP
+	// layer from the driver).
+	Slices *dra.Slices `json:"slices,omitempty"`
 }
 
 // ConfigStatus says which config is in force and whether the file's latest

@@ -122,6 +122,8 @@ type Driver struct {
 	pool    *Pool
 	gen     int64
 	dropped Dropped
+	// slices is where publishing stands, for /status.
+	slices Slices
 	// stale: the helper does not have pool and dropped as they are now
 	// (unchanged pools are not handed to it again).
 	stale bool
@@ -132,6 +134,25 @@ type Driver struct {
 	starting sync.WaitGroup
 	stopping chan struct{}
 	stopOnce sync.Once
+}
+
+// Slices says where ResourceSlice publishing stands.
+type Slices struct {
+	// Generation is the pool's generation last handed to the helper (0:
+	// none yet), At when; the helper writes it to the API server in the
+	// background.
+	Generation int64     `json:"generation"`
+	At         time.Time `json:"at,omitzero"`
+	// WaitingForAPI: the first publish has waited since then for the
+	// helper to sync with the API server.
+	WaitingForAPI time.Time `json:"waitingForAPISince,omitzero"`
+}
+
+// Slices returns where ResourceSlice publishing stands.
+func (d *Driver) Slices() Slices {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.slices
 }
 
 // New returns a driver that keeps what Publish gives it until Start.
@@ -212,6 +233,7 @@ func (d *Driver) startPublishing(ctx context.Context, pub slicePublisher) {
 		d.gen++
 		res := Resources(d.opts.NodeName, d.pool, d.gen, d.dropped)
 		d.stale = false // a Publish or HandleError from now on sets it again
+		d.slices.WaitingForAPI = d.opts.Now()
 		d.mu.Unlock()
 		d.log.Info("DRA: starting ResourceSlice publishing; it waits for the API server")
 		if err := pub.PublishResources(ctx, res); err != nil {
@@ -226,6 +248,7 @@ func (d *Driver) startPublishing(ctx context.Context, pub slicePublisher) {
 		d.logPublished(res)
 		d.mu.Lock()
 		defer d.mu.Unlock()
+		d.slices = Slices{Generation: res.Pools[d.opts.NodeName].Generation, At: d.opts.Now()}
 		d.publisher = pub
 		d.publishLocked() // what changed while it waited
 	}()
@@ -285,6 +308,7 @@ func (d *Driver) publishLocked() {
 		return
 	}
 	d.stale = false
+	d.slices = Slices{Generation: d.gen, At: d.opts.Now()}
 	d.logPublished(res)
 }
 

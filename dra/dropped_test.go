@@ -355,7 +355,8 @@ func returns(t *testing.T, what string, fn func()) {
 func TestFirstPublishWaitsAlone(t *testing.T) {
 	pool := mixedPool(t)
 	w := &waitingSlices{calls: make(chan resourceslice.DriverResources, 8), release: make(chan struct{})}
-	d := New(Options{NodeName: "node-a"})
+	now := time.Date(2026, 11, 24, 12, 0, 0, 0, time.UTC)
+	d := New(Options{NodeName: "node-a", Now: func() time.Time { return now }})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	d.startPublishing(ctx, w)
@@ -376,10 +377,16 @@ func TestFirstPublishWaitsAlone(t *testing.T) {
 		health.Devices[i].Health != drahealth.HealthStatus_UNHEALTHY {
 		t.Errorf("health stream while the first publish waits: gpu-2 not unhealthy (%v)", health.Devices)
 	}
+	if got := d.Slices(); got != (Slices{WaitingForAPI: now}) {
+		t.Errorf("state while the first publish waits: %+v, want waiting since %v and nothing published", got, now)
+	}
 
 	close(w.release)
 	if got, want := summarize(<-w.calls).tainted, summarize(Resources("node-a", next, 0, Dropped{})).tainted; got != want {
 		t.Errorf("after the first publish: %d devices tainted, want the newer pool's %d", got, want)
+	}
+	if got := d.Slices(); got != (Slices{Generation: 2, At: now}) {
+		t.Errorf("state after the first publish and the one it owed: %+v, want generation 2, not waiting", got)
 	}
 	// From then on a publish is handed over at once, and an unchanged pool
 	// is not handed over again.

@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/plugin"
 )
@@ -32,8 +33,9 @@ type eventWatch interface{ Watched() []string }
 type sampled interface{ Snapshot() *health.Snapshot }
 
 // newHTTPHandler serves /metrics, /healthz, /readyz, /status and, on a
-// simulated node only, the /sim/ fault injection endpoints.
-func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples sampled, reg *prometheus.Registry, be *backend) http.Handler {
+// simulated node only, the /sim/ fault injection endpoints. draSlices is
+// the DRA driver's publishing state (nil without DRA).
+func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples sampled, draSlices func() dra.Slices, reg *prometheus.Registry, be *backend) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -69,6 +71,12 @@ func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples s
 			})
 		}
 		st.HealthEvents = hw.Watched()
+		if st.DRA != nil && draSlices != nil {
+			d := *st.DRA // the loop's published status is shared: a copy
+			s := draSlices()
+			d.Slices = &s
+			st.DRA = &d
+		}
 		w.Header().Set("Content-Type", "application/json")
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")

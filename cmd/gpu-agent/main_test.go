@@ -214,8 +214,14 @@ func TestRunBinarySIGTERM(t *testing.T) {
 	for _, tt := range []struct {
 		name string
 		args func(t *testing.T, dir string) []string
+		// status checks /status once the agent is ready.
+		status func(t *testing.T, st *agent.Status)
 	}{
-		{name: "standalone", args: func(*testing.T, string) []string { return nil }},
+		{name: "standalone", args: func(*testing.T, string) []string { return nil }, status: func(t *testing.T, st *agent.Status) {
+			if st.Cluster != "standalone: no API" || st.DRA != nil {
+				t.Errorf("status: cluster %q, DRA %+v; want standalone, no DRA", st.Cluster, st.DRA)
+			}
+		}},
 		{name: "DRA, API server down", args: func(t *testing.T, dir string) []string {
 			registry := filepath.Join(dir, "plugins_registry")
 			if err := os.Mkdir(registry, 0o755); err != nil {
@@ -223,13 +229,20 @@ func TestRunBinarySIGTERM(t *testing.T) {
 			}
 			return []string{"--kubeconfig", unreachableKubeconfig(t, dir), "--dra", "--cdi-spec-dir", filepath.Join(dir, "cdi"),
 				"--dra-plugin-dir", filepath.Join(dir, "dra"), "--kubelet-registry-dir", registry}
+		}, status: func(t *testing.T, st *agent.Status) {
+			// The pool is planned; the slices wait for the API server, and
+			// /status says so.
+			if st.DRA == nil || len(st.DRA.Devices) != 4 || st.DRA.Slices == nil || st.DRA.Slices.Generation != 0 ||
+				st.DRA.Slices.WaitingForAPI.IsZero() {
+				t.Errorf("status DRA %+v; want 4 devices, slices waiting for the API server", st.DRA)
+			}
 		}},
 	} {
-		t.Run(tt.name, func(t *testing.T) { runBinaryUntilSIGTERM(t, bin, tt.args) })
+		t.Run(tt.name, func(t *testing.T) { runBinaryUntilSIGTERM(t, bin, tt.args, tt.status) })
 	}
 }
 
-func runBinaryUntilSIGTERM(t *testing.T, bin string, extra func(t *testing.T, dir string) []string) {
+func runBinaryUntilSIGTERM(t *testing.T, bin string, extra func(t *testing.T, dir string) []string, status func(*testing.T, *agent.Status)) {
 	dir, err := os.MkdirTemp("", "ga")
 	if err != nil {
 		t.Fatal(err)
@@ -277,6 +290,18 @@ func runBinaryUntilSIGTERM(t *testing.T, bin string, extra func(t *testing.T, di
 	}
 	if got := kubelet.registered(); len(got) != 1 || got[0] != "nvidia.com/gpu" {
 		t.Fatalf("registered %v, want [nvidia.com/gpu]", got)
+	}
+	if resp, err := probe.Get("http://" + addr + "/status"); err != nil {
+		t.Errorf("/status: %v", err)
+	} else {
+		var st agent.Status
+		err := json.NewDecoder(resp.Body).Decode(&st)
+		resp.Body.Close()
+		if err != nil {
+			t.Errorf("/status: %v", err)
+		} else {
+			status(t, &st)
+		}
 	}
 	code, out, stderr := run(t, "status", "--addr", addr)
 	if code != 0 || !regexp.MustCompile(`nvidia.com/gpu +4 +4 +registered 20`).MatchString(out) {

@@ -272,7 +272,11 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Samples: sampler, Health: watcher, Attribution: podres, Catalog: ag, Hostname: f.nodeName,
 	}))
 
-	srv, ln, err := newHTTPServer(f.listen, newHTTPHandler(ag, mgr, watcher, sampler, reg, be), defaultHTTPServerConfig(), log.With("component", "http"))
+	var draSlices func() dra.Slices
+	if draDriver != nil {
+		draSlices = draDriver.Slices
+	}
+	srv, ln, err := newHTTPServer(f.listen, newHTTPHandler(ag, mgr, watcher, sampler, draSlices, reg, be), defaultHTTPServerConfig(), log.With("component", "http"))
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
