@@ -129,11 +129,10 @@ type Driver struct {
 	stale bool
 	// poolSet wakes the first publish (startPublishing) once there is a pool.
 	poolSet chan struct{}
-	// starting is the first publish, running in the background; stopping
-	// ends its wait for a pool.
-	starting sync.WaitGroup
-	stopping chan struct{}
-	stopOnce sync.Once
+	// starting is the first publish, running in the background until
+	// stopPublishing ends it.
+	starting       sync.WaitGroup
+	stopPublishing context.CancelFunc
 }
 
 // Slices says where ResourceSlice publishing stands.
@@ -166,7 +165,7 @@ func New(opts Options) *Driver {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &Driver{opts: opts, log: opts.Logger, watchers: map[chan struct{}]struct{}{}, poolSet: make(chan struct{}, 1), stopping: make(chan struct{})}
+	return &Driver{opts: opts, log: opts.Logger, watchers: map[chan struct{}]struct{}{}, poolSet: make(chan struct{}, 1)}
 }
 
 // SetClaims sets who prepares claims (the agent, built after the driver it
@@ -215,6 +214,10 @@ func (d *Driver) Start(ctx context.Context) error {
 // server cannot be reached. Neither the agent's loop (Publish) nor the
 // kubelet's calls may wait on that, so it runs here, without the lock.
 func (d *Driver) startPublishing(ctx context.Context, pub slicePublisher) {
+	ctx, cancel := context.WithCancel(ctx)
+	d.mu.Lock()
+	d.stopPublishing = cancel
+	d.mu.Unlock()
 	d.starting.Add(1)
 	go func() {
 		defer d.starting.Done()
@@ -224,15 +227,11 @@ func (d *Driver) startPublishing(ctx context.Context, pub slicePublisher) {
 			select {
 			case <-ctx.Done():
 				return
-			case <-d.stopping:
-				return
 			case <-d.poolSet:
 			}
 			d.mu.Lock()
 		}
-		d.gen++
-		res := Resources(d.opts.NodeName, d.pool, d.gen, d.dropped)
-		d.stale = false // a Publish or HandleError from now on sets it again
+		res := d.nextLocked() // a Publish or HandleError from now on makes it stale again
 		d.slices.WaitingForAPI = d.opts.Now()
 		d.mu.Unlock()
 		d.log.Info("DRA: starting ResourceSlice publishing; it waits for the API server")
@@ -245,10 +244,9 @@ func (d *Driver) startPublishing(ctx context.Context, pub slicePublisher) {
 			}
 			return
 		}
-		d.logPublished(res)
 		d.mu.Lock()
 		defer d.mu.Unlock()
-		d.slices = Slices{Generation: res.Pools[d.opts.NodeName].Generation, At: d.opts.Now()}
+		d.tookLocked(res)
 		d.publisher = pub
 		d.publishLocked() // what changed while it waited
 	}()
@@ -258,12 +256,14 @@ func (d *Driver) startPublishing(ctx context.Context, pub slicePublisher) {
 // them, and `gpu-agent node-cleanup` removes them on uninstall.
 func (d *Driver) Stop() {
 	d.mu.Lock()
-	h := d.helper
+	h, stopPublishing := d.helper, d.stopPublishing
 	d.mu.Unlock()
 	if h != nil {
 		h.Stop() // ends a first publish still waiting for the API server
 	}
-	d.stopOnce.Do(func() { close(d.stopping) })
+	if stopPublishing != nil {
+		stopPublishing() // and one still waiting for a pool
+	}
 	d.starting.Wait()
 }
 
@@ -301,19 +301,27 @@ func (d *Driver) publishLocked() {
 	if d.publisher == nil || d.pool == nil || !d.stale {
 		return
 	}
-	d.gen++
-	res := Resources(d.opts.NodeName, d.pool, d.gen, d.dropped)
+	res := d.nextLocked()
 	if err := d.publisher.PublishResources(context.Background(), res); err != nil {
+		d.stale = true
 		d.log.Error("DRA: cannot publish ResourceSlices", "err", err)
 		return
 	}
-	d.stale = false
-	d.slices = Slices{Generation: d.gen, At: d.opts.Now()}
-	d.logPublished(res)
+	d.tookLocked(res)
 }
 
-func (d *Driver) logPublished(res resourceslice.DriverResources) {
+// nextLocked is the pool, as it is now, for the helper: the next
+// generation, and no longer stale.
+func (d *Driver) nextLocked() resourceslice.DriverResources {
+	d.gen++
+	d.stale = false
+	return Resources(d.opts.NodeName, d.pool, d.gen, d.dropped)
+}
+
+// tookLocked records that the helper took res.
+func (d *Driver) tookLocked(res resourceslice.DriverResources) {
 	pool := res.Pools[d.opts.NodeName]
+	d.slices = Slices{Generation: pool.Generation, At: d.opts.Now()}
 	devices, sets := 0, 0
 	for _, s := range pool.Slices {
 		devices, sets = devices+len(s.Devices), sets+len(s.SharedCounters)
