@@ -185,7 +185,7 @@ func (a *Agent) notOnNode(uid types.UID, pc PreparedClaim) string {
 // of the MIG devices it had.
 func (a *Agent) failedHas(uuid string) bool {
 	for _, f := range a.failed {
-		if f.GPU.UUID == uuid || slices.ContainsFunc(f.GPU.Instances, func(m gpu.MIGInstance) bool { return m.UUID == uuid }) {
+		if f.GPU.HasDevice(uuid) {
 			return true
 		}
 	}

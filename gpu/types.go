@@ -227,10 +227,10 @@ func (inv *Inventory) GPUByUUID(uuid string) (GPU, bool) {
 // HasDevice reports whether uuid is a GPU of the inventory or one of their
 // MIG devices.
 func (inv *Inventory) HasDevice(uuid string) bool {
-	for _, g := range inv.GPUs {
-		if g.UUID == uuid || slices.ContainsFunc(g.Instances, func(m MIGInstance) bool { return m.UUID == uuid }) {
-			return true
-		}
-	}
-	return false
+	return slices.ContainsFunc(inv.GPUs, func(g GPU) bool { return g.HasDevice(uuid) })
+}
+
+// HasDevice reports whether uuid is g or one of its MIG devices.
+func (g GPU) HasDevice(uuid string) bool {
+	return g.UUID == uuid || slices.ContainsFunc(g.Instances, func(m MIGInstance) bool { return m.UUID == uuid })
 }
