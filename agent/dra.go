@@ -75,6 +75,12 @@ type PreparedClaimDevice struct {
 	AdminAccess bool `json:"adminAccess,omitempty"`
 }
 
+// samePlace reports whether d and o are the MIG device of one profile at
+// one placement of one GPU (an intent and the device made for it).
+func (d PreparedClaimDevice) samePlace(o PreparedClaimDevice) bool {
+	return d.Parent == o.Parent && d.Placement == o.Placement && d.Profile == o.Profile
+}
+
 func (c PreparedClaim) String() string { return "ResourceClaim " + c.Namespace + "/" + c.Name }
 
 func (c PreparedClaim) prepared() dra.Prepared {
@@ -407,11 +413,9 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 		// The intent stays until the claim is checkpointed with the
 		// device (claimsStep).
 		a.log.Info("DRA: MIG device created", "claim", c.String(), "gpu", g.Index, "profile", d.Profile, "placement", d.Placement.Start, "uuid", m.UUID)
-		return PreparedClaimDevice{
-			PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}},
-			UUID:           m.UUID, Created: true, Parent: g.UUID,
-			Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement,
-		}, nil
+		dev := intent
+		dev.UUID, dev.CDIDevices = m.UUID, []string{dra.CDIKind + "=" + m.UUID}
+		return dev, nil
 	}
 	if err == nil {
 		err = fmt.Errorf("GPU %d: %s at %d was created but NVML does not list it", plan.GPU, d.Profile, d.Placement.Start)
@@ -499,7 +503,7 @@ func (a *Agent) dropIntents(uid types.UID) {
 	claim := a.claims[uid]
 	pc.Devices = slices.DeleteFunc(pc.Devices, func(x PreparedClaimDevice) bool {
 		return x.UUID == "" && slices.ContainsFunc(claim.Devices, func(d PreparedClaimDevice) bool {
-			return d.Created && d.Parent == x.Parent && d.Placement == x.Placement && d.Profile == x.Profile
+			return d.Created && d.samePlace(x)
 		})
 	})
 	if len(pc.Devices) == 0 {
@@ -517,7 +521,7 @@ func (a *Agent) intendDone(uid types.UID, d PreparedClaimDevice) {
 	// Only the intent just appended: an identical earlier one (a failed
 	// attempt whose device may exist) still stands.
 	if i := len(pc.Devices) - 1; i >= 0 {
-		if x := pc.Devices[i]; x.UUID == "" && x.Parent == d.Parent && x.Placement == d.Placement && x.Profile == d.Profile {
+		if x := pc.Devices[i]; x.UUID == "" && x.samePlace(d) {
 			pc.Devices = pc.Devices[:i]
 		}
 	}
