@@ -29,6 +29,23 @@ func gpuOf(t *testing.T, h *harness, i int) gpu.GPU {
 	return inv.GPUs[i]
 }
 
+// intentLeft is a node where claim uid-1's 3g.40gb at 4 on GPU 0 failed
+// because the GPU could not be read right after the creation: the device
+// may exist, and the claim's intent stands.
+func intentLeft(t *testing.T) (*harness, *draRecorder) {
+	t.Helper()
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	fo := &flakyObserver{}
+	h := newHarness(t, node, withDRA(rec), withMIG(), withFlakyObserver(node, fo))
+	h.config(wholeGPUs)
+	fo.failNext = 1 // the read after the creation
+	if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err == nil {
+		t.Fatalf("Prepare with GPU 0 unreadable after the creation: %+v, want an error", got)
+	}
+	return h, rec
+}
+
 // A claim that fails after one of its MIG devices was made leaves nothing
 // behind: the device is destroyed and the GPU goes back to MIG off.
 func TestDRAFailedClaimUndoesItsMIGDevice(t *testing.T) {
@@ -228,15 +245,7 @@ func TestDRACrashBetweenCreateAndCheckpoint(t *testing.T) {
 // claim and keeps the intent; the device is destroyed once the GPU reads
 // again, and both the device plugin and DRA offer the GPU as it then is.
 func TestDRAUnreadableAfterCreate(t *testing.T) {
-	rec := &draRecorder{}
-	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
-	fo := &flakyObserver{}
-	h := newHarness(t, node, withDRA(rec), withMIG(), withFlakyObserver(node, fo))
-	h.config(wholeGPUs)
-	fo.failNext = 1 // the read after the creation
-	if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err == nil {
-		t.Fatalf("Prepare with the GPU unreadable after the creation: %+v, want an error", got)
-	}
+	h, rec := intentLeft(t)
 	if st := h.a.Status().DRA; len(st.Releasing) != 1 {
 		t.Errorf("/status dra releasing %v, want the intent kept", st.Releasing)
 	}
@@ -421,14 +430,7 @@ func TestDRAEarlierIntentSurvivesRetries(t *testing.T) {
 		}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
-			fo := &flakyObserver{}
-			h := newHarness(t, node, withDRA(&draRecorder{}), withMIG(), withFlakyObserver(node, fo))
-			h.config(wholeGPUs)
-			fo.failNext = 1 // the read after the creation on GPU 0
-			if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err == nil {
-				t.Fatalf("the first attempt: %+v, want it to fail", got)
-			}
+			h, _ := intentLeft(t)
 			tt.retry(t, h)
 			h.step(Tick{})
 			if g := gpuOf(t, h, 0); g.MIG.Current || len(g.Instances) != 0 {
@@ -441,15 +443,7 @@ func TestDRAEarlierIntentSurvivesRetries(t *testing.T) {
 // While an intent on a GPU waits for a good read (its device may exist and
 // MIG may be on, whatever the last read said), the GPU is not given whole.
 func TestDRAWholeGPUNotPreparedOverPendingIntent(t *testing.T) {
-	rec := &draRecorder{}
-	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
-	fo := &flakyObserver{}
-	h := newHarness(t, node, withDRA(rec), withMIG(), withFlakyObserver(node, fo))
-	h.config(wholeGPUs)
-	fo.failNext = 1
-	if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err == nil {
-		t.Fatalf("the first attempt: %+v, want it to fail", got)
-	}
+	h, rec := intentLeft(t)
 	if whole, _ := partitionsOf(rec.last(), 0); whole {
 		t.Errorf("GPU 0 offered whole through DRA while its intent waits")
 	}
