@@ -291,18 +291,7 @@ func runBinaryUntilSIGTERM(t *testing.T, bin string, extra func(t *testing.T, di
 	if got := kubelet.registered(); len(got) != 1 || got[0] != "nvidia.com/gpu" {
 		t.Fatalf("registered %v, want [nvidia.com/gpu]", got)
 	}
-	if resp, err := probe.Get("http://" + addr + "/status"); err != nil {
-		t.Errorf("/status: %v", err)
-	} else {
-		var st agent.Status
-		err := json.NewDecoder(resp.Body).Decode(&st)
-		resp.Body.Close()
-		if err != nil {
-			t.Errorf("/status: %v", err)
-		} else {
-			status(t, &st)
-		}
-	}
+	status(t, waitStatus(t, addr, "served", func(*agent.Status) bool { return true }))
 	code, out, stderr := run(t, "status", "--addr", addr)
 	if code != 0 || !regexp.MustCompile(`nvidia.com/gpu +4 +4 +registered 20`).MatchString(out) {
 		t.Errorf("status: exit %d\n%s%s", code, out, stderr)
