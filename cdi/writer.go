@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 	specs "tags.cncf.io/container-device-interface/specs-go"
 )
@@ -28,8 +29,7 @@ const NodeSpec = "gpu-agent"
 // content changes, and files of the agent's that are no longer wanted
 // removed.
 type Writer struct {
-	dir   string
-	cache *cdiapi.Cache
+	dir string
 	// last is the content of each spec file written, by name.
 	last map[string][]byte
 }
@@ -40,17 +40,7 @@ func NewWriter(dir string) (*Writer, error) {
 	if dir == "" {
 		return nil, errors.New("cdi: no spec directory")
 	}
-	// No auto-refresh: the cache is only the library's validating, atomic
-	// writer here, never a reader that watches the directory.
-	c, err := cdiapi.NewCache(cdiapi.WithSpecDirs(dir), cdiapi.WithAutoRefresh(false))
-	if err != nil {
-		// Errors of other specs in the directory are theirs; the cache still
-		// writes ours.
-		if c == nil {
-			return nil, fmt.Errorf("cdi: %w", err)
-		}
-	}
-	return &Writer{dir: dir, cache: c, last: map[string][]byte{}}, nil
+	return &Writer{dir: dir, last: map[string][]byte{}}, nil
 }
 
 // Dir is the directory the writer keeps.
@@ -80,11 +70,15 @@ func (w *Writer) Write(name string, s *specs.Spec) (bool, error) {
 		w.last[name] = data // written by an earlier run of the agent
 		return false, nil
 	}
-	if err := w.cache.WriteSpec(s, name+".json"); err != nil {
-		return false, fmt.Errorf("cdi: spec %s: %w", w.Path(name), err)
+	// The CDI library reads the file back before it replaces the old one:
+	// a spec it would refuse never reaches a runtime.
+	check := func(tmp string) error { _, err := cdiapi.ReadSpec(tmp, 0); return err }
+	err = os.MkdirAll(w.dir, 0o755)
+	if err == nil {
+		err = atomicfile.Write(w.Path(name), data, atomicfile.Options{Check: check})
 	}
-	if err := os.Chmod(w.Path(name), 0o644); err != nil {
-		return true, fmt.Errorf("cdi: spec %s: %w", w.Path(name), err)
+	if err != nil {
+		return false, fmt.Errorf("cdi: spec %s: %w", w.Path(name), err)
 	}
 	w.last[name] = data
 	return true, nil

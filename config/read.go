@@ -1,10 +1,10 @@
 package config
 
 import (
+	"errors"
 	"fmt"
-	"io"
-	"os"
-	"syscall"
+
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 )
 
 // MaxBytes is the largest config this package reads. The file is delivered
@@ -26,59 +26,17 @@ const MaxReplicas = 1024
 
 // ReadFile reads a config file of at most MaxBytes, following symlinks (a
 // mounted ConfigMap key is one). Anything but a regular file is refused
-// without reading from it: a FIFO would block the reader until a writer
-// appears, and a device such as /dev/zero never ends. The file is opened
-// non-blocking so that opening a FIFO cannot block either.
+// without reading from it (atomicfile.ReadFile): a FIFO would block the
+// reader, and a device such as /dev/zero never ends.
 func ReadFile(path string) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
-	if err != nil {
+	data, err := atomicfile.ReadFile(path, MaxBytes)
+	switch {
+	case errors.Is(err, atomicfile.ErrNotRegular):
+		return nil, fmt.Errorf("config %s: %v; only regular files of at most %d bytes are read", path, err, MaxBytes)
+	case errors.Is(err, atomicfile.ErrTooLarge):
+		return nil, fmt.Errorf("config %s: %v (a ConfigMap's limit)", path, err)
+	case err != nil:
 		return nil, fmt.Errorf("config %s: %w", path, err)
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("config %s: %w", path, err)
-	}
-	if !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("config %s: not a regular file (%s); only regular files of at most %d bytes are read",
-			path, fileKind(fi.Mode()), MaxBytes)
-	}
-	if fi.Size() > MaxBytes {
-		return nil, tooLarge(path, fi.Size())
-	}
-	// The size can change between Stat and read (a file being rewritten),
-	// so the read itself is bounded too; one byte more than allowed tells a
-	// file at the limit from one over it.
-	data, err := io.ReadAll(io.LimitReader(f, MaxBytes+1))
-	if err != nil {
-		return nil, fmt.Errorf("config %s: %w", path, err)
-	}
-	if len(data) > MaxBytes {
-		return nil, tooLarge(path, -1)
 	}
 	return data, nil
-}
-
-func tooLarge(path string, size int64) error {
-	if size < 0 {
-		return fmt.Errorf("config %s: larger than the maximum of %d bytes (a ConfigMap's limit)", path, MaxBytes)
-	}
-	return fmt.Errorf("config %s: %d bytes exceeds the maximum of %d bytes (a ConfigMap's limit)", path, size, MaxBytes)
-}
-
-// fileKind names a non-regular file type for error messages.
-func fileKind(m os.FileMode) string {
-	switch {
-	case m.IsDir():
-		return "a directory"
-	case m&os.ModeNamedPipe != 0:
-		return "a named pipe"
-	case m&os.ModeSocket != 0:
-		return "a socket"
-	case m&os.ModeCharDevice != 0:
-		return "a character device"
-	case m&os.ModeDevice != 0:
-		return "a block device"
-	}
-	return "mode " + m.Type().String()
 }

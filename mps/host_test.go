@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 )
 
 // hostRun is a Host running in the background over a root; cleanup stops it.
@@ -290,7 +292,7 @@ func TestRemoteWithoutHost(t *testing.T) {
 // rename, so mps-host sees one change).
 func writeRaw(t *testing.T, root, content string) {
 	t.Helper()
-	if err := writeFileAtomic(filepath.Join(root, DesiredFileName), []byte(content)); err != nil {
+	if err := atomicfile.Write(filepath.Join(root, DesiredFileName), []byte(content)); err != nil {
 		t.Fatal(err)
 	}
 }

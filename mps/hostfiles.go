@@ -3,12 +3,10 @@ package mps
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
-	"os"
-	"path/filepath"
 	"time"
+
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 )
 
 // The agent and `gpu-agent mps-host` run in different containers (so that an
@@ -21,7 +19,7 @@ import (
 //     rewritten every interval as a heartbeat.
 //
 // Each side only ever writes its own file, and always atomically
-// (writeFileAtomic), so a reader sees a whole old or a whole new file.
+// (atomicfile.Write), so a reader sees a whole old or a whole new file.
 const (
 	DesiredFileName = "desired.json"
 	HealthFileName  = "health.json"
@@ -117,17 +115,10 @@ func validateDaemons(daemons []Daemon) (map[string]Daemon, error) {
 // readHostFile checks path's version and decodes it strictly into v (a
 // *DesiredFile or *HealthFile). Errors name the file.
 func readHostFile(path string, v any) error {
-	f, err := os.Open(path)
+	b, err := atomicfile.ReadFile(path, maxHostFileBytes)
 	if err != nil {
-		return err // names the path; callers tell "missing" apart
-	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, maxHostFileBytes+1))
-	if err != nil {
+		// Wrapped, so callers still tell "missing" apart.
 		return fmt.Errorf("%s: %w", path, err)
-	}
-	if len(b) > maxHostFileBytes {
-		return fmt.Errorf("%s: larger than %d bytes", path, maxHostFileBytes)
 	}
 	// The version first: a file of another version is refused as that, not
 	// for the fields it has that this one does not know.
@@ -180,51 +171,14 @@ func ReadHealthFile(path string) (*HealthFile, error) {
 	return &f, nil
 }
 
-// writeJSONAtomic writes v as indented JSON to path with writeFileAtomic.
+// writeJSONAtomic writes v as indented JSON to path with atomicfile.Write.
 func writeJSONAtomic(path string, v any) error {
 	b, err := json.MarshalIndent(v, "", "  ")
 	if err != nil {
 		return fmt.Errorf("%s: %w", path, err)
 	}
-	return writeFileAtomic(path, append(b, '\n'))
-}
-
-// writeFileAtomic replaces path with data so that a reader, or the next
-// process after a crash, sees the old or the new content and never a part:
-// a temp file in the same directory (the rename must not cross file
-// systems), fsync, rename over path, fsync of the directory so the rename
-// itself is durable. The temp file's name starts with a dot and never equals
-// a watched name, so watchers that filter on the final name ignore it.
-func writeFileAtomic(path string, data []byte) error {
-	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
-	if err != nil {
+	if err := atomicfile.Write(path, append(b, '\n')); err != nil {
 		return fmt.Errorf("%s: %w", path, err)
-	}
-	defer os.Remove(f.Name()) // fails harmlessly after the rename
-	_, err = f.Write(data)
-	if err == nil {
-		err = f.Chmod(0o644)
-	}
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(f.Name(), path)
-	}
-	if err != nil {
-		return fmt.Errorf("%s: %w", path, err)
-	}
-	d, err := os.Open(dir)
-	if err != nil {
-		return fmt.Errorf("%s: sync directory: %w", path, err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil && !errors.Is(err, os.ErrInvalid) {
-		return fmt.Errorf("%s: sync directory: %w", path, err)
 	}
 	return nil
 }

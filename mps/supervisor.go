@@ -17,6 +17,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 )
 
 // DefaultBinary is the MPS control program looked up on PATH when
@@ -474,7 +476,7 @@ func (s *Supervisor) record(d Daemon, pid int) {
 		// Atomic: a torn record would only cost a re-apply, but the
 		// record shares its writer with the files mps-host keeps.
 		b, _ := json.Marshal(newRecord(d, pid))
-		err = writeFileAtomic(path, b)
+		err = atomicfile.Write(path, b)
 	}
 	if err != nil {
 		s.log.Warn("cannot record applied mps limits", "gpu", d.Index, "device", d.Device, "err", err)

@@ -13,6 +13,7 @@ import (
 	"syscall"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 )
 
 // stateVersion is the state file format this build writes and reads.
@@ -105,6 +106,10 @@ type stateStore struct {
 	written []byte
 }
 
+// maxStateBytes bounds the state file read back: a few kilobytes a GPU, so
+// anything near this is not a state file of ours.
+const maxStateBytes = 16 << 20
+
 // openState locks the state file at path and reads it; data is nil when
 // the file does not exist yet.
 func openState(path string) (s *stateStore, data []byte, err error) {
@@ -114,7 +119,7 @@ func openState(path string) (s *stateStore, data []byte, err error) {
 	}
 	s = &stateStore{path: path, lock: lock}
 	removeStaleTemps(path)
-	data, err = os.ReadFile(path)
+	data, err = atomicfile.ReadFile(path, maxStateBytes)
 	if errors.Is(err, fs.ErrNotExist) {
 		return s, nil, nil
 	}
@@ -179,46 +184,10 @@ func (n *Node) persist() error {
 	if n.store.lock == nil {
 		return fmt.Errorf("state file %s: node closed", n.store.path)
 	}
-	if err := writeAtomic(n.store.path, data); err != nil {
+	if err := atomicfile.Write(n.store.path, data); err != nil {
 		return fmt.Errorf("state file %s: %w", n.store.path, err)
 	}
 	n.store.written = data
-	return nil
-}
-
-// writeAtomic replaces path with data so that a reader, or a process
-// started after this one is killed, sees the old or the new content, never
-// a mix: a synced temporary file in the same directory renamed over it.
-func writeAtomic(path string, data []byte) error {
-	dir, base := filepath.Split(path)
-	if dir == "" {
-		dir = "."
-	}
-	f, err := os.CreateTemp(dir, base+".tmp-*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	_, err = f.Write(data)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		_ = os.Remove(tmp) // the error that matters is err
-		return err
-	}
-	// The rename is durable only once the directory is synced; a process
-	// kill does not need it, a power cut would.
-	if d, err := os.Open(dir); err == nil {
-		_ = d.Sync() // some filesystems refuse to sync directories
-		_ = d.Close()
-	}
 	return nil
 }
 
