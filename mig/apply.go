@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 )
 
 // Library is the part of nvml.Interface the applier uses.
@@ -328,26 +329,60 @@ func (a *Applier) abandon(dev nvml.Device, j *journal) error {
 
 func (a *Applier) path(uuid string) string { return filepath.Join(a.dir, uuid+".json") }
 
+// maxJournalBytes bounds a journal read back: a plan of a few dozen steps
+// is a few kilobytes.
+const maxJournalBytes = 1 << 20
+
+// load reads the journal of GPU uuid; nil when there is none, or when what
+// is there cannot be trusted: a torn, foreign or inconsistent journal (or
+// not a regular file) is set aside with a warning, and planning starts
+// from NVML, which is safe because every step is idempotent and creates
+// are whole.
 func (a *Applier) load(uuid string) (*journal, error) {
-	b, err := os.ReadFile(a.path(uuid))
+	path := a.path(uuid)
+	b, err := atomicfile.ReadFile(path, maxJournalBytes)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
-	if err != nil {
-		return nil, fmt.Errorf("read MIG journal: %w", err)
+	var j *journal
+	if err == nil {
+		j, err = decodeJournal(b, uuid)
 	}
+	if err != nil {
+		aside := path + ".unreadable"
+		if rerr := os.Rename(path, aside); rerr != nil {
+			return nil, fmt.Errorf("MIG journal %s: %w (and setting it aside: %w)", path, err, rerr)
+		}
+		a.log.Warn("MIG journal not trusted; set aside, planning from what NVML shows", "path", path, "aside", aside, "error", err)
+		return nil, nil
+	}
+	return j, nil
+}
+
+// decodeJournal reads a journal and checks that it can be resumed: its
+// plan is for GPU uuid, and Next points at a step of it (or just past the
+// last).
+func decodeJournal(b []byte, uuid string) (*journal, error) {
 	var j journal
 	if err := json.Unmarshal(b, &j); err != nil {
-		// A torn journal cannot be trusted; planning from NVML is safe
-		// because every step is idempotent and creates are whole.
-		a.log.Warn("discarding unreadable MIG journal", "path", a.path(uuid), "error", err)
-		return nil, nil
+		return nil, err
+	}
+	switch {
+	case j.Plan.UUID != uuid:
+		return nil, fmt.Errorf("plan for GPU %q, not %s", j.Plan.UUID, uuid)
+	case j.Next < 0 || j.Next > len(j.Plan.Steps):
+		return nil, fmt.Errorf("next step %d of a plan of %d steps", j.Next, len(j.Plan.Steps))
+	}
+	for i, s := range j.Plan.Steps {
+		if err := s.check(); err != nil {
+			return nil, fmt.Errorf("step %d: %w", i, err)
+		}
 	}
 	return &j, nil
 }
 
-// save writes the journal atomically (temp file, fsync, rename) so a crash
-// leaves either the old or the new progress, never a torn file.
+// save writes the journal atomically, so a crash leaves either the old or
+// the new progress, never a torn file.
 func (a *Applier) save(j *journal) error {
 	if err := os.MkdirAll(a.dir, 0o755); err != nil {
 		return fmt.Errorf("MIG journal dir: %w", err)
@@ -356,23 +391,7 @@ func (a *Applier) save(j *journal) error {
 	if err != nil {
 		return fmt.Errorf("encode MIG journal: %w", err)
 	}
-	f, err := os.CreateTemp(a.dir, ".journal-*")
-	if err != nil {
-		return fmt.Errorf("write MIG journal: %w", err)
-	}
-	defer os.Remove(f.Name()) // no-op after the rename
-	if _, err := f.Write(b); err != nil {
-		f.Close()
-		return fmt.Errorf("write MIG journal: %w", err)
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return fmt.Errorf("sync MIG journal: %w", err)
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("write MIG journal: %w", err)
-	}
-	if err := os.Rename(f.Name(), a.path(j.Plan.UUID)); err != nil {
+	if err := atomicfile.Write(a.path(j.Plan.UUID), b); err != nil {
 		return fmt.Errorf("write MIG journal: %w", err)
 	}
 	return nil

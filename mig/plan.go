@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/gpu-agent/gpu-agent/gpu"
 )
 
@@ -62,6 +63,30 @@ type Step struct {
 	UUIDs  []string `json:"uuids,omitempty"`
 	Reason string   `json:"reason"`
 }
+
+// check refuses a step no planner makes (a journal read back is outside
+// input): an unknown op, or a GPU instance outside the profile indices and
+// memory slices NVML has.
+func (s Step) check() error {
+	switch s.Op {
+	case OpSetMode:
+		return nil
+	case OpDestroy, OpCreate:
+	default:
+		return fmt.Errorf("unknown op %q", s.Op)
+	}
+	if s.ProfileIndex < 0 || s.ProfileIndex >= nvml.GPU_INSTANCE_PROFILE_COUNT {
+		return fmt.Errorf("%s: profile index %d out of range", s.Op, s.ProfileIndex)
+	}
+	if s.Placement.Start < 0 || s.Placement.Size <= 0 || s.Placement.Start+s.Placement.Size > maxSlices {
+		return fmt.Errorf("%s: placement %d+%d out of range", s.Op, s.Placement.Start, s.Placement.Size)
+	}
+	return nil
+}
+
+// maxSlices bounds a placement's memory slices: 8 on every MIG GPU so far,
+// with room to spare.
+const maxSlices = 64
 
 func (s Step) String() string {
 	switch s.Op {

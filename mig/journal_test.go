@@ -1,0 +1,83 @@
+package mig
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+)
+
+// A journal is read back from disk, so it is outside input: whatever it
+// holds, Apply must neither panic nor trust it, but set it aside with a
+// warning and plan from what NVML shows (issue 23, defect 3: "next": -1
+// panicked on every start).
+func TestUntrustedJournalSetAside(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// journal rewrites the valid journal of a plan for gpu 0 (nil: a FIFO).
+		journal func(j map[string]any)
+		why     string
+	}{
+		{"next -1", func(j map[string]any) { j["next"] = -1 }, "next step -1"},
+		{"next past the end", func(j map[string]any) { j["next"] = 99 }, "next step 99"},
+		{"another GPU's plan", func(j map[string]any) { j["plan"].(map[string]any)["uuid"] = "GPU-other" }, "plan for GPU \\\"GPU-other\\\""},
+		{"unknown op", func(j map[string]any) {
+			j["plan"].(map[string]any)["steps"].([]any)[0].(map[string]any)["op"] = "format"
+		}, "unknown op \\\"format\\\""},
+		{"profile index out of range", func(j map[string]any) {
+			j["plan"].(map[string]any)["steps"].([]any)[0].(map[string]any)["profileIndex"] = -5
+		}, "profile index -5"},
+		{"a named pipe", nil, "named pipe"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var logs bytes.Buffer
+			r := newRig(t, "dgx-a100", sim.WithMIGEnabled())
+			r.ap = NewApplier(r.node, r.dir, slog.New(slog.NewTextHandler(&logs, nil)))
+			target := want("7x1g.5gb")
+			plan, _, err := MakePlan(r.gpu(0), r.profiles(0), target, nil)
+			if err != nil || len(plan.Steps) == 0 {
+				t.Fatalf("plan %v, %v", plan.Steps, err)
+			}
+			path := filepath.Join(r.dir, "mig", plan.UUID+".json")
+			if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if tc.journal == nil {
+				if err := syscall.Mkfifo(path, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				var j map[string]any
+				b, _ := json.Marshal(journal{Plan: plan, Next: 1})
+				if err := json.Unmarshal(b, &j); err != nil {
+					t.Fatal(err)
+				}
+				tc.journal(j)
+				b, _ = json.Marshal(j)
+				if err := os.WriteFile(path, b, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			st, err := r.ap.Apply(context.Background(), plan)
+			if err != nil || st.Phase != PhaseApplied {
+				t.Fatalf("Apply = %+v, %v; want the plan applied from NVML", st, err)
+			}
+			if got := counts(r.gpu(0)); got["1g.5gb"] != 7 {
+				t.Fatalf("layout %v, want 7 1g.5gb", got)
+			}
+			if !strings.Contains(logs.String(), "MIG journal not trusted") || !strings.Contains(logs.String(), tc.why) {
+				t.Fatalf("log does not say why the journal was set aside (%q):\n%s", tc.why, logs.String())
+			}
+			if _, err := os.Lstat(path + ".unreadable"); err != nil {
+				t.Fatalf("journal not set aside: %v", err)
+			}
+		})
+	}
+}
