@@ -13,6 +13,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 )
@@ -60,27 +61,15 @@ type Checkpoint struct {
 // error; the agent then starts from what NVML shows.
 func LoadCheckpoint(dir string) (*Checkpoint, error) {
 	path := filepath.Join(dir, CheckpointFile)
-	f, err := os.Open(path)
+	// Only a regular file is read: a FIFO would block the start forever
+	// (before any listener, deaf to SIGTERM), a device never end.
+	b, err := atomicfile.ReadFile(path, maxCheckpointBytes)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
-	if err != nil {
-		return nil, fmt.Errorf("checkpoint %s: %w", path, err)
-	}
-	defer f.Close()
-	var buf bytes.Buffer
-	_, err = buf.ReadFrom(&limitedReader{f: f, left: maxCheckpointBytes + 1})
-	if err == nil && buf.Len() > maxCheckpointBytes {
-		err = fmt.Errorf("larger than %d bytes", maxCheckpointBytes)
-	}
-	var cp Checkpoint
+	var cp *Checkpoint
 	if err == nil {
-		dec := json.NewDecoder(&buf)
-		dec.DisallowUnknownFields()
-		err = dec.Decode(&cp)
-	}
-	if err == nil && cp.Version != CheckpointVersion && cp.Version != checkpointV1 {
-		err = fmt.Errorf("version %d, this agent reads version %d", cp.Version, CheckpointVersion)
+		cp, err = DecodeCheckpoint(b)
 	}
 	if err != nil {
 		aside := path + ".unreadable"
@@ -89,24 +78,25 @@ func LoadCheckpoint(dir string) (*Checkpoint, error) {
 		}
 		return nil, fmt.Errorf("checkpoint %s: %w; set aside as %s", path, err, aside)
 	}
+	return cp, nil
+}
+
+// DecodeCheckpoint reads a checkpoint's bytes strictly: one JSON object of
+// a version this agent reads, with no field it does not know.
+func DecodeCheckpoint(b []byte) (*Checkpoint, error) {
+	var cp Checkpoint
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&cp); err != nil {
+		return nil, err
+	}
+	if dec.More() {
+		return nil, errors.New("data after the JSON object")
+	}
+	if cp.Version != CheckpointVersion && cp.Version != checkpointV1 {
+		return nil, fmt.Errorf("version %d, this agent reads version %d", cp.Version, CheckpointVersion)
+	}
 	return &cp, nil
-}
-
-type limitedReader struct {
-	f    *os.File
-	left int64
-}
-
-func (r *limitedReader) Read(p []byte) (int, error) {
-	if r.left <= 0 {
-		return 0, errors.New("checkpoint too large")
-	}
-	if int64(len(p)) > r.left {
-		p = p[:r.left]
-	}
-	n, err := r.f.Read(p)
-	r.left -= int64(n)
-	return n, err
 }
 
 // restore takes what the last agent checkpointed.
@@ -167,46 +157,12 @@ func (a *Agent) checkpoint() error {
 	cp.Written = a.now()
 	out, err := json.MarshalIndent(cp, "", " ")
 	if err == nil {
-		err = writeAtomic(filepath.Join(a.opts.StateDir, CheckpointFile), out)
+		err = atomicfile.Write(filepath.Join(a.opts.StateDir, CheckpointFile), out)
 	}
 	if err != nil {
 		a.log.Error("checkpoint not written; a restart would forget allocations and health causes", "error", err)
 		return err
 	}
 	a.saved = body
-	return nil
-}
-
-// writeAtomic writes a temp file in the same directory, syncs it and renames
-// it over path, then syncs the directory: a crash leaves the old or the new
-// content, never a torn file.
-func writeAtomic(path string, data []byte) error {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+"-*")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(f.Name()) // no-op after the rename
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(f.Name(), path); err != nil {
-		return err
-	}
-	if d, err := os.Open(dir); err == nil {
-		_ = d.Sync()
-		d.Close()
-	}
 	return nil
 }
