@@ -43,6 +43,19 @@ func allocate(res *catalog.Resource, req *pluginapi.AllocateRequest) (*pluginapi
 	resp := &pluginapi.AllocateResponse{
 		ContainerResponses: make([]*pluginapi.ContainerAllocateResponse, 0, len(creqs)),
 	}
+	// The kubelet hands a device to one container; one ID in two
+	// containers of a request is not its accounting, and would give two
+	// containers one device.
+	owner := make(map[string]int, total)
+	for i, creq := range creqs {
+		for _, id := range creq.GetDevicesIds() {
+			if j, ok := owner[id]; ok && j != i {
+				return nil, status.Errorf(codes.InvalidArgument, "resource %s: device %s requested by container requests %d and %d",
+					res.Name, quoteID(id), j, i)
+			}
+			owner[id] = i
+		}
+	}
 	for i, creq := range creqs {
 		cresp, err := allocateContainer(res, creq.GetDevicesIds())
 		if err != nil {
