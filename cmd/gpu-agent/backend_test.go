@@ -1,7 +1,9 @@
 package main
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -71,5 +73,33 @@ func TestSimBackendSpecErrors(t *testing.T) {
 	_, err := openBackend("sim:dgx-a100,state="+bad, "")
 	if err == nil || !strings.Contains(err.Error(), bad) || !strings.Contains(err.Error(), `profile "dgx-h100"`) {
 		t.Errorf("wrong-profile state file: %v", err)
+	}
+}
+
+// Every goroutine of the agent may fail at once (issue 23, defect 14: a
+// channel of 8 for up to 13 goroutines, drained only after all returned,
+// could block the 9th failure, and with it shutdown, forever).
+func TestGroupCollectsEveryFailure(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	g := &group{cancel: cancel}
+	const n = 40
+	for i := range n {
+		g.Go(fmt.Sprintf("goroutine %d", i), func() error {
+			<-ctx.Done() // all fail together, once the first did
+			return errors.New("failed")
+		})
+	}
+	g.Go("first", func() error { return errors.New("the first failure") })
+	err := g.Wait()
+	if err == nil {
+		t.Fatal("no error")
+	}
+	for i := range n {
+		if !strings.Contains(err.Error(), fmt.Sprintf("goroutine %d: failed", i)) {
+			t.Fatalf("error of goroutine %d missing from %v", i, err)
+		}
+	}
+	if !strings.Contains(err.Error(), "first: the first failure") {
+		t.Fatalf("first failure missing from %v", err)
 	}
 }

@@ -285,18 +285,8 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var wg sync.WaitGroup
-	errs := make(chan error, 8)
-	goRun := func(name string, fn func() error) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := fn(); err != nil {
-				errs <- fmt.Errorf("%s: %w", name, err)
-				cancel()
-			}
-		}()
-	}
+	g := &group{cancel: cancel}
+	goRun := g.Go
 	goRun("plugin manager", func() error { return mgr.Run(ctx) })
 	goRun("agent", func() error { return ag.Run(ctx) })
 	goRun("health watcher", func() error { return watcher.Run(ctx) })
@@ -341,17 +331,44 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	shutdownCtx, done := context.WithTimeout(context.Background(), 5*time.Second)
 	defer done()
 	_ = srv.Shutdown(shutdownCtx)
-	wg.Wait()
-	close(errs)
-	var all []error
-	for err := range errs {
-		all = append(all, err)
-	}
-	if err := errors.Join(all...); err != nil {
+	if err := g.Wait(); err != nil {
 		return err
 	}
 	log.Info("gpu-agent stopped")
 	return nil
+}
+
+// group runs the agent's goroutines: the first that fails stops them all
+// (cancel), and Wait returns every error once all have returned. Errors are
+// kept in a slice, not a channel, so no number of failing goroutines can
+// block one on its way out.
+type group struct {
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	errs   []error
+}
+
+// Go runs fn in a goroutine of the group; name prefixes its error.
+func (g *group) Go(name string, fn func() error) {
+	g.wg.Add(1)
+	go func() {
+		defer g.wg.Done()
+		if err := fn(); err != nil {
+			g.mu.Lock()
+			g.errs = append(g.errs, fmt.Errorf("%s: %w", name, err))
+			g.mu.Unlock()
+			g.cancel()
+		}
+	}()
+}
+
+// Wait waits for every goroutine and joins their errors.
+func (g *group) Wait() error {
+	g.wg.Wait()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return errors.Join(g.errs...)
 }
 
 // forward posts each value from ch to the inbox as the event ev makes of it.
