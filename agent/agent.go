@@ -122,6 +122,10 @@ type Options struct {
 	StateDir string
 	// Restored is the checkpoint read at start (nil: none).
 	Restored *Checkpoint
+	// Ledger is the node's record of who has each device (nil: a new one,
+	// with its allocation log in StateDir). The device plugin's Allocate
+	// and the MIG applier must pass through the same ledger (see Ledger).
+	Ledger *Ledger
 	// ResyncInterval re-reads the inventory even without events (default 30s).
 	ResyncInterval time.Duration
 	Logger         *slog.Logger
@@ -186,22 +190,12 @@ type Agent struct {
 	profiles    map[string]mig.Profiles
 	profileErrs map[string]error
 
-	// Told: health, holdings (with the allocation ledger).
+	// Told: health, and whether the kubelet's last pod-resources answer
+	// was asked for in this pass (fresh) or why none came.
 	health       *health.State
-	att          *health.Attribution
 	fresh        bool
 	holdErr      error
 	holdFailedAt time.Time
-	ledger       map[string]time.Time
-	// claims are the prepared DRA claims: the ledger's DRA side;
-	// releasing what released or failed claims left on the node that is
-	// not undone yet (MIG devices created for them, their CDI specs), and
-	// MIG devices about to be created for a claim (so a crash between
-	// creating one and checkpointing its claim orphans nothing);
-	// dynamicMIG the GPUs (UUIDs) whose MIG mode a claim turned on.
-	claims     map[types.UID]PreparedClaim
-	releasing  map[types.UID]PreparedClaim
-	dynamicMIG map[string]bool
 
 	// Published.
 	cat       *catalog.Catalog
@@ -215,6 +209,9 @@ type Agent struct {
 	unhealthyGPUs map[string]string
 
 	scorer scorerCache
+
+	// ledger is shared with the device plugin's Allocate (see Ledger).
+	ledger *Ledger
 }
 
 // New returns an agent; it does nothing until Run.
@@ -233,14 +230,22 @@ func New(opts Options) *Agent {
 	}
 	a := &Agent{opts: opts, log: opts.Logger, now: opts.Now, inbox: opts.Inbox, ctx: context.Background()}
 	a.metrics = newMetrics(opts.Registerer)
-	a.ledger = map[string]time.Time{}
-	a.claims = map[types.UID]PreparedClaim{}
-	a.releasing = map[types.UID]PreparedClaim{}
-	a.dynamicMIG = map[string]bool{}
+	a.ledger = opts.Ledger
+	if a.ledger == nil {
+		var err error
+		if a.ledger, err = NewLedger(opts.StateDir, opts.Now, opts.Logger); err != nil {
+			a.log.Error("allocation log not opened; allocations are kept in memory only", "error", err)
+			a.ledger = newLedger(opts.Now)
+		}
+	}
+	if g, ok := opts.MIG.(interface{ SetGuard(mig.Guard) }); ok {
+		// Every MIG change checks the ledger before it destroys a device.
+		g.SetGuard(a.ledger)
+	}
 	a.restore(opts.Restored)
 	if opts.CDI != nil {
 		// A claim unprepared while no agent ran leaves its spec behind.
-		removed, err := opts.CDI.RemoveStaleClaims(func(uid string) bool { return hasKey(a.claims, types.UID(uid)) })
+		removed, err := opts.CDI.RemoveStaleClaims(func(uid string) bool { return hasKey(a.ledger.claims, types.UID(uid)) })
 		if err != nil {
 			a.log.Warn("stale CDI claim specs not all removed", "error", err)
 		}
@@ -261,6 +266,10 @@ func New(opts Options) *Agent {
 	a.status.Store(&Status{Node: opts.NodeName})
 	return a
 }
+
+// Ledger is the agent's record of who has each device; the device
+// plugin's Allocate goes through it (Ledger.Allocate).
+func (a *Agent) Ledger() *Ledger { return a.ledger }
 
 // Inbox is where producers post events for this agent.
 func (a *Agent) Inbox() *Inbox { return a.inbox }

@@ -24,34 +24,43 @@ const CheckpointFile = "checkpoint.json"
 // CheckpointVersion is the format written. A file of another version is set
 // aside, not trusted: guessing at fields that changed meaning could mark
 // healthy GPUs unhealthy or, worse, forget a held device.
-const CheckpointVersion = 2
+const CheckpointVersion = 3
 
-// checkpointV1 is the format before DRA claims; it reads as a version 2
-// checkpoint without claims.
-const checkpointV1 = 1
+// The formats before: version 1 had no DRA claims; version 2 kept the
+// device plugin's allocations here (now in the allocation log) and intents
+// among the releases. Both read as version 3.
+const (
+	checkpointV1 = 1
+	checkpointV2 = 2
+)
 
 // maxCheckpointBytes bounds what is read back: the checkpoint holds a few
 // records per GPU and device, so anything larger is not ours.
 const maxCheckpointBytes = 8 << 20
 
 // Checkpoint is what must survive an agent restart: the GPUs last seen (so
-// one lost at start is offered unhealthy, not dropped), the allocations no
-// kubelet answer has accounted for yet, the prepared DRA claims, and the
-// active health causes with the evidence their recovery is judged by.
+// one lost at start is offered unhealthy, not dropped), the ledger's DRA
+// side (prepared claims, intents, releases), and the active health causes
+// with the evidence their recovery is judged by. The device plugin's
+// allocations are in the allocation log (AllocLogFile), written before
+// Allocate answers.
 type Checkpoint struct {
 	Version int       `json:"version"`
 	Node    string    `json:"node,omitempty"`
 	Written time.Time `json:"written"`
 	GPUs    []gpu.GPU `json:"gpus,omitempty"`
-	// Allocated maps device UUIDs to when the plugin allocated them.
+	// Allocated maps device UUIDs to when the plugin allocated them
+	// (versions 1 and 2 only; read, never written).
 	Allocated map[string]time.Time `json:"allocated,omitempty"`
 	Health    []health.SavedCause  `json:"health,omitempty"`
 	// Claims are the prepared DRA claims, by claim UID (version 2);
 	// Releasing what claims left on the node that is still to be undone
-	// (MIG devices, CDI specs), intents to create MIG devices included;
-	// DynamicMIG the GPUs whose MIG mode a claim turned on.
+	// (MIG devices, CDI specs); Intents the MIG devices being made for
+	// claims (version 3; in Releasing before); DynamicMIG the GPUs whose
+	// MIG mode a claim turned on.
 	Claims     map[types.UID]PreparedClaim `json:"claims,omitempty"`
 	Releasing  map[types.UID]PreparedClaim `json:"releasing,omitempty"`
+	Intents    map[types.UID]PreparedClaim `json:"intents,omitempty"`
 	DynamicMIG []string                    `json:"dynamicMIG,omitempty"`
 }
 
@@ -93,7 +102,7 @@ func DecodeCheckpoint(b []byte) (*Checkpoint, error) {
 	if dec.More() {
 		return nil, errors.New("data after the JSON object")
 	}
-	if cp.Version != CheckpointVersion && cp.Version != checkpointV1 {
+	if cp.Version != CheckpointVersion && cp.Version != checkpointV2 && cp.Version != checkpointV1 {
 		return nil, fmt.Errorf("version %d, this agent reads version %d", cp.Version, CheckpointVersion)
 	}
 	return &cp, nil
@@ -108,17 +117,29 @@ func (a *Agent) restore(cp *Checkpoint) {
 		a.log.Warn("checkpoint is from another node; ignoring it", "checkpoint-node", cp.Node, "node", a.opts.NodeName)
 		return
 	}
-	maps.Copy(a.ledger, cp.Allocated)
-	maps.Copy(a.claims, cp.Claims)
-	maps.Copy(a.releasing, cp.Releasing)
+	if future := a.ledger.restoreAllocations(cp.Allocated); future > 0 {
+		a.log.Warn("allocations dated after now (the clock stepped back since they were made) count from now", "allocations", future)
+	}
+	maps.Copy(a.ledger.claims, cp.Claims)
+	maps.Copy(a.ledger.releases, cp.Releasing)
+	// An intent found after a crash is undone like a release: the kubelet
+	// never heard of its device and asks again. One its claim was
+	// checkpointed with holds nothing a claim holds (destroyPartition).
+	for uid, pc := range cp.Intents {
+		rel := a.ledger.releases[uid]
+		rel.Namespace, rel.Name, rel.At = pc.Namespace, pc.Name, pc.At
+		rel.Devices = append(rel.Devices, pc.Devices...)
+		a.ledger.releases[uid] = rel
+	}
 	for _, uuid := range cp.DynamicMIG {
-		a.dynamicMIG[uuid] = true
+		a.ledger.dynamicMIG[uuid] = true
 	}
 	if len(cp.GPUs) > 0 {
 		// What the last agent believed, as the base the first read settles
 		// against: a GPU that cannot be read now is then offered unhealthy
 		// instead of vanishing from the kubelet.
 		a.inv = &gpu.Inventory{GPUs: cp.GPUs, Topology: gpu.EmptyTopology(len(cp.GPUs))}
+		a.ledger.setInventory(cp.GPUs)
 	}
 	if len(cp.Health) > 0 {
 		// Until the watcher reports, plan with the causes that were in
@@ -126,7 +147,7 @@ func (a *Agent) restore(cp *Checkpoint) {
 		a.health = health.RestoredState(cp.Health)
 	}
 	a.log.Info("checkpoint restored", "written", cp.Written, "gpus", len(cp.GPUs),
-		"allocations", len(cp.Allocated), "healthCauses", len(cp.Health), "draClaims", len(cp.Claims), "draReleasing", len(cp.Releasing))
+		"allocations", len(cp.Allocated), "healthCauses", len(cp.Health), "draClaims", len(cp.Claims), "draReleasing", len(cp.Releasing), "draIntents", len(cp.Intents))
 }
 
 // checkpoint writes the checkpoint when its content changed; the error says
@@ -135,8 +156,8 @@ func (a *Agent) checkpoint() error {
 	if a.opts.StateDir == "" {
 		return nil
 	}
-	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Allocated: a.ledger, Claims: a.claims,
-		Releasing: a.releasing, DynamicMIG: slices.Sorted(maps.Keys(a.dynamicMIG))}
+	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Claims: a.ledger.claims,
+		Releasing: a.ledger.releases, Intents: a.ledger.intents, DynamicMIG: slices.Sorted(maps.Keys(a.ledger.dynamicMIG))}
 	if a.inv != nil {
 		cp.GPUs = a.inv.GPUs
 		for _, f := range a.failed {

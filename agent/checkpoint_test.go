@@ -21,7 +21,7 @@ func TestLoadCheckpointVersions(t *testing.T) {
 	}{
 		{name: "version 1, before DRA", body: `{"version":1,"node":"n","written":"2026-11-23T00:00:00Z","allocated":{"MIG-a":"2026-11-23T00:00:00Z"}}`, allocated: 1},
 		{name: "version 2 with a claim", body: `{"version":2,"node":"n","written":"2026-11-23T00:00:00Z","claims":{"uid-a":{"namespace":"default","name":"a","devices":[{"requests":["gpu"],"device":"gpu-0","cdiDevices":["nvidia.com/gpu=GPU-0"],"uuid":"GPU-0"}],"at":"2026-11-23T00:00:00Z"}}}`, claims: 1},
-		{name: "a newer version", body: `{"version":3,"written":"2026-11-23T00:00:00Z"}`, wantErr: "version 3"},
+		{name: "a newer version", body: `{"version":4,"written":"2026-11-23T00:00:00Z"}`, wantErr: "version 4"},
 		{name: "an unknown field", body: `{"version":1,"written":"2026-11-23T00:00:00Z","bogus":1}`, wantErr: "unknown field"},
 		{name: "torn", body: `{"version":2,"wri`, wantErr: "unexpected EOF"},
 	}

@@ -331,7 +331,7 @@ func (h Holdings) heldMIG(inv *gpu.Inventory) map[string]string {
 	}
 	for _, uuid := range slices.Sorted(maps.Keys(h.Allocated)) {
 		if _, ok := held[uuid]; !ok {
-			held[uuid] = "a container allocated it at " + h.Allocated[uuid].UTC().Format(time.TimeOnly) + " UTC (not yet listed by the kubelet)"
+			held[uuid] = "a container allocated it at " + stamp(h.Allocated[uuid]) + " (not yet listed by the kubelet)"
 		}
 	}
 	return held

@@ -460,7 +460,9 @@ func TestDRALedgerSettlesFromBackgroundAnswers(t *testing.T) {
 	h := newHarness(t, simNode(t, "dgx-a100"), withDRA(rec))
 	h.config(wholeGPUs)
 	id := findGPU(h, 0).ID
-	h.step(Allocated{Resource: ResourceGPU, IDs: []string{id}})
+	if err := h.allocate(ResourceGPU, id); err != nil {
+		t.Fatal(err)
+	}
 	// An answer that came too soon after the allocation settles nothing.
 	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU), Answered: h.clock.Now()})
 	if _, ok := rec.last().Device("gpu-0"); ok {

@@ -102,7 +102,9 @@ func TestDRAClaimsTable(t *testing.T) {
 	// The device plugin allocates GPU 0: DRA stops offering it at once, before
 	// the kubelet lists the container.
 	before := h.a.PlanPasses()
-	h.step(Allocated{Resource: ResourceGPU, IDs: []string{uuid(0)}})
+	if err := h.allocate(ResourceGPU, uuid(0)); err != nil {
+		t.Fatal(err)
+	}
 	if _, ok := rec.last().Device("gpu-0"); ok || h.a.PlanPasses()-before != 1 {
 		t.Errorf("gpu-0 allocated through the device plugin: %d passes, pool %v; want one pass, without it", h.a.PlanPasses()-before, poolNames(rec.last()))
 	}
@@ -291,7 +293,10 @@ func TestDevicePluginSwitchedOffForDRA(t *testing.T) {
 	h := newHarness(t, simNode(t, "pcie-4gpu"), withDRA(rec))
 	h.config(twoPaths)
 	held := findGPU(h, 0).ID
-	h.step(Allocated{Resource: ResourceGPU, IDs: []string{held}}, HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, held)})
+	if err := h.allocate(ResourceGPU, held); err != nil {
+		t.Fatal(err)
+	}
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, held)})
 
 	h.step(LabelsChanged{Labels: map[string]string{"gpu-agent.io/config": draOnlyNode}})
 	r := h.pub.last().Resources[ResourceGPU]

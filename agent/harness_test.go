@@ -215,6 +215,22 @@ func simNode(t testing.TB, profile string, opts ...sim.Option) *sim.Node {
 
 func (h *harness) step(evs ...Event) { h.a.Step(evs) }
 
+// allocate is the device plugin's Allocate of device IDs of resource: the
+// ledger records it (or refuses, the error returned), then the plugin
+// tells the loop.
+func (h *harness) allocate(resource string, ids ...string) error {
+	uuids := make([]string, 0, len(ids))
+	for _, id := range ids {
+		uuid, _, _ := strings.Cut(id, "::")
+		uuids = append(uuids, uuid)
+	}
+	if err := h.a.Ledger().Allocate(uuids); err != nil {
+		return err
+	}
+	h.step(Allocated{Resource: resource, IDs: ids})
+	return nil
+}
+
 func (h *harness) config(yaml string) {
 	h.step(ConfigChanged{Update: config.Update{Data: []byte(yaml)}})
 }

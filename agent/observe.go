@@ -49,6 +49,11 @@ func (a *Agent) observe(why string) {
 		a.inv = inv
 		break
 	}
+	gpus := slices.Clone(a.inv.GPUs)
+	for _, uuid := range slices.Sorted(maps.Keys(a.failed)) {
+		gpus = append(gpus, a.failed[uuid].GPU)
+	}
+	a.ledger.setInventory(gpus)
 	a.readProfiles()
 	if a.opts.Health != nil {
 		a.opts.Health.SetInventory(a.inv)

@@ -196,7 +196,7 @@ func (a *Agent) publishStatus() {
 		s.HealthLog = hs.Log[max(0, len(hs.Log)-20):]
 	}
 	if a.cat != nil {
-		att := a.att
+		att := a.ledger.holders
 		for _, name := range a.cat.Names() {
 			s.Resource = append(s.Resource, resourceState(a.cat.Resources[name], att.HeldIDs(name)))
 			s.Sharing = append(s.Sharing, sharingState(a.cat.Resources[name], att.HeldIDs(name))...)

@@ -65,14 +65,15 @@ func (a *Agent) Step(batch []Event) {
 		case MPSChanged:
 			plan = true
 		case Allocated:
-			a.noteAllocated(e.IDs)
-			// With DRA, the device leaves the DRA pool at once: a claim
-			// the scheduler gave it meanwhile would fail to prepare.
+			// The ledger recorded it before Allocate answered. With DRA,
+			// the device leaves the DRA pool at once: a claim the
+			// scheduler gave it meanwhile would fail to prepare.
 			plan = plan || a.opts.DRA != nil
 		case HoldingsChanged:
-			a.att = e.Attribution
 			if !e.Answered.IsZero() {
-				a.settleLedger(e.Answered)
+				a.ledger.settle(e.Attribution, e.Answered)
+			} else {
+				a.ledger.setHolders(e.Attribution)
 			}
 			plan = true
 		case Tick:
@@ -85,7 +86,7 @@ func (a *Agent) Step(batch []Event) {
 	reason := strings.Join(slices.Compact(why), "+")
 	if observe && a.file != nil {
 		a.observe(reason)
-		if len(a.releasing) > 0 {
+		if len(a.ledger.releases) > 0 {
 			// On GPUs just read, before anything is planned from them.
 			a.retryReleases()
 		}
@@ -254,14 +255,15 @@ func (a *Agent) snapshot() Snapshot {
 	if a.opts.MPS != nil {
 		mpsIn.Healthy = a.opts.MPS.Healthy
 	}
-	claimed := claimedUUIDs(a.claims)
+	l := a.ledger
+	claimed := claimedUUIDs(l.claims)
 	return Snapshot{
 		Inventory: a.inv, Failed: a.failed,
 		Profiles: a.profiles, ProfileErrs: a.profileErrs,
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
-		Holdings: Holdings{Attribution: a.att, Fresh: a.fresh, Err: a.holdErr, Allocated: a.ledger,
-			Claimed: claimed, Claims: a.claims, Releasing: releasingUUIDs(a.releasing, a.inv, claimed)},
+		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr, Allocated: l.allocations(),
+			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed)},
 		DRA:       a.opts.DRA != nil,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
 	}
@@ -284,8 +286,14 @@ func (a *Agent) pass(why string) {
 	if d.NeedFreshHoldings && a.refreshHoldings() {
 		d = a.plan()
 	}
-	if a.applyMIG(d) {
+	changed := a.applyMIG(d)
+	if changed {
 		a.observe("MIG layout applied")
+	}
+	// The devices the plans destroyed are gone from this read, those they
+	// did not destroy are free again: the catalog planned now says which.
+	a.ledger.undoomAll()
+	if changed {
 		d = a.plan()
 	}
 	a.fresh = false
@@ -369,18 +377,6 @@ func (a *Agent) publish(cat *catalog.Catalog, why string) {
 	}
 }
 
-// noteAllocated records device IDs the plugin allocated. Until a fresh
-// pod-resources answer accounts for them they count as held, so a layout
-// edit right after a pod starts cannot destroy its MIG device; the ledger is
-// checkpointed, so an agent restart does not forget them either.
-func (a *Agent) noteAllocated(ids []string) {
-	now := a.now()
-	for _, id := range ids {
-		uuid, _, _ := strings.Cut(id, "::")
-		a.ledger[uuid] = now
-	}
-}
-
 // refreshHoldings asks the kubelet who holds what, for a pass about to
 // destroy MIG instances; it reports whether a fresh answer came.
 func (a *Agent) refreshHoldings() bool {
@@ -403,20 +399,9 @@ func (a *Agent) refreshHoldings() bool {
 	if a.holdErr != nil {
 		a.log.Info("pod-resources answers again")
 	}
-	a.att, a.fresh, a.holdErr, a.holdFailedAt = att, true, nil, time.Time{}
-	a.settleLedger(asked)
+	a.fresh, a.holdErr, a.holdFailedAt = true, nil, time.Time{}
+	a.ledger.settle(att, asked)
 	return true
-}
-
-// settleLedger forgets the allocations a successful pod-resources answer
-// asked at (or before) asked accounts for: the kubelet had time to list
-// them, so it holds them (the answer says so) or released them.
-func (a *Agent) settleLedger(asked time.Time) {
-	for uuid, at := range a.ledger {
-		if asked.Sub(at) >= recentSettle {
-			delete(a.ledger, uuid)
-		}
-	}
 }
 
 // applyMIG runs each GPU's MIG plan; it reports whether any GPU changed.
@@ -430,9 +415,12 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 	}
 	states := map[int]MIGState{}
 	errs := []error{d.MIGErr}
+	refused := a.doom(d.MIG)
 	for _, gm := range d.MIG {
 		st := MIGState{GPU: gm.GPU, UUID: gm.UUID, Want: gm.Want, Phase: gm.State.Phase, Reason: gm.State.Reason}
-		if gm.Apply() && a.opts.MIG != nil {
+		if why, ok := refused[gm.GPU]; ok {
+			st.Phase, st.Reason = mig.PhasePending, why
+		} else if gm.Apply() && a.opts.MIG != nil {
 			// Apply even an empty plan: it finishes one that crashed after
 			// its last step.
 			s, err := a.opts.MIG.Apply(a.ctx, gm.Plan)
@@ -463,6 +451,73 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 		a.metrics.migPhases.WithLabelValues(fmt.Sprint(st.GPU), st.UUID, st.Phase).Set(1)
 	}
 	return changed
+}
+
+// doom marks in the ledger, before any GPU is touched, every device the
+// plans destroy and every GPU whose MIG mode they change, and withdraws
+// them from the kubelet at once: from here on Allocate refuses them, while
+// the old catalog would still offer them until the new one is out. A GPU
+// with a device the ledger will not give up (handed out since the plan was
+// made, or prepared for a claim) keeps its devices: its plan waits, and the
+// reason is returned by GPU index.
+func (a *Agent) doom(plans []GPUMIG) map[int]string {
+	if a.opts.MIG == nil {
+		return nil
+	}
+	refused := map[int]string{}
+	for _, gm := range plans {
+		if !gm.Apply() {
+			continue
+		}
+		var uuids []string
+		for _, s := range gm.Plan.Steps {
+			switch {
+			case s.Op == mig.OpDestroy:
+				uuids = append(uuids, s.UUIDs...)
+			case s.Op == mig.OpSetMode && !slices.Contains(uuids, gm.UUID):
+				uuids = append(uuids, gm.UUID)
+			}
+		}
+		if len(uuids) == 0 {
+			continue
+		}
+		if err := a.ledger.Doom(uuids, fmt.Sprintf("MIG layout %s on GPU %d", gm.Want, gm.GPU)); err != nil {
+			refused[gm.GPU] = "destroying waits: " + err.Error()
+		}
+	}
+	if doomed := a.ledger.doomedNow(); len(doomed) > 0 && a.cat != nil {
+		a.publish(a.withdraw(a.cat, doomed), "MIG layout: withdrawing the devices it destroys before the first destroy")
+	}
+	return refused
+}
+
+// withdraw is cat with every device that overlaps a doomed one unhealthy,
+// saying why (cat itself is immutable: it may be served right now).
+func (a *Agent) withdraw(cat *catalog.Catalog, doomed map[string]string) *catalog.Catalog {
+	out := &catalog.Catalog{Resources: make(map[string]*catalog.Resource, len(cat.Resources))}
+	for name, r := range cat.Resources {
+		var devs []catalog.Device
+		for i, d := range r.Devices {
+			for _, u := range slices.Sorted(maps.Keys(doomed)) {
+				if !a.ledger.overlaps(d.Spec.VisibleID, u) {
+					continue
+				}
+				if devs == nil {
+					devs = slices.Clone(r.Devices)
+				}
+				devs[i].Healthy, devs[i].Reason = false, "being repartitioned: "+doomed[u]
+				break
+			}
+		}
+		if devs == nil {
+			out.Resources[name] = r
+			continue
+		}
+		c := *r
+		c.Devices = devs
+		out.Resources[name] = &c
+	}
+	return out
 }
 
 func sameCatalog(a, b *catalog.Catalog) bool {

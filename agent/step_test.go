@@ -233,7 +233,9 @@ func TestStepUnreachablePodResourcesDestroysNothing(t *testing.T) {
 		t.Fatalf("start: %v", resourceSummary(h.pub.last()))
 	}
 	victim := h.pub.last().Resources["nvidia.com/mig-1g.10gb"].Devices[0]
-	h.step(Allocated{Resource: "nvidia.com/mig-1g.10gb", IDs: []string{victim.ID}})
+	if err := h.allocate("nvidia.com/mig-1g.10gb", victim.ID); err != nil {
+		t.Fatal(err)
+	}
 
 	h.config(mixedLayout(`{"7g.80gb": 1}`))
 	check := func(h *harness, when string) {
@@ -292,7 +294,9 @@ func TestStepRecentAllocationBlocksDestroy(t *testing.T) {
 	h := newHarness(t, simNode(t, "dgx-h100-mig"), withMIG())
 	h.config(mixedNoMIG)
 	victim := h.pub.last().Resources["nvidia.com/mig-1g.10gb"].Devices[0]
-	h.step(Allocated{IDs: []string{victim.ID + "::1"}})
+	if err := h.allocate("", victim.ID+"::1"); err != nil {
+		t.Fatal(err)
+	}
 	h.config(mixedLayout(`{"7g.80gb": 1}`))
 	if h.count("nvidia.com/mig-7g.80gb") != 7 {
 		t.Fatalf("%v: want the 7 other GPUs repartitioned", resourceSummary(h.pub.last()))

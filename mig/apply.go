@@ -18,6 +18,14 @@ type Library interface {
 	DeviceGetHandleByIndex(index int) (nvml.Device, nvml.Return)
 }
 
+// Guard is asked before each step that destroys MIG devices or changes a
+// GPU's MIG mode (the agent's ledger): Doom marks the devices as about to
+// go, so nothing hands them out meanwhile, or refuses because someone holds
+// one. A refusal stops the plan there, pending, with the reason.
+type Guard interface {
+	Doom(uuids []string, why string) error
+}
+
 // Applier runs plans against NVML. Progress is journaled per GPU under
 // stateDir/mig, so that after a crash or restart Apply resumes the plan that
 // was in flight instead of planning afresh from a half-changed GPU.
@@ -31,7 +39,11 @@ type Applier struct {
 	// compute instances gone, its GPU instance not yet) and a create (its
 	// GPU instance made, its compute instance not yet).
 	crash func(point string, step int) bool
+	guard Guard
 }
+
+// SetGuard makes every destroy and mode change ask g first (nil: none).
+func (a *Applier) SetGuard(g Guard) { a.guard = g }
 
 // errCrashed is what Apply returns when the test hook stops it.
 var errCrashed = errors.New("simulated crash")
@@ -94,7 +106,10 @@ func (a *Applier) Apply(ctx context.Context, p Plan) (State, error) {
 		if a.crashAt("before", j.Next) {
 			return State{}, errCrashed
 		}
-		st, err := a.step(dev, j.Plan, j.Next, s)
+		st, err := a.guarded(j.Plan, s)
+		if err == nil && st.Phase == "" {
+			st, err = a.step(dev, j.Plan, j.Next, s)
+		}
 		if errors.Is(err, errCrashed) {
 			return State{}, err
 		}
@@ -144,6 +159,27 @@ func (a *Applier) device(p Plan) (nvml.Device, error) {
 		return nil, fmt.Errorf("gpu %d is now %s, plan was for %s", p.GPU, uuid, p.UUID)
 	}
 	return dev, nil
+}
+
+// guarded asks the guard about a step that destroys MIG devices (their
+// UUIDs) or changes the GPU's mode (the GPU's UUID); a refusal is pending.
+func (a *Applier) guarded(p Plan, s Step) (State, error) {
+	var uuids []string
+	switch {
+	case a.guard == nil:
+		return State{}, nil
+	case s.Op == OpDestroy:
+		uuids = s.UUIDs
+	case s.Op == OpSetMode:
+		uuids = []string{p.UUID}
+	}
+	if len(uuids) == 0 {
+		return State{}, nil
+	}
+	if err := a.guard.Doom(uuids, fmt.Sprintf("GPU %d: %s (%s)", p.GPU, s, s.Reason)); err != nil {
+		return State{Phase: PhasePending, Reason: fmt.Sprintf("%s waits: %v", s, err)}, nil
+	}
+	return State{}, nil
 }
 
 // step runs one step. A non-empty State.Phase stops the plan without error

@@ -52,6 +52,14 @@ type Options struct {
 	// RetryBackoff is the first delay between registration attempts; it
 	// doubles up to 10 s (default 250 ms).
 	RetryBackoff time.Duration
+	// Admit, when set, is called by every Allocate that the catalog allows,
+	// before it answers, with the devices (GPU or MIG UUIDs, each once) the
+	// containers get; an error refuses the call. It is the agent's ledger,
+	// which refuses devices taken another way since the catalog was
+	// published and records the rest durably. A gRPC status error keeps
+	// its code; any other is FailedPrecondition. From the gRPC goroutine:
+	// it must be quick.
+	Admit func(resource string, uuids []string) error
 	// OnAllocate, when set, is called after every successful Allocate (from
 	// the gRPC goroutine; it must not block): pod attribution refreshes then
 	// instead of polling the kubelet.
@@ -388,6 +396,7 @@ func (m *Manager) add(ctx context.Context, name string, res *catalog.Resource) {
 	}
 	r := newResource(name, socket, filepath.Join(m.opts.Dir, socket), res, m.log, m.opts.Now)
 	r.onAllocate = m.opts.OnAllocate
+	r.admit = m.opts.Admit
 	m.mu.Lock()
 	m.served[name] = r
 	m.mu.Unlock()

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
@@ -22,8 +23,10 @@ type resource struct {
 	socket string // file name in Dir, the Endpoint sent to the kubelet
 	path   string
 	log    *slog.Logger
-	// onAllocate is Options.OnAllocate (nil: none).
+	// onAllocate and admit are Options.OnAllocate and Options.Admit (nil:
+	// none).
 	onAllocate func(resource string, ids []string)
+	admit      func(resource string, uuids []string) error
 	now        func() time.Time
 	// Refused calls, for rate-limiting their log lines.
 	allocRefusals, prefRefusals refusalLog
@@ -240,6 +243,9 @@ func (e *endpoint) GetPreferredAllocation(_ context.Context, req *pluginapi.Pref
 func (e *endpoint) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
 	res, _ := e.r.snapshot()
 	resp, err := allocate(res, req)
+	if err == nil && e.r.admit != nil {
+		err = admitted(e.r.admit(e.r.name, visibleIDs(res, req)))
+	}
 	if err != nil {
 		var ids []string
 		total := 0
@@ -266,6 +272,34 @@ func (e *endpoint) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (
 		e.r.onAllocate(e.r.name, all)
 	}
 	return resp, nil
+}
+
+// visibleIDs lists the distinct devices (VisibleID: a GPU or MIG UUID)
+// behind a request's IDs, which allocate found in res; replicas of one
+// device name it once.
+func visibleIDs(res *catalog.Resource, req *pluginapi.AllocateRequest) []string {
+	var out []string
+	seen := map[string]bool{}
+	for _, c := range req.GetContainerRequests() {
+		for _, id := range c.GetDevicesIds() {
+			if d, ok := res.Device(id); ok && !seen[d.Spec.VisibleID] {
+				seen[d.Spec.VisibleID] = true
+				out = append(out, d.Spec.VisibleID)
+			}
+		}
+	}
+	return out
+}
+
+// admitted turns Admit's error into the status Allocate answers.
+func admitted(err error) error {
+	if err == nil {
+		return nil
+	}
+	if st, ok := status.FromError(err); ok {
+		return st.Err()
+	}
+	return status.Error(codes.FailedPrecondition, err.Error())
 }
 
 func (e *endpoint) PreStartContainer(context.Context, *pluginapi.PreStartContainerRequest) (*pluginapi.PreStartContainerResponse, error) {

@@ -166,8 +166,17 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	// mps-host, which runs them outside this container (mpshost.go).
 	mpsSup := newMPSControl(f, log)
 
+	// The ledger: Allocate, DRA Prepare and the MIG applier all pass
+	// through it, so no device is handed out and destroyed at once.
+	ledger, err := agent.NewLedger(f.stateDir, nil, log.With("component", "ledger"))
+	if err != nil {
+		log.Error("allocation log", "error", err)
+	}
+	defer ledger.Close()
+
 	mgr, err := plugin.NewManager(plugin.Options{
 		Dir: f.pluginDir, Logger: log.With("component", "plugin"),
+		Admit: func(_ string, uuids []string) error { return ledger.Allocate(uuids) },
 		OnAllocate: func(resource string, ids []string) {
 			inbox.Post(agent.Allocated{Resource: resource, IDs: ids})
 			podres.Invalidate()
@@ -263,6 +272,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		InventoryObservers: []func(*gpu.Inventory){sampler.SetInventory},
 		StateDir:           f.stateDir,
 		Restored:           restored,
+		Ledger:             ledger,
 		ResyncInterval:     f.resync,
 		Logger:             log.With("component", "agent"),
 		Registerer:         reg,

@@ -1,0 +1,205 @@
+package agent
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"github.com/gpu-agent/gpu-agent/atomicfile"
+)
+
+// AllocLogFile is the allocation log's name in --state-dir: one line per
+// Allocate the device plugin answered, with the devices and when.
+const AllocLogFile = "allocations.log"
+
+// The limits of what the log holds and how it is read back.
+const (
+	// maxAllocLogBytes bounds the file read back; compaction keeps it far
+	// below (compactAbove), so a larger file is not ours.
+	maxAllocLogBytes = 4 << 20
+	// compactAbove is the size from which settling allocations rewrites
+	// the log with only those still unsettled.
+	compactAbove = 64 << 10
+	// maxRecordIDs and maxIDBytes bound one record: a node has at most a
+	// few hundred devices, each named by a UUID.
+	maxRecordIDs = 4096
+	maxIDBytes   = 256
+)
+
+// allocLog makes each device plugin allocation durable before Allocate
+// answers, by one write(2) of one line to a file opened for appending: no
+// fsync. The line is in the kernel's page cache before the kubelet hears
+// the answer, so every crash of the agent (SIGKILL, OOM kill, panic) keeps
+// it and the restarted agent reads it back. Only a crash of the machine
+// could lose it, and that takes with it what the record protects: the
+// containers, and the MIG devices themselves (GPU instances do not survive
+// a reboot), so nothing is left to be destroyed by mistake. An fsync per
+// Allocate would put milliseconds of disk latency on the kubelet's
+// container start for no such case. Compaction rewrites the file through
+// atomicfile (fsync, rename) when settled records make it large. Methods
+// are called under the ledger's lock.
+type allocLog struct {
+	path string
+	f    *os.File
+	// size is the length of the whole records in the file: a failed write
+	// is cut back to it, so a torn line never prefixes the next record.
+	size int64
+	log  *slog.Logger
+}
+
+// allocRecord is one line of the log.
+type allocRecord struct {
+	At  time.Time `json:"at"`
+	IDs []string  `json:"ids"`
+}
+
+// openAllocLog reads what dir's allocation log holds, rewrites it compacted
+// and opens it for appending. A log that cannot be read (not a regular
+// file, too large) is set aside and an error says so; lines that cannot be
+// decoded (the torn last line of a crash) are skipped with a warning.
+func openAllocLog(dir string, log *slog.Logger) (*allocLog, map[string]time.Time, error) {
+	path := filepath.Join(dir, AllocLogFile)
+	l := &allocLog{path: path, log: log}
+	entries := map[string]time.Time{}
+	var readErr error
+	b, err := atomicfile.ReadFile(path, maxAllocLogBytes)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+	case err != nil:
+		aside := path + ".unreadable"
+		if rerr := os.Rename(path, aside); rerr != nil {
+			return nil, nil, fmt.Errorf("allocation log %s: %w (and setting it aside: %w)", path, err, rerr)
+		}
+		readErr = fmt.Errorf("allocation log %s: %w; set aside as %s, allocations made before this start are known only from the kubelet", path, err, aside)
+	default:
+		var bad []error
+		entries, bad = DecodeAllocLog(b)
+		for _, e := range bad {
+			log.Warn("allocation log: record skipped", "path", path, "error", e)
+		}
+	}
+	if err := l.rewrite(entries); err != nil {
+		return nil, nil, fmt.Errorf("allocation log %s: %w", path, err)
+	}
+	return l, entries, readErr
+}
+
+// DecodeAllocLog reads an allocation log: for each device, when it was last
+// handed out. A line that is not a whole record is skipped and reported.
+func DecodeAllocLog(b []byte) (map[string]time.Time, []error) {
+	out := map[string]time.Time{}
+	var bad []error
+	for i, line := range bytes.Split(b, []byte{'\n'}) {
+		if len(bytes.TrimSpace(line)) == 0 {
+			continue
+		}
+		rec, err := decodeAllocRecord(line)
+		if err != nil {
+			if len(bad) < 10 {
+				bad = append(bad, fmt.Errorf("line %d: %w", i+1, err))
+			}
+			continue
+		}
+		for _, id := range rec.IDs {
+			if old, ok := out[id]; !ok || rec.At.After(old) {
+				out[id] = rec.At
+			}
+		}
+	}
+	return out, bad
+}
+
+func decodeAllocRecord(line []byte) (allocRecord, error) {
+	var rec allocRecord
+	dec := json.NewDecoder(bytes.NewReader(line))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&rec); err != nil {
+		return rec, err
+	}
+	if dec.More() {
+		return rec, errors.New("data after the record")
+	}
+	switch {
+	case rec.At.IsZero():
+		return rec, errors.New("no time")
+	case len(rec.IDs) == 0 || len(rec.IDs) > maxRecordIDs:
+		return rec, fmt.Errorf("%d device IDs", len(rec.IDs))
+	}
+	for _, id := range rec.IDs {
+		if id == "" || len(id) > maxIDBytes {
+			return rec, fmt.Errorf("device ID of %d bytes", len(id))
+		}
+	}
+	return rec, nil
+}
+
+// append writes one record. On a failed or short write the file is cut back
+// to its whole records.
+func (l *allocLog) append(at time.Time, ids []string) error {
+	line, err := json.Marshal(allocRecord{At: at, IDs: ids})
+	if err != nil {
+		return err
+	}
+	line = append(line, '\n')
+	n, err := l.f.Write(line)
+	if err != nil {
+		if n > 0 {
+			_ = l.f.Truncate(l.size)
+		}
+		return fmt.Errorf("allocation log %s: %w", l.path, err)
+	}
+	l.size += int64(n)
+	return nil
+}
+
+// compactLocked rewrites the log with only entries once it has grown past
+// compactAbove; a failure keeps the longer log, which is still right.
+func (l *allocLog) compactLocked(entries map[string]time.Time) {
+	if l.size < compactAbove {
+		return
+	}
+	if err := l.rewrite(entries); err != nil {
+		l.log.Warn("allocation log not compacted; it keeps growing until it is", "path", l.path, "error", err)
+	}
+}
+
+// rewrite replaces the file with one record per entry (atomically) and
+// reopens it for appending.
+func (l *allocLog) rewrite(entries map[string]time.Time) error {
+	var buf bytes.Buffer
+	for _, id := range slices.Sorted(maps.Keys(entries)) {
+		line, err := json.Marshal(allocRecord{At: entries[id], IDs: []string{id}})
+		if err != nil {
+			return err
+		}
+		buf.Write(line)
+		buf.WriteByte('\n')
+	}
+	if err := atomicfile.Write(l.path, buf.Bytes(), atomicfile.Options{Perm: 0o600}); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(l.path, os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		return err
+	}
+	if l.f != nil {
+		l.f.Close()
+	}
+	l.f, l.size = f, int64(buf.Len())
+	return nil
+}
+
+// close closes the file.
+func (l *allocLog) close() {
+	if l.f != nil {
+		l.f.Close()
+		l.f = nil
+	}
+}

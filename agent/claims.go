@@ -1,0 +1,227 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+// The DRA driver's requests as loop events, the claim records of the
+// ledger, and the loop's handling of a batch of requests (claimsStep).
+
+// DRAPublisher publishes the node's DRA pool (dra.Driver); it must not block.
+type DRAPublisher interface {
+	Publish(p *dra.Pool)
+}
+
+// ClaimsPrepare asks the loop to prepare claims (the DRA driver's
+// NodePrepareResources); the answer goes to Reply once it is checkpointed.
+type ClaimsPrepare struct {
+	Claims []dra.Claim
+	Reply  chan<- map[types.UID]dra.Prepared
+	// GaveUp, when set, says whether the caller stopped waiting: a request
+	// it gave up on is not acted upon (its claims could stay prepared with
+	// nobody to release them).
+	GaveUp func() bool
+}
+
+// ClaimsUnprepare asks the loop to release claims.
+type ClaimsUnprepare struct {
+	Claims []dra.ClaimRef
+	Reply  chan<- map[types.UID]error
+}
+
+func (ClaimsPrepare) kind() string   { return "dra-prepare" }
+func (ClaimsUnprepare) kind() string { return "dra-unprepare" }
+
+// PreparedClaim is a claim prepared on this node: the allocation ledger's
+// DRA side, checkpointed.
+type PreparedClaim struct {
+	Namespace string                `json:"namespace"`
+	Name      string                `json:"name"`
+	Devices   []PreparedClaimDevice `json:"devices"`
+	At        time.Time             `json:"at"`
+}
+
+// PreparedClaimDevice is one device of a prepared claim.
+type PreparedClaimDevice struct {
+	dra.PreparedDevice
+	UUID string `json:"uuid"`
+	// Created: the MIG device was created for this claim (dynamic MIG) on
+	// GPU Parent, profile Profile at Placement; Unprepare destroys it.
+	Created      bool          `json:"created,omitempty"`
+	Parent       string        `json:"parent,omitempty"`
+	Profile      string        `json:"profile,omitempty"`
+	ProfileIndex int           `json:"profileIndex,omitempty"`
+	Placement    gpu.Placement `json:"placement,omitzero"`
+	// MPSEnv is the MPS client environment the claim's spec gives its
+	// containers (a shared device under MPS).
+	MPSEnv map[string]string `json:"mpsEnv,omitempty"`
+	// Shares is how many shares of a shared device the claim took.
+	Shares int64 `json:"shares,omitempty"`
+	// AdminAccess: given for administrative access; it holds nothing.
+	AdminAccess bool `json:"adminAccess,omitempty"`
+}
+
+// samePlace reports whether d and o are the MIG device of one profile at
+// one placement of one GPU (an intent and the device made for it).
+func (d PreparedClaimDevice) samePlace(o PreparedClaimDevice) bool {
+	return d.Parent == o.Parent && d.Placement == o.Placement && d.Profile == o.Profile
+}
+
+func (c PreparedClaim) String() string { return "ResourceClaim " + c.Namespace + "/" + c.Name }
+
+func (c PreparedClaim) prepared() dra.Prepared {
+	out := dra.Prepared{Devices: make([]dra.PreparedDevice, 0, len(c.Devices))}
+	for _, d := range c.Devices {
+		out.Devices = append(out.Devices, d.PreparedDevice)
+	}
+	return out
+}
+
+// PrepareClaims implements dra.Claims: it hands the claims to the loop and
+// waits for its answer.
+func (a *Agent) PrepareClaims(ctx context.Context, claims []dra.Claim) (map[types.UID]dra.Prepared, error) {
+	reply := make(chan map[types.UID]dra.Prepared, 1)
+	a.inbox.Post(ClaimsPrepare{Claims: claims, Reply: reply, GaveUp: func() bool { return ctx.Err() != nil }})
+	select {
+	case r := <-reply:
+		return r, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("prepare: %w", context.Cause(ctx))
+	}
+}
+
+// UnprepareClaims implements dra.Claims.
+func (a *Agent) UnprepareClaims(ctx context.Context, claims []dra.ClaimRef) (map[types.UID]error, error) {
+	reply := make(chan map[types.UID]error, 1)
+	a.inbox.Post(ClaimsUnprepare{Claims: claims, Reply: reply})
+	select {
+	case r := <-reply:
+		return r, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("unprepare: %w", context.Cause(ctx))
+	}
+}
+
+// claimReplies are the answers of one Step, sent once the ledger they
+// describe is checkpointed.
+type claimReplies struct {
+	changed bool
+	send    []func()
+}
+
+func (r claimReplies) sendAll() {
+	for _, f := range r.send {
+		f() // buffered channels: the caller may have given up
+	}
+}
+
+// claimsStep prepares and releases the claims of one batch, in the order
+// the kubelet asked (a Prepare it gave up on, then its Unprepare, leaves
+// nothing prepared), and checkpoints the ledger before any answer leaves:
+// a claim the kubelet was told is prepared is never forgotten by a
+// restart, and one that could not be written is refused (the kubelet asks
+// again).
+func (a *Agent) claimsStep(events []Event) claimReplies {
+	var r claimReplies
+	if len(events) == 0 {
+		return r
+	}
+	invBefore, relBefore := a.inv, a.releasingNow()
+	var removed []PreparedClaim
+	var added []types.UID
+	var prepared []map[types.UID]dra.Prepared
+	for _, ev := range events {
+		switch e := ev.(type) {
+		case ClaimsUnprepare:
+			out, rm := a.unprepareClaims(e)
+			removed = append(removed, rm...)
+			r.send = append(r.send, func() { e.Reply <- out })
+		case ClaimsPrepare:
+			var out map[types.UID]dra.Prepared
+			if e.GaveUp != nil && e.GaveUp() {
+				out = map[types.UID]dra.Prepared{}
+				for _, c := range e.Claims {
+					out[c.UID] = dra.Prepared{Err: fmt.Errorf("claim %s: the kubelet stopped waiting before the agent got to it", c)}
+				}
+			} else {
+				var add []types.UID
+				out, add = a.prepareClaims(e)
+				added = append(added, add...)
+			}
+			prepared = append(prepared, out)
+			r.send = append(r.send, func() { e.Reply <- out })
+		}
+	}
+	if len(added)+len(removed) == 0 {
+		// A claim that failed may still have changed the node (MIG mode,
+		// a device left to destroy): plan for what is there now.
+		r.changed = a.inv != invBefore || !maps.Equal(relBefore, a.releasingNow())
+		return r
+	}
+	r.changed = true
+	if err := a.checkpoint(); err == nil {
+		for _, uid := range added {
+			if hasKey(a.ledger.claims, uid) {
+				a.ledger.dropIntents(uid)
+			}
+		}
+	} else {
+		for _, uid := range added {
+			pc, ok := a.ledger.unclaim(uid)
+			if !ok {
+				continue
+			}
+			a.release(uid, pc)
+			for _, out := range prepared {
+				if _, ok := out[uid]; ok {
+					out[uid] = dra.Prepared{Err: fmt.Errorf("%w: %w", errCheckpoint, err)}
+				}
+			}
+		}
+		// Released claims stay released: their containers are gone, and
+		// the next checkpoint that succeeds forgets them.
+	}
+	return r
+}
+
+// errCheckpoint is why a prepared claim was rolled back.
+var errCheckpoint = errors.New("the claim could not be checkpointed, so a restart would forget it")
+
+func (a *Agent) draStatus() *DRAStatus {
+	st := &DRAStatus{Devices: []string{}}
+	if a.draPool != nil {
+		for _, d := range a.draPool.Devices {
+			st.Devices = append(st.Devices, d.Name)
+			if d.Unhealthy != "" {
+				st.Unhealthy = append(st.Unhealthy, d.Name)
+			}
+		}
+	}
+	for _, uid := range slices.Sorted(maps.Keys(a.ledger.claims)) {
+		pc := a.ledger.claims[uid]
+		st.Claims = append(st.Claims, pc.Namespace+"/"+pc.Name+": "+strings.Join(deviceNames(pc), ", "))
+	}
+	for _, set := range []map[types.UID]PreparedClaim{a.ledger.releases, a.ledger.intents} {
+		for _, uid := range slices.Sorted(maps.Keys(set)) {
+			st.Releasing = append(st.Releasing, describe(set[uid]))
+		}
+	}
+	return st
+}
+
+// releasingNow maps what released claims left, and intents, to the claim
+// (releasingUUIDs of the ledger now).
+func (a *Agent) releasingNow() map[string]string {
+	return releasingUUIDs(a.ledger.releases, a.ledger.intents, a.inv, claimedUUIDs(a.ledger.claims))
+}

@@ -1,0 +1,296 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/mig"
+)
+
+// MIG devices made on demand for DRA claims, and undone when their claim
+// is released or fails: each change is a one- or two-step MIG plan run by
+// the same journaled applier as layouts (applyAndRead).
+
+// applyAndRead runs a one-GPU MIG plan for a claim and reads the GPUs
+// again; the error includes a plan that stopped short of applied. What the
+// applier doomed for it (mig.Guard) is cleared once the GPUs are read: the
+// devices it destroyed are gone, those it did not are free again.
+func (a *Agent) applyAndRead(plan mig.Plan, why string) error {
+	st, err := a.opts.MIG.Apply(a.ctx, plan)
+	if err == nil && st.Phase != mig.PhaseApplied {
+		err = fmt.Errorf("%s: %s", st.Phase, st.Reason)
+	}
+	a.observe("dynamic MIG: " + why)
+	a.ledger.undoomAll()
+	return err
+}
+
+// createPartition creates the MIG device d stands for (dynamic MIG): MIG
+// mode on first if it is off (only on GPUs that need no reset for it, and
+// only while no container holds the GPU), then the GPU instance at d's
+// placement with one compute instance spanning it, journaled by the MIG
+// applier like any layout change. The intent is in the ledger, and
+// checkpointed, before anything changes, so a crash orphans nothing.
+func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice, error) {
+	if a.opts.MIG == nil {
+		return PreparedClaimDevice{}, errors.New("this agent does not manage MIG")
+	}
+	g, ok := a.inv.GPUByUUID(d.ParentUUID)
+	if !ok {
+		return PreparedClaimDevice{}, fmt.Errorf("GPU %s is gone", d.ParentUUID)
+	}
+	for _, m := range g.Instances {
+		if m.Placement.Start < d.Placement.Start+d.Placement.Size && d.Placement.Start < m.Placement.Start+m.Placement.Size {
+			return PreparedClaimDevice{}, fmt.Errorf("GPU %d: MIG device %s (%s at %d) already occupies memory slices %d-%d",
+				g.Index, m.UUID, m.Profile, m.Placement.Start, d.Placement.Start, d.Placement.Start+d.Placement.Size-1)
+		}
+	}
+	counts := map[string]int{d.Profile: 1}
+	for _, m := range g.Instances {
+		counts[m.Profile]++
+	}
+	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: true, Counts: counts}}
+	why := "DRA claim " + c.String()
+	if !g.MIG.Current {
+		plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpSetMode, Enable: true, Reason: why + ": the first MIG device on an idle GPU"})
+	}
+	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpCreate, Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement, Reason: why})
+	intent := PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name}, Created: true, Parent: g.UUID,
+		Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement}
+	wasDynamic := a.ledger.dynamicMIG[g.UUID]
+	if !g.MIG.Current {
+		// Turned on for claims: this GPU changes MIG mode without a reset,
+		// so it goes back to MIG off when its last on-demand device goes.
+		// Recorded with the intent, before the mode changes.
+		a.ledger.setDynamic(g.UUID, true)
+	}
+	undo := func() {
+		a.ledger.dropIntent(c.UID, intent)
+		if !wasDynamic {
+			a.ledger.setDynamic(g.UUID, false)
+		}
+	}
+	if err := a.ledger.intend(c.UID, PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now()}, intent); err != nil {
+		undo()
+		return PreparedClaimDevice{}, fmt.Errorf("GPU %d (%s) is %w", g.Index, g.UUID, err)
+	}
+	if err := a.checkpoint(); err != nil {
+		undo()
+		return PreparedClaimDevice{}, fmt.Errorf("GPU %d: %s at %d not created: it could not be checkpointed first, so a crash could orphan it: %w",
+			g.Index, d.Profile, d.Placement.Start, err)
+	}
+	err := a.applyAndRead(plan, why)
+	if err != nil {
+		err = fmt.Errorf("GPU %d: %w", g.Index, err)
+	}
+	if !a.read(g.UUID) {
+		// What NVML made cannot be told now. The intent stays in the
+		// ledger: the claim's release (the caller's) undoes it once the
+		// GPU reads again.
+		if err == nil {
+			err = fmt.Errorf("GPU %d could not be read after %s at %d was created", g.Index, d.Profile, d.Placement.Start)
+		}
+		return PreparedClaimDevice{}, err
+	}
+	now, ok := a.inv.GPUByUUID(g.UUID)
+	if ok && !now.MIG.Current && !now.MIG.Pending {
+		a.ledger.setDynamic(g.UUID, false) // the mode did not change, not even pending a reset
+	}
+	if m, made := instanceAt(now, d.Profile, d.Placement); ok && made && err == nil {
+		// The intent stays until the claim is checkpointed with the
+		// device (claimsStep).
+		a.log.Info("DRA: MIG device created", "claim", c.String(), "gpu", g.Index, "profile", d.Profile, "placement", d.Placement.Start, "uuid", m.UUID)
+		dev := intent
+		dev.UUID, dev.CDIDevices = m.UUID, []string{dra.CDIKind + "=" + m.UUID}
+		return dev, nil
+	}
+	if err == nil {
+		err = fmt.Errorf("GPU %d: %s at %d was created but NVML does not list it", plan.GPU, d.Profile, d.Placement.Start)
+	}
+	// Whatever the failed creation left (a device NVML lists late, MIG mode
+	// turned on or pending a reset) is undone with the claim's release (the
+	// caller's), from the intent, now or on a later resync.
+	return PreparedClaimDevice{}, err
+}
+
+// release undoes what preparing claim uid left on the node: its CDI spec,
+// the MIG devices created for it (pc's devices marked Created) and those
+// it intended, for a claim the kubelet released or one that failed to
+// prepare. What cannot be undone now stays in the ledger's releases,
+// checkpointed, and is tried again after every read of the GPUs
+// (retryReleases): nothing a claim made is forgotten.
+func (a *Agent) release(uid types.UID, pc PreparedClaim) {
+	rest := pc
+	rest.Devices = nil
+	devs := slices.Clone(pc.Devices)
+	if earlier, ok := a.ledger.releases[uid]; ok {
+		devs = append(slices.Clone(earlier.Devices), devs...)
+	}
+	devs = append(devs, a.ledger.takeIntents(uid)...)
+	var failed []string
+	if a.opts.CDI != nil && !hasKey(a.ledger.claims, uid) { // a claim prepared again keeps its spec
+		if err := a.opts.CDI.RemoveClaim(string(uid)); err != nil {
+			failed = append(failed, "CDI spec: "+err.Error())
+		}
+	}
+	seen := map[string]bool{}
+	for _, d := range devs {
+		if !d.Created {
+			continue
+		}
+		key := fmt.Sprintf("%s/%s/%s@%d+%d", d.UUID, d.Parent, d.Profile, d.Placement.Start, d.Placement.Size)
+		if seen[key] {
+			continue
+		}
+		seen[key] = true
+		if err := a.destroyPartition(pc, d); err != nil {
+			rest.Devices = append(rest.Devices, d)
+			failed = append(failed, err.Error())
+		}
+	}
+	if len(failed) == 0 {
+		a.ledger.dropRelease(uid)
+		return
+	}
+	if _, again := a.ledger.releases[uid]; !again {
+		a.log.Error("DRA: what a claim left on the node is not undone yet; trying again after every read of the GPUs",
+			"claim", pc.String(), "uid", uid, "left", strings.Join(failed, "; "))
+	}
+	a.ledger.setRelease(uid, rest)
+}
+
+// retryReleases tries again to undo what released claims left.
+func (a *Agent) retryReleases() {
+	for _, uid := range slices.Sorted(maps.Keys(a.ledger.releases)) {
+		pc := a.ledger.releases[uid]
+		a.release(uid, pc)
+		if _, left := a.ledger.releases[uid]; !left {
+			a.log.Info("DRA: what a released claim left on the node is undone", "claim", pc.String(), "uid", uid)
+		}
+	}
+}
+
+// destroyPartition destroys a MIG device created for a claim once the claim
+// no longer holds it, unless a container got it through the device plugin
+// meanwhile; a GPU left without MIG devices goes back to MIG off where a
+// claim turned it on, so it is offered whole again. A device recorded only
+// as an intent (no UUID yet) is the one at its placement that no claim
+// holds. The error says why it is still there.
+func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error {
+	if a.opts.MIG == nil || a.inv == nil {
+		return fmt.Errorf("%s at %d on GPU %s: this agent cannot change MIG devices now", d.Profile, d.Placement.Start, d.Parent)
+	}
+	g, ok := a.inv.GPUByUUID(d.Parent)
+	switch {
+	case a.readNow == nil || ok && !a.read(d.Parent) || a.isFailed(d.Parent):
+		// What the loop believes of the GPU is older than the last read
+		// (or the checkpoint's): it cannot tell the device is gone.
+		return fmt.Errorf("%s at %d on GPU %s: the GPU was not read just now; trying again", d.Profile, d.Placement.Start, d.Parent)
+	case !ok:
+		return nil // the GPU is gone, and its MIG devices with it
+	}
+	claimed := claimedUUIDs(a.ledger.claims)
+	var m gpu.MIGInstance
+	found := false
+	if d.UUID != "" {
+		i := slices.IndexFunc(g.Instances, func(in gpu.MIGInstance) bool { return in.UUID == d.UUID })
+		if found = i >= 0; found {
+			m = g.Instances[i]
+		}
+	} else if in, ok := instanceAt(g, d.Profile, d.Placement); ok && !hasKey(claimed, in.UUID) {
+		m, found = in, true
+	}
+	// A destroy or create cut short leaves the GPU instance without its
+	// compute instance: no MIG device, but its slices are still taken.
+	bare := slices.IndexFunc(g.GIsWithoutCI, func(b gpu.GPUInstance) bool { return b.Placement == d.Placement && b.Profile == d.Profile })
+	switch {
+	case found:
+		if by, ok := claimed[m.UUID]; ok {
+			// Made again, with the same UUID, for another claim: ours is gone.
+			a.log.Warn("DRA: MIG device of a released claim is prepared for another claim; left as it is", "claim", pc.String(), "uuid", m.UUID, "holder", by)
+			return nil
+		}
+		if by := a.ledger.pluginHolder(m.UUID); by != "" {
+			return fmt.Errorf("MIG device %s is held by %s; destroyed once released", m.UUID, by)
+		}
+	case bare >= 0:
+		b := g.GIsWithoutCI[bare]
+		m = gpu.MIGInstance{GI: b.GI, Profile: b.Profile, GIProfileID: b.GIProfileID, Placement: b.Placement}
+	default:
+		return a.turnMIGOffIfUnused(g, pc.String()+" released") // the device is gone
+	}
+	var uuids []string
+	if m.UUID != "" {
+		uuids = []string{m.UUID}
+	}
+	counts := map[string]int{}
+	for _, o := range g.Instances {
+		if o.UUID != m.UUID {
+			counts[o.Profile]++
+		}
+	}
+	bares := len(g.GIsWithoutCI)
+	if !found {
+		bares-- // the one destroyed
+	}
+	// MIG goes back off only where a claim turned it on (and so it switched
+	// without a reset): one an admin turned on stays on.
+	last := len(counts) == 0 && bares == 0
+	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: !(last && a.ledger.dynamicMIG[g.UUID]), Counts: counts}}
+	why := pc.String() + " released"
+	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpDestroy, Profile: m.Profile, ProfileIndex: m.GIProfileID, Placement: m.Placement,
+		GI: m.GI, UUIDs: uuids, Reason: why})
+	if !plan.Want.MIGEnabled {
+		plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpSetMode, Enable: false, Reason: why + ": no MIG device left, the GPU is offered whole again"})
+	}
+	if err := a.applyAndRead(plan, why); err != nil {
+		return fmt.Errorf("GPU %d: MIG device %s (%s at %d) not destroyed: %w", g.Index, d.UUID, m.Profile, m.Placement.Start, err)
+	}
+	if !plan.Want.MIGEnabled {
+		a.ledger.setDynamic(g.UUID, false)
+	}
+	a.log.Info("DRA: MIG device destroyed", "claim", pc.String(), "gpu", g.Index, "uuid", d.UUID, "gi", m.GI, "mig-off", !plan.Want.MIGEnabled)
+	return nil
+}
+
+// instanceAt is g's MIG device of profile at placement pl, if any (a
+// placement holds one GPU instance; ours have one compute instance).
+func instanceAt(g gpu.GPU, profile string, pl gpu.Placement) (gpu.MIGInstance, bool) {
+	i := slices.IndexFunc(g.Instances, func(m gpu.MIGInstance) bool { return m.Placement == pl && m.Profile == profile })
+	if i < 0 {
+		return gpu.MIGInstance{}, false
+	}
+	return g.Instances[i], true
+}
+
+// turnMIGOffIfUnused turns MIG off on a GPU a claim turned it on for that
+// has no MIG device left, so the GPU is offered whole again. A creation
+// that failed after the mode changed leaves it so, or with the enable
+// pending a reset (a GPU that needs one): that pending enable is cancelled
+// too, or the next reset would turn MIG on with no claim behind it.
+func (a *Agent) turnMIGOffIfUnused(g gpu.GPU, why string) error {
+	if !g.MIG.Current && !g.MIG.Pending && a.read(g.UUID) {
+		a.ledger.setDynamic(g.UUID, false) // off already (it never went on)
+	}
+	if !a.ledger.dynamicMIG[g.UUID] || (!g.MIG.Current && !g.MIG.Pending) || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0 {
+		return nil
+	}
+	reason := why + ": no MIG device left, the GPU is offered whole again"
+	if !g.MIG.Current {
+		reason = why + ": cancelling the MIG enable that waits for a reset"
+	}
+	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: false},
+		Steps: []mig.Step{{Op: mig.OpSetMode, Enable: false, Reason: reason}}}
+	if err := a.applyAndRead(plan, why); err != nil {
+		return fmt.Errorf("GPU %d: MIG mode not turned back off: %w", g.Index, err)
+	}
+	a.ledger.setDynamic(g.UUID, false)
+	return nil
+}

@@ -1,0 +1,539 @@
+package agent
+
+import (
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/health"
+)
+
+// Ledger is the node's one record of who has each device, and the one place
+// every hand-out and every destroy passes through: Allocate (the device
+// plugin, from its gRPC goroutines), DRA Prepare (the loop) and the MIG
+// applier (Doom, before each step that destroys a device or changes a
+// GPU's MIG mode). A device is free, or in one of these states:
+//
+//	allocated  the device plugin handed it to a container the kubelet has
+//	           not listed yet (plugin), or the kubelet lists a container
+//	           holding it (holders)
+//	prepared   a DRA claim holds it (claims)
+//	intended   a MIG device is being made at its placement for a claim
+//	           being prepared (intents)
+//	releasing  made for a claim that was released, to be destroyed
+//	           (releases)
+//	doomed     a MIG plan is about to destroy it, or change its GPU's mode
+//	           (doomed)
+//
+// Each check and the record it guards happen under one lock, so a device
+// doomed is never handed out and one handed out is never doomed, whichever
+// comes first. A MIG device and its GPU are the same silicon: holding one
+// takes the other (overlaps).
+//
+// Allocations reach the allocation log (allocLog) before Allocate answers;
+// everything else is checkpointed by the loop before it answers or acts.
+// The plugin map is written from any goroutine under mu; every other field
+// is written only by the loop goroutine, under mu, and the loop may read
+// those without it.
+type Ledger struct {
+	mu  sync.Mutex
+	now func() time.Time
+	log *allocLog
+
+	plugin map[string]time.Time // device UUID → when Allocate handed it out
+
+	places     map[string]place // MIG device UUID → where it is (from the last inventory)
+	holders    *health.Attribution
+	claims     map[types.UID]PreparedClaim
+	intents    map[types.UID]PreparedClaim
+	releases   map[types.UID]PreparedClaim
+	dynamicMIG map[string]bool
+	doomed     map[string]string // device UUID → why
+}
+
+// place is where a MIG device sits.
+type place struct {
+	parent    string
+	profile   string
+	placement gpu.Placement
+}
+
+// NewLedger returns the node's ledger with the allocations its allocation
+// log in stateDir holds ("": none, and none recorded). An error says the
+// log could not be opened, or that an unreadable one was set aside; the
+// ledger is usable either way (without a log it records in memory only).
+func NewLedger(stateDir string, now func() time.Time, log *slog.Logger) (*Ledger, error) {
+	if now == nil {
+		now = time.Now
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	l := newLedger(now)
+	if stateDir == "" {
+		return l, nil
+	}
+	al, entries, err := openAllocLog(stateDir, log)
+	if al == nil {
+		return l, err
+	}
+	l.log = al
+	if future := l.restoreAllocations(entries); future > 0 {
+		log.Warn("allocations dated after now (the clock stepped back since they were made) count from now", "allocations", future)
+	}
+	if len(entries) > 0 {
+		log.Info("allocations not yet accounted for by the kubelet restored", "allocations", len(entries), "log", al.path)
+	}
+	return l, err
+}
+
+// Close closes the allocation log.
+func (l *Ledger) Close() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.log != nil {
+		l.log.close()
+	}
+}
+
+func newLedger(now func() time.Time) *Ledger {
+	return &Ledger{
+		now: now, plugin: map[string]time.Time{}, places: map[string]place{},
+		claims: map[types.UID]PreparedClaim{}, intents: map[types.UID]PreparedClaim{},
+		releases: map[types.UID]PreparedClaim{}, dynamicMIG: map[string]bool{}, doomed: map[string]string{},
+	}
+}
+
+// setInventory learns where each MIG device sits, from the GPUs believed
+// now (those that cannot be read included, with their last records).
+func (l *Ledger) setInventory(gpus []gpu.GPU) {
+	places := map[string]place{}
+	for _, g := range gpus {
+		for _, m := range g.Instances {
+			places[m.UUID] = place{parent: g.UUID, profile: m.Profile, placement: m.Placement}
+		}
+	}
+	l.mu.Lock()
+	l.places = places
+	l.mu.Unlock()
+}
+
+// overlaps reports whether devices a and b share silicon: the same device,
+// or a MIG device and its GPU. Callers hold mu or are the loop.
+func (l *Ledger) overlaps(a, b string) bool {
+	if a == "" || b == "" {
+		return false
+	}
+	return a == b || l.places[a].parent == b || l.places[b].parent == a
+}
+
+// Allocate records that the device plugin hands devices (GPU or MIG UUIDs)
+// to a container, unless one of them is taken another way: doomed by a MIG
+// plan, prepared for a DRA claim, being made or destroyed for one. The
+// record is in the allocation log before Allocate returns (see allocLog
+// for why a crash right after the answer cannot lose it). The error is a
+// gRPC status: FailedPrecondition naming the device and why, Unavailable
+// when the record could not be written.
+func (l *Ledger) Allocate(uuids []string) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, u := range uuids {
+		if why := l.takenLocked(u); why != "" {
+			return status.Errorf(codes.FailedPrecondition, "device %s is %s", u, why)
+		}
+	}
+	now := l.now()
+	if l.log != nil {
+		if err := l.log.append(now, uuids); err != nil {
+			return status.Errorf(codes.Unavailable, "the allocation could not be recorded, so a restart could destroy the device under its container: %v", err)
+		}
+	}
+	for _, u := range uuids {
+		l.plugin[u] = now
+	}
+	return nil
+}
+
+// takenLocked says why device u may not go to the device plugin ("" when
+// it may).
+func (l *Ledger) takenLocked(u string) string {
+	for _, x := range slices.Sorted(maps.Keys(l.doomed)) {
+		if l.overlaps(u, x) {
+			return "being repartitioned: " + l.doomed[x]
+		}
+	}
+	if by := l.claimHolder(u, ""); by != "" {
+		return "prepared for " + by + " through DRA"
+	}
+	for _, set := range []map[types.UID]PreparedClaim{l.intents, l.releases} {
+		for _, pc := range set {
+			for _, d := range pc.Devices {
+				if !d.Created {
+					continue
+				}
+				if u == d.Parent || (d.UUID != "" && l.overlaps(u, d.UUID)) || (d.UUID == "" && l.at(u, d)) {
+					return "a MIG device made for " + pc.String() + " through DRA, or its GPU, while it is made or destroyed"
+				}
+			}
+		}
+	}
+	return ""
+}
+
+// at reports whether MIG device u sits where intent d will make one.
+func (l *Ledger) at(u string, d PreparedClaimDevice) bool {
+	p, ok := l.places[u]
+	return ok && p.parent == d.Parent && p.profile == d.Profile && p.placement == d.Placement
+}
+
+// claimHolder names the claim other than except that holds a device
+// overlapping u ("" when none); admin access holds nothing.
+func (l *Ledger) claimHolder(u string, except types.UID) string {
+	for _, uid := range slices.Sorted(maps.Keys(l.claims)) {
+		if uid == except {
+			continue
+		}
+		for _, d := range l.claims[uid].Devices {
+			if !d.AdminAccess && l.overlaps(u, d.UUID) {
+				return l.claims[uid].String()
+			}
+		}
+	}
+	return ""
+}
+
+// pluginHolderLocked names the container the device plugin gave a device
+// overlapping u: the kubelet's answer, or an allocation it has not listed
+// yet ("" when none).
+func (l *Ledger) pluginHolderLocked(u string) string {
+	for _, x := range []string{u, l.places[u].parent} {
+		if x == "" {
+			continue
+		}
+		if hs := l.holders.Holders(x); len(hs) > 0 {
+			return hs[0].String() + " (device plugin)"
+		}
+		if at, ok := l.plugin[x]; ok {
+			return "a container the device plugin gave it at " + stamp(at) + " (not yet listed by the kubelet)"
+		}
+	}
+	for x, p := range l.places {
+		if p.parent != u {
+			continue
+		}
+		if hs := l.holders.Holders(x); len(hs) > 0 {
+			return hs[0].String() + " (device plugin, MIG device " + x + ")"
+		}
+		if at, ok := l.plugin[x]; ok {
+			return "a container the device plugin gave its MIG device " + x + " at " + stamp(at) + " (not yet listed by the kubelet)"
+		}
+	}
+	return ""
+}
+
+// pluginHolder is pluginHolderLocked for the loop.
+func (l *Ledger) pluginHolder(u string) string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.pluginHolderLocked(u)
+}
+
+// stamp is a time for messages, with its date: a checkpoint may be days old.
+func stamp(t time.Time) string { return t.UTC().Format(time.RFC3339) }
+
+// holder names whoever other than claim except holds a device overlapping
+// u: a container of the device plugin or another claim ("" when none).
+func (l *Ledger) holder(u string, except types.UID) string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if by := l.pluginHolderLocked(u); by != "" {
+		return by
+	}
+	return l.claimHolder(u, except)
+}
+
+// allocations copies the device plugin's allocations not yet accounted for.
+func (l *Ledger) allocations() map[string]time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return maps.Clone(l.plugin)
+}
+
+// restoreAllocations takes allocations an earlier agent recorded. One
+// dated after now (the clock stepped back across the restart) counts from
+// now: otherwise no answer could ever be late enough to settle it, and its
+// GPU would stay blocked for good.
+func (l *Ledger) restoreAllocations(allocs map[string]time.Time) (future int) {
+	now := l.now()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for u, at := range allocs {
+		if at.After(now) {
+			at, future = now, future+1
+		}
+		if old, ok := l.plugin[u]; !ok || at.After(old) {
+			l.plugin[u] = at
+		}
+	}
+	return future
+}
+
+// settle takes a successful pod-resources answer the kubelet gave to a
+// request made at asked: who holds what, and the allocations made
+// recentSettle before asked are accounted for by it (the kubelet lists
+// them, or their containers are gone). It reports how many it settled.
+func (l *Ledger) settle(att *health.Attribution, asked time.Time) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.holders = att
+	n := 0
+	for u, at := range l.plugin {
+		if asked.Sub(at) >= recentSettle {
+			delete(l.plugin, u)
+			n++
+		}
+	}
+	if n > 0 && l.log != nil {
+		l.log.compactLocked(l.plugin)
+	}
+	return n
+}
+
+// setHolders takes who holds what from an answer whose time is unknown: it
+// settles nothing.
+func (l *Ledger) setHolders(att *health.Attribution) {
+	l.mu.Lock()
+	l.holders = att
+	l.mu.Unlock()
+}
+
+// claim records prepared claim pc as uid's, unless one of its devices is
+// taken: by a container of the device plugin, by a MIG plan, by another
+// claim (a shared device excepted: its shares are counted by the caller),
+// or twice within pc (a GPU and one of its MIG devices). Checked and
+// recorded under one lock, so Allocate cannot slip in between.
+func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for i, d := range pc.Devices {
+		if d.AdminAccess {
+			continue
+		}
+		if by := l.pluginHolderLocked(d.UUID); by != "" {
+			return fmt.Errorf("device %s (%s) is in use by %s", d.Device, d.UUID, by)
+		}
+		for _, x := range slices.Sorted(maps.Keys(l.doomed)) {
+			if l.overlaps(d.UUID, x) {
+				return fmt.Errorf("device %s (%s) is being repartitioned: %s", d.Device, d.UUID, l.doomed[x])
+			}
+		}
+		for _, o := range pc.Devices[:i] {
+			if !o.AdminAccess && o.UUID != d.UUID && l.overlaps(d.UUID, o.UUID) {
+				return fmt.Errorf("devices %s and %s of one claim are the same GPU", o.Device, d.Device)
+			}
+		}
+		for _, other := range slices.Sorted(maps.Keys(l.claims)) {
+			if other == uid {
+				continue
+			}
+			for _, o := range l.claims[other].Devices {
+				if o.AdminAccess || (o.UUID == d.UUID && d.Shares > 0 && o.Shares > 0) {
+					continue
+				}
+				if l.overlaps(d.UUID, o.UUID) {
+					return fmt.Errorf("device %s (%s) is in use by %s", d.Device, d.UUID, l.claims[other])
+				}
+			}
+		}
+	}
+	l.claims[uid] = pc
+	return nil
+}
+
+// unclaim forgets claim uid.
+func (l *Ledger) unclaim(uid types.UID) (PreparedClaim, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	pc, ok := l.claims[uid]
+	delete(l.claims, uid)
+	return pc, ok
+}
+
+// intend records that MIG device d is about to be made for claim c, unless
+// its GPU is taken by someone else (a container of the device plugin, a
+// MIG plan, another claim holding the GPU whole).
+func (l *Ledger) intend(uid types.UID, c PreparedClaim, d PreparedClaimDevice) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if by := l.pluginHolderLocked(d.Parent); by != "" {
+		return fmt.Errorf("in use by %s", by)
+	}
+	if why, ok := l.doomed[d.Parent]; ok {
+		return fmt.Errorf("being repartitioned: %s", why)
+	}
+	for _, other := range slices.Sorted(maps.Keys(l.claims)) {
+		for _, o := range l.claims[other].Devices {
+			if !o.AdminAccess && o.UUID == d.Parent {
+				return fmt.Errorf("in use by %s", l.claims[other])
+			}
+		}
+	}
+	pc := l.intents[uid]
+	pc.Namespace, pc.Name, pc.At = c.Namespace, c.Name, c.At
+	pc.Devices = append(pc.Devices, d)
+	l.intents[uid] = pc
+	return nil
+}
+
+// dropIntent forgets the last intent of claim uid if it is d (the device
+// is made and in the claim, or known not to exist). An identical earlier
+// intent (a failed attempt whose device may exist) still stands.
+func (l *Ledger) dropIntent(uid types.UID, d PreparedClaimDevice) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	pc, ok := l.intents[uid]
+	if !ok {
+		return
+	}
+	if i := len(pc.Devices) - 1; i >= 0 && pc.Devices[i].samePlace(d) {
+		pc.Devices = pc.Devices[:i]
+	}
+	l.setLocked(l.intents, uid, pc)
+}
+
+// dropIntents forgets the intents of claim uid that its checkpointed
+// devices stand for.
+func (l *Ledger) dropIntents(uid types.UID) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	pc, ok := l.intents[uid]
+	if !ok {
+		return
+	}
+	claim := l.claims[uid]
+	pc.Devices = slices.DeleteFunc(pc.Devices, func(x PreparedClaimDevice) bool {
+		return slices.ContainsFunc(claim.Devices, func(d PreparedClaimDevice) bool { return d.Created && d.samePlace(x) })
+	})
+	l.setLocked(l.intents, uid, pc)
+}
+
+// takeIntents removes and returns the intents of claim uid: a claim that
+// failed, or one found after a crash, has them undone like a release.
+func (l *Ledger) takeIntents(uid types.UID) []PreparedClaimDevice {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	pc := l.intents[uid]
+	delete(l.intents, uid)
+	return pc.Devices
+}
+
+// setRelease records what claim uid left to undo: MIG devices, or only
+// its CDI spec (a record without devices).
+func (l *Ledger) setRelease(uid types.UID, pc PreparedClaim) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.releases[uid] = pc
+}
+
+// dropRelease forgets claim uid's release: all it left is undone.
+func (l *Ledger) dropRelease(uid types.UID) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	delete(l.releases, uid)
+}
+
+// setLocked stores pc under uid in m, or deletes it when it has no device.
+func (l *Ledger) setLocked(m map[types.UID]PreparedClaim, uid types.UID, pc PreparedClaim) {
+	if len(pc.Devices) == 0 {
+		delete(m, uid)
+		return
+	}
+	m[uid] = pc
+}
+
+// setDynamic records whether a claim turned GPU uuid's MIG mode on.
+func (l *Ledger) setDynamic(uuid string, on bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if on {
+		l.dynamicMIG[uuid] = true
+	} else {
+		delete(l.dynamicMIG, uuid)
+	}
+}
+
+// Doom marks devices that a MIG plan is about to destroy (MIG devices) or
+// whose MIG mode it changes (GPUs): Allocate and Prepare refuse them from
+// now on. It refuses, marking nothing, when one of them is held by a
+// container of the device plugin (listed by the kubelet or not yet) or
+// prepared for a claim. Dooming a device again is no error (the applier
+// checks before each step what the loop doomed before the first).
+// Implements mig.Guard.
+func (l *Ledger) Doom(uuids []string, why string) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, u := range uuids {
+		if by := l.pluginHolderLocked(u); by != "" {
+			return fmt.Errorf("%s is held by %s", u, by)
+		}
+		if by := l.claimHolder(u, ""); by != "" {
+			return fmt.Errorf("%s is prepared for %s through DRA", u, by)
+		}
+	}
+	for _, u := range uuids {
+		if _, ok := l.doomed[u]; !ok {
+			l.doomed[u] = why
+		}
+	}
+	return nil
+}
+
+// undoomAll clears every doom: the plans ran, and what they destroyed is
+// gone from the catalog published since.
+func (l *Ledger) undoomAll() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	clear(l.doomed)
+}
+
+// doomedNow copies the doomed devices with why.
+func (l *Ledger) doomedNow() map[string]string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return maps.Clone(l.doomed)
+}
+
+// names lists the devices of pc, for logs.
+func deviceNames(pc PreparedClaim) []string {
+	out := make([]string, 0, len(pc.Devices))
+	for _, d := range pc.Devices {
+		out = append(out, d.Device)
+	}
+	return out
+}
+
+// describe lists what a release or intent record still has to undo.
+func describe(pc PreparedClaim) string {
+	left := []string{}
+	for _, d := range pc.Devices {
+		switch {
+		case d.UUID != "":
+			left = append(left, d.UUID)
+		default:
+			left = append(left, fmt.Sprintf("%s at %d on %s (to be made)", d.Profile, d.Placement.Start, d.Parent))
+		}
+	}
+	if len(left) == 0 {
+		left = append(left, "CDI spec")
+	}
+	return pc.Namespace + "/" + pc.Name + ": " + strings.Join(left, ", ")
+}

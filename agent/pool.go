@@ -1,0 +1,274 @@
+package agent
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/mig"
+)
+
+// The DRA pool, planned from a Snapshot like the catalog (Plan): pure
+// functions of what the loop observed and what the ledger holds.
+
+// claimedUUIDs maps each device UUID a prepared claim holds to the claim.
+func claimedUUIDs(claims map[types.UID]PreparedClaim) map[string]string {
+	out := map[string]string{}
+	for _, uid := range slices.Sorted(maps.Keys(claims)) {
+		for _, d := range claims[uid].Devices {
+			if !d.AdminAccess {
+				out[d.UUID] = claims[uid].String()
+			}
+		}
+	}
+	return out
+}
+
+// releasingUUIDs maps each MIG device still to be destroyed for a released
+// claim, or being made for one (for an intent, the instance no claim holds
+// at its placement), and its GPU, to the claim: neither is offered
+// meanwhile.
+func releasingUUIDs(releases, intents map[types.UID]PreparedClaim, inv *gpu.Inventory, claimed map[string]string) map[string]string {
+	out := map[string]string{}
+	for _, set := range []map[types.UID]PreparedClaim{releases, intents} {
+		for _, uid := range slices.Sorted(maps.Keys(set)) {
+			pc := set[uid]
+			for _, d := range pc.Devices {
+				for _, id := range []string{d.UUID, d.Parent} {
+					if _, ok := out[id]; id != "" && !ok {
+						out[id] = pc.String()
+					}
+				}
+				if d.UUID != "" || inv == nil {
+					continue
+				}
+				if g, ok := inv.GPUByUUID(d.Parent); ok {
+					if m, ok := instanceAt(g, d.Profile, d.Placement); ok && !hasKey(claimed, m.UUID) {
+						out[m.UUID] = pc.String()
+					}
+				}
+			}
+		}
+	}
+	return out
+}
+
+// planDRA is the pool the node offers through DRA: every device the
+// inventory has, less those the device plugin's containers hold (a device
+// goes one way at a time); devices prepared for claims stay in (the
+// scheduler already counts them as allocated). MIG-capable GPUs that no
+// config layout governs get their MIG devices on demand: every profile at
+// every free placement, drawing on the GPU's counters (dynamicGPUs).
+func planDRA(s Snapshot) *dra.Pool {
+	if !s.DRA {
+		return nil
+	}
+	unhealthy := s.Health.UnhealthyDevices()
+	dynamic := dynamicGPUs(s)
+	held := func(uuid string) bool {
+		return len(s.Holdings.Attribution.Holders(uuid)) > 0 || hasKey(s.Holdings.Allocated, uuid)
+	}
+	p := &dra.Pool{}
+	for _, d := range dra.Devices(s.Inventory, unhealthy) {
+		if dyn, ok := dynamic[d.ParentIndexOrSelf()]; ok && !dynamicKeepsStatic(dyn, d) {
+			continue // the GPU's dynamic devices stand for it
+		}
+		if _, claimed := s.Holdings.Claimed[d.UUID]; !claimed && held(d.UUID) {
+			continue
+		}
+		if hasKey(s.Holdings.Releasing, d.UUID) {
+			continue
+		}
+		p.Devices = append(p.Devices, d)
+	}
+	for _, idx := range slices.Sorted(maps.Keys(dynamic)) {
+		dyn := dynamic[idx]
+		g := dyn.GPU
+		if _, claimed := s.Holdings.Claimed[g.UUID]; !claimed && held(g.UUID) {
+			continue // a container holds the whole GPU
+		}
+		base := dra.Device{
+			ProductName: g.Name, Architecture: g.ComputeCapability.Family(), CC: g.ComputeCapability,
+			DriverVersion: s.Inventory.DriverVersion, PCIBusID: g.PCIBusID, Minor: g.Minor, Unhealthy: unhealthy[g.UUID],
+		}
+		devs, set := dra.Partitions(dyn, base)
+		p.Devices = append(p.Devices, devs...)
+		p.CounterSets = append(p.CounterSets, set)
+	}
+	slices.SortFunc(p.Devices, func(a, b dra.Device) int { return strings.Compare(a.Name, b.Name) })
+	return p
+}
+
+// dynamicKeepsStatic reports whether d, a device of a dynamic GPU, stays in
+// the pool as it is: a MIG device no claim created, which blocks its
+// placement.
+func dynamicKeepsStatic(dyn dra.Dynamic, d dra.Device) bool {
+	return d.Type == dra.TypeMIG && slices.Contains(dyn.Blocked, d.Placement)
+}
+
+// dynamicGPUs are the GPUs whose MIG devices are created on demand, by
+// index: MIG-capable, read completely, not changing MIG mode, with known
+// profiles, and governed by no MIG layout of the config. A GPU with MIG off
+// qualifies only where turning it on needs no reset (Hopper and newer; an
+// A100 needs one, so it stays a whole GPU). Placements taken by MIG devices
+// that no claim created are blocked.
+func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
+	if !s.DRA || !s.MIGApplies || s.Inventory == nil {
+		return nil
+	}
+	laid := map[int]bool{}
+	if layout := s.Selected.MIGLayout; layout != nil {
+		wants, err := mig.Desired(layout, s.Inventory)
+		if err != nil {
+			return nil // a broken layout: leave every GPU as it is
+		}
+		for i := range wants {
+			laid[i] = true
+		}
+	}
+	created := map[string]bool{} // parent UUID + placement of claim-created devices
+	for _, pc := range s.Holdings.Claims {
+		for _, d := range pc.Devices {
+			if d.Created {
+				created[fmt.Sprintf("%s/%d+%d", d.Parent, d.Placement.Start, d.Placement.Size)] = true
+			}
+		}
+	}
+	out := map[int]dra.Dynamic{}
+	for _, g := range s.Inventory.GPUs {
+		profiles, ok := s.Profiles[g.Name]
+		if laid[g.Index] || !g.MIGCapable || g.MIGUnknown() || g.MIG.Current != g.MIG.Pending || !ok || len(profiles) == 0 {
+			continue
+		}
+		if !g.MIG.Current && !migModeWithoutReset(g) {
+			continue
+		}
+		// Not whole while a release or intent on it waits: MIG may be on,
+		// with a device left, whatever the last read said.
+		dyn := dra.Dynamic{GPU: g, Profiles: profiles, Whole: !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID)}
+		for _, m := range g.Instances {
+			if !created[fmt.Sprintf("%s/%d+%d", g.UUID, m.Placement.Start, m.Placement.Size)] {
+				dyn.Blocked = append(dyn.Blocked, m.Placement)
+			}
+		}
+		for _, gi := range g.GIsWithoutCI {
+			dyn.Blocked = append(dyn.Blocked, gi.Placement)
+		}
+		out[g.Index] = dyn
+	}
+	return out
+}
+
+// migModeWithoutReset: from Hopper on, an idle GPU changes MIG mode at once;
+// Ampere needs a GPU reset, which the agent never does.
+func migModeWithoutReset(g gpu.GPU) bool { return g.ComputeCapability.AtLeast(9, 0) }
+
+// shareDevices marks the pool's devices that the config shares, by
+// time-slicing or MPS: each may be shared by as many claims as the catalog
+// has replicas of it.
+func shareDevices(p *dra.Pool, cat *catalog.Catalog, sel config.Selected) {
+	if p == nil || cat == nil || sel.Config == nil {
+		return
+	}
+	replicas := map[string]int{}
+	mps := map[string]bool{}
+	count := func(e config.ReplicatedResource, renameByDefault, isMPS bool) {
+		name := e.Rename
+		if name == "" {
+			name = e.Name
+			if renameByDefault {
+				name += ".shared"
+			}
+		}
+		res := cat.Resources[name]
+		if res == nil {
+			return
+		}
+		for _, dev := range res.Devices {
+			if dev.Replica {
+				replicas[dev.Spec.VisibleID]++
+				mps[dev.Spec.VisibleID] = mps[dev.Spec.VisibleID] || isMPS
+			}
+		}
+	}
+	if ts := sel.Config.Sharing.TimeSlicing; ts != nil {
+		for _, r := range ts.Resources {
+			count(r, ts.RenameByDefault, false)
+		}
+	}
+	if m := sel.Config.Sharing.MPS; m != nil {
+		for _, r := range m.Resources {
+			count(r.ReplicatedResource, m.RenameByDefault, true)
+		}
+	}
+	for i := range p.Devices {
+		if n := replicas[p.Devices[i].UUID]; n > 1 && !p.Devices[i].Partition {
+			p.Devices[i].Shares = n
+			p.Devices[i].MPS = mps[p.Devices[i].UUID]
+		}
+	}
+}
+
+// evictOnUnhealthy gives unhealthy devices the NoExecute taint when the
+// config asks for it (health.draTaintEffect).
+func evictOnUnhealthy(p *dra.Pool, sel config.Selected) {
+	if p == nil || sel.Config == nil || sel.Config.Health.DRATaintEffect != config.DRATaintNoExecute {
+		return
+	}
+	for i := range p.Devices {
+		p.Devices[i].Evict = p.Devices[i].Unhealthy != ""
+	}
+}
+
+func hasKey[K comparable, V any](m map[K]V, k K) bool {
+	_, ok := m[k]
+	return ok
+}
+
+// withholdClaimed marks every catalog device that stands for a device a
+// claim holds (the device itself, its replicas, or the whole GPU one of its
+// MIG devices is on) unavailable to the kubelet's
+// device manager: a device goes one way at a time.
+func withholdClaimed(cat *catalog.Catalog, claimed map[string]string, inv *gpu.Inventory, why func(by string) string) {
+	if cat == nil || len(claimed) == 0 {
+		return
+	}
+	// A GPU offered whole while one of its MIG devices is claimed (MIG
+	// strategy none) is not free either.
+	if inv != nil {
+		parents := map[string]string{}
+		for _, g := range inv.GPUs {
+			for _, m := range g.Instances {
+				if by, ok := claimed[m.UUID]; ok {
+					parents[g.UUID] = by
+				}
+			}
+		}
+		if len(parents) > 0 {
+			claimed = maps.Clone(claimed)
+			for uuid, by := range parents {
+				if _, ok := claimed[uuid]; !ok {
+					claimed[uuid] = by
+				}
+			}
+		}
+	}
+	for _, r := range cat.Resources {
+		for i := range r.Devices {
+			d := &r.Devices[i]
+			by, ok := claimed[d.Spec.VisibleID]
+			if !ok {
+				continue
+			}
+			d.Healthy = false
+			d.Reason = why(by)
+		}
+	}
+}

@@ -1,0 +1,330 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"maps"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/cdi"
+	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+// DRA Prepare and Unprepare: what a claim gets, decided against the ledger.
+
+// prepareClaims records the claims it can prepare in the ledger. A claim
+// prepared before gets the same answer (the kubelet asks again after its
+// own restart). A device that is unknown, unhealthy, held through the
+// device plugin or prepared for another claim fails the claim, naming the
+// device; the kubelet retries it. The pool is planned again whenever a
+// claim changed the node (a MIG device made), so a later claim of the same
+// call is decided against what is there now.
+func (a *Agent) prepareClaims(e ClaimsPrepare) (map[types.UID]dra.Prepared, []types.UID) {
+	out := make(map[types.UID]dra.Prepared, len(e.Claims))
+	var added []types.UID
+	var pool *dra.Pool
+	var planned *gpu.Inventory
+	for _, c := range e.Claims {
+		if a.file == nil {
+			// No config in force yet (it is awaited from a ConfigMap): the
+			// GPUs were not read, so neither a new claim nor the answer
+			// given before (a reboot may have taken its devices) is sure.
+			out[c.UID] = dra.Prepared{Err: fmt.Errorf("claim %s: the agent has no config in force yet, so it prepares no claim", c)}
+			continue
+		}
+		if pc, ok := a.ledger.claims[c.UID]; ok {
+			gone := a.notOnNode(c.UID, pc)
+			if gone == "" {
+				out[c.UID] = pc.prepared()
+				continue
+			}
+			// The node rebooted, or its CDI specs were wiped: the answer
+			// given before names what no longer exists. Prepare it afresh.
+			a.log.Warn("DRA claim prepared before no longer matches the node; preparing it again", "claim", c.String(), "uid", c.UID, "reason", gone)
+			a.ledger.unclaim(c.UID)
+			a.release(c.UID, pc)
+			added = append(added, c.UID) // the ledger changed either way
+		}
+		if pool == nil || planned != a.inv {
+			pool, planned = planDRA(a.snapshot()), a.inv
+			shareDevices(pool, a.cat, a.lastGood) // the config the catalog was planned with
+		}
+		pc, err := a.prepareClaim(c, pool)
+		if err != nil {
+			a.log.Warn("DRA claim not prepared", "claim", c.String(), "uid", c.UID, "error", err)
+			out[c.UID] = dra.Prepared{Err: err}
+			continue
+		}
+		added = append(added, c.UID)
+		out[c.UID] = pc.prepared()
+		a.log.Info("DRA claim prepared", "claim", c.String(), "uid", c.UID, "devices", deviceNames(pc))
+	}
+	return out, added
+}
+
+// notOnNode says what of prepared claim pc is no longer on the node: a
+// device NVML no longer lists on a GPU it reads (MIG devices do not
+// outlive a reboot), or the claim's CDI spec (kept on a tmpfs). "" when
+// all is there, or when it cannot be told (its GPU cannot be read now).
+func (a *Agent) notOnNode(uid types.UID, pc PreparedClaim) string {
+	if a.inv == nil {
+		return ""
+	}
+	for _, d := range pc.Devices {
+		if !a.inv.HasDevice(d.UUID) && a.readNow != nil && !a.failedHas(d.UUID) && !a.isFailed(d.Parent) {
+			return "device " + d.Device + " (" + d.UUID + ") is gone"
+		}
+	}
+	if a.opts.CDI == nil {
+		return ""
+	}
+	for _, d := range pc.Devices {
+		if d.MPSEnv == nil {
+			continue
+		}
+		path := a.opts.CDI.ClaimPath(string(uid))
+		if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
+			return "its CDI spec " + path + " is gone"
+		}
+	}
+	return ""
+}
+
+// failedHas reports whether uuid is a GPU that cannot be read now, or one
+// of the MIG devices it had.
+func (a *Agent) failedHas(uuid string) bool {
+	for _, f := range a.failed {
+		if f.GPU.HasDevice(uuid) {
+			return true
+		}
+	}
+	return false
+}
+
+// prepareClaim works out and makes what claim c gets, device by device,
+// then records it in the ledger, which refuses it if a device is taken
+// meanwhile or twice within the claim. On any error what was made so far
+// (MIG devices, the claim's CDI spec) is undone (release).
+func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (pc PreparedClaim, err error) {
+	if len(c.Devices) == 0 {
+		return PreparedClaim{}, fmt.Errorf("claim %s: no device of driver %s on this node is allocated to it", c, dra.DriverName)
+	}
+	pc = PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now()}
+	defer func() {
+		if err != nil {
+			a.release(c.UID, pc)
+			pc = PreparedClaim{}
+		}
+	}()
+	byDevice := map[string]int{}
+	var claimDevs []cdi.ClaimDevice
+	for _, r := range c.Devices {
+		key := fmt.Sprintf("%s/%s/%v", r.Device, r.ShareID, r.AdminAccess)
+		if i, ok := byDevice[key]; ok {
+			// Two requests served by one device: one entry, both requests.
+			pc.Devices[i].Requests = append(pc.Devices[i].Requests, r.Request)
+			continue
+		}
+		pd, cd, err := a.prepareDevice(c, r, pool, pc, len(claimDevs))
+		if err != nil {
+			return pc, fmt.Errorf("claim %s: request %q: %w", c, r.Request, err)
+		}
+		if cd != nil {
+			claimDevs = append(claimDevs, *cd)
+		}
+		pd.Requests = []string{r.Request}
+		byDevice[key] = len(pc.Devices)
+		pc.Devices = append(pc.Devices, pd)
+	}
+	if len(claimDevs) > 0 {
+		// The claim's MPS environment and pipe directory reach its containers
+		// through a CDI spec of its own: DRA has no other way to give a
+		// container environment or mounts.
+		err := errors.New("MPS sharing through DRA needs the agent's CDI specs (--cdi-spec-dir)")
+		if a.opts.CDI != nil {
+			err = a.opts.CDI.WriteClaim(string(c.UID), claimDevs)
+		}
+		if err != nil {
+			return pc, fmt.Errorf("claim %s: %w", c, err)
+		}
+	}
+	if err := a.ledger.claim(c.UID, pc); err != nil {
+		return pc, fmt.Errorf("claim %s: %w", c, err)
+	}
+	return pc, nil
+}
+
+// prepareDevice is what request r of claim c gets from pool device r.Device:
+// the device as it is for admin access, a MIG device made on demand, or a
+// whole, MIG or shared device; for an MPS client also the CDI device of the
+// claim's own spec, numbered after the n it has. pc is what the claim got
+// so far: one claim cannot hold a GPU and one of its MIG devices.
+func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, pool *dra.Pool, pc PreparedClaim, n int) (PreparedClaimDevice, *cdi.ClaimDevice, error) {
+	d, ok := pool.Device(r.Device)
+	if !ok {
+		return PreparedClaimDevice{}, nil, fmt.Errorf("device %q is not offered on this node (any more)", r.Device)
+	}
+	if d.Unhealthy != "" && !r.ToleratesUnhealthy && !r.AdminAccess {
+		return PreparedClaimDevice{}, nil, fmt.Errorf("device %s (%s) is unhealthy: %s", r.Device, d.UUID, d.Unhealthy)
+	}
+	if r.AdminAccess {
+		// Monitoring: the device as it is, shared with whoever holds it;
+		// admin access neither holds nor creates anything.
+		pd, err := a.adminDevice(d)
+		if err != nil {
+			return pd, nil, fmt.Errorf("(admin access): %w", err)
+		}
+		return pd, nil, nil
+	}
+	for _, o := range pc.Devices {
+		if !o.AdminAccess && (o.UUID == d.ParentUUID || (o.Parent != "" && o.Parent == d.UUID) || (o.UUID != d.UUID && a.ledger.overlaps(o.UUID, d.UUID))) {
+			return PreparedClaimDevice{}, nil, fmt.Errorf("device %s and device %s of the same claim are the same GPU", o.Device, r.Device)
+		}
+	}
+	if d.Partition {
+		pd, err := a.createPartition(c, d)
+		if err != nil {
+			return pd, nil, fmt.Errorf("device %s: %w", r.Device, err)
+		}
+		return pd, nil, nil
+	}
+	if by := a.whyTaken(d, c.UID, max(r.SharesTaken, 1)); by != "" {
+		return PreparedClaimDevice{}, nil, fmt.Errorf("device %s (%s) is in use by %s", r.Device, d.UUID, by)
+	}
+	pd := PreparedClaimDevice{
+		PreparedDevice: dra.PreparedDevice{Device: r.Device, CDIDevices: []string{d.CDIDevice()}, ShareID: r.ShareID},
+		UUID:           d.UUID,
+	}
+	if d.Shares > 1 {
+		pd.Shares = max(r.SharesTaken, 1)
+	}
+	if !d.MPS {
+		return pd, nil, nil
+	}
+	env, mounts, err := a.mpsClient(d, r)
+	if err != nil {
+		return pd, nil, fmt.Errorf("device %s (%s): %w", r.Device, d.UUID, err)
+	}
+	name := cdi.ClaimDeviceName(string(c.UID), n)
+	pd.CDIDevices = append(pd.CDIDevices, cdi.QualifiedName(name))
+	pd.MPSEnv = env
+	return pd, &cdi.ClaimDevice{Name: name, Env: env, Mounts: mounts}, nil
+}
+
+// adminDevice is what a claim with admin access to d gets: d itself, or
+// for an on-demand MIG device the instance a claim made at its placement
+// (admin access makes none).
+func (a *Agent) adminDevice(d dra.Device) (PreparedClaimDevice, error) {
+	if !d.Partition {
+		return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{d.CDIDevice()}}, UUID: d.UUID, AdminAccess: true}, nil
+	}
+	if g, ok := a.inv.GPUByUUID(d.ParentUUID); ok {
+		if m, ok := instanceAt(g, d.Profile, d.Placement); ok {
+			return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}}, UUID: m.UUID, AdminAccess: true}, nil
+		}
+	}
+	return PreparedClaimDevice{}, fmt.Errorf("device %s: no %s exists at placement %d of GPU %s, and admin access creates none", d.Name, d.Profile, d.Placement.Start, d.ParentUUID)
+}
+
+// mpsClient is what a claim's container needs to be a client of the MPS
+// daemon of shared device d: the daemon's pipe directory and shm, as the
+// device plugin's MPS replicas get, with limits from the claim's share of
+// the device's capacity: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is its shares'
+// part of the threads, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT the memory it
+// consumes (by default an equal part).
+func (a *Agent) mpsClient(d dra.Device, r dra.Allocated) (map[string]string, []catalog.Mount, error) {
+	var spec *catalog.AllocateSpec
+	if a.cat != nil {
+	find:
+		for _, res := range a.cat.Resources {
+			for i := range res.Devices {
+				dev := &res.Devices[i]
+				if dev.Replica && dev.Spec.VisibleID == d.UUID && dev.Spec.Env[mpsPipeEnv] != "" {
+					if !dev.Healthy && strings.HasPrefix(dev.Reason, "MPS daemon") {
+						return nil, nil, fmt.Errorf("its %s", dev.Reason)
+					}
+					spec = &dev.Spec
+					break find
+				}
+			}
+		}
+	}
+	if spec == nil {
+		return nil, nil, errors.New("no MPS daemon serves it")
+	}
+	shares := max(r.SharesTaken, 1)
+	mem := r.MemoryBytes
+	if mem == 0 {
+		mem = d.MemoryBytes / uint64(d.Shares)
+	}
+	env := maps.Clone(spec.Env)
+	env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = strconv.FormatInt(max(1, shares*100/int64(d.Shares)), 10)
+	// The container sees only this device, so it is ordinal 0 there.
+	env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = "0=" + strconv.FormatUint(mem>>20, 10) + "M"
+	return env, slices.Clone(spec.Mounts), nil
+}
+
+// mpsPipeEnv marks an MPS client's spec (mps.ContainerSpec).
+const mpsPipeEnv = "CUDA_MPS_PIPE_DIRECTORY"
+
+// whyTaken says who other than claim uid holds pool device d ("" when
+// nobody does): anyone at all for a device that is not shared; for a
+// shared one (Shares above 1), a container of the device plugin, or other
+// claims whose shares and the want this claim takes exceed its shares.
+func (a *Agent) whyTaken(d dra.Device, uid types.UID, want int64) string {
+	if d.Shares <= 1 {
+		return a.ledger.holder(d.UUID, uid)
+	}
+	if by := a.ledger.pluginHolder(d.UUID); by != "" {
+		return by
+	}
+	var sharing []string
+	taken := int64(0)
+	for other, pc := range a.ledger.claims {
+		if other == uid {
+			continue
+		}
+		for _, x := range pc.Devices {
+			if x.UUID == d.UUID && !x.AdminAccess {
+				sharing = append(sharing, pc.String())
+				taken += max(x.Shares, 1)
+			}
+		}
+	}
+	if taken+want > int64(d.Shares) {
+		slices.Sort(sharing)
+		return fmt.Sprintf("%d claims holding %d of its %d shares, %d wanted (%s)", len(sharing), taken, d.Shares, want, strings.Join(sharing, ", "))
+	}
+	return ""
+}
+
+// unprepareClaims drops the claims from the ledger and undoes what they
+// made on the node (release). An unknown claim is already released, but
+// its CDI spec may outlive a crash between writing it and checkpointing.
+func (a *Agent) unprepareClaims(e ClaimsUnprepare) (map[types.UID]error, []PreparedClaim) {
+	out := make(map[types.UID]error, len(e.Claims))
+	var removed []PreparedClaim
+	for _, c := range e.Claims {
+		out[c.UID] = nil
+		pc, ok := a.ledger.unclaim(c.UID)
+		if !ok {
+			if a.opts.CDI != nil && !hasKey(a.ledger.releases, c.UID) {
+				if err := a.opts.CDI.RemoveClaim(string(c.UID)); err != nil {
+					a.log.Warn("DRA: CDI spec of an unknown claim not removed", "claim", c.String(), "error", err)
+				}
+			}
+			continue
+		}
+		removed = append(removed, pc)
+		a.release(c.UID, pc)
+		a.log.Info("DRA claim unprepared", "claim", c.String(), "uid", c.UID, "devices", deviceNames(pc))
+	}
+	return out, removed
+}
