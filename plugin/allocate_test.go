@@ -1,7 +1,9 @@
 package plugin
 
 import (
+	"context"
 	"errors"
+	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
@@ -489,5 +491,42 @@ func TestCDIAnnotationKeysDistinct(t *testing.T) {
 	}
 	if len(keys) != 2 {
 		t.Errorf("annotation keys %v, want two distinct", keys)
+	}
+}
+
+// Admit sees each device behind a request once (replicas name their GPU),
+// only for a request the catalog allows, and its refusal is the answer,
+// with its code kept or FailedPrecondition.
+func TestAdmit(t *testing.T) {
+	dir := shortDir(t)
+	var got [][]string
+	refuse := error(nil)
+	startManagerWith(t, testCatalog(), Options{Dir: dir, Admit: func(res string, uuids []string) error {
+		got = append(got, append([]string{res}, uuids...))
+		return refuse
+	}})
+	shared := dialPlugin(t, filepath.Join(dir, DefaultSocketName(resShared)))
+	ctx := context.Background()
+	if _, err := shared.Allocate(ctx, allocReq([]string{"GPU-a::0"}, []string{"GPU-a::1", "GPU-b::0"})); err != nil {
+		t.Fatal(err)
+	}
+	if want := [][]string{{resShared, "GPU-a", "GPU-b"}}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("Admit saw %v, want %v", got, want)
+	}
+	if _, err := shared.Allocate(ctx, allocReq([]string{"GPU-zz::0"})); status.Code(err) != codes.NotFound || len(got) != 1 {
+		t.Fatalf("unknown device: %v, Admit called %d times; want NotFound before Admit", err, len(got))
+	}
+	for _, tc := range []struct {
+		refuse error
+		code   codes.Code
+	}{
+		{errors.New("device GPU-a is being repartitioned"), codes.FailedPrecondition},
+		{status.Error(codes.Unavailable, "not recorded"), codes.Unavailable},
+	} {
+		refuse = tc.refuse
+		resp, err := shared.Allocate(ctx, allocReq([]string{"GPU-a::0"}))
+		if status.Code(err) != tc.code || !strings.Contains(err.Error(), status.Convert(tc.refuse).Message()) || resp != nil {
+			t.Errorf("refused by %v: answer %v, %v; want %v with its message", tc.refuse, resp, err, tc.code)
+		}
 	}
 }

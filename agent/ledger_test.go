@@ -1,0 +1,389 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/mig"
+)
+
+// The ledger's rule, state by state: what Allocate refuses and why, and
+// what Doom refuses. A MIG device and its GPU are one device to it.
+func TestLedgerStates(t *testing.T) {
+	const gpu0, mig0, mig1, gpu1 = "GPU-0", "MIG-0a", "MIG-0b", "GPU-1"
+	inventory := []gpu.GPU{
+		{UUID: gpu0, Instances: []gpu.MIGInstance{
+			{UUID: mig0, Profile: "1g.10gb", Placement: gpu.Placement{Start: 0, Size: 1}},
+			{UUID: mig1, Profile: "1g.10gb", Placement: gpu.Placement{Start: 1, Size: 1}},
+		}},
+		{UUID: gpu1},
+	}
+	clock := newClock()
+	claimOf := func(devs ...PreparedClaimDevice) PreparedClaim {
+		return PreparedClaim{Namespace: "ml", Name: "c", Devices: devs}
+	}
+	for _, tc := range []struct {
+		name  string
+		setup func(l *Ledger) error
+		// allocate: device → "" (accepted) or the refusal's words.
+		allocate map[string]string
+		// doom: device → "" (doomed) or the refusal's words.
+		doom map[string]string
+	}{
+		{name: "free", allocate: map[string]string{gpu0: "", mig0: "", gpu1: ""}, doom: map[string]string{mig0: "", gpu1: ""}},
+		{name: "a MIG device doomed", setup: func(l *Ledger) error { return l.Doom([]string{mig0}, "layout X") },
+			allocate: map[string]string{mig0: "being repartitioned: layout X", gpu0: "being repartitioned", mig1: "", gpu1: ""}},
+		{name: "a GPU doomed (mode change)", setup: func(l *Ledger) error { return l.Doom([]string{gpu0}, "MIG on") },
+			allocate: map[string]string{mig0: "being repartitioned: MIG on", mig1: "being repartitioned", gpu1: ""}},
+		{name: "allocated through the device plugin", setup: func(l *Ledger) error { return l.Allocate([]string{mig0}) },
+			allocate: map[string]string{mig0: "", mig1: ""}, // the kubelet may allocate one again (a restarted container)
+			doom:     map[string]string{mig0: "held by a container the device plugin gave it at 2026-11-23T12:00:00Z", gpu0: "held by a container the device plugin gave its MIG device MIG-0a", mig1: ""}},
+		{name: "a MIG device prepared for a claim", setup: func(l *Ledger) error {
+			return l.claim("uid", claimOf(PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: "gpu-0-mig"}, UUID: mig0}))
+		}, allocate: map[string]string{mig0: "prepared for ResourceClaim ml/c through DRA", gpu0: "prepared for ResourceClaim ml/c", mig1: ""},
+			doom: map[string]string{mig0: "prepared for ResourceClaim ml/c", gpu0: "prepared for ResourceClaim ml/c", mig1: ""}},
+		{name: "admin access holds nothing", setup: func(l *Ledger) error {
+			return l.claim("uid", claimOf(PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: "gpu-0"}, UUID: gpu0, AdminAccess: true}))
+		}, allocate: map[string]string{gpu0: "", mig0: ""}},
+		{name: "a MIG device being made for a claim", setup: func(l *Ledger) error {
+			return l.intend("uid", claimOf(), PreparedClaimDevice{Created: true, Parent: gpu1, Profile: "1g.10gb", Placement: gpu.Placement{Start: 0, Size: 1}})
+		}, allocate: map[string]string{gpu1: "a MIG device made for ResourceClaim ml/c", gpu0: ""}},
+		{name: "left by a released claim", setup: func(l *Ledger) error {
+			l.setRelease("uid", claimOf(PreparedClaimDevice{Created: true, UUID: mig1, Parent: gpu0}))
+			return nil
+		}, allocate: map[string]string{mig1: "a MIG device made for ResourceClaim ml/c", gpu0: "made for ResourceClaim ml/c", mig0: "", gpu1: ""}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			// Each question on a ledger of its own: an answer changes it.
+			fresh := func() *Ledger {
+				l := newLedger(clock.Now)
+				l.setInventory(inventory)
+				if tc.setup != nil {
+					if err := tc.setup(l); err != nil {
+						t.Fatal(err)
+					}
+				}
+				return l
+			}
+			for dev, want := range tc.allocate {
+				err := fresh().Allocate([]string{dev})
+				checkRefusal(t, "Allocate "+dev, err, want)
+				if err != nil && status.Code(err) != codes.FailedPrecondition {
+					t.Errorf("Allocate %s: code %v, want FailedPrecondition", dev, status.Code(err))
+				}
+			}
+			for dev, want := range tc.doom {
+				checkRefusal(t, "Doom "+dev, fresh().Doom([]string{dev}, "test"), want)
+			}
+		})
+	}
+}
+
+func checkRefusal(t *testing.T, what string, err error, want string) {
+	t.Helper()
+	switch {
+	case want == "" && err != nil:
+		t.Errorf("%s refused: %v", what, err)
+	case want != "" && (err == nil || !strings.Contains(err.Error(), want)):
+		t.Errorf("%s = %v, want a refusal saying %q", what, err, want)
+	}
+}
+
+// An allocation is in the log when Allocate returns: a ledger opened on the
+// same directory without the first being closed (the process was killed)
+// has it, and a torn last line (killed mid-write) costs only that line.
+func TestAllocationLogSurvivesKill(t *testing.T) {
+	dir := t.TempDir()
+	clock := newClock()
+	l, err := NewLedger(dir, clock.Now, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Allocate([]string{"MIG-a", "MIG-b"}); err != nil {
+		t.Fatal(err)
+	}
+	clock.Advance(time.Second)
+	if err := l.Allocate([]string{"GPU-c"}); err != nil {
+		t.Fatal(err)
+	}
+	// Killed mid-write of a third record.
+	f, err := os.OpenFile(filepath.Join(dir, AllocLogFile), os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteString(`{"at":"2026-11-23T12:00:09Z","ids":["GPU-`)
+	f.Close()
+
+	again, err := NewLedger(dir, clock.Now, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := again.allocations()
+	start := newClock().Now()
+	want := map[string]time.Time{"MIG-a": start, "MIG-b": start, "GPU-c": start.Add(time.Second)}
+	if len(got) != len(want) {
+		t.Fatalf("restored %v, want %v", got, want)
+	}
+	for id, at := range want {
+		if !got[id].Equal(at) {
+			t.Errorf("%s restored at %v, want %v", id, got[id], at)
+		}
+	}
+	// The log was compacted on open: the torn line is gone, the rest kept.
+	b, _ := os.ReadFile(filepath.Join(dir, AllocLogFile))
+	if strings.Contains(string(b), `"GPU-"`) || strings.Count(string(b), "\n") != 3 {
+		t.Errorf("log after reopening:\n%s", b)
+	}
+}
+
+// A settled allocation leaves the ledger, and the log once it is compacted.
+func TestAllocationLogCompacts(t *testing.T) {
+	dir := t.TempDir()
+	clock := newClock()
+	l, err := NewLedger(dir, clock.Now, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; l.log.size < compactAbove; i++ {
+		if err := l.Allocate([]string{fmt.Sprintf("GPU-%d", i%16)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	clock.Advance(time.Minute)
+	l.Allocate([]string{"GPU-late"})
+	if n := l.settle(nil, clock.Now()); n != 16 {
+		t.Fatalf("settled %d, want the 16 allocated a minute before the answer", n)
+	}
+	b, _ := os.ReadFile(filepath.Join(dir, AllocLogFile))
+	if got := strings.Count(string(b), "\n"); got != 1 || !strings.Contains(string(b), "GPU-late") {
+		t.Errorf("log after compaction (%d lines):\n%.300s", got, b)
+	}
+	if err := l.Allocate([]string{"GPU-next"}); err != nil {
+		t.Fatal(err)
+	}
+	again, _ := NewLedger(dir, clock.Now, nil)
+	if got := again.allocations(); len(got) != 2 {
+		t.Errorf("after compaction and one more allocation, the log holds %v", got)
+	}
+}
+
+// An allocation whose record cannot be written is refused: a restart would
+// not know it.
+func TestAllocateRefusedWhenNotRecorded(t *testing.T) {
+	dir := t.TempDir()
+	l, err := NewLedger(dir, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.log.f.Close() // a write now fails as a full or vanished disk would
+	err = l.Allocate([]string{"GPU-a"})
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "could not be recorded") {
+		t.Fatalf("Allocate = %v, want Unavailable saying it could not be recorded", err)
+	}
+	if len(l.allocations()) != 0 {
+		t.Errorf("a refused allocation is in the ledger: %v", l.allocations())
+	}
+}
+
+// Issue 23, defect 7: an allocation dated after now (the clock stepped back
+// across a restart) blocked its GPU for good; it counts from now instead,
+// and an answer asked long enough after settles it.
+func TestFutureAllocationSettles(t *testing.T) {
+	dir := t.TempDir()
+	clock := newClock()
+	future := clock.Now().Add(48 * time.Hour)
+	line := fmt.Sprintf(`{"at":%q,"ids":["MIG-a"]}`+"\n", future.Format(time.RFC3339Nano))
+	if err := os.WriteFile(filepath.Join(dir, AllocLogFile), []byte(line), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	l, _ := NewLedger(dir, clock.Now, nil)
+	if at := l.allocations()["MIG-a"]; !at.Equal(clock.Now()) {
+		t.Fatalf("restored at %v, want now (%v)", at, clock.Now())
+	}
+	clock.Advance(recentSettle)
+	if n := l.settle(nil, clock.Now()); n != 1 {
+		t.Errorf("settled %d, want the allocation %v after it", n, recentSettle)
+	}
+	// Checkpoints of version 2 held allocations too.
+	l2 := newLedger(clock.Now)
+	if n := l2.restoreAllocations(map[string]time.Time{"MIG-b": clock.Now().Add(time.Hour)}); n != 1 {
+		t.Errorf("restoreAllocations counted %d from the future, want 1", n)
+	}
+}
+
+// killAfterApply is a MIG applier that, after each GPU's plan, acts as the
+// kubelet would: it allocates a device the last published catalog offers
+// as healthy, through the ledger as the device plugin's Allocate does.
+type allocatingApplier struct {
+	h        *harness
+	next     *mig.Applier
+	resource string
+	accepted map[string]int // device UUID → the Apply call after which it was handed out
+	refused  []string
+	calls    int
+}
+
+func (ap *allocatingApplier) Apply(ctx context.Context, p mig.Plan) (mig.State, error) {
+	st, err := ap.next.Apply(ctx, p)
+	ap.calls++
+	res := ap.h.pub.last().Resources[ap.resource]
+	if res == nil {
+		return st, err
+	}
+	for _, d := range res.Devices {
+		if _, had := ap.accepted[d.Spec.VisibleID]; !d.Healthy || had {
+			continue
+		}
+		if err := ap.h.a.Ledger().Allocate([]string{d.Spec.VisibleID}); err != nil {
+			ap.refused = append(ap.refused, err.Error())
+			continue
+		}
+		ap.accepted[d.Spec.VisibleID] = ap.calls
+		break
+	}
+	return st, err
+}
+
+func (ap *allocatingApplier) SetGuard(g mig.Guard) { ap.next.SetGuard(g) }
+
+// Issue 23, defect 1: a MIG device Allocate handed out while a repartition
+// ran over the GPUs was destroyed moments later (the old catalog offered
+// it, healthy, for the whole apply). Now the devices a plan destroys are
+// doomed and withdrawn before the first GPU is touched: the kubelet is not
+// offered them, Allocate refuses them, and whatever it did hand out lives.
+func TestAllocateDuringRepartition(t *testing.T) {
+	node := simNode(t, "dgx-a100", sim.WithMIGEnabled())
+	dir := t.TempDir()
+	ap := &allocatingApplier{next: mig.NewApplier(node, dir, nil), resource: "nvidia.com/mig-1g.5gb", accepted: map[string]int{}}
+	h := newHarnessIn(t, node, dir, func(h *harness) { h.opts.MIG = ap })
+	ap.h = h
+	h.config(mixedLayout(`{"1g.5gb": 7}`))
+	if n := h.count("nvidia.com/mig-1g.5gb"); n != 56 {
+		t.Fatalf("start: %d 1g.5gb devices, want 56", n)
+	}
+	clear(ap.accepted) // handed out before the edit: held, as the kubelet says
+	h.hold.hold("nvidia.com/mig-1g.5gb")
+	h.config(mixedLayout(`{"3g.20gb": 2}`))
+
+	inv, err := h.opts.Observer.Inventory()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for uuid, after := range ap.accepted {
+		if !inv.HasDevice(uuid) {
+			t.Errorf("%s was handed out after Apply call %d and then destroyed", uuid, after)
+		}
+	}
+	if len(ap.refused) != 0 {
+		t.Errorf("the kubelet was offered doomed devices, and Allocate refused them: %v", ap.refused)
+	}
+	if got := h.count("nvidia.com/mig-3g.20gb"); got != 16 {
+		t.Errorf("%d 3g.20gb devices after the edit, want 16 (nothing was handed out: every 1g.5gb was withdrawn first)", got)
+	}
+}
+
+// Issue 23, defect 12: one GPU given twice through DRA Prepare: a MIG
+// device of GPU 6 to one claim and GPU 6 whole to another in one call, or
+// both to one claim.
+func TestDRAPrepareNeverGivesOneGPUTwice(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		claims []dra.Claim
+		// ok: the claims (by UID) that may be prepared; the others fail
+		// saying want.
+		ok   []string
+		want string
+	}{
+		{"a MIG device, then its GPU whole, in one call",
+			[]dra.Claim{claim("tx", "tx", "gpu-6-mig-1g10gb-0"), claim("ty", "ty", "gpu-6")}, []string{"tx"}, "device \"gpu-6\" is not offered on this node"},
+		{"the GPU whole, then one of its MIG devices, in one call",
+			[]dra.Claim{claim("ty", "ty", "gpu-6"), claim("tx", "tx", "gpu-6-mig-1g10gb-0")}, []string{"ty"}, "in use by ResourceClaim default/ty"},
+		{"one claim, the GPU and one of its MIG devices",
+			[]dra.Claim{claim("tz", "tz", "gpu-7", "gpu-7-mig-1g10gb-0")}, nil, "the same GPU"},
+		{"one claim, a MIG device and its GPU",
+			[]dra.Claim{claim("tz", "tz", "gpu-7-mig-1g10gb-0", "gpu-7")}, nil, "the same GPU"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec := &draRecorder{}
+			node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+			h := newHarness(t, node, withDRA(rec), withMIG())
+			h.config(wholeGPUs)
+			got := h.prepare(tc.claims...)
+			for _, c := range tc.claims {
+				p := got[c.UID]
+				if slices.Contains(tc.ok, string(c.UID)) {
+					if p.Err != nil {
+						t.Errorf("claim %s: %v", c.UID, p.Err)
+					}
+					continue
+				}
+				if p.Err == nil || !strings.Contains(p.Err.Error(), tc.want) {
+					t.Errorf("claim %s prepared as %+v, want refused saying %q", c.UID, p, tc.want)
+				}
+			}
+			inv, err := h.opts.Observer.Inventory()
+			if err != nil {
+				t.Fatal(err)
+			}
+			// What a refused claim made is undone: MIG devices exist only
+			// for the claims prepared.
+			made := 0
+			for _, g := range inv.GPUs {
+				made += len(g.Instances)
+				if g.Index == 7 && (g.MIG.Current || g.MIG.Pending) {
+					t.Errorf("GPU 7 left in MIG mode by a refused claim: %+v", g.MIG)
+				}
+			}
+			wantMade := 0
+			if slices.Contains(tc.ok, "tx") {
+				wantMade = 1
+			}
+			if made != wantMade {
+				t.Errorf("%d MIG devices on the node, want %d", made, wantMade)
+			}
+		})
+	}
+}
+
+// Issue 23, defect 13: on a GPU that needs a reset to enable MIG, a failed
+// on-demand Prepare left the enable pending and nothing to undo it; the
+// GPU dropped out of the DRA pool and the next reset would have turned MIG
+// on with no claim behind it.
+func TestDRAFailedPrepareCancelsPendingMIGMode(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100") // no immediate MIG mode change: a reset is needed
+	h := newHarness(t, node, withDRA(rec), withMIG())
+	h.config(wholeGPUs)
+	p := h.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]
+	if p.Err == nil || !strings.Contains(p.Err.Error(), mig.PhaseResetRequired) {
+		t.Fatalf("Prepare = %+v, want refused as %s", p, mig.PhaseResetRequired)
+	}
+	inv, err := h.opts.Observer.Inventory()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := inv.GPUs[0]; g.MIG.Current || g.MIG.Pending {
+		t.Fatalf("GPU 0 after the failed Prepare: MIG %+v, want off and nothing pending", g.MIG)
+	}
+	if len(h.a.ledger.releases)+len(h.a.ledger.intents) != 0 || h.a.ledger.dynamicMIG[inv.GPUs[0].UUID] {
+		t.Errorf("ledger keeps %v / %v / dynamic %v after everything was undone", h.a.ledger.releases, h.a.ledger.intents, h.a.ledger.dynamicMIG)
+	}
+	if whole, _ := partitionsOf(rec.last(), 0); !whole {
+		t.Errorf("GPU 0 is not offered whole through DRA: pool %v", poolNames(rec.last()))
+	}
+	if p := h.prepare(claim("uid-whole", "whole", "gpu-0"))["uid-whole"]; p.Err != nil {
+		t.Errorf("a claim for GPU 0 whole after the failed Prepare: %v", p.Err)
+	}
+}
