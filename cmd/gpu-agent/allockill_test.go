@@ -89,6 +89,7 @@ func (p *podResources) listFrom(at time.Time, res string, ids ...string) {
 // and after.
 func TestAllocationSurvivesSIGKILL(t *testing.T) {
 	bin := agentBinary(t)
+	began := time.Now()
 	dir, err := os.MkdirTemp("", "ga")
 	if err != nil {
 		t.Fatal(err)
@@ -120,7 +121,8 @@ func TestAllocationSurvivesSIGKILL(t *testing.T) {
 		l.Close()
 		cmd := exec.Command(bin, "run", "--backend", "sim:dgx-h100-mig,state="+filepath.Join(dir, "sim.json"),
 			"--device-plugin-dir", pluginDir, "--pod-resources-socket", prSock, "--config", cfg,
-			"--listen", addr, "--state-dir", filepath.Join(dir, "state"), "--mps-root", filepath.Join(dir, "mps"), "--node-name", "n1")
+			"--listen", addr, "--state-dir", filepath.Join(dir, "state"), "--mps-root", filepath.Join(dir, "mps"), "--node-name", "n1",
+			"--resync", "1s")
 		var logs bytes.Buffer
 		cmd.Stderr = &logs
 		if err := cmd.Start(); err != nil {
@@ -164,6 +166,7 @@ func TestAllocationSurvivesSIGKILL(t *testing.T) {
 		ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: []string{victim}}}}); err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("allocated %s at +%v", victim, time.Since(began))
 	kill() // at once: no time for any checkpoint after the answer
 	answered := time.Now()
 	// The kubelet admits the pod and lists its container 2 s after the
@@ -177,26 +180,32 @@ func TestAllocationSurvivesSIGKILL(t *testing.T) {
 		t.Fatal(err)
 	}
 	addr, _ = start()
-	st := waitStatus(t, addr, "applying the layout, with the victim's GPU held", func(st *agent.Status) bool {
-		applied, held := 0, 0
-		for _, m := range st.MIG {
-			switch {
-			case m.Phase == "applied":
-				applied++
-			case strings.Contains(m.Reason, "ml/trainer (main)"):
-				held++
+	// Held first as an allocation the kubelet has not listed, then (an
+	// answer asked 5 s after the allocation settles it) by the container
+	// the kubelet lists: the victim's GPU waits throughout.
+	for _, holder := range []string{"not yet listed by the kubelet", "ml/trainer (main)"} {
+		st := waitStatus(t, addr, "applying the layout, with the victim's GPU held by "+holder, func(st *agent.Status) bool {
+			applied, held := 0, 0
+			for _, m := range st.MIG {
+				switch {
+				case m.Phase == "applied":
+					applied++
+				case strings.Contains(m.Reason, holder):
+					held++
+				}
+			}
+			// Eight applied: the victim's GPU was repartitioned too.
+			return applied == 7 && held == 1 || applied == 8
+		})
+		t.Logf("held by %s at +%v", holder, time.Since(began))
+		found := false
+		for _, g := range st.GPUs {
+			for _, m := range g.Instances {
+				found = found || m.UUID == victim
 			}
 		}
-		// Eight applied: the victim's GPU was repartitioned too.
-		return applied == 7 && held == 1 || applied == 8
-	})
-	found := false
-	for _, g := range st.GPUs {
-		for _, m := range g.Instances {
-			found = found || m.UUID == victim
+		if !found {
+			t.Fatalf("%s, allocated right before the kill, was destroyed after the restart", victim)
 		}
-	}
-	if !found {
-		t.Fatalf("%s, allocated right before the kill, was destroyed after the restart", victim)
 	}
 }

@@ -202,15 +202,7 @@ current-context: down
 // as a DRA driver whose API server cannot be reached (the driver's first
 // ResourceSlice publish then waits for it, and nothing else may).
 func TestRunBinarySIGTERM(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds the binary")
-	}
-	bin := filepath.Join(t.TempDir(), "gpu-agent")
-	build := exec.Command("go", "build", "-o", bin, ".")
-	build.Env = append(os.Environ(), "CGO_CFLAGS=-Wno-deprecated-declarations")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build: %v\n%s", err, out)
-	}
+	bin := agentBinary(t)
 	for _, tt := range []struct {
 		name string
 		args func(t *testing.T, dir string) []string
