@@ -133,6 +133,10 @@ type Options struct {
 	Registerer prometheus.Registerer
 	// Now is the clock (nil: time.Now).
 	Now func() time.Time
+	// Background runs work off the loop, such as asking the kubelet, and
+	// posts the event it returns to the inbox (nil: a goroutine that
+	// does). Tests run it when they choose.
+	Background func(work func() Event)
 }
 
 // Agent owns the node state. Create with New, then Run (or, in tests, Step).
@@ -160,14 +164,11 @@ type Agent struct {
 	labels   map[string]string
 	selected config.Selected
 	lastGood config.Selected
-	cfgErr   error
-	cfgErrAt time.Time
-	fitErr   error
-	fitErrAt time.Time
+	cfgErr   standingError
+	fitErr   standingError
 	// selErr: the node's entry or labels select nothing (the last
 	// selection stays).
-	selErr   error
-	selErrAt time.Time
+	selErr   standingError
 	warnings []string
 	// planWarnings are the last plan's (Desired.Warnings), shown with the
 	// file's own warnings.
@@ -192,19 +193,25 @@ type Agent struct {
 
 	// Told: health, and whether the kubelet's last pod-resources answer
 	// was asked for in this pass (fresh) or why none came.
-	health       *health.State
-	fresh        bool
-	holdErr      error
-	holdFailedAt time.Time
+	health *health.State
+	fresh  bool
+	// holdErr: why the kubelet gave no answer; holdAsked: when the last
+	// request went out (after a failure, the next waits refreshRetry);
+	// asking: a request is out.
+	holdErr   standingError
+	holdAsked time.Time
+	asking    bool
 
 	// Published.
 	cat       *catalog.Catalog
 	draPool   *dra.Pool
 	migStates map[int]MIGState
-	migErr    error
-	lastPass  time.Time
-	lastLoop  time.Time
-	saved     []byte
+	// migSaid is each GPU's MIG state as last logged and sent as an Event.
+	migSaid  map[int]MIGState
+	migErr   error
+	lastPass time.Time
+	lastLoop time.Time
+	saved    []byte
 	// unhealthyGPUs: GPU UUID → reason, as last reported in Events.
 	unhealthyGPUs map[string]string
 
@@ -227,6 +234,10 @@ func New(opts Options) *Agent {
 	}
 	if opts.Inbox == nil {
 		opts.Inbox = NewInbox()
+	}
+	if opts.Background == nil {
+		inbox := opts.Inbox
+		opts.Background = func(work func() Event) { go func() { inbox.Post(work()) }() }
 	}
 	a := &Agent{opts: opts, log: opts.Logger, now: opts.Now, inbox: opts.Inbox, ctx: context.Background()}
 	a.metrics = newMetrics(opts.Registerer)

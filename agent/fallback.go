@@ -44,9 +44,9 @@ func (a *Agent) serving() string {
 	switch {
 	case a.file == nil:
 		return ""
-	case a.fitErr != nil && a.lastGood.Config != nil:
+	case a.fitErr.stands() && a.lastGood.Config != nil:
 		return a.lastGood.Name
-	case (a.cfgErr != nil || a.selErr != nil) && (a.selected.Name == BuiltInConfigName || (a.opts.WaitForConfig && a.gen == 0)):
+	case (a.cfgErr.stands() || a.selErr.stands()) && (a.selected.Name == BuiltInConfigName || (a.opts.WaitForConfig && a.gen == 0)):
 		// Rejected, or selecting nothing, before any config applied.
 		return BuiltInConfigName
 	}

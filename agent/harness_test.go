@@ -142,6 +142,9 @@ type harness struct {
 	clock  *clock
 	dir    string
 	opts   Options
+	// background is work the loop handed off (Options.Background), run by
+	// step once the batch is done, as the goroutine would.
+	background []func() Event
 }
 
 type harnessOption func(*harness)
@@ -187,7 +190,8 @@ func newHarnessIn(t testing.TB, node *sim.Node, dir string, opts ...harnessOptio
 		Observer: mig.NewObserver(node, gpu.Options{}), NodeName: "node-a", ConfigSource: "test.yaml",
 		WaitForConfig: true, Publisher: h.pub, Health: h.health, Holdings: h.hold,
 		StateDir: dir, Now: h.clock.Now, ResyncInterval: 30 * time.Second,
-		Logger: slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		Background: func(work func() Event) { h.background = append(h.background, work) },
+		Logger:     slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	}
 	for _, o := range opts {
 		o(h)
@@ -213,7 +217,17 @@ func simNode(t testing.TB, profile string, opts ...sim.Option) *sim.Node {
 	return n
 }
 
-func (h *harness) step(evs ...Event) { h.a.Step(evs) }
+// step handles one batch, then whatever work the loop handed off (asking
+// the kubelet) and the batch each answer makes, until none is left: what
+// the loop and its goroutines do, in order, without either.
+func (h *harness) step(evs ...Event) {
+	h.a.Step(evs)
+	for len(h.background) > 0 {
+		work := h.background[0]
+		h.background = h.background[1:]
+		h.a.Step([]Event{work()})
+	}
+}
 
 // allocate is the device plugin's Allocate of device IDs of resource: the
 // ledger records it (or refuses, the error returned), then the plugin

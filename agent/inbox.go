@@ -61,6 +61,16 @@ type HoldingsChanged struct {
 	Answered time.Time
 }
 
+// HoldingsAnswer is the kubelet's answer to the loop's own pod-resources
+// request (askHoldings), made off the loop. A successful one asked at Asked
+// settles the allocations made recentSettle before, and lets the pass of
+// its batch destroy MIG devices it does not list.
+type HoldingsAnswer struct {
+	Attribution *health.Attribution
+	Err         error
+	Asked       time.Time
+}
+
 // Tick is the periodic resync: read the GPUs again even without events.
 type Tick struct{}
 
@@ -70,6 +80,7 @@ func (HealthChanged) kind() string   { return "health" }
 func (MPSChanged) kind() string      { return "mps" }
 func (Allocated) kind() string       { return "allocated" }
 func (HoldingsChanged) kind() string { return "holdings" }
+func (HoldingsAnswer) kind() string  { return "holdings-answer" }
 func (Tick) kind() string            { return "tick" }
 
 // Inbox is the loop's one queue. Post never blocks and the queue is bounded:

@@ -171,15 +171,12 @@ func (a *Agent) publishStatus() {
 		s.Cluster = a.opts.Cluster.State()
 	}
 	switch {
-	case a.cfgErr != nil:
-		s.Config.Error = a.cfgErr.Error()
-		s.Config.ErrorSince = a.cfgErrAt
-	case a.selErr != nil:
-		s.Config.Error = a.selErr.Error()
-		s.Config.ErrorSince = a.selErrAt
-	case a.fitErr != nil:
-		s.Config.Error = a.fitErr.Error()
-		s.Config.ErrorSince = a.fitErrAt
+	case a.cfgErr.stands():
+		s.Config.Error, s.Config.ErrorSince = a.cfgErr.err.Error(), a.cfgErr.since
+	case a.selErr.stands():
+		s.Config.Error, s.Config.ErrorSince = a.selErr.err.Error(), a.selErr.since
+	case a.fitErr.stands():
+		s.Config.Error, s.Config.ErrorSince = a.fitErr.err.Error(), a.fitErr.since
 	case a.migErr != nil:
 		s.Config.Error = a.migErr.Error()
 	}

@@ -35,12 +35,16 @@ const refreshRetry = 10 * time.Second
 //	mps        -                                         plan
 //	allocated  allocation ledger (checkpointed)          - (plan, with DRA)
 //	holdings   who holds what                            plan
+//	holdings-  who holds what, allocations it accounts for  plan (may destroy)
+//	answer     (the answer to the loop's own request)
 //	tick       -                                         observe + plan
 //	dra-*      DRA claims in the ledger (checkpointed    plan, if a claim was
 //	           before the kubelet gets its answer)       prepared or released
 //
-// A plan pass is Plan, then at most: ask the kubelet afresh and Plan again
-// (a MIG plan would destroy), apply MIG and Plan again (the GPUs changed);
+// A plan pass is Plan, then at most: apply MIG and Plan again (the GPUs
+// changed). A plan that would destroy MIG devices without an answer of the
+// kubelet's asked for it (fresh) asks in the background and destroys
+// nothing: the pass of the batch the answer comes in does;
 // then the actuators: MPS daemons, health policy, the catalog to the
 // kubelet, status, checkpoint. After each observe, what released DRA claims
 // left on the node is undone again (retryReleases) before anything is
@@ -76,6 +80,9 @@ func (a *Agent) Step(batch []Event) {
 				a.ledger.setHolders(e.Attribution)
 			}
 			plan = true
+		case HoldingsAnswer:
+			a.fresh = a.holdingsAnswer(e) || a.fresh
+			plan = true
 		case Tick:
 			observe, plan = true, true
 		case ClaimsPrepare, ClaimsUnprepare:
@@ -103,6 +110,7 @@ func (a *Agent) Step(batch []Event) {
 		a.healthEvents()
 		a.publishCluster()
 	}
+	a.fresh = false // an answer authorises the pass of its own batch only
 	a.checkpoint()
 	a.publishStatus()
 	replies.sendAll()
@@ -171,15 +179,13 @@ func (a *Agent) applyConfig(u config.Update) bool {
 	if err != nil {
 		a.metrics.configErrors.Inc()
 		a.metrics.configValid.Set(0)
-		if a.cfgErr == nil || a.cfgErr.Error() != err.Error() {
-			a.cfgErrAt = a.now()
+		if a.cfgErr.set(err, a.now()) {
 			kept := "the built-in default (" + builtInSummary + ") is served until it is fixed"
 			if a.gen > 0 {
 				kept = fmt.Sprintf("config %q (generation %d) stays in force", a.selected.Name, a.gen)
 			}
 			a.event(true, ReasonConfigRejected, "config %s rejected, %s: %v", a.opts.ConfigSource, kept, err)
 		}
-		a.cfgErr = err
 		if a.file == nil {
 			a.log.Error("config rejected and no earlier config to keep; serving the built-in default until it is fixed",
 				"source", a.opts.ConfigSource, "serving", builtInSummary, "error", err)
@@ -190,7 +196,7 @@ func (a *Agent) applyConfig(u config.Update) bool {
 			"source", a.opts.ConfigSource, "kept", a.selected.Name, "generation", a.gen, "error", err)
 		return false
 	}
-	a.cfgErr = nil
+	a.cfgErr.clear()
 	a.metrics.configValid.Set(1)
 	a.metrics.configReloads.Inc()
 	a.file, a.warnings = f, warnings
@@ -221,20 +227,17 @@ func (a *Agent) setLabels(labels map[string]string) bool {
 func (a *Agent) selectConfig() {
 	sel, err := a.file.Select(a.opts.NodeName, a.labels)
 	if err != nil {
-		if a.selErr == nil || a.selErr.Error() != err.Error() {
-			a.selErrAt = a.now()
+		if a.selErr.set(err, a.now()) {
 			a.log.Error("no config applies to this node; keeping the last selection", "node", a.opts.NodeName,
 				"kept", a.selected.Name, "error", err)
 			a.event(true, ReasonConfigRejected, "node labels select nothing; config %q stays in force: %v", a.selected.Name, err)
 		}
-		a.selErr = err
 		a.metrics.configValid.Set(0)
 		return
 	}
-	if a.selErr != nil {
+	if a.selErr.clear() {
 		a.log.Info("node labels select a config again", "config", sel.Name)
-		a.selErr = nil
-		if a.cfgErr == nil {
+		if !a.cfgErr.stands() {
 			a.metrics.configValid.Set(1)
 		}
 	}
@@ -262,7 +265,7 @@ func (a *Agent) snapshot() Snapshot {
 		Profiles: a.profiles, ProfileErrs: a.profileErrs,
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
-		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr, Allocated: l.allocations(),
+		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.allocations(),
 			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed)},
 		DRA:       a.opts.DRA != nil,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
@@ -281,10 +284,9 @@ func (a *Agent) pass(why string) {
 		return
 	}
 	start := a.now()
-	a.fresh = false // only an answer asked for in this pass authorises destroying
 	d := a.plan()
-	if d.NeedFreshHoldings && a.refreshHoldings() {
-		d = a.plan()
+	if d.NeedFreshHoldings {
+		a.askHoldings()
 	}
 	changed := a.applyMIG(d)
 	if changed {
@@ -335,20 +337,17 @@ func (a *Agent) pass(why string) {
 func (a *Agent) noteFit(d Desired) {
 	if d.FitErr != nil {
 		a.metrics.configValid.Set(0)
-		if a.fitErr == nil || a.fitErr.Error() != d.FitErr.Error() {
-			a.fitErrAt = a.now()
+		if a.fitErr.set(d.FitErr, a.now()) {
 			a.metrics.configErrors.Inc()
 			a.log.Error("config cannot be applied to this node; serving the last config that could",
 				"config", a.selected.Name, "serving", d.Config.Name, "error", d.FitErr)
 			a.event(true, ReasonConfigNotFitting, "config %q does not fit this node, serving %q: %v", a.selected.Name, d.Config.Name, d.FitErr)
 		}
-		a.fitErr = d.FitErr
 		return
 	}
-	if a.fitErr != nil {
+	if a.fitErr.clear() {
 		a.log.Info("config applies to this node again", "config", a.selected.Name)
-		a.fitErr = nil
-		if a.cfgErr == nil {
+		if !a.cfgErr.stands() {
 			a.metrics.configValid.Set(1)
 		}
 	}
@@ -377,30 +376,42 @@ func (a *Agent) publish(cat *catalog.Catalog, why string) {
 	}
 }
 
-// refreshHoldings asks the kubelet who holds what, for a pass about to
-// destroy MIG instances; it reports whether a fresh answer came.
-func (a *Agent) refreshHoldings() bool {
+// askHoldings asks the kubelet who holds what, for a pass that would
+// destroy MIG devices, in the background: the loop never waits on the
+// kubelet (a hung socket would stall health and everything else). The
+// answer comes back as a HoldingsAnswer; until then the GPUs wait. One
+// request at a time, and none for refreshRetry after one failed.
+func (a *Agent) askHoldings() {
 	if a.opts.Holdings == nil {
-		a.holdErr = errors.New("no pod-resources API to ask")
-		return false
+		a.holdErr.set(errors.New("no pod-resources API to ask"), a.now())
+		return
 	}
 	asked := a.now()
-	if !a.holdFailedAt.IsZero() && asked.Sub(a.holdFailedAt) < refreshRetry {
-		return false // a.holdErr still says why
+	if a.asking || (a.holdErr.stands() && asked.Sub(a.holdAsked) < refreshRetry) {
+		return // a.holdErr still says why
 	}
-	att, err := a.opts.Holdings.Refresh(a.ctx)
-	if err != nil {
-		if a.holdErr == nil || a.holdErr.Error() != err.Error() {
-			a.log.Warn("pod-resources not answering; MIG plans destroy nothing until it does", "error", err)
+	a.asking, a.holdAsked = true, asked
+	ctx, src := a.ctx, a.opts.Holdings
+	a.opts.Background(func() Event {
+		att, err := src.Refresh(ctx)
+		return HoldingsAnswer{Attribution: att, Err: err, Asked: asked}
+	})
+}
+
+// holdingsAnswer takes the answer to askHoldings; it reports whether the
+// pass of this batch may destroy on it (fresh).
+func (a *Agent) holdingsAnswer(e HoldingsAnswer) bool {
+	a.asking = false
+	if e.Err != nil {
+		if a.holdErr.set(e.Err, e.Asked) {
+			a.log.Warn("pod-resources not answering; MIG plans destroy nothing until it does", "error", e.Err)
 		}
-		a.holdErr, a.holdFailedAt = err, asked
 		return false
 	}
-	if a.holdErr != nil {
+	if a.holdErr.clear() {
 		a.log.Info("pod-resources answers again")
 	}
-	a.fresh, a.holdErr, a.holdFailedAt = true, nil, time.Time{}
-	a.ledger.settle(att, asked)
+	a.ledger.settle(e.Attribution, e.Asked)
 	return true
 }
 
@@ -411,7 +422,11 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 			a.metrics.migPhases.Reset()
 		}
 		a.migStates, a.migErr = nil, d.MIGErr
+		clear(a.migSaid)
 		return false
+	}
+	if a.migSaid == nil {
+		a.migSaid = map[int]MIGState{}
 	}
 	states := map[int]MIGState{}
 	errs := []error{d.MIGErr}
@@ -433,11 +448,16 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 				st.Phase, st.Reason = mig.PhasePending, gm.Waiting
 			}
 		}
-		if prev, ok := a.migStates[gm.GPU]; !ok || prev.Phase != st.Phase || prev.Reason != st.Reason {
+		// Waiting for the answer the loop just asked for is a moment, not
+		// news: it is in /status, but logged and sent as an Event only if
+		// the answer does not come (it fails, or the pass after it waits).
+		said, ok := a.migSaid[gm.GPU]
+		if transient := gm.Waiting != "" && a.asking; !transient && (!ok || said.Phase != st.Phase || said.Reason != st.Reason) {
 			a.log.Info("MIG state", "gpu", gm.GPU, "uuid", gm.UUID, "want", st.Want, "phase", st.Phase, "reason", st.Reason)
-			if !ok || prev.Phase != st.Phase || prev.Want != st.Want {
+			if !ok || said.Phase != st.Phase || said.Want != st.Want {
 				a.migEvent(st)
 			}
+			a.migSaid[gm.GPU] = st
 		}
 		states[gm.GPU] = st
 	}

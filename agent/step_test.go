@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"strings"
 	"testing"
 	"time"
@@ -463,5 +464,74 @@ func TestStepFlakyNVMLSoak(t *testing.T) {
 	}
 	if blips != 0 {
 		t.Errorf("%d unhealthy blips in 200 resyncs", blips)
+	}
+}
+
+// hangingHoldings is a pod-resources socket that accepts and never answers
+// until released.
+type hangingHoldings struct {
+	release chan struct{}
+	asked   chan struct{}
+}
+
+func (h hangingHoldings) Refresh(ctx context.Context) (*health.Attribution, error) {
+	h.asked <- struct{}{}
+	select {
+	case <-h.release:
+		return health.NewAttribution(nil, nil), nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// Issue 23, defect 5: the loop asked pod-resources synchronously, so a hung
+// socket stalled it for seconds at a time and an XID took seconds to reach
+// the kubelet. The loop asks in the background: while the request hangs,
+// health still goes out at once, and the answer, when it comes, is planned
+// from.
+func TestHungPodResourcesDoesNotStallTheLoop(t *testing.T) {
+	hang := hangingHoldings{release: make(chan struct{}), asked: make(chan struct{}, 1)}
+	inbox := NewInbox()
+	h := newHarness(t, simNode(t, "dgx-h100-mig"), withMIG(), func(h *harness) {
+		h.opts.Holdings, h.opts.Inbox = hang, inbox
+		h.opts.Background = func(work func() Event) { go func() { inbox.Post(work()) }() }
+	})
+	t.Cleanup(func() {
+		select {
+		case <-hang.release:
+		default:
+			close(hang.release)
+		}
+	})
+	stepped := make(chan struct{})
+	go func() {
+		defer close(stepped)
+		h.config(mixedNoMIG)
+		h.config(mixedLayout(`{"7g.80gb": 1}`)) // would destroy: the kubelet is asked
+	}()
+	select {
+	case <-stepped:
+	case <-time.After(30 * time.Second): // only a failure waits this long
+		t.Fatal("the loop is stuck waiting for pod-resources")
+	}
+	<-hang.asked
+	uuid := h.a.inv.GPUs[1].UUID
+	h.step(HealthChanged{State: xidState(uuid, 79)})
+	for _, d := range h.pub.last().Resources["nvidia.com/mig-1g.10gb"].Devices {
+		if d.GPU == 1 && d.Healthy {
+			t.Fatalf("XID 79 on GPU 1 not published while pod-resources hangs: %+v", d)
+		}
+	}
+	if n := h.count("nvidia.com/mig-1g.10gb"); n != 56 {
+		t.Fatalf("%d 1g.10gb devices, want all 56 while no answer came", n)
+	}
+	close(hang.release)
+	h.step(inbox.Drain()...)
+	for h.count("nvidia.com/mig-7g.80gb") == 0 {
+		<-inbox.Wake()
+		h.step(inbox.Drain()...)
+	}
+	if n := h.count("nvidia.com/mig-7g.80gb"); n != 8 {
+		t.Errorf("%d 7g.80gb devices after the answer, want 8 (an unhealthy GPU nobody holds repartitions too)", n)
 	}
 }
