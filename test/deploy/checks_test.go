@@ -64,6 +64,7 @@ func checkInstall(t *testing.T, o *objects, wantServiceMonitor, wantMPSHost bool
 		t.Errorf("ServiceAccount %v does not match the DaemonSet's %q", o.ServiceAccounts, ds.Spec.Template.Spec.ServiceAccountName)
 	}
 	checkRBAC(t, o, ds.Spec.Template.Spec.ServiceAccountName, ds.Namespace)
+	checkPolicies(t, o, ds.Spec.Template.Spec.ServiceAccountName, ds.Namespace)
 
 	podLabels := ds.Spec.Template.Labels
 	if len(o.Services) != 1 {

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -58,6 +59,8 @@ type objects struct {
 	RoleBindings        []*rbacv1.RoleBinding
 	ServiceMonitors     []*serviceMonitor
 	DeviceClasses       []*resourcev1.DeviceClass
+	Policies            []*admissionregistrationv1.ValidatingAdmissionPolicy
+	PolicyBindings      []*admissionregistrationv1.ValidatingAdmissionPolicyBinding
 }
 
 // decodeStrict decodes every YAML document of data into its Kubernetes API type;
@@ -115,6 +118,12 @@ func decodeStrict(name string, data []byte, into *objects) error {
 		case "resource.k8s.io/v1/DeviceClass":
 			o := &resourcev1.DeviceClass{}
 			into.DeviceClasses, obj = append(into.DeviceClasses, o), o
+		case "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy":
+			o := &admissionregistrationv1.ValidatingAdmissionPolicy{}
+			into.Policies, obj = append(into.Policies, o), o
+		case "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicyBinding":
+			o := &admissionregistrationv1.ValidatingAdmissionPolicyBinding{}
+			into.PolicyBindings, obj = append(into.PolicyBindings, o), o
 		case "monitoring.coreos.com/v1/ServiceMonitor":
 			o := &serviceMonitor{}
 			into.ServiceMonitors, obj = append(into.ServiceMonitors, o), o
@@ -147,6 +156,7 @@ func TestDecodeStrictRejects(t *testing.T) {
 		{"misspelt nested field", "apiVersion: apps/v1\nkind: DaemonSet\nmetadata: {name: x}\nspec:\n  template:\n    spec:\n      nodeSelecter: {a: b}\n", "nodeSelecter"},
 		{"wrong type", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec:\n  ports: [{port: nine}]\n", "port"},
 		{"unknown kind", "apiVersion: v1\nkind: Pod\nmetadata: {name: x}\n", "unexpected kind"},
+		{"policy field", "apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingAdmissionPolicy\nmetadata: {name: x}\nspec:\n  validations: [{expresion: 'true'}]\n", "expresion"},
 		{"service monitor field", "apiVersion: monitoring.coreos.com/v1\nkind: ServiceMonitor\nmetadata: {name: x}\nspec:\n  endpoint: []\n", "unknown field"},
 	}
 	for _, tt := range tests {

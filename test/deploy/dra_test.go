@@ -17,31 +17,9 @@ import (
 // The DRA install: the manifests' component and the chart's dra.enabled give the same DeviceClasses (NVIDIA's
 // names and selectors), the same extra rules, and the same agent flags, mounts and host paths.
 func TestDRAInstall(t *testing.T) {
-	dir := repoPath("deploy", "manifests", "dra")
-	var k struct {
-		APIVersion string   `json:"apiVersion"`
-		Kind       string   `json:"kind"`
-		Resources  []string `json:"resources"`
-		Patches    []struct {
-			Path string `json:"path"`
-		} `json:"patches"`
-	}
-	data, err := os.ReadFile(filepath.Join(dir, "kustomization.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := yaml.UnmarshalStrict(data, &k); err != nil || k.Kind != "Component" {
-		t.Fatalf("dra/kustomization.yaml: kind %q, %v", k.Kind, err)
-	}
-	comp := &objects{}
-	for _, f := range append(k.Resources, k.Patches[0].Path) {
-		data, err := os.ReadFile(filepath.Join(dir, f))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := decodeStrict(f, data, comp); err != nil {
-			t.Fatal(err)
-		}
+	comp := loadDRAComponent(t)
+	for _, in := range policyInstalls(t) {
+		checkPolicies(t, in.o, in.sa, in.ns)
 	}
 	chart, err := renderChart(t, "dra: {enabled: true}\n")
 	if err != nil {
@@ -126,6 +104,38 @@ func TestDRAInstall(t *testing.T) {
 			}
 		}
 	}
+}
+
+// loadDRAComponent decodes deploy/manifests/dra strictly: its resources and its DaemonSet patch.
+func loadDRAComponent(t *testing.T) *objects {
+	t.Helper()
+	dir := repoPath("deploy", "manifests", "dra")
+	var k struct {
+		APIVersion string   `json:"apiVersion"`
+		Kind       string   `json:"kind"`
+		Resources  []string `json:"resources"`
+		Patches    []struct {
+			Path string `json:"path"`
+		} `json:"patches"`
+	}
+	data, err := os.ReadFile(filepath.Join(dir, "kustomization.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := yaml.UnmarshalStrict(data, &k); err != nil || k.Kind != "Component" {
+		t.Fatalf("dra/kustomization.yaml: kind %q, %v", k.Kind, err)
+	}
+	comp := &objects{}
+	for _, f := range append(k.Resources, k.Patches[0].Path) {
+		data, err := os.ReadFile(filepath.Join(dir, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := decodeStrict(f, data, comp); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return comp
 }
 
 func hasRule(roles []*rbacv1.ClusterRole, resource string) bool {

@@ -132,6 +132,17 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 
 func (c *Cluster) apiURL() string { return fmt.Sprintf("https://127.0.0.1:%d", c.APIPort) }
 
+// TokenClient is a client that authenticates with a bearer token (a service account's) instead of the
+// admin's certificate, to act as that identity.
+func (c *Cluster) TokenClient(token string) (kubernetes.Interface, error) {
+	return kubernetes.NewForConfig(&rest.Config{
+		Host:            c.apiURL(),
+		TLSClientConfig: rest.TLSClientConfig{CAFile: c.pki.caFile()},
+		BearerToken:     token,
+		Timeout:         30 * time.Second,
+	})
+}
+
 // AdminKubeconfig is a kubeconfig for a cluster admin (kubectl --kubeconfig works with it while the test runs).
 func (c *Cluster) AdminKubeconfig() string { return c.adminKubeconfig }
 
