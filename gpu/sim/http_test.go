@@ -10,15 +10,19 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 )
 
-func TestHTTPHandler(t *testing.T) {
-	tests := []struct {
-		name    string
-		method  string
-		path    string
-		body    string
-		status  int
-		errPart string // in the error message
-	}{
+// httpCase is one request to the /sim handler and its answer, on one
+// dgx-a100 that took the cases before it.
+type httpCase struct {
+	name    string
+	method  string
+	path    string
+	body    string
+	status  int
+	errPart string // in the error message
+}
+
+func httpCases() []httpCase {
+	return []httpCase{
 		{"xid", "POST", "/sim/xid", `{"gpu":1,"xid":48}`, 200, ""},
 		{"xid with instance, prefix stripped", "POST", "/xid", `{"gpu":1,"xid":94,"gi":2,"ci":0}`, 200, ""},
 		{"xid missing gpu", "POST", "/sim/xid", `{"xid":48}`, 400, `missing "gpu"`},
@@ -42,6 +46,10 @@ func TestHTTPHandler(t *testing.T) {
 		{"GET not allowed", "GET", "/sim/xid", ``, 405, "use POST"},
 		{"unknown path", "POST", "/sim/melt", `{}`, 404, "no such endpoint"},
 	}
+}
+
+func TestHTTPHandler(t *testing.T) {
+	tests := httpCases()
 	n := newNode(t, "dgx-a100")
 	s := registered(t, n, nvml.EventTypeXidCriticalError, 1)
 	h := n.Handler()
