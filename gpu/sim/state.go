@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -17,6 +18,11 @@ import (
 
 // stateVersion is the state file format this build writes and reads.
 const stateVersion = 1
+
+// maxStateBytes bounds what a state file may hold: a profile with every GPU
+// split into 1-slice instances writes about 31 KB, and a path that names
+// something else (a log, a device) must not fill memory.
+const maxStateBytes = 1 << 20
 
 // WithStateFile keeps the node's GPU state in the file at path, so that it
 // outlives the process as a real GPU's does across an agent restart: MIG
@@ -114,7 +120,7 @@ func openState(path string) (s *stateStore, data []byte, err error) {
 	}
 	s = &stateStore{path: path, lock: lock}
 	removeStaleTemps(path)
-	data, err = os.ReadFile(path)
+	data, err = readState(path)
 	if errors.Is(err, fs.ErrNotExist) {
 		return s, nil, nil
 	}
@@ -123,6 +129,23 @@ func openState(path string) (s *stateStore, data []byte, err error) {
 		return nil, nil, err
 	}
 	return s, data, nil
+}
+
+// readState reads the state file at path, at most maxStateBytes of it.
+func readState(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, maxStateBytes+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(data) > maxStateBytes {
+		return nil, fmt.Errorf("larger than %d bytes, not a state file", maxStateBytes)
+	}
+	return data, nil
 }
 
 // removeStaleTemps deletes temporary files of writes a killed process left

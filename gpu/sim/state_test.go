@@ -321,6 +321,9 @@ func TestStateFileErrors(t *testing.T) {
 			gi0(st)["compute_instances"].([]any)[0].(map[string]any)["profile_id"] = nvml.COMPUTE_INSTANCE_PROFILE_7_SLICE
 		}), "compute instance 0: profile_id 4 does not fit a 3g.20gb instance"},
 		{"negative remap", edited(func(st map[string]any) { gpuRec(st, 2)["remapped_rows"] = map[string]any{"corrected": -1} }), "gpu 2: negative remapped_rows"},
+		// A valid file padded past the bound: refused unread, so that a path
+		// naming something else cannot fill memory.
+		{"too large", append(bytes.Repeat([]byte(" "), maxStateBytes), good...), "larger than 1048576 bytes"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
