@@ -380,6 +380,8 @@ func (n *Node) loadGI(g *gpuState, gr giRecord) error {
 		return fmt.Errorf("placement %d+%d overlaps another instance", pl.Start, pl.Size)
 	case g.countOf(p) >= p.count:
 		return fmt.Errorf("more than %d instances of %s", p.count, p.name)
+	case !g.ofaLeft(p, n.spec.model):
+		return fmt.Errorf("%s needs an optical flow accelerator, and the GPU has none left", p.name)
 	}
 	gi := n.addGI(g, gr.ID, p, pl.Start)
 	for _, cr := range gr.ComputeInstances {

@@ -355,6 +355,34 @@ func TestStateFileErrors(t *testing.T) {
 	}
 }
 
+// An A30 has one optical flow accelerator, which each +me profile takes:
+// NVML makes a 1g.6gb+me or a 2g.12gb+me, never both, and neither may a
+// state file.
+func TestStateRefusesSecondOFA(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "s.json")
+	n := openStateNode(t, "pcie-a30x4", path, WithMIGEnabled())
+	d := handle(t, n, 0)
+	createFullCI(t, createGI(t, d, nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 0))
+	_, r := d.CreateGpuInstanceWithPlacement(giInfo(t, d, nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1), &nvml.GpuInstancePlacement{Start: 2, Size: 2})
+	wantRet(t, "second +me instance", r, nvml.ERROR_INSUFFICIENT_RESOURCES)
+	createGI(t, d, nvml.GPU_INSTANCE_PROFILE_2_SLICE, 2) // no compute instance: its UUID would name the profile
+	closeNode(t, n)
+	good, _ := os.ReadFile(path)
+	from, to := `"profile_id": 5,
+          "profile": "2g.12gb",`, `"profile_id": 6,
+          "profile": "2g.12gb+me",`
+	if !bytes.Contains(good, []byte(from)) {
+		t.Fatalf("state file lacks %s:\n%s", from, good)
+	}
+	if err := os.WriteFile(path, bytes.Replace(good, []byte(from), []byte(to), 1), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err := New("pcie-a30x4", WithStateFile(path))
+	if want := "gpu 0: gpu instance 2: 2g.12gb+me needs an optical flow accelerator"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("New: %v, want %q", err, want)
+	}
+}
+
 func TestStateV100RefusesMIGAndRemap(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "s.json")
 	closeNode(t, openStateNode(t, "dgx1-v100", path))
