@@ -114,39 +114,45 @@ func validateDaemons(daemons []Daemon) (map[string]Daemon, error) {
 	return byDevice, nil
 }
 
-// readHostFile checks path's version and decodes it strictly into v (a
-// *DesiredFile or *HealthFile). Errors name the file.
-func readHostFile(path string, v any) error {
+// readHostFile reads path, at most maxHostFileBytes of it. A missing file is
+// an error for which errors.Is(err, fs.ErrNotExist) holds.
+func readHostFile(path string) ([]byte, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return err // names the path; callers tell "missing" apart
+		return nil, err // names the path; callers tell "missing" apart
 	}
 	defer f.Close()
 	b, err := io.ReadAll(io.LimitReader(f, maxHostFileBytes+1))
 	if err != nil {
-		return fmt.Errorf("%s: %w", path, err)
+		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	if len(b) > maxHostFileBytes {
-		return fmt.Errorf("%s: larger than %d bytes", path, maxHostFileBytes)
+		return nil, fmt.Errorf("%s: larger than %d bytes", path, maxHostFileBytes)
 	}
+	return b, nil
+}
+
+// decodeHostFile checks b's version and decodes it strictly into v (a
+// *DesiredFile or *HealthFile).
+func decodeHostFile(b []byte, v any) error {
 	// The version first: a file of another version is refused as that, not
 	// for the fields it has that this one does not know.
 	var head struct {
 		Version int `json:"version"`
 	}
 	if err := json.Unmarshal(b, &head); err != nil {
-		return fmt.Errorf("%s: %w", path, err)
+		return err
 	}
 	if head.Version != FileVersion {
-		return fmt.Errorf("%s: version %d, this gpu-agent reads version %d", path, head.Version, FileVersion)
+		return fmt.Errorf("version %d, this gpu-agent reads version %d", head.Version, FileVersion)
 	}
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
-		return fmt.Errorf("%s: %w", path, err)
+		return err
 	}
 	if dec.More() {
-		return fmt.Errorf("%s: data after the JSON object", path)
+		return errors.New("data after the JSON object")
 	}
 	return nil
 }
@@ -154,15 +160,28 @@ func readHostFile(path string, v any) error {
 // ReadDesiredFile reads and validates a desired.json. A missing file is an
 // error for which errors.Is(err, fs.ErrNotExist) holds.
 func ReadDesiredFile(path string) (*DesiredFile, error) {
+	b, err := readHostFile(path)
+	if err != nil {
+		return nil, err
+	}
+	f, err := parseDesiredFile(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return f, nil
+}
+
+// parseDesiredFile decodes and validates the content of a desired.json.
+func parseDesiredFile(b []byte) (*DesiredFile, error) {
 	var f DesiredFile
-	if err := readHostFile(path, &f); err != nil {
+	if err := decodeHostFile(b, &f); err != nil {
 		return nil, err
 	}
 	if f.Generation < 1 {
-		return nil, fmt.Errorf("%s: generation %d: must be at least 1", path, f.Generation)
+		return nil, fmt.Errorf("generation %d: must be at least 1", f.Generation)
 	}
 	if _, err := validateDaemons(f.Daemons); err != nil {
-		return nil, fmt.Errorf("%s: generation %d: %w", path, f.Generation, err)
+		return nil, fmt.Errorf("generation %d: %w", f.Generation, err)
 	}
 	return &f, nil
 }
@@ -170,12 +189,25 @@ func ReadDesiredFile(path string) (*DesiredFile, error) {
 // ReadHealthFile reads a health.json. A missing file is an error for which
 // errors.Is(err, fs.ErrNotExist) holds.
 func ReadHealthFile(path string) (*HealthFile, error) {
+	b, err := readHostFile(path)
+	if err != nil {
+		return nil, err
+	}
+	f, err := parseHealthFile(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return f, nil
+}
+
+// parseHealthFile decodes and checks the content of a health.json.
+func parseHealthFile(b []byte) (*HealthFile, error) {
 	var f HealthFile
-	if err := readHostFile(path, &f); err != nil {
+	if err := decodeHostFile(b, &f); err != nil {
 		return nil, err
 	}
 	if f.Interval <= 0 {
-		return nil, fmt.Errorf("%s: interval %v: must be positive", path, time.Duration(f.Interval))
+		return nil, fmt.Errorf("interval %v: must be positive", time.Duration(f.Interval))
 	}
 	return &f, nil
 }
