@@ -64,6 +64,10 @@ func TestDaemonValidate(t *testing.T) {
 		{Daemon{Device: "GPU-a", ActiveThreadPercentage: 101}, "0..100"},
 		{Daemon{Device: "GPU-a", ActiveThreadPercentage: -1}, "0..100"},
 		{Daemon{Device: "GPU-a", PinnedMemLimitBytes: 1000}, "below 1 MiB"},
+		// Its pipe and log directories would be the MPS root's own (found by
+		// FuzzParseDesiredFile).
+		{Daemon{Device: "."}, `device "." names no folder of its own`},
+		{Daemon{Device: "./"}, ""}, // folder "._"
 	}
 	for _, tt := range tests {
 		err := tt.d.Validate()
