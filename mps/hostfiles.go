@@ -99,9 +99,11 @@ func (d *Duration) UnmarshalJSON(b []byte) error {
 }
 
 // validateDaemons checks a daemon list as Set takes it: each valid, none
-// listed twice. It returns the list by device.
+// listed twice, each in a folder of its own under the root. It returns the
+// list by device.
 func validateDaemons(daemons []Daemon) (map[string]Daemon, error) {
 	byDevice := make(map[string]Daemon, len(daemons))
+	byFolder := make(map[string]string, len(daemons))
 	for _, d := range daemons {
 		if err := d.Validate(); err != nil {
 			return nil, err
@@ -109,7 +111,11 @@ func validateDaemons(daemons []Daemon) (map[string]Daemon, error) {
 		if _, dup := byDevice[d.Device]; dup {
 			return nil, fmt.Errorf("gpu %d (%s): mps daemon listed twice", d.Index, d.Device)
 		}
+		if other, dup := byFolder[dirName(d.Device)]; dup {
+			return nil, fmt.Errorf("gpu %d (%s): mps daemon would share the folder %s with %s's", d.Index, d.Device, dirName(d.Device), other)
+		}
 		byDevice[d.Device] = d
+		byFolder[dirName(d.Device)] = d.Device
 	}
 	return byDevice, nil
 }

@@ -119,6 +119,21 @@ func TestContainerSpec(t *testing.T) {
 	}
 }
 
+// Devices whose folders under the root would be one (an old MIG UUID's
+// slashes become underscores) cannot both have a daemon: the second would
+// take the first's pipe directory and pid file.
+func TestValidateDaemonsOneFolderEach(t *testing.T) {
+	for _, pair := range [][2]string{{"MIG-GPU-x/1/0", "MIG-GPU-x_1_0"}, {"a..b", "a_b"}, {"GPU-a", "GPU-a"}} {
+		_, err := validateDaemons([]Daemon{{Device: pair[0]}, {Device: pair[1], Index: 1}})
+		if err == nil || !strings.Contains(err.Error(), pair[0]) || !strings.Contains(err.Error(), pair[1]) {
+			t.Errorf("validateDaemons(%q, %q) = %v, want an error naming both", pair[0], pair[1], err)
+		}
+	}
+	if _, err := validateDaemons([]Daemon{{Device: "MIG-GPU-x/1/0"}, {Device: "MIG-GPU-x/2/0"}}); err != nil {
+		t.Errorf("two MIG devices of one GPU: %v", err)
+	}
+}
+
 func TestDirNameStaysUnderRoot(t *testing.T) {
 	for _, dev := range []string{"../../etc", "MIG-GPU-x/1/0", "a/../../b"} {
 		if got := PipeDir("/mps", dev); !strings.HasPrefix(got, "/mps/") || strings.Count(got, "/") != 3 {
