@@ -24,6 +24,13 @@ const stateVersion = 1
 // something else (a log, a device) must not fill memory.
 const maxStateBytes = 1 << 20
 
+// maxStructurePerGPU bounds the JSON values a state file may hold per GPU,
+// counted as the ',', '{' and '[' that separate or open them: a GPU split
+// into seven instances, each with its compute instance, takes 123. The count
+// is checked before decoding, as encoding/json makes a record of every list
+// item, even after a type error: some 200 bytes for each 2 bytes of "{},".
+const maxStructurePerGPU = 1024
+
 // WithStateFile keeps the node's GPU state in the file at path, so that it
 // outlives the process as a real GPU's does across an agent restart: MIG
 // modes, GPU and compute instances (with their ids, placements and hence
@@ -288,6 +295,9 @@ func (n *Node) load(data []byte) error {
 	if len(bytes.TrimSpace(data)) == 0 {
 		return errors.New("file is empty (truncated?)")
 	}
+	if got, most := structure(data), maxStructurePerGPU*(1+len(n.gpus)); got > most {
+		return fmt.Errorf("%d of ',', '{' and '[', more than a state file of %d GPUs holds (%d); refused undecoded", got, len(n.gpus), most)
+	}
 	// The version first, alone: a newer format may add fields the strict
 	// decode below would report as the less helpful "unknown field".
 	var head struct {
@@ -320,6 +330,19 @@ func (n *Node) load(data []byte) error {
 		}
 	}
 	return nil
+}
+
+// structure counts the bytes of data that separate or open a JSON value,
+// also inside strings, so it bounds the values decoding can make.
+func structure(data []byte) int {
+	n := 0
+	for _, b := range data {
+		switch b {
+		case ',', '{', '[':
+			n++
+		}
+	}
+	return n
 }
 
 func (n *Node) loadGPU(g *gpuState, rec gpuRecord) error {

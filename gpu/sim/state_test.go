@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -352,6 +353,39 @@ func TestStateFileErrors(t *testing.T) {
 			}
 			n.Close()
 		})
+	}
+}
+
+// A state file of the largest size allowed, but all list items, is refused
+// before it is decoded: encoding/json makes a record of every item (even
+// after a type error), which cost over 200 MB for 1 MiB of "{},".
+func TestStateLoadBoundsMemory(t *testing.T) {
+	for _, shape := range []struct{ name, head, item, tail string }{
+		{"GPUs", `{"version":1,"profile":"gh200","gpus":[{}`, ",{}", "]}"},
+		{"numbers for GPU instances", `{"version":1,"profile":"gh200","gpus":[{"gpu_instances":[1`, ",1", "]}]}"},
+	} {
+		var b strings.Builder
+		b.WriteString(shape.head)
+		for b.Len()+len(shape.item)+len(shape.tail) <= maxStateBytes {
+			b.WriteString(shape.item)
+		}
+		b.WriteString(shape.tail)
+		data := []byte(b.String())
+		n, err := New("gh200")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		err = n.load(data)
+		runtime.ReadMemStats(&after)
+		if err == nil || !strings.Contains(err.Error(), "refused undecoded") {
+			t.Errorf("%s: load = %v, want it refused undecoded", shape.name, err)
+		}
+		if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 4<<20 {
+			t.Errorf("%s: loading %d bytes allocated %d MB", shape.name, len(data), alloc>>20)
+		}
 	}
 }
 
