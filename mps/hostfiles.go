@@ -33,6 +33,15 @@ const (
 	// maxHostFileBytes bounds what is read from either file; a few thousand
 	// devices fit many times over.
 	maxHostFileBytes = 4 << 20
+	// maxHostFileValues bounds the JSON values either file may hold, counted
+	// as the ',', '{' and '[' that separate or open them: a daemon or a
+	// device's health takes 5, so some 3,000 devices fit. It is checked
+	// before decoding, as encoding/json makes an item of every list or map
+	// entry, even after a type error: 4 MiB of "{}," cost over 500 MB.
+	maxHostFileValues = 1 << 14
+	// maxDaemons bounds a daemon list (16 GPUs of 7 MIG devices are 112),
+	// so that desired.json and health.json stay within maxHostFileValues.
+	maxDaemons = 1024
 )
 
 // DesiredFile is the content of DesiredFileName.
@@ -98,10 +107,13 @@ func (d *Duration) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// validateDaemons checks a daemon list as Set takes it: each valid, none
-// listed twice, each in a folder of its own under the root. It returns the
-// list by device.
+// validateDaemons checks a daemon list as Set takes it: at most maxDaemons,
+// each valid, none listed twice, each in a folder of its own under the root.
+// It returns the list by device.
 func validateDaemons(daemons []Daemon) (map[string]Daemon, error) {
+	if len(daemons) > maxDaemons {
+		return nil, fmt.Errorf("%d mps daemons, more than the %d one node may run", len(daemons), maxDaemons)
+	}
 	byDevice := make(map[string]Daemon, len(daemons))
 	byFolder := make(map[string]string, len(daemons))
 	for _, d := range daemons {
@@ -141,6 +153,9 @@ func readHostFile(path string) ([]byte, error) {
 // decodeHostFile checks b's version and decodes it strictly into v (a
 // *DesiredFile or *HealthFile).
 func decodeHostFile(b []byte, v any) error {
+	if n := jsonValues(b); n > maxHostFileValues {
+		return fmt.Errorf("%d of ',', '{' and '[', more than the %d a file of a few thousand devices holds; refused undecoded", n, maxHostFileValues)
+	}
 	// The version first: a file of another version is refused as that, not
 	// for the fields it has that this one does not know.
 	var head struct {
@@ -161,6 +176,19 @@ func decodeHostFile(b []byte, v any) error {
 		return errors.New("data after the JSON object")
 	}
 	return nil
+}
+
+// jsonValues counts the bytes of b that separate or open a JSON value, also
+// inside strings, so it bounds the values decoding can make.
+func jsonValues(b []byte) int {
+	n := 0
+	for _, c := range b {
+		switch c {
+		case ',', '{', '[':
+			n++
+		}
+	}
+	return n
 }
 
 // ReadDesiredFile reads and validates a desired.json. A missing file is an
