@@ -6,22 +6,26 @@ import (
 	"testing"
 )
 
-// How NVIDIA-format files read, item by item as NVIDIA's device plugin reads
-// them (api/config/v1 of k8s-device-plugin v0.20.0): what each field means,
-// which values it refuses, and what it ignores. The fixtures are written
-// here after the examples NVIDIA ships.
-func TestNVIDIAFormatFields(t *testing.T) {
-	type want struct {
-		warnings []string // each warning contains one of these, in order
-		errs     []string // each error contains one of these, in order
-		check    func(c *Config) error
-	}
-	tests := []struct {
-		name string
-		opts ParseOptions
-		in   string
-		want want
-	}{
+// nvidiaFormatTest is one NVIDIA-format file and how it reads.
+type nvidiaFormatTest struct {
+	name string
+	opts ParseOptions
+	in   string
+	want nvidiaWant
+}
+
+type nvidiaWant struct {
+	warnings []string // each warning contains one of these, in order
+	errs     []string // each error contains one of these, in order
+	check    func(c *Config) error
+}
+
+// nvidiaFormatTests are NVIDIA-format files read item by item as NVIDIA's
+// device plugin reads them (api/config/v1 of k8s-device-plugin v0.20.0):
+// what each field means, which values it refuses, and what it ignores. The
+// fixtures are written here after the examples NVIDIA ships.
+func nvidiaFormatTests() []nvidiaFormatTest {
+	return []nvidiaFormatTest{
 		{
 			name: "unknown keys anywhere are ignored with a warning naming path and line",
 			in: `version: v1
@@ -38,7 +42,7 @@ sharing:
       weight: 5
 newSection: {a: 1}
 `,
-			want: want{
+			want: nvidiaWant{
 				warnings: []string{
 					"flags.futureFlag: unknown field, ignored as NVIDIA's device plugin ignores it (line 4)",
 					"flags.plugin.passDeviceSpec: unknown field, ignored as NVIDIA's device plugin ignores it (line 6)",
@@ -56,7 +60,7 @@ newSection: {a: 1}
 		{
 			name: "a key that names a field but for case is that field, as encoding/json reads it",
 			in:   "version: v1\nflags:\n  MigStrategy: mixed\n  plugin:\n    PASSDEVICESPECS: true\n",
-			want: want{
+			want: nvidiaWant{
 				warnings: []string{
 					"flags.MigStrategy: read as migStrategy, as NVIDIA's parser matches field names regardless of case (line 3)",
 					"flags.plugin.PASSDEVICESPECS: read as passDeviceSpecs",
@@ -72,32 +76,32 @@ newSection: {a: 1}
 		{
 			name: "a wrong type is still an error, as NVIDIA's parser fails on it",
 			in:   "version: v1\nflags:\n  migStrategy: none\n  gdsEnabled: maybe\n",
-			want: want{errs: []string{"flags.gdsEnabled: expected true or false"}},
+			want: nvidiaWant{errs: []string{"flags.gdsEnabled: expected true or false"}},
 		},
 		{
 			name: "sharedDevicesAllocationPolicy packed",
 			in:   "version: v1\nflags:\n  plugin:\n    sharedDevicesAllocationPolicy: packed\n",
-			want: want{check: policy(PolicyPacked)},
+			want: nvidiaWant{check: policy(PolicyPacked)},
 		},
 		{
 			name: "sharedDevicesAllocationPolicy distributed",
 			in:   "version: v1\nflags:\n  plugin:\n    sharedDevicesAllocationPolicy: distributed\n",
-			want: want{check: policy(PolicyDistributed)},
+			want: nvidiaWant{check: policy(PolicyDistributed)},
 		},
 		{
 			name: "no sharedDevicesAllocationPolicy: NVIDIA's default, distributed",
 			in:   "version: v1\nflags:\n  migStrategy: none\n",
-			want: want{check: policy(PolicyDistributed)},
+			want: nvidiaWant{check: policy(PolicyDistributed)},
 		},
 		{
 			name: "sharedDevicesAllocationPolicy refuses what NVIDIA refuses, gpu-agent's topology included",
 			in:   "version: v1\nflags:\n  plugin:\n    sharedDevicesAllocationPolicy: topology\n",
-			want: want{errs: []string{`flags.plugin.sharedDevicesAllocationPolicy: unknown value "topology": must be distributed or packed, as for NVIDIA's plugin (line 4)`}},
+			want: nvidiaWant{errs: []string{`flags.plugin.sharedDevicesAllocationPolicy: unknown value "topology": must be distributed or packed, as for NVIDIA's plugin (line 4)`}},
 		},
 		{
 			name: "deviceIDStrategy index",
 			in:   "version: v1\nflags:\n  plugin:\n    deviceIDStrategy: index\n",
-			want: want{check: func(c *Config) error {
+			want: nvidiaWant{check: func(c *Config) error {
 				if c.DevicePlugin.DeviceIDStrategy != DeviceIDStrategyIndex {
 					return fmt.Errorf("deviceIDStrategy %q", c.DevicePlugin.DeviceIDStrategy)
 				}
@@ -107,12 +111,12 @@ newSection: {a: 1}
 		{
 			name: "deviceIDStrategy refuses other values",
 			in:   "version: v1\nflags:\n  plugin:\n    deviceIDStrategy: serial\n",
-			want: want{errs: []string{`flags.plugin.deviceIDStrategy: unknown value "serial": must be uuid or index (line 4)`}},
+			want: nvidiaWant{errs: []string{`flags.plugin.deviceIDStrategy: unknown value "serial": must be uuid or index (line 4)`}},
 		},
 		{
 			name: "gdsEnabled, mofedEnabled and gdrcopyEnabled set NVIDIA's environment",
 			in:   "version: v1\nflags:\n  gdsEnabled: true\n  mofedEnabled: true\n  gdrcopyEnabled: false\n",
-			want: want{check: func(c *Config) error {
+			want: nvidiaWant{check: func(c *Config) error {
 				env := c.DevicePlugin.ContainerEnv()
 				if len(env) != 2 || env["NVIDIA_GDS"] != "enabled" || env["NVIDIA_MOFED"] != "enabled" {
 					return fmt.Errorf("env %v, want NVIDIA_GDS and NVIDIA_MOFED enabled", env)
@@ -123,18 +127,18 @@ newSection: {a: 1}
 		{
 			name: "MPS with migStrategy mixed is refused, as NVIDIA's plugin refuses to start with it",
 			in:   "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n",
-			want: want{errs: []string{"flags.migStrategy: mixed is not supported with sharing.mps: NVIDIA's device plugin refuses the pair"}},
+			want: nvidiaWant{errs: []string{"flags.migStrategy: mixed is not supported with sharing.mps: NVIDIA's device plugin refuses the pair"}},
 		},
 		{
 			name: "MPS with --mig-strategy mixed and no migStrategy: refused at sharing.mps",
 			opts: ParseOptions{MIGStrategy: MIGStrategyMixed},
 			in:   "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n",
-			want: want{errs: []string{"sharing.mps: not supported with the agent's --mig-strategy mixed"}},
+			want: nvidiaWant{errs: []string{"sharing.mps: not supported with the agent's --mig-strategy mixed"}},
 		},
 		{
 			name: "MPS with migStrategy single: accepted, MIG devices refused when planned",
 			in:   "version: v1\nflags:\n  migStrategy: single\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n",
-			want: want{check: func(c *Config) error {
+			want: nvidiaWant{check: func(c *Config) error {
 				if !c.Sharing.MPS.RefuseMIGDevices {
 					return fmt.Errorf("MPS of an NVIDIA-format file does not refuse MIG devices")
 				}
@@ -145,24 +149,27 @@ newSection: {a: 1}
 			name: "no migStrategy: --mig-strategy, as NVIDIA's MIG_STRATEGY",
 			opts: ParseOptions{MIGStrategy: MIGStrategySingle},
 			in:   "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n",
-			want: want{check: strategy(MIGStrategySingle)},
+			want: nvidiaWant{check: strategy(MIGStrategySingle)},
 		},
 		{
 			name: "migStrategy in the file wins over --mig-strategy",
 			opts: ParseOptions{MIGStrategy: MIGStrategySingle},
 			in:   "version: v1\nflags:\n  migStrategy: none\n",
-			want: want{check: strategy(MIGStrategyNone)},
+			want: nvidiaWant{check: strategy(MIGStrategyNone)},
 		},
 		{
 			name: "no migStrategy and no --mig-strategy: NVIDIA's default, none",
 			in:   "version: v1\nflags:\n  failOnInitError: false\n",
-			want: want{
+			want: nvidiaWant{
 				warnings: []string{"flags.failOnInitError: ignored"},
 				check:    strategy(MIGStrategyNone),
 			},
 		},
 	}
-	for _, tt := range tests {
+}
+
+func TestNVIDIAFormatFields(t *testing.T) {
+	for _, tt := range nvidiaFormatTests() {
 		t.Run(tt.name, func(t *testing.T) {
 			f, warnings, err := ParseWith([]byte(tt.in), tt.opts)
 			containsEach(t, "warning", warnings, tt.want.warnings)

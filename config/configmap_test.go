@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -656,21 +657,43 @@ func TestUpdateParseDefaultKey(t *testing.T) {
 	}
 }
 
+// FuzzParseConfigMap parses any ConfigMap of up to two keys, with any
+// default key. An error is an ErrorList whose errors have messages and name
+// only keys of the map; the same map gives the same answer every time; a
+// File it gives validates as one file, selects a config for the labels tried
+// (or names the config they ask for that it lacks), and marshals to one
+// gpu-agent file with the same configs.
 func FuzzParseConfigMap(f *testing.F) {
 	f.Add("a", nvPlain, "b", operatorMigParted, "")
 	f.Add("config.yaml", ownWithNodes, "x", nvTimeSlice4, "x")
 	f.Add("nodes.yaml", combinedNodes, "config.yaml", operatorMigParted, "")
 	f.Add("a100-timeslice", nvTimeSlice4, "b", "version: v1\nconfigs:\n  a100-timeslice: {}\n", "")
+	for _, data := range exampleConfigs(f) {
+		keys := sortedKeys(data)
+		k2 := keys[len(keys)-1]
+		f.Add(keys[0], data[keys[0]], k2, data[k2], "")
+	}
 	f.Fuzz(func(t *testing.T, k1, v1, k2, v2, def string) {
 		data := map[string]string{k1: v1, k2: v2}
-		file, _, err := ParseConfigMap(data, def)
+		file, warnings, err := ParseConfigMap(data, def)
+		file2, warnings2, err2 := ParseConfigMap(data, def)
+		if !reflect.DeepEqual(ordered(file), ordered(file2)) || !slices.Equal(warnings, warnings2) || fmt.Sprint(err) != fmt.Sprint(err2) {
+			t.Fatalf("two parses of the same map differ:\n%v\n%q\n---\n%v\n%q", err, warnings, err2, warnings2)
+		}
 		if err != nil {
 			if file != nil {
 				t.Fatal("a File returned with an error")
 			}
-			for _, e := range errorsOf(t, err) {
+			list := errorsOf(t, err)
+			if len(list) == 0 {
+				t.Fatal("an empty ErrorList")
+			}
+			for _, e := range list {
 				if _, ok := data[e.Key]; e.Key != "" && !ok {
 					t.Fatalf("error names key %q, which the map lacks: %v", e.Key, e)
+				}
+				if e.Msg == "" {
+					t.Fatalf("an error without a message: %+v", e)
 				}
 			}
 			return

@@ -4,9 +4,11 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -441,4 +443,49 @@ func mustJSON(t *testing.T, v any) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// A host file of the largest size read, but all list or map items, is
+// refused before it is decoded: encoding/json makes an item of each (even
+// after a type error), which cost over 500 MB for 4 MiB of "{},", in an
+// agent limited to 128 MiB.
+func TestHostFilesBoundMemory(t *testing.T) {
+	var devices strings.Builder
+	devices.WriteString(`{"version":1,"interval":"1s","devices":{"0":{}`)
+	for i := 1; devices.Len() < maxHostFileBytes-32; i++ {
+		fmt.Fprintf(&devices, `,"%x":{}`, i)
+	}
+	devices.WriteString("}}")
+	for _, tt := range []struct {
+		name  string
+		parse func([]byte) error
+		data  []byte
+	}{
+		{"desired daemons", func(b []byte) error { _, err := parseDesiredFile(b); return err }, filled(`{"version":1,"generation":1,"daemons":[{}`, ",{}", "]}")},
+		{"desired daemons as numbers", func(b []byte) error { _, err := parseDesiredFile(b); return err }, filled(`{"version":1,"generation":1,"daemons":[1`, ",1", "]}")},
+		{"health devices", func(b []byte) error { _, err := parseHealthFile(b); return err }, []byte(devices.String())},
+	} {
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		err := tt.parse(tt.data)
+		runtime.ReadMemStats(&after)
+		if err == nil || !strings.Contains(err.Error(), "refused undecoded") {
+			t.Errorf("%s: %v, want it refused undecoded", tt.name, err)
+		}
+		if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 8<<20 {
+			t.Errorf("%s: decoding %d bytes allocated %d MB", tt.name, len(tt.data), alloc>>20)
+		}
+	}
+}
+
+// filled is head, then item as often as fits in maxHostFileBytes, then tail.
+func filled(head, item, tail string) []byte {
+	var b strings.Builder
+	b.WriteString(head)
+	for b.Len()+len(item)+len(tail) <= maxHostFileBytes {
+		b.WriteString(item)
+	}
+	b.WriteString(tail)
+	return []byte(b.String())
 }

@@ -3,6 +3,7 @@ package mps
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
@@ -31,6 +32,15 @@ const (
 	// maxHostFileBytes bounds what is read from either file; a few thousand
 	// devices fit many times over.
 	maxHostFileBytes = 4 << 20
+	// maxHostFileValues bounds the JSON values either file may hold, counted
+	// as the ',', '{' and '[' that separate or open them: a daemon or a
+	// device's health takes 5, so some 3,000 devices fit. It is checked
+	// before decoding, as encoding/json makes an item of every list or map
+	// entry, even after a type error: 4 MiB of "{}," cost over 500 MB.
+	maxHostFileValues = 1 << 14
+	// maxDaemons bounds a daemon list (16 GPUs of 7 MIG devices are 112),
+	// so that desired.json and health.json stay within maxHostFileValues.
+	maxDaemons = 1024
 )
 
 // DesiredFile is the content of DesiredFileName.
@@ -96,10 +106,15 @@ func (d *Duration) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// validateDaemons checks a daemon list as Set takes it: each valid, none
-// listed twice. It returns the list by device.
+// validateDaemons checks a daemon list as Set takes it: at most maxDaemons,
+// each valid, none listed twice, each in a folder of its own under the root.
+// It returns the list by device.
 func validateDaemons(daemons []Daemon) (map[string]Daemon, error) {
+	if len(daemons) > maxDaemons {
+		return nil, fmt.Errorf("%d mps daemons, more than the %d one node may run", len(daemons), maxDaemons)
+	}
 	byDevice := make(map[string]Daemon, len(daemons))
+	byFolder := make(map[string]string, len(daemons))
 	for _, d := range daemons {
 		if err := d.Validate(); err != nil {
 			return nil, err
@@ -107,18 +122,31 @@ func validateDaemons(daemons []Daemon) (map[string]Daemon, error) {
 		if _, dup := byDevice[d.Device]; dup {
 			return nil, fmt.Errorf("gpu %d (%s): mps daemon listed twice", d.Index, d.Device)
 		}
+		if other, dup := byFolder[dirName(d.Device)]; dup {
+			return nil, fmt.Errorf("gpu %d (%s): mps daemon would share the folder %s with %s's", d.Index, d.Device, dirName(d.Device), other)
+		}
 		byDevice[d.Device] = d
+		byFolder[dirName(d.Device)] = d.Device
 	}
 	return byDevice, nil
 }
 
-// readHostFile checks path's version and decodes it strictly into v (a
-// *DesiredFile or *HealthFile). Errors name the file.
-func readHostFile(path string, v any) error {
+// readHostFile reads path, at most maxHostFileBytes of it. A missing file is
+// an error for which errors.Is(err, fs.ErrNotExist) holds.
+func readHostFile(path string) ([]byte, error) {
 	b, err := atomicfile.ReadFile(path, maxHostFileBytes)
 	if err != nil {
 		// Wrapped, so callers still tell "missing" apart.
-		return fmt.Errorf("%s: %w", path, err)
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return b, nil
+}
+
+// decodeHostFile checks b's version and decodes it strictly into v (a
+// *DesiredFile or *HealthFile).
+func decodeHostFile(b []byte, v any) error {
+	if n := jsonValues(b); n > maxHostFileValues {
+		return fmt.Errorf("%d of ',', '{' and '[', more than the %d a file of a few thousand devices holds; refused undecoded", n, maxHostFileValues)
 	}
 	// The version first: a file of another version is refused as that, not
 	// for the fields it has that this one does not know.
@@ -126,34 +154,60 @@ func readHostFile(path string, v any) error {
 		Version int `json:"version"`
 	}
 	if err := json.Unmarshal(b, &head); err != nil {
-		return fmt.Errorf("%s: %w", path, err)
+		return err
 	}
 	if head.Version != FileVersion {
-		return fmt.Errorf("%s: version %d, this gpu-agent reads version %d", path, head.Version, FileVersion)
+		return fmt.Errorf("version %d, this gpu-agent reads version %d", head.Version, FileVersion)
 	}
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
-		return fmt.Errorf("%s: %w", path, err)
+		return err
 	}
 	if dec.More() {
-		return fmt.Errorf("%s: data after the JSON object", path)
+		return errors.New("data after the JSON object")
 	}
 	return nil
+}
+
+// jsonValues counts the bytes of b that separate or open a JSON value, also
+// inside strings, so it bounds the values decoding can make.
+func jsonValues(b []byte) int {
+	n := 0
+	for _, c := range b {
+		switch c {
+		case ',', '{', '[':
+			n++
+		}
+	}
+	return n
 }
 
 // ReadDesiredFile reads and validates a desired.json. A missing file is an
 // error for which errors.Is(err, fs.ErrNotExist) holds.
 func ReadDesiredFile(path string) (*DesiredFile, error) {
+	b, err := readHostFile(path)
+	if err != nil {
+		return nil, err
+	}
+	f, err := parseDesiredFile(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return f, nil
+}
+
+// parseDesiredFile decodes and validates the content of a desired.json.
+func parseDesiredFile(b []byte) (*DesiredFile, error) {
 	var f DesiredFile
-	if err := readHostFile(path, &f); err != nil {
+	if err := decodeHostFile(b, &f); err != nil {
 		return nil, err
 	}
 	if f.Generation < 1 {
-		return nil, fmt.Errorf("%s: generation %d: must be at least 1", path, f.Generation)
+		return nil, fmt.Errorf("generation %d: must be at least 1", f.Generation)
 	}
 	if _, err := validateDaemons(f.Daemons); err != nil {
-		return nil, fmt.Errorf("%s: generation %d: %w", path, f.Generation, err)
+		return nil, fmt.Errorf("generation %d: %w", f.Generation, err)
 	}
 	return &f, nil
 }
@@ -161,12 +215,25 @@ func ReadDesiredFile(path string) (*DesiredFile, error) {
 // ReadHealthFile reads a health.json. A missing file is an error for which
 // errors.Is(err, fs.ErrNotExist) holds.
 func ReadHealthFile(path string) (*HealthFile, error) {
+	b, err := readHostFile(path)
+	if err != nil {
+		return nil, err
+	}
+	f, err := parseHealthFile(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return f, nil
+}
+
+// parseHealthFile decodes and checks the content of a health.json.
+func parseHealthFile(b []byte) (*HealthFile, error) {
 	var f HealthFile
-	if err := readHostFile(path, &f); err != nil {
+	if err := decodeHostFile(b, &f); err != nil {
 		return nil, err
 	}
 	if f.Interval <= 0 {
-		return nil, fmt.Errorf("%s: interval %v: must be positive", path, time.Duration(f.Interval))
+		return nil, fmt.Errorf("interval %v: must be positive", time.Duration(f.Interval))
 	}
 	return &f, nil
 }

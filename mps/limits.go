@@ -45,6 +45,10 @@ func (d Daemon) Validate() error {
 	if d.Device == "" {
 		return fmt.Errorf("gpu %d: mps daemon: empty device UUID", d.Index)
 	}
+	if dirName(d.Device) == "." {
+		// Its pipe and log directories would be the MPS root's own.
+		return fmt.Errorf("gpu %d: mps daemon: device %q names no folder of its own", d.Index, d.Device)
+	}
 	if d.ActiveThreadPercentage < 0 || d.ActiveThreadPercentage > 100 {
 		return fmt.Errorf("gpu %d (%s): activeThreadPercentage %d: must be 0..100", d.Index, d.Device, d.ActiveThreadPercentage)
 	}

@@ -1,10 +1,13 @@
 package mps
 
 import (
+	"encoding/json"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu"
@@ -64,6 +67,10 @@ func TestDaemonValidate(t *testing.T) {
 		{Daemon{Device: "GPU-a", ActiveThreadPercentage: 101}, "0..100"},
 		{Daemon{Device: "GPU-a", ActiveThreadPercentage: -1}, "0..100"},
 		{Daemon{Device: "GPU-a", PinnedMemLimitBytes: 1000}, "below 1 MiB"},
+		// Its pipe and log directories would be the MPS root's own (found by
+		// FuzzParseDesiredFile).
+		{Daemon{Device: "."}, `device "." names no folder of its own`},
+		{Daemon{Device: "./"}, ""}, // folder "._"
 	}
 	for _, tt := range tests {
 		err := tt.d.Validate()
@@ -112,6 +119,49 @@ func TestContainerSpec(t *testing.T) {
 				t.Errorf("mounts = %+v, want %+v", mounts, tt.wantMounts)
 			}
 		})
+	}
+}
+
+// Devices whose folders under the root would be one (an old MIG UUID's
+// slashes become underscores) cannot both have a daemon: the second would
+// take the first's pipe directory and pid file.
+func TestValidateDaemonsOneFolderEach(t *testing.T) {
+	for _, pair := range [][2]string{{"MIG-GPU-x/1/0", "MIG-GPU-x_1_0"}, {"a..b", "a_b"}, {"GPU-a", "GPU-a"}} {
+		_, err := validateDaemons([]Daemon{{Device: pair[0]}, {Device: pair[1], Index: 1}})
+		if err == nil || !strings.Contains(err.Error(), pair[0]) || !strings.Contains(err.Error(), pair[1]) {
+			t.Errorf("validateDaemons(%q, %q) = %v, want an error naming both", pair[0], pair[1], err)
+		}
+	}
+	if _, err := validateDaemons([]Daemon{{Device: "MIG-GPU-x/1/0"}, {Device: "MIG-GPU-x/2/0"}}); err != nil {
+		t.Errorf("two MIG devices of one GPU: %v", err)
+	}
+}
+
+// The longest daemon list Set takes is one desired.json and health.json can
+// hold: every field set, the reason as long as it gets, with separators.
+func TestMaxDaemonsFitHostFiles(t *testing.T) {
+	daemons := make([]Daemon, maxDaemons)
+	health := HealthFile{Version: FileVersion, Interval: Duration(time.Second), Devices: map[string]DeviceHealth{}}
+	for i := range daemons {
+		daemons[i] = Daemon{Device: fmt.Sprintf("MIG-%d", i), Index: i, ActiveThreadPercentage: 1, PinnedMemLimitBytes: 1 << 30}
+		health.Devices[daemons[i].Device] = DeviceHealth{PID: 1, Generation: 1,
+			Reason: "pid 1 from the pid file never answered as an mps daemon in 3 checks; starting a new one"}
+	}
+	if _, err := validateDaemons(daemons); err != nil {
+		t.Fatal(err)
+	}
+	desired := DesiredFile{Version: FileVersion, Generation: 1, Daemons: daemons}
+	for name, v := range map[string]any{"desired.json": desired, "health.json": health} {
+		b, err := json.MarshalIndent(v, "", "  ")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := jsonValues(b); n > maxHostFileValues || len(b) > maxHostFileBytes {
+			t.Errorf("%s of %d devices: %d bytes, %d values; the readers take %d and %d", name, maxDaemons, len(b), n, maxHostFileBytes, maxHostFileValues)
+		}
+	}
+	if _, err := validateDaemons(append(daemons, Daemon{Device: "GPU-one-more"})); err == nil {
+		t.Errorf("%d daemons accepted", maxDaemons+1)
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"maps"
 	"os"
@@ -442,9 +443,8 @@ func (s *Supervisor) adopt(d Daemon, p *proc) bool {
 		return false
 	}
 	p.pid, p.ours, p.applied, p.unanswered = pid, false, Daemon{}, 0
-	b, err := os.ReadFile(filepath.Join(LogDir(s.opts.Root, d.Device), recordName))
-	var rec limitsRecord
-	if err == nil && json.Unmarshal(b, &rec) == nil && rec == newRecord(d, pid) {
+	b, err := readSmall(filepath.Join(LogDir(s.opts.Root, d.Device), recordName))
+	if err == nil && carriesLimits(b, d, pid) {
 		p.applied = d
 	}
 	s.log.Info("adopting running mps daemon", "gpu", d.Index, "device", d.Device, "pid", pid, "limitsApplied", p.applied == d)
@@ -460,6 +460,13 @@ type limitsRecord struct {
 
 func newRecord(d Daemon, pid int) limitsRecord {
 	return limitsRecord{PID: pid, ActiveThreadPercentage: d.ActiveThreadPercentage, PinnedMemLimitBytes: d.PinnedMemLimitBytes}
+}
+
+// carriesLimits reports whether b, the content of a daemon's recordName,
+// says that process pid (> 0) carries d's limits.
+func carriesLimits(b []byte, d Daemon, pid int) bool {
+	var rec limitsRecord
+	return json.Unmarshal(b, &rec) == nil && rec == newRecord(d, pid)
 }
 
 // record notes that pid carries d's limits; pid 0 withdraws the note. Failing
@@ -729,14 +736,45 @@ func (s *Supervisor) quit(ctx context.Context, t target, pid int, ours bool) err
 	return nil
 }
 
+// maxSmallFile bounds what is read of a pid file or a limits record: each
+// holds a line, and a file that does not must not be read whole.
+const maxSmallFile = 4 << 10
+
+// readSmall reads a pid file or limits record, at most maxSmallFile bytes.
+func readSmall(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxSmallFile+1))
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if len(b) > maxSmallFile {
+		return nil, fmt.Errorf("%s: larger than %d bytes", path, maxSmallFile)
+	}
+	return b, nil
+}
+
 func readPID(path string) (int, error) {
-	b, err := os.ReadFile(path)
+	b, err := readSmall(path)
 	if err != nil {
 		return 0, err
 	}
+	pid, err := parsePID(b)
+	if err != nil {
+		return 0, fmt.Errorf("%s: %w", path, err)
+	}
+	return pid, nil
+}
+
+// parsePID reads the content of a pid file: a positive process id and
+// optional white space.
+func parsePID(b []byte) (int, error) {
 	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
 	if err != nil || pid <= 0 {
-		return 0, fmt.Errorf("%s: bad pid %q", path, bytes.TrimSpace(b))
+		return 0, fmt.Errorf("bad pid %q", bytes.TrimSpace(b))
 	}
 	return pid, nil
 }

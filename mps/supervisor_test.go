@@ -667,3 +667,30 @@ func TestSetRefusesInvalidListAndKeepsPrevious(t *testing.T) {
 		t.Errorf("GPU-a after refused Sets: %q, want still desired (starting)", reason)
 	}
 }
+
+// A pid file is one line; readPID reads at most maxSmallFile bytes of it.
+func TestReadPID(t *testing.T) {
+	tests := []struct {
+		content string
+		pid     int
+		wantErr string
+	}{
+		{"4242\n", 4242, ""},
+		{" 7 ", 7, ""},
+		{"0", 0, `bad pid "0"`},
+		{"-3\n", 0, `bad pid "-3"`},
+		{"12\n13\n", 0, "bad pid"},
+		{strings.Repeat(" ", maxSmallFile) + "7", 0, "larger than 4096 bytes"},
+	}
+	for _, tt := range tests {
+		path := filepath.Join(t.TempDir(), pidFileName)
+		if err := os.WriteFile(path, []byte(tt.content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		pid, err := readPID(path)
+		if pid != tt.pid || tt.wantErr == "" && err != nil ||
+			tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr) || !strings.Contains(err.Error(), path)) {
+			t.Errorf("readPID(%.20q) = %d, %v; want %d, error naming the file and containing %q", tt.content, pid, err, tt.pid, tt.wantErr)
+		}
+	}
+}

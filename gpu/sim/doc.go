@@ -103,8 +103,8 @@
 //	                       "enc_util", "dec_util"; fields left out keep their value, at least one
 //	                       is needed; with "gi" (a GPU instance id) only "gpu_util" and "mem_util"
 //	POST /sim/fail         {"gpu":0,"call":"GetMigMode","count":1}  optional "error" (default
-//	                       "ERROR_UNKNOWN"; any ERROR_* name); "count" -1 fails until cleared, 0 clears;
-//	                       "call" as FailCalls names it
+//	                       "ERROR_UNKNOWN"; any ERROR_* name); "count" -1 fails until cleared, 0 clears,
+//	                       below -1 is refused; "call" as FailCalls names it
 //	POST /sim/flaky        {"rate":0.02,"seed":1}       "rate" 0 turns it off; "seed" defaults to 0
 //
 // Example:

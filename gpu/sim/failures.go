@@ -23,8 +23,9 @@ type failure struct {
 
 // FailCalls makes the next count calls of one NVML method on GPU gpu (its
 // handle, MIG device handles, GPU and compute instances) return ret instead
-// of running, so nothing changes. count < 0 fails every call until
-// FailCalls is called again with count 0, which clears it. Failures stand
+// of running, so nothing changes. count -1 fails every call until
+// FailCalls is called again with count 0, which clears it; a count below -1
+// is an error (it would read as a number of calls). Failures stand
 // for the driver, not the GPU: they are not kept in the state file.
 //
 // call is the method's name on its handle: "GetMigMode" or
@@ -47,6 +48,9 @@ func (n *Node) FailCalls(gpu int, call string, ret nvml.Return, count int) error
 	}
 	if ret == nvml.SUCCESS {
 		return fmt.Errorf("sim gpu %d (%s): fail calls to %s: the return code must be an error, not SUCCESS", g.index, g.uuid, name)
+	}
+	if count < -1 {
+		return fmt.Errorf("sim gpu %d (%s): fail calls to %s: count %d, want the number of calls, -1 (until cleared) or 0 (clears)", g.index, g.uuid, name, count)
 	}
 	k := failKey{g.index, name}
 	if count == 0 {

@@ -146,6 +146,10 @@ func TestFailCallsErrors(t *testing.T) {
 			t.Errorf("FailCalls(%d, %q, %v): %v, want %q", tt.gpu, tt.call, tt.ret, err, tt.want)
 		}
 	}
+	// -1 is "until cleared"; -2 means nothing.
+	if err := n.FailCalls(1, "GetUUID", nvml.ERROR_UNKNOWN, -2); err == nil || !strings.Contains(err.Error(), "count -2") {
+		t.Errorf("FailCalls with count -2: %v, want an error naming the count", err)
+	}
 }
 
 // An injected failure is the driver refusing a call: before Init the

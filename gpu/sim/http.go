@@ -223,6 +223,9 @@ func serveFail(n *Node, dec *json.Decoder) error {
 	if req.Count == nil {
 		return errors.New(`missing "count" (calls to fail; -1 until cleared, 0 clears)`)
 	}
+	if *req.Count < -1 {
+		return fmt.Errorf(`"count" %d: want the number of calls to fail, -1 (until cleared) or 0 (clears)`, *req.Count)
+	}
 	ret := nvml.ERROR_UNKNOWN
 	if req.Error != nil {
 		if ret, err = parseReturn(*req.Error); err != nil {

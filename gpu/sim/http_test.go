@@ -10,15 +10,19 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 )
 
-func TestHTTPHandler(t *testing.T) {
-	tests := []struct {
-		name    string
-		method  string
-		path    string
-		body    string
-		status  int
-		errPart string // in the error message
-	}{
+// httpCase is one request to the /sim handler and its answer, on one
+// dgx-a100 that took the cases before it.
+type httpCase struct {
+	name    string
+	method  string
+	path    string
+	body    string
+	status  int
+	errPart string // in the error message
+}
+
+func httpCases() []httpCase {
+	return []httpCase{
 		{"xid", "POST", "/sim/xid", `{"gpu":1,"xid":48}`, 200, ""},
 		{"xid with instance, prefix stripped", "POST", "/xid", `{"gpu":1,"xid":94,"gi":2,"ci":0}`, 200, ""},
 		{"xid missing gpu", "POST", "/sim/xid", `{"xid":48}`, 400, `missing "gpu"`},
@@ -42,6 +46,10 @@ func TestHTTPHandler(t *testing.T) {
 		{"GET not allowed", "GET", "/sim/xid", ``, 405, "use POST"},
 		{"unknown path", "POST", "/sim/melt", `{}`, 404, "no such endpoint"},
 	}
+}
+
+func TestHTTPHandler(t *testing.T) {
+	tests := httpCases()
 	n := newNode(t, "dgx-a100")
 	s := registered(t, n, nvml.EventTypeXidCriticalError, 1)
 	h := n.Handler()
@@ -97,5 +105,63 @@ func TestHTTPHandler(t *testing.T) {
 	h.ServeHTTP(rec, httptest.NewRequest("POST", "/sim/lost", strings.NewReader(`{"gpu":5,"lost":false}`)))
 	if _, r := n.DeviceGetHandleByIndex(5); rec.Code != 200 || r != nvml.SUCCESS {
 		t.Errorf("GPU 5 after lost=false: %d %v", rec.Code, r)
+	}
+}
+
+// /sim/fail takes a count of -1 (until cleared), 0 (clear) or a number of
+// calls; anything below -1 is refused, naming the field, and fails no call.
+func TestHTTPFailCount(t *testing.T) {
+	tests := []struct {
+		name   string
+		count  string
+		status int
+		want   string // in the error, or the GetMigMode results after the request
+	}{
+		{"until cleared", "-1", 200, "UUU"},
+		{"clears", "0", 200, "..."},
+		{"twice", "2", 200, "UU."},
+		{"minus two", "-2", 400, `"count" -2`},
+		{"most negative", "-9223372036854775808", 400, `"count" -9223372036854775808`},
+		{"not an integer", "1.5", 400, "bad JSON"},
+		{"missing", "", 400, `missing "count"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			n := newNode(t, "dgx-h100")
+			body := `{"gpu":0,"call":"GetMigMode","error":"ERROR_UNKNOWN"`
+			if tt.count != "" {
+				body += `,"count":` + tt.count
+			}
+			body += "}"
+			rec := httptest.NewRecorder()
+			n.Handler().ServeHTTP(rec, httptest.NewRequest("POST", "/sim/fail", strings.NewReader(body)))
+			if rec.Code != tt.status {
+				t.Fatalf("status %d, want %d; body %s", rec.Code, tt.status, rec.Body)
+			}
+			var calls strings.Builder
+			for range 3 {
+				switch _, _, r := handle(t, n, 0).GetMigMode(); r {
+				case nvml.SUCCESS:
+					calls.WriteByte('.')
+				case nvml.ERROR_UNKNOWN:
+					calls.WriteByte('U')
+				default:
+					t.Fatalf("GetMigMode: %v", r)
+				}
+			}
+			if tt.status != 200 {
+				var resp struct{ Error string }
+				if err := json.Unmarshal(rec.Body.Bytes(), &resp); err != nil || !strings.Contains(resp.Error, tt.want) {
+					t.Errorf("error %q (%v), want it to contain %q", resp.Error, err, tt.want)
+				}
+				if calls.String() != "..." {
+					t.Errorf("refused request changed the node: GetMigMode gave %s", calls.String())
+				}
+				return
+			}
+			if calls.String() != tt.want {
+				t.Errorf("GetMigMode gave %s, want %s", calls.String(), tt.want)
+			}
+		})
 	}
 }

@@ -19,6 +19,18 @@ import (
 // stateVersion is the state file format this build writes and reads.
 const stateVersion = 1
 
+// maxStateBytes bounds what a state file may hold: a profile with every GPU
+// split into 1-slice instances writes about 31 KB, and a path that names
+// something else (a log, a device) must not fill memory.
+const maxStateBytes = 1 << 20
+
+// maxStructurePerGPU bounds the JSON values a state file may hold per GPU,
+// counted as the ',', '{' and '[' that separate or open them: a GPU split
+// into seven instances, each with its compute instance, takes 123. The count
+// is checked before decoding, as encoding/json makes a record of every list
+// item, even after a type error: some 200 bytes for each 2 bytes of "{},".
+const maxStructurePerGPU = 1024
+
 // WithStateFile keeps the node's GPU state in the file at path, so that it
 // outlives the process as a real GPU's does across an agent restart: MIG
 // modes, GPU and compute instances (with their ids, placements and hence
@@ -106,10 +118,6 @@ type stateStore struct {
 	written []byte
 }
 
-// maxStateBytes bounds the state file read back: a few kilobytes a GPU, so
-// anything near this is not a state file of ours.
-const maxStateBytes = 16 << 20
-
 // openState locks the state file at path and reads it; data is nil when
 // the file does not exist yet.
 func openState(path string) (s *stateStore, data []byte, err error) {
@@ -119,7 +127,7 @@ func openState(path string) (s *stateStore, data []byte, err error) {
 	}
 	s = &stateStore{path: path, lock: lock}
 	removeStaleTemps(path)
-	data, err = atomicfile.ReadFile(path, maxStateBytes)
+	data, err = readState(path)
 	if errors.Is(err, fs.ErrNotExist) {
 		return s, nil, nil
 	}
@@ -128,6 +136,15 @@ func openState(path string) (s *stateStore, data []byte, err error) {
 		return nil, nil, err
 	}
 	return s, data, nil
+}
+
+// readState reads the state file at path, at most maxStateBytes of it.
+func readState(path string) ([]byte, error) {
+	data, err := atomicfile.ReadFile(path, maxStateBytes)
+	if errors.Is(err, atomicfile.ErrTooLarge) {
+		return nil, fmt.Errorf("larger than %d bytes, not a state file", maxStateBytes)
+	}
+	return data, err
 }
 
 // removeStaleTemps deletes temporary files of writes a killed process left
@@ -234,6 +251,9 @@ func (n *Node) load(data []byte) error {
 	if len(bytes.TrimSpace(data)) == 0 {
 		return errors.New("file is empty (truncated?)")
 	}
+	if got, most := structure(data), maxStructurePerGPU*(1+len(n.gpus)); got > most {
+		return fmt.Errorf("%d of ',', '{' and '[', more than a state file of %d GPUs holds (%d); refused undecoded", got, len(n.gpus), most)
+	}
 	// The version first, alone: a newer format may add fields the strict
 	// decode below would report as the less helpful "unknown field".
 	var head struct {
@@ -266,6 +286,19 @@ func (n *Node) load(data []byte) error {
 		}
 	}
 	return nil
+}
+
+// structure counts the bytes of data that separate or open a JSON value,
+// also inside strings, so it bounds the values decoding can make.
+func structure(data []byte) int {
+	n := 0
+	for _, b := range data {
+		switch b {
+		case ',', '{', '[':
+			n++
+		}
+	}
+	return n
 }
 
 func (n *Node) loadGPU(g *gpuState, rec gpuRecord) error {
@@ -326,6 +359,8 @@ func (n *Node) loadGI(g *gpuState, gr giRecord) error {
 		return fmt.Errorf("placement %d+%d overlaps another instance", pl.Start, pl.Size)
 	case g.countOf(p) >= p.count:
 		return fmt.Errorf("more than %d instances of %s", p.count, p.name)
+	case !g.ofaLeft(p, n.spec.model):
+		return fmt.Errorf("%s needs an optical flow accelerator, and the GPU has none left", p.name)
 	}
 	gi := n.addGI(g, gr.ID, p, pl.Start)
 	for _, cr := range gr.ComputeInstances {

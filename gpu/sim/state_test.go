@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -321,6 +322,9 @@ func TestStateFileErrors(t *testing.T) {
 			gi0(st)["compute_instances"].([]any)[0].(map[string]any)["profile_id"] = nvml.COMPUTE_INSTANCE_PROFILE_7_SLICE
 		}), "compute instance 0: profile_id 4 does not fit a 3g.20gb instance"},
 		{"negative remap", edited(func(st map[string]any) { gpuRec(st, 2)["remapped_rows"] = map[string]any{"corrected": -1} }), "gpu 2: negative remapped_rows"},
+		// A valid file padded past the bound: refused unread, so that a path
+		// naming something else cannot fill memory.
+		{"too large", append(bytes.Repeat([]byte(" "), maxStateBytes), good...), "larger than 1048576 bytes"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -349,6 +353,67 @@ func TestStateFileErrors(t *testing.T) {
 			}
 			n.Close()
 		})
+	}
+}
+
+// A state file of the largest size allowed, but all list items, is refused
+// before it is decoded: encoding/json makes a record of every item (even
+// after a type error), which cost over 200 MB for 1 MiB of "{},".
+func TestStateLoadBoundsMemory(t *testing.T) {
+	for _, shape := range []struct{ name, head, item, tail string }{
+		{"GPUs", `{"version":1,"profile":"gh200","gpus":[{}`, ",{}", "]}"},
+		{"numbers for GPU instances", `{"version":1,"profile":"gh200","gpus":[{"gpu_instances":[1`, ",1", "]}]}"},
+	} {
+		var b strings.Builder
+		b.WriteString(shape.head)
+		for b.Len()+len(shape.item)+len(shape.tail) <= maxStateBytes {
+			b.WriteString(shape.item)
+		}
+		b.WriteString(shape.tail)
+		data := []byte(b.String())
+		n, err := New("gh200")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		err = n.load(data)
+		runtime.ReadMemStats(&after)
+		if err == nil || !strings.Contains(err.Error(), "refused undecoded") {
+			t.Errorf("%s: load = %v, want it refused undecoded", shape.name, err)
+		}
+		if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 4<<20 {
+			t.Errorf("%s: loading %d bytes allocated %d MB", shape.name, len(data), alloc>>20)
+		}
+	}
+}
+
+// An A30 has one optical flow accelerator, which each +me profile takes:
+// NVML makes a 1g.6gb+me or a 2g.12gb+me, never both, and neither may a
+// state file.
+func TestStateRefusesSecondOFA(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "s.json")
+	n := openStateNode(t, "pcie-a30x4", path, WithMIGEnabled())
+	d := handle(t, n, 0)
+	createFullCI(t, createGI(t, d, nvml.GPU_INSTANCE_PROFILE_1_SLICE_REV1, 0))
+	_, r := d.CreateGpuInstanceWithPlacement(giInfo(t, d, nvml.GPU_INSTANCE_PROFILE_2_SLICE_REV1), &nvml.GpuInstancePlacement{Start: 2, Size: 2})
+	wantRet(t, "second +me instance", r, nvml.ERROR_INSUFFICIENT_RESOURCES)
+	createGI(t, d, nvml.GPU_INSTANCE_PROFILE_2_SLICE, 2) // no compute instance: its UUID would name the profile
+	closeNode(t, n)
+	good, _ := os.ReadFile(path)
+	from, to := `"profile_id": 5,
+          "profile": "2g.12gb",`, `"profile_id": 6,
+          "profile": "2g.12gb+me",`
+	if !bytes.Contains(good, []byte(from)) {
+		t.Fatalf("state file lacks %s:\n%s", from, good)
+	}
+	if err := os.WriteFile(path, bytes.Replace(good, []byte(from), []byte(to), 1), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err := New("pcie-a30x4", WithStateFile(path))
+	if want := "gpu 0: gpu instance 2: 2g.12gb+me needs an optical flow accelerator"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("New: %v, want %q", err, want)
 	}
 }
 
