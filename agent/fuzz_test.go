@@ -1,0 +1,97 @@
+package agent
+
+import (
+	"encoding/json"
+	"maps"
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+// The checkpoint is read back from disk at every start: whatever its bytes,
+// DecodeCheckpoint refuses them or gives a checkpoint that encodes and
+// decodes to itself, and that an agent restores without panicking.
+func FuzzDecodeCheckpoint(f *testing.F) {
+	for _, s := range []string{
+		`{"version":1,"node":"n","written":"2026-11-23T00:00:00Z","allocated":{"MIG-a":"2026-11-23T00:00:00Z"}}`,
+		`{"version":2,"node":"n","written":"2026-11-23T00:00:00Z","claims":{"uid-a":{"namespace":"default","name":"a","devices":[{"requests":["gpu"],"device":"gpu-0","cdiDevices":["nvidia.com/gpu=GPU-0"],"uuid":"GPU-0"}],"at":"2026-11-23T00:00:00Z"}}}`,
+		`{"version":3,"node":"n","written":"2026-11-23T00:00:00Z","gpus":[{"index":0,"uuid":"GPU-0","name":"NVIDIA A100-SXM4-40GB"}],"intents":{"u":{"namespace":"a","name":"b","devices":[{"device":"gpu-0-mig-1g5gb-0","created":true,"parent":"GPU-0","profile":"1g.5gb","placement":{"start":0,"size":1}}],"at":"2026-11-23T00:00:00Z"}},"releasing":{"v":{"namespace":"a","name":"c","devices":[],"at":"2026-11-23T00:00:00Z"}},"dynamicMIG":["GPU-0"]}`,
+		`{"version":3,"written":"2026-11-23T00:00:00Z","health":[{"cause":{"gpu":"GPU-0","kind":"xid","xid":79}}]}`,
+		`{"version":3}{}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		cp, err := DecodeCheckpoint(b)
+		if err != nil {
+			if err.Error() == "" {
+				t.Fatal("an error without a message")
+			}
+			return
+		}
+		again, err := json.Marshal(cp)
+		if err != nil {
+			t.Fatalf("a decoded checkpoint does not encode: %v", err)
+		}
+		cp2, err := DecodeCheckpoint(again)
+		if err != nil {
+			t.Fatalf("a decoded checkpoint does not decode again: %v\n%s", err, again)
+		}
+		if third, _ := json.Marshal(cp2); string(third) != string(again) {
+			t.Fatalf("not stable:\n%s\n%s", again, third)
+		}
+		a := New(Options{Restored: cp, NodeName: "n", Now: func() time.Time { return time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC) }})
+		if err := a.ledger.claim("fuzz", PreparedClaim{}); err != nil {
+			t.Fatalf("an empty claim refused after restoring: %v", err)
+		}
+	})
+}
+
+// The allocation log is read back at every start: any bytes give the
+// records that are whole, each a device ID within bounds and a time, and
+// what the log keeps of them (rewrite) reads back the same.
+func FuzzDecodeAllocLog(f *testing.F) {
+	for _, s := range []string{
+		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"MIG-a\",\"MIG-b\"]}\n{\"at\":\"2026-11-23T12:00:01Z\",\"ids\":[\"GPU-c\"]}\n",
+		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"MIG-a\"]}\n{\"at\":\"2026-11-23T12:00:09Z\",\"ids\":[\"GPU-",
+		"{\"at\":\"0001-01-01T00:00:00Z\",\"ids\":[\"a\"]}\n",
+		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[]}\n\n\n",
+		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"x\"],\"extra\":1}\n",
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		got, bad := DecodeAllocLog(b)
+		if len(bad) > 10 {
+			t.Fatalf("%d errors reported, want at most 10", len(bad))
+		}
+		for id, at := range got {
+			if id == "" || len(id) > maxIDBytes || at.IsZero() {
+				t.Fatalf("entry %q at %v out of bounds", id, at)
+			}
+		}
+		dir := t.TempDir()
+		l := &allocLog{path: dir + "/" + AllocLogFile}
+		if err := l.rewrite(got); err != nil {
+			t.Fatal(err)
+		}
+		defer l.close()
+		again, bad := DecodeAllocLog(readFile(t, l.path))
+		if len(bad) != 0 || !maps.EqualFunc(got, again, func(x, y time.Time) bool { return x.Equal(y) }) {
+			t.Fatalf("rewritten log reads back %v (%v), want %v", again, bad, got)
+		}
+		if strings.Count(string(readFile(t, l.path)), "\n") != len(got) {
+			t.Fatalf("rewrite is not one line per device")
+		}
+	})
+}
+
+func readFile(t *testing.T, path string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
