@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"runtime"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -37,7 +38,7 @@ type sampled interface{ Snapshot() *health.Snapshot }
 // the DRA driver's publishing state (nil without DRA).
 func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples sampled, draSlices func() dra.Slices, reg *prometheus.Registry, be *backend) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.Handle("GET /metrics", fewAtATime(runtime.GOMAXPROCS(0), promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg})))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		if !ag.Alive() {
 			http.Error(w, "reconcile loop has not completed a pass recently", http.StatusServiceUnavailable)
@@ -86,6 +87,27 @@ func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples s
 		mux.Handle("/sim/", be.Sim.Handler())
 	}
 	return mux
+}
+
+// fewAtATime lets at most n requests into h at once; the others wait their
+// turn, parked, for as long as their clients do. Rendering /metrics is
+// CPU-bound: more renders at once than the runtime has threads to run them
+// finish none sooner, and each is one more runnable goroutine that a
+// probe's goroutine (and the HTTP accept loop) queues behind. With every
+// slot of the connection limit rendering, that queue made probes wait
+// most of their second (issue 23).
+func fewAtATime(n int, h http.Handler) http.Handler {
+	turns := make(chan struct{}, n)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case turns <- struct{}{}:
+		case <-r.Context().Done():
+			http.Error(w, "gave up waiting for its turn", http.StatusServiceUnavailable)
+			return
+		}
+		defer func() { <-turns }()
+		h.ServeHTTP(w, r)
+	})
 }
 
 func hasSamples(s *health.Snapshot) bool { return s != nil && len(s.GPUs) > 0 }

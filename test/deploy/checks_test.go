@@ -203,6 +203,11 @@ func checkDaemonSet(t *testing.T, ds *appsv1.DaemonSet) {
 		if p.probe == nil || p.probe.HTTPGet == nil || p.probe.HTTPGet.Path != p.path || p.probe.HTTPGet.Port.String() != "metrics" {
 			t.Errorf("%s probe = %+v, want GET %s on the metrics port", p.name, p.probe, p.path)
 		}
+		// cmd/gpu-agent's TestHTTPProbesAnsweredThroughScrapeStorm holds
+		// the agent to answering within this.
+		if p.probe != nil && p.probe.TimeoutSeconds != 1 {
+			t.Errorf("%s probe timeoutSeconds = %d, want 1", p.name, p.probe.TimeoutSeconds)
+		}
 	}
 	for _, r := range []struct {
 		what string
