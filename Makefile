@@ -55,6 +55,8 @@ bench:
 # Every fuzz target, as package:Target: each decoder of outside or persisted
 # bytes. Their seeds and testdata/fuzz corpora also run in every `go test`.
 FUZZ_TARGETS := \
+	./agent:FuzzDecodeAllocLog \
+	./agent:FuzzDecodeCheckpoint \
 	./cdi:FuzzParseMigMinors \
 	./config:FuzzParse \
 	./config:FuzzParseConfigMap \
@@ -62,14 +64,12 @@ FUZZ_TARGETS := \
 	./gpu:FuzzReadJSON \
 	./gpu/sim:FuzzHTTPHandler \
 	./gpu/sim:FuzzLoadState \
+	./mig:FuzzJournal \
 	./mps:FuzzCarriesLimits \
 	./mps:FuzzParseDesiredFile \
 	./mps:FuzzParseHealthFile \
 	./mps:FuzzParsePID \
 	./timeslice:FuzzParent
-# The agent checkpoint, its allocation log and the MIG journal join the list
-# here once their rewrite lands:
-# FUZZ_TARGETS += ./agent:FuzzLoadCheckpoint ./agent:FuzzAllocLog ./mig:FuzzJournal
 
 # Fuzzes each target for FUZZTIME. go test fuzzes one target of one package
 # per run. A new input that widens coverage is shrunk for at most

@@ -81,3 +81,45 @@ func TestUntrustedJournalSetAside(t *testing.T) {
 		})
 	}
 }
+
+// A journal's bytes are outside input: decodeJournal refuses them or gives
+// a journal Apply can resume (Next within the plan, every step one a
+// planner could make), and Apply resumes it on a simulated GPU without
+// panicking, whatever NVML then says.
+func FuzzJournal(f *testing.F) {
+	const uuid = "GPU-b6c6830a-c929-5dc0-96d9-69131533358b" // GPU 0 of sim:dgx-a100
+	for _, s := range []string{
+		`{"plan":{"gpu":0,"uuid":"` + uuid + `","want":{"migEnabled":true,"counts":{"1g.5gb":7}},"steps":[{"op":"create","profile":"1g.5gb","profileIndex":0,"placement":{"start":0,"size":1},"reason":"x"}]},"next":0}`,
+		`{"plan":{"gpu":0,"uuid":"` + uuid + `","want":{"migEnabled":true,"counts":{"7g.40gb":1}},"steps":[{"op":"destroy","profile":"1g.5gb","profileIndex":0,"placement":{"start":0,"size":1},"gi":1,"reason":"x"},{"op":"create","profile":"7g.40gb","profileIndex":4,"placement":{"start":0,"size":8},"reason":"x"}]},"next":1}`,
+		`{"plan":{"gpu":0,"uuid":"` + uuid + `","want":{"migEnabled":false},"steps":[{"op":"set-mig-mode","placement":{"start":0,"size":0},"reason":"x"}]},"next":-1}`,
+		`{"plan":{"gpu":0,"uuid":"GPU-other","steps":[]},"next":0}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		j, err := decodeJournal(b, uuid)
+		if err != nil {
+			return
+		}
+		if j.Next < 0 || j.Next > len(j.Plan.Steps) || j.Plan.UUID != uuid {
+			t.Fatalf("accepted a journal Apply cannot resume: next %d of %d, uuid %q", j.Next, len(j.Plan.Steps), j.Plan.UUID)
+		}
+		n, err := sim.New("dgx-a100", sim.WithMIGEnabled())
+		if err != nil {
+			t.Fatal(err)
+		}
+		n.Init()
+		defer n.Shutdown()
+		dir := t.TempDir()
+		ap := NewApplier(n, dir, slog.New(slog.DiscardHandler))
+		if err := os.MkdirAll(filepath.Join(dir, "mig"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(ap.path(uuid), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		plan := j.Plan
+		plan.GPU = 0
+		ap.Apply(context.Background(), plan) // errors are NVML's to give; a panic is ours
+	})
+}
