@@ -208,7 +208,7 @@ type Agent struct {
 	migStates map[int]MIGState
 	// migSaid is each GPU's MIG state as last logged and sent as an Event.
 	migSaid  map[int]MIGState
-	migErr   error
+	migErr   standingError
 	lastPass time.Time
 	lastLoop time.Time
 	saved    []byte

@@ -123,21 +123,36 @@ func Plan(s Snapshot) Desired {
 	if s.Selected.Config == nil {
 		return d
 	}
-	d.MIG, d.MIGErr, d.NeedFreshHoldings = planMIG(s)
+	d.MIG, d.MIGErr, d.NeedFreshHoldings = planMIG(s, s.Selected)
 	d.Config = s.Selected
 	planned, err := planWith(s, s.Selected)
+	badLayout := errors.Is(d.MIGErr, mig.ErrLayout)
+	if badLayout {
+		// A layout the GPUs cannot hold refuses the whole config before
+		// anything changes: its sharing and strategy assume that layout.
+		err = d.MIGErr
+	}
 	if err != nil {
 		d.FitErr = err
+		if badLayout {
+			d.MIG, d.MIGErr, d.NeedFreshHoldings = nil, nil, false
+		}
 		if s.LastGood.Config == nil || s.LastGood.Config == s.Selected.Config {
 			d.Config = config.Selected{}
 			return d
 		}
 		// Keep planning with the last config that fitted, so health and
-		// inventory changes still reach the kubelet.
+		// inventory changes still reach the kubelet. Its layout stays in
+		// force where the new one cannot be; otherwise the new layout is
+		// applied: a config that shares MIG devices fits only once they
+		// exist.
 		d.Config = s.LastGood
+		if badLayout {
+			d.MIG, d.MIGErr, d.NeedFreshHoldings = planMIG(s, s.LastGood)
+		}
 		if planned, err = planWith(s, s.LastGood); err != nil {
 			d.FitErr = fmt.Errorf("%w; the last good config %q no longer fits either: %w", d.FitErr, s.LastGood.Name, err)
-			d.Config = config.Selected{}
+			d.Config, d.MIG, d.MIGErr, d.NeedFreshHoldings = config.Selected{}, nil, nil, false
 			return d
 		}
 	}
@@ -194,12 +209,12 @@ func planWith(s Snapshot, sel config.Selected) (Planned, error) {
 // planMIG plans each GPU the selected layout names. The layout comes from
 // the selected config even when its sharing section does not fit yet: a
 // config that shares MIG devices fits only once they exist.
-func planMIG(s Snapshot) (out []GPUMIG, firstErr error, needFresh bool) {
-	layout := s.Selected.MIGLayout
+func planMIG(s Snapshot, sel config.Selected) (out []GPUMIG, firstErr error, needFresh bool) {
+	layout := sel.MIGLayout
 	if layout == nil || !s.MIGApplies || s.Inventory == nil {
 		return nil, nil, false
 	}
-	field := "configs." + s.Selected.Name + ".mig"
+	field := "configs." + sel.Name + ".mig"
 	wants, err := mig.Desired(layout, s.Inventory)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", field, err), false

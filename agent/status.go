@@ -177,8 +177,8 @@ func (a *Agent) publishStatus() {
 		s.Config.Error, s.Config.ErrorSince = a.selErr.err.Error(), a.selErr.since
 	case a.fitErr.stands():
 		s.Config.Error, s.Config.ErrorSince = a.fitErr.err.Error(), a.fitErr.since
-	case a.migErr != nil:
-		s.Config.Error = a.migErr.Error()
+	case a.migErr.stands():
+		s.Config.Error, s.Config.ErrorSince = a.migErr.err.Error(), a.migErr.since
 	}
 	s.MIG = a.migStatus()
 	if a.inv != nil {

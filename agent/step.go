@@ -421,7 +421,8 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 		if a.migStates != nil {
 			a.metrics.migPhases.Reset()
 		}
-		a.migStates, a.migErr = nil, d.MIGErr
+		a.migStates = nil
+		a.noteMIGErr(d.MIGErr)
 		clear(a.migSaid)
 		return false
 	}
@@ -462,15 +463,25 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 		states[gm.GPU] = st
 	}
 	err := errors.Join(errs...)
-	if err != nil && (a.migErr == nil || a.migErr.Error() != err.Error()) {
-		a.log.Error("MIG layout not applied", "config", a.selected.Name, "error", err)
-	}
-	a.migStates, a.migErr = states, err
+	a.noteMIGErr(err)
+	a.migStates = states
 	a.metrics.migPhases.Reset()
 	for _, st := range states {
 		a.metrics.migPhases.WithLabelValues(fmt.Sprint(st.GPU), st.UUID, st.Phase).Set(1)
 	}
 	return changed
+}
+
+// noteMIGErr keeps why the layout is not applied, logging it when it is
+// news.
+func (a *Agent) noteMIGErr(err error) {
+	if err == nil {
+		a.migErr.clear()
+		return
+	}
+	if a.migErr.set(err, a.now()) {
+		a.log.Error("MIG layout not applied", "config", a.selected.Name, "error", err)
+	}
 }
 
 // doom marks in the ledger, before any GPU is touched, every device the

@@ -535,3 +535,49 @@ func TestHungPodResourcesDoesNotStallTheLoop(t *testing.T) {
 		t.Errorf("%d 7g.80gb devices after the answer, want 8 (an unhealthy GPU nobody holds repartitions too)", n)
 	}
 }
+
+// Issue 23, defect 11: a MIG layout the GPUs cannot hold replaced the
+// config in force (32 time-sliced replicas became 8 whole GPUs) while
+// gpu_agent_config_valid stayed 1 and /status had no date for the error.
+// It is refused before anything changes: the last good config, its
+// sharing and its (absent) layout stay, and the error says why and since
+// when.
+func TestImpossibleLayoutKeepsTheConfigInForce(t *testing.T) {
+	h := newHarness(t, simNode(t, "dgx-a100", sim.WithMIGEnabled()), withMIG())
+	sliced4 := strings.Replace(sliced2, "replicas: 2", "replicas: 4", 1)
+	h.config(sliced4)
+	if n := h.count(ResourceGPU); n != 32 {
+		t.Fatalf("start: %d replicas, want 32", n)
+	}
+	h.clock.Advance(time.Minute)
+	edited := h.clock.Now()
+	h.config(mixedLayout(`{"3g.20gb": 3}`)) // an A100-40GB holds at most 2
+	if n := h.count(ResourceGPU); n != 32 {
+		t.Errorf("after the impossible edit: %v, want the 32 replicas kept", resourceSummary(h.pub.last()))
+	}
+	st := h.a.Status()
+	if !strings.Contains(st.Config.Error, "3× 3g.20gb exceeds the profile's limit of 2") || !st.Config.ErrorSince.Equal(edited) ||
+		st.Config.Serving != "default" {
+		t.Errorf("status %+v; want the layout's error since %v, serving the last good config", st.Config, edited)
+	}
+	if got := testutil.ToFloat64(h.a.metrics.configValid); got != 0 {
+		t.Errorf("gpu_agent_config_valid = %v, want 0", got)
+	}
+	inv, err := h.opts.Observer.Inventory()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range inv.GPUs {
+		if len(g.Instances) != 0 {
+			t.Errorf("GPU %d: %d MIG devices; the refused layout changed it", g.Index, len(g.Instances))
+		}
+	}
+	if len(st.MIG) != 0 {
+		t.Errorf("MIG states %+v for a refused layout", st.MIG)
+	}
+	// A layout that fits is taken as before.
+	h.config(mixedLayout(`{"3g.20gb": 2}`))
+	if st := h.a.Status(); st.Config.Error != "" || h.count("nvidia.com/mig-3g.20gb") != 16 {
+		t.Errorf("a fitting layout after: status %+v, %v", st.Config, resourceSummary(h.pub.last()))
+	}
+}

@@ -1,6 +1,7 @@
 package mig
 
 import (
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -55,6 +56,12 @@ func (w Want) String() string {
 	return strings.Join(parts, ", ")
 }
 
+// ErrLayout marks an error that says a layout does not fit a GPU, or is
+// malformed: a config asking for it does not fit the node, and is refused
+// before anything changes. Other planning errors (a GPU read partly,
+// profiles not read) are the node's state, not the config's.
+var ErrLayout = errors.New("MIG layout does not fit")
+
 // Desired picks, for every GPU of the inventory, the first layout entry that
 // matches it by index and device filter (mig-parted's rule) and returns what
 // that entry wants. GPUs no entry matches are absent: the agent leaves them
@@ -66,14 +73,14 @@ func Desired(layout config.MigLayout, inv *gpu.Inventory) (map[int]Want, error) 
 		for ei, e := range layout {
 			ok, err := entryMatches(e, g)
 			if err != nil {
-				return nil, fmt.Errorf("mig layout entry %d: %w", ei, err)
+				return nil, fmt.Errorf("%w: mig layout entry %d: %w", ErrLayout, ei, err)
 			}
 			if !ok {
 				continue
 			}
 			w, err := wantOf(ei, e, g)
 			if err != nil {
-				return nil, fmt.Errorf("mig layout entry %d, gpu %d (%s): %w", ei, g.Index, g.UUID, err)
+				return nil, fmt.Errorf("%w: mig layout entry %d, gpu %d (%s): %w", ErrLayout, ei, g.Index, g.UUID, err)
 			}
 			if w != nil {
 				out[g.Index] = *w

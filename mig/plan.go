@@ -171,7 +171,7 @@ func MakePlan(g gpu.GPU, profiles Profiles, want Want, held map[string]string) (
 		return fail("MIG state not read completely (unread: %s); not planning from a partial inventory", joinFacts(g.Unread))
 	}
 	if want.MIGEnabled && !g.MIGCapable {
-		return fail("%s does not support MIG", g.Name)
+		return fail("%w: %s does not support MIG", ErrLayout, g.Name)
 	}
 	gis, err := group(g, profiles, held)
 	if err != nil {
@@ -203,7 +203,7 @@ func MakePlan(g gpu.GPU, profiles Profiles, want Want, held map[string]string) (
 	}
 
 	if err := validate(profiles, want); err != nil {
-		return fail("%v", err)
+		return fail("%w: %w", ErrLayout, err)
 	}
 	if !g.MIG.Current {
 		if g.MIG.Pending {

@@ -132,7 +132,7 @@ func TestWriteStatus(t *testing.T) {
 	if err := writeStatus(&b, st); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"threads 25%, memory 0=10240M", "GPU-2::0 by ml/a (main)", "pending", "held by ml/trainer", "ml/trainer (main)", "unknown field (line 3)", "serving the last good config", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent"} {
+	for _, want := range []string{"threads 25%, memory 0=10240M", "GPU-2::0 by ml/a (main)", "pending", "held by ml/trainer", "ml/trainer (main)", "unknown field (line 3)", "config default stays in force", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent"} {
 		if !strings.Contains(b.String(), want) {
 			t.Errorf("status lacks %q:\n%s", want, b.String())
 		}
@@ -403,5 +403,33 @@ func TestConfigValidateRejectsImpossibleMIGLayout(t *testing.T) {
 	code, out, stderr := run(t, "config", "validate", "testdata/mig-balanced-h100.yaml", "--backend", "sim:dgx-h100")
 	if code != 0 || !strings.Contains(out, "planned, 5 steps, 0 instances destroyed") {
 		t.Errorf("good layout: exit %d\n%s%s", code, out, stderr)
+	}
+}
+
+// The status table says what is served while a config error stands, as
+// /status does (issue 23, defect 11: it said "serving the last good config"
+// while the JSON said the built-in default, and "since 0001-01-01").
+func TestWriteStatusConfigError(t *testing.T) {
+	since := time.Date(2026, 11, 25, 10, 0, 0, 0, time.UTC)
+	served := []agent.ResourceState{{Name: "nvidia.com/gpu"}}
+	for _, tc := range []struct {
+		cfg      agent.ConfigStatus
+		resource []agent.ResourceState
+		want     string
+	}{
+		{agent.ConfigStatus{Name: agent.BuiltInConfigName, Error: "bad", ErrorSince: since, Serving: agent.BuiltInConfigName}, served,
+			"bad (since 2026-11-25T10:00:00Z; serving the built-in default)"},
+		{agent.ConfigStatus{Name: "new", Error: "layout", ErrorSince: since, Serving: "old"}, served,
+			"layout (since 2026-11-25T10:00:00Z; serving old, the last config that fitted)"},
+		{agent.ConfigStatus{Name: "cur", Error: "MIG apply failed"}, served, "MIG apply failed (config cur stays in force)"},
+		{agent.ConfigStatus{Error: "bad", ErrorSince: since}, nil, "bad (since 2026-11-25T10:00:00Z; nothing served until a config applies)"},
+	} {
+		var b bytes.Buffer
+		if err := writeStatus(&b, &agent.Status{Config: tc.cfg, Resource: tc.resource}); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(b.String(), "Config error:  "+tc.want+"\n") {
+			t.Errorf("status lacks %q:\n%s", tc.want, b.String())
+		}
 	}
 }

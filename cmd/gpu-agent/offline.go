@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -245,6 +246,9 @@ func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool
 	planned := map[int]agent.GPUMIG{}
 	for _, gm := range d.MIG {
 		planned[gm.GPU] = gm
+	}
+	if errors.Is(d.FitErr, mig.ErrLayout) {
+		return d.FitErr // refused whole: nothing would be applied
 	}
 	if d.MIGErr != nil && len(d.MIG) == 0 {
 		return d.MIGErr

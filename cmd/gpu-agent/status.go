@@ -67,12 +67,21 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 	}
 	fmt.Fprintf(tw, "Config:\t%s from %s, generation %d\n", cfg, st.Config.Source, st.Config.Generation)
 	if st.Config.Error != "" {
-		kept := "serving the last good config"
-		if len(st.Resource) == 0 {
+		var kept string
+		switch {
+		case len(st.Resource) == 0:
 			kept = "nothing served until a config applies"
+		case st.Config.Serving == agent.BuiltInConfigName:
+			kept = "serving the built-in default"
+		case st.Config.Serving != "":
+			kept = "serving " + st.Config.Serving + ", the last config that fitted"
+		default:
+			kept = "config " + st.Config.Name + " stays in force"
 		}
-		fmt.Fprintf(tw, "Config error:\t%s (since %s; %s)\n",
-			st.Config.Error, st.Config.ErrorSince.Format(time.RFC3339), kept)
+		if !st.Config.ErrorSince.IsZero() {
+			kept = "since " + st.Config.ErrorSince.Format(time.RFC3339) + "; " + kept
+		}
+		fmt.Fprintf(tw, "Config error:\t%s (%s)\n", st.Config.Error, kept)
 	}
 	for _, warn := range st.Config.Warnings {
 		fmt.Fprintf(tw, "Config warning:\t%s\n", warn)
