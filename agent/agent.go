@@ -212,6 +212,10 @@ type Agent struct {
 	lastPass time.Time
 	lastLoop time.Time
 	saved    []byte
+	// ckptErr: why the checkpoint is not on disk; ckptWritten: when it
+	// last was.
+	ckptErr     standingError
+	ckptWritten time.Time
 	// unhealthyGPUs: GPU UUID → reason, as last reported in Events.
 	unhealthyGPUs map[string]string
 
@@ -248,6 +252,9 @@ func New(opts Options) *Agent {
 			a.log.Error("allocation log not opened; allocations are kept in memory only", "error", err)
 			a.ledger = newLedger(opts.Now)
 		}
+	}
+	if opts.Registerer != nil {
+		opts.Registerer.MustRegister(newStateFailures(&a.metrics.ckptFailures, a.ledger))
 	}
 	if g, ok := opts.MIG.(interface{ SetGuard(mig.Guard) }); ok {
 		// Every MIG change checks the ledger before it destroys a device.

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
@@ -181,9 +182,42 @@ func (a *Agent) checkpoint() error {
 		err = atomicfile.Write(filepath.Join(a.opts.StateDir, CheckpointFile), out)
 	}
 	if err != nil {
-		a.log.Error("checkpoint not written; a restart would forget allocations and health causes", "error", err)
+		a.metrics.ckptFailures.Add(1)
+		if a.ckptErr.set(err, a.now()) {
+			a.log.Error("checkpoint not written; a restart would forget DRA claims and health causes (retried at every turn of the loop)", "error", err)
+		}
 		return err
 	}
-	a.saved = body
+	if a.ckptErr.clear() {
+		a.log.Info("checkpoint written again", "path", filepath.Join(a.opts.StateDir, CheckpointFile))
+	}
+	a.saved, a.ckptWritten = body, cp.Written
 	return nil
+}
+
+// stateStatus says whether what must survive a restart is on disk: the
+// checkpoint, and the allocation log (nil without a state dir).
+func (a *Agent) stateStatus() *StateStatus {
+	if a.opts.StateDir == "" {
+		return nil
+	}
+	st := &StateStatus{Dir: a.opts.StateDir, CheckpointWritten: a.ckptWritten}
+	var errs []string
+	if a.ckptErr.stands() {
+		errs = append(errs, "checkpoint: "+a.ckptErr.err.Error())
+		st.ErrorSince = a.ckptErr.since
+	}
+	if err, since := a.ledger.logError(); err != nil {
+		errs = append(errs, "allocation log: "+err.Error())
+		if st.ErrorSince.IsZero() || since.Before(st.ErrorSince) {
+			st.ErrorSince = since
+		}
+	}
+	st.Error = strings.Join(errs, "; ")
+	if st.Error != "" {
+		a.metrics.stateSaved.Set(0)
+	} else {
+		a.metrics.stateSaved.Set(1)
+	}
+	return st
 }

@@ -8,6 +8,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 // What LoadCheckpoint trusts: this version and the one before it (version 1
@@ -89,5 +92,49 @@ func TestLoadCheckpointRefusesNonRegular(t *testing.T) {
 				t.Errorf("still in place: %v", serr)
 			}
 		})
+	}
+}
+
+// Issue 23, defect 10: a checkpoint that cannot be written was visible only
+// in the log. /status says why and since when, gpu_agent_state_saved is 0
+// and the failures are counted; all clear again once a write succeeds.
+func TestCheckpointFailureVisible(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	dir := filepath.Join(t.TempDir(), "state")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	h := newHarnessIn(t, simNode(t, "pcie-4gpu"), dir, func(h *harness) { h.opts.Registerer = reg })
+	h.config(wholeGPUs)
+	if st := h.a.Status().State; st == nil || st.Error != "" || st.CheckpointWritten.IsZero() {
+		t.Fatalf("state %+v, want the checkpoint written", st)
+	}
+	if err := os.RemoveAll(dir); err != nil { // even root cannot write there now
+		t.Fatal(err)
+	}
+	h.clock.Advance(time.Minute)
+	failedAt := h.clock.Now()
+	h.step(HealthChanged{State: xidState(h.a.inv.GPUs[0].UUID, 79)}) // a cause to checkpoint
+	h.clock.Advance(time.Minute)
+	h.step(Tick{})
+	st := h.a.Status().State
+	if st == nil || !strings.Contains(st.Error, "checkpoint: ") || !strings.Contains(st.Error, "no such file or directory") || !st.ErrorSince.Equal(failedAt) {
+		t.Fatalf("state %+v, want the checkpoint's error since %v", st, failedAt)
+	}
+	if got := testutil.ToFloat64(h.a.metrics.stateSaved); got != 0 {
+		t.Errorf("gpu_agent_state_saved = %v, want 0", got)
+	}
+	if n, err := testutil.GatherAndCount(reg, "gpu_agent_state_write_failures_total"); err != nil || n != 2 {
+		t.Errorf("gpu_agent_state_write_failures_total: %d series, %v", n, err)
+	}
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	h.step(Tick{})
+	if st := h.a.Status().State; st.Error != "" || testutil.ToFloat64(h.a.metrics.stateSaved) != 1 {
+		t.Errorf("after the dir came back: state %+v", st)
+	}
+	if got := h.a.metrics.ckptFailures.Load(); got != 2 {
+		t.Errorf("%d checkpoint write failures counted, want 2 (one per turn of the loop)", got)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -58,6 +59,11 @@ type Ledger struct {
 	releases   map[types.UID]PreparedClaim
 	dynamicMIG map[string]bool
 	doomed     map[string]string // device UUID → why
+
+	// logErr is why the last allocation could not be recorded (cleared by
+	// the next that could); logFailures counts them.
+	logErr      standingError
+	logFailures atomic.Int64
 }
 
 // place is where a MIG device sits.
@@ -154,8 +160,11 @@ func (l *Ledger) Allocate(uuids []string) error {
 	now := l.now()
 	if l.log != nil {
 		if err := l.log.append(now, uuids); err != nil {
+			l.logErr.set(err, now)
+			l.logFailures.Add(1)
 			return status.Errorf(codes.Unavailable, "the allocation could not be recorded, so a restart could destroy the device under its container: %v", err)
 		}
+		l.logErr.clear()
 	}
 	for _, u := range uuids {
 		l.plugin[u] = now
@@ -260,6 +269,18 @@ func (l *Ledger) holder(u string, except types.UID) string {
 	}
 	return l.claimHolder(u, except)
 }
+
+// logError is why the last allocation could not be recorded, and since
+// when (nil when it was).
+func (l *Ledger) logError() (error, time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.logErr.err, l.logErr.since
+}
+
+// LogFailures counts allocations refused because they could not be
+// recorded.
+func (l *Ledger) LogFailures() int64 { return l.logFailures.Load() }
 
 // allocations copies the device plugin's allocations not yet accounted for.
 func (l *Ledger) allocations() map[string]time.Time {

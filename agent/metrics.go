@@ -1,6 +1,10 @@
 package agent
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 type metrics struct {
 	configValid       prometheus.Gauge
@@ -13,6 +17,33 @@ type metrics struct {
 	devices           *prometheus.GaugeVec
 	migPhases         *prometheus.GaugeVec
 	planPasses        prometheus.Counter
+	// ckptFailures counts failed checkpoint writes, for stateFailures;
+	// stateSaved is 1 while the checkpoint and the allocation log are on
+	// disk.
+	ckptFailures atomic.Int64
+	stateSaved   prometheus.Gauge
+}
+
+// stateFailures is gpu_agent_state_write_failures_total: the checkpoint's
+// failed writes (the loop's) and the allocation log's (the ledger's, from
+// the device plugin's goroutines), by file.
+type stateFailures struct {
+	desc   *prometheus.Desc
+	ckpt   *atomic.Int64
+	ledger *Ledger
+}
+
+func newStateFailures(ckpt *atomic.Int64, l *Ledger) *stateFailures {
+	return &stateFailures{ckpt: ckpt, ledger: l, desc: prometheus.NewDesc("gpu_agent_state_write_failures_total",
+		"Writes of what must survive a restart that failed, by file in --state-dir: the checkpoint (retried at every turn of the loop; a DRA Prepare it cannot record is refused) and the allocation log (an Allocate it cannot record is refused).",
+		[]string{"file"}, nil)}
+}
+
+func (c *stateFailures) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *stateFailures) Collect(ch chan<- prometheus.Metric) {
+	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, float64(c.ckpt.Load()), CheckpointFile)
+	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, float64(c.ledger.LogFailures()), AllocLogFile)
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -58,10 +89,16 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "gpu_agent_plan_passes_total",
 			Help: "Plans computed since start (steady state: one per resync or event batch).",
 		}),
+		stateSaved: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "gpu_agent_state_saved",
+			Help: "1 while the checkpoint and the allocation log are on disk as the agent last meant them, 0 while a write fails (/status and /readyz say why).",
+		}),
 	}
+	m.stateSaved.Set(1)
 	m.configValid.Set(1)
 	if reg != nil {
-		reg.MustRegister(m.configValid, m.configErrors, m.configReloads, m.configWarnings, m.configFallback, m.inventoryErrors, m.reconcileDuration, m.devices, m.migPhases, m.planPasses)
+		reg.MustRegister(m.configValid, m.configErrors, m.configReloads, m.configWarnings, m.configFallback, m.inventoryErrors, m.reconcileDuration, m.devices, m.migPhases, m.planPasses,
+			m.stateSaved)
 	}
 	return m
 }

@@ -30,6 +30,9 @@ type Status struct {
 	DRA *DRAStatus `json:"dra,omitempty"`
 	// CDI is the CDI spec the agent keeps (absent when it keeps none).
 	CDI *CDIStatus `json:"cdi,omitempty"`
+	// State is whether what must survive a restart is on disk (absent
+	// without --state-dir).
+	State *StateStatus `json:"state,omitempty"`
 	// LastPass is the last catalog published; LastLoop the last turn of the
 	// loop, published or not (liveness).
 	LastPass time.Time `json:"lastPass"`
@@ -58,6 +61,15 @@ type DRAStatus struct {
 	// Slices: where ResourceSlice publishing stands (filled by the HTTP
 	// layer from the driver).
 	Slices *dra.Slices `json:"slices,omitempty"`
+}
+
+// StateStatus is the state dir: when the checkpoint was last written, and
+// why the checkpoint or the allocation log cannot be written now.
+type StateStatus struct {
+	Dir               string    `json:"dir"`
+	CheckpointWritten time.Time `json:"checkpointWritten,omitzero"`
+	Error             string    `json:"error,omitempty"`
+	ErrorSince        time.Time `json:"errorSince,omitzero"`
 }
 
 // ConfigStatus says which config is in force and whether the file's latest
@@ -166,6 +178,7 @@ func (a *Agent) publishStatus() {
 		c := a.cdiStatus
 		s.CDI = &c
 	}
+	s.State = a.stateStatus()
 	s.Cluster = "standalone: no API"
 	if a.opts.Cluster != nil {
 		s.Cluster = a.opts.Cluster.State()

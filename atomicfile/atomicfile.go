@@ -30,6 +30,15 @@ type Options struct {
 // dot and never equals path's, so watchers that filter on the final name
 // ignore it; it is removed on any failure.
 func Write(path string, data []byte, opts ...Options) error {
+	if err := write(path, data, opts...); err != nil {
+		// Named by the file meant, not the temporary one: the message is
+		// the same for every attempt, so a caller can tell a new error.
+		return fmt.Errorf("write %s: %w", path, withoutPath(err))
+	}
+	return nil
+}
+
+func write(path string, data []byte, opts ...Options) error {
 	var o Options
 	if len(opts) > 0 {
 		o = opts[0]

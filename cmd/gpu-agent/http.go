@@ -53,6 +53,10 @@ func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples s
 			http.Error(w, "no reconcile pass yet", http.StatusServiceUnavailable)
 		case !mgr.Ready():
 			http.Error(w, "not every resource is registered with the kubelet", http.StatusServiceUnavailable)
+		case st.State != nil && st.State.Error != "":
+			// Allocate and Prepare are refused while what they record
+			// cannot be written: a restart would forget it.
+			http.Error(w, "state not saved in "+st.State.Dir+": "+st.State.Error, http.StatusServiceUnavailable)
 		case len(st.GPUs) > 0 && !hasSamples(samples.Snapshot()):
 			// Not ready, not in the Service's endpoints, not scraped: the
 			// first scrape then already has the DCGM series.

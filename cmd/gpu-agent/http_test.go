@@ -1,53 +1,61 @@
 package main
 
 import (
-	"context"
+	"io"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/plugin"
 )
 
-func TestFewAtATime(t *testing.T) {
-	entered := make(chan string, 3)
-	release := make(chan struct{})
-	h := fewAtATime(1, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		entered <- r.URL.Path
-		select {
-		case <-release:
-		case <-r.Context().Done():
-		}
-	}))
-	serve := func(ctx context.Context, path string) <-chan int {
-		code := make(chan int, 1)
-		go func() {
-			rec := httptest.NewRecorder()
-			h.ServeHTTP(rec, httptest.NewRequestWithContext(ctx, http.MethodGet, path, nil))
-			code <- rec.Code
-		}()
-		return code
-	}
+type fixedStatus struct{ st *agent.Status }
 
-	first := serve(context.Background(), "/first")
-	if got := <-entered; got != "/first" {
-		t.Fatalf("%s entered first", got)
-	}
-	// While /first renders, /second waits for its turn; its client has
-	// already given up, so it never gets one.
-	gone, cancel := context.WithCancel(context.Background())
-	cancel()
-	if code := <-serve(gone, "/second"); code != http.StatusServiceUnavailable {
-		t.Errorf("a request whose client gave up while another rendered: %d, want 503", code)
-	}
-	third := serve(context.Background(), "/third")
-	release <- struct{}{}
-	if code := <-first; code != http.StatusOK {
-		t.Errorf("/first: %d", code)
-	}
-	if got := <-entered; got != "/third" {
-		t.Fatalf("%s entered after /first, want /third", got)
-	}
-	release <- struct{}{}
-	if code := <-third; code != http.StatusOK {
-		t.Errorf("/third: %d", code)
+func (f fixedStatus) Status() *agent.Status { return f.st }
+func (f fixedStatus) Alive() bool           { return true }
+
+type allRegistered struct{}
+
+func (allRegistered) Status() []plugin.ResourceStatus { return nil }
+func (allRegistered) Ready() bool                     { return true }
+
+type noEvents struct{}
+
+func (noEvents) Watched() []string { return nil }
+
+type sampledGPU struct{}
+
+func (sampledGPU) Snapshot() *health.Snapshot {
+	return &health.Snapshot{GPUs: []health.GPUSample{{}}}
+}
+
+// /readyz answers 503 while what must survive a restart cannot be written
+// (issue 23, defect 10), naming the state dir and the error.
+func TestReadyzStateNotSaved(t *testing.T) {
+	for _, tc := range []struct {
+		state *agent.StateStatus
+		code  int
+		body  string
+	}{
+		{nil, http.StatusOK, "ok"},
+		{&agent.StateStatus{Dir: "/var/lib/gpu-agent"}, http.StatusOK, "ok"},
+		{&agent.StateStatus{Dir: "/var/lib/gpu-agent", Error: "checkpoint: write /var/lib/gpu-agent/checkpoint.json: no space left on device"},
+			http.StatusServiceUnavailable, "state not saved in /var/lib/gpu-agent: checkpoint: write /var/lib/gpu-agent/checkpoint.json: no space left on device"},
+	} {
+		st := &agent.Status{LastPass: time.Now(), GPUs: []gpu.GPU{{UUID: "GPU-0"}}, State: tc.state}
+		h := newHTTPHandler(fixedStatus{st}, allRegistered{}, noEvents{}, sampledGPU{}, nil, prometheus.NewRegistry(), &backend{Name: "sim:x"})
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest("GET", "/readyz", nil))
+		body, _ := io.ReadAll(rec.Body)
+		if rec.Code != tc.code || !strings.Contains(string(body), tc.body) {
+			t.Errorf("state %+v: /readyz %d %q, want %d %q", tc.state, rec.Code, body, tc.code, tc.body)
+		}
 	}
 }

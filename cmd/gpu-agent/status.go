@@ -89,6 +89,16 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 	if !st.LastPass.IsZero() {
 		fmt.Fprintf(tw, "Last reconcile:\t%s\n", st.LastPass.Format(time.RFC3339))
 	}
+	if s := st.State; s != nil {
+		switch {
+		case s.Error != "":
+			fmt.Fprintf(tw, "State:\tNOT SAVED in %s since %s: %s\n", s.Dir, s.ErrorSince.Format(time.RFC3339), s.Error)
+		case !s.CheckpointWritten.IsZero():
+			fmt.Fprintf(tw, "State:\t%s, checkpoint written %s\n", s.Dir, s.CheckpointWritten.Format(time.RFC3339))
+		default:
+			fmt.Fprintf(tw, "State:\t%s\n", s.Dir)
+		}
+	}
 	fmt.Fprintln(tw)
 
 	fmt.Fprintln(tw, "GPU\tNAME\tUUID\tMEMORY\tNUMA\tMIG")
