@@ -126,6 +126,11 @@ type Options struct {
 	// with its allocation log in StateDir). The device plugin's Allocate
 	// and the MIG applier must pass through the same ledger (see Ledger).
 	Ledger *Ledger
+	// ForgetGoneAfter is how long a GPU NVML no longer enumerates is still
+	// offered, unhealthy, before it is forgotten (0: never). A GPU swapped
+	// for another is never enumerated again; one a container or claim
+	// still holds is kept until it is released.
+	ForgetGoneAfter time.Duration
 	// ResyncInterval re-reads the inventory even without events (default 30s).
 	ResyncInterval time.Duration
 	Logger         *slog.Logger
@@ -184,7 +189,9 @@ type Agent struct {
 	// many reads in a row missed each GPU, MIG profiles by model.
 	inv    *gpu.Inventory
 	failed map[string]FailedGPU
-	misses map[string]int
+	// failedSince: when each GPU the checkpoint lists as failed first was.
+	failedSince map[string]time.Time
+	misses      map[string]int
 	// readNow: the GPUs (UUIDs) the last observe read afresh; nil when it
 	// kept the last inventory (or none ran yet: a.inv is the checkpoint's).
 	readNow     map[string]bool

@@ -63,6 +63,10 @@ type Checkpoint struct {
 	Releasing  map[types.UID]PreparedClaim `json:"releasing,omitempty"`
 	Intents    map[types.UID]PreparedClaim `json:"intents,omitempty"`
 	DynamicMIG []string                    `json:"dynamicMIG,omitempty"`
+	// FailedSince is when each GPU that could not be read (listed in GPUs)
+	// first was: a GPU gone for good is forgotten that long after, however
+	// often the agent restarts (version 3).
+	FailedSince map[string]time.Time `json:"failedSince,omitempty"`
 }
 
 // LoadCheckpoint reads dir's checkpoint. A missing file is (nil, nil). An
@@ -135,6 +139,7 @@ func (a *Agent) restore(cp *Checkpoint) {
 	for _, uuid := range cp.DynamicMIG {
 		a.ledger.dynamicMIG[uuid] = true
 	}
+	a.failedSince = maps.Clone(cp.FailedSince)
 	if len(cp.GPUs) > 0 {
 		// What the last agent believed, as the base the first read settles
 		// against: a GPU that cannot be read now is then offered unhealthy
@@ -161,8 +166,13 @@ func (a *Agent) checkpoint() error {
 		Releasing: a.ledger.releases, Intents: a.ledger.intents, DynamicMIG: slices.Sorted(maps.Keys(a.ledger.dynamicMIG))}
 	if a.inv != nil {
 		cp.GPUs = a.inv.GPUs
-		for _, f := range a.failed {
+		for _, uuid := range slices.Sorted(maps.Keys(a.failed)) {
+			f := a.failed[uuid]
 			cp.GPUs = append(cp.GPUs, f.GPU)
+			if cp.FailedSince == nil {
+				cp.FailedSince = map[string]time.Time{}
+			}
+			cp.FailedSince[uuid] = f.Since
 		}
 	}
 	if a.health != nil {

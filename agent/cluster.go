@@ -18,6 +18,7 @@ const (
 	ReasonMIGReset         = "MIGResetRequired"
 	ReasonGPUUnhealthy     = "GPUUnhealthy"
 	ReasonGPURecovered     = "GPURecovered"
+	ReasonGPUForgotten     = "GPUForgotten"
 	ReasonCDISpecFailed    = "CDISpecNotWritten"
 )
 
@@ -76,7 +77,7 @@ func (a *Agent) healthEvents() {
 		}
 	}
 	for _, uuid := range slices.Sorted(maps.Keys(prev)) {
-		if _, still := now[uuid]; !still {
+		if _, still := now[uuid]; !still && (a.inv == nil || a.inv.HasDevice(uuid)) { // a GPU forgotten did not recover
 			a.event(false, ReasonGPURecovered, "GPU %s recovered (was: %s)", uuid, prev[uuid])
 		}
 	}

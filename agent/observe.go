@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"time"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -19,6 +20,11 @@ const maxMisses = 3
 type FailedGPU struct {
 	GPU    gpu.GPU
 	Reason string
+	// Since is when it was first not read (kept across restarts); Gone
+	// says NVML no longer enumerates it at all, as after the GPU was
+	// swapped for another (an RMA).
+	Since time.Time
+	Gone  bool
 }
 
 // observe reads the GPUs and settles what the loop believes about them; on
@@ -102,7 +108,7 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 			continue
 		}
 		partial = append(partial, g.UUID)
-		failed[g.UUID] = FailedGPU{GPU: g, Reason: fmt.Sprintf("partly read %d times in a row (%v)", maxMisses, g.Unread)}
+		failed[g.UUID] = a.failedGPU(g, fmt.Sprintf("partly read %d times in a row (%v)", maxMisses, g.Unread), false)
 	}
 	known := map[string]gpu.GPU{}
 	for uuid, f := range a.failed {
@@ -127,9 +133,9 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 		e, found := errorFor(next, g)
 		switch {
 		case !found:
-			failed[uuid] = FailedGPU{GPU: g, Reason: "no longer enumerated by NVML"}
+			failed[uuid] = a.failedGPU(g, "no longer enumerated by NVML", true)
 		case e.Lost:
-			failed[uuid] = FailedGPU{GPU: g, Reason: e.Call + ": " + e.Err}
+			failed[uuid] = a.failedGPU(g, e.Call+": "+e.Err, false)
 		case a.misses[uuid]+1 < maxMisses && prev != nil && !a.isFailed(uuid):
 			a.misses[uuid]++
 			transient = true
@@ -137,7 +143,7 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 				"misses", a.misses[uuid], "of", maxMisses, "error", e.Error())
 		default:
 			a.misses[uuid] = maxMisses
-			failed[uuid] = FailedGPU{GPU: g, Reason: fmt.Sprintf("%s: %s (%d reads in a row)", e.Call, e.Err, maxMisses)}
+			failed[uuid] = a.failedGPU(g, fmt.Sprintf("%s: %s (%d reads in a row)", e.Call, e.Err, maxMisses), false)
 		}
 	}
 	if transient {
@@ -151,11 +157,59 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 	}
 	for uuid, f := range failed {
 		if _, was := a.failed[uuid]; !was {
-			a.log.Warn("GPU could not be read; offering it as unhealthy", "gpu", f.GPU.Index, "uuid", uuid, "reason", f.Reason)
+			a.log.Warn("GPU could not be read; offering it as unhealthy", "gpu", f.GPU.Index, "uuid", uuid, "reason", f.Reason,
+				"since", f.Since, "forget-at", a.forgetAt(f))
 		}
 	}
+	a.forgetGone(failed)
 	a.failed = failed
 	return next.Without(partial), false
+}
+
+// failedGPU records g as failed for reason, since when it first failed
+// (this run, or the checkpoint's).
+func (a *Agent) failedGPU(g gpu.GPU, reason string, gone bool) FailedGPU {
+	since, ok := a.failed[g.UUID].Since, hasKey(a.failed, g.UUID)
+	if !ok {
+		since, ok = a.failedSince[g.UUID]
+	}
+	if !ok {
+		since = a.now()
+	}
+	return FailedGPU{GPU: g, Reason: reason, Since: since, Gone: gone}
+}
+
+// forgetAt is when failed GPU f is forgotten (zero: never): a GPU NVML no
+// longer enumerates, after Options.ForgetGoneAfter.
+func (a *Agent) forgetAt(f FailedGPU) time.Time {
+	if !f.Gone || a.opts.ForgetGoneAfter <= 0 {
+		return time.Time{}
+	}
+	return f.Since.Add(a.opts.ForgetGoneAfter)
+}
+
+// forgetGone drops from failed the GPUs gone for ForgetGoneAfter that no
+// container or claim holds: a GPU swapped for another (an RMA) is never
+// enumerated again, and would otherwise be offered unhealthy forever. One
+// still held stays until it is released.
+func (a *Agent) forgetGone(failed map[string]FailedGPU) {
+	now := a.now()
+	for _, uuid := range slices.Sorted(maps.Keys(failed)) {
+		f := failed[uuid]
+		at := a.forgetAt(f)
+		if at.IsZero() || now.Before(at) {
+			continue
+		}
+		if by := a.ledger.holder(uuid, ""); by != "" {
+			continue // forgotten once released
+		}
+		delete(failed, uuid)
+		delete(a.misses, uuid)
+		a.log.Info("GPU forgotten: not enumerated by NVML for longer than --forget-gone-gpus-after; no longer offered",
+			"gpu", f.GPU.Index, "uuid", uuid, "since", f.Since, "after", a.opts.ForgetGoneAfter)
+		a.event(false, ReasonGPUForgotten, "GPU %d (%s) forgotten: not enumerated by NVML since %s, more than %s; no longer offered",
+			f.GPU.Index, uuid, stamp(f.Since), a.opts.ForgetGoneAfter)
+	}
 }
 
 // unsure reports whether a GPU's read left facts unknown that decide what it

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"maps"
 	"slices"
 	"time"
 
@@ -16,9 +17,13 @@ type Status struct {
 	Backend string `json:"backend,omitempty"`
 	// Cluster says how the Kubernetes API side is doing ("standalone: no
 	// API" without one).
-	Cluster  string          `json:"cluster"`
-	Config   ConfigStatus    `json:"config"`
-	GPUs     []gpu.GPU       `json:"gpus"`
+	Cluster string       `json:"cluster"`
+	Config  ConfigStatus `json:"config"`
+	GPUs    []gpu.GPU    `json:"gpus"`
+	// Unread are the GPUs known earlier that cannot be read now, offered
+	// unhealthy: why, since when, and when one NVML no longer enumerates
+	// is forgotten.
+	Unread   []UnreadGPU     `json:"unreadGPUs,omitempty"`
 	Errors   []string        `json:"inventoryErrors,omitempty"`
 	Resource []ResourceState `json:"resources"`
 	// Sharing lists each shared device: mode, replicas, limits and holders.
@@ -61,6 +66,19 @@ type DRAStatus struct {
 	// Slices: where ResourceSlice publishing stands (filled by the HTTP
 	// layer from the driver).
 	Slices *dra.Slices `json:"slices,omitempty"`
+}
+
+// UnreadGPU is a GPU known earlier that cannot be read now.
+type UnreadGPU struct {
+	Index  int       `json:"index"`
+	UUID   string    `json:"uuid"`
+	Name   string    `json:"name,omitempty"`
+	Reason string    `json:"reason"`
+	Since  time.Time `json:"since"`
+	// ForgetAt is when it leaves the catalog (--forget-gone-gpus-after)
+	// unless NVML enumerates it again or someone still holds it; zero for
+	// a GPU NVML still enumerates, or when gone GPUs are never forgotten.
+	ForgetAt time.Time `json:"forgetAt,omitzero"`
 }
 
 // StateStatus is the state dir: when the checkpoint was last written, and
@@ -194,6 +212,11 @@ func (a *Agent) publishStatus() {
 		s.Config.Error, s.Config.ErrorSince = a.migErr.err.Error(), a.migErr.since
 	}
 	s.MIG = a.migStatus()
+	for _, uuid := range slices.Sorted(maps.Keys(a.failed)) {
+		f := a.failed[uuid]
+		s.Unread = append(s.Unread, UnreadGPU{Index: f.GPU.Index, UUID: uuid, Name: f.GPU.Name, Reason: f.Reason, Since: f.Since, ForgetAt: a.forgetAt(f)})
+	}
+	slices.SortStableFunc(s.Unread, func(x, y UnreadGPU) int { return x.Index - y.Index })
 	if a.inv != nil {
 		s.GPUs = a.inv.GPUs
 		for _, e := range a.inv.Errors {

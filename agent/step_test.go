@@ -11,6 +11,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -579,5 +580,76 @@ func TestImpossibleLayoutKeepsTheConfigInForce(t *testing.T) {
 	h.config(mixedLayout(`{"3g.20gb": 2}`))
 	if st := h.a.Status(); st.Config.Error != "" || h.count("nvidia.com/mig-3g.20gb") != 16 {
 		t.Errorf("a fitting layout after: status %+v, %v", st.Config, resourceSummary(h.pub.last()))
+	}
+}
+
+// swappedObserver reads the node without the GPUs in gone, as NVML does
+// once they were taken out of the machine.
+type swappedObserver struct {
+	Observer
+	gone []string
+}
+
+func (o *swappedObserver) Inventory() (*gpu.Inventory, error) {
+	inv, err := o.Observer.Inventory()
+	if err != nil {
+		return nil, err
+	}
+	return inv.Without(o.gone), nil
+}
+
+// Issue 23, defect 8: a GPU gone for good (swapped in an RMA) was offered
+// unhealthy forever, and only deleting the checkpoint helped. It is
+// forgotten --forget-gone-gpus-after since it went (across restarts), once
+// nothing holds it; /status says when beforehand.
+func TestGoneGPUForgotten(t *testing.T) {
+	node := simNode(t, "pcie-4gpu")
+	dir := t.TempDir()
+	obs := &swappedObserver{Observer: mig.NewObserver(node, gpu.Options{})}
+	c := &cluster{}
+	opts := []harnessOption{withCluster(c), func(h *harness) { h.opts.Observer, h.opts.ForgetGoneAfter = obs, 24*time.Hour }}
+	h := newHarnessIn(t, node, dir, opts...)
+	h.config(wholeGPUs)
+	gpu2, gpu3 := findGPU(h, 2).ID, findGPU(h, 3).ID
+	if err := h.allocate(ResourceGPU, gpu3); err != nil {
+		t.Fatal(err)
+	}
+	h.hold.hold(ResourceGPU, gpu3)
+	obs.gone = []string{gpu2, gpu3}
+	went := h.clock.Now()
+	h.step(Tick{})
+	if d, _ := h.device(ResourceGPU, gpu2); d.Healthy || !strings.Contains(d.Reason, "no longer enumerated") {
+		t.Fatalf("GPU 2 after it went: %+v, want offered unhealthy", d)
+	}
+	unread := h.a.Status().Unread
+	if len(unread) != 2 || unread[0].UUID != gpu2 || !unread[0].ForgetAt.Equal(went.Add(24*time.Hour)) {
+		t.Fatalf("status unread GPUs %+v, want GPU 2 to be forgotten at %v", unread, went.Add(24*time.Hour))
+	}
+
+	// A restart 20 hours on: the clock does not start again.
+	h.clock.Advance(20 * time.Hour)
+	h = newHarnessIn(t, node, dir, append(opts, withCheckpoint(), func(h2 *harness) { h2.clock.now = h.clock.Now() })...)
+	h.config(wholeGPUs)
+	h.hold.hold(ResourceGPU, gpu3)
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, gpu3), Answered: h.clock.Now()})
+	if st := h.a.Status(); len(st.Unread) != 2 || !st.Unread[0].Since.Equal(went) {
+		t.Fatalf("after a restart: unread %+v, want both, since %v", st.Unread, went)
+	}
+	c.took()
+	h.clock.Advance(5 * time.Hour)
+	h.step(Tick{})
+	if _, ok := h.device(ResourceGPU, gpu2); ok || h.count(ResourceGPU) != 3 {
+		t.Errorf("25 hours after it went GPU 2 is still offered: %v", resourceSummary(h.pub.last()))
+	}
+	if ev := strings.Join(c.took(), "\n"); !strings.Contains(ev, ReasonGPUForgotten) || strings.Contains(ev, ReasonGPURecovered) {
+		t.Errorf("events:\n%s\nwant GPUForgotten, no GPURecovered", ev)
+	}
+	if d, ok := h.device(ResourceGPU, gpu3); !ok || d.Healthy {
+		t.Errorf("GPU 3, gone but held by a container, must stay offered unhealthy: %+v %v", d, ok)
+	}
+	// Its container ends: it is forgotten too.
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU), Answered: h.clock.Now()}, Tick{})
+	if h.count(ResourceGPU) != 2 {
+		t.Errorf("GPU 3 released: %v, want the 2 GPUs still there", resourceSummary(h.pub.last()))
 	}
 }

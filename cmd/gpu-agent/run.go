@@ -37,7 +37,7 @@ type runFlags struct {
 	migStrategy                                        string
 	draPluginDir, kubeletRegistryDir                   string
 	cdiSpecDir, devRoot, migMinors                     string
-	resync                                             time.Duration
+	resync, forgetGone                                 time.Duration
 	mpsHost, dra                                       bool
 }
 
@@ -80,6 +80,12 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		return usageError{fmt.Sprintf("GPU_AGENT_RESYNC: %v", err)}
 	}
 	fs.DurationVar(&f.resync, "resync", resync, "re-read the GPUs this often even without events [GPU_AGENT_RESYNC]")
+	forgetGone, err := time.ParseDuration(envDefault("GPU_AGENT_FORGET_GONE_GPUS_AFTER", "24h"))
+	if err != nil {
+		return usageError{fmt.Sprintf("GPU_AGENT_FORGET_GONE_GPUS_AFTER: %v", err)}
+	}
+	fs.DurationVar(&f.forgetGone, "forget-gone-gpus-after", forgetGone,
+		"a GPU NVML no longer enumerates (swapped out) is offered unhealthy this long, then forgotten, once nothing holds it; 0: never [GPU_AGENT_FORGET_GONE_GPUS_AFTER]")
 	if err := registerMPSHostFlag(fs, &f.mpsHost); err != nil {
 		return err
 	}
@@ -274,6 +280,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Restored:           restored,
 		Ledger:             ledger,
 		ResyncInterval:     f.resync,
+		ForgetGoneAfter:    f.forgetGone,
 		Logger:             log.With("component", "agent"),
 		Registerer:         reg,
 	})

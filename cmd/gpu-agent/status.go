@@ -119,6 +119,13 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 	for _, e := range st.Errors {
 		fmt.Fprintf(tw, "!\t%s\n", e)
 	}
+	for _, u := range st.Unread {
+		forget := "kept until NVML reads it again"
+		if !u.ForgetAt.IsZero() {
+			forget = "forgotten at " + u.ForgetAt.Format(time.RFC3339) + " unless NVML lists it again"
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\tunreadable since %s: %s; %s\n", u.Index, u.Name, u.UUID, u.Since.Format(time.RFC3339), u.Reason, forget)
+	}
 	fmt.Fprintln(tw)
 
 	if len(st.Sharing) > 0 {
