@@ -157,6 +157,7 @@ func Plan(s Snapshot) Desired {
 		}
 	}
 	keepHeld(planned.Catalog, s.Published, s.Holdings.Attribution)
+	drain(planned.Catalog, d.DRA, d.MIG, s.Holdings.Claimed)
 	shareDevices(d.DRA, planned.Catalog, d.Config)
 	evictOnUnhealthy(d.DRA, d.Config)
 	withholdClaimed(planned.Catalog, s.Holdings.Claimed, s.Inventory, func(by string) string { return "prepared for " + by + " through DRA" })
@@ -350,6 +351,33 @@ func (h Holdings) heldMIG(inv *gpu.Inventory) map[string]string {
 		}
 	}
 	return held
+}
+
+// drain stops offering, through the device plugin and DRA, the MIG devices
+// a layout destroys once the containers on their GPU end: without it, new
+// pods keep landing on them and the layout may never apply on a busy node.
+// Those still held stay listed, unhealthy, as every held device does, and
+// those prepared for claims stay in the pool, as every claimed device does.
+func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, claimed map[string]string) {
+	draining := map[string]string{}
+	for _, gm := range plans {
+		for _, uuid := range gm.Plan.Draining {
+			draining[uuid] = fmt.Sprintf("drained for MIG layout %s on GPU %d: %s", gm.Want, gm.GPU, gm.State.Reason)
+		}
+	}
+	if len(draining) == 0 {
+		return
+	}
+	for _, r := range cat.Resources {
+		for i := range r.Devices {
+			if why, ok := draining[r.Devices[i].Spec.VisibleID]; ok && r.Devices[i].Healthy {
+				r.Devices[i].Healthy, r.Devices[i].Reason = false, why
+			}
+		}
+	}
+	if pool != nil {
+		pool.Devices = slices.DeleteFunc(pool.Devices, func(d dra.Device) bool { return hasKey(draining, d.UUID) && !hasKey(claimed, d.UUID) })
+	}
 }
 
 // keepHeld puts back, unhealthy, every device of the last published catalog

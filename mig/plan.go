@@ -113,6 +113,11 @@ type Plan struct {
 	// at the first step that would destroy one, also when it resumes an
 	// older plan from its journal.
 	DestroyBlocked string `json:"-"`
+	// Draining, on a plan pending on holders, lists the MIG devices the
+	// layout destroys once they are released, held or not: the node stops
+	// offering them, so new work does not keep the layout from ever
+	// applying.
+	Draining []string `json:"-"`
 }
 
 // Destroys counts the instances the plan destroys.
@@ -225,9 +230,11 @@ func MakePlan(g gpu.GPU, profiles Profiles, want Want, held map[string]string) (
 		}
 		var blocking []string
 		for i, e := range gis {
-			if len(e.holders) > 0 && !free.keep[i] {
-				blocking = append(blocking, e.holders...)
+			if free.keep[i] {
+				continue
 			}
+			blocking = append(blocking, e.holders...)
+			p.Draining = append(p.Draining, e.uuids...)
 		}
 		return p, State{Phase: PhasePending, Reason: "layout " + want.String() + " waits for " + strings.Join(blocking, ", ")}, nil
 	}
