@@ -28,6 +28,12 @@ lint:
 unit:
 	$(GO) test -race -count=1 ./...
 
+# Allocate against live MIG repartitions, for real and at length (make unit
+# runs 20 flips): about 10 minutes on 2 cores.
+HAMMER_FLIPS ?= 500
+hammer:
+	$(GO) test -count=1 -run '^TestAllocateHammer$$' -timeout 1h ./agent -hammer.flips=$(HAMMER_FLIPS) -v
+
 IMAGE ?= ghcr.io/gpu-agent/gpu-agent
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 

@@ -28,27 +28,27 @@ const refreshRetry = 10 * time.Second
 // reads as a table (first the state an event updates, then the work it
 // calls for; the work runs once per batch however many events asked):
 //
-//	event      updates                                   work
-//	config     file, selection (rejected: nothing)       observe + plan
-//	labels     selection                                 observe + plan, if the selection changed
-//	health     health state                              plan
-//	mps        -                                         plan
-//	allocated  allocation ledger (checkpointed)          - (plan, with DRA)
-//	holdings   who holds what                            plan
-//	holdings-  who holds what, allocations it accounts for  plan (may destroy)
-//	answer     (the answer to the loop's own request)
-//	tick       -                                         observe + plan
-//	dra-*      DRA claims in the ledger (checkpointed    plan, if a claim was
-//	           before the kubelet gets its answer)       prepared or released
+//	event      updates                                    work
+//	config     file, selection (rejected: nothing)        observe + plan
+//	labels     selection                                  observe + plan, if the selection changed
+//	health     health state                               plan
+//	mps        -                                          plan
+//	allocated  - (the ledger recorded it before Allocate  - (plan, with DRA)
+//	           answered)
+//	holdings   who holds what, settled allocations        plan
+//	holdings-  the same, for the loop's own request       plan (which may destroy)
+//	answer
+//	tick       -                                          observe + plan
+//	dra-*      DRA claims in the ledger (checkpointed     plan, if a claim was
+//	           before the kubelet gets its answer)        prepared or released
 //
 // A plan pass is Plan, then at most: apply MIG and Plan again (the GPUs
-// changed). A plan that would destroy MIG devices without an answer of the
-// kubelet's asked for it (fresh) asks in the background and destroys
-// nothing: the pass of the batch the answer comes in does;
-// then the actuators: MPS daemons, health policy, the catalog to the
-// kubelet, status, checkpoint. After each observe, what released DRA claims
-// left on the node is undone again (retryReleases) before anything is
-// planned.
+// changed); then the actuators: MPS daemons, health policy, the catalog to
+// the kubelet, status, checkpoint. A plan that would destroy MIG devices
+// without an answer of the kubelet's asked for it (fresh) asks in the
+// background and destroys nothing: the pass of the batch the answer comes
+// in does. After each observe, what released DRA claims left on the node is
+// undone again (retryReleases) before anything is planned.
 func (a *Agent) Step(batch []Event) {
 	var observe, plan bool
 	var why []string
