@@ -194,7 +194,7 @@ func (a *Agent) checkpoint() error {
 	if err != nil {
 		a.metrics.ckptFailures.Add(1)
 		if a.ckptErr.set(err, a.now()) {
-			a.log.Error("checkpoint not written; a restart would forget DRA claims and health causes (retried at every turn of the loop)", "error", err)
+			a.log.Error("checkpoint not written; a restart would forget DRA claims and health causes (retried at every pass)", "error", err)
 		}
 		return err
 	}

@@ -35,7 +35,7 @@ type stateFailures struct {
 
 func newStateFailures(ckpt *atomic.Int64, l *Ledger) *stateFailures {
 	return &stateFailures{ckpt: ckpt, ledger: l, desc: prometheus.NewDesc("gpu_agent_state_write_failures_total",
-		"Writes of what must survive a restart that failed, by file in --state-dir: the checkpoint (retried at every turn of the loop; a DRA Prepare it cannot record is refused) and the allocation log (an Allocate it cannot record is refused).",
+		"Writes of what must survive a restart that failed, by file in --state-dir: the checkpoint (retried at every pass; a DRA Prepare it cannot record is refused) and the allocation log (an Allocate it cannot record is refused).",
 		[]string{"file"}, nil)}
 }
 

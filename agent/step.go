@@ -74,12 +74,15 @@ func (a *Agent) Step(batch []Event) {
 			// scheduler gave it meanwhile would fail to prepare.
 			plan = plan || a.opts.DRA != nil
 		case HoldingsChanged:
+			// The background refresh answers every few seconds, mostly
+			// the same: only news is planned from.
+			news := !e.Attribution.Same(a.ledger.holders)
 			if !e.Answered.IsZero() {
-				a.ledger.settle(e.Attribution, e.Answered)
+				news = a.ledger.settle(e.Attribution, e.Answered) > 0 || news
 			} else {
 				a.ledger.setHolders(e.Attribution)
 			}
-			plan = true
+			plan = plan || news
 		case HoldingsAnswer:
 			a.fresh = a.holdingsAnswer(e) || a.fresh
 			plan = true
@@ -111,7 +114,11 @@ func (a *Agent) Step(batch []Event) {
 		a.publishCluster()
 	}
 	a.fresh = false // an answer authorises the pass of its own batch only
-	a.checkpoint()
+	if observe || plan || len(claims) > 0 {
+		// Nothing the checkpoint holds changes otherwise (an allocation
+		// alone is in the allocation log already).
+		a.checkpoint()
+	}
 	a.publishStatus()
 	replies.sendAll()
 }
