@@ -157,7 +157,7 @@ func Plan(s Snapshot) Desired {
 		}
 	}
 	keepHeld(planned.Catalog, s.Published, s.Holdings.Attribution)
-	drain(planned.Catalog, d.DRA, d.MIG, s.Holdings.Claimed)
+	drain(planned.Catalog, d.DRA, d.MIG, s.Holdings)
 	shareDevices(d.DRA, planned.Catalog, d.Config)
 	evictOnUnhealthy(d.DRA, d.Config)
 	withholdClaimed(planned.Catalog, s.Holdings.Claimed, s.Inventory, func(by string) string { return "prepared for " + by + " through DRA" })
@@ -354,14 +354,21 @@ func (h Holdings) heldMIG(inv *gpu.Inventory) map[string]string {
 }
 
 // drain stops offering, through the device plugin and DRA, the MIG devices
-// a layout destroys once the containers on their GPU end: without it, new
-// pods keep landing on them and the layout may never apply on a busy node.
-// Those still held stay listed, unhealthy, as every held device does, and
-// those prepared for claims stay in the pool, as every claimed device does.
-func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, claimed map[string]string) {
+// nobody holds that a layout destroys once the containers on their GPU
+// end: without it, new pods keep landing on them and the layout may never
+// apply on a busy node. Those the kubelet lists as held stay as they are
+// (healthy: a running container's device is not at fault).
+func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
 	draining := map[string]string{}
 	for _, gm := range plans {
 		for _, uuid := range gm.Plan.Draining {
+			if len(h.Attribution.Holders(uuid)) > 0 || hasKey(h.Claimed, uuid) {
+				// Listed by the kubelet (or a claim's): the container
+				// runs. One allocated moments ago and not listed yet is
+				// drained with the rest, so the kubelet does not hand
+				// it out again meanwhile.
+				continue
+			}
 			draining[uuid] = fmt.Sprintf("drained for MIG layout %s on GPU %d: %s", gm.Want, gm.GPU, gm.State.Reason)
 		}
 	}
@@ -376,7 +383,7 @@ func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, claimed map[str
 		}
 	}
 	if pool != nil {
-		pool.Devices = slices.DeleteFunc(pool.Devices, func(d dra.Device) bool { return hasKey(draining, d.UUID) && !hasKey(claimed, d.UUID) })
+		pool.Devices = slices.DeleteFunc(pool.Devices, func(d dra.Device) bool { return hasKey(draining, d.UUID) })
 	}
 }
 

@@ -95,3 +95,24 @@ func readFile(t *testing.T, path string) []byte {
 	}
 	return b
 }
+
+// The hand-written record is what encoding/json writes, for any IDs.
+func FuzzAppendRecord(f *testing.F) {
+	f.Add("MIG-3dee2220-2f67-5d76-a37a-43529f763691", "GPU-0", int64(1764072000123456789))
+	f.Add("a\"b<c>&\x00é", "", int64(0))
+	f.Fuzz(func(t *testing.T, a, b string, nanos int64) {
+		at := time.Unix(0, nanos).UTC()
+		ids := []string{a, b}
+		got, err := appendRecord(nil, at, ids)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, err := json.Marshal(allocRecord{At: at, IDs: ids})
+		if err != nil {
+			return // a time encoding/json refuses (year outside 0-9999)
+		}
+		if string(got) != string(want)+"\n" {
+			t.Fatalf("appendRecord\n%s\nencoding/json\n%s", got, want)
+		}
+	})
+}

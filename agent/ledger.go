@@ -169,6 +169,11 @@ func (l *Ledger) Allocate(uuids []string) error {
 	for _, u := range uuids {
 		l.plugin[u] = now
 	}
+	if l.log != nil {
+		// Devices allocated again and again while the kubelet's answer
+		// settles none: the log holds one line per device after this.
+		l.log.compactLocked(l.plugin)
+	}
 	return nil
 }
 
@@ -287,6 +292,19 @@ func (l *Ledger) allocations() map[string]time.Time {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return maps.Clone(l.plugin)
+}
+
+// settleable reports whether an allocation is old enough for a kubelet
+// answer asked now to account for it.
+func (l *Ledger) settleable(now time.Time) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, at := range l.plugin {
+		if now.Sub(at) >= recentSettle {
+			return true
+		}
+	}
+	return false
 }
 
 // restoreAllocations takes allocations an earlier agent recorded. One

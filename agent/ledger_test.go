@@ -148,7 +148,9 @@ func TestAllocationLogSurvivesKill(t *testing.T) {
 	}
 }
 
-// A settled allocation leaves the ledger, and the log once it is compacted.
+// The log holds one line per device once it is compacted: when it grows
+// past compactAbove (the same devices allocated again and again), and when
+// allocations settle.
 func TestAllocationLogCompacts(t *testing.T) {
 	dir := t.TempDir()
 	clock := newClock()
@@ -156,26 +158,39 @@ func TestAllocationLogCompacts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for i := 0; l.log.size < compactAbove; i++ {
+	logSize := func() int64 {
+		fi, err := os.Stat(filepath.Join(dir, AllocLogFile))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fi.Size()
+	}
+	for i := range 5000 { // about 460 KB of records
 		if err := l.Allocate([]string{fmt.Sprintf("GPU-%d", i%16)}); err != nil {
 			t.Fatal(err)
 		}
 	}
+	if size := logSize(); size >= compactAbove {
+		t.Fatalf("log of %d bytes after 5000 allocations of 16 devices, want it compacted below %d", size, compactAbove)
+	}
+	if got := len(l.allocations()); got != 16 {
+		t.Fatalf("%d allocations in the ledger, want 16", got)
+	}
+	again, _ := NewLedger(dir, clock.Now, nil)
+	if got := len(again.allocations()); got != 16 {
+		t.Fatalf("the compacted log reads back %d allocations, want 16", got)
+	}
 	clock.Advance(time.Minute)
 	l.Allocate([]string{"GPU-late"})
+	for l.log.size < compactAbove { // enough lines for the next compaction
+		l.log.append(clock.Now(), []string{"GPU-late"})
+	}
 	if n := l.settle(nil, clock.Now()); n != 16 {
 		t.Fatalf("settled %d, want the 16 allocated a minute before the answer", n)
 	}
 	b, _ := os.ReadFile(filepath.Join(dir, AllocLogFile))
 	if got := strings.Count(string(b), "\n"); got != 1 || !strings.Contains(string(b), "GPU-late") {
-		t.Errorf("log after compaction (%d lines):\n%.300s", got, b)
-	}
-	if err := l.Allocate([]string{"GPU-next"}); err != nil {
-		t.Fatal(err)
-	}
-	again, _ := NewLedger(dir, clock.Now, nil)
-	if got := again.allocations(); len(got) != 2 {
-		t.Errorf("after compaction and one more allocation, the log holds %v", got)
+		t.Errorf("log after settling (%d lines):\n%.300s", got, b)
 	}
 }
 

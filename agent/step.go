@@ -292,7 +292,11 @@ func (a *Agent) pass(why string) {
 	}
 	start := a.now()
 	d := a.plan()
-	if d.NeedFreshHoldings {
+	if d.NeedFreshHoldings || a.ledger.settleable(start) {
+		// An allocation the kubelet had time to list holds its device
+		// (and the device's GPU: no MIG mode change) until an answer
+		// accounts for it; the background refresh tells only changes,
+		// so the loop asks.
 		a.askHoldings()
 	}
 	changed := a.applyMIG(d)
@@ -338,6 +342,9 @@ func (a *Agent) pass(why string) {
 	}
 	a.lastPass = a.now()
 	a.metrics.reconcileDuration.Observe(a.lastPass.Sub(start).Seconds())
+	// /status says what the kubelet was just told before anything slower
+	// (the checkpoint's fsync) runs; Step publishes it again at its end.
+	a.publishStatus()
 }
 
 // noteFit records whether the selected config fits this node.

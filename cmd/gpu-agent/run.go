@@ -184,7 +184,11 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Dir: f.pluginDir, Logger: log.With("component", "plugin"),
 		Admit: func(_ string, uuids []string) error { return ledger.Allocate(uuids) },
 		OnAllocate: func(resource string, ids []string) {
-			inbox.Post(agent.Allocated{Resource: resource, IDs: ids})
+			if f.dra {
+				// The device leaves the DRA pool at once; without DRA
+				// the loop has nothing to do (the ledger has it).
+				inbox.Post(agent.Allocated{Resource: resource, IDs: ids})
+			}
 			podres.Invalidate()
 		},
 	})

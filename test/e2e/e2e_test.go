@@ -789,11 +789,12 @@ func TestMIGLayoutLive(t *testing.T) {
 	if err := e.UpdateAgentConfig(migLayoutConfig(`{"1g.5gb": 7}`)); err != nil {
 		t.Fatal(err)
 	}
-	// Seven GPUs change; the held instance's GPU keeps both its 3g instances.
+	// Seven GPUs change; the held instance's GPU keeps its 3g instances, and drains the one nobody holds: it
+	// is no longer offered, so no new pod keeps the layout from applying.
 	if _, err := e.WaitAllocatable(stepCtx(t), res1g, 7*(nodeGPUs-1)); err != nil {
 		t.Fatal(err)
 	}
-	left, err := e.WaitAllocatable(stepCtx(t), res3g, 2)
+	left, err := e.WaitAllocatable(stepCtx(t), res3g, 1)
 	if err != nil {
 		t.Fatal(err)
 	}
