@@ -72,6 +72,10 @@ type options struct {
 	load          int
 	bareInProcess bool
 	csv           string
+	only          string
+	control       bool
+	// kinds are the calls made: both, or -only's.
+	kinds []string
 	// The roles this command runs itself in.
 	spin      bool
 	serveBare string
@@ -109,6 +113,8 @@ func main() {
 	flag.IntVar(&o.load, "load", 0, "busy-loop processes running during the measurement")
 	flag.BoolVar(&o.bareInProcess, "bare-in-process", false, "serve the bare plugin from this process, beside the client, instead of a process of its own")
 	flag.StringVar(&o.csv, "csv", "", "also write each round's figures to this CSV file")
+	flag.BoolVar(&o.control, "control", false, "also measure a second bare plugin as if it were an agent: the method's floor, whose ratio should be 1")
+	flag.StringVar(&o.only, "only", "", "make only this call, Allocate or GetPreferredAllocation (to profile one)")
 	flag.BoolVar(&o.spin, "spin", false, "only spin on one CPU until killed (the -load role)")
 	flag.StringVar(&o.serveBare, "serve-bare", "", "only serve the bare plugin on this socket until killed (the bare plugin's role)")
 	flag.StringVar(&o.bareIDs, "bare-ids", "", "the bare plugin's device IDs, comma-separated (with -serve-bare)")
@@ -162,6 +168,14 @@ func run(o options) error {
 	if o.rounds < 1 || o.calls < 1 || o.warmup < 0 || o.size < 1 || o.load < 0 {
 		return errors.New("-rounds, -calls and -size must be positive, -warmup and -load not negative")
 	}
+	switch o.only {
+	case "":
+		o.kinds = []string{callAllocate, callPreferred}
+	case callAllocate, callPreferred:
+		o.kinds = []string{o.only}
+	default:
+		return fmt.Errorf("-only %q: want %s or %s", o.only, callAllocate, callPreferred)
+	}
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer cancel()
 	load0 := loadAvg()
@@ -211,6 +225,13 @@ func run(o options) error {
 	}
 	defer bare.close()
 	bare.cpu = bareCPU
+	if o.control {
+		c, err := startControl(ctx, ids, o)
+		if err != nil {
+			return fmt.Errorf("-control: %w", err)
+		}
+		agents = append(agents, c)
+	}
 
 	var spinners []*exec.Cmd
 	defer func() {
@@ -242,7 +263,10 @@ func run(o options) error {
 		o.rounds, o.calls, o.warmup, o.resource, o.backend, map[bool]string{true: "in this process", false: "in a process of its own"}[o.bareInProcess], o.load, runtime.NumCPU())
 	results := make([]map[string]*series, len(agents)) // per agent, per call
 	for i := range results {
-		results[i] = map[string]*series{callAllocate: {}, callPreferred: {}}
+		results[i] = map[string]*series{}
+		for _, call := range o.kinds {
+			results[i][call] = &series{}
+		}
 	}
 	started := time.Now()
 	for r := range o.rounds {
@@ -256,7 +280,7 @@ func run(o options) error {
 			got := map[*target]map[string]segment{}
 			for _, t := range order {
 				got[t] = map[string]segment{}
-				for _, call := range []string{callAllocate, callPreferred} {
+				for _, call := range o.kinds {
 					seg, err := t.measure(ctx, call, o)
 					if err != nil {
 						return fmt.Errorf("round %d, %s, %s: %w", r+1, t.name, call, err)
@@ -264,7 +288,7 @@ func run(o options) error {
 					got[t][call] = seg
 				}
 			}
-			for _, call := range []string{callAllocate, callPreferred} {
+			for _, call := range o.kinds {
 				ag, br := got[a.target][call], got[bare][call]
 				results[i][call].add(ag, br)
 				if csvw != nil {
@@ -289,7 +313,9 @@ func run(o options) error {
 		f := a.facts()
 		a.stop()
 		f.logSize = a.allocLogSize()
-		f.lists = a.kubelet.lists.Load()
+		if a.kubelet != nil {
+			f.lists = a.kubelet.lists.Load()
+		}
 		facts = append(facts, f)
 	}
 	report(os.Stdout, o, agents, results, facts, bareAlloc, barePref, load0, load1)
@@ -641,6 +667,32 @@ func startSelf(args ...string) (*exec.Cmd, error) {
 	c := exec.Command(self, args...)
 	c.Stderr = os.Stderr
 	return c, c.Start()
+}
+
+// startControl runs a second bare plugin in a process of its own, to be
+// measured as an agent is.
+func startControl(ctx context.Context, ids []string, o options) (*agentProc, error) {
+	dir, err := os.MkdirTemp("", "ao-control-")
+	if err != nil {
+		return nil, err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	a := &agentProc{label: "control (bare)", path: self, dir: dir, exited: make(chan struct{})}
+	socket := filepath.Join(dir, "bare.sock")
+	if a.cmd, err = startBareChild(socket, ids); err != nil {
+		a.remove()
+		return nil, err
+	}
+	go func() { _ = a.cmd.Wait(); close(a.exited) }()
+	if a.target, err = dial(ctx, a.label, socket, o); err != nil {
+		a.remove()
+		return nil, err
+	}
+	a.target.cpu = a.cpu
+	return a, nil
 }
 
 // startBareChild runs the bare plugin in a child process and waits until

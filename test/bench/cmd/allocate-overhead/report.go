@@ -17,7 +17,7 @@ func report(w io.Writer, o options, agents []*agentProc, results []map[string]*s
 	fmt.Fprintln(w, "| agent | call | p50 ratio, median | min–max | agent p50 (µs) | bare p50 (µs) | agent p99 (µs) | bare p99 (µs) | agent CPU per call (µs) | bare CPU per call (µs) |")
 	fmt.Fprintln(w, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 	for i, a := range agents {
-		for _, call := range []string{callAllocate, callPreferred} {
+		for _, call := range o.kinds {
 			s := results[i][call]
 			bareCPU := "–"
 			if !o.bareInProcess {
