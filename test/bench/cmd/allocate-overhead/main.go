@@ -9,14 +9,15 @@
 //
 // Each round measures every agent next to the bare plugin, in pairs (the
 // agent, then the bare plugin, or the other way round): -calls Allocate
-// calls for one device (cycling over the resource's devices) and -calls
+// calls for one device (cycling over the resource's devices), then -calls
 // GetPreferredAllocation calls (every device available, -size wanted), one
-// at a time as the kubelet makes them, each after -warmup calls that are not
-// counted. The order of the pairs rotates from round to round and the order
-// within a pair alternates, so drift in the machine's load falls on both
-// sides. A round's figure for an agent is p50(agent)/p50(bare) of that
-// pair; the table gives the median over rounds of those ratios, with the
-// median p50 and p99 of each side.
+// at a time as the kubelet makes them, each target's after -warmup calls
+// that are not counted. The order of the pairs rotates from round to round
+// and the order within a pair alternates, so drift in the machine's load
+// falls on both sides; with -block B the two take turns every B calls, so
+// that even drift within a round does. A round's figure for an agent is
+// p50(agent)/p50(bare) of that pair; the table gives the median over rounds
+// of those ratios, with the median p50 and p99 of each side.
 //
 // The bare plugin runs in a process of its own, as every device plugin is
 // a process apart from the kubelet: served from the client's process, a
@@ -74,6 +75,7 @@ type options struct {
 	csv           string
 	only          string
 	control       bool
+	block         int
 	// kinds are the calls made: both, or -only's.
 	kinds []string
 	// The roles this command runs itself in.
@@ -108,7 +110,8 @@ func main() {
 	flag.StringVar(&o.resource, "resource", "nvidia.com/gpu", "resource whose plugin is called")
 	flag.IntVar(&o.rounds, "rounds", 30, "rounds")
 	flag.IntVar(&o.calls, "calls", 2000, "calls of each kind per target and round")
-	flag.IntVar(&o.warmup, "warmup", 100, "calls before each measured run of calls, not counted")
+	flag.IntVar(&o.warmup, "warmup", 100, "calls to each target before its timed calls of a kind, not counted")
+	flag.IntVar(&o.block, "block", 0, "the agent and the bare plugin take turns every this many calls within a round (0: all of one's calls, then the other's)")
 	flag.IntVar(&o.size, "size", 2, "GetPreferredAllocation's allocation size (every device is available)")
 	flag.IntVar(&o.load, "load", 0, "busy-loop processes running during the measurement")
 	flag.BoolVar(&o.bareInProcess, "bare-in-process", false, "serve the bare plugin from this process, beside the client, instead of a process of its own")
@@ -165,8 +168,8 @@ func run(o options) error {
 	if len(o.agents) == 0 {
 		return errors.New("no -agent")
 	}
-	if o.rounds < 1 || o.calls < 1 || o.warmup < 0 || o.size < 1 || o.load < 0 {
-		return errors.New("-rounds, -calls and -size must be positive, -warmup and -load not negative")
+	if o.rounds < 1 || o.calls < 1 || o.warmup < 0 || o.size < 1 || o.load < 0 || o.block < 0 {
+		return errors.New("-rounds, -calls and -size must be positive, -warmup, -load and -block not negative")
 	}
 	switch o.only {
 	case "":
@@ -259,8 +262,13 @@ func run(o options) error {
 		_ = csvw.Write([]string{"round", "agent", "call", "agent_p50_ns", "agent_p99_ns", "bare_p50_ns", "bare_p99_ns", "ratio"})
 	}
 
-	fmt.Printf("%d round(s) × %d calls (after %d warm-up) of Allocate and GetPreferredAllocation per target; %s on %s; bare plugin %s; %d busy loop(s); %d CPUs\n",
-		o.rounds, o.calls, o.warmup, o.resource, o.backend, map[bool]string{true: "in this process", false: "in a process of its own"}[o.bareInProcess], o.load, runtime.NumCPU())
+	turns := "all of one's calls, then the other's"
+	if o.block > 0 && o.block < o.calls {
+		turns = fmt.Sprintf("taking turns every %d calls", o.block)
+	}
+	fmt.Printf("%d round(s) × %d calls (after %d warm-up) of %s per target, %s; %s on %s; bare plugin %s; %d busy loop(s); %d CPUs\n",
+		o.rounds, o.calls, o.warmup, strings.Join(o.kinds, " and "), turns, o.resource, o.backend,
+		map[bool]string{true: "in this process", false: "in a process of its own"}[o.bareInProcess], o.load, runtime.NumCPU())
 	results := make([]map[string]*series, len(agents)) // per agent, per call
 	for i := range results {
 		results[i] = map[string]*series{}
@@ -277,19 +285,12 @@ func run(o options) error {
 			if r%2 == 1 {
 				order[0], order[1] = order[1], order[0]
 			}
-			got := map[*target]map[string]segment{}
-			for _, t := range order {
-				got[t] = map[string]segment{}
-				for _, call := range o.kinds {
-					seg, err := t.measure(ctx, call, o)
-					if err != nil {
-						return fmt.Errorf("round %d, %s, %s: %w", r+1, t.name, call, err)
-					}
-					got[t][call] = seg
-				}
-			}
 			for _, call := range o.kinds {
-				ag, br := got[a.target][call], got[bare][call]
+				got, err := measurePair(ctx, order, call, o)
+				if err != nil {
+					return fmt.Errorf("round %d, %s, %s: %w", r+1, a.label, call, err)
+				}
+				ag, br := got[a.target], got[bare]
 				results[i][call].add(ag, br)
 				if csvw != nil {
 					_ = csvw.Write([]string{strconv.Itoa(r + 1), a.label, call,
@@ -365,6 +366,7 @@ type target struct {
 	// GetPreferredAllocation with every device available.
 	alloc []*pluginapi.AllocateRequest
 	pref  *pluginapi.PreferredAllocationRequest
+	next  int // the device the next Allocate asks for, in turn
 	lat   []time.Duration
 	// cpu is the CPU time the plugin's process has used (nil: not known
 	// apart from this one's).
@@ -437,43 +439,92 @@ func (t *target) close() {
 	t.conn.Close()
 }
 
-// measure makes o.warmup and then o.calls calls of one kind, one at a time.
-func (t *target) measure(ctx context.Context, call string, o options) (segment, error) {
-	next := 0
-	one := func() error {
-		var err error
-		switch call {
-		case callAllocate:
-			_, err = t.client.Allocate(ctx, t.alloc[next%len(t.alloc)])
-			next++
-		default:
-			_, err = t.client.GetPreferredAllocation(ctx, t.pref)
-		}
-		return err
+// measurePair makes one kind of call to both targets of a pair, in order:
+// -warmup calls that are not counted, then -calls timed ones, each target's
+// in one run (-block 0) or taking turns in runs of -block calls.
+func measurePair(ctx context.Context, order []*target, call string, o options) (map[*target]segment, error) {
+	block := o.block
+	if block <= 0 || block > o.calls {
+		block = o.calls
 	}
-	for range o.warmup {
-		if err := one(); err != nil {
-			return segment{}, err
+	cpu := map[*target]time.Duration{}
+	if block == o.calls {
+		for _, t := range order {
+			if err := t.warm(ctx, call, o.warmup); err != nil {
+				return nil, fmt.Errorf("%s: %w", t.name, err)
+			}
+			d, err := t.timed(ctx, call, t.lat)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", t.name, err)
+			}
+			cpu[t] = d
+		}
+	} else {
+		for _, t := range order {
+			if err := t.warm(ctx, call, o.warmup); err != nil {
+				return nil, fmt.Errorf("%s: %w", t.name, err)
+			}
+		}
+		for done := 0; done < o.calls; done += block {
+			for _, t := range order {
+				d, err := t.timed(ctx, call, t.lat[done:min(done+block, o.calls)])
+				if err != nil {
+					return nil, fmt.Errorf("%s: %w", t.name, err)
+				}
+				cpu[t] += d
+			}
 		}
 	}
+	out := map[*target]segment{}
+	for _, t := range order {
+		out[t] = segment{calls: len(t.lat), cpu: cpu[t], p50: percentile(t.lat, 0.50), p99: percentile(t.lat, 0.99)}
+	}
+	return out, nil
+}
+
+// one makes one call; Allocate asks for the next device in turn.
+func (t *target) one(ctx context.Context, call string) error {
+	var err error
+	switch call {
+	case callAllocate:
+		_, err = t.client.Allocate(ctx, t.alloc[t.next%len(t.alloc)])
+		t.next++
+	default:
+		_, err = t.client.GetPreferredAllocation(ctx, t.pref)
+	}
+	return err
+}
+
+// warm makes n calls, not timed.
+func (t *target) warm(ctx context.Context, call string, n int) error {
+	for range n {
+		if err := t.one(ctx, call); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// timed makes len(lat) calls, one at a time, and records how long each
+// took; it returns the CPU time the plugin's process used meanwhile (0
+// where unknown).
+func (t *target) timed(ctx context.Context, call string, lat []time.Duration) (time.Duration, error) {
 	var cpu0 time.Duration
 	if t.cpu != nil {
 		cpu0 = t.cpu()
 	}
-	for i := range t.lat {
+	for i := range lat {
 		start := time.Now()
-		err := one()
-		t.lat[i] = time.Since(start)
+		err := t.one(ctx, call)
+		lat[i] = time.Since(start)
 		if err != nil {
-			return segment{}, err
+			return 0, err
 		}
 	}
-	seg := segment{calls: len(t.lat)}
-	if t.cpu != nil {
-		seg.cpu = t.cpu() - cpu0
+	if t.cpu == nil {
+		return 0, nil
 	}
-	seg.p50, seg.p99 = percentile(t.lat, 0.50), percentile(t.lat, 0.99)
-	return seg, nil
+	return t.cpu() - cpu0, nil
 }
 
 // responseSizes is the encoded size of one Allocate and one
