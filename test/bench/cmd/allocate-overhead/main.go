@@ -598,6 +598,7 @@ func startAgentOnce(ctx context.Context, spec agentSpec, o options, noSimState b
 		"--state-dir", filepath.Join(dir, "state"), "--mps-root", filepath.Join(dir, "mps"),
 		"--listen", "127.0.0.1:0", "--node-name", "n1", "--log-format", "json")
 	a.cmd.Stdout, a.cmd.Stderr = logf, logf
+	a.cmd.SysProcAttr = diesWithUs()
 	if err := a.cmd.Start(); err != nil {
 		return nil, err
 	}
@@ -717,6 +718,7 @@ func startSelf(args ...string) (*exec.Cmd, error) {
 	}
 	c := exec.Command(self, args...)
 	c.Stderr = os.Stderr
+	c.SysProcAttr = diesWithUs()
 	return c, c.Start()
 }
 
@@ -755,6 +757,7 @@ func startBareChild(socket string, ids []string) (*exec.Cmd, error) {
 	}
 	c := exec.Command(self, "-serve-bare", socket, "-bare-ids", strings.Join(ids, ","))
 	c.Stderr = os.Stderr
+	c.SysProcAttr = diesWithUs()
 	out, err := c.StdoutPipe()
 	if err != nil {
 		return nil, err
@@ -768,6 +771,12 @@ func startBareChild(socket string, ids []string) (*exec.Cmd, error) {
 		return nil, fmt.Errorf("the child did not start serving: %w", err)
 	}
 	return c, nil
+}
+
+// diesWithUs has a child killed when this command dies without cleaning
+// up (SIGKILL): a busy loop left behind would skew whatever runs next.
+func diesWithUs() *syscall.SysProcAttr {
+	return &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 }
 
 func stopProcess(c *exec.Cmd) {
