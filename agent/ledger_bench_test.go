@@ -1,0 +1,53 @@
+package agent
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+)
+
+// BenchmarkLedgerAllocate is the ledger's share of one device plugin
+// Allocate of one GPU on an 8-GPU node (issue 23: Allocate must stay fast):
+// the check under the lock and, with a state directory, the allocation
+// log's one write(2) of one JSON line. The log is never settled here, so
+// it grows as the bench's allocations do.
+//
+//	go test -run '^$' -bench LedgerAllocate -benchmem ./agent
+func BenchmarkLedgerAllocate(b *testing.B) {
+	var inventory []gpu.GPU
+	var uuids []string
+	for i := range 8 {
+		u := fmt.Sprintf("GPU-%08x-0000-0000-0000-%012x", i, i)
+		uuids = append(uuids, u)
+		inventory = append(inventory, gpu.GPU{UUID: u})
+	}
+	for _, bc := range []struct {
+		name   string
+		logged bool
+	}{{"memory only", false}, {"with the log", true}} {
+		b.Run(bc.name, func(b *testing.B) {
+			dir := ""
+			if bc.logged {
+				dir = b.TempDir()
+			}
+			l, err := NewLedger(dir, nil, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer l.Close()
+			l.setInventory(inventory)
+			if bc.logged != (l.log != nil) {
+				b.Fatalf("allocation log open: %v, want %v", l.log != nil, bc.logged)
+			}
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				if err := l.Allocate(uuids[i%len(uuids) : i%len(uuids)+1]); err != nil {
+					b.Fatal(err)
+				}
+				i++
+			}
+		})
+	}
+}
