@@ -178,11 +178,11 @@ func (a *Agent) claimsStep(events []Event) claimReplies {
 		}
 	} else {
 		for _, uid := range added {
-			pc, ok := a.ledger.unclaim(uid)
+			pc, ok := a.ledger.claims[uid]
 			if !ok {
 				continue
 			}
-			a.release(uid, pc)
+			a.release(uid, pc, true)
 			for _, out := range prepared {
 				if _, ok := out[uid]; ok {
 					out[uid] = dra.Prepared{Err: fmt.Errorf("%w: %w", errCheckpoint, err)}

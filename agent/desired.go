@@ -157,6 +157,7 @@ func Plan(s Snapshot) Desired {
 		}
 	}
 	keepHeld(planned.Catalog, s.Published, s.Holdings.Attribution)
+	withholdHeldSilicon(planned.Catalog, s.Holdings.Attribution, s.Inventory)
 	drain(planned.Catalog, d.DRA, d.MIG, s.Holdings)
 	shareDevices(d.DRA, planned.Catalog, d.Config)
 	evictOnUnhealthy(d.DRA, d.Config)
@@ -384,6 +385,68 @@ func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
 	}
 	if pool != nil {
 		pool.Devices = slices.DeleteFunc(pool.Devices, func(d dra.Device) bool { return hasKey(draining, d.UUID) })
+	}
+}
+
+// withholdHeldSilicon marks unhealthy every catalog device whose silicon a
+// container holds under another ID: the kubelet counts device IDs, so after
+// a config edit it would give GPU 5 whole to a second container while the
+// first holds its time-sliced replica "GPU-5::1", or a MIG device's GPU
+// (strategy none) while the first holds the MIG device. Replicas of one
+// device under one resource are meant to be shared and stay.
+func withholdHeldSilicon(cat *catalog.Catalog, att *health.Attribution, inv *gpu.Inventory) {
+	if att == nil || cat == nil {
+		return
+	}
+	parent := map[string]string{}
+	if inv != nil {
+		for _, g := range inv.GPUs {
+			for _, m := range g.Instances {
+				parent[m.UUID] = g.UUID
+			}
+		}
+	}
+	type held struct {
+		resource, id string
+		replica      bool
+		by           health.Holder
+	}
+	bySilicon := map[string][]held{} // GPU or MIG UUID → what containers hold of it
+	for _, name := range att.Resources() {
+		ids := att.HeldIDs(name)
+		for _, id := range slices.Sorted(maps.Keys(ids)) {
+			uuid, _, replica := strings.Cut(id, "::")
+			bySilicon[uuid] = append(bySilicon[uuid], held{name, id, replica, ids[id]})
+		}
+	}
+	if len(bySilicon) == 0 {
+		return
+	}
+	for name, r := range cat.Resources {
+		for i := range r.Devices {
+			d := &r.Devices[i]
+			if !d.Healthy {
+				continue
+			}
+			u := d.Spec.VisibleID
+			for _, x := range []string{u, parent[u]} {
+				for _, h := range bySilicon[x] {
+					if h.resource == name && h.id == d.ID || h.resource == name && h.replica && d.Replica && x == u {
+						continue // the device itself, or a replica shared as meant
+					}
+					d.Healthy, d.Reason = false, "held by "+h.by.String()+" as "+h.id+" ("+h.resource+")"
+					break
+				}
+			}
+			for _, child := range slices.Sorted(maps.Keys(parent)) {
+				if parent[child] != u || !d.Healthy {
+					continue
+				}
+				if hs := bySilicon[child]; len(hs) > 0 {
+					d.Healthy, d.Reason = false, "its MIG device "+child+" is held by "+hs[0].by.String()
+				}
+			}
+		}
 	}
 }
 

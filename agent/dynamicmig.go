@@ -123,17 +123,16 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 // release undoes what preparing claim uid left on the node: its CDI spec,
 // the MIG devices created for it (pc's devices marked Created) and those
 // it intended, for a claim the kubelet released or one that failed to
-// prepare. What cannot be undone now stays in the ledger's releases,
+// prepare (unclaim: it is still the ledger's claim). It is recorded as a
+// release before anything is undone; what cannot be undone now stays in
+// the ledger's releases,
 // checkpointed, and is tried again after every read of the GPUs
 // (retryReleases): nothing a claim made is forgotten.
-func (a *Agent) release(uid types.UID, pc PreparedClaim) {
+func (a *Agent) release(uid types.UID, pc PreparedClaim, unclaim bool) {
+	_, again := a.ledger.releases[uid]
 	rest := pc
 	rest.Devices = nil
-	devs := slices.Clone(pc.Devices)
-	if earlier, ok := a.ledger.releases[uid]; ok {
-		devs = append(slices.Clone(earlier.Devices), devs...)
-	}
-	devs = append(devs, a.ledger.takeIntents(uid)...)
+	devs := a.ledger.beginRelease(uid, pc, unclaim)
 	var failed []string
 	if a.opts.CDI != nil && !hasKey(a.ledger.claims, uid) { // a claim prepared again keeps its spec
 		if err := a.opts.CDI.RemoveClaim(string(uid)); err != nil {
@@ -159,7 +158,7 @@ func (a *Agent) release(uid types.UID, pc PreparedClaim) {
 		a.ledger.dropRelease(uid)
 		return
 	}
-	if _, again := a.ledger.releases[uid]; !again {
+	if !again {
 		a.log.Error("DRA: what a claim left on the node is not undone yet; trying again after every read of the GPUs",
 			"claim", pc.String(), "uid", uid, "left", strings.Join(failed, "; "))
 	}
@@ -170,7 +169,7 @@ func (a *Agent) release(uid types.UID, pc PreparedClaim) {
 func (a *Agent) retryReleases() {
 	for _, uid := range slices.Sorted(maps.Keys(a.ledger.releases)) {
 		pc := a.ledger.releases[uid]
-		a.release(uid, pc)
+		a.release(uid, pc, false)
 		if _, left := a.ledger.releases[uid]; !left {
 			a.log.Info("DRA: what a released claim left on the node is undone", "claim", pc.String(), "uid", uid)
 		}

@@ -294,13 +294,13 @@ func (l *Ledger) allocations() map[string]time.Time {
 	return maps.Clone(l.plugin)
 }
 
-// settleable reports whether an allocation is old enough for a kubelet
-// answer asked now to account for it.
+// settleable reports whether an allocation the last answer did not list is
+// old enough for a kubelet answer asked now to account for it.
 func (l *Ledger) settleable(now time.Time) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	for _, at := range l.plugin {
-		if now.Sub(at) >= recentSettle {
+	for u, at := range l.plugin {
+		if now.Sub(at) >= recentSettle && len(l.holders.Holders(u)) == 0 {
 			return true
 		}
 	}
@@ -328,15 +328,18 @@ func (l *Ledger) restoreAllocations(allocs map[string]time.Time) (future int) {
 
 // settle takes a successful pod-resources answer the kubelet gave to a
 // request made at asked: who holds what, and the allocations made
-// recentSettle before asked are accounted for by it (the kubelet lists
-// them, or their containers are gone). It reports how many it settled.
+// recentSettle before asked are accounted for by it: those it does not
+// list are forgotten (their containers are gone), those it lists stay (the
+// allocation log keeps them for a restart). It reports how many went.
 func (l *Ledger) settle(att *health.Attribution, asked time.Time) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.holders = att
 	n := 0
 	for u, at := range l.plugin {
-		if asked.Sub(at) >= recentSettle {
+		// One the answer lists stays: the log then tells a restarted
+		// agent who holds what before the kubelet first answers it.
+		if asked.Sub(at) >= recentSettle && len(att.Holders(u)) == 0 {
 			delete(l.plugin, u)
 			n++
 		}
@@ -398,14 +401,6 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 	return nil
 }
 
-// unclaim forgets claim uid.
-func (l *Ledger) unclaim(uid types.UID) (PreparedClaim, bool) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	pc, ok := l.claims[uid]
-	delete(l.claims, uid)
-	return pc, ok
-}
 
 // intend records that MIG device d is about to be made for claim c, unless
 // its GPU is taken by someone else (a container of the device plugin, a
@@ -465,14 +460,31 @@ func (l *Ledger) dropIntents(uid types.UID) {
 	l.setLocked(l.intents, uid, pc)
 }
 
-// takeIntents removes and returns the intents of claim uid: a claim that
-// failed, or one found after a crash, has them undone like a release.
-func (l *Ledger) takeIntents(uid types.UID) []PreparedClaimDevice {
+// beginRelease records, in one step, that everything claim uid made is to
+// be undone: pc's devices, its intents and what an earlier release left
+// (the MIG devices created, and its CDI spec: a record with no device),
+// unclaiming uid first when asked. It returns the devices to undo. Done
+// under one lock, no Allocate finds the claim's devices or their GPUs free
+// between the claim (or intent) going and the release being recorded.
+func (l *Ledger) beginRelease(uid types.UID, pc PreparedClaim, unclaim bool) []PreparedClaimDevice {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	pc := l.intents[uid]
+	if unclaim {
+		delete(l.claims, uid)
+	}
+	rel := l.releases[uid]
+	devs := append(slices.Clone(rel.Devices), pc.Devices...)
+	devs = append(devs, l.intents[uid].Devices...)
 	delete(l.intents, uid)
-	return pc.Devices
+	rel.Namespace, rel.Name, rel.At = pc.Namespace, pc.Name, pc.At
+	rel.Devices = nil
+	for _, d := range devs {
+		if d.Created && !slices.ContainsFunc(rel.Devices, func(x PreparedClaimDevice) bool { return x.UUID == d.UUID && x.samePlace(d) }) {
+			rel.Devices = append(rel.Devices, d)
+		}
+	}
+	l.releases[uid] = rel
+	return devs
 }
 
 // setRelease records what claim uid left to undo: MIG devices, or only

@@ -72,8 +72,19 @@ func planDRA(s Snapshot) *dra.Pool {
 	}
 	unhealthy := s.Health.UnhealthyDevices()
 	dynamic := dynamicGPUs(s)
+	direct := func(uuid string) bool {
+		return uuid != "" && (len(s.Holdings.Attribution.Holders(uuid)) > 0 || hasKey(s.Holdings.Allocated, uuid))
+	}
+	// held: a container holds the device, its GPU whole, or (for a GPU)
+	// one of its MIG devices, through the device plugin.
 	held := func(uuid string) bool {
-		return len(s.Holdings.Attribution.Holders(uuid)) > 0 || hasKey(s.Holdings.Allocated, uuid)
+		if direct(uuid) || direct(s.Inventory.ParentOf(uuid)) {
+			return true
+		}
+		if g, ok := s.Inventory.GPUByUUID(uuid); ok {
+			return slices.ContainsFunc(g.Instances, func(m gpu.MIGInstance) bool { return direct(m.UUID) })
+		}
+		return false
 	}
 	p := &dra.Pool{}
 	for _, d := range dra.Devices(s.Inventory, unhealthy) {

@@ -48,8 +48,7 @@ func (a *Agent) prepareClaims(e ClaimsPrepare) (map[types.UID]dra.Prepared, []ty
 			// The node rebooted, or its CDI specs were wiped: the answer
 			// given before names what no longer exists. Prepare it afresh.
 			a.log.Warn("DRA claim prepared before no longer matches the node; preparing it again", "claim", c.String(), "uid", c.UID, "reason", gone)
-			a.ledger.unclaim(c.UID)
-			a.release(c.UID, pc)
+			a.release(c.UID, pc, true)
 			added = append(added, c.UID) // the ledger changed either way
 		}
 		if pool == nil || planned != a.inv {
@@ -119,7 +118,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (pc PreparedClaim, err
 	pc = PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now()}
 	defer func() {
 		if err != nil {
-			a.release(c.UID, pc)
+			a.release(c.UID, pc, false)
 			pc = PreparedClaim{}
 		}
 	}()
@@ -313,7 +312,7 @@ func (a *Agent) unprepareClaims(e ClaimsUnprepare) (map[types.UID]error, []Prepa
 	var removed []PreparedClaim
 	for _, c := range e.Claims {
 		out[c.UID] = nil
-		pc, ok := a.ledger.unclaim(c.UID)
+		pc, ok := a.ledger.claims[c.UID]
 		if !ok {
 			if a.opts.CDI != nil && !hasKey(a.ledger.releases, c.UID) {
 				if err := a.opts.CDI.RemoveClaim(string(c.UID)); err != nil {
@@ -323,7 +322,7 @@ func (a *Agent) unprepareClaims(e ClaimsUnprepare) (map[types.UID]error, []Prepa
 			continue
 		}
 		removed = append(removed, pc)
-		a.release(c.UID, pc)
+		a.release(c.UID, pc, true)
 		a.log.Info("DRA claim unprepared", "claim", c.String(), "uid", c.UID, "devices", deviceNames(pc))
 	}
 	return out, removed

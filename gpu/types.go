@@ -224,6 +224,20 @@ func (inv *Inventory) GPUByUUID(uuid string) (GPU, bool) {
 	return GPU{}, false
 }
 
+// ParentOf is the UUID of the GPU MIG device uuid is on ("" for anything
+// else, a GPU included).
+func (inv *Inventory) ParentOf(uuid string) string {
+	if inv == nil {
+		return ""
+	}
+	for _, g := range inv.GPUs {
+		if slices.ContainsFunc(g.Instances, func(m MIGInstance) bool { return m.UUID == uuid }) {
+			return g.UUID
+		}
+	}
+	return ""
+}
+
 // HasDevice reports whether uuid is a GPU of the inventory or one of their
 // MIG devices.
 func (inv *Inventory) HasDevice(uuid string) bool {

@@ -99,6 +99,14 @@ func (a *Attribution) HeldIDs(resource string) map[string]Holder {
 	return a.ids[resource]
 }
 
+// Resources lists the resources a container holds devices of, in order.
+func (a *Attribution) Resources() []string {
+	if a == nil {
+		return nil
+	}
+	return slices.Sorted(maps.Keys(a.ids))
+}
+
 // String names the holder as "namespace/pod (container)".
 func (h Holder) String() string { return h.Namespace + "/" + h.Pod + " (" + h.Container + ")" }
 
