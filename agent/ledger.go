@@ -401,7 +401,6 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 	return nil
 }
 
-
 // intend records that MIG device d is about to be made for claim c, unless
 // its GPU is taken by someone else (a container of the device plugin, a
 // MIG plan, another claim holding the GPU whole).
