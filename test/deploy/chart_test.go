@@ -265,6 +265,7 @@ backend: sim:dgx-h100
 logLevel: debug
 logFormat: text
 resync: 45s
+forgetGoneGPUsAfter: 72h
 config: {key: marker.yaml, default: a100-ts4}
 migStrategy: single
 paths:
@@ -281,27 +282,28 @@ metrics: {port: 9555}
 cdi: {specDir: /marker/cdi, nvidiaDevRoot: /marker/driver, migMinors: /marker/mig-minors}
 `
 	want := map[string]string{
-		"backend":              "sim:dgx-h100",
-		"log-level":            "debug",
-		"log-format":           "text",
-		"resync":               "45s",
-		"config":               "/etc/gpu-agent/marker.yaml",
-		"device-plugin-dir":    "/marker/device-plugins",
-		"pod-resources-socket": "/marker/pod-resources/kubelet.sock",
-		"state-dir":            "/marker/state",
-		"mps-root":             "/marker/mps",
-		"mps-shm-dir":          "/marker/shm",
-		"mps-host":             "true",
-		"nvml-lib":             "/marker/libnvidia-ml.so.1",
-		"listen":               ":9555",
-		"default-config":       "a100-ts4",
-		"mig-strategy":         "single",
-		"dra":                  "true",
-		"dra-plugin-dir":       "/marker/plugins/gpu.nvidia.com",
-		"kubelet-registry-dir": "/marker/plugins_registry",
-		"cdi-spec-dir":         "/marker/cdi",
-		"nvidia-dev-root":      "/marker/driver",
-		"mig-minors":           "/marker/mig-minors",
+		"backend":                "sim:dgx-h100",
+		"log-level":              "debug",
+		"log-format":             "text",
+		"resync":                 "45s",
+		"forget-gone-gpus-after": "72h",
+		"config":                 "/etc/gpu-agent/marker.yaml",
+		"device-plugin-dir":      "/marker/device-plugins",
+		"pod-resources-socket":   "/marker/pod-resources/kubelet.sock",
+		"state-dir":              "/marker/state",
+		"mps-root":               "/marker/mps",
+		"mps-shm-dir":            "/marker/shm",
+		"mps-host":               "true",
+		"nvml-lib":               "/marker/libnvidia-ml.so.1",
+		"listen":                 ":9555",
+		"default-config":         "a100-ts4",
+		"mig-strategy":           "single",
+		"dra":                    "true",
+		"dra-plugin-dir":         "/marker/plugins/gpu.nvidia.com",
+		"kubelet-registry-dir":   "/marker/plugins_registry",
+		"cdi-spec-dir":           "/marker/cdi",
+		"nvidia-dev-root":        "/marker/driver",
+		"mig-minors":             "/marker/mig-minors",
 	}
 	o, err := renderChart(t, values)
 	if err != nil {
