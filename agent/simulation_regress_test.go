@@ -1,0 +1,171 @@
+package agent
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+)
+
+// Violations TestSimulation found in the agent, each as a focused test.
+// They are not fixed yet: each test skips, naming the issue, and the
+// simulation lets violations of its kind pass (simKnown) so that seeds go
+// on to find others. Whoever fixes one removes the Skip and its simKnown
+// entry, and `go test -run '^TestSimulation$' ./agent -sim.known=false`
+// shows whether any seed still breaks it.
+
+// Simulation, seed 84 (dgx-h100; 11 operations): a container holds a
+// time-sliced replica of GPU 5 ("<uuid>::1"), the config goes to whole
+// GPUs, and the catalog offers GPU 5 whole ("<uuid>") healthy: the
+// kubelet, which counts device IDs, gives it to a second container that
+// believes it has the GPU to itself. keepHeld keeps the held replica ID
+// advertised (unhealthy), but nothing withholds the other IDs of the same
+// silicon; the same happens to the GPU of a held MIG device when the MIG
+// strategy becomes none (seed 1), and to a MIG device held under
+// nvidia.com/mig-<profile> when the strategy becomes single. Where: Plan
+// (desired.go) withholds the devices claims hold (withholdClaimed) but not
+// those containers hold under another ID or resource.
+func TestSimRegressHeldReplicaGPUOfferedWhole(t *testing.T) {
+	t.Skip("issue 23 (simulation): a GPU is offered whole while a container holds one of its time-sliced replicas or MIG devices under another name")
+	for _, tc := range []struct {
+		name   string
+		node   *sim.Node
+		before string // the config the container got its device under
+		res    string
+		id     func(h *harness) string
+	}{
+		{"time-sliced replica, then whole GPUs", simNode(t, "pcie-4gpu"), sliced2, ResourceGPU, func(h *harness) string {
+			return deviceOn(h, ResourceGPU, 1, "::1")
+		}},
+		{"MIG device, then strategy none", simNode(t, "dgx-a100", sim.WithMIGEnabled()), mixedLayout(`{"1g.5gb": 7}`), "nvidia.com/mig-1g.5gb", func(h *harness) string {
+			return deviceOn(h, "nvidia.com/mig-1g.5gb", 1, "")
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, tc.node, withMIG())
+			h.config(tc.before)
+			id := tc.id(h)
+			if id == "" {
+				t.Fatalf("no %s device on GPU 1: %v", tc.res, resourceSummary(h.pub.last()))
+			}
+			if err := h.allocate(tc.res, id); err != nil {
+				t.Fatal(err)
+			}
+			h.step(HoldingsChanged{Attribution: h.hold.hold(tc.res, id), Answered: h.clock.Now()})
+			h.config(wholeGPUs)
+			if d := findGPU(h, 1); d.ID == "" || d.Healthy {
+				t.Errorf("GPU 1 offered whole and healthy (%s) while ml/trainer holds %s on it; want it unhealthy, naming the holder", d.ID, id)
+			}
+		})
+	}
+}
+
+// Simulation, seed 129 (dgx-a100; 8 operations): on A100s in MIG mode
+// with MIG devices a layout made, the config goes to whole GPUs (MIG
+// strategy none offers each GPU whole) and a container gets GPU 4 whole;
+// the DRA pool still offers GPU 4's MIG devices. A claim the scheduler
+// gives one of them fails to prepare (the ledger sees the GPU held), and
+// is retried for as long as the container runs. Where: planDRA (pool.go)
+// drops a device a container holds, but not the MIG devices of a GPU a
+// container holds whole.
+func TestSimRegressPoolOffersMIGDevicesOfHeldGPU(t *testing.T) {
+	t.Skip("issue 23 (simulation): the DRA pool offers the MIG devices of a GPU a container holds whole")
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "dgx-a100", sim.WithMIGEnabled()), withDRA(rec), withMIG())
+	h.config(mixedLayout(`{"1g.5gb": 7}`))
+	h.config(wholeGPUs)
+	uuid := findGPU(h, 4).ID
+	if err := h.allocate(ResourceGPU, uuid); err != nil {
+		t.Fatal(err)
+	}
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, uuid), Answered: h.clock.Now()})
+	var offered []string
+	for _, d := range rec.last().Devices {
+		if d.ParentUUID == uuid {
+			offered = append(offered, d.Name)
+		}
+	}
+	if len(offered) > 0 {
+		t.Errorf("GPU 4 is held whole through the device plugin, and the DRA pool offers its MIG devices %s", strings.Join(offered, ", "))
+	}
+}
+
+// deviceOn is the first device of res on GPU gpu whose ID ends in suffix
+// ("" when none).
+func deviceOn(h *harness, res string, gpu int, suffix string) string {
+	r := h.pub.last().Resources[res]
+	if r == nil {
+		return ""
+	}
+	for _, d := range r.Devices {
+		if d.GPU == gpu && strings.HasSuffix(d.ID, suffix) {
+			return d.ID
+		}
+	}
+	return ""
+}
+
+// Simulation, seeds 160 and 163 (with a long allocation log): once the
+// allocation log was compacted (past compactAbove, as on any node after
+// some hundreds of allocations) it no longer has the allocations the
+// kubelet listed. A restarted agent then knows nothing of the containers
+// that hold devices until pod-resources answers, and meanwhile offers
+// their devices through DRA and prepares claims on them (seed 160: a
+// container's MIG device in the pool), and applies a layout that turns MIG
+// on under a GPU a container holds whole (seed 163, pod-resources
+// unreachable: a mode change waits for no answer, only for the ledger,
+// which is empty). Where: the ledger's knowledge of holders lives only in
+// memory (Ledger.holders) and the uncompacted log; nothing survives a
+// restart once the log is compacted (alloclog.go, compactLocked), and
+// neither Prepare nor a MIG mode change waits for the first answer.
+func TestSimRegressRestartForgetsListedHolders(t *testing.T) {
+	t.Skip("issue 23 (simulation): after a restart with a compacted allocation log, devices containers hold are offered through DRA, prepared for claims and turned into MIG mode until pod-resources answers")
+	for _, tc := range []struct {
+		name  string
+		node  func(t *testing.T) *sim.Node
+		check func(t *testing.T, h *harness, rec *draRecorder, uuid string)
+	}{
+		{"a claim gets the GPU", func(t *testing.T) *sim.Node { return simNode(t, "pcie-4gpu") }, func(t *testing.T, h *harness, rec *draRecorder, uuid string) {
+			h.config(wholeGPUs)
+			if _, ok := rec.last().Device("gpu-0"); ok {
+				t.Errorf("the DRA pool offers gpu-0, which a container holds")
+			}
+			if got := h.prepare(claim("uid-x", "x", "gpu-0"))["uid-x"]; got.Err == nil {
+				t.Errorf("a claim was prepared on gpu-0, which a container holds: %+v", got)
+			}
+		}},
+		{"a layout turns MIG on under it", func(t *testing.T) *sim.Node { return simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()) }, func(t *testing.T, h *harness, _ *draRecorder, uuid string) {
+			h.hold.fail(errUnreachable)
+			h.config(mixedLayout(`{"1g.10gb": 7}`))
+			if g := gpuOf(t, h, 0); g.MIG.Current {
+				t.Errorf("GPU 0 (%s), which a container holds whole, was turned to MIG mode", uuid)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			node := tc.node(t)
+			dir := t.TempDir()
+			h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG(), withQuietLog())
+			h.config(wholeGPUs)
+			uuid := findGPU(h, 0).ID
+			// A long-running node: the log is past compactAbove when the
+			// kubelet's answer settles the container's allocation.
+			for h.a.ledger.log.size < compactAbove {
+				if err := h.a.Ledger().Allocate([]string{"GPU-long-gone"}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := h.allocate(ResourceGPU, uuid); err != nil {
+				t.Fatal(err)
+			}
+			h.clock.Advance(time.Minute)
+			h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, uuid), Answered: h.clock.Now()})
+
+			// The agent restarts; pod-resources has not answered it yet.
+			rec := &draRecorder{}
+			h2 := newHarnessIn(t, node, dir, withDRA(rec), withMIG(), withCheckpoint())
+			tc.check(t, h2, rec, uuid)
+		})
+	}
+}
