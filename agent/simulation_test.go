@@ -1076,7 +1076,9 @@ func (c *simClaim) claim() dra.Claim {
 	return dra.Claim{UID: c.uid, Namespace: "sim", Name: c.name, Devices: slices.Clone(c.devs)}
 }
 
-func (c *simClaim) ref() dra.ClaimRef { return dra.ClaimRef{UID: c.uid, Namespace: "sim", Name: c.name} }
+func (c *simClaim) ref() dra.ClaimRef {
+	return dra.ClaimRef{UID: c.uid, Namespace: "sim", Name: c.name}
+}
 
 // simAdmission bounds how long the kubelet takes to list a container
 // after Allocate (its admission): under 5 s, the margin the agent gives it
