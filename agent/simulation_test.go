@@ -22,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
+	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
@@ -83,7 +84,29 @@ var simKnown = []simIssue{
 	{"pool: a MIG device of a held GPU", "TestSimRegressPoolOffersMIGDevicesOfHeldGPU", nil},
 	{"pool: a held device", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
 	{"destroyed while held: a GPU's MIG mode", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
+	{"given twice: a container and a claim", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
+	{"pool: a partition of a held GPU", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
+	{"pool: a partition over a held MIG device", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
+	{"pool: the GPU of a held MIG device", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
+	{"given twice: a container and a device made for a claim", "TestSimRegressAllocateDuringRelease", always},
+	{"orphan: a GPU instance without a compute instance", "TestSimRegressBareGPUInstanceAfterCrashWithoutLayout", bareUngoverned},
+	{"pool: a partition over a device the inventory does not show", "TestSimRegressPoolOffersPartitionsOverIntent", nil},
 }
+
+// bareUngoverned: a GPU no layout governs has a GPU instance without a
+// compute instance.
+func bareUngoverned(s *simRun) bool {
+	governed := s.governed()
+	for i, g := range s.truth().gpus {
+		if len(g.bare) > 0 && !governed[i] {
+			return true
+		}
+	}
+	return false
+}
+
+// always: a known issue that ends the seed whenever it shows.
+func always(*simRun) bool { return true }
 
 func TestSimulation(t *testing.T) {
 	seeds := make([]uint64, 0, *simSeeds)
@@ -385,6 +408,9 @@ type simRun struct {
 	truthFile os.FileInfo
 	truthOf   *simTruth
 
+	// pending are events posted while the loop was busy (meanwhile).
+	pending []Event
+
 	ops      []string
 	found    []simViolation // seen inside an operation (MIG applies)
 	nextName int
@@ -465,7 +491,8 @@ func (s *simRun) newHarness(restored bool) *harness {
 // the kubelet would, and the operation is over.
 func (s *simRun) do(what string, f func()) {
 	s.ops = append(s.ops, what)
-	if s.guard(f) {
+	if s.guard(func() { f(); s.flush() }) {
+		s.pending = nil // posted to the inbox of the agent that died
 		s.note("crashed: the agent is restarted")
 		s.seen["the agent crashed mid-operation"]++
 		for s.guard(func() { s.restart(); s.note("%s", s.kube.retryUnprepares()) }) {
@@ -474,6 +501,15 @@ func (s *simRun) do(what string, f func()) {
 		}
 	}
 	s.check()
+}
+
+// flush hands the loop the events posted while it was busy.
+func (s *simRun) flush() {
+	for len(s.pending) > 0 {
+		evs := s.pending
+		s.pending = nil
+		s.h.step(evs...)
+	}
 }
 
 // guard runs f and reports whether the simulated crash stopped it.
@@ -591,6 +627,21 @@ func (s *simRun) allocate(stale bool) {
 		s.pub.mu.Unlock()
 		what = "allocate from a stale catalog"
 	}
+	res, ids := s.choose(cat)
+	if len(ids) == 0 {
+		s.do(what+": nothing free", func() {})
+		return
+	}
+	s.do(fmt.Sprintf("%s %s %s", what, res, shortIDs(ids)), func() {
+		if s.admit(res, ids, true) {
+			s.h.step(Allocated{Resource: res, IDs: ids})
+		}
+	})
+}
+
+// choose is what the kubelet allocates a new container from cat: 1 to 3
+// devices of one resource, healthy there and not allocated already.
+func (s *simRun) choose(cat *catalog.Catalog) (string, []string) {
 	type pick struct {
 		res string
 		ids []string
@@ -609,37 +660,52 @@ func (s *simRun) allocate(stale bool) {
 		}
 	}
 	if len(choices) == 0 {
-		s.do(what+": nothing free", func() {})
-		return
+		return "", nil
 	}
 	c := choices[s.rng.IntN(len(choices))]
 	n := 1 + s.rng.IntN(min(3, len(c.ids)))
-	ids := pickN(s.rng, c.ids, n)
-	s.do(fmt.Sprintf("%s %s %s", what, c.res, shortIDs(ids)), func() { s.admit(c.res, ids, true) })
+	return c.res, pickN(s.rng, c.ids, n)
+}
+
+// meanwhile is the kubelet allocating while the loop is busy applying a
+// MIG plan: the device plugin's Allocate runs on gRPC goroutines of its
+// own, at any time; the Allocated event it posts reaches the loop after
+// the batch it is in.
+func (s *simRun) meanwhile() {
+	res, ids := s.choose(s.pub.last())
+	if len(ids) == 0 {
+		return
+	}
+	s.note("meanwhile, allocate %s %s", res, shortIDs(ids))
+	s.seen["Allocate during a MIG apply"]++
+	if s.admit(res, ids, true) {
+		s.pending = append(s.pending, Allocated{Resource: res, IDs: ids})
+	}
 }
 
 // admit is the device plugin's Allocate: the catalog it serves (checked
-// when checkPlugin), then the ledger. A container that got its devices
-// runs until it exits; the kubelet lists it after its admission.
-func (s *simRun) admit(res string, ids []string, checkPlugin bool) {
+// when checkPlugin), then the ledger; it reports whether the devices were
+// handed out. A container that got its devices runs until it exits; the
+// kubelet lists it after its admission.
+func (s *simRun) admit(res string, ids []string, checkPlugin bool) bool {
 	if checkPlugin {
 		r := s.pub.last().Resources[res]
 		if r == nil {
 			s.note("refused by the plugin: no such resource now")
 			s.seen["Allocate refused by the plugin"]++
-			return
+			return false
 		}
 		for _, id := range ids {
 			d, ok := r.Device(id)
 			if !ok || !d.Healthy {
 				s.note("refused by the plugin: %s unknown or unhealthy now", short(id))
 				s.seen["Allocate refused by the plugin"]++
-				return
+				return false
 			}
 		}
 		if r.MaxPerContainer > 0 && len(ids) > r.MaxPerContainer && strings.Contains(strings.Join(ids, ","), "::") {
 			s.note("refused by the plugin: more than %d shared devices", r.MaxPerContainer)
-			return
+			return false
 		}
 	}
 	var uuids []string
@@ -654,7 +720,7 @@ func (s *simRun) admit(res string, ids []string, checkPlugin bool) {
 	if err := s.h.a.Ledger().Allocate(uuids); err != nil {
 		s.note("refused by the ledger: %s", shortErr(err))
 		s.seen["Allocate refused by the ledger"]++
-		return
+		return false
 	}
 	for _, u := range uuids {
 		for _, x := range slices.Sorted(maps.Keys(ledger)) {
@@ -666,7 +732,7 @@ func (s *simRun) admit(res string, ids []string, checkPlugin bool) {
 	c := s.kube.add(res, ids, truth)
 	s.seen["Allocate accepted"]++
 	s.note("accepted: %s", c.name)
-	s.h.step(Allocated{Resource: res, IDs: ids})
+	return true
 }
 
 // probe is a stale plugin snapshot: a device the catalog now shows
@@ -689,7 +755,11 @@ func (s *simRun) probe() {
 		return
 	}
 	c := cands[s.rng.IntN(len(cands))]
-	s.do(fmt.Sprintf("probe the ledger with unhealthy %s %s", c.res, short(c.id)), func() { s.admit(c.res, []string{c.id}, false) })
+	s.do(fmt.Sprintf("probe the ledger with unhealthy %s %s", c.res, short(c.id)), func() {
+		if s.admit(c.res, []string{c.id}, false) {
+			s.h.step(Allocated{Resource: c.res, IDs: []string{c.id}})
+		}
+	})
 }
 
 // exit ends a container: the kubelet stops listing it.
@@ -1375,7 +1445,10 @@ func overlap(a, pa, b, pb string) bool {
 type holder struct {
 	name  string
 	claim bool
-	devs  []heldDevice
+	// made: MIG devices made for claims that no claim holds (failed or
+	// released): DRA's until they are destroyed, which is no violation.
+	made bool
+	devs []heldDevice
 }
 
 // holders are everyone who has a device now: the containers the kubelet
@@ -1411,6 +1484,21 @@ func (s *simRun) holders(truth *simTruth) []holder {
 			h.devs = append(h.devs, heldDevice{uuid: d.UUID, id: id, shares: d.Shares})
 		}
 		out = append(out, h)
+	}
+	held := map[string]bool{}
+	for _, h := range out {
+		for _, d := range h.devs {
+			held[d.uuid] = h.claim
+		}
+	}
+	made := holder{name: "DRA (made for a claim, not destroyed yet)", claim: true, made: true}
+	for _, u := range slices.Sorted(maps.Keys(s.made)) {
+		if !held[u] {
+			made.devs = append(made.devs, heldDevice{uuid: u, id: s.made[u]})
+		}
+	}
+	if len(made.devs) > 0 {
+		out = append(out, made)
 	}
 	return out
 }
@@ -1522,6 +1610,9 @@ func (s *simRun) knownIssue(kind string) (simIssue, bool) {
 // when it was handed out.
 func (s *simRun) vanished(truth *simTruth, hs []holder, report reporter) {
 	for _, h := range hs {
+		if h.made {
+			continue
+		}
 		for _, d := range h.devs {
 			now, ok := truth.ident(d.uuid)
 			switch {
@@ -1564,6 +1655,11 @@ func (s *simRun) givenTwice(_ *simTruth, hs []holder, report reporter) {
 			}
 			kind := "given twice: a container and a claim"
 			switch {
+			case a.h.made || b.h.made:
+				kind = "given twice: a container and a device made for a claim"
+				if a.h.claim && b.h.claim {
+					kind = "given twice: a claim and a device made for another"
+				}
 			case !a.h.claim && !b.h.claim && a.d.uuid == b.d.uuid && a.d.replica && b.d.replica:
 				continue // time-slicing: replicas of one device
 			case a.h.claim && b.h.claim && a.d.uuid == b.d.uuid && a.d.shares > 0 && b.d.shares > 0:
@@ -1625,11 +1721,34 @@ func (s *simRun) poolAgrees(truth *simTruth, hs []holder, report reporter) {
 	if pool == nil {
 		return
 	}
-	l := s.h.a.ledger
-	gone := releasingUUIDs(l.releases, l.intents, s.h.a.inv, claimedUUIDs(l.claims))
-	for u, why := range l.doomedNow() {
-		gone[u] = "doomed: " + why
+	// What released claims left and intents: the GPU (not offered whole)
+	// and the MIG device where the record says it is (its UUID may be
+	// another's by now: one destroyed and made again gets the same).
+	type left struct {
+		why string
+		id  ident
 	}
+	var gone []left
+	l := s.h.a.ledger
+	claimed := claimedUUIDs(l.claims)
+	for _, set := range []map[types.UID]PreparedClaim{l.releases, l.intents} {
+		for _, uid := range slices.Sorted(maps.Keys(set)) {
+			for _, d := range set[uid].Devices {
+				if !d.Created {
+					continue
+				}
+				// Only a device NVML has where the record says: one
+				// destroyed already leaves the record only the GPU's MIG
+				// mode to undo, one not made yet nothing to offer.
+				for _, u := range slices.Sorted(maps.Keys(truth.mig)) {
+					if id := truth.mig[u]; id.parent == d.Parent && id.profile == d.Profile && id.start == d.Placement.Start && id.size == d.Placement.Size && !hasKey(claimed, u) {
+						gone = append(gone, left{"made or destroyed for " + set[uid].Name, id})
+					}
+				}
+			}
+		}
+	}
+	doomed := l.doomedNow()
 	for _, d := range pool.Devices {
 		for _, h := range hs {
 			if h.claim {
@@ -1656,14 +1775,18 @@ func (s *simRun) poolAgrees(truth *simTruth, hs []holder, report reporter) {
 				}
 			}
 		}
-		for _, u := range slices.Sorted(maps.Keys(gone)) {
-			id, _ := truth.ident(u)
-			kind, detail := "", ""
+		for _, g := range gone {
+			kind, detail := "pool: offers what the ledger keeps", ""
 			switch {
-			case !d.Partition && d.UUID == u:
-				kind, detail = "pool: offers what the ledger keeps", fmt.Sprintf("offers %s (%s), which the ledger has as %s", d.Name, short(u), gone[u])
-			case d.Partition && id.parent == d.ParentUUID && placementsOverlap(id, d.Placement):
-				kind, detail = "pool: offers what the ledger keeps", fmt.Sprintf("offers %s, over %s (%s), which the ledger has as %s", d.Name, short(u), id, gone[u])
+			case !d.Partition && d.UUID == g.id.parent:
+				detail = fmt.Sprintf("offers %s whole, while the ledger has its %s as %s", d.Name, g.id, g.why)
+			case !d.Partition && d.ParentUUID == g.id.parent && d.Profile == g.id.profile && d.Placement == (gpu.Placement{Start: g.id.start, Size: g.id.size}):
+				detail = fmt.Sprintf("offers %s (%s), which the ledger has as %s", d.Name, g.id, g.why)
+			case d.Partition && d.ParentUUID == g.id.parent && placementsOverlap(g.id, d.Placement):
+				detail = fmt.Sprintf("offers %s, over %s, which the ledger has as %s", d.Name, g.id, g.why)
+				if !s.believes(g.id) {
+					kind = "pool: a partition over a device the inventory does not show"
+				}
 			default:
 				continue
 			}
@@ -1671,7 +1794,37 @@ func (s *simRun) poolAgrees(truth *simTruth, hs []holder, report reporter) {
 				return
 			}
 		}
+		for _, u := range slices.Sorted(maps.Keys(doomed)) {
+			if !d.Partition && overlap(d.UUID, d.ParentUUID, u, s.parentOf(truth, u)) || d.Partition && d.ParentUUID == u {
+				if !report("pool: offers what the ledger keeps", fmt.Sprintf("offers %s, which is doomed: %s", d.Name, doomed[u])) {
+					return
+				}
+			}
+		}
 	}
+}
+
+// migPhase is what /status says of GPU i's MIG layout ("none" without one).
+func (s *simRun) migPhase(i int) string {
+	for _, st := range s.h.a.Status().MIG {
+		if st.GPU == i {
+			return st.Phase + ": " + st.Reason
+		}
+	}
+	return "none"
+}
+
+// believes reports whether the agent's inventory has MIG device id.
+func (s *simRun) believes(id ident) bool {
+	if s.h.a.inv == nil {
+		return false
+	}
+	g, ok := s.h.a.inv.GPUByUUID(id.parent)
+	if !ok {
+		return false
+	}
+	_, ok = instanceAt(g, id.profile, gpu.Placement{Start: id.start, Size: id.size})
+	return ok
 }
 
 func placementsOverlap(id ident, p gpu.Placement) bool {
@@ -1709,12 +1862,14 @@ func (s *simRun) orphans() *simViolation {
 		return &simViolation{kind: "orphan: still doomed", detail: fmt.Sprint(d)}
 	}
 	truth := s.truth()
+	governed := s.governed()
 	for i, g := range truth.gpus {
-		if len(g.bare) > 0 {
-			return &simViolation{kind: "orphan: a GPU instance without a compute instance", detail: fmt.Sprintf("GPU %d: %s", i, g.bare[0])}
+		// A layout that waits (for holders) removes the bare GPU instance
+		// with the rest of its plan, once it runs: waiting, not left.
+		if len(g.bare) > 0 && !(governed[i] && strings.HasPrefix(s.migPhase(i), mig.PhasePending)) {
+			return &simViolation{kind: "orphan: a GPU instance without a compute instance", detail: fmt.Sprintf("GPU %d: %s (MIG %s)", i, g.bare[0], s.migPhase(i))}
 		}
 	}
-	governed := s.governed()
 	claimed := claimedUUIDs(l.claims)
 	held := map[string]bool{}
 	for _, c := range s.kube.containers {
@@ -1764,6 +1919,9 @@ func (w *watchingApplier) SetGuard(g mig.Guard) { w.next.SetGuard(g) }
 
 // Apply implements MIGApplier.
 func (w *watchingApplier) Apply(ctx context.Context, p mig.Plan) (mig.State, error) {
+	if len(p.Steps) > 0 && w.s.rng.IntN(4) == 0 {
+		w.s.meanwhile()
+	}
 	before := w.s.truth()
 	// Deferred: a simulated crash mid-plan unwinds through here.
 	defer func() { w.s.applied(p, before, w.s.truth()) }()
@@ -1776,6 +1934,9 @@ func (s *simRun) applied(p mig.Plan, before, after *simTruth) {
 	hs := s.holders(after)
 	heldBy := func(u string, id ident) string {
 		for _, h := range hs {
+			if h.made {
+				continue
+			}
 			for _, d := range h.devs {
 				if d.uuid == u && d.id == id {
 					return h.name
