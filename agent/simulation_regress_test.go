@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
@@ -299,5 +302,105 @@ func TestSimRegressPoolOffersPartitionsOverIntent(t *testing.T) {
 	}
 	if len(over) > 0 {
 		t.Errorf("while the intent for 3g.40gb at 4 on GPU 0 waits (its device may exist), the pool offers %s", strings.Join(over, ", "))
+	}
+}
+
+// Simulation, seed 72 with -sim.steps=30 (dgx-h100): GPU 2's MIG devices
+// cannot be listed (GetMigDeviceHandleByIndex fails), so each read keeps
+// its last record, as it should for a GPU the agent did not touch. A
+// layout then repartitions GPU 2 (planned from that record, which still
+// held); the read after the apply is partial again and keeps the record
+// from before the apply, so the catalog offers, healthy, the MIG devices
+// the apply destroyed, and the kubelet is handed one NVML no longer has.
+// Where: settle (observe.go) keeps the last record of a partly read GPU
+// even when the agent changed that GPU since; applyMIG (step.go) runs
+// plans on GPUs whose record was not read afresh.
+func TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices(t *testing.T) {
+	t.Skip("issue 23 (simulation): after repartitioning a GPU it cannot fully read, the agent offers the MIG devices it destroyed")
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	h := newHarness(t, node, withMIG())
+	layout := func(counts string) string {
+		return "version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n      devices:\n      - devices: [0]\n        mig-enabled: true\n        mig-devices: " + counts + "\n"
+	}
+	h.config(layout(`{"1g.10gb": 7}`))
+	if n := h.count("nvidia.com/mig-1g.10gb"); n != 7 {
+		t.Fatalf("%d 1g.10gb devices, want 7 on GPU 0", n)
+	}
+	if err := node.FailCalls(0, "GetMigDeviceHandleByIndex", nvml.ERROR_UNKNOWN, -1); err != nil {
+		t.Fatal(err)
+	}
+	h.config(layout(`{"3g.40gb": 2}`))
+	if g := gpuOf(t, h, 0); len(g.Instances) == 7 {
+		t.Fatalf("GPU 0 was not repartitioned: %+v", g.Instances)
+	}
+	var gone []string
+	if r := h.pub.last().Resources["nvidia.com/mig-1g.10gb"]; r != nil {
+		for _, d := range r.Devices {
+			if d.Healthy {
+				gone = append(gone, d.ID)
+			}
+		}
+	}
+	if len(gone) > 0 {
+		t.Errorf("after GPU 0 was repartitioned to 2x 3g.40gb, the catalog offers healthy %d 1g.10gb devices from before: %s", len(gone), strings.Join(gone, ", "))
+	}
+}
+
+// Simulation, seed 1962 (dgx-h100; 109 operations): the agent is killed
+// while it unprepares a claim whose MIG device it made, after NVML
+// destroyed the device and before MIG went back off and the checkpoint
+// forgot the claim. The next agent restores the claim; its device is
+// gone, so nothing connects the claim to its GPU any more: the catalog
+// offers the GPU whole (in MIG mode, with nothing on it) and the ledger
+// hands it to a container. When the kubelet asks again to unprepare, the
+// release cannot turn MIG off under that container, and waits until it
+// exits. Where: the ledger finds a claim's GPU through the inventory
+// (overlaps, places; withholdClaimed likewise), not through the claim's
+// own record of it (PreparedClaimDevice.Parent).
+func TestSimRegressCrashMidUnprepareLeavesGPUUnguarded(t *testing.T) {
+	t.Skip("issue 23 (simulation): after a crash mid-Unprepare, the GPU of a claim whose MIG device is gone is handed out whole")
+	dir := t.TempDir()
+	state := filepath.Join(dir, "gpus.json")
+	// NVML changes: MIG on, GPU instance, compute instance (Prepare); then
+	// compute instance, GPU instance destroyed (Unprepare): killed there.
+	node, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state), sim.WithLogger(quietLogger()),
+		sim.WithCrashAfter(5, func() { panic(crash{}) }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG())
+	h.config(wholeGPUs)
+	if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err != nil {
+		t.Fatal(got.Err)
+	}
+	func() {
+		defer func() {
+			if r := recover(); r != (crash{}) {
+				t.Fatalf("recovered %v, want the simulated crash", r)
+			}
+		}()
+		h.unprepare(dra.ClaimRef{UID: "uid-1", Namespace: "default", Name: "one"})
+	}()
+	h.a.Ledger().Close()
+	node.Close()
+
+	node2, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state))
+	if err != nil {
+		t.Fatal(err)
+	}
+	node2.Init()
+	t.Cleanup(func() { node2.Close() })
+	h2 := newHarnessIn(t, node2, dir, withDRA(&draRecorder{}), withMIG(), withCheckpoint())
+	h2.config(wholeGPUs)
+	if g := gpuOf(t, h2, 0); !g.MIG.Current || len(g.Instances) != 0 {
+		t.Fatalf("after the crash GPU 0 is MIG %v with instances %+v; want MIG on, the claim's device gone", g.MIG, g.Instances)
+	}
+	uuid := gpuOf(t, h2, 0).UUID
+	if d := findGPU(h2, 0); d.Healthy {
+		t.Errorf("the catalog offers GPU 0 whole and healthy while claim default/one, restored, still holds a MIG device on it")
+	}
+	if err := h2.a.Ledger().Allocate([]string{uuid}); err == nil {
+		t.Errorf("the ledger hands out GPU 0 whole while claim default/one, restored, still holds a MIG device on it")
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
@@ -91,6 +92,33 @@ var simKnown = []simIssue{
 	{"given twice: a container and a device made for a claim", "TestSimRegressAllocateDuringRelease", always},
 	{"orphan: a GPU instance without a compute instance", "TestSimRegressBareGPUInstanceAfterCrashWithoutLayout", bareUngoverned},
 	{"pool: a partition over a device the inventory does not show", "TestSimRegressPoolOffersPartitionsOverIntent", nil},
+	{"vanished: handed out what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
+	{"vanished: prepared what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
+	{"ledger: Allocate accepted what it keeps", "TestSimRegressCrashMidUnprepareLeavesGPUUnguarded", claimedDeviceGone},
+	{"catalog: offers what the ledger keeps", "TestSimRegressCrashMidUnprepareLeavesGPUUnguarded", claimedDeviceGone},
+}
+
+// keptRecord: the agent believes the last record of a GPU it could not
+// read completely.
+func keptRecord(s *simRun) bool {
+	if s.h.a.inv == nil {
+		return false
+	}
+	return slices.ContainsFunc(s.h.a.inv.GPUs, func(g gpu.GPU) bool { return !s.h.a.read(g.UUID) })
+}
+
+// claimedDeviceGone: a claim the ledger holds has a MIG device made for it
+// that the agent's inventory no longer shows.
+func claimedDeviceGone(s *simRun) bool {
+	l := s.h.a.ledger
+	for _, uid := range slices.Sorted(maps.Keys(l.claims)) {
+		for _, d := range l.claims[uid].Devices {
+			if d.Created && (s.h.a.inv == nil || !s.h.a.inv.HasDevice(d.UUID)) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // bareUngoverned: a GPU no layout governs has a GPU instance without a
@@ -214,7 +242,7 @@ func (v simViolation) String() string { return v.kind + ": " + v.detail }
 func runSimulation(t *testing.T, base string, seed uint64, steps int, log bool) (res simResult) {
 	dir, err := os.MkdirTemp(base, fmt.Sprintf("seed-%d-", seed))
 	if err != nil {
-		t.Fatal(err)
+		return simResult{seed: seed, violation: simViolation{kind: "harness", detail: err.Error()}}
 	}
 	tb := &seedTB{TB: t, dir: dir, log: log}
 	s := newSimRun(tb, seed)
@@ -228,7 +256,8 @@ func runSimulation(t *testing.T, base string, seed uint64, steps int, log bool) 
 			} else if v, ok := r.(simViolation); ok {
 				res.violation = v
 			} else {
-				res.violation = simViolation{kind: "panic", detail: fmt.Sprint(r)}
+				// The agent (or the simulation) panicked: where matters.
+				res.violation = simViolation{kind: "panic", detail: fmt.Sprintf("%v\n%s", r, debug.Stack())}
 			}
 		}
 		s.close()
@@ -248,9 +277,11 @@ func runSimulation(t *testing.T, base string, seed uint64, steps int, log bool) 
 // seed's, and the agent's log is kept only when asked for.
 type seedTB struct {
 	testing.TB
-	dir      string
-	n        int
+	dir string
+	n   int
+	// log: the agent's log lines go into the sequence (logTo).
 	log      bool
+	logTo    func(line string)
 	cleanups []func()
 }
 
@@ -263,8 +294,8 @@ func (t *seedTB) Fatalf(format string, args ...any) {
 }
 func (t *seedTB) Errorf(format string, args ...any) { t.Fatalf(format, args...) }
 func (t *seedTB) Log(args ...any) {
-	if t.log {
-		t.TB.Log(args...)
+	if t.log && t.logTo != nil {
+		t.logTo(fmt.Sprint(args...))
 	}
 }
 func (t *seedTB) Cleanup(f func()) { t.cleanups = append(t.cleanups, f) }
@@ -304,10 +335,10 @@ var simProfiles = []simProfile{
 type simConfig struct{ name, yaml string }
 
 // simConfigs are the config files a seed switches between: whole GPUs,
-// time-slicing, MIG layouts of several shapes (on every GPU or half of
-// them; one the GPUs cannot hold), the single strategy, time-sliced MIG
-// devices, DRA only, and a file whose configs and layouts node labels
-// select.
+// time-slicing, MIG layouts of several shapes (each on some of the GPUs,
+// overlapping, so the others stay whole or make MIG devices for claims;
+// one the GPUs cannot hold), the single strategy, time-sliced MIG devices,
+// DRA only, and a file whose configs and layouts node labels select.
 func simConfigs(p simProfile) []simConfig {
 	layout := func(strategy, devices, counts string) string {
 		return "version: v1\nconfigs:\n  default:\n    mig:\n      strategy: " + strategy + "\n      devices:\n      - devices: " + devices +
@@ -320,18 +351,18 @@ func simConfigs(p simProfile) []simConfig {
 		"  sliced:\n    sharing:\n      timeSlicing:\n        resources:\n        - name: nvidia.com/gpu\n          replicas: 2\n" +
 		"  dra-only:\n    devicePlugin:\n      enabled: false\n" +
 		"mig-configs:\n" +
-		"  all-small:\n  - devices: all\n    mig-enabled: true\n    mig-devices: " + small + "\n" +
-		"  half-mixed:\n  - devices: [0, 1, 2, 3]\n    mig-enabled: true\n    mig-devices: " + mixed + "\n" +
-		"  all-big:\n  - devices: all\n    mig-enabled: true\n    mig-devices: " + big + "\n"
+		"  some-small:\n  - devices: [0, 1, 2]\n    mig-enabled: true\n    mig-devices: " + small + "\n" +
+		"  mixed:\n  - devices: [0, 1, 2, 3]\n    mig-enabled: true\n    mig-devices: " + mixed + "\n" +
+		"  some-big:\n  - devices: [2, 3, 4, 5]\n    mig-enabled: true\n    mig-devices: " + big + "\n"
 	return []simConfig{
 		{"whole", wholeGPUs},
 		{"sliced", sliced2},
-		{"small", layout("mixed", "all", small)},
-		{"half-mixed", layout("mixed", "[0, 1, 2, 3]", mixed)},
-		{"big", layout("mixed", "all", big)},
+		{"small", layout("mixed", "[0, 1, 2]", small)},
+		{"mixed", layout("mixed", "[0, 1, 2, 3]", mixed)},
+		{"big", layout("mixed", "[2, 3, 4, 5]", big)},
 		{"unfit", layout("mixed", "all", fmt.Sprintf("{%q: 2}", p.seven))},
-		{"single", layout("single", "all", small)},
-		{"small-sliced", layout("mixed", "all", small) +
+		{"single", layout("single", "[0, 1, 2]", small)},
+		{"small-sliced", layout("mixed", "[0, 1, 2]", small) +
 			"    sharing:\n      timeSlicing:\n        resources:\n        - name: " + MIGResourceName(p.small) + "\n          replicas: 2\n"},
 		{"dra-only", draOnly},
 		{"labelled", labelled},
@@ -344,10 +375,10 @@ var simLabels = []map[string]string{
 	{},
 	{"gpu-agent.io/config": "sliced"},
 	{"gpu-agent.io/config": "dra-only"},
-	{"nvidia.com/mig.config": "all-small"},
-	{"nvidia.com/mig.config": "half-mixed"},
-	{"nvidia.com/mig.config": "all-big"},
-	{"gpu-agent.io/config": "sliced", "nvidia.com/mig.config": "all-small"},
+	{"nvidia.com/mig.config": "some-small"},
+	{"nvidia.com/mig.config": "mixed"},
+	{"nvidia.com/mig.config": "some-big"},
+	{"gpu-agent.io/config": "sliced", "nvidia.com/mig.config": "some-small"},
 	{"gpu-agent.io/config": "missing"},
 }
 
@@ -427,6 +458,7 @@ func newSimRun(tb *seedTB, seed uint64) *simRun {
 		made: map[string]ident{}, dynOn: map[string]bool{}, known: map[string]int{}, seen: map[string]int{},
 	}
 	s.kube = &simKubelet{s: s}
+	tb.logTo = func(line string) { s.ops = append(s.ops, "      | "+line) }
 	if err := os.MkdirAll(s.dir, 0o755); err != nil {
 		tb.Fatal(err)
 	}
@@ -491,16 +523,21 @@ func (s *simRun) newHarness(restored bool) *harness {
 // the kubelet would, and the operation is over.
 func (s *simRun) do(what string, f func()) {
 	s.ops = append(s.ops, what)
-	if s.guard(func() { f(); s.flush() }) {
-		s.pending = nil // posted to the inbox of the agent that died
-		s.note("crashed: the agent is restarted")
-		s.seen["the agent crashed mid-operation"]++
-		for s.guard(func() { s.restart(); s.note("%s", s.kube.retryUnprepares()) }) {
-			s.note("crashed again: the agent is restarted")
-			s.seen["the agent crashed while restarting"]++
-		}
+	if !s.guard(func() { f(); s.flush() }) {
+		s.check()
+		return
+	}
+	s.pending = nil // posted to the inbox of the agent that died
+	s.note("crashed: the agent is restarted")
+	s.seen["the agent crashed mid-operation"]++
+	for s.guard(s.restart) {
+		s.note("crashed again: the agent is restarted")
+		s.seen["the agent crashed while restarting"]++
 	}
 	s.check()
+	if len(s.kube.unpreparing) > 0 {
+		s.do("the kubelet asks again to unprepare what it had no answer for", func() { s.note("%s", s.kube.unprepareAll()) })
+	}
 }
 
 // flush hands the loop the events posted while it was busy.
@@ -569,7 +606,9 @@ func (s *simRun) history() {
 		}
 		size += int64(len(line) + 1)
 	}
-	s.note("the allocation log has a long history (%d old records)", n)
+	if n > 0 {
+		s.note("the allocation log has a long history (%d old records)", n)
+	}
 }
 
 // The operations, by weight.
@@ -853,7 +892,7 @@ func (s *simRun) prepareClaim(c *simClaim) {
 		u := strings.TrimPrefix(pd.CDIDevices[0], dra.CDIKind+"=")
 		id, ok := truth.ident(u)
 		if !ok {
-			s.fail("vanished: prepared what NVML does not have", "%s got %s (%s)", c.name, pd.Device, short(u))
+			s.violate("vanished: prepared what NVML does not have", fmt.Sprintf("%s got %s (%s)", c.name, pd.Device, short(u)))
 		}
 		shares := int64(0)
 		if i < len(c.devs) && c.devs[i].ShareID != "" {
@@ -1021,10 +1060,10 @@ func (s *simRun) tick() {
 
 // crashRestart kills the agent between two batches and starts another.
 func (s *simRun) crashRestart() {
-	s.do("agent killed and restarted", func() {
-		s.restart()
-		s.note("%s", s.kube.retryUnprepares())
-	})
+	s.do("agent killed and restarted", s.restart)
+	if len(s.kube.unpreparing) > 0 {
+		s.do("the kubelet asks again to unprepare what it had no answer for", func() { s.note("%s", s.kube.unprepareAll()) })
+	}
 }
 
 // settle lets the node come to rest: NVML works again, the kubelet answers
@@ -1047,6 +1086,13 @@ func (s *simRun) settle() {
 // note adds an outcome to the current operation's line.
 func (s *simRun) note(format string, args ...any) {
 	s.ops = append(s.ops, "  "+fmt.Sprintf(format, args...))
+}
+
+// violate stops the seed, unless the violation is a known issue let pass.
+func (s *simRun) violate(kind, detail string) {
+	if !s.tolerate(kind) {
+		panic(simViolation{kind: kind, detail: detail})
+	}
 }
 
 // fail stops the seed: an invariant broke, in the way kind says.
@@ -1165,7 +1211,7 @@ func (k *simKubelet) add(res string, ids []string, truth *simTruth) *simContaine
 		u, _, rep := strings.Cut(id, "::")
 		d, ok := truth.ident(u)
 		if !ok {
-			k.s.fail("vanished: handed out what NVML does not have", "%s got %s", c.name, short(u))
+			k.s.violate("vanished: handed out what NVML does not have", fmt.Sprintf("%s got %s", c.name, short(u)))
 		}
 		c.held = append(c.held, heldDevice{uuid: u, replica: rep, id: d})
 	}
@@ -1426,6 +1472,11 @@ func (t *simTruth) ident(u string) (ident, bool) {
 	return ident{}, false
 }
 
+// index is the index of GPU uuid (-1 when NVML has no such GPU).
+func (t *simTruth) index(uuid string) int {
+	return slices.IndexFunc(t.gpus, func(g truthGPU) bool { return g.uuid == uuid })
+}
+
 // parentOf is the GPU of MIG device u ("" for a GPU, or a device neither
 // NVML nor the ledger knows).
 func (s *simRun) parentOf(t *simTruth, u string) string {
@@ -1448,7 +1499,11 @@ type holder struct {
 	// made: MIG devices made for claims that no claim holds (failed or
 	// released): DRA's until they are destroyed, which is no violation.
 	made bool
-	devs []heldDevice
+	// leaving: a claim the ledger holds that the kubelet is unpreparing
+	// (its pods are gone): nobody else may have its devices yet, but they
+	// may go.
+	leaving bool
+	devs    []heldDevice
 }
 
 // holders are everyone who has a device now: the containers the kubelet
@@ -1472,14 +1527,21 @@ func (s *simRun) holders(truth *simTruth) []holder {
 		if known[uid] {
 			continue
 		}
-		h := holder{name: l.claims[uid].Name + " (in the ledger)", claim: true}
+		h := holder{name: l.claims[uid].Name + " (in the ledger)", claim: true,
+			leaving: slices.ContainsFunc(s.kube.unpreparing, func(c *simClaim) bool { return c.uid == uid })}
 		for _, d := range l.claims[uid].Devices {
 			if d.AdminAccess {
 				continue
 			}
 			id, ok := truth.ident(d.UUID)
 			if !ok {
-				id = ident{parent: l.places[d.UUID].parent, profile: l.places[d.UUID].profile, start: l.places[d.UUID].placement.Start, size: l.places[d.UUID].placement.Size}
+				// Gone from NVML: where the ledger last saw it, or where
+				// the claim's record says it made it.
+				p := l.places[d.UUID]
+				if p.parent == "" {
+					p = place{parent: d.Parent, profile: d.Profile, placement: d.Placement}
+				}
+				id = ident{gpu: truth.index(p.parent), parent: p.parent, profile: p.profile, start: p.placement.Start, size: p.placement.Size}
 			}
 			h.devs = append(h.devs, heldDevice{uuid: d.UUID, id: id, shares: d.Shares})
 		}
@@ -1521,6 +1583,15 @@ func (s *simRun) ledgerTaken(truth *simTruth) map[string]taken {
 		for _, d := range l.claims[uid].Devices {
 			if !d.AdminAccess {
 				out[d.UUID] = taken{why: "prepared for " + l.claims[uid].Name}
+			}
+		}
+	}
+	for _, uid := range slices.Sorted(maps.Keys(l.claims)) {
+		for _, d := range l.claims[uid].Devices {
+			// A MIG device made for the claim: its record names its GPU,
+			// whether or not the inventory still shows the device.
+			if !d.AdminAccess && d.Parent != "" && !hasKey(out, d.Parent) {
+				out[d.Parent] = taken{why: "the GPU of a MIG device prepared for " + l.claims[uid].Name, exact: true}
 			}
 		}
 	}
@@ -1610,7 +1681,7 @@ func (s *simRun) knownIssue(kind string) (simIssue, bool) {
 // when it was handed out.
 func (s *simRun) vanished(truth *simTruth, hs []holder, report reporter) {
 	for _, h := range hs {
-		if h.made {
+		if h.made || h.leaving {
 			continue
 		}
 		for _, d := range h.devs {
@@ -1934,7 +2005,7 @@ func (s *simRun) applied(p mig.Plan, before, after *simTruth) {
 	hs := s.holders(after)
 	heldBy := func(u string, id ident) string {
 		for _, h := range hs {
-			if h.made {
+			if h.made || h.leaving {
 				continue
 			}
 			for _, d := range h.devs {
