@@ -203,7 +203,14 @@ func TestSimulation(t *testing.T) {
 	t.Logf("what %d seeds exercised:\n%s", len(results), strings.Join(lines, "\n"))
 	for _, k := range slices.Sorted(maps.Keys(known)) {
 		i := slices.IndexFunc(simKnown, func(x simIssue) bool { return x.kind == k })
-		t.Logf("known issue %q (%s) let pass in %d of %d seeds, such as %v", k, simKnown[i].test, len(known[k]), len(seeds), known[k][:min(len(known[k]), 10)])
+		first := known[k][0]
+		for _, seed := range known[k] {
+			if at := results[seed-seeds[0]].knownAt[k]; at < results[first-seeds[0]].knownAt[k] {
+				first = seed
+			}
+		}
+		t.Logf("known issue %q (%s) let pass in %d of %d seeds, such as %v; first after %d operations in seed %d",
+			k, simKnown[i].test, len(known[k]), len(seeds), known[k][:min(len(known[k]), 10)], results[first-seeds[0]].knownAt[k], first)
 	}
 	// Each kind of violation once, with its shortest sequence (the
 	// easiest to read), and how many seeds broke it so.
@@ -227,9 +234,10 @@ type simResult struct {
 	profile   string
 	ops       []string
 	violation simViolation
-	// known counts the violations of known issues let pass, by kind;
-	// seen what happened, by what (what the seeds exercise).
-	known, seen map[string]int
+	// known counts the violations of known issues let pass, by kind, and
+	// knownAt is after how many operations each first showed; seen counts
+	// what happened, by what (what the seeds exercise).
+	known, knownAt, seen map[string]int
 }
 
 // simViolation stops a seed: an invariant broke (or the harness gave up).
@@ -265,12 +273,12 @@ func runSimulation(t *testing.T, base string, seed uint64, steps int, log bool) 
 	tb := &seedTB{TB: t, dir: dir, log: log}
 	s := newSimRun(tb, seed)
 	defer func() {
-		res = simResult{seed: seed, profile: s.profile.name, ops: s.ops, known: s.known, seen: s.seen}
+		res = simResult{seed: seed, profile: s.profile.name, ops: s.ops, known: s.known, knownAt: s.knownAt, seen: s.seen}
 		if r := recover(); r != nil {
 			if k, ok := r.(simKnownEnd); ok {
 				s.note("known issue (the seed ends here): %s", string(k))
-				s.known[string(k)]++
-				res.ops, res.known = s.ops, s.known
+				s.count(string(k))
+				res.ops = s.ops
 			} else if v, ok := r.(simViolation); ok {
 				res.violation = v
 			} else {
@@ -449,9 +457,10 @@ type simRun struct {
 	// governs) that still exist; dynOn the GPUs a claim turned MIG on for.
 	made  map[string]ident
 	dynOn map[string]bool
-	// known counts the violations of known issues let pass, by kind;
-	// seen what happened, by what.
-	known, seen map[string]int
+	// known counts the violations of known issues let pass, by kind, and
+	// knownAt after how many operations each first showed; seen counts
+	// what happened, by what.
+	known, knownAt, seen map[string]int
 
 	// truthOf is what truth read last, from truthFile.
 	truthFile os.FileInfo
@@ -473,7 +482,7 @@ func newSimRun(tb *seedTB, seed uint64) *simRun {
 		dir: filepath.Join(tb.dir, "state"), state: filepath.Join(tb.dir, "gpus.json"),
 		clock: newClock(), pub: newRecorder(), rec: &draRecorder{},
 		labels: map[string]string{}, xid: map[int]bool{}, faults: map[simFault]bool{}, lost: map[int]bool{},
-		made: map[string]ident{}, dynOn: map[string]bool{}, known: map[string]int{}, seen: map[string]int{},
+		made: map[string]ident{}, dynOn: map[string]bool{}, known: map[string]int{}, knownAt: map[string]int{}, seen: map[string]int{},
 	}
 	s.kube = &simKubelet{s: s}
 	tb.logTo = func(line string) { s.ops = append(s.ops, "      | "+line) }
@@ -1679,8 +1688,16 @@ func (s *simRun) tolerate(kind string) bool {
 	if s.known[kind] == 0 {
 		s.note("known issue: %s", kind)
 	}
-	s.known[kind]++
+	s.count(kind)
 	return true
+}
+
+// count counts a violation of a known issue.
+func (s *simRun) count(kind string) {
+	if _, ok := s.knownAt[kind]; !ok {
+		s.knownAt[kind] = simResult{ops: s.ops}.operations()
+	}
+	s.known[kind]++
 }
 
 // knownIssue is the known issue a violation of kind is now, if any.
