@@ -34,7 +34,6 @@ import (
 // (desired.go) withholds the devices claims hold (withholdClaimed) but not
 // those containers hold under another ID or resource.
 func TestSimRegressHeldReplicaGPUOfferedWhole(t *testing.T) {
-	t.Skip("issue 23 (simulation): a GPU is offered whole while a container holds one of its time-sliced replicas or MIG devices under another name")
 	for _, tc := range []struct {
 		name   string
 		node   *sim.Node
@@ -77,7 +76,6 @@ func TestSimRegressHeldReplicaGPUOfferedWhole(t *testing.T) {
 // drops a device a container holds, but not the MIG devices of a GPU a
 // container holds whole.
 func TestSimRegressPoolOffersMIGDevicesOfHeldGPU(t *testing.T) {
-	t.Skip("issue 23 (simulation): the DRA pool offers the MIG devices of a GPU a container holds whole")
 	rec := &draRecorder{}
 	h := newHarness(t, simNode(t, "dgx-a100", sim.WithMIGEnabled()), withDRA(rec), withMIG())
 	h.config(mixedLayout(`{"1g.5gb": 7}`))
@@ -127,7 +125,6 @@ func deviceOn(h *harness, res string, gpu int, suffix string) string {
 // restart once the log is compacted (alloclog.go, compactLocked), and
 // neither Prepare nor a MIG mode change waits for the first answer.
 func TestSimRegressRestartForgetsListedHolders(t *testing.T) {
-	t.Skip("issue 23 (simulation): after a restart with a compacted allocation log, devices containers hold are offered through DRA, prepared for claims and turned into MIG mode until pod-resources answers")
 	for _, tc := range []struct {
 		name  string
 		node  func(t *testing.T) *sim.Node
@@ -156,18 +153,21 @@ func TestSimRegressRestartForgetsListedHolders(t *testing.T) {
 			h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG(), withQuietLog())
 			h.config(wholeGPUs)
 			uuid := findGPU(h, 0).ID
-			// A long-running node: the log is past compactAbove when the
-			// kubelet's answer settles the container's allocation.
-			for h.a.ledger.log.size < compactAbove {
-				if err := h.a.Ledger().Allocate([]string{"GPU-long-gone"}); err != nil {
-					t.Fatal(err)
-				}
-			}
 			if err := h.allocate(ResourceGPU, uuid); err != nil {
 				t.Fatal(err)
 			}
 			h.clock.Advance(time.Minute)
 			h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, uuid), Answered: h.clock.Now()})
+			// A long-running node: the log is compacted (rewritten with
+			// only what it must keep) after the kubelet listed the
+			// container's allocation.
+			for compacted := false; !compacted; {
+				before := h.a.ledger.log.size
+				if err := h.a.Ledger().Allocate([]string{"GPU-long-gone"}); err != nil {
+					t.Fatal(err)
+				}
+				compacted = h.a.ledger.log.size < before
+			}
 
 			// The agent restarts; pod-resources has not answered it yet.
 			rec := &draRecorder{}
@@ -208,7 +208,6 @@ func (ap *releaseAllocator) SetGuard(g mig.Guard) { ap.next.SetGuard(g) }
 // (unclaim), before destroyPartition runs, and records what is left
 // (setRelease) only after.
 func TestSimRegressAllocateDuringRelease(t *testing.T) {
-	t.Skip("issue 23 (simulation): while a failed claim's MIG device is destroyed, the ledger accepts an Allocate of its GPU whole")
 	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
 	dir := t.TempDir()
 	ap := &releaseAllocator{next: mig.NewApplier(node, dir, nil)}

@@ -87,15 +87,9 @@ type simKnownEnd string
 // simKnown are the known issues: violations of these kinds are counted
 // and let pass while -sim.known is true (the default).
 var simKnown = []simIssue{
+	// Fixed for what the kubelet lists; open while the first allocation is
+	// not listed yet (seed 84).
 	{"given twice: two containers, one device under two names", "TestSimRegressHeldReplicaGPUOfferedWhole", nil},
-	{"pool: a MIG device of a held GPU", "TestSimRegressPoolOffersMIGDevicesOfHeldGPU", nil},
-	{"pool: a held device", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
-	{"destroyed while held: a GPU's MIG mode", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
-	{"given twice: a container and a claim", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
-	{"pool: a partition of a held GPU", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
-	{"pool: a partition over a held MIG device", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
-	{"pool: the GPU of a held MIG device", "TestSimRegressRestartForgetsListedHolders", noAnswerYet},
-	{"given twice: a container and a device made for a claim", "TestSimRegressAllocateDuringRelease", always},
 	{"orphan: a GPU instance without a compute instance", "TestSimRegressBareGPUInstanceAfterCrashWithoutLayout", bareUngoverned},
 	{"pool: a partition over a device the inventory does not show", "TestSimRegressPoolOffersPartitionsOverIntent", nil},
 	{"vanished: handed out what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
