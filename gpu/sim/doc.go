@@ -107,6 +107,9 @@
 //	                       below -1 is refused; "call" as FailCalls names it
 //	POST /sim/flaky        {"rate":0.02,"seed":1}       "rate" 0 turns it off; "seed" defaults to 0
 //
+// GET /sim/state, read-only, answers the node's State: what its state file
+// holds, from which WithState builds a copy.
+//
 // Example:
 //
 //	curl -X POST localhost:9400/sim/xid -d '{"gpu":3,"xid":79}'

@@ -23,6 +23,10 @@ func (n *Node) Handler() http.Handler {
 
 func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	path := strings.TrimPrefix(r.URL.Path, "/sim")
+	if path == "/state" {
+		n.serveState(w, r)
+		return
+	}
 	var route func(*Node, *json.Decoder) error
 	switch path {
 	case "/xid":
@@ -53,6 +57,24 @@ func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]bool{"ok": true})
+}
+
+// serveState answers GET /sim/state with the node's kept state (State), so
+// the offline tools (gpu-agent config validate --addr) can plan on a copy
+// of a node a running agent holds the state file of.
+func (n *Node) serveState(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodGet {
+		w.Header().Set("Allow", http.MethodGet)
+		writeJSON(w, http.StatusMethodNotAllowed, map[string]string{"error": r.Method + " not allowed, use GET"})
+		return
+	}
+	data, err := n.State()
+	if err != nil {
+		writeJSON(w, http.StatusInternalServerError, map[string]string{"error": err.Error()})
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_, _ = w.Write(data) // the client went away; nothing to do
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

@@ -165,3 +165,25 @@ func TestHTTPFailCount(t *testing.T) {
 		})
 	}
 }
+
+// GET /sim/state answers the node's State, from which a copy builds.
+func TestHTTPState(t *testing.T) {
+	n := newNode(t, "dgx-h100-mig")
+	rec := httptest.NewRecorder()
+	n.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/sim/state", nil))
+	want, err := n.State()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec.Code != http.StatusOK || rec.Body.String() != string(want) {
+		t.Fatalf("GET /sim/state: %d %q, want 200 and the node's State", rec.Code, rec.Body.String())
+	}
+	if _, err := New("dgx-h100-mig", WithState(rec.Body.Bytes())); err != nil {
+		t.Errorf("copy from /sim/state: %v", err)
+	}
+	rec = httptest.NewRecorder()
+	n.Handler().ServeHTTP(rec, httptest.NewRequest("POST", "/sim/state", strings.NewReader(`{}`)))
+	if rec.Code != http.StatusMethodNotAllowed || rec.Header().Get("Allow") != "GET" {
+		t.Errorf("POST /sim/state: %d, Allow %q; want 405, GET", rec.Code, rec.Header().Get("Allow"))
+	}
+}

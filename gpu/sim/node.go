@@ -33,6 +33,7 @@ type options struct {
 	migImmediate bool
 	now          func() time.Time
 	statePath    string
+	state        []byte
 	logger       *slog.Logger
 	crashAfter   int
 	crash        func()
@@ -185,7 +186,10 @@ func New(profile string, opts ...Option) (*Node, error) {
 		n.gpus = append(n.gpus, g)
 	}
 	var store *stateStore
-	var saved []byte
+	saved := o.state
+	if o.statePath != "" && o.state != nil {
+		return nil, fmt.Errorf("sim %s: a state file and a copied state are exclusive", spec.name)
+	}
 	if o.statePath != "" {
 		var err error
 		if store, saved, err = openState(o.statePath); err != nil {
@@ -196,6 +200,9 @@ func New(profile string, opts ...Option) (*Node, error) {
 	case saved != nil:
 		if err := n.load(saved); err != nil {
 			store.close()
+			if o.statePath == "" {
+				return nil, fmt.Errorf("sim %s: copied state: %w", spec.name, err)
+			}
 			return nil, fmt.Errorf("sim %s: state file %s: %w", spec.name, o.statePath, err)
 		}
 	case spec.migLayout != nil:
@@ -207,7 +214,7 @@ func New(profile string, opts ...Option) (*Node, error) {
 	// Set only now: the layout above is the starting point, written once,
 	// not a series of changes.
 	n.store = store
-	if saved != nil {
+	if store != nil && saved != nil {
 		// What persist would write, so that only real changes rewrite it.
 		n.store.written = saved
 	}

@@ -48,6 +48,40 @@ const maxStructurePerGPU = 1024
 // means no state file.
 func WithStateFile(path string) Option { return func(o *options) { o.statePath = path } }
 
+// WithState starts the node from data, a state file's content (see
+// WithStateFile and State), instead of the profile's initial layout, and
+// keeps what changes in memory only: no file is locked or written. It makes
+// a copy of a node, one another process may be running, to try changes on
+// without touching it (gpu-agent config validate shows a layout applied).
+func WithState(data []byte) Option { return func(o *options) { o.state = data } }
+
+// State returns the node's kept state as its state file holds it; New with
+// WithState builds a copy of the node from it.
+func (n *Node) State() ([]byte, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	data, err := json.MarshalIndent(n.record(), "", "  ")
+	if err != nil {
+		return nil, fmt.Errorf("sim %s: encode state: %w", n.spec.name, err)
+	}
+	return append(data, '\n'), nil
+}
+
+// StateProfile returns the profile a state (see State) was written for, so
+// a copy can be built from the state alone.
+func StateProfile(data []byte) (string, error) {
+	var head struct {
+		Profile string `json:"profile"`
+	}
+	if err := json.Unmarshal(data, &head); err != nil {
+		return "", fmt.Errorf("sim state: corrupt (torn or not JSON): %w", err)
+	}
+	if head.Profile == "" {
+		return "", errors.New(`sim state: no "profile"`)
+	}
+	return head.Profile, nil
+}
+
 // stateFile is the JSON document of a state file.
 type stateFile struct {
 	Version int         `json:"version"`

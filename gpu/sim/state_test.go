@@ -637,3 +637,59 @@ func TestCrashAfterNthChange(t *testing.T) {
 		t.Errorf("the change before the crash is not in the state file: %v", r)
 	}
 }
+
+// A copy made from a node's State looks the same through NVML, changes
+// without touching the original or its state file, and needs no lock on
+// the file the original holds (the offline tools copy the node a running
+// agent uses).
+func TestStateCopy(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "s.json")
+	n := openStateNode(t, "dgx-a100", path, WithMIGEnabled())
+	createGI(t, handle(t, n, 0), nvml.GPU_INSTANCE_PROFILE_3_SLICE, 4)
+	if err := n.SetLost(3, true); err != nil {
+		t.Fatal(err)
+	}
+	state, err := n.State()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p, err := StateProfile(state); err != nil || p != "dgx-a100" {
+		t.Fatalf("StateProfile = %q, %v; want dgx-a100", p, err)
+	}
+	fileBefore, _ := os.ReadFile(path)
+
+	c, err := New("dgx-a100", WithState(state))
+	if err != nil {
+		t.Fatalf("copy while the original holds %s: %v", path, err)
+	}
+	c.Init()
+	defer c.Shutdown()
+	if got, want := observe(t, c), observe(t, n); got != want {
+		t.Fatalf("copy observes\n%s\noriginal\n%s", got, want)
+	}
+	createGI(t, handle(t, c, 0), nvml.GPU_INSTANCE_PROFILE_3_SLICE, 0)
+	if observe(t, c) == observe(t, n) {
+		t.Error("a GPU instance made on the copy is not seen on it")
+	}
+	if fileAfter, _ := os.ReadFile(path); !bytes.Equal(fileBefore, fileAfter) {
+		t.Error("a change to the copy rewrote the original's state file")
+	}
+
+	for _, tc := range []struct {
+		name    string
+		profile string
+		opts    []Option
+		want    string
+	}{
+		{"other profile", "dgx-h100", []Option{WithState(state)}, `written for profile "dgx-a100"`},
+		{"not JSON", "dgx-a100", []Option{WithState([]byte("{"))}, "copied state: corrupt"},
+		{"with a state file", "dgx-a100", []Option{WithState(state), WithStateFile(filepath.Join(t.TempDir(), "x"))}, "exclusive"},
+	} {
+		if _, err := New(tc.profile, tc.opts...); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: New = %v, want an error saying %q", tc.name, err, tc.want)
+		}
+	}
+	if _, err := StateProfile([]byte(`{"version":1}`)); err == nil || !strings.Contains(err.Error(), "profile") {
+		t.Errorf("StateProfile without a profile: %v", err)
+	}
+}
