@@ -64,6 +64,7 @@ FUZZ_TARGETS := \
 	./agent:FuzzDecodeAllocLog \
 	./agent:FuzzDecodeCheckpoint \
 	./cdi:FuzzParseMigMinors \
+	./config:FuzzConfigMapManifest \
 	./config:FuzzParse \
 	./config:FuzzParseConfigMap \
 	./gpu:FuzzNormalizeBusID \
