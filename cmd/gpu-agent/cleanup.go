@@ -22,11 +22,8 @@ func cmdNodeCleanup(ctx context.Context, args []string, stdout, stderr io.Writer
 	node := fs.String("node-name", envDefault("NODE_NAME", host), "the Node to clean [NODE_NAME]")
 	all := fs.Bool("all", false, "every Node that carries gpu-agent's labels")
 	kubeconfig := fs.String("kubeconfig", envDefault("KUBECONFIG", ""), "kubeconfig (empty: in-cluster config) [KUBECONFIG]")
-	if err := parseFlags(fs, args); err != nil {
+	if err := parseNoArgs(fs, args); err != nil {
 		return err
-	}
-	if fs.NArg() > 0 {
-		return usageError{"unexpected arguments"}
 	}
 	client, _, err := kube.Connect(*kubeconfig, "gpu-agent-node-cleanup")
 	if err != nil {

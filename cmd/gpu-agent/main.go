@@ -10,6 +10,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 )
 
@@ -58,11 +59,11 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case "config":
 		err = cmdConfig(ctx, args[1:], stdout, stderr)
 	case "inventory":
-		err = cmdInventory(args[1:], stdout, stderr)
+		err = cmdInventory(ctx, args[1:], stdout, stderr)
 	case "sim":
 		err = cmdSim(args[1:], stdout, stderr)
 	case "mig":
-		err = cmdMIG(args[1:], stdout, stderr)
+		err = cmdMIG(ctx, args[1:], stdout, stderr)
 	case "node-cleanup":
 		err = cmdNodeCleanup(ctx, args[1:], stdout, stderr)
 	default:
@@ -106,6 +107,18 @@ func envDefault(name, def string) string {
 		return v
 	}
 	return def
+}
+
+// parseNoArgs parses a command line of flags only: an argument left over is
+// refused rather than ignored, as a user who typed it meant something.
+func parseNoArgs(fs *flag.FlagSet, args []string) error {
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageError{fmt.Sprintf("unexpected arguments: %s", strings.Join(fs.Args(), " "))}
+	}
+	return nil
 }
 
 func parseFlags(fs *flag.FlagSet, args []string) error {

@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/gpu-agent/gpu-agent/agent"
@@ -34,11 +33,8 @@ func cmdMPSHost(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	fs.DurationVar(&interval, "interval", interval,
 		"check every daemon and rewrite health.json this often; the agent counts mps-host gone after 3 intervals without a rewrite [GPU_AGENT_MPS_INTERVAL]")
-	if err := parseFlags(fs, args); err != nil {
+	if err := parseNoArgs(fs, args); err != nil {
 		return err
-	}
-	if fs.NArg() > 0 {
-		return usageError{fmt.Sprintf("unexpected arguments: %s", strings.Join(fs.Args(), " "))}
 	}
 	if interval <= 0 {
 		return usageError{fmt.Sprintf("--interval %v: must be positive", interval)}

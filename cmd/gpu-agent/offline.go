@@ -3,86 +3,297 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
+	"sort"
 	"strings"
 	"text/tabwriter"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/atomicfile"
+	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
 
-func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error {
-	if len(args) == 0 || args[0] != "validate" {
-		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
-			fmt.Fprintln(stdout, "Usage: gpu-agent config validate FILE [--backend sim:P] [--node-name N]")
-			return nil
+// defaultOfflineBackend is the node the offline tools (config validate, mig
+// plan, inventory) look at when neither --backend nor --addr says: the one
+// `make run` simulates, so that a config checked on a laptop is checked
+// against the node the Quick start runs.
+const defaultOfflineBackend = "sim:dgx-a100"
+
+// nodeFlags say which node an offline tool looks at. The tools never change
+// it: a simulated node is read as a copy (a state file another process
+// holds included), and a layout is tried on a copy of that copy.
+type nodeFlags struct {
+	backend, addr, nvmlLib string
+}
+
+func (n *nodeFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&n.backend, "backend", envDefault("GPU_AGENT_BACKEND", defaultOfflineBackend),
+		"the node to look at: sim:<profile>[,state=FILE] (a copy; 'gpu-agent sim list') or nvml, this machine's GPUs [GPU_AGENT_BACKEND]")
+	fs.StringVar(&n.addr, "addr", "",
+		"a running agent's HTTP address: look at a copy of its simulated node (GET /sim/state) instead of --backend")
+	fs.StringVar(&n.nvmlLib, "nvml-lib", envDefault("GPU_AGENT_NVML_LIB", ""), "libnvidia-ml path for --backend nvml [GPU_AGENT_NVML_LIB]")
+}
+
+// open opens the node to look at; fs tells whether --backend was given.
+func (n *nodeFlags) open(ctx context.Context, fs *flag.FlagSet) (*backend, error) {
+	if n.addr == "" {
+		return openOfflineBackend(n.backend, n.nvmlLib)
+	}
+	explicit := false
+	fs.Visit(func(f *flag.Flag) { explicit = explicit || f.Name == "backend" })
+	if explicit {
+		return nil, usageError{"--addr and --backend: give one, the running agent's node or another"}
+	}
+	state, err := fetchSimState(ctx, n.addr)
+	if err != nil {
+		return nil, err
+	}
+	profile, err := sim.StateProfile(state)
+	if err != nil {
+		return nil, fmt.Errorf("--addr %s: %w", n.addr, err)
+	}
+	return openSimCopy(fmt.Sprintf("sim:%s at %s", profile, n.addr), profile, sim.WithState(state))
+}
+
+// openOfflineBackend is openBackend for the offline tools: a simulated
+// node's state file is read, not locked, so the tools can look at the node
+// an agent is running on it (make run's .run/sim-state.json).
+func openOfflineBackend(spec, nvmlLib string) (*backend, error) {
+	if !strings.HasPrefix(spec, "sim:") {
+		return openBackend(spec, nvmlLib)
+	}
+	profile, opts, err := parseSimSpec(spec)
+	if err != nil {
+		return nil, err
+	}
+	path := simStatePath(spec)
+	if path == "" {
+		return openBackend(spec, nvmlLib)
+	}
+	data, err := atomicfile.ReadFile(path, 1<<20)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		// As a new state file starts: from the profile.
+		data = nil
+	case err != nil:
+		return nil, fmt.Errorf("backend %s: state file %s: %w", spec, path, err)
+	}
+	// The options given, the state file's content in place of the file.
+	copyOpts := append(opts, sim.WithStateFile(""))
+	if data != nil {
+		copyOpts = append(copyOpts, sim.WithState(data))
+	}
+	return openSimCopy(spec, profile, copyOpts...)
+}
+
+// simStatePath is the state= option of a sim backend spec ("" for none).
+func simStatePath(spec string) string {
+	for opt := range strings.SplitSeq(spec, ",") {
+		if p, ok := strings.CutPrefix(opt, "state="); ok {
+			return p
 		}
-		return usageError{"want: config validate FILE [--backend sim:P] [--node-name N]"}
 	}
-	fs := newFlagSet("config validate", "config validate FILE [--backend sim:<profile>|nvml] [--node-name N]", stderr)
-	backendSpec := fs.String("backend", envDefault("GPU_AGENT_BACKEND", "sim:dgx-a100"), "GPUs to plan against [GPU_AGENT_BACKEND]")
-	host, _ := os.Hostname()
-	node := fs.String("node-name", envDefault("NODE_NAME", host), "node whose config is selected [NODE_NAME]")
-	nvmlLib := fs.String("nvml-lib", envDefault("GPU_AGENT_NVML_LIB", ""), "libnvidia-ml path for --backend nvml [GPU_AGENT_NVML_LIB]")
-	labelList := fs.String("labels", "", "the node's labels, k=v[,k=v...] (gpu-agent.io/config, nvidia.com/device-plugin.config, nvidia.com/mig.config)")
-	defaultConfig := fs.String("default-config", envDefault("GPU_AGENT_DEFAULT_CONFIG", ""), "config for nodes nothing selects [GPU_AGENT_DEFAULT_CONFIG]")
-	migStrategy := fs.String("mig-strategy", envDefault("MIG_STRATEGY", ""), "the agent's --mig-strategy: none, single or mixed [MIG_STRATEGY]")
-	// Accept FILE before or after the flags.
-	var file string
-	rest := args[1:]
-	if len(rest) > 0 && len(rest[0]) > 0 && rest[0][0] != '-' {
-		file, rest = rest[0], rest[1:]
+	return ""
+}
+
+// openSimCopy builds and initialises a simulated node named name.
+func openSimCopy(name, profile string, opts ...sim.Option) (*backend, error) {
+	node, err := sim.New(profile, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("backend %s: %w", name, err)
 	}
-	if err := parseFlags(fs, rest); err != nil {
-		return err
+	if ret := node.Init(); ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("backend %s: init: %v", name, ret)
 	}
-	if file == "" && fs.NArg() == 1 {
-		file = fs.Arg(0)
-	} else if fs.NArg() > 0 || file == "" {
-		return usageError{"want exactly one FILE"}
+	return &backend{Name: name, Lib: node, Sim: node, close: func() { node.Shutdown() }}, nil
+}
+
+// fetchSimState asks the agent at addr for its simulated node's state.
+func fetchSimState(ctx context.Context, addr string) ([]byte, error) {
+	url, err := agentURL(addr, "/sim/state")
+	if err != nil {
+		return nil, err
 	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return nil, usageError{fmt.Sprintf("--addr %q: %v", addr, err)}
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("--addr: cannot reach the agent: %w", err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20+1))
+	if err != nil {
+		return nil, fmt.Errorf("--addr: read %s: %w", url, err)
+	}
+	switch {
+	case resp.StatusCode == http.StatusNotFound:
+		return nil, fmt.Errorf("--addr: the agent at %s runs no simulated node (%s: %s); on a GPU node run the tool there with --backend nvml", addr, url, resp.Status)
+	case resp.StatusCode != http.StatusOK:
+		return nil, fmt.Errorf("--addr: %s: %s: %s", url, resp.Status, strings.TrimSpace(string(body)))
+	case len(body) > 1<<20:
+		return nil, fmt.Errorf("--addr: %s: more than 1 MiB, not a simulated node's state", url)
+	}
+	return body, nil
+}
+
+// agentURL joins an agent's address (with or without a scheme) and a path.
+func agentURL(addr, path string) (string, error) {
+	if addr == "" {
+		return "", usageError{"--addr is empty"}
+	}
+	base := addr
+	if !strings.Contains(base, "://") {
+		base = "http://" + base
+	}
+	return strings.TrimRight(base, "/") + path, nil
+}
+
+// readConfigArg reads what `config validate` and `mig plan` are given, each
+// the way the agent would read it: a directory is a mounted ConfigMap (every
+// key a config), a ConfigMap manifest (deploy/examples, kubectl apply -f)
+// its data, anything else one config file.
+func readConfigArg(path string) (u config.Update, what string, err error) {
+	if st, err := os.Stat(path); err == nil && st.IsDir() {
+		u.Files, err = config.ReadDir(path)
+		return u, "ConfigMap directory", err
+	}
+	if u.Data, err = config.ReadFile(path); err != nil {
+		return u, "", err
+	}
+	keys, ok, err := config.ConfigMapManifest(u.Data)
+	switch {
+	case err != nil:
+		return u, "", fmt.Errorf("%s: %w", path, err)
+	case ok:
+		names := make([]string, 0, len(keys))
+		for k := range keys {
+			names = append(names, k)
+		}
+		sort.Strings(names)
+		return config.Update{Files: keys}, "ConfigMap manifest, keys " + strings.Join(names, ", "), nil
+	}
+	return u, "", nil
+}
+
+// parseLabels reads --labels k=v[,k=v...].
+func parseLabels(list string) (map[string]string, error) {
 	labels := map[string]string{}
-	for kv := range strings.SplitSeq(*labelList, ",") {
+	for kv := range strings.SplitSeq(list, ",") {
 		if kv == "" {
 			continue
 		}
 		k, v, ok := strings.Cut(kv, "=")
 		if !ok || k == "" {
-			return usageError{fmt.Sprintf("--labels %q: want key=value", kv)}
+			return nil, usageError{fmt.Sprintf("--labels %q: want key=value", kv)}
 		}
 		labels[k] = v
 	}
-	// A directory is a ConfigMap volume: every key is read.
-	var u config.Update
-	if st, err := os.Stat(file); err == nil && st.IsDir() {
-		u.Files, err = config.ReadDir(file)
-		if err != nil {
-			return err
-		}
-	} else if u.Data, err = config.ReadFile(file); err != nil {
-		return err
+	return labels, nil
+}
+
+// selection is what the config tools share: the config file and how the
+// node picks its config from it.
+type selection struct {
+	node, labels, defaultConfig, migStrategy string
+}
+
+func (s *selection) register(fs *flag.FlagSet) {
+	host, _ := os.Hostname()
+	fs.StringVar(&s.node, "node-name", envDefault("NODE_NAME", host), "node whose config is selected [NODE_NAME]")
+	fs.StringVar(&s.labels, "labels", "", "the node's labels, k=v[,k=v...] (gpu-agent.io/config, nvidia.com/device-plugin.config, nvidia.com/mig.config)")
+	fs.StringVar(&s.defaultConfig, "default-config", envDefault("GPU_AGENT_DEFAULT_CONFIG", ""), "config for nodes nothing selects [GPU_AGENT_DEFAULT_CONFIG]")
+	fs.StringVar(&s.migStrategy, "mig-strategy", envDefault("MIG_STRATEGY", ""), "the agent's --mig-strategy: none, single or mixed [MIG_STRATEGY]")
+}
+
+// load reads file and selects the node's config, printing the file's
+// warnings to stderr.
+func (s *selection) load(file string, stderr io.Writer) (*config.File, config.Selected, string, error) {
+	labels, err := parseLabels(s.labels)
+	if err != nil {
+		return nil, config.Selected{}, "", err
 	}
-	opts := config.ParseOptions{MIGStrategy: config.MIGStrategy(*migStrategy)}
+	opts := config.ParseOptions{MIGStrategy: config.MIGStrategy(s.migStrategy)}
 	if err := opts.Check(); err != nil {
-		return usageError{"--mig-strategy: " + err.Error()}
+		return nil, config.Selected{}, "", usageError{"--mig-strategy: " + err.Error()}
 	}
-	f, warnings, err := u.ParseWith(*defaultConfig, opts)
+	u, what, err := readConfigArg(file)
+	if err != nil {
+		return nil, config.Selected{}, "", err
+	}
+	f, warnings, err := u.ParseWith(s.defaultConfig, opts)
 	for _, w := range warnings {
 		fmt.Fprintf(stderr, "warning: %s: %s\n", file, w)
 	}
 	if err != nil {
-		return fmt.Errorf("%s: invalid:\n%w", file, err)
+		return nil, config.Selected{}, "", fmt.Errorf("%s: invalid:\n%w", file, err)
 	}
-	sel, err := f.Select(*node, labels)
+	sel, err := f.Select(s.node, labels)
 	if err != nil {
-		return fmt.Errorf("%s: node %s: %w", file, *node, err)
+		// Select's errors name the node already.
+		return nil, config.Selected{}, "", fmt.Errorf("%s: %w", file, err)
 	}
-	be, err := openBackend(*backendSpec, *nvmlLib)
+	return f, sel, what, nil
+}
+
+// configFileArg takes the one FILE argument, before or after the flags.
+func configFileArg(fs *flag.FlagSet, args []string) (string, error) {
+	var file string
+	if len(args) > 0 && len(args[0]) > 0 && args[0][0] != '-' {
+		file, args = args[0], args[1:]
+	}
+	if err := parseFlags(fs, args); err != nil {
+		return "", err
+	}
+	switch {
+	case file == "" && fs.NArg() == 1:
+		return fs.Arg(0), nil
+	case file == "" && fs.NArg() == 0:
+		return "", usageError{"want exactly one FILE"}
+	case fs.NArg() > 0:
+		return "", usageError{fmt.Sprintf("want exactly one FILE; unexpected arguments: %s", strings.Join(fs.Args(), " "))}
+	}
+	return file, nil
+}
+
+const validateSynopsis = "config validate FILE [--backend sim:<profile>[,state=F]|nvml | --addr URL] [--node-name N] [--labels K=V,...]"
+
+func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 || args[0] != "validate" {
+		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
+			fmt.Fprintln(stdout, "Usage: gpu-agent "+validateSynopsis)
+			return nil
+		}
+		return usageError{"want: " + validateSynopsis}
+	}
+	fs := newFlagSet("config validate", validateSynopsis, stderr)
+	var nf nodeFlags
+	nf.register(fs)
+	var s selection
+	s.register(fs)
+	file, err := configFileArg(fs, args[1:])
+	if err != nil {
+		return err
+	}
+	f, sel, what, err := s.load(file, stderr)
+	if err != nil {
+		return err
+	}
+	be, err := nf.open(ctx, fs)
 	if err != nil {
 		return err
 	}
@@ -92,22 +303,43 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 		return err
 	}
 	d := agent.Plan(snap)
-	if d.FitErr != nil {
+	if d.FitErr != nil && !errors.Is(d.FitErr, mig.ErrLayout) {
 		return fmt.Errorf("%s: does not fit %s: %w", file, be.Name, d.FitErr)
 	}
 	for _, w := range d.Warnings {
 		fmt.Fprintf(stderr, "warning: %s: on %s: %s\n", file, be.Name, w)
 	}
 	cat := d.Catalog
+	offers := fmt.Sprintf("On %s it would offer:\n", be.Name)
 	if sel.MIGLayout != nil {
 		fmt.Fprintf(stdout, "MIG layout on %s:\n", be.Name)
 		if err := printMIG(stdout, snap, d, false); err != nil {
-			return fmt.Errorf("%s: MIG layout does not fit %s: %w", file, be.Name, err)
+			return fmt.Errorf("%s: on %s: %w", file, be.Name, err)
 		}
 	}
-	fmt.Fprintf(stdout, "%s: valid (%s format); node %s uses config %q (by %s)\n", file, f.Format, *node, sel.Name, sel.Reason)
-	fmt.Fprintf(stdout, "On %s it would offer:\n", be.Name)
-	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	format := string(f.Format)
+	if what != "" {
+		format += "; " + what
+	}
+	fmt.Fprintf(stdout, "%s: valid (%s); node %s uses config %q (by %s)\n", file, format, s.node, sel.Name, sel.Reason)
+	if sel.MIGLayout != nil {
+		if be.Sim == nil {
+			offers = fmt.Sprintf("On %s it offers now (a real node is not repartitioned offline; the layout would change this):\n", be.Name)
+		} else {
+			after, err := simulateLayout(ctx, be, sel, d)
+			if err != nil {
+				return fmt.Errorf("%s: %w", file, err)
+			}
+			cat = after.Catalog
+			offers = fmt.Sprintf("On %s, once the layout is applied, it would offer:\n", be.Name)
+		}
+	}
+	fmt.Fprint(stdout, offers)
+	return writeCatalog(stdout, cat)
+}
+
+func writeCatalog(w io.Writer, cat *catalog.Catalog) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "RESOURCE\tDEVICES\tIDS")
 	for _, name := range cat.Names() {
 		r := cat.Resources[name]
@@ -127,18 +359,69 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	return tw.Flush()
 }
 
-func cmdInventory(args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("inventory", "inventory [--backend nvml|sim:<profile>] [-o table|json]", stderr)
-	backendSpec := fs.String("backend", envDefault("GPU_AGENT_BACKEND", "nvml"), "GPU backend [GPU_AGENT_BACKEND]")
-	nvmlLib := fs.String("nvml-lib", envDefault("GPU_AGENT_NVML_LIB", ""), "libnvidia-ml path for --backend nvml [GPU_AGENT_NVML_LIB]")
+// simulateLayout applies d's MIG plans to a copy of be's simulated node, as
+// the agent would on an idle node whose GPUs take MIG mode changes without
+// waiting for a reset, and returns what the copy then plans. be itself, and
+// the state file of a node an agent runs, are left as they were.
+func simulateLayout(ctx context.Context, be *backend, sel config.Selected, d agent.Desired) (agent.Desired, error) {
+	state, err := be.Sim.State()
+	if err != nil {
+		return agent.Desired{}, err
+	}
+	cp, err := openSimCopy(be.Name+" (copy)", be.Sim.Profile(), sim.WithState(state), sim.WithImmediateMIGModeChange())
+	if err != nil {
+		return agent.Desired{}, err
+	}
+	defer cp.Close()
+	journal, err := os.MkdirTemp("", "gpu-agent-validate")
+	if err != nil {
+		return agent.Desired{}, err
+	}
+	defer os.RemoveAll(journal)
+	applier := mig.NewApplier(cp.Lib, journal, nil)
+	// A pass may end at a mode change; the agent plans again after each.
+	for range 3 {
+		applied := false
+		for _, gm := range d.MIG {
+			if gm.State.Phase != mig.PhasePlanned {
+				continue
+			}
+			st, err := applier.Apply(ctx, gm.Plan)
+			if err != nil {
+				return agent.Desired{}, fmt.Errorf("gpu %d (%s): applying %s to a copy of %s: %w", gm.GPU, gm.UUID, gm.Want, be.Name, err)
+			}
+			if st.Phase != mig.PhaseApplied {
+				return agent.Desired{}, fmt.Errorf("gpu %d (%s): applying %s to a copy of %s: %s: %s", gm.GPU, gm.UUID, gm.Want, be.Name, st.Phase, st.Reason)
+			}
+			applied = true
+		}
+		snap, err := offlineSnapshot(cp, sel)
+		if err != nil {
+			return agent.Desired{}, err
+		}
+		d = agent.Plan(snap)
+		if !applied {
+			break
+		}
+	}
+	if d.FitErr != nil {
+		return agent.Desired{}, fmt.Errorf("once the layout is applied, the config does not fit %s: %w", be.Name, d.FitErr)
+	}
+	return d, nil
+}
+
+func cmdInventory(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("inventory", "inventory [--backend sim:<profile>[,state=F]|nvml | --addr URL] [-o table|json]", stderr)
+	var nf nodeFlags
+	nf.register(fs)
 	out := fs.String("o", "table", "output: table or json")
-	if err := parseFlags(fs, args); err != nil {
+	if err := parseNoArgs(fs, args); err != nil {
 		return err
 	}
 	if *out != "table" && *out != "json" {
 		return usageError{fmt.Sprintf("-o %q: want table or json", *out)}
 	}
-	be, err := openBackend(*backendSpec, *nvmlLib)
+	be, err := nf.open(ctx, fs)
 	if err != nil {
 		return err
 	}
@@ -150,15 +433,18 @@ func cmdInventory(args []string, stdout, stderr io.Writer) error {
 	if *out == "json" {
 		return gpu.WriteJSON(stdout, inv)
 	}
+	fmt.Fprintf(stdout, "Backend: %s\n\n", be.Name)
 	return gpu.WriteTable(stdout, inv)
 }
 
 func cmdSim(args []string, stdout, _ io.Writer) error {
-	if len(args) != 1 || args[0] != "list" {
-		if len(args) == 1 && (args[0] == "-h" || args[0] == "--help") {
-			fmt.Fprintln(stdout, "Usage: gpu-agent sim list")
+	for _, a := range args {
+		if a == "-h" || a == "--help" {
+			fmt.Fprintln(stdout, "Usage: gpu-agent sim list\n\nLists the simulated nodes, for --backend sim:<profile>.")
 			return nil
 		}
+	}
+	if len(args) != 1 || args[0] != "list" {
 		return usageError{"want: sim list"}
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
@@ -169,39 +455,37 @@ func cmdSim(args []string, stdout, _ io.Writer) error {
 	return tw.Flush()
 }
 
-func cmdMIG(args []string, stdout, stderr io.Writer) error {
+const planSynopsis = "mig plan --config FILE [--backend sim:<profile>[,state=F]|nvml | --addr URL] [--node-name N] [--labels K=V,...]"
+
+func cmdMIG(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 || args[0] != "plan" {
 		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
-			fmt.Fprintln(stdout, "Usage: gpu-agent mig plan --config FILE [--backend sim:P|nvml] [--node-name N]")
+			fmt.Fprintln(stdout, "Usage: gpu-agent "+planSynopsis)
 			return nil
 		}
-		return usageError{"want: mig plan --config FILE [--backend sim:P] [--node-name N]"}
+		return usageError{"want: " + planSynopsis}
 	}
-	fs := newFlagSet("mig plan", "mig plan --config FILE [--backend sim:<profile>|nvml] [--node-name N]", stderr)
-	file := fs.String("config", envDefault("GPU_AGENT_CONFIG", ""), "config file [GPU_AGENT_CONFIG]")
-	backendSpec := fs.String("backend", envDefault("GPU_AGENT_BACKEND", "sim:dgx-h100"), "GPUs to plan for [GPU_AGENT_BACKEND]")
-	host, _ := os.Hostname()
-	node := fs.String("node-name", envDefault("NODE_NAME", host), "node whose config is selected [NODE_NAME]")
-	nvmlLib := fs.String("nvml-lib", envDefault("GPU_AGENT_NVML_LIB", ""), "libnvidia-ml path for --backend nvml [GPU_AGENT_NVML_LIB]")
-	if err := parseFlags(fs, args[1:]); err != nil {
+	fs := newFlagSet("mig plan", planSynopsis, stderr)
+	file := fs.String("config", envDefault("GPU_AGENT_CONFIG", ""), "config file, ConfigMap manifest or directory [GPU_AGENT_CONFIG]")
+	var nf nodeFlags
+	nf.register(fs)
+	var s selection
+	s.register(fs)
+	if err := parseNoArgs(fs, args[1:]); err != nil {
 		return err
 	}
-	if *file == "" || fs.NArg() > 0 {
-		return usageError{"want --config FILE and no other arguments"}
+	if *file == "" {
+		return usageError{"want --config FILE"}
 	}
-	f, _, err := config.Load(*file)
+	_, sel, _, err := s.load(*file, stderr)
 	if err != nil {
-		return fmt.Errorf("%s: invalid:\n%w", *file, err)
-	}
-	sel, err := f.Select(*node, nil)
-	if err != nil {
-		return fmt.Errorf("%s: node %s: %w", *file, *node, err)
+		return err
 	}
 	if sel.MIGLayout == nil {
 		fmt.Fprintf(stdout, "config %q has no MIG layout: the GPUs are left as they are\n", sel.Name)
 		return nil
 	}
-	be, err := openBackend(*backendSpec, *nvmlLib)
+	be, err := nf.open(ctx, fs)
 	if err != nil {
 		return err
 	}
@@ -210,7 +494,11 @@ func cmdMIG(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	return printMIG(stdout, snap, agent.Plan(snap), true)
+	fmt.Fprintf(stdout, "MIG layout of config %q on %s:\n", sel.Name, be.Name)
+	if err := printMIG(stdout, snap, agent.Plan(snap), true); err != nil {
+		return fmt.Errorf("%s: %w", *file, err)
+	}
+	return nil
 }
 
 // offlineSnapshot is what `config validate` and `mig plan` plan from: the
@@ -241,7 +529,9 @@ func offlineSnapshot(be *backend, sel config.Selected) (agent.Snapshot, error) {
 }
 
 // printMIG prints, per GPU, what applying the layout would do; steps lists
-// the steps too. An impossible layout is an error naming the GPU.
+// the steps too. An impossible layout is an error naming the GPU, and so is
+// a layout none of whose entries applies to any GPU: it would change nothing,
+// which is never what its author meant (a device-filter for another model).
 func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool) error {
 	planned := map[int]agent.GPUMIG{}
 	for _, gm := range d.MIG {
@@ -252,6 +542,9 @@ func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool
 	}
 	if d.MIGErr != nil && len(d.MIG) == 0 {
 		return d.MIGErr
+	}
+	if len(planned) == 0 {
+		return noEntryApplies(snap)
 	}
 	for _, g := range snap.Inventory.GPUs {
 		gm, ok := planned[g.Index]
@@ -271,4 +564,26 @@ func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool
 		}
 	}
 	return d.MIGErr
+}
+
+// noEntryApplies names the node's GPU models, so the author can see which
+// device-filter the layout lacks.
+func noEntryApplies(snap agent.Snapshot) error {
+	var models []string
+	seen := map[string]bool{}
+	for _, g := range snap.Inventory.GPUs {
+		m := g.Name
+		if g.PCIDeviceID != 0 {
+			m = fmt.Sprintf("%s, device-filter 0x%08X", g.Name, g.PCIDeviceID)
+		}
+		if !g.MIGCapable {
+			m += ", no MIG"
+		}
+		if !seen[m] {
+			seen[m] = true
+			models = append(models, m)
+		}
+	}
+	return fmt.Errorf("config %q: no entry of its MIG layout (mig.devices) applies to any GPU of this node (%s): it would change nothing; check each entry's device-filter and devices",
+		snap.Selected.Name, strings.Join(models, "; "))
 }

@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"net/http"
 	"os"
-	"strings"
 	"sync"
 	"time"
 
@@ -93,11 +92,8 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		"also offer the GPUs through Dynamic Resource Allocation, as driver "+dra.DriverName+" (needs the Kubernetes API)"); err != nil {
 		return err
 	}
-	if err := parseFlags(fs, args); err != nil {
+	if err := parseNoArgs(fs, args); err != nil {
 		return err
-	}
-	if fs.NArg() > 0 {
-		return usageError{fmt.Sprintf("unexpected arguments: %s", strings.Join(fs.Args(), " "))}
 	}
 	if err := (config.ParseOptions{MIGStrategy: config.MIGStrategy(f.migStrategy)}).Check(); err != nil {
 		return usageError{"--mig-strategy: " + err.Error()}

@@ -1,0 +1,254 @@
+package main
+
+import (
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+)
+
+// The A100 layout of deploy/examples, as a plain config.
+const a100Balanced = `version: v1
+configs:
+  default:
+    mig:
+      strategy: mixed
+      devices:
+      - device-filter: ["0x20B010DE"]
+        devices: all
+        mig-enabled: true
+        mig-devices: {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}
+`
+
+func writeFile(t *testing.T, name, content string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), name)
+	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// wantLines asserts that out has a line matching each pattern, spaces in a
+// pattern standing for any run of them (tables are aligned).
+func wantLines(t *testing.T, out string, patterns ...string) {
+	t.Helper()
+	for _, p := range patterns {
+		re := regexp.MustCompile(`(?m)^` + strings.ReplaceAll(regexp.QuoteMeta(p), " ", `\s+`) + `(\s|$)`)
+		if !re.MatchString(out) {
+			t.Errorf("output has no line %q:\n%s", p, out)
+		}
+	}
+}
+
+// Without --backend, the three offline tools look at the same node: the
+// one `make run` simulates.
+func TestOfflineToolsShareDefaultBackend(t *testing.T) {
+	t.Setenv("GPU_AGENT_BACKEND", "")
+	cfg := writeFile(t, "a100.yaml", a100Balanced)
+	for _, args := range [][]string{
+		{"config", "validate", cfg},
+		{"mig", "plan", "--config", cfg},
+		{"inventory"},
+	} {
+		code, out, stderr := run(t, args...)
+		if code != 0 || !strings.Contains(out, defaultOfflineBackend) || !strings.Contains(out, "A100-SXM4-40GB") {
+			t.Errorf("%v: exit %d, want 0 naming %s and its A100s:\n%s%s", args, code, defaultOfflineBackend, out, stderr)
+		}
+	}
+}
+
+// A layout none of whose entries applies to any GPU of the node is an
+// error that names the node's models, in both tools.
+func TestNoLayoutEntryApplies(t *testing.T) {
+	cfg := writeFile(t, "a100.yaml", a100Balanced)
+	for _, args := range [][]string{
+		{"config", "validate", cfg, "--backend", "sim:dgx-h100"},
+		{"mig", "plan", "--config", cfg, "--backend", "sim:dgx-h100"},
+	} {
+		code, _, stderr := run(t, args...)
+		if code != 1 || !strings.Contains(stderr, "no entry of its MIG layout (mig.devices) applies to any GPU") ||
+			!strings.Contains(stderr, "NVIDIA H100 80GB HBM3, device-filter 0x233010DE") {
+			t.Errorf("%v: exit %d, stderr %q; want 1 naming the H100's device-filter", args, code, stderr)
+		}
+	}
+	// Some GPUs left alone is a layout doing what it says.
+	half := strings.Replace(a100Balanced, "devices: all", "devices: [0, 1]", 1)
+	code, out, stderr := run(t, "mig", "plan", "--config", writeFile(t, "half.yaml", half))
+	if code != 0 || !strings.Contains(out, "GPU 7 (NVIDIA A100-SXM4-40GB): no layout entry applies; left as it is") {
+		t.Errorf("layout for GPUs 0-1: exit %d\n%s%s", code, out, stderr)
+	}
+}
+
+// config validate offers what the node has once the layout is applied, on
+// a copy: a state file another process holds is read, never changed.
+func TestValidateShowsNodeAfterLayout(t *testing.T) {
+	state := filepath.Join(t.TempDir(), "sim-state.json")
+	held, err := sim.New("dgx-a100", sim.WithStateFile(state))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	held.Init()
+	defer held.Shutdown()
+	before, err := os.ReadFile(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := writeFile(t, "a100.yaml", a100Balanced)
+	code, out, stderr := run(t, "config", "validate", cfg, "--backend", "sim:dgx-a100,state="+state)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	if !strings.Contains(out, "once the layout is applied, it would offer:") {
+		t.Errorf("output does not say the resources are after the layout:\n%s", out)
+	}
+	wantLines(t, out, "nvidia.com/mig-1g.5gb 16", "nvidia.com/mig-2g.10gb 8", "nvidia.com/mig-3g.20gb 8")
+	if strings.Contains(out, "nvidia.com/gpu ") {
+		t.Errorf("whole GPUs offered after every GPU was split:\n%s", out)
+	}
+	if after, _ := os.ReadFile(state); string(after) != string(before) {
+		t.Error("config validate changed the state file of the node it looked at")
+	}
+	d, r := held.DeviceGetHandleByIndex(0)
+	if r != nvml.SUCCESS {
+		t.Fatal(r)
+	}
+	if cur, pending, _ := d.GetMigMode(); cur != nvml.DEVICE_MIG_DISABLE || pending != nvml.DEVICE_MIG_DISABLE {
+		t.Errorf("config validate set MIG mode %d (pending %d) on the node itself", cur, pending)
+	}
+}
+
+// --addr looks at a copy of the simulated node a running agent serves,
+// with its MIG instances as they are there.
+func TestOfflineToolsAddr(t *testing.T) {
+	node, err := sim.New("dgx-h100-mig") // 7x 1g.10gb per GPU
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	defer node.Shutdown()
+	mux := http.NewServeMux()
+	mux.Handle("/sim/", node.Handler())
+	agent := httptest.NewServer(mux)
+	defer agent.Close()
+	plain := httptest.NewServer(http.NotFoundHandler()) // an agent on nvml
+	defer plain.Close()
+
+	code, out, stderr := run(t, "mig", "plan", "--config", "testdata/mig-balanced-h100.yaml", "--addr", agent.URL)
+	if code != 0 || strings.Count(out, "planned, 7 steps, 5 instances destroyed") != 8 {
+		t.Errorf("mig plan --addr: exit %d, want 8 GPUs losing 5 of their 7 instances:\n%s%s", code, out, stderr)
+	}
+	code, out, stderr = run(t, "config", "validate", "testdata/mig-balanced-h100.yaml", "--addr", strings.TrimPrefix(agent.URL, "http://"))
+	if code != 0 || !strings.Contains(out, "sim:dgx-h100-mig at ") {
+		t.Fatalf("config validate --addr: exit %d\n%s%s", code, out, stderr)
+	}
+	wantLines(t, out, "nvidia.com/mig-1g.10gb 16", "nvidia.com/mig-2g.20gb 8", "nvidia.com/mig-3g.40gb 8")
+	code, out, _ = run(t, "inventory", "--addr", agent.URL)
+	if code != 0 || strings.Count(out, "MIG-") != 56 {
+		t.Errorf("inventory --addr: exit %d, want the node's 56 MIG devices:\n%s", code, out)
+	}
+	// The running node is as it was.
+	if n := migDevices(t, node, 0); n != 7 {
+		t.Errorf("GPU 0 of the running node has %d MIG devices after the tools, want 7", n)
+	}
+
+	for _, tc := range []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{"mig", "plan", "--config", "testdata/mig-balanced-h100.yaml", "--addr", plain.URL}, 1, "runs no simulated node"},
+		{[]string{"config", "validate", "testdata/mig-balanced-h100.yaml", "--addr", agent.URL, "--backend", "sim:dgx-a100"}, 2, "--addr and --backend"},
+	} {
+		code, _, stderr := run(t, tc.args...)
+		if code != tc.code || !strings.Contains(stderr, tc.want) {
+			t.Errorf("%v: exit %d, stderr %q; want %d saying %q", tc.args, code, stderr, tc.code, tc.want)
+		}
+	}
+}
+
+func migDevices(t *testing.T, n *sim.Node, gpu int) int {
+	t.Helper()
+	d, r := n.DeviceGetHandleByIndex(gpu)
+	if r != nvml.SUCCESS {
+		t.Fatal(r)
+	}
+	count := 0
+	max, _ := d.GetMaxMigDeviceCount()
+	for i := range max {
+		if _, r := d.GetMigDeviceHandleByIndex(i); r == nvml.SUCCESS {
+			count++
+		}
+	}
+	return count
+}
+
+// config validate and mig plan read a ConfigMap manifest as the agent reads
+// the ConfigMap: every data key a config.
+func TestConfigToolsReadManifest(t *testing.T) {
+	manifest := writeFile(t, "cm.yaml", "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: gpu-agent-config}\ndata:\n  a100.yaml: |\n"+
+		indent(a100Balanced, "    ")+"  shared.yaml: |\n    version: v1\n    configs:\n      shared:\n        sharing:\n          timeSlicing:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 2}\n")
+	code, out, stderr := run(t, "config", "validate", manifest, "--labels", "gpu-agent.io/config=shared")
+	if code != 0 || !strings.Contains(out, "ConfigMap manifest, keys a100.yaml, shared.yaml") || !strings.Contains(out, `uses config "shared"`) {
+		t.Errorf("validate manifest: exit %d\n%s%s", code, out, stderr)
+	}
+	wantLines(t, out, "nvidia.com/gpu 16")
+	code, out, stderr = run(t, "mig", "plan", "--config", manifest)
+	if code != 0 || strings.Count(out, "planned, 5 steps") != 8 {
+		t.Errorf("mig plan manifest: exit %d\n%s%s", code, out, stderr)
+	}
+	bad := writeFile(t, "bad.yaml", "apiVersion: v1\nkind: ConfigMap\ndata:\n  c.yaml:\n    version: v1\n")
+	code, _, stderr = run(t, "config", "validate", bad)
+	if code != 1 || !strings.Contains(stderr, "data.c.yaml: expected a config as a string") {
+		t.Errorf("bad manifest: exit %d, stderr %q", code, stderr)
+	}
+}
+
+func indent(s, by string) string {
+	return by + strings.ReplaceAll(strings.TrimSuffix(s, "\n"), "\n", "\n"+by) + "\n"
+}
+
+// Every command refuses arguments it does not take instead of ignoring
+// them, and says how it is used when asked.
+func TestExtraArgumentsRefused(t *testing.T) {
+	cfg := writeFile(t, "c.yaml", "version: v1\nconfigs:\n  default: {}\n")
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"status", "extra"}, "unexpected arguments: extra"},
+		{[]string{"inventory", "extra"}, "unexpected arguments: extra"},
+		{[]string{"run", "extra"}, "unexpected arguments: extra"},
+		{[]string{"mps-host", "extra"}, "unexpected arguments: extra"},
+		{[]string{"node-cleanup", "extra"}, "unexpected arguments: extra"},
+		{[]string{"mig", "plan", "--config", cfg, "extra"}, "unexpected arguments: extra"},
+		{[]string{"config", "validate", cfg, "extra"}, "unexpected arguments: extra"},
+		{[]string{"sim", "list", "extra"}, "want: sim list"},
+	} {
+		code, _, stderr := run(t, tc.args...)
+		if code != 2 || !strings.Contains(stderr, tc.want) {
+			t.Errorf("%v: exit %d, stderr %q; want 2 saying %q", tc.args, code, stderr, tc.want)
+		}
+	}
+	code, out, stderr := run(t, "sim", "list", "--help")
+	if code != 0 || !strings.Contains(out, "Usage: gpu-agent sim list") || stderr != "" {
+		t.Errorf("sim list --help: exit %d, %q %q", code, out, stderr)
+	}
+}
+
+// A node a config selection fails for is named once.
+func TestValidateNamesNodeOnce(t *testing.T) {
+	cfg := writeFile(t, "c.yaml", "version: v1\nconfigs:\n  default: {}\n")
+	code, _, stderr := run(t, "config", "validate", cfg, "--node-name", "vm", "--labels", "gpu-agent.io/config=nope")
+	if code != 1 || strings.Count(stderr, "node vm") != 1 || !strings.Contains(stderr, "gpu-agent.io/config=nope names no config") {
+		t.Errorf("exit %d, stderr %q; want 1 naming node vm once", code, stderr)
+	}
+}
