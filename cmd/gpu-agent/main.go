@@ -21,14 +21,19 @@ Usage:
   gpu-agent mps-host [flags]               run the MPS control daemons the agent (run --mps-host)
                                            asks for, outside the agent's container
   gpu-agent status [--addr URL]            show a running agent's state
-  gpu-agent config validate FILE [flags]   check a config file offline
-  gpu-agent inventory [--backend B] [-o table|json]
+  gpu-agent config validate FILE [flags]   check a config (file, ConfigMap manifest or directory)
+                                           offline: what the node would offer with it
+  gpu-agent inventory [--backend B | --addr URL] [-o table|json]
                                            print the GPU inventory and topology
-  gpu-agent mig plan --config FILE [--backend B]
+  gpu-agent mig plan --config FILE [--backend B | --addr URL]
                                            print the MIG repartitioning plan per GPU
   gpu-agent sim list                       list the simulated nodes
   gpu-agent node-cleanup [--all | --node-name N] [--kubeconfig F]
                                            remove the Node labels gpu-agent owns (uninstall)
+
+The offline tools (config validate, mig plan, inventory) look at --backend
+(default sim:dgx-a100, the node 'make run' simulates; nvml: this machine's
+GPUs) or, with --addr, at a copy of a running agent's simulated node.
 
 Run 'gpu-agent COMMAND --help' for a command's flags.
 `

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -68,28 +69,38 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.logFormat, "log-format", "GPU_AGENT_LOG_FORMAT", "text", "text or json")
 }
 
-func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+// runFlagSet defines `gpu-agent run`'s flags into f; README's flags table
+// is checked against it.
+func runFlagSet(f *runFlags, stderr io.Writer) (*flag.FlagSet, error) {
 	fs := newFlagSet("run", "run [flags]", stderr)
-	var f runFlags
 	f.register(func(p *string, name, env, def, help string) {
 		fs.StringVar(p, name, envDefault(env, def), fmt.Sprintf("%s [%s]", help, env))
 	})
 	resync, err := time.ParseDuration(envDefault("GPU_AGENT_RESYNC", "30s"))
 	if err != nil {
-		return usageError{fmt.Sprintf("GPU_AGENT_RESYNC: %v", err)}
+		return nil, usageError{fmt.Sprintf("GPU_AGENT_RESYNC: %v", err)}
 	}
 	fs.DurationVar(&f.resync, "resync", resync, "re-read the GPUs this often even without events [GPU_AGENT_RESYNC]")
 	forgetGone, err := time.ParseDuration(envDefault("GPU_AGENT_FORGET_GONE_GPUS_AFTER", "24h"))
 	if err != nil {
-		return usageError{fmt.Sprintf("GPU_AGENT_FORGET_GONE_GPUS_AFTER: %v", err)}
+		return nil, usageError{fmt.Sprintf("GPU_AGENT_FORGET_GONE_GPUS_AFTER: %v", err)}
 	}
 	fs.DurationVar(&f.forgetGone, "forget-gone-gpus-after", forgetGone,
 		"a GPU NVML no longer enumerates (swapped out) is offered unhealthy this long, then forgotten, once nothing holds it; 0: never [GPU_AGENT_FORGET_GONE_GPUS_AFTER]")
 	if err := registerMPSHostFlag(fs, &f.mpsHost); err != nil {
-		return err
+		return nil, err
 	}
 	if err := registerBoolFlag(fs, &f.dra, "dra", "GPU_AGENT_DRA",
 		"also offer the GPUs through Dynamic Resource Allocation, as driver "+dra.DriverName+" (needs the Kubernetes API)"); err != nil {
+		return nil, err
+	}
+	return fs, nil
+}
+
+func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var f runFlags
+	fs, err := runFlagSet(&f, stderr)
+	if err != nil {
 		return err
 	}
 	if err := parseNoArgs(fs, args); err != nil {
