@@ -19,6 +19,12 @@ import (
 // as YAML (merged over values.yaml), and decodes every document strictly.
 func renderChart(t *testing.T, values string) (*objects, error) {
 	t.Helper()
+	return renderChartIn(t, values, "gpu-system")
+}
+
+// renderChartIn is renderChart into the release namespace ns (helm's -n).
+func renderChartIn(t *testing.T, values, ns string) (*objects, error) {
+	t.Helper()
 	chrt, err := loader.Load(repoPath("deploy", "helm", "gpu-agent"))
 	if err != nil {
 		t.Fatalf("load chart: %v", err)
@@ -28,7 +34,7 @@ func renderChart(t *testing.T, values string) (*objects, error) {
 		t.Fatalf("values: %v", err)
 	}
 	rv, err := chartutil.ToRenderValues(chrt, vals, chartutil.ReleaseOptions{
-		Name: "gpu-agent", Namespace: "gpu-system", IsInstall: true, Revision: 1,
+		Name: "gpu-agent", Namespace: ns, IsInstall: true, Revision: 1,
 	}, chartutil.DefaultCapabilities)
 	if err != nil {
 		t.Fatalf("render values: %v", err)

@@ -80,15 +80,14 @@ func TestExamples(t *testing.T) {
 		{"time-slicing-x4.yaml", "sim:dgx-a100", "", `uses config "default"`, "nvidia.com/gpu  32"},
 		{"node-override.yaml", "sim:dgx-a100", "gpu-node-17", `uses config "notebooks"`, "nvidia.com/gpu.shared  32"},
 		{"node-override.yaml", "sim:dgx-a100", "gpu-node-3", `uses config "default"`, "nvidia.com/gpu  8"},
-		// The MIG layouts are not applied yet (repartitioning is not
-		// implemented); against a node whose MIG instances already exist,
-		// the mixed strategy serves them.
-		{"mig-a100-balanced.yaml", "sim:dgx-a100", "", `uses config "default"`, ""},
-		{"mig-a100-all-1g.yaml", "sim:dgx-a100", "", `uses config "default"`, ""},
-		{"mig-a100-half-3g.yaml", "sim:dgx-a100", "", `uses config "default"`, ""},
-		{"mig-h100-balanced.yaml", "sim:dgx-h100", "", `uses config "default"`, ""},
-		{"mig-h100-all-1g.yaml", "sim:dgx-h100", "", `uses config "default"`, ""},
-		{"mig-h100-half-3g.yaml", "sim:dgx-h100", "", `uses config "default"`, ""},
+		// A layout is tried on a copy of the node: what it offers once
+		// the GPUs are repartitioned.
+		{"mig-a100-balanced.yaml", "sim:dgx-a100", "", `uses config "default"`, "nvidia.com/mig-1g.5gb  16"},
+		{"mig-a100-all-1g.yaml", "sim:dgx-a100", "", `uses config "default"`, "nvidia.com/mig-1g.5gb  56"},
+		{"mig-a100-half-3g.yaml", "sim:dgx-a100", "", `uses config "default"`, "nvidia.com/mig-3g.20gb  8"},
+		{"mig-h100-balanced.yaml", "sim:dgx-h100", "", `uses config "default"`, "nvidia.com/mig-2g.20gb  8"},
+		{"mig-h100-all-1g.yaml", "sim:dgx-h100", "", `uses config "default"`, "nvidia.com/mig-1g.10gb  56"},
+		{"mig-h100-half-3g.yaml", "sim:dgx-h100", "", `uses config "default"`, "nvidia.com/mig-3g.40gb  8"},
 		{"mig-h100-all-1g.yaml", "sim:dgx-h100-mig", "", `uses config "default"`, "nvidia.com/mig-1g.10gb  56"},
 		{"mps-x2.yaml", "sim:dgx-a100", "", `uses config "default"`, "nvidia.com/gpu.mps  16"},
 		{"cdi.yaml", "sim:dgx-a100", "", `uses config "default"`, "nvidia.com/gpu  8"},
