@@ -10,6 +10,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 )
@@ -53,6 +54,10 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var err error
 	switch args[0] {
 	case "-h", "--help", "help":
+		if len(args) > 1 {
+			// `gpu-agent help mig plan` is `gpu-agent mig plan --help`.
+			return runMain(ctx, append(slices.Clone(args[1:]), "--help"), stdout, stderr)
+		}
 		fmt.Fprint(stdout, usage)
 		return 0
 	case "run":

@@ -238,9 +238,19 @@ func TestExtraArgumentsRefused(t *testing.T) {
 			t.Errorf("%v: exit %d, stderr %q; want 2 saying %q", tc.args, code, stderr, tc.want)
 		}
 	}
-	code, out, stderr := run(t, "sim", "list", "--help")
-	if code != 0 || !strings.Contains(out, "Usage: gpu-agent sim list") || stderr != "" {
-		t.Errorf("sim list --help: exit %d, %q %q", code, out, stderr)
+	for _, args := range [][]string{{"sim", "list", "--help"}, {"help", "sim"}} {
+		code, out, stderr := run(t, args...)
+		if code != 0 || !strings.Contains(out, "Usage: gpu-agent sim list") || stderr != "" {
+			t.Errorf("%v: exit %d, %q %q", args, code, out, stderr)
+		}
+	}
+	code, out, stderr := run(t, "help", "mig", "plan")
+	if code != 0 || !strings.Contains(out+stderr, "Usage: gpu-agent mig plan --config FILE") {
+		t.Errorf("help mig plan: exit %d, %q %q", code, out, stderr)
+	}
+	code, _, stderr = run(t, "help", "nope")
+	if code != 2 || !strings.Contains(stderr, `unknown command "nope"`) {
+		t.Errorf("help nope: exit %d, %q", code, stderr)
 	}
 }
 
