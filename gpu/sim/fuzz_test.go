@@ -18,7 +18,8 @@ import (
 
 // FuzzHTTPHandler sends any method, path and body to the /sim handler of a
 // node with MIG instances. It must answer 200, 400, 404 or 405 with a JSON
-// body ({"ok":true} or a non-empty "error"), and a request it refuses must
+// body ({"ok":true} or a non-empty "error"; GET /sim/state: the node's
+// State, changing nothing), and a request it refuses must
 // change nothing the requests can change: kept state, telemetry, injected
 // failures, queued events.
 func FuzzHTTPHandler(f *testing.F) {
@@ -40,6 +41,8 @@ func FuzzHTTPHandler(f *testing.F) {
 	f.Add("POST", "/sim/xid", []byte(`{"gpu":7,"xid":48,"gi":4294967295}`))
 	f.Add("POST", "/sim/lost", []byte(`{"gpu":2,"lost":false}`))
 	f.Add("PUT", "/sim/reset", []byte(`{"gpu":0}`))
+	f.Add("GET", "/sim/state", []byte(nil))
+	f.Add("DELETE", "/state", []byte(`{}`))
 	f.Add("POST", "/sim/reset", []byte(`{"gpu":0} `))
 	f.Add("POST", "/sim/reset", []byte(`{"gpu":0} x`))
 	f.Add("POST", "/sim/reset", []byte(`{"GPU":1}`))
@@ -70,6 +73,17 @@ func FuzzHTTPHandler(f *testing.F) {
 		rec := httptest.NewRecorder()
 		n.Handler().ServeHTTP(rec, req)
 
+		if strings.TrimPrefix(path, "/sim") == "/state" && method == http.MethodGet {
+			// Read-only: the node's State, and nothing changed.
+			want, err := n.State()
+			if err != nil || rec.Code != http.StatusOK || rec.Body.String() != string(want) {
+				t.Fatalf("GET %s: %d %q, want 200 and the node's State (%v)", path, rec.Code, rec.Body, err)
+			}
+			if after := simState(n); after != before {
+				t.Fatalf("GET %s changed the node:\nbefore %s\nafter  %s", path, before, after)
+			}
+			return
+		}
 		var resp struct {
 			OK    bool   `json:"ok"`
 			Error string `json:"error"`
