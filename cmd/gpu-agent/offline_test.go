@@ -205,6 +205,15 @@ func TestConfigToolsReadManifest(t *testing.T) {
 	if code != 0 || strings.Count(out, "planned, 5 steps") != 8 {
 		t.Errorf("mig plan manifest: exit %d\n%s%s", code, out, stderr)
 	}
+	// A directory is a mounted ConfigMap, as --config reads it.
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "a100.yaml"), []byte(a100Balanced), 0o644)
+	os.WriteFile(filepath.Join(dir, "plain.yaml"), []byte("version: v1\nconfigs:\n  plain: {}\n"), 0o644)
+	code, out, stderr = run(t, "config", "validate", dir, "--labels", "gpu-agent.io/config=plain")
+	if code != 0 || !strings.Contains(out, "ConfigMap directory") || !strings.Contains(out, `uses config "plain"`) {
+		t.Errorf("validate directory: exit %d\n%s%s", code, out, stderr)
+	}
+	wantLines(t, out, "nvidia.com/gpu 8")
 	bad := writeFile(t, "bad.yaml", "apiVersion: v1\nkind: ConfigMap\ndata:\n  c.yaml:\n    version: v1\n")
 	code, _, stderr = run(t, "config", "validate", bad)
 	if code != 1 || !strings.Contains(stderr, "data.c.yaml: expected a config as a string") {
