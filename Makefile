@@ -66,6 +66,7 @@ FUZZ_TARGETS := \
 	./cdi:FuzzParseMigMinors \
 	./config:FuzzParse \
 	./config:FuzzParseConfigMap \
+	./dra:FuzzDecodeConfig \
 	./gpu:FuzzNormalizeBusID \
 	./gpu:FuzzReadJSON \
 	./gpu/sim:FuzzHTTPHandler \
