@@ -37,7 +37,9 @@ func TestClusterDRAMPSConfigContainerd2(t *testing.T) {
 	if _, err := c.Client.ResourceV1().DeviceClasses().Create(ctx, class, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = c.Client.ResourceV1().DeviceClasses().Delete(clusterCtx(t), class.Name, metav1.DeleteOptions{}) })
+	t.Cleanup(func() {
+		_ = c.Client.ResourceV1().DeviceClasses().Delete(clusterCtx(t), class.Name, metav1.DeleteOptions{})
+	})
 
 	tests := []struct {
 		name          string
