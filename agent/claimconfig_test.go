@@ -15,6 +15,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/cdi"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mps"
 )
 
@@ -286,4 +287,37 @@ func claimSpec(t *testing.T, dir, uid string) specs.Spec {
 		t.Fatal(err)
 	}
 	return s
+}
+
+// On MIG devices made on demand MPS is refused (its daemon could only start
+// once the device exists), a GpuConfig naming a MIG request is refused, and
+// a MigDeviceConfig asking time-slicing makes the device as usual.
+func TestDRAClaimConfigOnDemandMIG(t *testing.T) {
+	const migMPS = `{"apiVersion":"resource.nvidia.com/v1beta1","kind":"MigDeviceConfig","sharing":{"strategy":"MPS"}}`
+	const migTS = `{"apiVersion":"resource.nvidia.com/v1beta1","kind":"MigDeviceConfig","sharing":{"strategy":"TimeSlicing"}}`
+	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(&draRecorder{}), withMIG(), withCDI(t.TempDir()), withMPS(&fakeMPS{}))
+	h.config(wholeGPUs)
+	tests := []struct {
+		name  string
+		claim dra.Claim
+		want  string
+	}{
+		{"MPS", withConfig(claim("u1", "u1", "gpu-0-mig-3g40gb-4"), fromClaim, migMPS),
+			"device gpu-0-mig-3g40gb-4: config[0]: sharing.strategy MPS: not on a MIG device made on demand"},
+		{"a GpuConfig for the request", withConfig(claim("u2", "u2", "gpu-0-mig-3g40gb-4"), fromClaim, gpuMPSPlain, "gpu0"),
+			`request "gpu0": config[0]: kind GpuConfig cannot apply to request "gpu0", a mig device (use MigDeviceConfig)`},
+		{"time-slicing", withConfig(claim("u3", "u3", "gpu-0-mig-3g40gb-4"), fromClaim, migTS), ""},
+	}
+	for _, tt := range tests {
+		got := h.prepare(tt.claim)[tt.claim.UID]
+		if tt.want == "" {
+			if got.Err != nil || !strings.HasPrefix(got.Devices[0].CDIDevices[0], "nvidia.com/gpu=MIG-") {
+				t.Errorf("%s: %+v, want a MIG device made", tt.name, got)
+			}
+			continue
+		}
+		if got.Err == nil || !strings.Contains(got.Err.Error(), tt.want) {
+			t.Errorf("%s: %+v, want an error containing %q", tt.name, got, tt.want)
+		}
+	}
 }
