@@ -128,14 +128,14 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (pc PreparedClaim, err
 	}
 	byDevice := map[string]int{}
 	var claimDevs []cdi.ClaimDevice
-	for i, r := range c.Devices {
+	for ri, r := range c.Devices {
 		key := fmt.Sprintf("%s/%s/%v", r.Device, r.ShareID, r.AdminAccess)
 		if i, ok := byDevice[key]; ok {
 			// Two requests served by one device: one entry, both requests.
 			pc.Devices[i].Requests = append(pc.Devices[i].Requests, r.Request)
 			continue
 		}
-		pd, cd, err := a.prepareDevice(c, r, sharings[i], pool, pc, len(claimDevs))
+		pd, cd, err := a.prepareDevice(c, r, sharings[ri], pool, pc, len(claimDevs))
 		if err != nil {
 			return pc, fmt.Errorf("claim %s: request %q: %w", c, r.Request, err)
 		}
