@@ -1,13 +1,17 @@
 package agent
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -318,6 +322,77 @@ func TestDRAClaimConfigOnDemandMIG(t *testing.T) {
 		}
 		if got.Err == nil || !strings.Contains(got.Err.Error(), tt.want) {
 			t.Errorf("%s: %+v, want an error containing %q", tt.name, got, tt.want)
+		}
+	}
+}
+
+// buildFakeMPS builds the stand-in MPS control program of the mps package's
+// tests (mps/testdata/fakemps) once per test binary.
+var buildFakeMPS = sync.OnceValues(func() (string, error) {
+	dir, err := os.MkdirTemp("", "fakemps")
+	if err != nil {
+		return "", err
+	}
+	bin := filepath.Join(dir, "nvidia-cuda-mps-control")
+	if out, err := exec.Command("go", "build", "-o", bin, "../mps/testdata/fakemps").CombinedOutput(); err != nil {
+		return "", fmt.Errorf("build fakemps: %v\n%s", err, out)
+	}
+	return filepath.EvalSymlinks(bin)
+})
+
+// The same through the real MPS supervisor running the stand-in control
+// program: the daemon started for the claim gets the config's limits as its
+// defaults, and Prepare succeeds once it answers.
+func TestDRAClaimConfigMPSDaemon(t *testing.T) {
+	bin, err := buildFakeMPS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root, err := os.MkdirTemp("", "mps") // unix socket paths are short; t.TempDir can be too long
+	if err != nil {
+		t.Fatal(err)
+	}
+	sup := mps.NewSupervisor(mps.Options{Binary: bin, Root: root, StopTimeout: 5 * time.Second})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- sup.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		if err := sup.StopAll(context.Background()); err != nil {
+			t.Error(err)
+		}
+		os.RemoveAll(root)
+	})
+
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "pcie-4gpu"), withDRA(rec), withCDI(t.TempDir()), func(h *harness) { h.opts.MPS, h.opts.MPSRoot = sup, root })
+	h.config(wholeGPUs)
+	g1, _ := rec.last().Device("gpu-1")
+	c := withConfig(claim("uid-d", "d", "gpu-1"), fromClaim, `{"apiVersion":"resource.nvidia.com/v1beta1","kind":"GpuConfig",`+
+		`"sharing":{"strategy":"MPS","mpsConfig":{"defaultActiveThreadPercentage":30,"defaultPinnedDeviceMemoryLimit":"2Gi"}}}`)
+	if got := h.prepare(c)["uid-d"]; got.Err == nil || !strings.Contains(got.Err.Error(), "MPS control daemon is being started") {
+		t.Fatalf("Prepare before the daemon started: %+v", got)
+	}
+	deadline := time.After(30 * time.Second)
+	for ok := false; !ok; ok, _ = sup.Healthy(g1.UUID) {
+		select {
+		case <-sup.Changes():
+		case <-deadline:
+			_, why := sup.Healthy(g1.UUID)
+			t.Fatalf("the claim's daemon never answered: %s", why)
+		}
+	}
+	if got := h.prepare(c)["uid-d"]; got.Err != nil {
+		t.Fatalf("Prepare once the daemon answers: %v", got.Err)
+	}
+	cmds, err := os.ReadFile(filepath.Join(mps.LogDir(root, g1.UUID), "commands.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"set_default_active_thread_percentage 30", "set_default_device_pinned_mem_limit 0 2048M"} {
+		if !strings.Contains(string(cmds), want) {
+			t.Errorf("the daemon's commands %q lack %q", cmds, want)
 		}
 	}
 }
