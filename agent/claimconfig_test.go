@@ -326,28 +326,27 @@ func TestDRAClaimConfigOnDemandMIG(t *testing.T) {
 	}
 }
 
-// buildFakeMPS builds the stand-in MPS control program of the mps package's
-// tests (mps/testdata/fakemps) once per test binary.
-var buildFakeMPS = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "fakemps")
-	if err != nil {
-		return "", err
-	}
-	bin := filepath.Join(dir, "nvidia-cuda-mps-control")
+// buildFakeMPS builds the stand-in MPS control program of the mps
+// package's tests (mps/testdata/fakemps).
+func buildFakeMPS(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "nvidia-cuda-mps-control")
 	if out, err := exec.Command("go", "build", "-o", bin, "../mps/testdata/fakemps").CombinedOutput(); err != nil {
-		return "", fmt.Errorf("build fakemps: %v\n%s", err, out)
+		t.Fatalf("build fakemps: %v\n%s", err, out)
 	}
-	return filepath.EvalSymlinks(bin)
-})
+	// The supervisor tells daemons apart by /proc/PID/exe, the real path.
+	bin, err := filepath.EvalSymlinks(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bin
+}
 
 // The same through the real MPS supervisor running the stand-in control
 // program: the daemon started for the claim gets the config's limits as its
 // defaults, and Prepare succeeds once it answers.
 func TestDRAClaimConfigMPSDaemon(t *testing.T) {
-	bin, err := buildFakeMPS()
-	if err != nil {
-		t.Fatal(err)
-	}
+	bin := buildFakeMPS(t)
 	root, err := os.MkdirTemp("", "mps") // unix socket paths are short; t.TempDir can be too long
 	if err != nil {
 		t.Fatal(err)
