@@ -67,6 +67,7 @@ FUZZ_TARGETS := \
 	./config:FuzzConfigMapManifest \
 	./config:FuzzParse \
 	./config:FuzzParseConfigMap \
+	./dra:FuzzDecodeConfig \
 	./gpu:FuzzNormalizeBusID \
 	./gpu:FuzzReadJSON \
 	./gpu/sim:FuzzHTTPHandler \

@@ -116,6 +116,9 @@ type Options struct {
 	// MPSRoot and MPSShmDir: where daemons keep their pipes, and the host
 	// directory MPS clients get as /dev/shm.
 	MPSRoot, MPSShmDir string
+	// TimeSlice sets a GPU's time slice for DRA claims whose config asks
+	// for an interval (nil: only the Default interval is honoured).
+	TimeSlice TimeSlicer
 	// InventoryObservers get every new inventory (the metrics sampler).
 	InventoryObservers []func(*gpu.Inventory)
 	// StateDir holds the checkpoint ("": nothing is checkpointed).
@@ -230,6 +233,12 @@ type Agent struct {
 
 	// ledger is shared with the device plugin's Allocate (see Ledger).
 	ledger *Ledger
+
+	// mpsSet are the MPS daemons last handed to Options.MPS; mpsPending the
+	// daemons DRA claims asked for that are not up yet, by device UUID
+	// (claimconfig.go).
+	mpsSet     []mps.Daemon
+	mpsPending map[string]pendingMPS
 }
 
 // New returns an agent; it does nothing until Run.

@@ -13,6 +13,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/mps"
 )
 
 // The DRA driver's requests as loop events, the claim records of the
@@ -66,6 +67,12 @@ type PreparedClaimDevice struct {
 	// MPSEnv is the MPS client environment the claim's spec gives its
 	// containers (a shared device under MPS).
 	MPSEnv map[string]string `json:"mpsEnv,omitempty"`
+	// MPSDaemon is the daemon the claim's opaque config asked for on a
+	// device the node's config does not share by MPS: it runs while the
+	// claim holds the device.
+	MPSDaemon *mps.Daemon `json:"mpsDaemon,omitempty"`
+	// Interval is the time slice the claim's config set on the GPU.
+	Interval dra.Interval `json:"interval,omitempty"`
 	// Shares is how many shares of a shared device the claim took.
 	Shares int64 `json:"shares,omitempty"`
 	// AdminAccess: given for administrative access; it holds nothing.
@@ -137,7 +144,7 @@ func (a *Agent) claimsStep(events []Event) claimReplies {
 	if len(events) == 0 {
 		return r
 	}
-	invBefore, relBefore := a.inv, a.releasingNow()
+	invBefore, relBefore, pendBefore := a.inv, a.releasingNow(), maps.Clone(a.mpsPending)
 	var removed []PreparedClaim
 	var added []types.UID
 	var prepared []map[types.UID]dra.Prepared
@@ -166,7 +173,8 @@ func (a *Agent) claimsStep(events []Event) claimReplies {
 	if len(added)+len(removed) == 0 {
 		// A claim that failed may still have changed the node (MIG mode,
 		// a device left to destroy): plan for what is there now.
-		r.changed = a.inv != invBefore || !maps.Equal(relBefore, a.releasingNow())
+		// So may one whose MPS daemon is to be started first.
+		r.changed = a.inv != invBefore || !maps.Equal(relBefore, a.releasingNow()) || !maps.Equal(pendBefore, a.mpsPending)
 		return r
 	}
 	r.changed = true

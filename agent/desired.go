@@ -43,7 +43,10 @@ type Snapshot struct {
 	// MIGApplies: a MIG applier runs (without one, layouts are not applied).
 	MIGApplies bool
 	// DRA: the node also offers its devices through DRA.
-	DRA      bool
+	DRA bool
+	// ClaimMPS are the MPS daemons DRA claims' configs ask for, on devices
+	// the config does not share by MPS.
+	ClaimMPS []mps.Daemon
 	Holdings Holdings
 	// Published is the catalog the kubelet was last given.
 	Published *catalog.Catalog
@@ -165,7 +168,7 @@ func Plan(s Snapshot) Desired {
 	withholdClaimed(planned.Catalog, s.Holdings.Releasing, nil, func(by string) string {
 		return "created for " + by + " through DRA, which was released: being destroyed"
 	})
-	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, planned.MPSDaemons, planned.Warnings
+	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, withClaimDaemons(planned.MPSDaemons, s.ClaimMPS), planned.Warnings
 	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)
 	return d
 }

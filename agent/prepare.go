@@ -122,16 +122,20 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (pc PreparedClaim, err
 			pc = PreparedClaim{}
 		}
 	}()
+	sharings, err := claimSharings(c, pool)
+	if err != nil {
+		return pc, fmt.Errorf("claim %s: %w", c, err)
+	}
 	byDevice := map[string]int{}
 	var claimDevs []cdi.ClaimDevice
-	for _, r := range c.Devices {
+	for ri, r := range c.Devices {
 		key := fmt.Sprintf("%s/%s/%v", r.Device, r.ShareID, r.AdminAccess)
 		if i, ok := byDevice[key]; ok {
 			// Two requests served by one device: one entry, both requests.
 			pc.Devices[i].Requests = append(pc.Devices[i].Requests, r.Request)
 			continue
 		}
-		pd, cd, err := a.prepareDevice(c, r, pool, pc, len(claimDevs))
+		pd, cd, err := a.prepareDevice(c, r, sharings[ri], pool, pc, len(claimDevs))
 		if err != nil {
 			return pc, fmt.Errorf("claim %s: request %q: %w", c, r.Request, err)
 		}
@@ -164,8 +168,9 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (pc PreparedClaim, err
 // the device as it is for admin access, a MIG device made on demand, or a
 // whole, MIG or shared device; for an MPS client also the CDI device of the
 // claim's own spec, numbered after the n it has. pc is what the claim got
-// so far: one claim cannot hold a GPU and one of its MIG devices.
-func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, pool *dra.Pool, pc PreparedClaim, n int) (PreparedClaimDevice, *cdi.ClaimDevice, error) {
+// so far: one claim cannot hold a GPU and one of its MIG devices. cs is
+// the sharing the claim's config asks of the device (nil: none).
+func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, pool *dra.Pool, pc PreparedClaim, n int) (PreparedClaimDevice, *cdi.ClaimDevice, error) {
 	d, ok := pool.Device(r.Device)
 	if !ok {
 		return PreparedClaimDevice{}, nil, fmt.Errorf("device %q is not offered on this node (any more)", r.Device)
@@ -187,6 +192,9 @@ func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, pool *dra.Pool, pc P
 			return PreparedClaimDevice{}, nil, fmt.Errorf("device %s and device %s of the same claim are the same GPU", o.Device, r.Device)
 		}
 	}
+	if err := a.checkSharing(d, cs, c.UID); err != nil {
+		return PreparedClaimDevice{}, nil, fmt.Errorf("device %s: %w", r.Device, err)
+	}
 	if d.Partition {
 		pd, err := a.createPartition(c, d)
 		if err != nil {
@@ -204,12 +212,15 @@ func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, pool *dra.Pool, pc P
 	if d.Shares > 1 {
 		pd.Shares = max(r.SharesTaken, 1)
 	}
-	if !d.MPS {
+	if !d.MPS && cs == nil {
 		return pd, nil, nil
 	}
-	env, mounts, err := a.mpsClient(d, r)
+	env, mounts, err := a.applySharing(c.UID, d, r, cs, &pd)
 	if err != nil {
 		return pd, nil, fmt.Errorf("device %s (%s): %w", r.Device, d.UUID, err)
+	}
+	if env == nil {
+		return pd, nil, nil
 	}
 	name := cdi.ClaimDeviceName(string(c.UID), n)
 	pd.CDIDevices = append(pd.CDIDevices, cdi.QualifiedName(name))

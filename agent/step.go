@@ -275,6 +275,7 @@ func (a *Agent) snapshot() Snapshot {
 		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.allocations(),
 			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed)},
 		DRA:       a.opts.DRA != nil,
+		ClaimMPS:  a.claimDaemons(),
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
 	}
 }
@@ -329,6 +330,8 @@ func (a *Agent) pass(why string) {
 		// are unhealthy in this catalog and turn healthy on its signal.
 		if err := a.opts.MPS.Set(d.MPSDaemons); err != nil {
 			a.log.Error("MPS daemons not updated", "error", err)
+		} else {
+			a.mpsSet = d.MPSDaemons
 		}
 	}
 	// The spec first: a container may be given a CDI name as soon as the

@@ -8,5 +8,7 @@
 // Devices and attributes follow NVIDIA's DRA driver (driver name
 // gpu.nvidia.com, devices "gpu-N" and MIG devices, attributes uuid,
 // productName, architecture, cudaComputeCapability, ...), so DeviceClasses
-// and claims written for it select the same devices here.
+// and claims written for it select the same devices here. Its opaque device
+// config (resource.nvidia.com/v1beta1 GpuConfig and MigDeviceConfig) is
+// decoded here, strictly (opaque.go); the loop honours it at Prepare.
 package dra

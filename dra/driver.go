@@ -29,6 +29,9 @@ type Claim struct {
 	// Devices are the claim's allocation results for this driver and this
 	// node's pool, in the claim's order.
 	Devices []Allocated
+	// Configs are the driver's opaque configs of the allocation, in
+	// precedence order (ConfigsOf); ConfigFor picks a result's.
+	Configs []DeviceConfig
 }
 
 // Allocated is one allocation result: which device serves which request.
@@ -372,6 +375,7 @@ func ClaimOf(c *resourceapi.ResourceClaim, pool string) Claim {
 	if c.Status.Allocation == nil {
 		return out
 	}
+	out.Configs = ConfigsOf(c.Status.Allocation.Devices.Config)
 	for _, r := range c.Status.Allocation.Devices.Results {
 		if r.Driver == DriverName && r.Pool == pool {
 			a := Allocated{Request: r.Request, Device: r.Device}

@@ -25,6 +25,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
+	"github.com/gpu-agent/gpu-agent/timeslice"
 )
 
 // runFlags are `gpu-agent run`'s flags; each has an environment variable.
@@ -32,7 +33,7 @@ type runFlags struct {
 	backend, config, nodeName, pluginDir, podResources string
 	kubeconfig, configMap, defaultConfig               string
 	listen, stateDir, mpsRoot, nvmlLib                 string
-	mpsBinary, mpsShmDir                               string
+	mpsBinary, mpsShmDir, nvidiaSMI                    string
 	logLevel, logFormat                                string
 	migStrategy                                        string
 	draPluginDir, kubeletRegistryDir                   string
@@ -52,6 +53,7 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.stateDir, "state-dir", "GPU_AGENT_STATE_DIR", "/var/lib/gpu-agent", "directory for state that must survive restarts")
 	fsAdd(&f.mpsRoot, "mps-root", "GPU_AGENT_MPS_ROOT", "/run/gpu-agent/mps", "root of the MPS pipe and log directories")
 	fsAdd(&f.mpsBinary, "mps-binary", "GPU_AGENT_MPS_BINARY", mps.DefaultBinary, "MPS control program, by path or found on PATH")
+	fsAdd(&f.nvidiaSMI, "nvidia-smi", "GPU_AGENT_NVIDIA_SMI", timeslice.DefaultSMI, "nvidia-smi, by path or found on PATH, to set the time slice DRA claims' TimeSlicing config asks for (empty, or a simulated node: only the Default interval is honoured)")
 	fsAdd(&f.mpsShmDir, "mps-shm-dir", "GPU_AGENT_MPS_SHM_DIR", "/dev/shm", "host directory MPS daemons and their clients share as /dev/shm")
 	fsAdd(&f.kubeconfig, "kubeconfig", "KUBECONFIG", "", "kubeconfig for the Kubernetes API (empty: in-cluster config when in a pod, else standalone)")
 	fsAdd(&f.configMap, "configmap", "GPU_AGENT_CONFIGMAP", "", "NAMESPACE/NAME of the ConfigMap to read the config from through the API (wins over --config, which stays the fallback)")
@@ -268,6 +270,11 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		cdiSpecs = k
 	}
 
+	var slicer agent.TimeSlicer
+	if be.Sim == nil && f.nvidiaSMI != "" {
+		slicer = timeslice.Interval{Binary: f.nvidiaSMI}
+	}
+
 	ag := agent.New(agent.Options{
 		Observer:           mig.NewObserver(be.Lib, be.InventoryOptions),
 		NodeName:           f.nodeName,
@@ -286,6 +293,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		MPS:                mpsSup,
 		MPSRoot:            f.mpsRoot,
 		MPSShmDir:          f.mpsShmDir,
+		TimeSlice:          slicer,
 		InventoryObservers: []func(*gpu.Inventory){sampler.SetInventory},
 		StateDir:           f.stateDir,
 		Restored:           restored,
