@@ -62,7 +62,6 @@ type draNode struct {
 	byIndex, ranked *dra.Pool
 }
 
-
 func loadDRA(t *testing.T, profile string) draNode {
 	t.Helper()
 	n, err := sim.New(profile)
