@@ -67,6 +67,7 @@ FUZZ_TARGETS := \
 	./config:FuzzParse \
 	./config:FuzzParseConfigMap \
 	./gpu:FuzzNormalizeBusID \
+	./gpu:FuzzPCIeRootOfLink \
 	./gpu:FuzzReadJSON \
 	./gpu/sim:FuzzHTTPHandler \
 	./gpu/sim:FuzzLoadState \

@@ -73,19 +73,29 @@ func SysfsPCIeRoot(root string) func(busID string) (string, error) {
 		if err != nil {
 			return "", fmt.Errorf("pcie root of %s: %w", busID, err)
 		}
-		if !filepath.IsAbs(target) {
-			target = filepath.Join(filepath.Dir(link), target)
-		}
-		rel, err := filepath.Rel(filepath.Join(root, "devices"), filepath.Clean(target))
+		r, err := pcieRootOfLink(root, link, target)
 		if err != nil {
 			return "", fmt.Errorf("pcie root of %s: %w", busID, err)
 		}
-		first, _, _ := strings.Cut(filepath.ToSlash(rel), "/")
-		if !strings.HasPrefix(first, "pci") || first == "pci" {
-			return "", fmt.Errorf("pcie root of %s: %s is not under a root complex", busID, target)
-		}
-		return first, nil
+		return r, nil
 	}
+}
+
+// pcieRootOfLink is the root complex a device's sysfs link (link, pointing
+// at target) names: the first element under <root>/devices, "pci" and more.
+func pcieRootOfLink(root, link, target string) (string, error) {
+	if !filepath.IsAbs(target) {
+		target = filepath.Join(filepath.Dir(link), target)
+	}
+	rel, err := filepath.Rel(filepath.Join(root, "devices"), filepath.Clean(target))
+	if err != nil {
+		return "", err
+	}
+	first, _, _ := strings.Cut(filepath.ToSlash(rel), "/")
+	if !strings.HasPrefix(first, "pci") || first == "pci" {
+		return "", fmt.Errorf("%s is not under a root complex", target)
+	}
+	return first, nil
 }
 
 // New builds the snapshot from an initialised nvml.Interface. It fails only
