@@ -69,6 +69,7 @@ FUZZ_TARGETS := \
 	./config:FuzzParseConfigMap \
 	./dra:FuzzDecodeConfig \
 	./gpu:FuzzNormalizeBusID \
+	./gpu:FuzzPCIeRootOfLink \
 	./gpu:FuzzReadJSON \
 	./gpu/sim:FuzzHTTPHandler \
 	./gpu/sim:FuzzLoadState \

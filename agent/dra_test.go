@@ -95,7 +95,7 @@ func TestDRAClaimsTable(t *testing.T) {
 	}
 	uuid := func(i int) string { return findGPU(h, i).ID }
 	d0 := rec.last().Devices[0]
-	if d0.UUID != uuid(0) || d0.ProductName != "NVIDIA A100-SXM4-40GB" || d0.Architecture != "ampere" || d0.MemoryBytes == 0 || d0.PCIBusID == "" {
+	if d0.UUID != uuid(0) || d0.ProductName != "NVIDIA A100-SXM4-40GB" || d0.Architecture != "Ampere" || d0.MemoryBytes == 0 || d0.PCIBusID == "" {
 		t.Errorf("gpu-0 attributes: %+v", d0)
 	}
 

@@ -101,6 +101,14 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 		if !g.Unknown(gpu.FactMIGMode, gpu.FactInstances) {
 			continue // what it is offered as is known; the rest can wait
 		}
+		if f, was := a.failed[g.UUID]; was {
+			// Failed before and only partly read now: it stays failed with
+			// its last complete record, not with this read's missing MIG
+			// devices.
+			partial = append(partial, g.UUID)
+			failed[g.UUID] = a.failedGPU(f.GPU, f.Reason, f.Gone)
+			continue
+		}
 		// Nothing to fall back on: what it would be offered as is unknown.
 		if a.misses[g.UUID]+1 < maxMisses {
 			a.misses[g.UUID]++
@@ -215,7 +223,7 @@ func (a *Agent) forgetGone(failed map[string]FailedGPU) {
 // unsure reports whether a GPU's read left facts unknown that decide what it
 // is offered as (MIG mode and instances) or how it may be shared.
 func unsure(g gpu.GPU) bool {
-	return g.Unknown(gpu.FactMIGMode, gpu.FactInstances, gpu.FactGIsWithoutCI, gpu.FactComputeCapability)
+	return g.Unknown(gpu.FactMIGMode, gpu.FactInstances, gpu.FactGIsWithoutCI, gpu.FactComputeCapability, gpu.FactBrand)
 }
 
 // read reports whether GPU uuid's record comes from the last read, which

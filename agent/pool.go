@@ -65,7 +65,9 @@ func releasingUUIDs(releases, intents map[types.UID]PreparedClaim, inv *gpu.Inve
 // goes one way at a time); devices prepared for claims stay in (the
 // scheduler already counts them as allocated). MIG-capable GPUs that no
 // config layout governs get their MIG devices on demand: every profile at
-// every free placement, drawing on the GPU's counters (dynamicGPUs).
+// every free placement, drawing on the GPU's counters (dynamicGPUs). GPUs
+// are published best set first (dra.PublishOrder), so that a plain count
+// claim tends to get an NVLink-connected set.
 func planDRA(s Snapshot) *dra.Pool {
 	if !s.DRA {
 		return nil
@@ -87,7 +89,7 @@ func planDRA(s Snapshot) *dra.Pool {
 		return false
 	}
 	p := &dra.Pool{}
-	for _, d := range dra.Devices(s.Inventory, unhealthy) {
+	for _, d := range dra.Devices(s.Inventory, s.Profiles, unhealthy) {
 		if dyn, ok := dynamic[d.ParentIndexOrSelf()]; ok && !dynamicKeepsStatic(dyn, d) {
 			continue // the GPU's dynamic devices stand for it
 		}
@@ -99,21 +101,24 @@ func planDRA(s Snapshot) *dra.Pool {
 		}
 		p.Devices = append(p.Devices, d)
 	}
+	bases := map[string]dra.Device{}
+	for i, b := range dra.GPUBases(s.Inventory) {
+		bases[s.Inventory.GPUs[i].UUID] = b
+	}
 	for _, idx := range slices.Sorted(maps.Keys(dynamic)) {
 		dyn := dynamic[idx]
 		g := dyn.GPU
 		if _, claimed := s.Holdings.Claimed[g.UUID]; !claimed && held(g.UUID) {
 			continue // a container holds the whole GPU
 		}
-		base := dra.Device{
-			ProductName: g.Name, Architecture: g.ComputeCapability.Family(), CC: g.ComputeCapability,
-			DriverVersion: s.Inventory.DriverVersion, PCIBusID: g.PCIBusID, Minor: g.Minor, Unhealthy: unhealthy[g.UUID],
-		}
+		base := bases[g.UUID]
+		base.Unhealthy = unhealthy[g.UUID]
 		devs, set := dra.Partitions(dyn, base)
 		p.Devices = append(p.Devices, devs...)
 		p.CounterSets = append(p.CounterSets, set)
 	}
 	slices.SortFunc(p.Devices, func(a, b dra.Device) int { return strings.Compare(a.Name, b.Name) })
+	p.GPUOrder = dra.PublishOrder(s.Inventory)
 	return p
 }
 

@@ -447,7 +447,12 @@ func TestStepFlakyNVMLSoak(t *testing.T) {
 	node := simNode(t, "dgx-h100-mig")
 	h := newHarness(t, node)
 	h.config(mixedNoMIG)
-	if err := node.SetFlaky(0.02, 7); err != nil {
+	// At 2% per call a GPU's identity calls fail three reads in a row in
+	// about a quarter of the seeds (measured over seeds 1-12), which by
+	// design offers it as unhealthy; this seed has no such run, so the test
+	// checks everything else. Any new NVML call moves the draws: seed 7
+	// stopped qualifying when GetBrand was added.
+	if err := node.SetFlaky(0.02, 1); err != nil {
 		t.Fatal(err)
 	}
 	blips := 0
@@ -651,5 +656,37 @@ func TestGoneGPUForgotten(t *testing.T) {
 	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU), Answered: h.clock.Now()}, Tick{})
 	if h.count(ResourceGPU) != 2 {
 		t.Errorf("GPU 3 released: %v, want the 2 GPUs still there", resourceSummary(h.pub.last()))
+	}
+}
+
+// A GPU offered unhealthy after reads in a row failed, then read again only
+// in part, stays failed with its last complete record: the MIG devices the
+// partial read missed are still offered (unhealthy), not withdrawn.
+func TestStepFailedGPUPartlyReadKeepsItsDevices(t *testing.T) {
+	node := simNode(t, "dgx-h100-mig")
+	h := newHarness(t, node)
+	h.config(mixedNoMIG)
+	h.step(Tick{})
+	if err := node.FailCalls(0, "GetUUID", nvml.ERROR_UNKNOWN, maxMisses); err != nil {
+		t.Fatal(err)
+	}
+	for range maxMisses {
+		h.step(Tick{})
+	}
+	if err := node.FailCalls(0, "GetComputeInstanceId", nvml.ERROR_UNKNOWN, -1); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		h.step(Tick{})
+		devs := h.pub.last().Resources["nvidia.com/mig-1g.10gb"].Devices
+		unhealthy := 0
+		for _, d := range devs {
+			if !d.Healthy {
+				unhealthy++
+			}
+		}
+		if len(devs) != 56 || unhealthy != 7 {
+			t.Fatalf("%d MIG devices offered, %d unhealthy; want 56, GPU 0's 7 unhealthy", len(devs), unhealthy)
+		}
 	}
 }

@@ -8,7 +8,10 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 // DriverName is the DRA driver name, NVIDIA's, so that DeviceClasses and
@@ -37,12 +40,27 @@ type Device struct {
 	// the parent; Minor is N in /dev/nvidiaN (of the parent for MIG).
 	Index, Minor int
 	ProductName  string
+	// Architecture as NVIDIA's driver writes it ("Ampere", "Hopper").
 	Architecture string
+	Brand        string
 	CC           gpu.ComputeCapability
-	// DriverVersion is NVML's ("550.54.15").
-	DriverVersion string
-	PCIBusID      string
-	MemoryBytes   uint64
+	// DriverVersion is NVML's ("550.54.15"); CUDADriverVersion the CUDA
+	// version the driver supports ("12.4").
+	DriverVersion     string
+	CUDADriverVersion string
+	PCIBusID          string
+	// PCIeRoot, NUMANode (-1: unknown) and NVLinkClique (-1: no NVLink;
+	// gpu.Topology.NVLinkCliques) are what a claim aligns GPUs on with
+	// matchAttribute; a MIG device has its GPU's.
+	PCIeRoot     string
+	NUMANode     int
+	NVLinkClique int
+	MemoryBytes  uint64
+	// Engines are the device's compute and media engines, published as
+	// capacities (nil: none published): a MIG device's from its GPU instance
+	// profile, a whole GPU's only where its MIG devices are made on demand
+	// (its largest profile's), as NVIDIA's driver does.
+	Engines *Engines
 	// MIG devices only.
 	Profile     string
 	ParentUUID  string
@@ -70,6 +88,24 @@ type Device struct {
 	MPS bool
 }
 
+// Engines are the parts of a GPU a MIG profile gets, as NVML's GPU instance
+// profile info counts them.
+type Engines struct {
+	Multiprocessors, CopyEngines, Decoders, Encoders, JPEGEngines, OFAEngines int64
+}
+
+// EnginesOf reads a GPU instance profile's engines.
+func EnginesOf(info nvml.GpuInstanceProfileInfo) *Engines {
+	return &Engines{
+		Multiprocessors: int64(info.MultiprocessorCount),
+		CopyEngines:     int64(info.CopyEngineCount),
+		Decoders:        int64(info.DecoderCount),
+		Encoders:        int64(info.EncoderCount),
+		JPEGEngines:     int64(info.JpegCount),
+		OFAEngines:      int64(info.OfaCount),
+	}
+}
+
 // ParentIndexOrSelf is the index of the physical GPU the device is on.
 func (d Device) ParentIndexOrSelf() int {
 	if d.Type == TypeMIG {
@@ -95,6 +131,9 @@ type Pool struct {
 	// CounterSets are the shared counters of the GPUs whose MIG devices are
 	// created on demand, by GPU index (see Partitions).
 	CounterSets []CounterSet
+	// GPUOrder lists GPU indexes in the order their devices are published
+	// (PublishOrder); GPUs not in it follow in index order.
+	GPUOrder []int
 }
 
 // CounterSet is one GPU's capacity that its devices draw on: the scheduler
@@ -124,7 +163,7 @@ func (p *Pool) Equal(q *Pool) bool {
 	if p == nil || q == nil {
 		return p == q
 	}
-	return slices.EqualFunc(p.Devices, q.Devices, sameDevice) && slices.EqualFunc(p.CounterSets, q.CounterSets, func(a, b CounterSet) bool {
+	return slices.EqualFunc(p.Devices, q.Devices, sameDevice) && slices.Equal(p.GPUOrder, q.GPUOrder) && slices.EqualFunc(p.CounterSets, q.CounterSets, func(a, b CounterSet) bool {
 		return a.GPU == b.GPU && maps.Equal(a.Counters, b.Counters)
 	})
 }
@@ -138,28 +177,56 @@ func GPUName(index int) string { return fmt.Sprintf("gpu-%d", index) }
 // which are unique on the GPU while the device exists.
 func MIGName(parent, gi, ci int) string { return fmt.Sprintf("gpu-%d-mig-%d-%d", parent, gi, ci) }
 
-// Devices lists what inv can offer through DRA, unhealthy ones marked with
-// the reason unhealthy gives by UUID: every GPU not in MIG mode, and every
-// MIG device. A GPU whose MIG mode could not be read, or that is changing
-// MIG mode (pending differs from current), is offered as neither: what it
-// will be is not known.
-func Devices(inv *gpu.Inventory, unhealthy map[string]string) []Device {
+// GPUBases returns, for each GPU of inv (by position), the attributes every
+// device on it carries: identity, versions and where it sits (PCIe root,
+// NUMA node, NVLink clique).
+func GPUBases(inv *gpu.Inventory) []Device {
 	if inv == nil {
 		return nil
 	}
+	var cliques []int
+	if t := inv.Topology; t != nil && t.Len() == len(inv.GPUs) {
+		cliques = t.NVLinkCliques()
+	}
+	out := make([]Device, len(inv.GPUs))
+	for i, g := range inv.GPUs {
+		out[i] = Device{
+			ProductName:       g.Name,
+			Architecture:      g.ComputeCapability.Architecture(),
+			Brand:             g.Brand,
+			CC:                g.ComputeCapability,
+			DriverVersion:     inv.DriverVersion,
+			CUDADriverVersion: inv.CUDADriverVersion,
+			PCIBusID:          g.PCIBusID,
+			PCIeRoot:          g.PCIeRoot,
+			NUMANode:          g.NUMANode,
+			NVLinkClique:      -1,
+			Minor:             g.Minor,
+		}
+		if cliques != nil {
+			out[i].NVLinkClique = cliques[i]
+		}
+	}
+	return out
+}
+
+// Devices lists what inv can offer through DRA, unhealthy ones marked with
+// the reason unhealthy gives by UUID: every GPU not in MIG mode, and every
+// MIG device, with its engines from its GPU model's profiles (by GPU name).
+// A GPU whose MIG mode could not be read, or that is changing MIG mode
+// (pending differs from current), is offered as neither: what it will be is
+// not known.
+func Devices(inv *gpu.Inventory, profiles map[string]mig.Profiles, unhealthy map[string]string) []Device {
+	if inv == nil {
+		return nil
+	}
+	bases := GPUBases(inv)
 	var out []Device
-	for _, g := range inv.GPUs {
+	for i, g := range inv.GPUs {
 		if g.Unknown(gpu.FactMIGMode) || g.MIG.Current != g.MIG.Pending {
 			continue
 		}
-		base := Device{
-			ProductName:   g.Name,
-			Architecture:  g.ComputeCapability.Family(),
-			CC:            g.ComputeCapability,
-			DriverVersion: inv.DriverVersion,
-			PCIBusID:      g.PCIBusID,
-			Minor:         g.Minor,
-		}
+		base := bases[i]
 		if !g.MIG.Current {
 			d := base
 			d.Name, d.Type, d.UUID, d.Index = GPUName(g.Index), TypeGPU, g.UUID, g.Index
@@ -172,6 +239,7 @@ func Devices(inv *gpu.Inventory, unhealthy map[string]string) []Device {
 			d.Name, d.Type, d.UUID, d.Index = MIGName(g.Index, m.GI, m.CI), TypeMIG, m.UUID, m.Index
 			d.MemoryBytes, d.Profile, d.Placement = m.MemoryBytes, m.Profile, m.Placement
 			d.ParentUUID, d.ParentIndex = g.UUID, g.Index
+			d.Engines = profileEngines(profiles[g.Name], m.GIProfileID)
 			d.Unhealthy = unhealthy[m.UUID]
 			if d.Unhealthy == "" {
 				d.Unhealthy = unhealthy[g.UUID]
@@ -181,4 +249,15 @@ func Devices(inv *gpu.Inventory, unhealthy map[string]string) []Device {
 	}
 	slices.SortFunc(out, func(a, b Device) int { return strings.Compare(a.Name, b.Name) })
 	return out
+}
+
+// profileEngines finds the engines of GPU instance profile id among ps; nil
+// when the model's profiles are not known.
+func profileEngines(ps mig.Profiles, id int) *Engines {
+	for _, p := range ps {
+		if p.Index == id {
+			return EnginesOf(p.Info)
+		}
+	}
+	return nil
 }

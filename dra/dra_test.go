@@ -69,7 +69,7 @@ func TestDevicesFromInventory(t *testing.T) {
 	}{
 		{name: "whole GPUs", inv: whole, want: 8, check: func(t *testing.T, ds []Device) {
 			d := ds[0]
-			if d.Name != "gpu-0" || d.Type != TypeGPU || d.UUID != whole.GPUs[0].UUID || d.Architecture != "ampere" ||
+			if d.Name != "gpu-0" || d.Type != TypeGPU || d.UUID != whole.GPUs[0].UUID || d.Architecture != "Ampere" ||
 				d.CC != (gpu.ComputeCapability{Major: 8}) || d.MemoryBytes != whole.GPUs[0].MemoryBytes || d.DriverVersion == "" {
 				t.Errorf("gpu-0: %+v", d)
 			}
@@ -110,7 +110,7 @@ func TestDevicesFromInventory(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			ds := Devices(tt.inv, tt.unhealthy)
+			ds := Devices(tt.inv, nil, tt.unhealthy)
 			if len(ds) != tt.want {
 				t.Fatalf("%d devices, want %d", len(ds), tt.want)
 			}
@@ -126,7 +126,7 @@ func TestDevicesFromInventory(t *testing.T) {
 
 func TestResources(t *testing.T) {
 	inv := inventory(t, "dgx-h100-mig")
-	pool := &Pool{Devices: Devices(inv, map[string]string{inv.GPUs[0].Instances[0].UUID: "XID 48"})}
+	pool := &Pool{Devices: Devices(inv, nil, map[string]string{inv.GPUs[0].Instances[0].UUID: "XID 48"})}
 	for _, taints := range []bool{true, false} {
 		res := Resources("node-a", pool, 3, Dropped{Taints: !taints})
 		p, ok := res.Pools["node-a"]
@@ -158,7 +158,7 @@ func TestResources(t *testing.T) {
 	attr := func(name string) resourceapi.DeviceAttribute { return d.Attributes[resourceapi.QualifiedName(name)] }
 	if *attr("type").StringValue != "mig" || *attr("profile").StringValue != "1g.10gb" || *attr("parentUUID").StringValue != inv.GPUs[0].UUID ||
 		*attr("productName").StringValue != inv.GPUs[0].Name || *attr("cudaComputeCapability").VersionValue != "9.0.0" ||
-		*attr("architecture").StringValue != "hopper" || attr("driverVersion").VersionValue == nil || *attr("pcieBusID").StringValue != inv.GPUs[0].PCIBusID {
+		*attr("architecture").StringValue != "Hopper" || attr("driverVersion").VersionValue == nil || *attr(string(AttrPCIBusID)).StringValue != inv.GPUs[0].PCIBusID {
 		t.Errorf("attributes %+v", d.Attributes)
 	}
 	if q := d.Capacity["memory"].Value; q.Value() != int64(pool.Devices[1].MemoryBytes) {
@@ -327,7 +327,7 @@ func TestDriverServesKubelet(t *testing.T) {
 	d := New(Options{NodeName: "node-a", Client: client, PluginDir: filepath.Join(dir, "plugin"), RegistryDir: filepath.Join(dir, "registry"),
 		HealthResend: time.Hour}) // no resend during the test: each report is a change
 	inv := inventory(t, "pcie-4gpu")
-	d.Publish(&Pool{Devices: Devices(inv, map[string]string{inv.GPUs[3].UUID: "XID 48"})})
+	d.Publish(&Pool{Devices: Devices(inv, nil, map[string]string{inv.GPUs[3].UUID: "XID 48"})})
 	d.SetClaims(claims)
 	w, err := client.ResourceV1().ResourceSlices().Watch(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -400,7 +400,7 @@ func TestDriverServesKubelet(t *testing.T) {
 	}
 
 	// A new pool (GPU 3 recovered) replaces the slice's devices and is streamed.
-	d.Publish(&Pool{Devices: Devices(inv, nil)})
+	d.Publish(&Pool{Devices: Devices(inv, nil, nil)})
 	next, err := health.Recv()
 	if err != nil {
 		t.Fatal(err)

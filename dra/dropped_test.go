@@ -27,7 +27,7 @@ func mixedPool(t *testing.T) *Pool {
 	t.Helper()
 	n, inv := simInventory(t, "dgx-h100")
 	pool := &Pool{}
-	for _, d := range Devices(inv, map[string]string{inv.GPUs[1].UUID: "XID 79"}) {
+	for _, d := range Devices(inv, nil, map[string]string{inv.GPUs[1].UUID: "XID 79"}) {
 		switch d.Index {
 		case 0:
 			d.Shares, d.MPS = 4, true

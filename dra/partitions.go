@@ -73,6 +73,14 @@ func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 		d := base
 		d.Name, d.Type, d.UUID, d.Index, d.MemoryBytes = GPUName(g.Index), TypeGPU, g.UUID, g.Index, g.MemoryBytes
 		d.Consumes = total
+		d.Engines = &Engines{
+			Multiprocessors: maxMultiprocessors(dyn.Profiles),
+			CopyEngines:     total[counterCopyEngines],
+			Decoders:        total[counterDecoders],
+			Encoders:        total[counterEncoders],
+			JPEGEngines:     total[counterJPEG],
+			OFAEngines:      total[counterOFA],
+		}
 		out = append(out, d)
 	}
 	for _, p := range dyn.Profiles {
@@ -85,12 +93,23 @@ func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 			d.Profile, d.ProfileIndex, d.Placement = p.Name, p.Index, pl
 			d.ParentUUID, d.ParentIndex, d.Index = g.UUID, g.Index, -1
 			d.MemoryBytes = p.Info.MemorySizeMB << 20
+			d.Engines = EnginesOf(p.Info)
 			d.Consumes = consumption(p, pl)
 			out = append(out, d)
 		}
 	}
 	slices.SortFunc(out, func(a, b Device) int { return strings.Compare(a.Name, b.Name) })
 	return out, set
+}
+
+// maxMultiprocessors is the most multiprocessors a profile of the GPU has:
+// its full-GPU profile's, what the GPU offered whole computes with.
+func maxMultiprocessors(ps mig.Profiles) int64 {
+	var n int64
+	for _, p := range ps {
+		n = max(n, int64(p.Info.MultiprocessorCount))
+	}
+	return n
 }
 
 func consumption(p mig.Profile, pl gpu.Placement) map[string]int64 {

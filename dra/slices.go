@@ -22,8 +22,19 @@ const CapacityShares = "shares"
 // and with NoExecute the pods whose claims hold it are evicted.
 const TaintUnhealthy = DriverName + "/unhealthy"
 
-// busIDAttr is the GPU's PCI bus ID, under the name NVIDIA's driver uses.
-const busIDAttr = "pcieBusID"
+// Attributes Kubernetes defines for every driver (KEP-4381's standard
+// names, k8s.io/dynamic-resource-allocation/deviceattribute), so that a
+// claim can align devices of different drivers, a GPU with a NIC under one
+// PCIe root. NVIDIA's driver publishes the same names.
+const (
+	AttrPCIBusID resourceapi.QualifiedName = "resource.kubernetes.io/pciBusID"
+	AttrPCIeRoot resourceapi.QualifiedName = "resource.kubernetes.io/pcieRoot"
+	AttrNUMANode resourceapi.QualifiedName = "resource.kubernetes.io/numaNode"
+)
+
+// AttrNVLinkClique is gpu-agent's own: GPUs with one value have NVLink
+// between every pair (gpu.Topology.NVLinkCliques).
+const AttrNVLinkClique resourceapi.QualifiedName = "nvlinkClique"
 
 // Limits of one ResourceSlice: devices (fewer when they consume counters or
 // carry taints), and counter sets.
@@ -89,7 +100,7 @@ func Resources(nodeName string, pool *Pool, generation int64, dropped Dropped) r
 	// One GPU's devices in one slice, in the order the scheduler should try
 	// them (publishOrder): its allocator takes the first device that fits,
 	// in a slice's order.
-	for _, group := range byGPU(pool.Devices) {
+	for _, group := range byGPU(pool.Devices, pool.GPUOrder) {
 		var api []resourceapi.Device
 		counting := false
 		for _, d := range group {
@@ -129,15 +140,21 @@ func Resources(nodeName string, pool *Pool, generation int64, dropped Dropped) r
 	}}
 }
 
-// byGPU groups devices by physical GPU, in GPU order, each group in
-// publishOrder.
-func byGPU(devs []Device) [][]Device {
+// byGPU groups devices by physical GPU, the GPUs in order (then the rest
+// by index), each group in publishOrder.
+func byGPU(devs []Device, order []int) [][]Device {
 	groups := map[int][]Device{}
 	for _, d := range devs {
 		groups[d.ParentIndexOrSelf()] = append(groups[d.ParentIndexOrSelf()], d)
 	}
+	rank := func(idx int) int {
+		if r := slices.Index(order, idx); r >= 0 {
+			return r
+		}
+		return len(order) + idx
+	}
 	var out [][]Device
-	for _, idx := range slices.Sorted(maps.Keys(groups)) {
+	for _, idx := range slices.SortedFunc(maps.Keys(groups), func(a, b int) int { return rank(a) - rank(b) }) {
 		g := groups[idx]
 		slices.SortStableFunc(g, publishOrder)
 		out = append(out, g)
@@ -180,54 +197,21 @@ func apiCounters(c map[string]int64) map[string]resourceapi.Counter {
 }
 
 func apiDevice(d Device) resourceapi.Device {
-	str := func(s string) resourceapi.DeviceAttribute { return resourceapi.DeviceAttribute{StringValue: ptr.To(s)} }
-	num := func(n int) resourceapi.DeviceAttribute {
-		return resourceapi.DeviceAttribute{IntValue: ptr.To(int64(n))}
-	}
-	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
-		"type":                  str(d.Type),
-		"uuid":                  str(d.UUID),
-		"index":                 num(d.Index),
-		"minor":                 num(d.Minor),
-		"productName":           str(d.ProductName),
-		"cudaComputeCapability": {VersionValue: ptr.To(fmt.Sprintf("%d.%d.0", d.CC.Major, d.CC.Minor))},
-	}
-	if d.Architecture != "" {
-		attrs["architecture"] = str(d.Architecture)
-	}
-	if v, ok := semver(d.DriverVersion); ok {
-		attrs["driverVersion"] = resourceapi.DeviceAttribute{VersionValue: ptr.To(v)}
-	}
-	if d.PCIBusID != "" {
-		attrs[busIDAttr] = str(d.PCIBusID)
-	}
-	if d.Type == TypeMIG {
-		attrs["profile"] = str(d.Profile)
-		attrs["parentUUID"] = str(d.ParentUUID)
-		attrs["parentIndex"] = num(d.ParentIndex)
-		attrs["placementStart"] = num(d.Placement.Start)
-		attrs["placementSize"] = num(d.Placement.Size)
-	}
-	out := resourceapi.Device{
-		Name:       d.Name,
-		Attributes: attrs,
-		Capacity: map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{
-			"memory": {Value: *resource.NewQuantity(int64(d.MemoryBytes), resource.BinarySI)},
-		},
-	}
+	out := resourceapi.Device{Name: d.Name, Attributes: attributes(d), Capacity: capacities(d)}
 	if d.Shares > 1 {
 		one, n := resource.NewQuantity(1, resource.DecimalSI), resource.NewQuantity(int64(d.Shares), resource.DecimalSI)
 		out.AllowMultipleAllocations = ptr.To(true)
 		// Every capacity of a shared device is consumed by its claims, all
 		// of it unless its policy says less: time-sliced claims share the
-		// memory, so each takes none of it unless it asks.
+		// memory and the engines, so each takes none of them unless it asks.
 		zero := resource.NewQuantity(0, resource.BinarySI)
-		mem := out.Capacity["memory"]
-		mem.RequestPolicy = &resourceapi.CapacityRequestPolicy{Default: zero, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: zero}}
-		if d.MPS {
-			mem.RequestPolicy = mpsMemoryPolicy(d.MemoryBytes, d.Shares)
+		for name, c := range out.Capacity {
+			c.RequestPolicy = &resourceapi.CapacityRequestPolicy{Default: zero, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: zero}}
+			if name == "memory" && d.MPS {
+				c.RequestPolicy = mpsMemoryPolicy(d.MemoryBytes, d.Shares)
+			}
+			out.Capacity[name] = c
 		}
-		out.Capacity["memory"] = mem
 		out.Capacity[CapacityShares] = resourceapi.DeviceCapacity{Value: *n, RequestPolicy: &resourceapi.CapacityRequestPolicy{
 			Default: one, ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: one, Max: n, Step: one},
 		}}
@@ -243,6 +227,76 @@ func apiDevice(d Device) resourceapi.Device {
 			effect = resourceapi.DeviceTaintEffectNoExecute
 		}
 		out.Taints = []resourceapi.DeviceTaint{{Key: TaintUnhealthy, Effect: effect}}
+	}
+	return out
+}
+
+// attributes are the device's attributes, under NVIDIA's driver's names
+// where it has the attribute (README, "DRA attributes and capacities").
+func attributes(d Device) map[resourceapi.QualifiedName]resourceapi.DeviceAttribute {
+	str := func(s string) resourceapi.DeviceAttribute { return resourceapi.DeviceAttribute{StringValue: ptr.To(s)} }
+	num := func(n int) resourceapi.DeviceAttribute {
+		return resourceapi.DeviceAttribute{IntValue: ptr.To(int64(n))}
+	}
+	ver := func(v string) resourceapi.DeviceAttribute {
+		return resourceapi.DeviceAttribute{VersionValue: ptr.To(v)}
+	}
+	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+		"type":                  str(d.Type),
+		"uuid":                  str(d.UUID),
+		"index":                 num(d.Index),
+		"minor":                 num(d.Minor),
+		"productName":           str(d.ProductName),
+		"cudaComputeCapability": ver(fmt.Sprintf("%d.%d.0", d.CC.Major, d.CC.Minor)),
+	}
+	optional := func(name resourceapi.QualifiedName, v string) {
+		if v != "" {
+			attrs[name] = str(v)
+		}
+	}
+	optional("architecture", d.Architecture)
+	optional("brand", d.Brand)
+	optional(AttrPCIBusID, d.PCIBusID)
+	optional(AttrPCIeRoot, d.PCIeRoot)
+	if v, ok := semver(d.DriverVersion); ok {
+		attrs["driverVersion"] = ver(v)
+	}
+	if v, ok := semver(d.CUDADriverVersion); ok {
+		attrs["cudaDriverVersion"] = ver(v)
+	}
+	if d.NUMANode >= 0 {
+		attrs[AttrNUMANode] = num(d.NUMANode)
+	}
+	if d.NVLinkClique >= 0 {
+		attrs[AttrNVLinkClique] = num(d.NVLinkClique)
+	}
+	if d.Type == TypeMIG {
+		attrs["profile"] = str(d.Profile)
+		attrs["parentUUID"] = str(d.ParentUUID)
+		attrs["parentIndex"] = num(d.ParentIndex)
+		attrs["placementStart"] = num(d.Placement.Start)
+		attrs["placementSize"] = num(d.Placement.Size)
+	}
+	return attrs
+}
+
+// capacities are the device's memory and, where known, its engines, under
+// NVIDIA's driver's names: claims written for it select MIG devices with
+// e.g. device.capacity['gpu.nvidia.com'].multiprocessors.
+func capacities(d Device) map[resourceapi.QualifiedName]resourceapi.DeviceCapacity {
+	count := func(n int64) resourceapi.DeviceCapacity {
+		return resourceapi.DeviceCapacity{Value: *resource.NewQuantity(n, resource.DecimalSI)}
+	}
+	out := map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{
+		"memory": {Value: *resource.NewQuantity(int64(d.MemoryBytes), resource.BinarySI)},
+	}
+	if e := d.Engines; e != nil {
+		out["multiprocessors"] = count(e.Multiprocessors)
+		out["copyEngines"] = count(e.CopyEngines)
+		out["decoders"] = count(e.Decoders)
+		out["encoders"] = count(e.Encoders)
+		out["jpegEngines"] = count(e.JPEGEngines)
+		out["ofaEngines"] = count(e.OFAEngines)
 	}
 	return out
 }

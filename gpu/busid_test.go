@@ -1,6 +1,7 @@
 package gpu
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -90,4 +91,22 @@ func TestUnionFind(t *testing.T) {
 	if u.find(0) != u.find(2) || u.find(0) == u.find(1) || u.find(1) == u.find(3) {
 		t.Errorf("sets wrong: roots %d %d %d %d", u.find(0), u.find(1), u.find(2), u.find(3))
 	}
+}
+
+// FuzzPCIeRootOfLink reads any link target as a sysfs device link: the
+// answer is an error or one path element naming a root complex.
+func FuzzPCIeRootOfLink(f *testing.F) {
+	f.Add("../../../devices/pci0000:00/0000:00:01.0/0000:07:00.0")
+	f.Add("/sys/devices/pci0001:80/0001:81:00.0")
+	f.Add("../../../devices/platform/x")
+	f.Add("../../../../../../pcix")
+	f.Fuzz(func(t *testing.T, target string) {
+		r, err := pcieRootOfLink("/sys", "/sys/bus/pci/devices/0000:07:00.0", target)
+		if err != nil {
+			return
+		}
+		if !strings.HasPrefix(r, "pci") || len(r) <= len("pci") || strings.Contains(r, "/") || r == ".." {
+			t.Fatalf("root %q of target %q", r, target)
+		}
+	})
 }

@@ -522,13 +522,17 @@ func unmarkedDifferences(g, want gpu.GPU) []string {
 	}
 	differs("ComputeCapability", g.ComputeCapability == want.ComputeCapability, gpu.FactComputeCapability)
 	differs("NUMANode", g.NUMANode == want.NUMANode, gpu.FactNUMANode)
+	differs("Brand", g.Brand == want.Brand, gpu.FactBrand)
 	differs("MIG mode", g.MIGCapable == want.MIGCapable && g.MIG == want.MIG, gpu.FactMIGMode)
 	differs("Instances", reflect.DeepEqual(g.Instances, want.Instances), gpu.FactMIGMode, gpu.FactInstances)
 	differs("GIsWithoutCI", reflect.DeepEqual(g.GIsWithoutCI, want.GIsWithoutCI), gpu.FactMIGMode, gpu.FactGIsWithoutCI)
 	rest, wantRest := g, want
 	for _, x := range []*gpu.GPU{&rest, &wantRest} {
-		x.ComputeCapability, x.NUMANode, x.MIGCapable, x.MIG = gpu.ComputeCapability{}, 0, false, gpu.MIGMode{}
+		x.ComputeCapability, x.NUMANode, x.Brand, x.MIGCapable, x.MIG = gpu.ComputeCapability{}, 0, "", false, gpu.MIGMode{}
 		x.Instances, x.GIsWithoutCI, x.Unread = nil, nil, nil
+		// Without sysfs the PCIe root is derived from the topology, which a
+		// failed pair read or a GPU left out changes, as it changes Topology.
+		x.PCIeRoot = ""
 	}
 	differs("identity", reflect.DeepEqual(rest, wantRest))
 	return bad

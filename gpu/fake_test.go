@@ -124,6 +124,7 @@ func (n *fakeNode) lib(t *testing.T) nvml.Interface {
 			}
 			return n.driver, nvml.SUCCESS
 		},
+		SystemGetCudaDriverVersionFunc: func() (int, nvml.Return) { return 12080, nvml.SUCCESS },
 	}
 }
 
@@ -159,6 +160,7 @@ func (n *fakeNode) device(i int, index map[nvml.Device]int) *mock.Device {
 			return g.cc[0], g.cc[1], ret("GetCudaComputeCapability")
 		},
 		GetNumaNodeIdFunc: func() (int, nvml.Return) { return g.numa, ret("GetNumaNodeId") },
+		GetBrandFunc:      func() (nvml.BrandType, nvml.Return) { return nvml.BRAND_NVIDIA, ret("GetBrand") },
 		GetMigModeFunc: func() (int, int, nvml.Return) {
 			if g.mig == nil {
 				return 0, 0, nvml.ERROR_NOT_SUPPORTED

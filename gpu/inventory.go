@@ -19,6 +19,9 @@ type Options struct {
 	// NUMANode returns the NUMA node of a PCI device (bus id in sysfs form
 	// "0000:07:00.0"); nil means ask NVML (Device.GetNumaNodeId). -1 = unknown.
 	NUMANode func(busID string) (int, error)
+	// PCIeRoot returns the PCIe root complex of a PCI device ("pci0000:00");
+	// nil means derive it from the topology (GPU.PCIeRoot).
+	PCIeRoot func(busID string) (string, error)
 	// Logger receives what New skips or degrades; nil discards.
 	Logger *slog.Logger
 }
@@ -56,6 +59,45 @@ func SysfsNUMA(root string) func(busID string) (int, error) {
 	}
 }
 
+// SysfsPCIeRoot reads the root complex of a PCI device from where
+// <root>/bus/pci/devices/<bus> links to: the kernel places every device under
+// <root>/devices/pci<domain>:<bus>/..., the name DRA drivers of NICs publish
+// as resource.kubernetes.io/pcieRoot too.
+func SysfsPCIeRoot(root string) func(busID string) (string, error) {
+	return func(busID string) (string, error) {
+		if busID == "" || busID == "." || busID == ".." || strings.ContainsAny(busID, "/\\\x00") {
+			return "", fmt.Errorf("pcie root: invalid pci bus id %q", busID)
+		}
+		link := filepath.Join(root, "bus", "pci", "devices", busID)
+		target, err := os.Readlink(link)
+		if err != nil {
+			return "", fmt.Errorf("pcie root of %s: %w", busID, err)
+		}
+		r, err := pcieRootOfLink(root, link, target)
+		if err != nil {
+			return "", fmt.Errorf("pcie root of %s: %w", busID, err)
+		}
+		return r, nil
+	}
+}
+
+// pcieRootOfLink is the root complex a device's sysfs link (link, pointing
+// at target) names: the first element under <root>/devices, "pci" and more.
+func pcieRootOfLink(root, link, target string) (string, error) {
+	if !filepath.IsAbs(target) {
+		target = filepath.Join(filepath.Dir(link), target)
+	}
+	rel, err := filepath.Rel(filepath.Join(root, "devices"), filepath.Clean(target))
+	if err != nil {
+		return "", err
+	}
+	first, _, _ := strings.Cut(filepath.ToSlash(rel), "/")
+	if !strings.HasPrefix(first, "pci") || first == "pci" {
+		return "", fmt.Errorf("%s is not under a root complex", target)
+	}
+	return first, nil
+}
+
 // New builds the snapshot from an initialised nvml.Interface. It fails only
 // when nothing can be enumerated (DeviceGetCount fails). A GPU whose identity
 // (handle, UUID, name, memory, PCI info, minor number) cannot be read, or that
@@ -70,7 +112,7 @@ func New(lib nvml.Interface, opts Options) (*Inventory, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	b := &builder{lib: lib, log: log, numa: opts.NUMANode}
+	b := &builder{lib: lib, log: log, numa: opts.NUMANode, pcieRoot: opts.PCIeRoot}
 
 	count, ret := lib.DeviceGetCount()
 	if ret != nvml.SUCCESS {
@@ -81,6 +123,12 @@ func New(lib nvml.Interface, opts Options) (*Inventory, error) {
 		inv.DriverVersion = v
 	} else {
 		log.Debug("driver version unavailable", "error", ret.Error())
+	}
+	if v, ret := lib.SystemGetCudaDriverVersion(); ret == nvml.SUCCESS && v > 0 {
+		// NVML encodes 12.4 as 12040.
+		inv.CUDADriverVersion = fmt.Sprintf("%d.%d", v/1000, v%1000/10)
+	} else {
+		log.Debug("CUDA driver version unavailable", "error", ret.Error())
 	}
 
 	devs := make([]nvml.Device, 0, count)
@@ -93,6 +141,9 @@ func New(lib nvml.Interface, opts Options) (*Inventory, error) {
 		devs = append(devs, dev)
 	}
 	inv.Topology = b.topology(devs, inv.GPUs)
+	if b.pcieRoot == nil {
+		derivePCIeRoots(inv.GPUs, inv.Topology)
+	}
 	inv.Errors = b.errs
 	return inv, nil
 }
@@ -101,6 +152,8 @@ type builder struct {
 	lib  nvml.Interface
 	log  *slog.Logger
 	numa func(string) (int, error)
+	// pcieRoot is Options.PCIeRoot.
+	pcieRoot func(string) (string, error)
 	// errs in the order they happened: GPU by GPU, then topology, so that
 	// two snapshots of the same node list them identically.
 	errs []DeviceError
@@ -304,6 +357,18 @@ func (r *gpuReader) read() (GPU, bool) {
 		g.ComputeCapability = ComputeCapability{Major: major, Minor: minor}
 	}
 	g.NUMANode = r.numaNode(g.PCIBusID)
+	if brand, ret := dev.GetBrand(); r.optional("GetBrand", ret, FactBrand) {
+		g.Brand = brandName(brand)
+	}
+	if r.b.pcieRoot != nil && g.PCIBusID != "" {
+		root, err := r.b.pcieRoot(g.PCIBusID)
+		if err != nil {
+			// Only DRA's alignment attribute needs it: worth a debug line,
+			// not a fact the GPU is unread for.
+			r.b.log.Debug("pcie root unavailable", "gpu", g.Index, "error", err)
+		}
+		g.PCIeRoot = root
+	}
 
 	// A failed GetMigMode says nothing about MIG: the GPU keeps its zero MIG
 	// fields, marked unread, so that no consumer mistakes a partitioned GPU
@@ -321,6 +386,79 @@ func (r *gpuReader) read() (GPU, bool) {
 		}
 	}
 	return g, !r.lost
+}
+
+// brandName spells NVML's brand as NVIDIA's own tools (go-nvlib, and with it
+// NVIDIA's DRA driver) do, so a claim selecting on brand reads the same.
+func brandName(b nvml.BrandType) string {
+	switch b {
+	case nvml.BRAND_QUADRO:
+		return "Quadro"
+	case nvml.BRAND_TESLA:
+		return "Tesla"
+	case nvml.BRAND_NVS:
+		return "NVS"
+	case nvml.BRAND_GRID:
+		return "Grid"
+	case nvml.BRAND_GEFORCE:
+		return "GeForce"
+	case nvml.BRAND_TITAN:
+		return "Titan"
+	case nvml.BRAND_NVIDIA_VAPPS:
+		return "NvidiaVApps"
+	case nvml.BRAND_NVIDIA_VPC:
+		return "NvidiaVPC"
+	case nvml.BRAND_NVIDIA_VCS:
+		return "NvidiaVCS"
+	case nvml.BRAND_NVIDIA_VWS:
+		return "NvidiaVWS"
+	case nvml.BRAND_NVIDIA_CLOUD_GAMING:
+		return "NvidiaCloudGaming"
+	case nvml.BRAND_QUADRO_RTX:
+		return "QuadroRTX"
+	case nvml.BRAND_NVIDIA_RTX:
+		return "NvidiaRTX"
+	case nvml.BRAND_NVIDIA:
+		return "Nvidia"
+	case nvml.BRAND_GEFORCE_RTX:
+		return "GeForceRTX"
+	case nvml.BRAND_TITAN_RTX:
+		return "TitanRTX"
+	}
+	return ""
+}
+
+// derivePCIeRoots names a root complex for GPUs that share one by the
+// topology (host bridge or closer), where sysfs is not read: "pci" and the
+// domain and bus of the group's lowest bus id. A GPU without a bus id or a
+// topology position gets none.
+func derivePCIeRoots(gpus []GPU, t *Topology) {
+	if t == nil || t.Len() != len(gpus) {
+		return
+	}
+	uf := newUnionFind(len(gpus))
+	for i := range gpus {
+		for j := i + 1; j < len(gpus); j++ {
+			if t.Level[i][j] <= LevelHostBridge {
+				uf.union(i, j)
+			}
+		}
+	}
+	lowest := map[int]string{}
+	for i, g := range gpus {
+		if g.PCIBusID == "" {
+			continue
+		}
+		r := uf.find(i)
+		if b, ok := lowest[r]; !ok || g.PCIBusID < b {
+			lowest[r] = g.PCIBusID
+		}
+	}
+	for i := range gpus {
+		if b, ok := lowest[uf.find(i)]; ok && gpus[i].PCIBusID != "" {
+			gpus[i].PCIeRoot = "pci" + b[:len("0000:00")]
+		}
+	}
 }
 
 func (r *gpuReader) numaNode(bus string) int {

@@ -69,16 +69,18 @@ func TestNewReadsGPUFields(t *testing.T) {
 
 	want := []gpu.GPU{
 		{Index: 0, UUID: "GPU-0000", Name: "NVIDIA A100-SXM4-40GB", MemoryBytes: 40960 << 20, PCIBusID: "0000:07:00.0",
+			PCIeRoot: "pci0000:07", Brand: "Nvidia",
 			Minor: 0, NUMANode: 0, ComputeCapability: gpu.ComputeCapability{Major: 8}, MIGCapable: true},
 		{Index: 1, UUID: "GPU-0001", Name: "NVIDIA A100-SXM4-40GB", MemoryBytes: 40960 << 20, PCIBusID: "0000:17:00.0",
+			PCIeRoot: "pci0000:17", Brand: "Nvidia",
 			Minor: 1, NUMANode: 1, ComputeCapability: gpu.ComputeCapability{Major: 8}, MIGCapable: true,
 			MIG: gpu.MIGMode{Pending: true}},
 	}
 	if !reflect.DeepEqual(inv.GPUs, want) {
 		t.Errorf("GPUs:\n got %+v\nwant %+v", inv.GPUs, want)
 	}
-	if inv.DriverVersion != "550.54.15" {
-		t.Errorf("DriverVersion = %q", inv.DriverVersion)
+	if inv.DriverVersion != "550.54.15" || inv.CUDADriverVersion != "12.8" {
+		t.Errorf("DriverVersion = %q, CUDADriverVersion = %q", inv.DriverVersion, inv.CUDADriverVersion)
 	}
 	if len(inv.Errors) != 0 {
 		t.Errorf("Errors = %v, want none", inv.Errors)
@@ -694,5 +696,51 @@ func TestNewDGXA100(t *testing.T) {
 	}
 	if n := inv.Topology.Len(); n != 8 {
 		t.Errorf("topology of %d GPUs", n)
+	}
+}
+
+func TestSysfsPCIeRoot(t *testing.T) {
+	root := t.TempDir()
+	mk := func(target, bus string) {
+		t.Helper()
+		dir := filepath.Join(root, "devices", target)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		link := filepath.Join(root, "bus", "pci", "devices", bus)
+		if err := os.MkdirAll(filepath.Dir(link), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		rel, err := filepath.Rel(filepath.Dir(link), dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(rel, link); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A GPU behind a PCIe switch, one on a root port, and a device the
+	// kernel placed outside any root complex (a virtual bus).
+	mk("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:07:00.0", "0000:07:00.0")
+	mk("pci0001:80/0001:80:02.0/0001:81:00.0", "0001:81:00.0")
+	mk("platform/vbus/0000:09:00.0", "0000:09:00.0")
+	pcieRoot := gpu.SysfsPCIeRoot(root)
+	tests := []struct {
+		bus     string
+		want    string
+		wantErr bool
+	}{
+		{bus: "0000:07:00.0", want: "pci0000:00"},
+		{bus: "0001:81:00.0", want: "pci0001:80"},
+		{bus: "0000:09:00.0", wantErr: true},
+		{bus: "0000:0c:00.0", wantErr: true}, // no such device
+		{bus: "../../../etc", wantErr: true},
+		{bus: "", wantErr: true},
+	}
+	for _, tt := range tests {
+		got, err := pcieRoot(tt.bus)
+		if got != tt.want || (err != nil) != tt.wantErr {
+			t.Errorf("SysfsPCIeRoot(%q) = %q, %v; want %q, error %v", tt.bus, got, err, tt.want, tt.wantErr)
+		}
 	}
 }

@@ -65,3 +65,65 @@ func (t *Topology) Lanes(i, j int) int {
 	}
 	return n
 }
+
+// NVLinkCliques partitions the GPUs into groups in which every pair has NVLink
+// lanes (direct or through a shared NVSwitch fabric), and returns each
+// position's group number, or -1 for a GPU with no NVLink at all. Any two
+// GPUs of one group talk over NVLink, so a DRA claim that asks for GPUs with
+// one value of it gets an NVLink-connected set.
+//
+// Groups are grown greedily in position order, each from its lowest free GPU,
+// adding the free GPU linked to every member with the most lanes to them: on
+// a DGX-1 cube-mesh that gives its two fully connected quads, on an NVSwitch
+// system one group per fabric. Numbers follow positions, so equal nodes get
+// equal numbers.
+func (t *Topology) NVLinkCliques() []int {
+	n := t.Len()
+	out := make([]int, n)
+	for i := range out {
+		out[i] = -1
+	}
+	linked := func(i int) bool {
+		for j := range n {
+			if t.Lanes(i, j) > 0 {
+				return true
+			}
+		}
+		return false
+	}
+	next := 0
+	for seed := range n {
+		if out[seed] >= 0 || !linked(seed) {
+			continue
+		}
+		members := []int{seed}
+		out[seed] = next
+		for {
+			best, bestLanes := -1, 0
+			for c := range n {
+				if out[c] >= 0 {
+					continue
+				}
+				lanes := 0
+				for _, m := range members {
+					l := t.Lanes(c, m)
+					if l == 0 {
+						lanes = 0
+						break
+					}
+					lanes += l
+				}
+				if lanes > bestLanes {
+					best, bestLanes = c, lanes
+				}
+			}
+			if best < 0 {
+				break
+			}
+			members = append(members, best)
+			out[best] = next
+		}
+		next++
+	}
+	return out
+}

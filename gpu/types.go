@@ -7,12 +7,16 @@ package gpu
 import (
 	"fmt"
 	"slices"
+	"strings"
 )
 
 // Inventory is an immutable snapshot of a node's GPUs. Callers must not modify it.
 type Inventory struct {
 	// DriverVersion as reported by NVML ("" when unknown).
 	DriverVersion string `json:"driverVersion,omitempty"`
+	// CUDADriverVersion is the newest CUDA version the driver supports,
+	// "<major>.<minor>" ("12.4"); "" when unknown.
+	CUDADriverVersion string `json:"cudaDriverVersion,omitempty"`
 	// GPUs ordered by NVML index. A GPU that failed mid-enumeration is absent
 	// here and listed in Errors.
 	GPUs []GPU `json:"gpus"`
@@ -49,6 +53,15 @@ type GPU struct {
 	MemoryBytes uint64 `json:"memoryBytes"`
 	// PCIBusID in the canonical sysfs form, lower case: "0000:07:00.0".
 	PCIBusID string `json:"pciBusID"`
+	// PCIeRoot is the PCIe root complex the GPU hangs off, as the kernel
+	// names it ("pci0000:00"): GPUs and NICs under one root share it, which
+	// is what DRA's resource.kubernetes.io/pcieRoot aligns on. "" when
+	// unknown. Without Options.PCIeRoot (a simulated node) it is derived
+	// from the topology: GPUs on one host bridge or closer share a root.
+	PCIeRoot string `json:"pcieRoot,omitempty"`
+	// Brand is NVML's brand as NVIDIA's tools spell it ("Nvidia", "Tesla",
+	// "GeForce"); "" when unknown.
+	Brand string `json:"brand,omitempty"`
 	// PCIDeviceID is NVML's PCI device id (device << 16 | vendor, 0x233010DE
 	// for H100 SXM); 0 when unknown. MIG layouts filter GPU models by it.
 	PCIDeviceID uint32 `json:"pciDeviceID,omitempty"`
@@ -102,6 +115,8 @@ const (
 	FactComputeCapability Fact = "computeCapability"
 	// FactNUMANode: NUMANode is unknown (-1).
 	FactNUMANode Fact = "numaNode"
+	// FactBrand: Brand is unknown ("").
+	FactBrand Fact = "brand"
 	// FactMIGMode: MIGCapable and MIG are unknown (false). Instances and
 	// GIsWithoutCI were not read at all, so their facts are listed too.
 	FactMIGMode Fact = "migMode"
@@ -113,7 +128,7 @@ const (
 	FactGIsWithoutCI Fact = "gisWithoutCI"
 )
 
-var factOrder = []Fact{FactComputeCapability, FactNUMANode, FactMIGMode, FactInstances, FactGIsWithoutCI}
+var factOrder = []Fact{FactComputeCapability, FactNUMANode, FactBrand, FactMIGMode, FactInstances, FactGIsWithoutCI}
 
 // Unknown reports whether any of facts is in g.Unread.
 func (g GPU) Unknown(facts ...Fact) bool {
@@ -175,6 +190,20 @@ func (c ComputeCapability) Family() string {
 		return "blackwell"
 	}
 	return ""
+}
+
+// Architecture names the GPU architecture of c as NVML and NVIDIA's DRA
+// driver write it ("Ampere", "Ada Lovelace", "Hopper", "Blackwell"), so that
+// claims written for that driver select the same GPUs; "" when unknown.
+func (c ComputeCapability) Architecture() string {
+	switch f := c.Family(); f {
+	case "":
+		return ""
+	case "ada-lovelace":
+		return "Ada Lovelace"
+	default:
+		return strings.ToUpper(f[:1]) + f[1:]
+	}
 }
 
 // AtLeast reports whether c >= major.minor.

@@ -43,7 +43,7 @@ func openBackend(spec, nvmlLib string) (*backend, error) {
 		return &backend{
 			Name:             spec,
 			Lib:              lib,
-			InventoryOptions: gpu.Options{NUMANode: gpu.SysfsNUMA("/sys")},
+			InventoryOptions: gpu.Options{NUMANode: gpu.SysfsNUMA("/sys"), PCIeRoot: gpu.SysfsPCIeRoot("/sys")},
 			close:            func() { lib.Shutdown() },
 		}, nil
 	case strings.HasPrefix(spec, "sim:"):

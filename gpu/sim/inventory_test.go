@@ -247,3 +247,56 @@ func TestInventoryMIGProfileVariant(t *testing.T) {
 		t.Errorf("an eighth 1g instance: %v, want ERROR_INSUFFICIENT_RESOURCES", r)
 	}
 }
+
+// TestInventoryAlignmentGroups checks what DRA publishes for aligned sets on
+// the simulated nodes: NVLink cliques (every pair linked) and PCIe roots
+// (derived from the topology: host bridge or closer), plus the identity
+// attributes NVIDIA's claims select on.
+func TestInventoryAlignmentGroups(t *testing.T) {
+	tests := []struct {
+		profile      string
+		cliques      []int
+		rootGroups   []int // GPUs with equal numbers share a root
+		architecture string
+		brand        string
+	}{
+		{profile: "dgx1-v100", cliques: []int{0, 0, 0, 0, 1, 1, 1, 1}, rootGroups: []int{0, 0, 0, 0, 1, 1, 1, 1}, architecture: "Volta", brand: "Tesla"},
+		{profile: "two-islands-16",
+			cliques:    []int{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
+			rootGroups: []int{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}, architecture: "Volta", brand: "Tesla"},
+		{profile: "dgx-h100", cliques: []int{0, 0, 0, 0, 0, 0, 0, 0}, rootGroups: []int{0, 0, 1, 1, 2, 2, 3, 3}, architecture: "Hopper", brand: "Nvidia"},
+		{profile: "pcie-8gpu", cliques: []int{-1, -1, -1, -1, -1, -1, -1, -1}, rootGroups: []int{0, 0, 1, 1, 2, 2, 3, 3}, architecture: "Ada Lovelace"},
+		{profile: "dgx-b200", cliques: []int{0, 0, 0, 0, 0, 0, 0, 0}, rootGroups: []int{0, 0, 1, 1, 2, 2, 3, 3}, architecture: "Blackwell", brand: "Nvidia"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.profile, func(t *testing.T) {
+			inv := inventory(t, initNode(t, tt.profile))
+			if got := inv.Topology.NVLinkCliques(); !slices.Equal(got, tt.cliques) {
+				t.Errorf("NVLinkCliques = %v, want %v", got, tt.cliques)
+			}
+			byGroup := map[int]string{}
+			roots := map[string]int{}
+			for i, g := range inv.GPUs {
+				if g.PCIeRoot == "" {
+					t.Fatalf("GPU %d has no PCIe root", i)
+				}
+				if r, ok := byGroup[tt.rootGroups[i]]; ok && r != g.PCIeRoot {
+					t.Errorf("GPU %d under %s, want %s with its group", i, g.PCIeRoot, r)
+				}
+				if k, ok := roots[g.PCIeRoot]; ok && k != tt.rootGroups[i] {
+					t.Errorf("GPU %d shares %s with group %d, want group %d alone", i, g.PCIeRoot, k, tt.rootGroups[i])
+				}
+				byGroup[tt.rootGroups[i]], roots[g.PCIeRoot] = g.PCIeRoot, tt.rootGroups[i]
+				if a := g.ComputeCapability.Architecture(); a != tt.architecture {
+					t.Errorf("GPU %d architecture %q, want %q", i, a, tt.architecture)
+				}
+				if tt.brand != "" && g.Brand != tt.brand {
+					t.Errorf("GPU %d brand %q, want %q", i, g.Brand, tt.brand)
+				}
+			}
+			if inv.CUDADriverVersion != "12.4" {
+				t.Errorf("CUDADriverVersion = %q, want 12.4", inv.CUDADriverVersion)
+			}
+		})
+	}
+}

@@ -117,7 +117,9 @@ func TestClusterDRAWholeGPU(t *testing.T) {
 	g0 := devs["gpu-0"]
 	mem := g0.Capacity["memory"].Value
 	if attr(g0, "type") != "gpu" || !strings.HasPrefix(attr(g0, "uuid"), "GPU-") || attr(g0, "productName") != "NVIDIA A100-SXM4-40GB" ||
-		attr(g0, "architecture") != "ampere" || attr(g0, "cudaComputeCapability") != "8.0.0" || mem.IsZero() {
+		attr(g0, "architecture") != "Ampere" || attr(g0, "cudaComputeCapability") != "8.0.0" || mem.IsZero() ||
+		attr(g0, "brand") != "Nvidia" || attr(g0, "cudaDriverVersion") == "" ||
+		!strings.HasPrefix(attr(g0, "resource.kubernetes.io/pciBusID"), "0000:") || !strings.HasPrefix(attr(g0, "resource.kubernetes.io/pcieRoot"), "pci") {
 		t.Errorf("gpu-0 in the ResourceSlice: %+v", g0)
 	}
 
@@ -301,7 +303,10 @@ func TestClusterDRAExtendedResource(t *testing.T) {
 }
 
 func migClaim(name, profile string, parent int) *resourceapi.ResourceClaim {
-	expr := fmt.Sprintf("device.attributes['gpu.nvidia.com'].profile == '%s' && device.attributes['gpu.nvidia.com'].parentIndex == %d", profile, parent)
+	// The capacity clause is how NVIDIA's users select MIG devices: the scheduler fails the claim if no device
+	// has the key.
+	expr := fmt.Sprintf("device.attributes['gpu.nvidia.com'].profile == '%s' && device.attributes['gpu.nvidia.com'].parentIndex == %d && "+
+		"device.capacity['gpu.nvidia.com'].multiprocessors.compareTo(quantity('1')) >= 0", profile, parent)
 	return &resourceapi.ResourceClaim{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default"},
 		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
