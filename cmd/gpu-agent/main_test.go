@@ -22,6 +22,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/kube"
 )
 
 func run(t *testing.T, args ...string) (code int, stdout, stderr string) {
@@ -210,8 +211,8 @@ func TestRunBinarySIGTERM(t *testing.T) {
 		status func(t *testing.T, st *agent.Status)
 	}{
 		{name: "standalone", args: func(*testing.T, string) []string { return nil }, status: func(t *testing.T, st *agent.Status) {
-			if st.Cluster != "standalone: no API" || st.DRA != nil {
-				t.Errorf("status: cluster %q, DRA %+v; want standalone, no DRA", st.Cluster, st.DRA)
+			if st.Cluster.API != kube.APIStandalone || st.DRA != nil {
+				t.Errorf("status: cluster %+v, DRA %+v; want standalone, no DRA", st.Cluster, st.DRA)
 			}
 		}},
 		{name: "DRA, API server down", args: func(t *testing.T, dir string) []string {
