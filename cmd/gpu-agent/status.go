@@ -68,7 +68,9 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 	if !st.LastPass.IsZero() {
 		fmt.Fprintf(tw, "Last reconcile:\t%s\n", st.LastPass.Format(time.RFC3339))
 	}
-	if !st.LastLoop.IsZero() && !st.LastLoop.Equal(st.LastPass) {
+	// The loop turns without publishing when nothing changed; a turn long
+	// after the last publish is worth a line, one in the same second not.
+	if !st.LastLoop.IsZero() && st.LastLoop.Sub(st.LastPass) >= time.Second {
 		fmt.Fprintf(tw, "Last loop turn:\t%s\n", st.LastLoop.Format(time.RFC3339))
 	}
 	if s := st.State; s != nil {

@@ -52,7 +52,7 @@ func TestWriteStatusFixtures(t *testing.T) {
 				"ml/infer-7 MIG-5c0e9b6e-30a4-5cb5-9f0b-8a8e3e3f0a11",
 				"nvidia.com/gpu 2 1 registered 2026-11-25T22:19:00Z",
 			},
-			absent: []string{"API error:", "NOT", "DRA claims: none", "DRA releasing: nothing"},
+			absent: []string{"API error:", "NOT", "DRA claims: none", "DRA releasing: nothing", "Last loop turn:"},
 		},
 		{
 			fixture: "cluster-unreachable.json",
@@ -78,6 +78,7 @@ func TestWriteStatusFixtures(t *testing.T) {
 			fixture: "waiting-for-config.json",
 			want: []string{
 				"Config: none in force yet (from /etc/gpu-agent/config)",
+				"Last loop turn: 2026-11-25T22:23:30Z",
 				"Cluster: connecting: the API server has not answered yet",
 				"Node labels: 0 owned, never written; a change is being written",
 				"ConfigMap: gpu-agent/gpu-agent-config, NOT in force: no content read through the API (the ConfigMap is absent, or the API has not answered); nothing is served until a config arrives",
