@@ -20,6 +20,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/kube"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
@@ -69,7 +70,7 @@ type MPSControl interface {
 type Cluster interface {
 	SetLabels(labels map[string]string)
 	Event(warning bool, reason, message string)
-	State() string
+	State() kube.State
 }
 
 // Options configure an Agent.
@@ -79,6 +80,9 @@ type Options struct {
 	NodeName string
 	// ConfigSource names where the config comes from, for /status ("" = built-in default).
 	ConfigSource string
+	// ConfigMap names the ConfigMap read through the API ("NAMESPACE/NAME";
+	// "": none), for /status.
+	ConfigMap string
 	// DefaultConfig names the config (a key of a multi-key ConfigMap) used
 	// when no node entry or label selects one (NVIDIA's config.default).
 	DefaultConfig string

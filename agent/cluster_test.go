@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"errors"
 	"fmt"
 	"maps"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/kube"
 )
 
 // cluster records what the agent tells the API side.
@@ -35,7 +37,7 @@ func (c *cluster) Event(warning bool, reason, message string) {
 	c.mu.Unlock()
 }
 
-func (c *cluster) State() string { return "connected" }
+func (c *cluster) State() kube.State { return kube.State{API: kube.APIReachable} }
 
 // took returns the events recorded since the last call.
 func (c *cluster) took() []string {
@@ -155,8 +157,8 @@ func TestClusterEvents(t *testing.T) {
 	if ev := c.took(); len(ev) != 1 || !strings.HasPrefix(ev[0], "Normal "+ReasonGPURecovered) {
 		t.Errorf("events %v, want one GPURecovered", ev)
 	}
-	if st := h.a.Status(); st.Cluster != "connected" {
-		t.Errorf("status cluster %q", st.Cluster)
+	if st := h.a.Status(); st.Cluster.API != kube.APIReachable || st.Cluster.ConfigMap != nil {
+		t.Errorf("status cluster %+v, want the publisher's state and no ConfigMap", st.Cluster)
 	}
 }
 
@@ -164,31 +166,69 @@ func TestClusterEvents(t *testing.T) {
 func TestStandaloneStatus(t *testing.T) {
 	h := newHarness(t, simNode(t, "pcie-4gpu"))
 	h.config(wholeGPUs)
-	if st := h.a.Status(); st.Cluster != "standalone: no API" {
-		t.Errorf("status cluster %q", st.Cluster)
+	if st := h.a.Status(); st.Cluster.API != kube.APIStandalone || st.Cluster.Labels != nil || st.Cluster.ConfigMap != nil {
+		t.Errorf("status cluster %+v, want standalone", st.Cluster)
 	}
 }
 
 // With the ConfigMap read through the API and mounted as a file, the API's
 // content wins; when the ConfigMap is deleted the file takes over again.
+// /status names the source in force and says why the ConfigMap is not.
 func TestConfigSourcePrecedence(t *testing.T) {
-	h := newHarness(t, simNode(t, "pcie-4gpu"))
+	h := newHarness(t, simNode(t, "pcie-4gpu"), withCluster(&cluster{}), func(h *harness) { h.opts.ConfigMap = "gpu-agent/cfg" })
 	file := func(y string) Event { return ConfigChanged{Update: config.Update{Data: []byte(y)}} }
 	api := func(y string) Event { return ConfigChanged{Update: config.Update{Data: []byte(y)}, Source: SourceAPI} }
+	const fromAPI = "ConfigMap gpu-agent/cfg (API)"
 	steps := []struct {
-		name string
-		ev   Event
-		gpus int // nvidia.com/gpu devices offered after
+		name   string
+		ev     Event
+		gpus   int // nvidia.com/gpu devices offered after
+		source string
+		reason string // why the ConfigMap is not in force ("": it is)
 	}{
-		{"the mounted file first", file(wholeGPUs), 4},
-		{"the API wins", api(sliced2), 8},
-		{"a file edit does not override the API", file(wholeGPUs + "# edited\n"), 8},
-		{"the ConfigMap is deleted: back to the file", ConfigChanged{Source: SourceAPI}, 4},
+		{"the mounted file first", file(wholeGPUs), 4, "test.yaml", "no content read through the API (the ConfigMap is absent, or the API has not answered); the mounted file test.yaml serves"},
+		{"the API wins", api(sliced2), 8, fromAPI, ""},
+		{"a file edit does not override the API", file(wholeGPUs + "# edited\n"), 8, fromAPI, ""},
+		{"the ConfigMap cannot be read: the file serves", ConfigChanged{Update: config.Update{Err: errors.New("too big")}, Source: SourceAPI}, 4, "test.yaml",
+			"unreadable: too big; the mounted file test.yaml serves"},
+		{"the API again", api(sliced2), 8, fromAPI, ""},
+		{"the ConfigMap is deleted: back to the file", ConfigChanged{Source: SourceAPI}, 4, "test.yaml", "no content read through the API"},
 	}
 	for _, s := range steps {
 		h.step(s.ev)
 		if got := h.count(ResourceGPU); got != s.gpus {
 			t.Errorf("%s: %d devices, want %d", s.name, got, s.gpus)
+		}
+		st := h.a.Status()
+		if st.Config.Source != s.source {
+			t.Errorf("%s: config source %q, want %q", s.name, st.Config.Source, s.source)
+		}
+		cm := st.Cluster.ConfigMap
+		if cm == nil || cm.Name != "gpu-agent/cfg" || cm.InForce != (s.reason == "") || !strings.HasPrefix(cm.Reason, s.reason) || (s.reason == "") != (cm.Reason == "") {
+			t.Errorf("%s: cluster.configMap %+v, want in force %v, reason %q", s.name, cm, s.reason == "", s.reason)
+		}
+	}
+}
+
+// With the ConfigMap as the only source, /status says what serves while its
+// content is missing or unreadable.
+func TestConfigMapOnlyStatus(t *testing.T) {
+	h := newHarness(t, simNode(t, "pcie-4gpu"), withCluster(&cluster{}), func(h *harness) { h.opts.ConfigMap, h.opts.ConfigSource = "gpu-agent/cfg", "" })
+	steps := []struct {
+		name   string
+		ev     Event
+		reason string // "": in force
+	}{
+		{"nothing read yet", Tick{}, "no content read through the API (the ConfigMap is absent, or the API has not answered); nothing is served until a config arrives"},
+		{"read", ConfigChanged{Update: config.Update{Data: []byte(sliced2)}, Source: SourceAPI}, ""},
+		{"unreadable later: the config in force stays", ConfigChanged{Update: config.Update{Err: errors.New("too big")}, Source: SourceAPI},
+			`unreadable: too big; config "default" (generation 1) stays in force`},
+	}
+	for _, s := range steps {
+		h.step(s.ev)
+		cm := h.a.Status().Cluster.ConfigMap
+		if cm == nil || cm.InForce != (s.reason == "") || cm.Reason != s.reason {
+			t.Errorf("%s: cluster.configMap %+v, want reason %q", s.name, cm, s.reason)
 		}
 	}
 }

@@ -106,6 +106,10 @@ func withMPS(f *fakeMPS) harnessOption {
 // TestNVIDIACompatibility is item by item what NVIDIA's device plugin
 // advertises for its own examples on unlike nodes, through the whole loop:
 // config content in, catalog and /status out.
+// unfitDevice names a GPU no node in these tests has (gpu-agent's format:
+// NVIDIA's ignores devices, as NVIDIA's plugin does).
+const unfitDevice = "version: v1\nconfigs:\n  default:\n    sharing:\n      timeSlicing:\n        resources:\n        - {name: nvidia.com/gpu, replicas: 2, devices: [9]}\n"
+
 func TestNVIDIACompatibility(t *testing.T) {
 	tests := []struct {
 		name     string
@@ -145,6 +149,22 @@ func TestNVIDIACompatibility(t *testing.T) {
 		{
 			name: "time-slicing of whole GPUs on a whole-GPU node", profile: "pcie-4gpu", cfg: tsGPUsOnly,
 			want: map[string]int{ResourceGPU: 40},
+		},
+		{
+			// A user switching with an old file keeps what NVIDIA's plugin
+			// served: pods asking for nvidia.com/gpu still schedule.
+			name: "rename and devices are ignored in NVIDIA's format, as NVIDIA's plugin ignores them", profile: "pcie-4gpu",
+			cfg:  "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, rename: nvidia.com/gpu-ts, devices: [0], replicas: 4}\n",
+			want: map[string]int{ResourceGPU: 16},
+			warnings: []string{
+				"sharing.timeSlicing.resources[0].devices: ignored, as NVIDIA's device plugin ignores it in its format: every device of nvidia.com/gpu is shared (line 5); gpu-agent's own format",
+				"sharing.timeSlicing.resources[0].rename: nvidia.com/gpu-ts ignored, as NVIDIA's device plugin ignores it in its format: the replicas are served as nvidia.com/gpu (line 5); gpu-agent's own format",
+			},
+		},
+		{
+			name: "rename and devices are honoured in gpu-agent's format", profile: "pcie-4gpu",
+			cfg:  "version: v1\nconfigs:\n  default:\n    sharing:\n      timeSlicing:\n        resources:\n        - {name: nvidia.com/gpu, rename: nvidia.com/gpu-ts, devices: [0], replicas: 4}\n",
+			want: map[string]int{ResourceGPU: 3, "nvidia.com/gpu-ts": 4},
 		},
 		{
 			name: "migStrategy none: MIG-enabled GPUs are whole nvidia.com/gpu, as NVIDIA's", profile: "dgx-h100-mig", cfg: helmStrategy("none"),
@@ -207,7 +227,7 @@ func TestNVIDIACompatibility(t *testing.T) {
 		},
 		{
 			name: "first config does not fit: the built-in default, not nothing", profile: "dgx-a100",
-			cfg:  "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2, devices: [9]}\n",
+			cfg:  unfitDevice,
 			want: map[string]int{ResourceGPU: 8}, err: `"9" names no device`, serving: BuiltInConfigName,
 		},
 		{
@@ -272,7 +292,7 @@ func TestNVIDIACompatibility(t *testing.T) {
 // and the fallback is no longer reported.
 func TestBuiltInDefaultGivesWay(t *testing.T) {
 	h := newHarness(t, simNode(t, "dgx-a100"))
-	h.config("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2, devices: [9]}\n")
+	h.config(unfitDevice)
 	if h.a.Status().Config.Serving != BuiltInConfigName || h.count(ResourceGPU) != 8 {
 		t.Fatalf("status %+v, %d GPUs: want the built-in default", h.a.Status().Config, h.count(ResourceGPU))
 	}
@@ -282,7 +302,7 @@ func TestBuiltInDefaultGivesWay(t *testing.T) {
 		t.Errorf("after a config that fits: status %+v, %d devices; want it in force", st, h.count(ResourceGPU))
 	}
 	// An edit that does not fit now keeps the config that did.
-	h.config("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2, devices: [9]}\n")
+	h.config(unfitDevice)
 	if st := h.a.Status().Config; st.Serving != "default" || h.count(ResourceGPU) != 80 {
 		t.Errorf("unfit edit: status %+v, %d devices; want the last config that fitted", st, h.count(ResourceGPU))
 	}

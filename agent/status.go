@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"fmt"
 	"maps"
 	"slices"
 	"time"
@@ -9,17 +10,19 @@ import (
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/kube"
 )
 
 // Status is what /status serves and `gpu-agent status` prints.
 type Status struct {
 	Node    string `json:"node"`
 	Backend string `json:"backend,omitempty"`
-	// Cluster says how the Kubernetes API side is doing ("standalone: no
-	// API" without one).
-	Cluster string       `json:"cluster"`
-	Config  ConfigStatus `json:"config"`
-	GPUs    []gpu.GPU    `json:"gpus"`
+	// Cluster is the Kubernetes API side: whether the API answers, the
+	// Node labels the agent owns, the ConfigMap read through it (API
+	// "standalone" without one).
+	Cluster ClusterStatus `json:"cluster"`
+	Config  ConfigStatus  `json:"config"`
+	GPUs    []gpu.GPU     `json:"gpus"`
 	// Unread are the GPUs known earlier that cannot be read now, offered
 	// unhealthy: why, since when, and when one NVML no longer enumerates
 	// is forgotten.
@@ -50,6 +53,22 @@ type Status struct {
 	// HealthEvents lists the GPUs NVML delivers health events for (filled
 	// by the HTTP layer from the health watcher).
 	HealthEvents []string `json:"healthEvents,omitempty"`
+}
+
+// ClusterStatus is the Kubernetes API side of the node.
+type ClusterStatus struct {
+	kube.State
+	// ConfigMap is the ConfigMap read through the API (--configmap);
+	// absent without one.
+	ConfigMap *ConfigMapStatus `json:"configMap,omitempty"`
+}
+
+// ConfigMapStatus says whether the ConfigMap read through the API is the
+// config source in force, and if not, why and what serves instead.
+type ConfigMapStatus struct {
+	Name    string `json:"name"`
+	InForce bool   `json:"inForce"`
+	Reason  string `json:"reason,omitempty"`
 }
 
 // DRAStatus is the DRA side of the node.
@@ -186,6 +205,9 @@ func (a *Agent) publishStatus() {
 		// not in force.
 		s.Config.Name, s.Config.SelectedBy = "", ""
 	}
+	if a.source == SourceAPI {
+		s.Config.Source = configMapSource(a.opts.ConfigMap)
+	}
 	if s.Config.Source == "" {
 		s.Config.Source = "built-in default"
 	}
@@ -197,10 +219,7 @@ func (a *Agent) publishStatus() {
 		s.CDI = &c
 	}
 	s.State = a.stateStatus()
-	s.Cluster = "standalone: no API"
-	if a.opts.Cluster != nil {
-		s.Cluster = a.opts.Cluster.State()
-	}
+	s.Cluster = a.clusterStatus()
 	switch {
 	case a.cfgErr.stands():
 		s.Config.Error, s.Config.ErrorSince = a.cfgErr.err.Error(), a.cfgErr.since
@@ -283,4 +302,48 @@ func sharingState(r *catalog.Resource, held map[string]health.Holder) []SharingS
 	}
 	slices.SortStableFunc(out, func(a, b SharingState) int { return a.GPU - b.GPU })
 	return out
+}
+
+// clusterStatus is the API side as the publisher reports it, and whether
+// the ConfigMap read through the API is in force.
+func (a *Agent) clusterStatus() ClusterStatus {
+	if a.opts.Cluster == nil {
+		return ClusterStatus{State: kube.State{API: kube.APIStandalone}}
+	}
+	cs := ClusterStatus{State: a.opts.Cluster.State()}
+	if a.opts.ConfigMap == "" {
+		return cs
+	}
+	cm := &ConfigMapStatus{Name: a.opts.ConfigMap}
+	u, read := a.sources[SourceAPI]
+	cm.InForce = a.source == SourceAPI && read && u.Err == nil
+	var fallback string
+	switch {
+	case a.source == SourceFile && a.opts.ConfigSource != "":
+		fallback = "the mounted file " + a.opts.ConfigSource + " serves"
+	case a.file == nil:
+		fallback = "nothing is served until a config arrives"
+	case a.gen == 0 || a.serving() == BuiltInConfigName:
+		fallback = "the built-in default serves"
+	default:
+		fallback = fmt.Sprintf("config %q (generation %d) stays in force", a.selected.Name, a.gen)
+	}
+	switch {
+	case cm.InForce:
+	case read && u.Err != nil:
+		cm.Reason = "unreadable: " + u.Err.Error() + "; " + fallback
+	default:
+		cm.Reason = "no content read through the API (the ConfigMap is absent, or the API has not answered); " + fallback
+	}
+	cs.ConfigMap = cm
+	return cs
+}
+
+// configMapSource names the ConfigMap read through the API as a config
+// source.
+func configMapSource(name string) string {
+	if name == "" {
+		return "the ConfigMap, through the API"
+	}
+	return "ConfigMap " + name + " (API)"
 }

@@ -138,7 +138,7 @@ func (a *Agent) configFrom(e ConfigChanged) (config.Update, bool) {
 	}
 	u, src := a.inForce()
 	if src != beforeSrc {
-		a.log.Info("config source in force", "source", sourceName(src, a.opts.ConfigSource), "was", sourceName(beforeSrc, a.opts.ConfigSource))
+		a.log.Info("config source in force", "source", sourceName(src, a.opts.ConfigSource, a.opts.ConfigMap), "was", sourceName(beforeSrc, a.opts.ConfigSource, a.opts.ConfigMap))
 	}
 	a.source = src
 	return u, src != beforeSrc || !sameUpdate(before, u)
@@ -164,9 +164,14 @@ func sameUpdate(a, b config.Update) bool {
 	return string(a.Data) == string(b.Data) && maps.Equal(a.Files, b.Files) && (a.Files == nil) == (b.Files == nil)
 }
 
-func sourceName(src ConfigSource, file string) string {
+// sourceInForce names the config source in force, for logs and Events.
+func (a *Agent) sourceInForce() string {
+	return sourceName(a.source, a.opts.ConfigSource, a.opts.ConfigMap)
+}
+
+func sourceName(src ConfigSource, file, configMap string) string {
 	if src == SourceAPI {
-		return "the ConfigMap, through the API"
+		return configMapSource(configMap)
 	}
 	if file == "" {
 		return "none"
@@ -191,16 +196,16 @@ func (a *Agent) applyConfig(u config.Update) bool {
 			if a.gen > 0 {
 				kept = fmt.Sprintf("config %q (generation %d) stays in force", a.selected.Name, a.gen)
 			}
-			a.event(true, ReasonConfigRejected, "config %s rejected, %s: %v", a.opts.ConfigSource, kept, err)
+			a.event(true, ReasonConfigRejected, "config %s rejected, %s: %v", a.sourceInForce(), kept, err)
 		}
 		if a.file == nil {
 			a.log.Error("config rejected and no earlier config to keep; serving the built-in default until it is fixed",
-				"source", a.opts.ConfigSource, "serving", builtInSummary, "error", err)
+				"source", a.sourceInForce(), "serving", builtInSummary, "error", err)
 			a.serveBuiltIn()
 			return true // the built-in default is new: observe and plan
 		}
 		a.log.Error("config rejected; keeping the last good config",
-			"source", a.opts.ConfigSource, "kept", a.selected.Name, "generation", a.gen, "error", err)
+			"source", a.sourceInForce(), "kept", a.selected.Name, "generation", a.gen, "error", err)
 		return false
 	}
 	a.cfgErr.clear()
@@ -209,7 +214,7 @@ func (a *Agent) applyConfig(u config.Update) bool {
 	a.file, a.warnings = f, warnings
 	a.gen++
 	for _, w := range warnings {
-		a.log.Warn("config warning", "source", a.opts.ConfigSource, "warning", w)
+		a.log.Warn("config warning", "source", a.sourceInForce(), "warning", w)
 	}
 	a.selectConfig()
 	return true

@@ -158,6 +158,60 @@ newSection: {a: 1}
 			want: nvidiaWant{check: strategy(MIGStrategyNone)},
 		},
 		{
+			name: "timeSlicing rename and devices are ignored with a warning, as NVIDIA's plugin ignores them",
+			in: `version: v1
+sharing:
+  timeSlicing:
+    resources:
+    - name: nvidia.com/gpu
+      rename: nvidia.com/gpu-ts
+      devices: [0, 1]
+      replicas: 4
+`,
+			want: nvidiaWant{
+				warnings: []string{
+					"sharing.timeSlicing.resources[0].devices: ignored, as NVIDIA's device plugin ignores it in its format: every device of nvidia.com/gpu is shared (line 7); gpu-agent's own format (version: v1 with configs:) honours devices",
+					"sharing.timeSlicing.resources[0].rename: nvidia.com/gpu-ts ignored, as NVIDIA's device plugin ignores it in its format: the replicas are served as nvidia.com/gpu (line 6); gpu-agent's own format (version: v1 with configs:) honours rename",
+				},
+				check: replicated(func(c *Config) ReplicatedResource { return c.Sharing.TimeSlicing.Resources[0] }, "", true),
+			},
+		},
+		{
+			name: "a bare rename is ignored too, and a device count",
+			in:   "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, rename: gpu-ts, devices: 2, replicas: 4}\n",
+			want: nvidiaWant{
+				warnings: []string{
+					"sharing.timeSlicing.resources[0].devices: ignored",
+					"sharing.timeSlicing.resources[0].rename: nvidia.com/gpu-ts ignored",
+				},
+				check: replicated(func(c *Config) ReplicatedResource { return c.Sharing.TimeSlicing.Resources[0] }, "", true),
+			},
+		},
+		{
+			name: "renameByDefault stays: a rename other than <name>.shared is ignored",
+			in:   "version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: true\n    resources:\n    - {name: nvidia.com/gpu, rename: nvidia.com/gpu-ts, replicas: 4}\n",
+			want: nvidiaWant{
+				warnings: []string{"sharing.timeSlicing.resources[0].rename: nvidia.com/gpu-ts ignored, as NVIDIA's device plugin ignores it in its format: the replicas are served as nvidia.com/gpu.shared (line 6)"},
+				check:    replicated(func(c *Config) ReplicatedResource { return c.Sharing.TimeSlicing.Resources[0] }, "nvidia.com/gpu.shared", true),
+			},
+		},
+		{
+			name: "renameByDefault with the rename it gives anyway, and devices: all: no warning",
+			in:   "version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: true\n    resources:\n    - {name: nvidia.com/gpu, rename: nvidia.com/gpu.shared, devices: all, replicas: 4}\n",
+			want: nvidiaWant{check: replicated(func(c *Config) ReplicatedResource { return c.Sharing.TimeSlicing.Resources[0] }, "nvidia.com/gpu.shared", true)},
+		},
+		{
+			name: "MPS rename and devices are ignored the same way",
+			in:   "version: v1\nflags:\n  migStrategy: none\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, rename: nvidia.com/gpu.mps, devices: [\"0\"], replicas: 2}\n",
+			want: nvidiaWant{
+				warnings: []string{
+					"sharing.mps.resources[0].devices: ignored",
+					"sharing.mps.resources[0].rename: nvidia.com/gpu.mps ignored",
+				},
+				check: replicated(func(c *Config) ReplicatedResource { return c.Sharing.MPS.Resources[0].ReplicatedResource }, "", true),
+			},
+		},
+		{
 			name: "no migStrategy and no --mig-strategy: NVIDIA's default, none",
 			in:   "version: v1\nflags:\n  failOnInitError: false\n",
 			want: nvidiaWant{
@@ -199,6 +253,43 @@ func containsEach(t *testing.T, what string, got, want []string) {
 		if !strings.Contains(got[i], want[i]) {
 			t.Errorf("%s %d = %q, want it to contain %q", what, i, got[i], want[i])
 		}
+	}
+}
+
+// replicated checks the rename and device selection of the sharing entry
+// get returns.
+func replicated(get func(*Config) ReplicatedResource, rename string, all bool) func(*Config) error {
+	return func(c *Config) error {
+		r := get(c)
+		if r.Rename != rename || r.Devices.All != all {
+			return fmt.Errorf("entry %+v: want rename %q, all devices %v", r, rename, all)
+		}
+		return nil
+	}
+}
+
+// gpu-agent's own format honours what an NVIDIA-format file may not set: a
+// sharing entry's rename and devices, without a warning.
+func TestOwnFormatHonoursRenameAndDevices(t *testing.T) {
+	for _, tt := range []struct {
+		name, in string
+		get      func(*Config) ReplicatedResource
+	}{
+		{"timeSlicing", "version: v1\nconfigs:\n  default:\n    sharing:\n      timeSlicing:\n        resources:\n        - {name: nvidia.com/gpu, rename: nvidia.com/gpu-ts, devices: [0, 1], replicas: 4}\n",
+			func(c *Config) ReplicatedResource { return c.Sharing.TimeSlicing.Resources[0] }},
+		{"mps", "version: v1\nconfigs:\n  default:\n    sharing:\n      mps:\n        resources:\n        - {name: nvidia.com/gpu, rename: nvidia.com/gpu-ts, devices: [0, 1], replicas: 2}\n",
+			func(c *Config) ReplicatedResource { return c.Sharing.MPS.Resources[0].ReplicatedResource }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			f, warnings, err := Parse([]byte(tt.in))
+			if err != nil || len(warnings) != 0 {
+				t.Fatalf("err %v, warnings %q; want neither", err, warnings)
+			}
+			r := tt.get(f.Configs[DefaultConfigName])
+			if r.Rename != "nvidia.com/gpu-ts" || strings.Join(r.Devices.List, ",") != "0,1" {
+				t.Errorf("entry %+v: want rename nvidia.com/gpu-ts on devices 0 and 1", r)
+			}
+		})
 	}
 }
 

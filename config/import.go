@@ -187,17 +187,19 @@ func fromNVIDIA(n *nvdpFile, lines map[string]int, o ParseOptions) (*File, []str
 		}
 	}
 	// NVIDIA prefixes a bare name with nvidia.com/, so "gpu" means nvidia.com/gpu.
+	var warnings []string
 	if ts := c.Sharing.TimeSlicing; ts != nil {
 		for i := range ts.Resources {
 			qualifyNVIDIA(&ts.Resources[i])
+			warnings = append(warnings, dropNVIDIAIgnored(&ts.Resources[i], ts.RenameByDefault, joinIndex("sharing.timeSlicing.resources", i), lines)...)
 		}
 	}
 	if mps := c.Sharing.MPS; mps != nil {
 		for i := range mps.Resources {
 			qualifyNVIDIA(&mps.Resources[i].ReplicatedResource)
+			warnings = append(warnings, dropNVIDIAIgnored(&mps.Resources[i].ReplicatedResource, mps.RenameByDefault, joinIndex("sharing.mps.resources", i), lines)...)
 		}
 	}
-	var warnings []string
 	c.Health.IgnoredXids = n.Health.IgnoredXIDs
 	if len(n.Health.IgnoredXIDs) > 0 {
 		warnings = append(warnings, fmt.Sprintf("health.ignoredXIDs: added to the default ignored list %v (line %d)",
@@ -244,6 +246,34 @@ func fromNVIDIA(n *nvdpFile, lines map[string]int, o ParseOptions) (*File, []str
 			{def, ""},
 		},
 	}, warnings, errs
+}
+
+// dropNVIDIAIgnored undoes what NVIDIA's device plugin undoes in its own
+// file format (DisableResourceNamingInConfig): a sharing entry's rename and
+// devices. It serves the replicas of every device under the resource's own
+// name, or <name>.shared with renameByDefault, and says so in a warning. A
+// user switching with an old file must see the resources NVIDIA's plugin
+// served: a rename honoured here would leave pods asking for nvidia.com/gpu
+// unschedulable. gpu-agent's own format honours both fields.
+func dropNVIDIAIgnored(r *ReplicatedResource, renameByDefault bool, path string, lines map[string]int) []string {
+	var warnings []string
+	served := r.Name
+	if renameByDefault {
+		served = r.Name + ".shared"
+	}
+	if r.Rename != "" && r.Rename != served {
+		p := joinKey(path, "rename")
+		warnings = append(warnings, fmt.Sprintf("%s: %s ignored, as NVIDIA's device plugin ignores it in its format: the replicas are served as %s (line %d); "+
+			"gpu-agent's own format (version: v1 with configs:) honours rename", p, r.Rename, served, lines[p]))
+	}
+	r.Rename = ""
+	if !r.Devices.All && !r.Devices.IsZero() {
+		p := joinKey(path, "devices")
+		warnings = append(warnings, fmt.Sprintf("%s: ignored, as NVIDIA's device plugin ignores it in its format: every device of %s is shared (line %d); "+
+			"gpu-agent's own format (version: v1 with configs:) honours devices", p, r.Name, lines[p]))
+	}
+	r.Devices = ReplicaDevices{All: true}
+	return warnings
 }
 
 func qualifyNVIDIA(r *ReplicatedResource) {

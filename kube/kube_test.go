@@ -156,12 +156,101 @@ func TestPublisherDeniedThenAllowed(t *testing.T) {
 	})
 	p := runPublisher(t, client)
 	p.SetLabels(map[string]string{"nvidia.com/gpu.present": "true"})
-	eventually(t, "denial reported", func() bool { return strings.Contains(p.State(), "forbidden") })
+	eventually(t, "denial reported", func() bool { return strings.Contains(p.State().Labels.Error, "forbidden") })
+	// A denial is an answer: the API is reachable, the labels are not written.
+	if st := p.State(); st.API != APIReachable || len(st.Errors) != 1 || !strings.HasPrefix(st.Errors[0], "node gpu-1: label node: ") || !st.Labels.Pending {
+		t.Errorf("denied: state %+v, labels %+v; want reachable, the denial listed, labels pending", st, st.Labels)
+	}
 	mu.Lock()
 	deny = false
 	mu.Unlock()
 	eventually(t, "applied after the denial ends", func() bool { return nodeLabels(t, client)["nvidia.com/gpu.present"] == "true" })
-	eventually(t, "state recovers", func() bool { return strings.HasPrefix(p.State(), "connected") })
+	eventually(t, "state recovers", func() bool {
+		l := p.State().Labels
+		return l.Owned == 1 && !l.Pending && l.Error == "" && !l.Written.IsZero()
+	})
+	if st := p.State(); st.API != APIReachable || len(st.Errors) != 0 {
+		t.Errorf("recovered: state %+v", st)
+	}
+}
+
+// State says whether the API answers, every call failing now (the
+// watchers' too) and where the owned labels stand.
+func TestPublisherState(t *testing.T) {
+	written := time.Date(2026, 11, 25, 10, 0, 0, 0, time.UTC)
+	denied := apierrors.NewForbidden(schema.GroupResource{Resource: "nodes"}, "gpu-1", errors.New("no"))
+	refused := errors.New("dial tcp 10.0.0.1:443: connect: connection refused")
+	type step func(p *Publisher, nodes, cms *errorLog)
+	tests := []struct {
+		name   string
+		steps  []step
+		api    string
+		errors []string // each error contains one of these, in order
+		labels LabelState
+	}{
+		{name: "nothing asked or answered yet", api: APIConnecting},
+		{name: "labels wanted, none written yet", api: APIConnecting, labels: LabelState{Pending: true},
+			steps: []step{func(p *Publisher, _, _ *errorLog) { p.SetLabels(map[string]string{"a": "1"}) }}},
+		{name: "labels written", api: APIReachable, labels: LabelState{Owned: 1, Written: written},
+			steps: []step{func(p *Publisher, _, _ *errorLog) {
+				p.SetLabels(map[string]string{"a": "1"})
+				p.setState(map[string]string{"a": "1"})
+				p.errs.ok()
+			}}},
+		{name: "label write denied: reachable, not written", api: APIReachable,
+			errors: []string{"node gpu-1: label node: nodes \"gpu-1\" is forbidden"},
+			labels: LabelState{Pending: true, Error: `nodes "gpu-1" is forbidden: no`},
+			steps: []step{func(p *Publisher, _, _ *errorLog) {
+				p.SetLabels(map[string]string{"a": "1"})
+				p.errs.failed("label node", denied)
+			}}},
+		{name: "the API server cannot be reached", api: APIUnreachable,
+			errors: []string{"node gpu-1: label node: dial tcp", "configmap gpu-agent/cfg: watch: dial tcp"},
+			labels: LabelState{Owned: 1, Written: written, Pending: true, Error: refused.Error()},
+			steps: []step{func(p *Publisher, nodes, cms *errorLog) {
+				p.setState(map[string]string{"a": "1"})
+				p.SetLabels(map[string]string{"a": "2"})
+				p.errs.failed("label node", refused)
+				cms.failed("watch", refused)
+				nodes.ok()
+			}}},
+		{name: "a watcher fails, the labels are written", api: APIReachable,
+			errors: []string{"node gpu-1: watch: nodes \"gpu-1\" is forbidden"}, labels: LabelState{Owned: 1, Written: written},
+			steps: []step{func(p *Publisher, nodes, _ *errorLog) {
+				p.SetLabels(map[string]string{"a": "1"})
+				p.setState(map[string]string{"a": "1"})
+				p.errs.ok()
+				nodes.failed("watch", denied)
+			}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			client := fake.NewClientset()
+			p := NewPublisher(client, "gpu-1", nil)
+			p.now = func() time.Time { return written }
+			nodes := NewNodeWatcher(client, "gpu-1", func(map[string]string) {}, nil)
+			cms := NewConfigMapWatcher(client, "gpu-agent", "cfg", func(map[string]string, bool) {}, nil)
+			p.Track(nodes, cms)
+			for _, s := range tt.steps {
+				s(p, nodes.errs, cms.errs)
+			}
+			st := p.State()
+			if st.API != tt.api {
+				t.Errorf("api %q, want %q", st.API, tt.api)
+			}
+			if len(st.Errors) != len(tt.errors) {
+				t.Errorf("errors %q, want %d", st.Errors, len(tt.errors))
+			}
+			for i := range min(len(st.Errors), len(tt.errors)) {
+				if !strings.Contains(st.Errors[i], tt.errors[i]) {
+					t.Errorf("error %d = %q, want it to contain %q", i, st.Errors[i], tt.errors[i])
+				}
+			}
+			if *st.Labels != tt.labels {
+				t.Errorf("labels %+v, want %+v", *st.Labels, tt.labels)
+			}
+		})
+	}
 }
 
 // The node watcher reports the labels of its own node only, once per change.

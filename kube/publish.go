@@ -3,7 +3,6 @@ package kube
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"log/slog"
 	"maps"
 	"slices"
@@ -45,10 +44,52 @@ type Publisher struct {
 	mu     sync.Mutex
 	want   map[string]string // nil: nothing asked yet
 	wantCh chan struct{}
-	state  string
-	// applied is what the node carries now, as far as we know.
+	// applied is what the node carries now, as far as we know (nil: not
+	// known yet); written is when it was last seen to match want.
 	applied map[string]string
+	written time.Time
+	// tracked are the other API users whose failures /status shows.
+	tracked []*errorLog
+	now     func() time.Time
 }
+
+// State is how the agent's use of the Kubernetes API goes, for /status.
+type State struct {
+	// API is "connecting" until the API server answered a call, then
+	// "reachable", or "unreachable" while a call gets no answer from it (a
+	// denial is an answer: Errors says what was refused).
+	API string `json:"api"`
+	// Errors are the calls that fail now: "<object>: <operation>: <error>".
+	Errors []string `json:"errors,omitempty"`
+	// Labels are the Node labels the agent owns.
+	Labels *LabelState `json:"labels,omitempty"`
+}
+
+// Kubernetes API states (State.API).
+const (
+	APIConnecting  = "connecting"
+	APIReachable   = "reachable"
+	APIUnreachable = "unreachable"
+	// APIStandalone is the agent's without an API (kube never says it).
+	APIStandalone = "standalone"
+)
+
+// LabelState is the Node labels the agent owns: as written, or why not.
+type LabelState struct {
+	// Owned is how many labels the agent owns on its Node as last written.
+	Owned int `json:"owned"`
+	// Written is when the Node last carried the labels the agent wants
+	// (zero: not yet).
+	Written time.Time `json:"written,omitzero"`
+	// Pending: the labels wanted differ from those written (not yet
+	// written, or Error says why they cannot be).
+	Pending bool   `json:"pending,omitempty"`
+	Error   string `json:"error,omitempty"`
+}
+
+// APIUser is a watcher whose API failures /status shows beside the
+// publisher's (Publisher.Track).
+type APIUser interface{ apiLog() *errorLog }
 
 // NewPublisher publishes for node.
 func NewPublisher(client kubernetes.Interface, node string, log *slog.Logger) *Publisher {
@@ -64,7 +105,7 @@ func NewPublisher(client kubernetes.Interface, node string, log *slog.Logger) *P
 		// Events without it still show on `kubectl describe node`.
 		nodeRef: &corev1.ObjectReference{Kind: "Node", Name: node, APIVersion: "v1"},
 		wantCh:  make(chan struct{}, 1),
-		state:   "connecting",
+		now:     time.Now,
 	}
 	return p
 }
@@ -102,14 +143,39 @@ func (p *Publisher) Event(warning bool, reason, message string) {
 	p.recorder.Event(&ref, typ, reason, message)
 }
 
-// State says how publishing goes, for /status.
-func (p *Publisher) State() string {
-	if e := p.errs.current(); e != "" {
-		return "API error: " + e
-	}
+// Track adds watchers whose API failures State reports.
+func (p *Publisher) Track(users ...APIUser) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.state
+	for _, u := range users {
+		p.tracked = append(p.tracked, u.apiLog())
+	}
+}
+
+// State says how the API calls go and where the owned labels stand.
+func (p *Publisher) State() State {
+	p.mu.Lock()
+	logs := append([]*errorLog{p.errs}, p.tracked...)
+	labels := &LabelState{Owned: len(p.applied), Written: p.written,
+		Pending: p.want != nil && (p.applied == nil || !maps.Equal(p.want, p.applied))}
+	p.mu.Unlock()
+	st := State{API: APIConnecting, Labels: labels}
+	answered, unreachable := false, false
+	for _, l := range logs {
+		a, u, failure := l.snapshot()
+		answered, unreachable = answered || a, unreachable || u
+		if failure != "" {
+			st.Errors = append(st.Errors, failure)
+		}
+	}
+	labels.Error = p.errs.current()
+	switch {
+	case unreachable:
+		st.API = APIUnreachable
+	case answered:
+		st.API = APIReachable
+	}
+	return st
 }
 
 // Run applies wanted labels until ctx ends.
@@ -190,7 +256,7 @@ func (p *Publisher) apply(ctx context.Context) error {
 func (p *Publisher) setState(applied map[string]string) {
 	p.mu.Lock()
 	p.applied = applied
-	p.state = fmt.Sprintf("connected: %d labels owned", len(applied))
+	p.written = p.now()
 	p.mu.Unlock()
 }
 

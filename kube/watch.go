@@ -2,6 +2,7 @@ package kube
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -89,6 +91,8 @@ func (w *NodeWatcher) Run(ctx context.Context) error {
 	return nil
 }
 
+func (w *NodeWatcher) apiLog() *errorLog { return w.errs }
+
 // ConfigMapWatcher follows one ConfigMap and reports its data (each key a
 // file of the config, as in a mounted ConfigMap).
 type ConfigMapWatcher struct {
@@ -166,21 +170,34 @@ func (w *ConfigMapWatcher) Run(ctx context.Context) error {
 	return nil
 }
 
+func (w *ConfigMapWatcher) apiLog() *errorLog { return w.errs }
+
 // errorLog logs an API failure once per change of error, and the recovery
-// once: a down API server must not flood the log, nor go unmentioned.
+// once: a down API server must not flood the log, nor go unmentioned. It
+// also keeps what /status says of the calls it covers (snapshot).
 type errorLog struct {
 	log  *slog.Logger
 	what string
 	mu   sync.Mutex
 	last string
+	// op is the failing operation; answered: the API server answered some
+	// call (a denial is an answer); unreachable: the failing call got none.
+	op          string
+	answered    bool
+	unreachable bool
 }
 
 func newErrorLog(log *slog.Logger, what string) *errorLog { return &errorLog{log: log, what: what} }
 
 func (e *errorLog) failed(op string, err error) {
 	msg := err.Error()
+	var status apierrors.APIStatus
+	answered := errors.As(err, &status)
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	e.answered = e.answered || answered
+	e.unreachable = !answered
+	e.op = op
 	if msg == e.last {
 		return
 	}
@@ -191,6 +208,7 @@ func (e *errorLog) failed(op string, err error) {
 func (e *errorLog) ok() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	e.answered, e.unreachable = true, false
 	if e.last != "" {
 		e.log.Info("kubernetes API: works again", "object", e.what)
 		e.last = ""
@@ -202,6 +220,17 @@ func (e *errorLog) current() string {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.last
+}
+
+// snapshot says whether the API server answered these calls, whether it
+// cannot be reached now, and the failure as /status shows it ("" when none).
+func (e *errorLog) snapshot() (answered, unreachable bool, failure string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.last == "" {
+		return e.answered, false, ""
+	}
+	return e.answered, e.unreachable, e.what + ": " + e.op + ": " + e.last
 }
 
 // runInformer runs inf until ctx ends, and returns then without waiting for

@@ -137,7 +137,16 @@ func (a *Applier) Apply(ctx context.Context, p Plan) (State, error) {
 	return State{Phase: PhaseApplied}, nil
 }
 
+// NoPermissionHint is added to a MIG change NVML refuses for want of
+// privileges: the Helm chart's default, mig.access=monitor, lets the agent
+// list MIG instances but not change them.
+const NoPermissionHint = "the agent's container may list MIG instances but not change them: " +
+	"install the Helm chart with mig.access=manage (plain manifests: a privileged container, see deploy/README.md)"
+
 func (a *Applier) failed(p Plan, err error) (State, error) {
+	if errors.Is(err, nvml.ERROR_NO_PERMISSION) {
+		err = fmt.Errorf("%w; %s", err, NoPermissionHint)
+	}
 	err = fmt.Errorf("gpu %d (%s): %w", p.GPU, p.UUID, err)
 	return State{Phase: PhaseFailed, Reason: err.Error()}, err
 }

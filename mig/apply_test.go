@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -102,5 +103,44 @@ func TestFailedStepLeavesReportedValidState(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(r.dir, "mig", p.UUID+".json")); !os.IsNotExist(err) {
 		t.Fatalf("journal kept after a failed step: %v", err)
+	}
+}
+
+// A MIG change NVML refuses for want of privileges (the chart's default
+// mig.access=monitor) says which chart value allows it; other failures do
+// not.
+func TestFailedStepNamesChartValue(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		mig      bool // MIG mode on at start
+		call     string
+		ret      nvml.Return
+		wantHint bool
+	}{
+		{"mode change refused", false, "SetMigMode", nvml.ERROR_NO_PERMISSION, true},
+		{"instance creation refused", true, "CreateGpuInstanceWithPlacement", nvml.ERROR_NO_PERMISSION, true},
+		{"another failure", true, "CreateGpuInstanceWithPlacement", nvml.ERROR_UNKNOWN, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var opts []sim.Option
+			if tt.mig {
+				opts = append(opts, sim.WithMIGEnabled())
+			}
+			r := newRig(t, "dgx-h100", append(opts, sim.WithImmediateMIGModeChange())...)
+			p, _, err := MakePlan(r.gpu(0), r.profiles(0), want("1x3g.40gb"), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := r.node.FailCalls(0, tt.call, tt.ret, -1); err != nil {
+				t.Fatal(err)
+			}
+			st, err := r.ap.Apply(context.Background(), p)
+			if err == nil || st.Phase != PhaseFailed || !errors.Is(err, tt.ret) {
+				t.Fatalf("state %+v err %v, want failed with %v", st, err, tt.ret)
+			}
+			if got := strings.Contains(st.Reason, "mig.access=manage"); got != tt.wantHint {
+				t.Errorf("reason %q: names mig.access=manage %v, want %v", st.Reason, got, tt.wantHint)
+			}
+		})
 	}
 }

@@ -22,6 +22,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/kube"
 )
 
 func run(t *testing.T, args ...string) (code int, stdout, stderr string) {
@@ -210,8 +211,8 @@ func TestRunBinarySIGTERM(t *testing.T) {
 		status func(t *testing.T, st *agent.Status)
 	}{
 		{name: "standalone", args: func(*testing.T, string) []string { return nil }, status: func(t *testing.T, st *agent.Status) {
-			if st.Cluster != "standalone: no API" || st.DRA != nil {
-				t.Errorf("status: cluster %q, DRA %+v; want standalone, no DRA", st.Cluster, st.DRA)
+			if st.Cluster.API != kube.APIStandalone || st.DRA != nil {
+				t.Errorf("status: cluster %+v, DRA %+v; want standalone, no DRA", st.Cluster, st.DRA)
 			}
 		}},
 		{name: "DRA, API server down", args: func(t *testing.T, dir string) []string {
@@ -431,5 +432,45 @@ func TestWriteStatusConfigError(t *testing.T) {
 		if !strings.Contains(b.String(), "Config error:  "+tc.want+"\n") {
 			t.Errorf("status lacks %q:\n%s", tc.want, b.String())
 		}
+	}
+}
+
+// TestReadmeDocumentsOwnMetrics keeps README's metrics section naming every
+// gpu_agent_* series the agent's packages declare.
+func TestReadmeDocumentsOwnMetrics(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(readme), "\n## Metrics\n")
+	section, _, _ = strings.Cut(section, "\n## ")
+	if !ok {
+		t.Fatal("README has no Metrics section")
+	}
+	name := regexp.MustCompile(`"(gpu_agent_[a-z_]+)"`)
+	seen := 0
+	for _, dir := range []string{"../../agent", "../../health", "../../plugin", "../../dra", "../../kube", "../../mps", "."} {
+		files, err := filepath.Glob(filepath.Join(dir, "*.go"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range files {
+			if strings.HasSuffix(f, "_test.go") {
+				continue
+			}
+			src, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, m := range name.FindAllStringSubmatch(string(src), -1) {
+				seen++
+				if !strings.Contains(section, "`"+m[1]) {
+					t.Errorf("%s (declared in %s) is not in README's Metrics section", m[1], f)
+				}
+			}
+		}
+	}
+	if seen < 20 {
+		t.Errorf("found %d gpu_agent_* names in the source; the search is broken", seen)
 	}
 }

@@ -217,6 +217,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	// volume), and labels and Events go back. Trouble with it never stops
 	// the agent: it serves standalone.
 	var cluster agent.Cluster
+	var configMap string // read through the API, for /status
 	var kubeRuns []func(context.Context) error
 	client, how, err := kube.Connect(f.kubeconfig, "gpu-agent")
 	switch {
@@ -230,6 +231,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		cluster = pub
 		nodes := kube.NewNodeWatcher(client, f.nodeName, func(l map[string]string) { inbox.Post(agent.LabelsChanged{Labels: l}) }, log.With("component", "kube"))
 		kubeRuns = append(kubeRuns, pub.Run, nodes.Run)
+		pub.Track(nodes)
 		if f.configMap != "" {
 			ns, name, err := kube.ParseConfigMapRef(f.configMap)
 			if err != nil {
@@ -239,6 +241,8 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 				inbox.Post(agent.ConfigChanged{Update: configMapUpdate(data, deleted), Source: agent.SourceAPI})
 			}, log.With("component", "kube"))
 			kubeRuns = append(kubeRuns, cms.Run)
+			pub.Track(cms)
+			configMap = ns + "/" + name
 		}
 	}
 	if f.configMap != "" && client == nil {
@@ -279,6 +283,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Observer:           mig.NewObserver(be.Lib, be.InventoryOptions),
 		NodeName:           f.nodeName,
 		ConfigSource:       f.config,
+		ConfigMap:          configMap,
 		WaitForConfig:      cfgWatcher != nil || (client != nil && f.configMap != ""),
 		DefaultConfig:      f.defaultConfig,
 		MIGStrategy:        config.MIGStrategy(f.migStrategy),

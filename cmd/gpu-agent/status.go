@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/kube"
 )
 
 func cmdStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -56,38 +57,21 @@ func cmdStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	return writeStatus(stdout, &st)
 }
 
-// writeStatus renders a status as readable tables.
+// writeStatus renders a status as readable tables: everything /status says
+// that an operator acts on (the health event log, history, stays JSON only).
 func writeStatus(w io.Writer, st *agent.Status) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "Node:\t%s\n", st.Node)
 	fmt.Fprintf(tw, "Backend:\t%s\n", st.Backend)
-	cfg := st.Config.Name
-	if st.Config.SelectedBy != "" {
-		cfg += " (by " + st.Config.SelectedBy + ")"
-	}
-	fmt.Fprintf(tw, "Config:\t%s from %s, generation %d\n", cfg, st.Config.Source, st.Config.Generation)
-	if st.Config.Error != "" {
-		var kept string
-		switch {
-		case len(st.Resource) == 0:
-			kept = "nothing served until a config applies"
-		case st.Config.Serving == agent.BuiltInConfigName:
-			kept = "serving the built-in default"
-		case st.Config.Serving != "":
-			kept = "serving " + st.Config.Serving + ", the last config that fitted"
-		default:
-			kept = "config " + st.Config.Name + " stays in force"
-		}
-		if !st.Config.ErrorSince.IsZero() {
-			kept = "since " + st.Config.ErrorSince.Format(time.RFC3339) + "; " + kept
-		}
-		fmt.Fprintf(tw, "Config error:\t%s (%s)\n", st.Config.Error, kept)
-	}
-	for _, warn := range st.Config.Warnings {
-		fmt.Fprintf(tw, "Config warning:\t%s\n", warn)
-	}
+	writeConfig(tw, st)
+	writeCluster(tw, &st.Cluster)
 	if !st.LastPass.IsZero() {
 		fmt.Fprintf(tw, "Last reconcile:\t%s\n", st.LastPass.Format(time.RFC3339))
+	}
+	// The loop turns without publishing when nothing changed; a turn long
+	// after the last publish is worth a line, one in the same second not.
+	if !st.LastLoop.IsZero() && st.LastLoop.Sub(st.LastPass) >= time.Second {
+		fmt.Fprintf(tw, "Last loop turn:\t%s\n", st.LastLoop.Format(time.RFC3339))
 	}
 	if s := st.State; s != nil {
 		switch {
@@ -99,6 +83,17 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 			fmt.Fprintf(tw, "State:\t%s\n", s.Dir)
 		}
 	}
+	if c := st.CDI; c != nil {
+		switch {
+		case c.Error != "":
+			fmt.Fprintf(tw, "CDI spec:\tNOT WRITTEN: %s\n", c.Error)
+		case c.Spec == "":
+			fmt.Fprintf(tw, "CDI spec:\tnone needed yet\n")
+		default:
+			fmt.Fprintf(tw, "CDI spec:\t%s, %d devices\n", c.Spec, c.Devices)
+		}
+	}
+	writeHealthEvents(tw, st)
 	fmt.Fprintln(tw)
 
 	fmt.Fprintln(tw, "GPU\tNAME\tUUID\tMEMORY\tNUMA\tMIG")
@@ -148,6 +143,15 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 		fmt.Fprintln(tw, "GPU\tMIG WANT\tSTATE\tREASON")
 		for _, m := range st.MIG {
 			fmt.Fprintf(tw, "%d\t%s\t%s\t%s\n", m.GPU, m.Want, m.Phase, m.Reason)
+		}
+		fmt.Fprintln(tw)
+	}
+
+	writeDRA(tw, st.DRA)
+	if len(st.HealthCauses) > 0 {
+		fmt.Fprintln(tw, "GPU\tHEALTH CAUSE\tSINCE\tCOUNT")
+		for _, c := range st.HealthCauses {
+			fmt.Fprintf(tw, "%d\t%s\t%s\t%d\n", c.Index, c.Reason, c.Since.Format(time.RFC3339), c.Count)
 		}
 		fmt.Fprintln(tw)
 	}
@@ -207,4 +211,159 @@ func numa(n int) string {
 		return "-"
 	}
 	return fmt.Sprint(n)
+}
+
+// writeConfig says which config is in force, from where, and, when it is not
+// the one selected, what serves instead and why: the same as /status's
+// config, never more hopeful.
+func writeConfig(tw io.Writer, st *agent.Status) {
+	c := st.Config
+	selected := c.Name
+	if c.SelectedBy != "" {
+		selected += " (by " + c.SelectedBy + ")"
+	}
+	switch {
+	case c.Serving != "" && c.Serving != c.Name:
+		fmt.Fprintf(tw, "Config:\t%s from %s, generation %d; selected: %s, not applied\n", c.Serving, c.Source, c.Generation, orNone(selected))
+	case c.Name == "":
+		fmt.Fprintf(tw, "Config:\tnone in force yet (from %s)\n", c.Source)
+	default:
+		fmt.Fprintf(tw, "Config:\t%s from %s, generation %d\n", selected, c.Source, c.Generation)
+	}
+	if c.Error != "" {
+		var kept string
+		switch {
+		case c.Serving == agent.BuiltInConfigName:
+			kept = "serving the built-in default"
+		case c.Serving != "":
+			kept = "serving " + c.Serving + ", the last config that fitted"
+		case len(st.Resource) == 0:
+			kept = "nothing served until a config applies"
+		default:
+			kept = "config " + c.Name + " stays in force"
+		}
+		if !c.ErrorSince.IsZero() {
+			kept = "since " + c.ErrorSince.Format(time.RFC3339) + "; " + kept
+		}
+		fmt.Fprintf(tw, "Config error:\t%s (%s)\n", c.Error, kept)
+	}
+	for _, warn := range c.Warnings {
+		fmt.Fprintf(tw, "Config warning:\t%s\n", warn)
+	}
+}
+
+// writeCluster says whether the Kubernetes API answers, where the Node
+// labels the agent owns stand, and whether the ConfigMap read through the
+// API is in force.
+func writeCluster(tw io.Writer, c *agent.ClusterStatus) {
+	switch c.API {
+	case kube.APIStandalone, "":
+		fmt.Fprintf(tw, "Cluster:\tstandalone, no Kubernetes API: no node labels, Events or ConfigMap\n")
+		return
+	case kube.APIConnecting:
+		fmt.Fprintf(tw, "Cluster:\tconnecting: the API server has not answered yet\n")
+	case kube.APIUnreachable:
+		fmt.Fprintf(tw, "Cluster:\tAPI server UNREACHABLE (serving on; labels, Events and the ConfigMap wait)\n")
+	default:
+		fmt.Fprintf(tw, "Cluster:\tAPI server %s\n", c.API)
+	}
+	for _, e := range c.Errors {
+		fmt.Fprintf(tw, "API error:\t%s\n", e)
+	}
+	if l := c.Labels; l != nil {
+		written := "never written"
+		if !l.Written.IsZero() {
+			written = "written " + l.Written.Format(time.RFC3339)
+		}
+		switch {
+		case l.Error != "":
+			fmt.Fprintf(tw, "Node labels:\t%d owned, %s; NOT UP TO DATE: %s\n", l.Owned, written, l.Error)
+		case l.Pending:
+			fmt.Fprintf(tw, "Node labels:\t%d owned, %s; a change is being written\n", l.Owned, written)
+		default:
+			fmt.Fprintf(tw, "Node labels:\t%d owned, %s\n", l.Owned, written)
+		}
+	}
+	if cm := c.ConfigMap; cm != nil {
+		if cm.InForce {
+			fmt.Fprintf(tw, "ConfigMap:\t%s, in force\n", cm.Name)
+		} else {
+			fmt.Fprintf(tw, "ConfigMap:\t%s, NOT in force: %s\n", cm.Name, cm.Reason)
+		}
+	}
+}
+
+// writeHealthEvents names the GPUs NVML delivers no health events for: only
+// the periodic probes watch them.
+func writeHealthEvents(tw io.Writer, st *agent.Status) {
+	if st.HealthEvents == nil {
+		return
+	}
+	events := map[string]bool{}
+	for _, u := range st.HealthEvents {
+		events[u] = true
+	}
+	var missing []string
+	for _, g := range st.GPUs {
+		if !events[g.UUID] {
+			missing = append(missing, fmt.Sprintf("%d (%s)", g.Index, g.UUID))
+		}
+	}
+	if len(missing) == 0 {
+		fmt.Fprintf(tw, "Health events:\tfrom NVML for every GPU\n")
+		return
+	}
+	fmt.Fprintf(tw, "Health events:\tNONE from NVML for GPU %s: probed only\n", strings.Join(missing, ", "))
+}
+
+// writeDRA is the DRA side: the pool, where ResourceSlice publishing
+// stands, the claims prepared and what released claims left to undo.
+func writeDRA(tw io.Writer, d *agent.DRAStatus) {
+	if d == nil {
+		return
+	}
+	pool := fmt.Sprintf("%d devices in the pool", len(d.Devices))
+	if len(d.Unhealthy) > 0 {
+		pool += fmt.Sprintf(", %d tainted unhealthy: %s", len(d.Unhealthy), strings.Join(d.Unhealthy, ", "))
+	}
+	fmt.Fprintf(tw, "DRA:\t%s\n", pool)
+	switch s := d.Slices; {
+	case s == nil:
+	case s.Generation > 0:
+		fmt.Fprintf(tw, "DRA slices:\tgeneration %d handed to the API server %s\n", s.Generation, s.At.Format(time.RFC3339))
+	case !s.WaitingForAPI.IsZero():
+		fmt.Fprintf(tw, "DRA slices:\tNOT PUBLISHED: waiting for the API server since %s\n", s.WaitingForAPI.Format(time.RFC3339))
+	default:
+		fmt.Fprintf(tw, "DRA slices:\tnot published yet\n")
+	}
+	if len(d.Claims) == 0 {
+		fmt.Fprintf(tw, "DRA claims:\tnone prepared\n")
+	}
+	if len(d.Releasing) == 0 {
+		fmt.Fprintf(tw, "DRA releasing:\tnothing left to undo\n")
+	}
+	fmt.Fprintln(tw)
+	if len(d.Claims) > 0 {
+		fmt.Fprintln(tw, "CLAIM (DRA)\tDEVICES")
+		for _, c := range d.Claims {
+			name, devices, _ := strings.Cut(c, ": ")
+			fmt.Fprintf(tw, "%s\t%s\n", name, devices)
+		}
+		fmt.Fprintln(tw)
+	}
+	if len(d.Releasing) > 0 {
+		fmt.Fprintln(tw, "RELEASED CLAIM\tLEFT TO UNDO (retried after each read of the GPUs)")
+		for _, r := range d.Releasing {
+			name, left, _ := strings.Cut(r, ": ")
+			fmt.Fprintf(tw, "%s\t%s\n", name, left)
+		}
+		fmt.Fprintln(tw)
+	}
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "none"
+	}
+	return s
 }

@@ -60,13 +60,19 @@ func loadManifests(t *testing.T) (*objects, *kustomization) {
 
 func TestManifests(t *testing.T) {
 	o, k := loadManifests(t)
-	// MPS stays off here (no mps-host DaemonSet); the chart has it.
-	checkInstall(t, o, true, false)
+	// MPS stays off here (no mps-host DaemonSet); the chart has it. No
+	// ServiceMonitor: without prometheus-operator's CRDs it would fail the
+	// whole `kubectl apply -k`; the servicemonitor component adds it.
+	checkInstall(t, o, false, false)
+	sm := loadServiceMonitorComponent(t)
+	withSM := *o
+	withSM.ServiceMonitors = sm.ServiceMonitors
+	checkInstall(t, &withSM, true, false)
 
 	// kustomize rewrites namespaces; the files say the same, so they also
 	// work with a plain `kubectl apply -f`.
 	for _, ns := range []string{o.DaemonSets[0].Namespace, o.Services[0].Namespace, o.ServiceAccounts[0].Namespace,
-		o.ConfigMaps[0].Namespace, o.ServiceMonitors[0].Metadata.Namespace, o.ClusterRoleBindings[0].Subjects[0].Namespace} {
+		o.ConfigMaps[0].Namespace, sm.ServiceMonitors[0].Metadata.Namespace, o.ClusterRoleBindings[0].Subjects[0].Namespace} {
 		if ns != k.Namespace {
 			t.Errorf("namespace %q, want the kustomization's %q", ns, k.Namespace)
 		}
@@ -106,4 +112,37 @@ func TestManifests(t *testing.T) {
 		t.Errorf("the DaemonSet mounts ConfigMap %q, the base ships %q", got, o.ConfigMaps[0].Name)
 	}
 	validateConfig(t, "manifests/configmap.yaml", []byte(o.ConfigMaps[0].Data["config.yaml"]), "sim:dgx-a100", "")
+}
+
+// loadServiceMonitorComponent decodes deploy/manifests/servicemonitor
+// strictly: a kustomize Component holding the ServiceMonitor alone.
+func loadServiceMonitorComponent(t *testing.T) *objects {
+	t.Helper()
+	dir := repoPath("deploy", "manifests", "servicemonitor")
+	var k struct {
+		APIVersion string   `json:"apiVersion"`
+		Kind       string   `json:"kind"`
+		Resources  []string `json:"resources"`
+	}
+	data, err := os.ReadFile(filepath.Join(dir, "kustomization.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := yaml.UnmarshalStrict(data, &k); err != nil || k.Kind != "Component" {
+		t.Fatalf("servicemonitor/kustomization.yaml: kind %q, %v", k.Kind, err)
+	}
+	o := &objects{}
+	for _, f := range k.Resources {
+		data, err := os.ReadFile(filepath.Join(dir, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := decodeStrict(f, data, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(o.ServiceMonitors) != 1 || len(o.DaemonSets)+len(o.Services)+len(o.ConfigMaps) != 0 {
+		t.Fatalf("the servicemonitor component holds %d ServiceMonitors and other objects; want the ServiceMonitor alone", len(o.ServiceMonitors))
+	}
+	return o
 }

@@ -252,11 +252,11 @@ func TestClusterSelectionByAPI(t *testing.T) {
 		return nodeLabels(t, c)["nvidia.com/mig.config.state"] == "success"
 	})
 	var st struct {
-		Cluster string `json:"cluster"`
+		Cluster clusterStatus `json:"cluster"`
 	}
 	agentGet(t, agent, "/status", &st)
-	if !strings.HasPrefix(st.Cluster, "connected") {
-		t.Errorf("/status cluster %q, want connected", st.Cluster)
+	if st.Cluster.API != "reachable" || st.Cluster.Labels.Error != "" {
+		t.Errorf("/status cluster %+v, want reachable, labels written", st.Cluster)
 	}
 	// Labels it no longer wants go; labels it never owned stay.
 	if l := nodeLabels(t, c); l["nvidia.com/gpu.replicas"] != "1" || l["nvidia.com/mig-1g.5gb.count"] != "16" || l["nvidia.com/gpu.present"] != "true" {
@@ -351,13 +351,13 @@ func TestClusterFaultsUpgradeAndRBAC(t *testing.T) {
 	// holds it: that would share a GPU its container was given alone.
 	waitAllocatableQ(t, c, gpuResource, 4*(nodeGPUs-1), time.Now())
 	var st struct {
-		Cluster string `json:"cluster"`
+		Cluster clusterStatus `json:"cluster"`
 	}
 	eventually(t, "/status reports the denial", func() bool {
 		agentGet(t, agent, "/status", &st)
-		return strings.Contains(st.Cluster, "forbidden")
+		return strings.Contains(st.Cluster.Labels.Error, "forbidden")
 	})
-	t.Logf("/status cluster: %s", st.Cluster)
+	t.Logf("/status cluster: %+v", st.Cluster)
 	if l := nodeLabels(t, c); l["nvidia.com/gpu.replicas"] == "4" {
 		t.Errorf("labels were written although patch was revoked: %v", gfdLabels(l))
 	}

@@ -299,7 +299,7 @@ func TestClusterDaemonSetServesGPUs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// deploy/manifests includes a ServiceMonitor; a stand-in CRD lets it apply unchanged.
+	// The sim overlay adds the opt-in servicemonitor component; a stand-in CRD lets it apply unchanged.
 	crd, err := harness.ReadObjects(filepath.Join("testdata", "servicemonitor-crd.yaml"))
 	if err != nil {
 		t.Fatal(err)

@@ -193,11 +193,26 @@ func TestClusterAgentTokenPolicy(t *testing.T) {
 		return ok && q.Value.Value() == 4
 	})
 	var st struct {
-		Cluster string `json:"cluster"`
+		Cluster clusterStatus `json:"cluster"`
 	}
 	agentGet(t, agent, "/status", &st)
-	if !strings.HasPrefix(st.Cluster, "connected") {
-		t.Errorf("/status cluster %q, want connected", st.Cluster)
+	if st.Cluster.API != "reachable" || st.Cluster.Labels.Error != "" || len(st.Cluster.Errors) != 0 || !st.Cluster.ConfigMap.InForce {
+		t.Errorf("/status cluster %+v, want reachable, labels written, no errors, the ConfigMap in force", st.Cluster)
 	}
-	t.Logf("the agent under the policies: /status cluster %q", st.Cluster)
+	t.Logf("the agent under the policies: /status cluster %+v", st.Cluster)
+}
+
+// clusterStatus is /status's cluster: the API, the owned labels, the
+// ConfigMap read through the API.
+type clusterStatus struct {
+	API    string   `json:"api"`
+	Errors []string `json:"errors"`
+	Labels struct {
+		Owned int    `json:"owned"`
+		Error string `json:"error"`
+	} `json:"labels"`
+	ConfigMap struct {
+		Name    string `json:"name"`
+		InForce bool   `json:"inForce"`
+	} `json:"configMap"`
 }
