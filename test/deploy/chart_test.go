@@ -283,7 +283,7 @@ paths:
   kubeletRegistryDir: /marker/plugins_registry
 dra: {enabled: true}
 mps: {enabled: true, binary: /marker/mps-control, shmDir: /marker/shm, host: {interval: 7s}}
-driver: {nvmlLib: /marker/libnvidia-ml.so.1}
+driver: {nvmlLib: /marker/libnvidia-ml.so.1, nvidiaSMI: /marker/nvidia-smi}
 metrics: {port: 9555}
 cdi: {specDir: /marker/cdi, nvidiaDevRoot: /marker/driver, migMinors: /marker/mig-minors}
 `
@@ -293,6 +293,7 @@ cdi: {specDir: /marker/cdi, nvidiaDevRoot: /marker/driver, migMinors: /marker/mi
 		"log-format":             "text",
 		"resync":                 "45s",
 		"forget-gone-gpus-after": "72h",
+		"nvidia-smi":             "/marker/nvidia-smi",
 		"config":                 "/etc/gpu-agent/marker.yaml",
 		"device-plugin-dir":      "/marker/device-plugins",
 		"pod-resources-socket":   "/marker/pod-resources/kubelet.sock",
