@@ -71,6 +71,10 @@ type Holdings struct {
 	// Releasing maps the MIG devices of released claims that are still to
 	// be destroyed to the claim: offered neither way meanwhile.
 	Releasing map[string]string
+	// Unsettled are the MIG devices being made for claims (intents) and
+	// those of released claims still to be destroyed: each may exist at its
+	// placement whatever the last read of its GPU shows.
+	Unsettled []PreparedClaimDevice
 }
 
 // Desired is what the node should run and offer.

@@ -60,6 +60,21 @@ func releasingUUIDs(releases, intents map[types.UID]PreparedClaim, inv *gpu.Inve
 	return out
 }
 
+// unsettled lists the MIG devices of intents and releases, in claim order.
+func unsettled(sets ...map[types.UID]PreparedClaim) []PreparedClaimDevice {
+	var out []PreparedClaimDevice
+	for _, set := range sets {
+		for _, uid := range slices.Sorted(maps.Keys(set)) {
+			for _, d := range set[uid].Devices {
+				if d.Created {
+					out = append(out, d)
+				}
+			}
+		}
+	}
+	return out
+}
+
 // planDRA is the pool the node offers through DRA: every device the
 // inventory has, less those the device plugin's containers hold (a device
 // goes one way at a time); devices prepared for claims stay in (the
@@ -171,6 +186,12 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 		}
 		for _, gi := range g.GIsWithoutCI {
 			dyn.Blocked = append(dyn.Blocked, gi.Placement)
+		}
+		for _, d := range s.Holdings.Unsettled {
+			// One a claim holds again stands as its partition.
+			if d.Parent == g.UUID && !created[fmt.Sprintf("%s/%d+%d", g.UUID, d.Placement.Start, d.Placement.Size)] && !slices.Contains(dyn.Blocked, d.Placement) {
+				dyn.Blocked = append(dyn.Blocked, d.Placement)
+			}
 		}
 		out[g.Index] = dyn
 	}

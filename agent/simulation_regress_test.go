@@ -289,7 +289,6 @@ func TestSimRegressBareGPUInstanceAfterCrashWithoutLayout(t *testing.T) {
 // instances, not those of intents and releases whose device a stale
 // inventory does not show.
 func TestSimRegressPoolOffersPartitionsOverIntent(t *testing.T) {
-	t.Skip("issue 23 (simulation): the DRA pool offers partitions over the placement of a pending intent")
 	_, rec := intentLeft(t)
 	_, parts := partitionsOf(rec.last(), 0)
 	var over []string

@@ -91,7 +91,6 @@ var simKnown = []simIssue{
 	// not listed yet (seed 84).
 	{"given twice: two containers, one device under two names", "TestSimRegressHeldReplicaGPUOfferedWhole", nil},
 	{"orphan: a GPU instance without a compute instance", "TestSimRegressBareGPUInstanceAfterCrashWithoutLayout", bareUngoverned},
-	{"pool: a partition over a device the inventory does not show", "TestSimRegressPoolOffersPartitionsOverIntent", nil},
 	{"vanished: handed out what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
 	{"vanished: prepared what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
 	{"ledger: Allocate accepted what it keeps", "TestSimRegressCrashMidUnprepareLeavesGPUUnguarded", claimedDeviceGone},

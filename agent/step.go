@@ -273,7 +273,8 @@ func (a *Agent) snapshot() Snapshot {
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
 		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.allocations(),
-			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed)},
+			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed),
+			Unsettled: unsettled(l.intents, l.releases)},
 		DRA:       a.opts.DRA != nil,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
 	}
