@@ -165,7 +165,9 @@ func Plan(s Snapshot) Desired {
 	drain(planned.Catalog, d.DRA, d.MIG, s.Holdings)
 	shareDevices(d.DRA, planned.Catalog, d.Config)
 	evictOnUnhealthy(d.DRA, d.Config)
-	withholdClaimed(planned.Catalog, s.Holdings.Claimed, s.Inventory, func(by string) string { return "prepared for " + by + " through DRA" })
+	withholdClaimed(planned.Catalog, s.Holdings.Claimed, claimedGPUs(s.Holdings.Claims, s.Inventory), func(by string) string {
+		return "prepared for " + by + " through DRA"
+	})
 	withholdClaimed(planned.Catalog, s.Holdings.Releasing, nil, func(by string) string {
 		return "created for " + by + " through DRA, which was released: being destroyed"
 	})

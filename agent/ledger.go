@@ -217,12 +217,37 @@ func (l *Ledger) claimHolder(u string, except types.UID) string {
 			continue
 		}
 		for _, d := range l.claims[uid].Devices {
-			if !d.AdminAccess && l.overlaps(u, d.UUID) {
+			if l.holds(d, u) {
 				return l.claims[uid].String()
 			}
 		}
 	}
 	return ""
+}
+
+// holds reports whether claim device d holds silicon device u shares: u
+// itself, u's GPU or a MIG device of u's; and for a MIG device made for the
+// claim, its GPU and its placement as the claim recorded them. The claim's
+// record stands even where the inventory no longer shows the device: an
+// agent killed mid-Unprepare, after NVML destroyed the device and before
+// the claim was forgotten, restores a claim whose device is gone, and its
+// GPU is still the claim's until the release is done (MIG back off).
+// Admin access holds nothing.
+func (l *Ledger) holds(d PreparedClaimDevice, u string) bool {
+	if d.AdminAccess || u == "" {
+		return false
+	}
+	if l.overlaps(u, d.UUID) {
+		return true
+	}
+	if !d.Created || d.Parent == "" {
+		return false
+	}
+	if u == d.Parent {
+		return true
+	}
+	p, ok := l.places[u]
+	return ok && p.parent == d.Parent && p.placement.Overlaps(d.Placement)
 }
 
 // pluginHolderLocked names the container the device plugin gave a device
@@ -379,7 +404,7 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 			}
 		}
 		for _, o := range pc.Devices[:i] {
-			if !o.AdminAccess && o.UUID != d.UUID && l.overlaps(d.UUID, o.UUID) {
+			if !o.AdminAccess && o.UUID != d.UUID && (l.holds(o, d.UUID) || l.holds(d, o.UUID)) {
 				return fmt.Errorf("devices %s and %s of one claim are the same GPU", o.Device, d.Device)
 			}
 		}
@@ -391,7 +416,7 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 				if o.AdminAccess || (o.UUID == d.UUID && d.Shares > 0 && o.Shares > 0) {
 					continue
 				}
-				if l.overlaps(d.UUID, o.UUID) {
+				if l.holds(o, d.UUID) || l.holds(d, o.UUID) {
 					return fmt.Errorf("device %s (%s) is in use by %s", d.Device, d.UUID, l.claims[other])
 				}
 			}
@@ -403,7 +428,8 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 
 // intend records that MIG device d is about to be made for claim c, unless
 // its GPU is taken by someone else (a container of the device plugin, a
-// MIG plan, another claim holding the GPU whole).
+// MIG plan, another claim holding the GPU whole or, by its record, a MIG
+// device over d's placement).
 func (l *Ledger) intend(uid types.UID, c PreparedClaim, d PreparedClaimDevice) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -415,7 +441,7 @@ func (l *Ledger) intend(uid types.UID, c PreparedClaim, d PreparedClaimDevice) e
 	}
 	for _, other := range slices.Sorted(maps.Keys(l.claims)) {
 		for _, o := range l.claims[other].Devices {
-			if !o.AdminAccess && o.UUID == d.Parent {
+			if !o.AdminAccess && (o.UUID == d.Parent || (o.Created && o.Parent == d.Parent && o.Placement.Overlaps(d.Placement))) {
 				return fmt.Errorf("in use by %s", l.claims[other])
 			}
 		}

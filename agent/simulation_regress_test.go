@@ -356,7 +356,6 @@ func TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices(t *testing.T) {
 // (overlaps, places; withholdClaimed likewise), not through the claim's
 // own record of it (PreparedClaimDevice.Parent).
 func TestSimRegressCrashMidUnprepareLeavesGPUUnguarded(t *testing.T) {
-	t.Skip("issue 23 (simulation): after a crash mid-Unprepare, the GPU of a claim whose MIG device is gone is handed out whole")
 	dir := t.TempDir()
 	state := filepath.Join(dir, "gpus.json")
 	// NVML changes: MIG on, GPU instance, compute instance (Prepare); then

@@ -93,8 +93,6 @@ var simKnown = []simIssue{
 	{"orphan: a GPU instance without a compute instance", "TestSimRegressBareGPUInstanceAfterCrashWithoutLayout", bareUngoverned},
 	{"vanished: handed out what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
 	{"vanished: prepared what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
-	{"ledger: Allocate accepted what it keeps", "TestSimRegressCrashMidUnprepareLeavesGPUUnguarded", claimedDeviceGone},
-	{"catalog: offers what the ledger keeps", "TestSimRegressCrashMidUnprepareLeavesGPUUnguarded", claimedDeviceGone},
 }
 
 // keptRecord: the agent believes the last record of a GPU it could not
@@ -104,20 +102,6 @@ func keptRecord(s *simRun) bool {
 		return false
 	}
 	return slices.ContainsFunc(s.h.a.inv.GPUs, func(g gpu.GPU) bool { return !s.h.a.read(g.UUID) })
-}
-
-// claimedDeviceGone: a claim the ledger holds has a MIG device made for it
-// that the agent's inventory no longer shows.
-func claimedDeviceGone(s *simRun) bool {
-	l := s.h.a.ledger
-	for _, uid := range slices.Sorted(maps.Keys(l.claims)) {
-		for _, d := range l.claims[uid].Devices {
-			if d.Created && (s.h.a.inv == nil || !s.h.a.inv.HasDevice(d.UUID)) {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // bareUngoverned: a GPU no layout governs has a GPU instance without a
