@@ -194,7 +194,10 @@ type Agent struct {
 	misses      map[string]int
 	// readNow: the GPUs (UUIDs) the last observe read afresh; nil when it
 	// kept the last inventory (or none ran yet: a.inv is the checkpoint's).
-	readNow     map[string]bool
+	readNow map[string]bool
+	// migTouched: the GPUs (UUIDs) MIG plans ran on since each was last
+	// read completely; no earlier record of them is believed.
+	migTouched  map[string]bool
 	profiles    map[string]mig.Profiles
 	profileErrs map[string]error
 

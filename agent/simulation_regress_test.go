@@ -314,7 +314,6 @@ func TestSimRegressPoolOffersPartitionsOverIntent(t *testing.T) {
 // even when the agent changed that GPU since; applyMIG (step.go) runs
 // plans on GPUs whose record was not read afresh.
 func TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices(t *testing.T) {
-	t.Skip("issue 23 (simulation): after repartitioning a GPU it cannot fully read, the agent offers the MIG devices it destroyed")
 	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
 	h := newHarness(t, node, withMIG())
 	layout := func(counts string) string {

@@ -91,17 +91,6 @@ var simKnown = []simIssue{
 	// not listed yet (seed 84).
 	{"given twice: two containers, one device under two names", "TestSimRegressHeldReplicaGPUOfferedWhole", nil},
 	{"orphan: a GPU instance without a compute instance", "TestSimRegressBareGPUInstanceAfterCrashWithoutLayout", bareUngoverned},
-	{"vanished: handed out what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
-	{"vanished: prepared what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
-}
-
-// keptRecord: the agent believes the last record of a GPU it could not
-// read completely.
-func keptRecord(s *simRun) bool {
-	if s.h.a.inv == nil {
-		return false
-	}
-	return slices.ContainsFunc(s.h.a.inv.GPUs, func(g gpu.GPU) bool { return !s.h.a.read(g.UUID) })
 }
 
 // bareUngoverned: a GPU no layout governs has a GPU instance without a

@@ -454,6 +454,9 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 		} else if gm.Apply() && a.opts.MIG != nil {
 			// Apply even an empty plan: it finishes one that crashed after
 			// its last step.
+			if len(gm.Plan.Steps) > 0 {
+				a.touchMIG(gm.UUID)
+			}
 			s, err := a.opts.MIG.Apply(a.ctx, gm.Plan)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("configs.%s.mig: %w", a.selected.Name, err))
