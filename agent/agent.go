@@ -197,7 +197,10 @@ type Agent struct {
 	readNow map[string]bool
 	// migTouched: the GPUs (UUIDs) MIG plans ran on since each was last
 	// read completely; no earlier record of them is believed.
-	migTouched  map[string]bool
+	migTouched map[string]bool
+	// bareSince: when each GPU instance without a compute instance was
+	// first seen (bareKey), for removeBare.
+	bareSince   map[string]time.Time
 	profiles    map[string]mig.Profiles
 	profileErrs map[string]error
 

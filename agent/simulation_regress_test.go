@@ -238,7 +238,6 @@ func TestSimRegressAllocateDuringRelease(t *testing.T) {
 // bare GPU instance; a GPU no layout governs keeps it (dynamicGPUs counts
 // it as blocked).
 func TestSimRegressBareGPUInstanceAfterCrashWithoutLayout(t *testing.T) {
-	t.Skip("issue 23 (simulation): a GPU instance left without a compute instance by a crash mid-layout stays when the next config has no layout")
 	dir := t.TempDir()
 	state := filepath.Join(dir, "gpus.json")
 	node, err := sim.New("dgx-a100", sim.WithMIGEnabled(), sim.WithStateFile(state), sim.WithLogger(quietLogger()), sim.WithCrashAfter(1, func() { panic(crash{}) }))

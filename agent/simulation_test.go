@@ -90,19 +90,6 @@ var simKnown = []simIssue{
 	// Fixed for what the kubelet lists; open while the first allocation is
 	// not listed yet (seed 84).
 	{"given twice: two containers, one device under two names", "TestSimRegressHeldReplicaGPUOfferedWhole", nil},
-	{"orphan: a GPU instance without a compute instance", "TestSimRegressBareGPUInstanceAfterCrashWithoutLayout", bareUngoverned},
-}
-
-// bareUngoverned: a GPU no layout governs has a GPU instance without a
-// compute instance.
-func bareUngoverned(s *simRun) bool {
-	governed := s.governed()
-	for i, g := range s.truth().gpus {
-		if len(g.bare) > 0 && !governed[i] {
-			return true
-		}
-	}
-	return false
 }
 
 // always: a known issue that ends the seed whenever it shows.

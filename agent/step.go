@@ -100,6 +100,7 @@ func (a *Agent) Step(batch []Event) {
 			// On GPUs just read, before anything is planned from them.
 			a.retryReleases()
 		}
+		a.removeBare()
 	}
 	// Claims are decided against what is observed now, before the pass
 	// that then withholds them from the device plugin.
