@@ -86,11 +86,7 @@ type simKnownEnd string
 
 // simKnown are the known issues: violations of these kinds are counted
 // and let pass while -sim.known is true (the default).
-var simKnown = []simIssue{
-	// Fixed for what the kubelet lists; open while the first allocation is
-	// not listed yet (seed 84).
-	{"given twice: two containers, one device under two names", "TestSimRegressHeldReplicaGPUOfferedWhole", nil},
-}
+var simKnown = []simIssue{}
 
 // always: a known issue that ends the seed whenever it shows.
 func always(*simRun) bool { return true }
@@ -736,7 +732,7 @@ func (s *simRun) admit(res string, ids []string, checkPlugin bool) bool {
 	}
 	truth := s.truth()
 	ledger := s.ledgerTaken(truth)
-	if err := s.h.a.Ledger().Allocate(uuids); err != nil {
+	if err := s.h.a.Ledger().Admit(res, handoutsOf(ids)); err != nil {
 		s.note("refused by the ledger: %s", shortErr(err))
 		s.seen["Allocate refused by the ledger"]++
 		return false
