@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
@@ -288,7 +289,10 @@ func TestSimRegressBareGPUInstanceAfterCrashWithoutLayout(t *testing.T) {
 // its partitions are not. Where: dynamicGPUs (pool.go) blocks the
 // placements of the instances the inventory shows and of bare GPU
 // instances, not those of intents and releases whose device a stale
-// inventory does not show.
+// inventory does not show. Since a GPU a MIG plan ran on is offered not
+// at all until it is read completely (withdrawTouched), this sequence no
+// longer reaches the pool planner with a stale record;
+// TestPoolBlocksUnsettledPlacements checks the planner's part.
 func TestSimRegressPoolOffersPartitionsOverIntent(t *testing.T) {
 	_, rec := intentLeft(t)
 	_, parts := partitionsOf(rec.last(), 0)
@@ -482,3 +486,37 @@ func TestSimRegressUnlistedHandoutUnderTwoNames(t *testing.T) {
 
 func pcie4(t *testing.T) *sim.Node   { return simNode(t, "pcie-4gpu") }
 func a100MIG(t *testing.T) *sim.Node { return simNode(t, "dgx-a100", sim.WithMIGEnabled()) }
+
+// The pool planner itself: a placement an intent or a release stands on
+// is offered as no partition, whatever the GPU's record shows (after a
+// failed read the record may be one from before the device was made).
+func TestPoolBlocksUnsettledPlacements(t *testing.T) {
+	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(&draRecorder{}), withMIG(), withQuietLog())
+	h.config(wholeGPUs)
+	uuid := findGPU(h, 0).ID
+	at := gpu.Placement{Start: 4, Size: 4}
+	for _, tc := range []struct {
+		name      string
+		unsettled []PreparedClaimDevice
+		wantOver  bool // partitions over 4-7 offered
+	}{
+		{"nothing unsettled", nil, true},
+		{"an intent at 4", []PreparedClaimDevice{{Created: true, Parent: uuid, Profile: "3g.40gb", Placement: at}}, false},
+		{"a release at 4, its device named", []PreparedClaimDevice{{UUID: "MIG-gone", Created: true, Parent: uuid, Profile: "3g.40gb", Placement: at}}, false},
+		{"an intent on another GPU", []PreparedClaimDevice{{Created: true, Parent: "GPU-other", Profile: "3g.40gb", Placement: at}}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := h.a.snapshot()
+			s.Holdings.Unsettled = tc.unsettled
+			var over []string
+			for _, d := range planDRA(s).Devices {
+				if d.Partition && d.ParentUUID == uuid && d.Placement.Overlaps(at) {
+					over = append(over, d.Name)
+				}
+			}
+			if got := len(over) > 0; got != tc.wantOver {
+				t.Errorf("partitions of GPU 0 over memory slices 4-7: %v; want offered: %v", over, tc.wantOver)
+			}
+		})
+	}
+}
