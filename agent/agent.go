@@ -201,7 +201,13 @@ type Agent struct {
 	misses      map[string]int
 	// readNow: the GPUs (UUIDs) the last observe read afresh; nil when it
 	// kept the last inventory (or none ran yet: a.inv is the checkpoint's).
-	readNow     map[string]bool
+	readNow map[string]bool
+	// migTouched: the GPUs (UUIDs) MIG plans ran on since each was last
+	// read completely; no earlier record of them is believed.
+	migTouched map[string]bool
+	// bareSince: when each GPU instance without a compute instance was
+	// first seen (bareKey), for removeBare.
+	bareSince   map[string]time.Time
 	profiles    map[string]mig.Profiles
 	profileErrs map[string]error
 

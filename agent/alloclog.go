@@ -58,28 +58,57 @@ type allocLog struct {
 }
 
 // appendRecord appends one record and its newline to b: the JSON that
-// json.Marshal makes of an allocRecord, written by hand for the IDs the
-// catalog has (UUIDs: no character JSON escapes), which keeps Allocate's
-// cost down; any other ID goes through encoding/json.
-func appendRecord(b []byte, at time.Time, ids []string) ([]byte, error) {
+// json.Marshal makes of rec, written by hand for the IDs the catalog has
+// (UUIDs: no character JSON escapes), which keeps Allocate's cost down;
+// any other string goes through encoding/json.
+func appendRecord(b []byte, rec allocRecord) ([]byte, error) {
 	b = append(b, `{"at":"`...)
-	b = at.AppendFormat(b, time.RFC3339Nano)
-	b = append(b, `","ids":[`...)
-	for i, id := range ids {
+	b = rec.At.AppendFormat(b, time.RFC3339Nano)
+	b = append(b, `","ids":`...)
+	b, err := appendStrings(b, rec.IDs)
+	if err != nil {
+		return nil, err
+	}
+	if rec.Resource != "" {
+		b = append(b, `,"resource":`...)
+		if b, err = appendString(b, rec.Resource); err != nil {
+			return nil, err
+		}
+	}
+	if len(rec.Replicas) > 0 {
+		b = append(b, `,"replicas":`...)
+		if b, err = appendStrings(b, rec.Replicas); err != nil {
+			return nil, err
+		}
+	}
+	return append(b, "}\n"...), nil
+}
+
+// appendStrings appends ss as a JSON array.
+func appendStrings(b []byte, ss []string) ([]byte, error) {
+	b = append(b, '[')
+	for i, x := range ss {
 		if i > 0 {
 			b = append(b, ',')
 		}
-		if plainID(id) {
-			b = append(append(append(b, '"'), id...), '"')
-			continue
-		}
-		q, err := json.Marshal(id)
-		if err != nil {
+		var err error
+		if b, err = appendString(b, x); err != nil {
 			return nil, err
 		}
-		b = append(b, q...)
 	}
-	return append(b, "]}\n"...), nil
+	return append(b, ']'), nil
+}
+
+// appendString appends x as a JSON string.
+func appendString(b []byte, x string) ([]byte, error) {
+	if plainID(x) {
+		return append(append(append(b, '"'), x...), '"'), nil
+	}
+	q, err := json.Marshal(x)
+	if err != nil {
+		return nil, err
+	}
+	return append(b, q...), nil
 }
 
 // plainID reports whether id needs no JSON escaping and no HTML-safe
@@ -94,20 +123,34 @@ func plainID(id string) bool {
 	return true
 }
 
-// allocRecord is one line of the log.
+// allocRecord is one line of the log: the devices (GPU or MIG UUIDs) one
+// Allocate handed out, when, under which resource, and which of them as
+// replicas of a shared device. Resource and Replicas came later: a record
+// without them (an older agent's) is read as devices whose name is unknown.
 type allocRecord struct {
-	At  time.Time `json:"at"`
-	IDs []string  `json:"ids"`
+	At       time.Time `json:"at"`
+	IDs      []string  `json:"ids"`
+	Resource string    `json:"resource,omitempty"`
+	Replicas []string  `json:"replicas,omitempty"`
+}
+
+// AllocEntry is what the ledger keeps of a device the device plugin handed
+// out: when, under which resource ("" when an older log did not say), and
+// whether as a replica of a shared device.
+type AllocEntry struct {
+	At       time.Time
+	Resource string
+	Replica  bool
 }
 
 // openAllocLog reads what dir's allocation log holds, rewrites it compacted
 // and opens it for appending. A log that cannot be read (not a regular
 // file, too large) is set aside and an error says so; lines that cannot be
 // decoded (the torn last line of a crash) are skipped with a warning.
-func openAllocLog(dir string, log *slog.Logger) (*allocLog, map[string]time.Time, error) {
+func openAllocLog(dir string, log *slog.Logger) (*allocLog, map[string]AllocEntry, error) {
 	path := filepath.Join(dir, AllocLogFile)
 	l := &allocLog{path: path, log: log}
-	entries := map[string]time.Time{}
+	entries := map[string]AllocEntry{}
 	var readErr error
 	b, err := atomicfile.ReadFile(path, maxAllocLogBytes)
 	switch {
@@ -131,10 +174,11 @@ func openAllocLog(dir string, log *slog.Logger) (*allocLog, map[string]time.Time
 	return l, entries, readErr
 }
 
-// DecodeAllocLog reads an allocation log: for each device, when it was last
-// handed out. A line that is not a whole record is skipped and reported.
-func DecodeAllocLog(b []byte) (map[string]time.Time, []error) {
-	out := map[string]time.Time{}
+// DecodeAllocLog reads an allocation log: for each device, when and how it
+// was last handed out. A line that is not a whole record is skipped and
+// reported.
+func DecodeAllocLog(b []byte) (map[string]AllocEntry, []error) {
+	out := map[string]AllocEntry{}
 	var bad []error
 	for i, line := range bytes.Split(b, []byte{'\n'}) {
 		if len(bytes.TrimSpace(line)) == 0 {
@@ -148,8 +192,8 @@ func DecodeAllocLog(b []byte) (map[string]time.Time, []error) {
 			continue
 		}
 		for _, id := range rec.IDs {
-			if old, ok := out[id]; !ok || rec.At.After(old) {
-				out[id] = rec.At
+			if old, ok := out[id]; !ok || rec.At.After(old.At) {
+				out[id] = AllocEntry{At: rec.At, Resource: rec.Resource, Replica: slices.Contains(rec.Replicas, id)}
 			}
 		}
 	}
@@ -177,13 +221,21 @@ func decodeAllocRecord(line []byte) (allocRecord, error) {
 			return rec, fmt.Errorf("device ID of %d bytes", len(id))
 		}
 	}
+	if len(rec.Resource) > maxIDBytes {
+		return rec, fmt.Errorf("resource name of %d bytes", len(rec.Resource))
+	}
+	for _, id := range rec.Replicas {
+		if !slices.Contains(rec.IDs, id) {
+			return rec, fmt.Errorf("replica %q is not among the record's devices", id)
+		}
+	}
 	return rec, nil
 }
 
 // append writes one record. On a failed or short write the file is cut back
 // to its whole records.
-func (l *allocLog) append(at time.Time, ids []string) error {
-	line, err := appendRecord(l.buf[:0], at, ids)
+func (l *allocLog) append(rec allocRecord) error {
+	line, err := appendRecord(l.buf[:0], rec)
 	if err != nil {
 		return err
 	}
@@ -201,7 +253,7 @@ func (l *allocLog) append(at time.Time, ids []string) error {
 
 // compactLocked rewrites the log with only entries once it has grown past
 // compactAbove; a failure keeps the longer log, which is still right.
-func (l *allocLog) compactLocked(entries map[string]time.Time) {
+func (l *allocLog) compactLocked(entries map[string]AllocEntry) {
 	if l.size < compactAbove {
 		return
 	}
@@ -212,10 +264,15 @@ func (l *allocLog) compactLocked(entries map[string]time.Time) {
 
 // rewrite replaces the file with one record per entry (atomically) and
 // reopens it for appending.
-func (l *allocLog) rewrite(entries map[string]time.Time) error {
+func (l *allocLog) rewrite(entries map[string]AllocEntry) error {
 	var buf bytes.Buffer
 	for _, id := range slices.Sorted(maps.Keys(entries)) {
-		line, err := json.Marshal(allocRecord{At: entries[id], IDs: []string{id}})
+		e := entries[id]
+		rec := allocRecord{At: e.At, IDs: []string{id}, Resource: e.Resource}
+		if e.Replica {
+			rec.Replicas = rec.IDs
+		}
+		line, err := json.Marshal(rec)
 		if err != nil {
 			return err
 		}

@@ -122,7 +122,11 @@ func (a *Agent) restore(cp *Checkpoint) {
 		a.log.Warn("checkpoint is from another node; ignoring it", "checkpoint-node", cp.Node, "node", a.opts.NodeName)
 		return
 	}
-	if future := a.ledger.restoreAllocations(cp.Allocated); future > 0 {
+	allocs := make(map[string]AllocEntry, len(cp.Allocated))
+	for u, at := range cp.Allocated {
+		allocs[u] = AllocEntry{At: at} // under a name the checkpoint does not keep
+	}
+	if future := a.ledger.restoreAllocations(allocs); future > 0 {
 		a.log.Warn("allocations dated after now (the clock stepped back since they were made) count from now", "allocations", future)
 	}
 	maps.Copy(a.ledger.claims, cp.Claims)

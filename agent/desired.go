@@ -74,6 +74,10 @@ type Holdings struct {
 	// Releasing maps the MIG devices of released claims that are still to
 	// be destroyed to the claim: offered neither way meanwhile.
 	Releasing map[string]string
+	// Unsettled are the MIG devices being made for claims (intents) and
+	// those of released claims still to be destroyed: each may exist at its
+	// placement whatever the last read of its GPU shows.
+	Unsettled []PreparedClaimDevice
 }
 
 // Desired is what the node should run and offer.
@@ -164,7 +168,9 @@ func Plan(s Snapshot) Desired {
 	drain(planned.Catalog, d.DRA, d.MIG, s.Holdings)
 	shareDevices(d.DRA, planned.Catalog, d.Config)
 	evictOnUnhealthy(d.DRA, d.Config)
-	withholdClaimed(planned.Catalog, s.Holdings.Claimed, s.Inventory, func(by string) string { return "prepared for " + by + " through DRA" })
+	withholdClaimed(planned.Catalog, s.Holdings.Claimed, claimedGPUs(s.Holdings.Claims, s.Inventory), func(by string) string {
+		return "prepared for " + by + " through DRA"
+	})
 	withholdClaimed(planned.Catalog, s.Holdings.Releasing, nil, func(by string) string {
 		return "created for " + by + " through DRA, which was released: being destroyed"
 	})

@@ -23,6 +23,7 @@ import (
 // applier doomed for it (mig.Guard) is cleared once the GPUs are read: the
 // devices it destroyed are gone, those it did not are free again.
 func (a *Agent) applyAndRead(plan mig.Plan, why string) error {
+	a.touchMIG(plan.UUID)
 	st, err := a.opts.MIG.Apply(a.ctx, plan)
 	if err == nil && st.Phase != mig.PhaseApplied {
 		err = fmt.Errorf("%s: %s", st.Phase, st.Reason)

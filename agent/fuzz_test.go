@@ -58,6 +58,8 @@ func FuzzDecodeAllocLog(f *testing.F) {
 		"{\"at\":\"0001-01-01T00:00:00Z\",\"ids\":[\"a\"]}\n",
 		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[]}\n\n\n",
 		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"x\"],\"extra\":1}\n",
+		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"GPU-a\",\"GPU-b\"],\"resource\":\"nvidia.com/gpu\",\"replicas\":[\"GPU-b\"]}\n",
+		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"GPU-a\"],\"replicas\":[\"GPU-z\"]}\n",
 	} {
 		f.Add([]byte(s))
 	}
@@ -66,9 +68,9 @@ func FuzzDecodeAllocLog(f *testing.F) {
 		if len(bad) > 10 {
 			t.Fatalf("%d errors reported, want at most 10", len(bad))
 		}
-		for id, at := range got {
-			if id == "" || len(id) > maxIDBytes || at.IsZero() {
-				t.Fatalf("entry %q at %v out of bounds", id, at)
+		for id, e := range got {
+			if id == "" || len(id) > maxIDBytes || e.At.IsZero() || len(e.Resource) > maxIDBytes {
+				t.Fatalf("entry %q %+v out of bounds", id, e)
 			}
 		}
 		dir := t.TempDir()
@@ -78,7 +80,9 @@ func FuzzDecodeAllocLog(f *testing.F) {
 		}
 		defer l.close()
 		again, bad := DecodeAllocLog(readFile(t, l.path))
-		if len(bad) != 0 || !maps.EqualFunc(got, again, func(x, y time.Time) bool { return x.Equal(y) }) {
+		if len(bad) != 0 || !maps.EqualFunc(got, again, func(x, y AllocEntry) bool {
+			return x.At.Equal(y.At) && x.Resource == y.Resource && x.Replica == y.Replica
+		}) {
 			t.Fatalf("rewritten log reads back %v (%v), want %v", again, bad, got)
 		}
 		if strings.Count(string(readFile(t, l.path)), "\n") != len(got) {
@@ -98,16 +102,19 @@ func readFile(t *testing.T, path string) []byte {
 
 // The hand-written record is what encoding/json writes, for any IDs.
 func FuzzAppendRecord(f *testing.F) {
-	f.Add("MIG-3dee2220-2f67-5d76-a37a-43529f763691", "GPU-0", int64(1764072000123456789))
-	f.Add("a\"b<c>&\x00é", "", int64(0))
-	f.Fuzz(func(t *testing.T, a, b string, nanos int64) {
-		at := time.Unix(0, nanos).UTC()
-		ids := []string{a, b}
-		got, err := appendRecord(nil, at, ids)
+	f.Add("MIG-3dee2220-2f67-5d76-a37a-43529f763691", "GPU-0", "", false, int64(1764072000123456789))
+	f.Add("GPU-a", "GPU-b", "nvidia.com/gpu", true, int64(1764072000123456789))
+	f.Add("a\"b<c>&\x00é", "", "<r>", true, int64(0))
+	f.Fuzz(func(t *testing.T, a, b, resource string, replica bool, nanos int64) {
+		rec := allocRecord{At: time.Unix(0, nanos).UTC(), IDs: []string{a, b}, Resource: resource}
+		if replica {
+			rec.Replicas = []string{b}
+		}
+		got, err := appendRecord(nil, rec)
 		if err != nil {
 			t.Fatal(err)
 		}
-		want, err := json.Marshal(allocRecord{At: at, IDs: ids})
+		want, err := json.Marshal(rec)
 		if err != nil {
 			return // a time encoding/json refuses (year outside 0-9999)
 		}

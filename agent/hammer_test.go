@@ -191,7 +191,7 @@ func TestAllocateHammer(t *testing.T) {
 	}
 	inbox := NewInbox()
 	mgr, err := plugin.NewManager(plugin.Options{Dir: pluginDir, RetryBackoff: 10 * time.Millisecond,
-		Admit:      func(_ string, uuids []string) error { return ledger.Allocate(uuids) },
+		Admit:      ledger.Admit,
 		OnAllocate: func(res string, ids []string) { inbox.Post(Allocated{Resource: res, IDs: ids}) }})
 	if err != nil {
 		t.Fatal(err)

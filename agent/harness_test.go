@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +18,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/mig"
+	"github.com/gpu-agent/gpu-agent/plugin"
 )
 
 // recorder is a Publisher that keeps every catalog it was given.
@@ -233,12 +235,7 @@ func (h *harness) step(evs ...Event) {
 // ledger records it (or refuses, the error returned), then the plugin
 // tells the loop.
 func (h *harness) allocate(resource string, ids ...string) error {
-	uuids := make([]string, 0, len(ids))
-	for _, id := range ids {
-		uuid, _, _ := strings.Cut(id, "::")
-		uuids = append(uuids, uuid)
-	}
-	if err := h.a.Ledger().Allocate(uuids); err != nil {
+	if err := h.a.Ledger().Admit(resource, handoutsOf(ids)); err != nil {
 		return err
 	}
 	h.step(Allocated{Resource: resource, IDs: ids})
@@ -282,3 +279,16 @@ func mixedLayout(counts string) string {
 }
 
 var errUnreachable = errors.New("dial unix /var/lib/kubelet/pod-resources/kubelet.sock: connect: no such file or directory")
+
+// handoutsOf is what the device plugin hands the ledger for device IDs of
+// the uuid strategy: each device once, "<uuid>::<n>" a replica of <uuid>.
+func handoutsOf(ids []string) []plugin.Handout {
+	var out []plugin.Handout
+	for _, id := range ids {
+		uuid, _, replica := strings.Cut(id, "::")
+		if h := (plugin.Handout{UUID: uuid, Replica: replica}); !slices.Contains(out, h) {
+			out = append(out, h)
+		}
+	}
+	return out
+}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/plugin"
 )
 
 // Ledger is the node's one record of who has each device, and the one place
@@ -50,7 +51,8 @@ type Ledger struct {
 	now func() time.Time
 	log *allocLog
 
-	plugin map[string]time.Time // device UUID → when Allocate handed it out
+	plugin map[string]AllocEntry // device UUID → when and how Allocate last handed it out
+	ids    []string              // Admit's scratch, under mu
 
 	places     map[string]place // MIG device UUID → where it is (from the last inventory)
 	holders    *health.Attribution
@@ -113,7 +115,7 @@ func (l *Ledger) Close() {
 
 func newLedger(now func() time.Time) *Ledger {
 	return &Ledger{
-		now: now, plugin: map[string]time.Time{}, places: map[string]place{},
+		now: now, plugin: map[string]AllocEntry{}, places: map[string]place{},
 		claims: map[types.UID]PreparedClaim{}, intents: map[types.UID]PreparedClaim{},
 		releases: map[types.UID]PreparedClaim{}, dynamicMIG: map[string]bool{}, doomed: map[string]string{},
 	}
@@ -142,32 +144,50 @@ func (l *Ledger) overlaps(a, b string) bool {
 	return a == b || l.places[a].parent == b || l.places[b].parent == a
 }
 
-// Allocate records that the device plugin hands devices (GPU or MIG UUIDs)
-// to a container, unless one of them is taken another way: doomed by a MIG
-// plan, prepared for a DRA claim, being made or destroyed for one. The
-// record is in the allocation log before Allocate returns (see allocLog
-// for why a crash right after the answer cannot lose it). The error is a
-// gRPC status: FailedPrecondition naming the device and why, Unavailable
-// when the record could not be written.
-func (l *Ledger) Allocate(uuids []string) error {
+// Admit records that the device plugin hands devices to a container
+// under resource, unless one of them is taken another way: doomed by a MIG
+// plan, prepared for a DRA claim, being made or destroyed for one, or
+// handed out by the device plugin under another name (handedLocked). The
+// record is in the allocation log before Admit returns (see allocLog for
+// why a crash right after the answer cannot lose it). The error is a gRPC
+// status: FailedPrecondition naming the device and why, Unavailable when
+// the record could not be written. Implements plugin.Options.Admit.
+func (l *Ledger) Admit(resource string, devs []plugin.Handout) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	for _, u := range uuids {
-		if why := l.takenLocked(u); why != "" {
-			return status.Errorf(codes.FailedPrecondition, "device %s is %s", u, why)
+	for _, d := range devs {
+		why := l.takenLocked(d.UUID)
+		if why == "" {
+			why = l.handedLocked(resource, d)
+		}
+		if why != "" {
+			return status.Errorf(codes.FailedPrecondition, "device %s is %s", d.UUID, why)
 		}
 	}
 	now := l.now()
 	if l.log != nil {
-		if err := l.log.append(now, uuids); err != nil {
+		// The record's lists reuse one array: Allocate is on the
+		// kubelet's container start path.
+		l.ids = l.ids[:0]
+		for _, d := range devs {
+			l.ids = append(l.ids, d.UUID)
+		}
+		rec := allocRecord{At: now, IDs: l.ids, Resource: resource}
+		for _, d := range devs {
+			if d.Replica {
+				l.ids = append(l.ids, d.UUID)
+			}
+		}
+		rec.Replicas = l.ids[len(devs):]
+		if err := l.log.append(rec); err != nil {
 			l.logErr.set(err, now)
 			l.logFailures.Add(1)
 			return status.Errorf(codes.Unavailable, "the allocation could not be recorded, so a restart could destroy the device under its container: %v", err)
 		}
 		l.logErr.clear()
 	}
-	for _, u := range uuids {
-		l.plugin[u] = now
+	for _, d := range devs {
+		l.plugin[d.UUID] = AllocEntry{At: now, Resource: resource, Replica: d.Replica}
 	}
 	if l.log != nil {
 		// Devices allocated again and again while the kubelet's answer
@@ -175,6 +195,67 @@ func (l *Ledger) Allocate(uuids []string) error {
 		l.log.compactLocked(l.plugin)
 	}
 	return nil
+}
+
+// Allocate is Admit of whole devices (GPU or MIG UUIDs) under a resource
+// it does not name: another allocation of the same device is then no
+// conflict, one of its GPU or of a MIG device of it still is.
+func (l *Ledger) Allocate(uuids []string) error {
+	devs := make([]plugin.Handout, len(uuids))
+	for i, u := range uuids {
+		devs[i] = plugin.Handout{UUID: u}
+	}
+	return l.Admit("", devs)
+}
+
+// handedLocked says why the device plugin may not hand out d under
+// resource ("" when it may): it handed out the same silicon another way,
+// and no answer of the kubelet since has shown that container gone. The
+// kubelet counts device IDs, so after a config change it would give a GPU
+// whole while a container still has a replica of it, or a MIG device and
+// its GPU, to two containers that each believe they have the silicon. The
+// same device again under the same name is no conflict (the kubelet frees
+// an ID only when its container is gone), nor are two replicas of one
+// shared device; nor the same device where either name is unknown (an
+// older log's, or Allocate's).
+func (l *Ledger) handedLocked(resource string, d plugin.Handout) string {
+	unsettled := func(e AllocEntry) string {
+		return fmt.Sprintf("at %s (not yet shown gone by the kubelet)", stamp(e.At))
+	}
+	if e, ok := l.plugin[d.UUID]; ok && e.Resource != "" && resource != "" {
+		switch {
+		case e.Resource != resource:
+			return fmt.Sprintf("handed out under %s %s; not again under %s", e.Resource, unsettled(e), resource)
+		case e.Replica && !d.Replica:
+			return fmt.Sprintf("shared: the device plugin handed out a replica of it under %s %s; not whole", e.Resource, unsettled(e))
+		case !e.Replica && d.Replica:
+			return fmt.Sprintf("handed out whole under %s %s; not as a replica", e.Resource, unsettled(e))
+		}
+	}
+	if gpu := l.places[d.UUID].parent; gpu != "" {
+		if e, ok := l.plugin[gpu]; ok {
+			return fmt.Sprintf("a MIG device of GPU %s, which the device plugin handed out whole%s %s", gpu, under(e), unsettled(e))
+		}
+	}
+	held := ""
+	for x, p := range l.places {
+		if _, ok := l.plugin[x]; ok && p.parent == d.UUID && (held == "" || x < held) {
+			held = x // the first by UUID: the message is the same each time
+		}
+	}
+	if held != "" {
+		e := l.plugin[held]
+		return fmt.Sprintf("the GPU of MIG device %s, which the device plugin handed out%s %s", held, under(e), unsettled(e))
+	}
+	return ""
+}
+
+// under names an allocation's resource, for messages.
+func under(e AllocEntry) string {
+	if e.Resource == "" {
+		return ""
+	}
+	return " under " + e.Resource
 }
 
 // takenLocked says why device u may not go to the device plugin ("" when
@@ -217,12 +298,37 @@ func (l *Ledger) claimHolder(u string, except types.UID) string {
 			continue
 		}
 		for _, d := range l.claims[uid].Devices {
-			if !d.AdminAccess && l.overlaps(u, d.UUID) {
+			if l.holds(d, u) {
 				return l.claims[uid].String()
 			}
 		}
 	}
 	return ""
+}
+
+// holds reports whether claim device d holds silicon device u shares: u
+// itself, u's GPU or a MIG device of u's; and for a MIG device made for the
+// claim, its GPU and its placement as the claim recorded them. The claim's
+// record stands even where the inventory no longer shows the device: an
+// agent killed mid-Unprepare, after NVML destroyed the device and before
+// the claim was forgotten, restores a claim whose device is gone, and its
+// GPU is still the claim's until the release is done (MIG back off).
+// Admin access holds nothing.
+func (l *Ledger) holds(d PreparedClaimDevice, u string) bool {
+	if d.AdminAccess || u == "" {
+		return false
+	}
+	if l.overlaps(u, d.UUID) {
+		return true
+	}
+	if !d.Created || d.Parent == "" {
+		return false
+	}
+	if u == d.Parent {
+		return true
+	}
+	p, ok := l.places[u]
+	return ok && p.parent == d.Parent && p.placement.Overlaps(d.Placement)
 }
 
 // pluginHolderLocked names the container the device plugin gave a device
@@ -236,8 +342,8 @@ func (l *Ledger) pluginHolderLocked(u string) string {
 		if hs := l.holders.Holders(x); len(hs) > 0 {
 			return hs[0].String() + " (device plugin)"
 		}
-		if at, ok := l.plugin[x]; ok {
-			return "a container the device plugin gave it at " + stamp(at) + " (not yet listed by the kubelet)"
+		if e, ok := l.plugin[x]; ok {
+			return "a container the device plugin gave it at " + stamp(e.At) + " (not yet listed by the kubelet)"
 		}
 	}
 	for x, p := range l.places {
@@ -247,8 +353,8 @@ func (l *Ledger) pluginHolderLocked(u string) string {
 		if hs := l.holders.Holders(x); len(hs) > 0 {
 			return hs[0].String() + " (device plugin, MIG device " + x + ")"
 		}
-		if at, ok := l.plugin[x]; ok {
-			return "a container the device plugin gave its MIG device " + x + " at " + stamp(at) + " (not yet listed by the kubelet)"
+		if e, ok := l.plugin[x]; ok {
+			return "a container the device plugin gave its MIG device " + x + " at " + stamp(e.At) + " (not yet listed by the kubelet)"
 		}
 	}
 	return ""
@@ -291,7 +397,11 @@ func (l *Ledger) LogFailures() int64 { return l.logFailures.Load() }
 func (l *Ledger) allocations() map[string]time.Time {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return maps.Clone(l.plugin)
+	out := make(map[string]time.Time, len(l.plugin))
+	for u, e := range l.plugin {
+		out[u] = e.At
+	}
+	return out
 }
 
 // settleable reports whether an allocation the last answer did not list is
@@ -299,8 +409,8 @@ func (l *Ledger) allocations() map[string]time.Time {
 func (l *Ledger) settleable(now time.Time) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	for u, at := range l.plugin {
-		if now.Sub(at) >= recentSettle && len(l.holders.Holders(u)) == 0 {
+	for u, e := range l.plugin {
+		if now.Sub(e.At) >= recentSettle && len(l.holders.Holders(u)) == 0 {
 			return true
 		}
 	}
@@ -311,16 +421,16 @@ func (l *Ledger) settleable(now time.Time) bool {
 // dated after now (the clock stepped back across the restart) counts from
 // now: otherwise no answer could ever be late enough to settle it, and its
 // GPU would stay blocked for good.
-func (l *Ledger) restoreAllocations(allocs map[string]time.Time) (future int) {
+func (l *Ledger) restoreAllocations(allocs map[string]AllocEntry) (future int) {
 	now := l.now()
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	for u, at := range allocs {
-		if at.After(now) {
-			at, future = now, future+1
+	for u, e := range allocs {
+		if e.At.After(now) {
+			e.At, future = now, future+1
 		}
-		if old, ok := l.plugin[u]; !ok || at.After(old) {
-			l.plugin[u] = at
+		if old, ok := l.plugin[u]; !ok || e.At.After(old.At) {
+			l.plugin[u] = e
 		}
 	}
 	return future
@@ -336,10 +446,10 @@ func (l *Ledger) settle(att *health.Attribution, asked time.Time) int {
 	defer l.mu.Unlock()
 	l.holders = att
 	n := 0
-	for u, at := range l.plugin {
+	for u, e := range l.plugin {
 		// One the answer lists stays: the log then tells a restarted
 		// agent who holds what before the kubelet first answers it.
-		if asked.Sub(at) >= recentSettle && len(att.Holders(u)) == 0 {
+		if asked.Sub(e.At) >= recentSettle && len(att.Holders(u)) == 0 {
 			delete(l.plugin, u)
 			n++
 		}
@@ -379,7 +489,7 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 			}
 		}
 		for _, o := range pc.Devices[:i] {
-			if !o.AdminAccess && o.UUID != d.UUID && l.overlaps(d.UUID, o.UUID) {
+			if !o.AdminAccess && o.UUID != d.UUID && (l.holds(o, d.UUID) || l.holds(d, o.UUID)) {
 				return fmt.Errorf("devices %s and %s of one claim are the same GPU", o.Device, d.Device)
 			}
 		}
@@ -391,7 +501,7 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 				if o.AdminAccess || (o.UUID == d.UUID && d.Shares > 0 && o.Shares > 0) {
 					continue
 				}
-				if l.overlaps(d.UUID, o.UUID) {
+				if l.holds(o, d.UUID) || l.holds(d, o.UUID) {
 					return fmt.Errorf("device %s (%s) is in use by %s", d.Device, d.UUID, l.claims[other])
 				}
 			}
@@ -403,7 +513,8 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 
 // intend records that MIG device d is about to be made for claim c, unless
 // its GPU is taken by someone else (a container of the device plugin, a
-// MIG plan, another claim holding the GPU whole).
+// MIG plan, another claim holding the GPU whole or, by its record, a MIG
+// device over d's placement).
 func (l *Ledger) intend(uid types.UID, c PreparedClaim, d PreparedClaimDevice) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -415,7 +526,7 @@ func (l *Ledger) intend(uid types.UID, c PreparedClaim, d PreparedClaimDevice) e
 	}
 	for _, other := range slices.Sorted(maps.Keys(l.claims)) {
 		for _, o := range l.claims[other].Devices {
-			if !o.AdminAccess && o.UUID == d.Parent {
+			if !o.AdminAccess && (o.UUID == d.Parent || (o.Created && o.Parent == d.Parent && o.Placement.Overlaps(d.Placement))) {
 				return fmt.Errorf("in use by %s", l.claims[other])
 			}
 		}

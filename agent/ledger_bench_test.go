@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/plugin"
 )
 
 // BenchmarkLedgerAllocate is the ledger's share of one device plugin
@@ -16,10 +17,10 @@ import (
 //	go test -run '^$' -bench LedgerAllocate -benchmem ./agent
 func BenchmarkLedgerAllocate(b *testing.B) {
 	var inventory []gpu.GPU
-	var uuids []string
+	var devs []plugin.Handout
 	for i := range 8 {
 		u := fmt.Sprintf("GPU-%08x-0000-0000-0000-%012x", i, i)
-		uuids = append(uuids, u)
+		devs = append(devs, plugin.Handout{UUID: u})
 		inventory = append(inventory, gpu.GPU{UUID: u})
 	}
 	for _, bc := range []struct {
@@ -43,7 +44,7 @@ func BenchmarkLedgerAllocate(b *testing.B) {
 			b.ReportAllocs()
 			i := 0
 			for b.Loop() {
-				if err := l.Allocate(uuids[i%len(uuids) : i%len(uuids)+1]); err != nil {
+				if err := l.Admit(ResourceGPU, devs[i%len(devs):i%len(devs)+1]); err != nil {
 					b.Fatal(err)
 				}
 				i++

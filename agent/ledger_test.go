@@ -183,7 +183,7 @@ func TestAllocationLogCompacts(t *testing.T) {
 	clock.Advance(time.Minute)
 	l.Allocate([]string{"GPU-late"})
 	for l.log.size < compactAbove { // enough lines for the next compaction
-		l.log.append(clock.Now(), []string{"GPU-late"})
+		l.log.append(allocRecord{At: clock.Now(), IDs: []string{"GPU-late"}})
 	}
 	if n := l.settle(nil, clock.Now()); n != 16 {
 		t.Fatalf("settled %d, want the 16 allocated a minute before the answer", n)
@@ -233,7 +233,7 @@ func TestFutureAllocationSettles(t *testing.T) {
 	}
 	// Checkpoints of version 2 held allocations too.
 	l2 := newLedger(clock.Now)
-	if n := l2.restoreAllocations(map[string]time.Time{"MIG-b": clock.Now().Add(time.Hour)}); n != 1 {
+	if n := l2.restoreAllocations(map[string]AllocEntry{"MIG-b": {At: clock.Now().Add(time.Hour)}}); n != 1 {
 		t.Errorf("restoreAllocations counted %d from the future, want 1", n)
 	}
 }

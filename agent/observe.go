@@ -38,7 +38,10 @@ func (a *Agent) observe(why string) {
 			// not withdraw every device from the kubelet.
 			a.log.Error("inventory failed; keeping the last one", "reason", why, "error", err)
 			a.metrics.inventoryErrors.Inc()
-			return
+			if !a.withdrawTouched() {
+				return
+			}
+			break
 		}
 		for _, e := range next.Errors {
 			a.log.Debug("inventory incomplete", "error", e.Error())
@@ -49,10 +52,11 @@ func (a *Agent) observe(why string) {
 			// rather than serve a half-read node until the next resync.
 			continue
 		}
-		if inv == a.inv {
+		if inv == a.inv && !a.withdrawTouched() {
 			return
 		}
 		a.inv = inv
+		a.withdrawTouched()
 		break
 	}
 	gpus := slices.Clone(a.inv.GPUs)
@@ -68,6 +72,51 @@ func (a *Agent) observe(why string) {
 		o(a.inv)
 	}
 	a.syncCDI(why)
+}
+
+// touchMIG records that a MIG plan is about to run on GPU uuid: until the
+// GPU is read completely again, its record from before is not believed.
+func (a *Agent) touchMIG(uuid string) {
+	if a.migTouched == nil {
+		a.migTouched = map[string]bool{}
+	}
+	a.migTouched[uuid] = true
+}
+
+// withoutMIG is what is known of GPU g after a MIG plan ran on it and no
+// read since was complete: not its MIG devices (the plan destroyed some,
+// made others), so none is offered.
+func withoutMIG(g gpu.GPU) gpu.GPU {
+	g.Instances, g.GIsWithoutCI = nil, nil
+	return g
+}
+
+// withdrawTouched moves out of the inventory, into the failed GPUs, every
+// GPU a MIG plan ran on that the last observe did not read completely (it
+// failed, or kept the last inventory for a GPU missing for a moment): its
+// record from before the plan would offer the MIG devices the plan
+// destroyed. It reports whether it moved any.
+func (a *Agent) withdrawTouched() bool {
+	if a.inv == nil {
+		return false
+	}
+	var drop []string
+	for _, g := range a.inv.GPUs {
+		if !a.migTouched[g.UUID] || a.read(g.UUID) {
+			continue
+		}
+		if a.failed == nil {
+			a.failed = map[string]FailedGPU{}
+		}
+		a.failed[g.UUID] = a.failedGPU(withoutMIG(g), "not read since its MIG devices changed: none is offered until it is read completely", false)
+		drop = append(drop, g.UUID)
+	}
+	if len(drop) == 0 {
+		return false
+	}
+	a.log.Warn("GPUs not read since their MIG devices changed; offering them as unhealthy, with no MIG device, until read", "gpus", drop)
+	a.inv = a.inv.Without(drop)
+	return true
 }
 
 // settle decides what to believe after a read. A GPU NVML could only partly
@@ -88,6 +137,21 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 	var partial []string
 	for i, g := range next.GPUs {
 		if !unsure(g) {
+			continue
+		}
+		if a.migTouched[g.UUID] {
+			// A MIG plan ran on it since its last complete read: the last
+			// record has the devices it destroyed.
+			last := g
+			if f, ok := a.failed[g.UUID]; ok {
+				last = f.GPU
+			} else if prev != nil {
+				if old, ok := prev.GPUByUUID(g.UUID); ok {
+					last = old
+				}
+			}
+			partial = append(partial, g.UUID)
+			failed[g.UUID] = a.failedGPU(withoutMIG(last), fmt.Sprintf("partly read (%v) since its MIG devices changed: none is offered until it is read completely", g.Unread), false)
 			continue
 		}
 		if prev != nil {
@@ -159,8 +223,9 @@ func (a *Agent) settle(next *gpu.Inventory) (inv *gpu.Inventory, transient bool)
 	}
 	a.readNow = map[string]bool{}
 	for _, g := range next.GPUs {
-		if !kept[g.UUID] {
+		if !kept[g.UUID] && !slices.Contains(partial, g.UUID) {
 			a.readNow[g.UUID] = true
+			delete(a.migTouched, g.UUID)
 		}
 	}
 	for uuid, f := range failed {

@@ -60,6 +60,21 @@ func releasingUUIDs(releases, intents map[types.UID]PreparedClaim, inv *gpu.Inve
 	return out
 }
 
+// unsettled lists the MIG devices of intents and releases, in claim order.
+func unsettled(sets ...map[types.UID]PreparedClaim) []PreparedClaimDevice {
+	var out []PreparedClaimDevice
+	for _, set := range sets {
+		for _, uid := range slices.Sorted(maps.Keys(set)) {
+			for _, d := range set[uid].Devices {
+				if d.Created {
+					out = append(out, d)
+				}
+			}
+		}
+	}
+	return out
+}
+
 // planDRA is the pool the node offers through DRA: every device the
 // inventory has, less those the device plugin's containers hold (a device
 // goes one way at a time); devices prepared for claims stay in (the
@@ -177,6 +192,12 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 		for _, gi := range g.GIsWithoutCI {
 			dyn.Blocked = append(dyn.Blocked, gi.Placement)
 		}
+		for _, d := range s.Holdings.Unsettled {
+			// One a claim holds again stands as its partition.
+			if d.Parent == g.UUID && !created[fmt.Sprintf("%s/%d+%d", g.UUID, d.Placement.Start, d.Placement.Size)] && !slices.Contains(dyn.Blocked, d.Placement) {
+				dyn.Blocked = append(dyn.Blocked, d.Placement)
+			}
+		}
 		out[g.Index] = dyn
 	}
 	return out
@@ -248,38 +269,20 @@ func hasKey[K comparable, V any](m map[K]V, k K) bool {
 	return ok
 }
 
-// withholdClaimed marks every catalog device that stands for a device a
-// claim holds (the device itself, its replicas, or the whole GPU one of its
-// MIG devices is on) unavailable to the kubelet's
-// device manager: a device goes one way at a time.
-func withholdClaimed(cat *catalog.Catalog, claimed map[string]string, inv *gpu.Inventory, why func(by string) string) {
-	if cat == nil || len(claimed) == 0 {
+// withholdClaimed marks every catalog device that stands for a device in
+// claimed or in gpus (the device itself, its replicas) unavailable to the
+// kubelet's device manager: a device goes one way at a time.
+func withholdClaimed(cat *catalog.Catalog, claimed, gpus map[string]string, why func(by string) string) {
+	if cat == nil || len(claimed)+len(gpus) == 0 {
 		return
-	}
-	// A GPU offered whole while one of its MIG devices is claimed (MIG
-	// strategy none) is not free either.
-	if inv != nil {
-		parents := map[string]string{}
-		for _, g := range inv.GPUs {
-			for _, m := range g.Instances {
-				if by, ok := claimed[m.UUID]; ok {
-					parents[g.UUID] = by
-				}
-			}
-		}
-		if len(parents) > 0 {
-			claimed = maps.Clone(claimed)
-			for uuid, by := range parents {
-				if _, ok := claimed[uuid]; !ok {
-					claimed[uuid] = by
-				}
-			}
-		}
 	}
 	for _, r := range cat.Resources {
 		for i := range r.Devices {
 			d := &r.Devices[i]
 			by, ok := claimed[d.Spec.VisibleID]
+			if !ok {
+				by, ok = gpus[d.Spec.VisibleID]
+			}
 			if !ok {
 				continue
 			}
@@ -287,4 +290,25 @@ func withholdClaimed(cat *catalog.Catalog, claimed map[string]string, inv *gpu.I
 			d.Reason = why(by)
 		}
 	}
+}
+
+// claimedGPUs maps each GPU one of whose MIG devices a claim holds to the
+// claim: a GPU offered whole (MIG strategy none) is not free then. A MIG
+// device made for the claim names its GPU itself (Parent), so its GPU stays
+// the claim's when the device is gone before the claim (an agent killed
+// mid-Unprepare); others are found in the inventory.
+func claimedGPUs(claims map[types.UID]PreparedClaim, inv *gpu.Inventory) map[string]string {
+	out := map[string]string{}
+	for _, uid := range slices.Sorted(maps.Keys(claims)) {
+		for _, d := range claims[uid].Devices {
+			parent := d.Parent
+			if !d.Created && inv != nil {
+				parent = inv.ParentOf(d.UUID)
+			}
+			if _, ok := out[parent]; !d.AdminAccess && parent != "" && !ok {
+				out[parent] = claims[uid].String()
+			}
+		}
+	}
+	return out
 }

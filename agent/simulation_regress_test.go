@@ -9,18 +9,21 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 // Violations TestSimulation found in the agent, each as a focused test.
-// They are not fixed yet: each test skips, naming the issue, and the
-// simulation lets violations of its kind pass (simKnown) so that seeds go
-// on to find others. Whoever fixes one removes the Skip and its simKnown
-// entry, and `go test -run '^TestSimulation$' ./agent -sim.known=false`
-// shows whether any seed still breaks it.
+// One not fixed yet skips, naming the issue, and the simulation lets
+// violations of its kind pass (simKnown) so that seeds go on to find
+// others. Whoever fixes one removes the Skip and its simKnown entry, and
+// `go test -run '^TestSimulation$' ./agent -sim.known=false` shows whether
+// any seed still breaks it. All of those below are fixed.
 
 // Simulation, seed 84 (dgx-h100; 11 operations): a container holds a
 // time-sliced replica of GPU 5 ("<uuid>::1"), the config goes to whole
@@ -238,7 +241,6 @@ func TestSimRegressAllocateDuringRelease(t *testing.T) {
 // bare GPU instance; a GPU no layout governs keeps it (dynamicGPUs counts
 // it as blocked).
 func TestSimRegressBareGPUInstanceAfterCrashWithoutLayout(t *testing.T) {
-	t.Skip("issue 23 (simulation): a GPU instance left without a compute instance by a crash mid-layout stays when the next config has no layout")
 	dir := t.TempDir()
 	state := filepath.Join(dir, "gpus.json")
 	node, err := sim.New("dgx-a100", sim.WithMIGEnabled(), sim.WithStateFile(state), sim.WithLogger(quietLogger()), sim.WithCrashAfter(1, func() { panic(crash{}) }))
@@ -287,9 +289,11 @@ func TestSimRegressBareGPUInstanceAfterCrashWithoutLayout(t *testing.T) {
 // its partitions are not. Where: dynamicGPUs (pool.go) blocks the
 // placements of the instances the inventory shows and of bare GPU
 // instances, not those of intents and releases whose device a stale
-// inventory does not show.
+// inventory does not show. Since a GPU a MIG plan ran on is offered not
+// at all until it is read completely (withdrawTouched), this sequence no
+// longer reaches the pool planner with a stale record;
+// TestPoolBlocksUnsettledPlacements checks the planner's part.
 func TestSimRegressPoolOffersPartitionsOverIntent(t *testing.T) {
-	t.Skip("issue 23 (simulation): the DRA pool offers partitions over the placement of a pending intent")
 	_, rec := intentLeft(t)
 	_, parts := partitionsOf(rec.last(), 0)
 	var over []string
@@ -315,7 +319,6 @@ func TestSimRegressPoolOffersPartitionsOverIntent(t *testing.T) {
 // even when the agent changed that GPU since; applyMIG (step.go) runs
 // plans on GPUs whose record was not read afresh.
 func TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices(t *testing.T) {
-	t.Skip("issue 23 (simulation): after repartitioning a GPU it cannot fully read, the agent offers the MIG devices it destroyed")
 	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
 	h := newHarness(t, node, withMIG())
 	layout := func(counts string) string {
@@ -357,7 +360,6 @@ func TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices(t *testing.T) {
 // (overlaps, places; withholdClaimed likewise), not through the claim's
 // own record of it (PreparedClaimDevice.Parent).
 func TestSimRegressCrashMidUnprepareLeavesGPUUnguarded(t *testing.T) {
-	t.Skip("issue 23 (simulation): after a crash mid-Unprepare, the GPU of a claim whose MIG device is gone is handed out whole")
 	dir := t.TempDir()
 	state := filepath.Join(dir, "gpus.json")
 	// NVML changes: MIG on, GPU instance, compute instance (Prepare); then
@@ -401,5 +403,120 @@ func TestSimRegressCrashMidUnprepareLeavesGPUUnguarded(t *testing.T) {
 	}
 	if err := h2.a.Ledger().Allocate([]string{uuid}); err == nil {
 		t.Errorf("the ledger hands out GPU 0 whole while claim default/one, restored, still holds a MIG device on it")
+	}
+}
+
+// Simulation, seed 84 (dgx-h100; 8 operations): a container is handed a
+// time-sliced replica of GPU 5 ("<uuid>::1"), the config goes to whole
+// GPUs before the kubelet lists that container, and Allocate of GPU 5
+// whole ("<uuid>") is accepted: two containers, one believing it has the
+// GPU to itself. The catalog withholds what the kubelet lists
+// (withholdHeldSilicon), not what it has not listed yet; the ledger knew
+// only UUIDs, and the same UUID again is the kubelet's to give. The ledger
+// now keeps each allocation's resource and whether it is a replica
+// (persisted in the allocation log), and refuses the same silicon under
+// another name until the kubelet shows the first container gone.
+func TestSimRegressUnlistedHandoutUnderTwoNames(t *testing.T) {
+	const renamed = "version: v1\nconfigs:\n  default:\n    sharing:\n      timeSlicing:\n        renameByDefault: true\n        resources:\n        - name: nvidia.com/gpu\n          replicas: 2\n"
+	type handout struct{ res, id string }
+	for _, tc := range []struct {
+		name          string
+		node          func(t *testing.T) *sim.Node
+		before, after string
+		first, second func(h *harness) handout
+		restart       bool   // the agent restarts between the two
+		refused       string // in the refusal ("": accepted)
+	}{
+		{"time-sliced replica, then whole GPUs", pcie4, sliced2, wholeGPUs,
+			func(h *harness) handout { return handout{ResourceGPU, deviceOn(h, ResourceGPU, 1, "::1")} },
+			func(h *harness) handout { return handout{ResourceGPU, findGPU(h, 1).ID} }, false, "replica"},
+		{"time-sliced replica, restart, then whole GPUs", pcie4, sliced2, wholeGPUs,
+			func(h *harness) handout { return handout{ResourceGPU, deviceOn(h, ResourceGPU, 1, "::1")} },
+			func(h *harness) handout { return handout{ResourceGPU, findGPU(h, 1).ID} }, true, "replica"},
+		{"whole GPU, then a renamed shared resource", pcie4, wholeGPUs, renamed,
+			func(h *harness) handout { return handout{ResourceGPU, findGPU(h, 1).ID} },
+			func(h *harness) handout {
+				return handout{"nvidia.com/gpu.shared", deviceOn(h, "nvidia.com/gpu.shared", 1, "::0")}
+			}, false, "under nvidia.com/gpu"},
+		{"MIG device, then strategy none", a100MIG, mixedLayout(`{"1g.5gb": 7}`), wholeGPUs,
+			func(h *harness) handout {
+				return handout{"nvidia.com/mig-1g.5gb", deviceOn(h, "nvidia.com/mig-1g.5gb", 1, "")}
+			},
+			func(h *harness) handout { return handout{ResourceGPU, findGPU(h, 1).ID} }, false, "MIG device"},
+		// What the kubelet may do: another replica of a shared GPU, and the
+		// same device again once its container is gone.
+		{"two replicas of one GPU", pcie4, sliced2, sliced2,
+			func(h *harness) handout { return handout{ResourceGPU, deviceOn(h, ResourceGPU, 1, "::1")} },
+			func(h *harness) handout { return handout{ResourceGPU, deviceOn(h, ResourceGPU, 1, "::0")} }, false, ""},
+		{"the same whole GPU again", pcie4, wholeGPUs, wholeGPUs,
+			func(h *harness) handout { return handout{ResourceGPU, findGPU(h, 1).ID} },
+			func(h *harness) handout { return handout{ResourceGPU, findGPU(h, 1).ID} }, true, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			node, dir := tc.node(t), t.TempDir()
+			h := newHarnessIn(t, node, dir, withMIG(), withQuietLog())
+			h.config(tc.before)
+			first := tc.first(h)
+			if first.id == "" {
+				t.Fatalf("no %s device on GPU 1: %v", first.res, resourceSummary(h.pub.last()))
+			}
+			if err := h.allocate(first.res, first.id); err != nil {
+				t.Fatal(err)
+			}
+			if tc.restart {
+				h.a.Ledger().Close()
+				h = newHarnessIn(t, node, dir, withMIG(), withQuietLog(), withCheckpoint())
+			}
+			h.config(tc.after)
+			second := tc.second(h)
+			if second.id == "" {
+				t.Fatalf("no %s device on GPU 1: %v", second.res, resourceSummary(h.pub.last()))
+			}
+			err := h.allocate(second.res, second.id)
+			switch {
+			case tc.refused == "" && err != nil:
+				t.Errorf("Allocate of %s %s after %s %s: %v, want it accepted", second.res, second.id, first.res, first.id, err)
+			case tc.refused != "" && (status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), tc.refused)):
+				t.Errorf("Allocate of %s %s while %s %s is not yet listed: %v, want FailedPrecondition saying %q",
+					second.res, second.id, first.res, first.id, err, tc.refused)
+			}
+		})
+	}
+}
+
+func pcie4(t *testing.T) *sim.Node   { return simNode(t, "pcie-4gpu") }
+func a100MIG(t *testing.T) *sim.Node { return simNode(t, "dgx-a100", sim.WithMIGEnabled()) }
+
+// The pool planner itself: a placement an intent or a release stands on
+// is offered as no partition, whatever the GPU's record shows (after a
+// failed read the record may be one from before the device was made).
+func TestPoolBlocksUnsettledPlacements(t *testing.T) {
+	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(&draRecorder{}), withMIG(), withQuietLog())
+	h.config(wholeGPUs)
+	uuid := findGPU(h, 0).ID
+	at := gpu.Placement{Start: 4, Size: 4}
+	for _, tc := range []struct {
+		name      string
+		unsettled []PreparedClaimDevice
+		wantOver  bool // partitions over 4-7 offered
+	}{
+		{"nothing unsettled", nil, true},
+		{"an intent at 4", []PreparedClaimDevice{{Created: true, Parent: uuid, Profile: "3g.40gb", Placement: at}}, false},
+		{"a release at 4, its device named", []PreparedClaimDevice{{UUID: "MIG-gone", Created: true, Parent: uuid, Profile: "3g.40gb", Placement: at}}, false},
+		{"an intent on another GPU", []PreparedClaimDevice{{Created: true, Parent: "GPU-other", Profile: "3g.40gb", Placement: at}}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := h.a.snapshot()
+			s.Holdings.Unsettled = tc.unsettled
+			var over []string
+			for _, d := range planDRA(s).Devices {
+				if d.Partition && d.ParentUUID == uuid && d.Placement.Overlaps(at) {
+					over = append(over, d.Name)
+				}
+			}
+			if got := len(over) > 0; got != tc.wantOver {
+				t.Errorf("partitions of GPU 0 over memory slices 4-7: %v; want offered: %v", over, tc.wantOver)
+			}
+		})
 	}
 }

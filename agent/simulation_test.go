@@ -86,52 +86,7 @@ type simKnownEnd string
 
 // simKnown are the known issues: violations of these kinds are counted
 // and let pass while -sim.known is true (the default).
-var simKnown = []simIssue{
-	// Fixed for what the kubelet lists; open while the first allocation is
-	// not listed yet (seed 84).
-	{"given twice: two containers, one device under two names", "TestSimRegressHeldReplicaGPUOfferedWhole", nil},
-	{"orphan: a GPU instance without a compute instance", "TestSimRegressBareGPUInstanceAfterCrashWithoutLayout", bareUngoverned},
-	{"pool: a partition over a device the inventory does not show", "TestSimRegressPoolOffersPartitionsOverIntent", nil},
-	{"vanished: handed out what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
-	{"vanished: prepared what NVML does not have", "TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices", keptRecord},
-	{"ledger: Allocate accepted what it keeps", "TestSimRegressCrashMidUnprepareLeavesGPUUnguarded", claimedDeviceGone},
-	{"catalog: offers what the ledger keeps", "TestSimRegressCrashMidUnprepareLeavesGPUUnguarded", claimedDeviceGone},
-}
-
-// keptRecord: the agent believes the last record of a GPU it could not
-// read completely.
-func keptRecord(s *simRun) bool {
-	if s.h.a.inv == nil {
-		return false
-	}
-	return slices.ContainsFunc(s.h.a.inv.GPUs, func(g gpu.GPU) bool { return !s.h.a.read(g.UUID) })
-}
-
-// claimedDeviceGone: a claim the ledger holds has a MIG device made for it
-// that the agent's inventory no longer shows.
-func claimedDeviceGone(s *simRun) bool {
-	l := s.h.a.ledger
-	for _, uid := range slices.Sorted(maps.Keys(l.claims)) {
-		for _, d := range l.claims[uid].Devices {
-			if d.Created && (s.h.a.inv == nil || !s.h.a.inv.HasDevice(d.UUID)) {
-				return true
-			}
-		}
-	}
-	return false
-}
-
-// bareUngoverned: a GPU no layout governs has a GPU instance without a
-// compute instance.
-func bareUngoverned(s *simRun) bool {
-	governed := s.governed()
-	for i, g := range s.truth().gpus {
-		if len(g.bare) > 0 && !governed[i] {
-			return true
-		}
-	}
-	return false
-}
+var simKnown = []simIssue{}
 
 // always: a known issue that ends the seed whenever it shows.
 func always(*simRun) bool { return true }
@@ -777,7 +732,7 @@ func (s *simRun) admit(res string, ids []string, checkPlugin bool) bool {
 	}
 	truth := s.truth()
 	ledger := s.ledgerTaken(truth)
-	if err := s.h.a.Ledger().Allocate(uuids); err != nil {
+	if err := s.h.a.Ledger().Admit(res, handoutsOf(ids)); err != nil {
 		s.note("refused by the ledger: %s", shortErr(err))
 		s.seen["Allocate refused by the ledger"]++
 		return false

@@ -100,6 +100,7 @@ func (a *Agent) Step(batch []Event) {
 			// On GPUs just read, before anything is planned from them.
 			a.retryReleases()
 		}
+		a.removeBare()
 	}
 	// Claims are decided against what is observed now, before the pass
 	// that then withholds them from the device plugin.
@@ -278,7 +279,8 @@ func (a *Agent) snapshot() Snapshot {
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
 		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.allocations(),
-			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed)},
+			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed),
+			Unsettled: unsettled(l.intents, l.releases)},
 		DRA:       a.opts.DRA != nil,
 		ClaimMPS:  a.claimDaemons(),
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
@@ -461,6 +463,9 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 		} else if gm.Apply() && a.opts.MIG != nil {
 			// Apply even an empty plan: it finishes one that crashed after
 			// its last step.
+			if len(gm.Plan.Steps) > 0 {
+				a.touchMIG(gm.UUID)
+			}
 			s, err := a.opts.MIG.Apply(a.ctx, gm.Plan)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("configs.%s.mig: %w", a.selected.Name, err))

@@ -243,6 +243,11 @@ type Placement struct {
 	Size  int `json:"size"`
 }
 
+// Overlaps reports whether p and q share a memory slice.
+func (p Placement) Overlaps(q Placement) bool {
+	return p.Start < q.Start+q.Size && q.Start < p.Start+p.Size
+}
+
 // GPUByUUID returns the GPU with the given UUID.
 func (inv *Inventory) GPUByUUID(uuid string) (GPU, bool) {
 	for _, g := range inv.GPUs {

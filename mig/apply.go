@@ -231,6 +231,10 @@ func (a *Applier) step(dev nvml.Device, p Plan, k int, s Step) (State, error) {
 		if err != nil {
 			return State{}, err
 		}
+		if s.Bare && len(cis) > 0 {
+			a.log.Info("GPU instance has a compute instance now; left as it is", "gpu", p.GPU, "uuid", p.UUID, "step", s.String())
+			return State{}, nil
+		}
 		for _, ci := range cis {
 			if ret := ci.Destroy(); ret != nvml.SUCCESS {
 				return State{}, fmt.Errorf("destroy compute instance: %w", ret)

@@ -247,3 +247,40 @@ func TestPlanRefusesPartialGPU(t *testing.T) {
 		t.Fatalf("numa node unread: %+v %v", st, err)
 	}
 }
+
+// A Bare destroy step removes a GPU instance only while it has no compute
+// instance: one made whole since it was seen bare (an admin's tool between
+// its two calls) is a MIG device, and stays.
+func TestBareDestroyLeavesWholeInstance(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		whole    bool // the instance has its compute instance by the time the step runs
+		wantLeft int  // GPU instances left at the placement
+	}{
+		{"still bare", false, 0},
+		{"made whole since", true, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRig(t, "dgx-a100", sim.WithMIGEnabled())
+			if tc.whole {
+				r.converge(0, want("1x3g.20gb"), nil)
+			} else {
+				r.bareGI(0, nvml.GPU_INSTANCE_PROFILE_3_SLICE, 0)
+			}
+			g := r.gpu(0)
+			pl := gpu.Placement{Start: 0, Size: 4}
+			if tc.whole {
+				pl = g.Instances[0].Placement
+			}
+			p := Plan{GPU: 0, UUID: g.UUID, Want: Want{MIGEnabled: true, Counts: map[string]int{}},
+				Steps: []Step{{Op: OpDestroy, Profile: "3g.20gb", ProfileIndex: nvml.GPU_INSTANCE_PROFILE_3_SLICE, Placement: pl, Bare: true, Reason: "test"}}}
+			if st, err := r.ap.Apply(context.Background(), p); err != nil || st.Phase != PhaseApplied {
+				t.Fatalf("apply: %+v %v", st, err)
+			}
+			g = r.gpu(0)
+			if left := len(g.Instances) + len(g.GIsWithoutCI); left != tc.wantLeft {
+				t.Errorf("%d GPU instances left (%+v, bare %+v), want %d", left, g.Instances, g.GIsWithoutCI, tc.wantLeft)
+			}
+		})
+	}
+}

@@ -60,8 +60,12 @@ type Step struct {
 	// GI is the id the instance had when planned (OpDestroy), for messages.
 	GI int `json:"gi,omitempty"`
 	// UUIDs are the MIG devices OpDestroy removes.
-	UUIDs  []string `json:"uuids,omitempty"`
-	Reason string   `json:"reason"`
+	UUIDs []string `json:"uuids,omitempty"`
+	// Bare: OpDestroy removes the GPU instance only while it has no
+	// compute instance (one left half-made); one that has one by then is
+	// someone's MIG device, and stays.
+	Bare   bool   `json:"bare,omitempty"`
+	Reason string `json:"reason"`
 }
 
 // check refuses a step no planner makes (a journal read back is outside

@@ -501,8 +501,15 @@ func TestAdmit(t *testing.T) {
 	dir := shortDir(t)
 	var got [][]string
 	refuse := error(nil)
-	startManagerWith(t, testCatalog(), Options{Dir: dir, Admit: func(res string, uuids []string) error {
-		got = append(got, append([]string{res}, uuids...))
+	startManagerWith(t, testCatalog(), Options{Dir: dir, Admit: func(res string, devs []Handout) error {
+		seen := []string{res}
+		for _, d := range devs {
+			if !d.Replica {
+				t.Errorf("Admit saw %s whole, from %s, which has only replicas", d.UUID, res)
+			}
+			seen = append(seen, d.UUID)
+		}
+		got = append(got, seen)
 		return refuse
 	}})
 	shared := dialPlugin(t, filepath.Join(dir, DefaultSocketName(resShared)))

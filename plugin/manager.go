@@ -53,13 +53,14 @@ type Options struct {
 	// doubles up to 10 s (default 250 ms).
 	RetryBackoff time.Duration
 	// Admit, when set, is called by every Allocate that the catalog allows,
-	// before it answers, with the devices (GPU or MIG UUIDs, each once) the
-	// containers get; an error refuses the call. It is the agent's ledger,
-	// which refuses devices taken another way since the catalog was
-	// published and records the rest durably. A gRPC status error keeps
-	// its code; any other is FailedPrecondition. From the gRPC goroutine:
-	// it must be quick.
-	Admit func(resource string, uuids []string) error
+	// before it answers, with the devices the containers get (each GPU or
+	// MIG UUID once, and whether it goes as a shared replica); an error
+	// refuses the call. It is the agent's ledger, which refuses devices
+	// taken another way since the catalog was published (the same silicon
+	// handed out under another name included) and records the rest
+	// durably. A gRPC status error keeps its code; any other is
+	// FailedPrecondition. From the gRPC goroutine: it must be quick.
+	Admit func(resource string, devices []Handout) error
 	// OnAllocate, when set, is called after every successful Allocate (from
 	// the gRPC goroutine; it must not block): pod attribution refreshes then
 	// instead of polling the kubelet.

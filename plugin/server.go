@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
@@ -26,7 +27,7 @@ type resource struct {
 	// onAllocate and admit are Options.OnAllocate and Options.Admit (nil:
 	// none).
 	onAllocate func(resource string, ids []string)
-	admit      func(resource string, uuids []string) error
+	admit      func(resource string, devices []Handout) error
 	now        func() time.Time
 	// Refused calls, for rate-limiting their log lines.
 	allocRefusals, prefRefusals refusalLog
@@ -244,7 +245,7 @@ func (e *endpoint) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (
 	res, _ := e.r.snapshot()
 	resp, err := allocate(res, req)
 	if err == nil && e.r.admit != nil {
-		err = admitted(e.r.admit(e.r.name, visibleIDs(res, req)))
+		err = admitted(e.r.admit(e.r.name, handouts(res, req)))
 	}
 	if err != nil {
 		var ids []string
@@ -277,17 +278,26 @@ func (e *endpoint) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (
 	return resp, nil
 }
 
-// visibleIDs lists the distinct devices (VisibleID: a GPU or MIG UUID)
-// behind a request's IDs, which allocate found in res; replicas of one
-// device name it once.
-func visibleIDs(res *catalog.Resource, req *pluginapi.AllocateRequest) []string {
-	var out []string
-	seen := map[string]bool{}
+// Handout is a device an Allocate hands out: a GPU or MIG UUID, whole or
+// as a replica of a shared device (time-slicing, MPS). The kubelet counts
+// device IDs, so one silicon offered under two names (a replica and the
+// whole GPU, a MIG device and its GPU) could go to two containers that
+// each believe they have it; Admit tells the two apart by this.
+type Handout struct {
+	UUID    string
+	Replica bool
+}
+
+// handouts lists the distinct devices behind a request's IDs, which
+// allocate found in res; replicas of one device name it once.
+func handouts(res *catalog.Resource, req *pluginapi.AllocateRequest) []Handout {
+	var out []Handout
 	for _, c := range req.GetContainerRequests() {
 		for _, id := range c.GetDevicesIds() {
-			if d, ok := res.Device(id); ok && !seen[d.Spec.VisibleID] {
-				seen[d.Spec.VisibleID] = true
-				out = append(out, d.Spec.VisibleID)
+			d, ok := res.Device(id)
+			h := Handout{UUID: d.Spec.VisibleID, Replica: d.Replica}
+			if ok && !slices.Contains(out, h) {
+				out = append(out, h)
 			}
 		}
 	}

@@ -191,7 +191,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 
 	mgr, err := plugin.NewManager(plugin.Options{
 		Dir: f.pluginDir, Logger: log.With("component", "plugin"),
-		Admit: func(_ string, uuids []string) error { return ledger.Allocate(uuids) },
+		Admit: ledger.Admit,
 		OnAllocate: func(resource string, ids []string) {
 			if f.dra {
 				// The device leaves the DRA pool at once; without DRA
