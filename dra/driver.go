@@ -12,6 +12,7 @@ import (
 	"github.com/go-logr/logr"
 	"google.golang.org/grpc"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
@@ -91,8 +92,19 @@ type Claims interface {
 // Options configure a Driver.
 type Options struct {
 	NodeName string
-	Client   kubernetes.Interface
-	Claims   Claims
+	// Client writes this node's ResourceSlices and reads its Node (the
+	// slices' owner).
+	Client kubernetes.Interface
+	// ClaimReader reads the ResourceClaims the kubelet asks to prepare (nil:
+	// Client). Prepare reads each claim, one GET apiece, while the kubelet
+	// waits: on a client of its own, with its own rate limit, those reads
+	// do not queue behind publishing.
+	ClaimReader kubernetes.Interface
+	Claims      Claims
+	// SliceCheck is how often the API server's ResourceSlices of this node
+	// are compared with what was published (CheckSlices; 0: 30s, negative:
+	// only when called).
+	SliceCheck time.Duration
 	// HealthResend is how often the health stream repeats the devices'
 	// health unchanged (0: 10s), so the kubelet never times them out.
 	HealthResend time.Duration
@@ -113,8 +125,11 @@ type Driver struct {
 	opts   Options
 	log    *slog.Logger
 	helper *kubeletplugin.Helper
-	// publisher writes the ResourceSlices: the helper, once started.
-	publisher slicePublisher
+	// startController starts a ResourceSlice controller (startSlices; tests
+	// fake it). controller is the one running, nil until its informer has
+	// synced and while publishing starts over.
+	startController func(context.Context, resourceslice.DriverResources) (sliceController, error)
+	controller      sliceController
 	// watchers are the kubelet's health streams, signalled on each Publish.
 	watchers map[chan struct{}]struct{}
 
@@ -127,14 +142,24 @@ type Driver struct {
 	dropped Dropped
 	// slices is where publishing stands, for /status.
 	slices Slices
-	// stale: the helper does not have pool and dropped as they are now
+	// handed is the pool as last handed to the controller, what CheckSlices
+	// compares the API server's copy with.
+	handed resourceslice.Pool
+	// stale: the controller does not have pool and dropped as they are now
 	// (unchanged pools are not handed to it again).
 	stale bool
-	// poolSet wakes the first publish (startPublishing) once there is a pool.
+	// poolSet wakes the first publish (runPublishing) once there is a pool.
 	poolSet chan struct{}
-	// starting is the first publish, running in the background until
-	// stopPublishing ends it.
-	starting       sync.WaitGroup
+	// notOurs counts the checks in a row that found the API server's copy
+	// not ours; restart asks runPublishing to start over, deleting the
+	// slices named (owned by a Node of the same name that is gone).
+	notOurs int
+	restart chan []resourceapi.ResourceSlice
+	// checkNow asks the check loop for a check before its next tick.
+	checkNow chan struct{}
+	// running is publishing and the check loop, in the background until
+	// stopPublishing ends them.
+	running        sync.WaitGroup
 	stopPublishing context.CancelFunc
 }
 
@@ -145,9 +170,21 @@ type Slices struct {
 	// background.
 	Generation int64     `json:"generation"`
 	At         time.Time `json:"at,omitzero"`
-	// WaitingForAPI: the first publish has waited since then for the
-	// helper to sync with the API server.
+	// WaitingForAPI: publishing has waited since then for its controller
+	// to sync with the API server (at the start, and after a restart).
 	WaitingForAPI time.Time `json:"waitingForAPISince,omitzero"`
+	// Checked is when the API server's ResourceSlices of this node were
+	// last compared with what was published (CheckSlices); CheckError why
+	// the last comparison could not be made.
+	Checked    time.Time `json:"checkedAt,omitzero"`
+	CheckError string    `json:"checkError,omitempty"`
+	// NotOurs says how the API server's copy differed from what was
+	// published at the last check ("": it matched), since NotOursSince.
+	NotOurs      string    `json:"notOurs,omitempty"`
+	NotOursSince time.Time `json:"notOursSince,omitzero"`
+	// Restarts counts the times publishing started over, with a controller
+	// that reads the API server afresh, because its copy stayed not ours.
+	Restarts int `json:"restarts,omitempty"`
 }
 
 // Slices returns where ResourceSlice publishing stands.
@@ -168,7 +205,16 @@ func New(opts Options) *Driver {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &Driver{opts: opts, log: opts.Logger, watchers: map[chan struct{}]struct{}{}, poolSet: make(chan struct{}, 1)}
+	if opts.ClaimReader == nil {
+		opts.ClaimReader = opts.Client
+	}
+	if opts.SliceCheck == 0 {
+		opts.SliceCheck = 30 * time.Second
+	}
+	d := &Driver{opts: opts, log: opts.Logger, watchers: map[chan struct{}]struct{}{}, poolSet: make(chan struct{}, 1),
+		restart: make(chan []resourceapi.ResourceSlice, 1), checkNow: make(chan struct{}, 1)}
+	d.startController = d.startSlices
+	return d
 }
 
 // SetClaims sets who prepares claims (the agent, built after the driver it
@@ -187,7 +233,10 @@ func (d *Driver) Start(ctx context.Context) error {
 	kopts := []kubeletplugin.Option{
 		kubeletplugin.DriverName(DriverName),
 		kubeletplugin.NodeName(opts.NodeName),
-		kubeletplugin.KubeClient(opts.Client),
+		// The helper reads claims through its client. It writes no
+		// ResourceSlices: PublishResources is never called, the driver runs
+		// the controller itself, to start it over (runPublishing).
+		kubeletplugin.KubeClient(opts.ClaimReader),
 	}
 	if opts.PluginDir != "" {
 		// The kubelet creates its plugins_registry, not a driver's own directory.
@@ -206,53 +255,8 @@ func (d *Driver) Start(ctx context.Context) error {
 	d.mu.Lock()
 	d.helper = h
 	d.mu.Unlock()
-	d.startPublishing(ctx, h)
+	d.startPublishing(ctx)
 	return nil
-}
-
-// startPublishing hands pub the first pool in the background, and every
-// later one from then on. The helper's first PublishResources starts its
-// ResourceSlice controller, which waits for its informer to sync with the
-// API server: a second at best (it polls), and for as long as the API
-// server cannot be reached. Neither the agent's loop (Publish) nor the
-// kubelet's calls may wait on that, so it runs here, without the lock.
-func (d *Driver) startPublishing(ctx context.Context, pub slicePublisher) {
-	ctx, cancel := context.WithCancel(ctx)
-	d.mu.Lock()
-	d.stopPublishing = cancel
-	d.mu.Unlock()
-	d.starting.Add(1)
-	go func() {
-		defer d.starting.Done()
-		d.mu.Lock()
-		for d.pool == nil {
-			d.mu.Unlock()
-			select {
-			case <-ctx.Done():
-				return
-			case <-d.poolSet:
-			}
-			d.mu.Lock()
-		}
-		res := d.nextLocked() // a Publish or HandleError from now on makes it stale again
-		d.slices.WaitingForAPI = d.opts.Now()
-		d.mu.Unlock()
-		d.log.Info("DRA: starting ResourceSlice publishing; it waits for the API server")
-		if err := pub.PublishResources(ctx, res); err != nil {
-			// Only a missing option or the end of ctx: nothing to retry.
-			if ctx.Err() != nil {
-				d.log.Info("DRA: stopped before the API server took the ResourceSlices", "err", err)
-			} else {
-				d.log.Error("DRA: cannot publish ResourceSlices", "err", err)
-			}
-			return
-		}
-		d.mu.Lock()
-		defer d.mu.Unlock()
-		d.tookLocked(res)
-		d.publisher = pub
-		d.publishLocked() // what changed while it waited
-	}()
 }
 
 // Stop stops serving. ResourceSlices stay: the next agent publishes over
@@ -262,15 +266,15 @@ func (d *Driver) Stop() {
 	h, stopPublishing := d.helper, d.stopPublishing
 	d.mu.Unlock()
 	if h != nil {
-		h.Stop() // ends a first publish still waiting for the API server
+		h.Stop()
 	}
 	if stopPublishing != nil {
-		stopPublishing() // and one still waiting for a pool
+		stopPublishing() // ends publishing, waiting for the API server or not
 	}
-	d.starting.Wait()
+	d.running.Wait()
 }
 
-// Publish sets what the node offers through DRA; the helper's controller
+// Publish sets what the node offers through DRA; the ResourceSlice controller
 // writes the ResourceSlices in the background. It never blocks on the API.
 // Until the first publish is through it only keeps the pool.
 func (d *Driver) Publish(p *Pool) {
@@ -291,46 +295,6 @@ func (d *Driver) Publish(p *Pool) {
 		default: // a send is pending; it reads the newest pool
 		}
 	}
-}
-
-// slicePublisher is what publishing needs of the kubelet plugin helper.
-type slicePublisher interface {
-	PublishResources(ctx context.Context, resources resourceslice.DriverResources) error
-}
-
-// publishLocked hands the helper the pool as it is now, if it changed;
-// once its controller runs, that only queues the update.
-func (d *Driver) publishLocked() {
-	if d.publisher == nil || d.pool == nil || !d.stale {
-		return
-	}
-	res := d.nextLocked()
-	if err := d.publisher.PublishResources(context.Background(), res); err != nil {
-		d.stale = true
-		d.log.Error("DRA: cannot publish ResourceSlices", "err", err)
-		return
-	}
-	d.tookLocked(res)
-}
-
-// nextLocked is the pool, as it is now, for the helper: the next
-// generation, and no longer stale.
-func (d *Driver) nextLocked() resourceslice.DriverResources {
-	d.gen++
-	d.stale = false
-	return Resources(d.opts.NodeName, d.pool, d.gen, d.dropped)
-}
-
-// tookLocked records that the helper took res.
-func (d *Driver) tookLocked(res resourceslice.DriverResources) {
-	pool := res.Pools[d.opts.NodeName]
-	d.slices = Slices{Generation: pool.Generation, At: d.opts.Now()}
-	devices, sets := 0, 0
-	for _, s := range pool.Slices {
-		devices, sets = devices+len(s.Devices), sets+len(s.SharedCounters)
-	}
-	d.log.Info("DRA: ResourceSlices updated", "devices", devices, "counterSets", sets,
-		"slices", len(pool.Slices), "generation", pool.Generation)
 }
 
 // PrepareResourceClaims implements kubeletplugin.DRAPlugin: the loop
@@ -411,14 +375,22 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 	return d.opts.Claims.UnprepareClaims(ctx, in)
 }
 
-// HandleError implements kubeletplugin.DRAPlugin: errors of the background
-// ResourceSlice publishing. None is fatal. Fields the API server dropped
+// HandleError implements kubeletplugin.DRAPlugin, and is the ResourceSlice
+// controller's error handler: none is fatal. Fields the API server dropped
 // mean a feature is off there: the devices that need them are left out
 // from then on (Dropped), and the slices are published again without them.
+// A slice the API server does not know (the controller updating one its
+// cache still holds) asks for a check of the API server's copy at once.
 func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 	var dropped *resourceslice.DroppedFieldsError
 	if !errors.As(err, &dropped) {
 		d.log.Error("DRA: "+msg, "err", err)
+		if apierrors.IsNotFound(err) {
+			select {
+			case d.checkNow <- struct{}{}:
+			default:
+			}
+		}
 		return
 	}
 	features := dropped.DisabledFeatures()

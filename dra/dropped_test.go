@@ -127,15 +127,13 @@ func TestResourcesDropped(t *testing.T) {
 	}
 }
 
-// fakeSlices records what the driver hands the kubelet plugin helper.
+// fakeSlices records what the driver hands the ResourceSlice controller.
 type fakeSlices struct {
 	res []resourceslice.DriverResources
 }
 
-func (f *fakeSlices) PublishResources(_ context.Context, res resourceslice.DriverResources) error {
-	f.res = append(f.res, res)
-	return nil
-}
+func (f *fakeSlices) Update(res *resourceslice.DriverResources) { f.res = append(f.res, *res) }
+func (f *fakeSlices) Stop()                                     {}
 
 // logRecords keeps the driver's log records.
 type logRecords struct {
@@ -219,7 +217,7 @@ func TestHandleDroppedFields(t *testing.T) {
 			logs := &logRecords{}
 			fake := &fakeSlices{}
 			d := New(Options{NodeName: "node-a", Logger: slog.New(logs)})
-			d.publisher = fake
+			d.controller = fake
 			d.Publish(pool)
 			if len(fake.res) != 1 {
 				t.Fatalf("%d publishes, want 1", len(fake.res))
@@ -303,7 +301,7 @@ func TestHandleOtherError(t *testing.T) {
 	logs := &logRecords{}
 	fake := &fakeSlices{}
 	d := New(Options{NodeName: "node-a", Logger: slog.New(logs)})
-	d.publisher = fake
+	d.controller = fake
 	d.Publish(&Pool{Devices: []Device{{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Unhealthy: "XID 79"}}})
 	d.HandleError(context.Background(), errors.New("conflict"), "update ResourceSlice")
 	if len(fake.res) != 1 || summarize(fake.res[0]).tainted != 1 {
@@ -314,27 +312,26 @@ func TestHandleOtherError(t *testing.T) {
 	}
 }
 
-// waitingSlices is a helper whose first PublishResources waits for release,
-// as the real one waits for its ResourceSlice informer to sync with the API
+// waitingSlices is a ResourceSlice controller whose start waits for
+// release, as the real one waits for its informer to sync with the API
 // server (forever while that cannot be reached).
 type waitingSlices struct {
-	calls   chan resourceslice.DriverResources // each call, as it begins
+	calls   chan resourceslice.DriverResources // each start and update, as it begins
 	release chan struct{}
-	first   sync.Once
 }
 
-func (w *waitingSlices) PublishResources(ctx context.Context, res resourceslice.DriverResources) error {
+func (w *waitingSlices) start(ctx context.Context, res resourceslice.DriverResources) (sliceController, error) {
 	w.calls <- res
-	var err error
-	w.first.Do(func() {
-		select {
-		case <-w.release:
-		case <-ctx.Done():
-			err = ctx.Err()
-		}
-	})
-	return err
+	select {
+	case <-w.release:
+		return w, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
 }
+
+func (w *waitingSlices) Update(res *resourceslice.DriverResources) { w.calls <- *res }
+func (w *waitingSlices) Stop()                                     {}
 
 // returns fails the test if fn has not returned within a minute: a call
 // that waits on the API server would never return here.
@@ -356,10 +353,11 @@ func TestFirstPublishWaitsAlone(t *testing.T) {
 	pool := mixedPool(t)
 	w := &waitingSlices{calls: make(chan resourceslice.DriverResources, 8), release: make(chan struct{})}
 	now := time.Date(2026, 11, 24, 12, 0, 0, 0, time.UTC)
-	d := New(Options{NodeName: "node-a", Now: func() time.Time { return now }})
+	d := New(Options{NodeName: "node-a", Now: func() time.Time { return now }, SliceCheck: time.Hour})
+	d.startController = w.start
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	d.startPublishing(ctx, w)
+	d.startPublishing(ctx)
 	// Nothing before the loop's first pool: an empty one would withdraw
 	// the previous agent's slices until then.
 	returns(t, "Publish", func() { d.Publish(pool) })
@@ -401,12 +399,13 @@ func TestFirstPublishWaitsAlone(t *testing.T) {
 func TestStopEndsWaitingPublish(t *testing.T) {
 	w := &waitingSlices{calls: make(chan resourceslice.DriverResources, 8), release: make(chan struct{})}
 	logs := &logRecords{}
-	d := New(Options{NodeName: "node-a", Logger: slog.New(logs)})
+	d := New(Options{NodeName: "node-a", Logger: slog.New(logs), SliceCheck: time.Hour})
+	d.startController = w.start
 	ctx, cancel := context.WithCancel(context.Background())
-	d.startPublishing(ctx, w)
+	d.startPublishing(ctx)
 	d.Publish(mixedPool(t))
 	<-w.calls
-	cancel() // what the agent's end, or the helper's Stop, does to its controller's context
+	cancel() // what the agent's end does
 	returns(t, "Stop", d.Stop)
 	if e := logs.at(slog.LevelError); len(e) > 0 {
 		t.Errorf("stopping logged errors: %q", e)
@@ -416,8 +415,9 @@ func TestStopEndsWaitingPublish(t *testing.T) {
 // A driver stopped before the loop gave it a pool does not wait for one.
 func TestStopBeforeAnyPool(t *testing.T) {
 	w := &waitingSlices{calls: make(chan resourceslice.DriverResources, 8), release: make(chan struct{})}
-	d := New(Options{NodeName: "node-a"})
-	d.startPublishing(context.Background(), w)
+	d := New(Options{NodeName: "node-a", SliceCheck: time.Hour})
+	d.startController = w.start
+	d.startPublishing(context.Background())
 	returns(t, "Stop", d.Stop)
 	if len(w.calls) != 0 {
 		t.Errorf("%d publishes without a pool", len(w.calls))

@@ -18,11 +18,36 @@ import (
 // Standalone is what /status says when there is no API to talk to.
 const Standalone = "standalone: no API"
 
-// Connect returns a client from kubeconfig (a path; "" = the KUBECONFIG
+// Clients are the agent's ways to the API server, each rate-limited for
+// its own work.
+type Clients struct {
+	// Agent serves the agent's own watches and writes: its Node and
+	// ConfigMap, labels, Events and ResourceSlices. A node agent's few
+	// requests must not pile up behind a busy API server, nor become a
+	// burst when it comes back: QPS 5, burst 10.
+	Agent kubernetes.Interface
+	// Claims reads the ResourceClaims the kubelet asks the DRA driver to
+	// prepare, one GET per claim while the kubelet waits (ClaimQPS,
+	// ClaimBurst).
+	Claims kubernetes.Interface
+}
+
+// The claim reads' rate limit. Their number is the kubelet's work, not the
+// agent's: as many as the claims of the pods starting, all at once when a
+// node starts its pods after a reboot. At the agent's own 5 a second, one
+// Prepare of 100 claims took 18 s and one of 1000 ran into its deadline
+// (issue 24). A burst of 1000 takes 1000 claims at once; the API server's
+// priority and fairness, not this limit, protects it from many nodes.
+const (
+	ClaimQPS   = 100
+	ClaimBurst = 1000
+)
+
+// Connect returns the clients from kubeconfig (a path; "" = the KUBECONFIG
 // variable's, then in-cluster config). With neither a kubeconfig nor the
 // in-cluster environment it returns (nil, "", nil): the agent runs
 // standalone. how says where the config came from, for the log.
-func Connect(kubeconfig, userAgent string) (client kubernetes.Interface, how string, err error) {
+func Connect(kubeconfig, userAgent string) (clients *Clients, how string, err error) {
 	var cfg *rest.Config
 	switch {
 	case kubeconfig != "":
@@ -38,14 +63,17 @@ func Connect(kubeconfig, userAgent string) (client kubernetes.Interface, how str
 		return nil, how, fmt.Errorf("kubernetes API (%s): %w", how, err)
 	}
 	cfg.UserAgent = userAgent
-	// A node agent's few requests must not pile up behind a busy API
-	// server, nor become a burst when it comes back.
-	cfg.QPS, cfg.Burst = 5, 10
-	c, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
+	agent, claims := rest.CopyConfig(cfg), rest.CopyConfig(cfg)
+	agent.QPS, agent.Burst = 5, 10
+	claims.QPS, claims.Burst = ClaimQPS, ClaimBurst
+	clients = &Clients{}
+	if clients.Agent, err = kubernetes.NewForConfig(agent); err != nil {
 		return nil, how, fmt.Errorf("kubernetes API (%s): %w", how, err)
 	}
-	return c, how, nil
+	if clients.Claims, err = kubernetes.NewForConfig(claims); err != nil {
+		return nil, how, fmt.Errorf("kubernetes API (%s): %w", how, err)
+	}
+	return clients, how, nil
 }
 
 // ParseConfigMapRef reads --configmap's NAMESPACE/NAME.

@@ -25,13 +25,14 @@ func cmdNodeCleanup(ctx context.Context, args []string, stdout, stderr io.Writer
 	if err := parseNoArgs(fs, args); err != nil {
 		return err
 	}
-	client, _, err := kube.Connect(*kubeconfig, "gpu-agent-node-cleanup")
+	clients, _, err := kube.Connect(*kubeconfig, "gpu-agent-node-cleanup")
 	if err != nil {
 		return err
 	}
-	if client == nil {
+	if clients == nil {
 		return errors.New("no Kubernetes API: give --kubeconfig, or run it in a pod")
 	}
+	client := clients.Agent
 	nodes := []string{*node}
 	if *all {
 		list, err := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})

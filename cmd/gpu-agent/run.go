@@ -14,6 +14,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/cdi"
@@ -219,14 +220,16 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	var cluster agent.Cluster
 	var configMap string // read through the API, for /status
 	var kubeRuns []func(context.Context) error
-	client, how, err := kube.Connect(f.kubeconfig, "gpu-agent")
+	clients, how, err := kube.Connect(f.kubeconfig, "gpu-agent")
+	var client kubernetes.Interface
 	switch {
 	case err != nil:
 		log.Error("kubernetes API not usable; running standalone", "error", err)
-	case client == nil:
+	case clients == nil:
 		log.Info("no kubeconfig and not in a pod: running standalone, without the Kubernetes API")
 	default:
 		log.Info("kubernetes API", "via", how, "node", f.nodeName)
+		client = clients.Agent
 		pub := kube.NewPublisher(client, f.nodeName, log.With("component", "kube"))
 		cluster = pub
 		nodes := kube.NewNodeWatcher(client, f.nodeName, func(l map[string]string) { inbox.Post(agent.LabelsChanged{Labels: l}) }, log.With("component", "kube"))
@@ -256,7 +259,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	case f.dra && client == nil:
 		log.Error("--dra needs the Kubernetes API (ResourceSlices); DRA is off, the device plugin serves alone")
 	case f.dra:
-		draDriver = dra.New(dra.Options{NodeName: f.nodeName, Client: client, PluginDir: f.draPluginDir,
+		draDriver = dra.New(dra.Options{NodeName: f.nodeName, Client: client, ClaimReader: clients.Claims, PluginDir: f.draPluginDir,
 			RegistryDir: f.kubeletRegistryDir, Logger: log.With("component", "dra")})
 		draPub = draDriver
 	}

@@ -13,6 +13,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
@@ -515,5 +516,98 @@ func TestClusterDRASharedGPU(t *testing.T) {
 	agentGet(t, agent, "/status", &st)
 	if !slices.Equal(st.DRA.Claims, []string{"default/share-a: gpu-0", "default/share-b: gpu-0"}) && !slices.Equal(st.DRA.Claims, []string{"default/share-b: gpu-0", "default/share-a: gpu-0"}) {
 		t.Errorf("/status dra claims %v", st.DRA.Claims)
+	}
+}
+
+// TestClusterDRASlicesComeBack: what restoring the API server's data from a backup taken before the node
+// joined leaves the agent (issue 24): no ResourceSlices of its node, and its Node created again, under another
+// UID. The agent's ResourceSlice controller still holds the old owner; its slices come back owned by the new
+// Node, without the agent restarting, and /status says publishing started over.
+func TestClusterDRASlicesComeBack(t *testing.T) {
+	c, agent := installDRA(t)
+	ctx := clusterCtx(t)
+	eventually(t, "the agent's ResourceSlice with 8 GPUs", func() bool { return len(nodeSlice(t, c)) == nodeGPUs })
+	pods, err := c.Client.CoreV1().Pods("gpu-agent").List(ctx, metav1.ListOptions{})
+	if err != nil || len(pods.Items) != 1 {
+		t.Fatalf("the agent's pod: %d pods (%v)", len(pods.Items), err)
+	}
+	agentPod := pods.Items[0]
+
+	old, err := c.Node(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lost := time.Now()
+	if err := c.Client.CoreV1().Nodes().Delete(ctx, old.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the Node gone", func() bool {
+		_, err := c.Node(ctx)
+		return apierrors.IsNotFound(err)
+	})
+	// Created again at once, labels and all, before the pod garbage collector takes the node's pods for orphans.
+	fresh, err := c.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: old.Name, Labels: old.Labels, Annotations: old.Annotations},
+		Spec:       corev1.NodeSpec{PodCIDR: old.Spec.PodCIDR, PodCIDRs: old.Spec.PodCIDRs, ProviderID: old.Spec.ProviderID},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The garbage collector deletes the old Node's slices; a wiped etcd would not have them either.
+	list, err := c.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.driver=" + draDriver})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range list.Items {
+		if err := c.Client.ResourceV1().ResourceSlices().Delete(ctx, s.Name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			t.Fatal(err)
+		}
+	}
+
+	// Back, owned by the new Node, and kept: each check after the restart finds them ours.
+	var st struct {
+		DRA struct {
+			Slices struct {
+				NotOurs  string `json:"notOurs"`
+				Restarts int    `json:"restarts"`
+			} `json:"slices"`
+		} `json:"dra"`
+	}
+	defer func() {
+		if t.Failed() {
+			var raw map[string]any
+			agentGet(t, agent, "/status", &raw)
+			t.Logf("/status dra: %v", raw["dra"])
+		}
+	}()
+	eventually(t, "the ResourceSlices back with 8 GPUs, owned by the new Node, and /status saying publishing started over", func() bool {
+		list, err := c.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{
+			FieldSelector: "spec.driver=" + draDriver + ",spec.nodeName=" + c.NodeName(),
+		})
+		if err != nil || len(list.Items) == 0 {
+			return false
+		}
+		devices := 0
+		for _, s := range list.Items {
+			if len(s.OwnerReferences) != 1 || s.OwnerReferences[0].UID != fresh.UID {
+				return false
+			}
+			devices += len(s.Spec.Devices)
+		}
+		st.DRA.Slices.Restarts, st.DRA.Slices.NotOurs = 0, ""
+		agentGet(t, agent, "/status", &st)
+		return devices == nodeGPUs && st.DRA.Slices.Restarts > 0
+	})
+	t.Logf("MEASURED ResourceSlices and Node lost -> published again, owned by the new Node: %s (restarts %d)",
+		time.Since(lost).Round(time.Second), st.DRA.Slices.Restarts)
+
+	p, err := c.Client.CoreV1().Pods("gpu-agent").Get(ctx, agentPod.Name, metav1.GetOptions{})
+	if err != nil || p.UID != agentPod.UID {
+		t.Fatalf("the agent's pod replaced (%v)", err)
+	}
+	for _, cs := range p.Status.ContainerStatuses {
+		if cs.RestartCount != 0 {
+			t.Errorf("container %s restarted %d times; the agent must publish again without", cs.Name, cs.RestartCount)
+		}
 	}
 }
