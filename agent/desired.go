@@ -45,6 +45,9 @@ type Snapshot struct {
 	// DRA: the node also offers its devices through DRA.
 	DRA      bool
 	Holdings Holdings
+	// Cordoned are the GPUs the Node's cordon annotation lists, as written
+	// (Snapshot.Cordon resolves them).
+	Cordoned []string
 	// Published is the catalog the kubelet was last given.
 	Published *catalog.Catalog
 	// Scorer returns the topology scorer for an allocation policy (nil:
@@ -96,6 +99,8 @@ type Desired struct {
 	Warnings []string
 	// DRA is what the node offers through DRA (nil: DRA is off).
 	DRA *dra.Pool
+	// Cordon is the GPUs taken out of service (withdrawCordoned).
+	Cordon CordonStatus
 }
 
 // GPUMIG is one GPU's MIG plan.
@@ -120,6 +125,7 @@ func (g GPUMIG) Apply() bool {
 func Plan(s Snapshot) Desired {
 	var d Desired
 	d.DRA = planDRA(s)
+	d.Cordon = s.Cordon()
 	if s.Selected.Config == nil {
 		return d
 	}
@@ -165,6 +171,7 @@ func Plan(s Snapshot) Desired {
 	withholdClaimed(planned.Catalog, s.Holdings.Releasing, nil, func(by string) string {
 		return "created for " + by + " through DRA, which was released: being destroyed"
 	})
+	withdrawCordoned(planned.Catalog, d.DRA, d.Cordon)
 	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, planned.MPSDaemons, planned.Warnings
 	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)
 	return d
@@ -222,6 +229,7 @@ func planMIG(s Snapshot, sel config.Selected) (out []GPUMIG, firstErr error, nee
 		return nil, fmt.Errorf("%s: %w", field, err), false
 	}
 	held := s.Holdings.heldMIG(s.Inventory)
+	cordon := s.Cordon()
 	var errs []error
 	for _, g := range s.Inventory.GPUs {
 		want, ok := wants[g.Index]
@@ -229,6 +237,10 @@ func planMIG(s Snapshot, sel config.Selected) (out []GPUMIG, firstErr error, nee
 			continue
 		}
 		gm := GPUMIG{GPU: g.Index, UUID: g.UUID, Want: want.String()}
+		if cordon.has(g.UUID) {
+			out = append(out, cordon.holdMIG(gm))
+			continue
+		}
 		profiles, ok := s.Profiles[g.Name]
 		if !ok {
 			why := s.ProfileErrs[g.Name]
