@@ -90,10 +90,10 @@ func (c CordonStatus) has(uuid string) bool {
 	return slices.ContainsFunc(c.GPUs, func(g CordonedGPU) bool { return g.UUID == uuid })
 }
 
-// holdMIG is the MIG plan of a cordoned GPU: none. It keeps a cordoned GPU's MIG layout from being applied: the admin
-// took the GPU out of service, perhaps to look at it, and repartitioning
-// would destroy and create instances under them. The layout applies once
-// the GPU is uncordoned.
+// holdMIG is the MIG plan of a cordoned GPU not at its layout: none, and
+// pending. The admin took the GPU out of service, perhaps to look at it,
+// and repartitioning would change it under them; the layout applies once
+// the GPU is uncordoned. A GPU already at its layout stays applied.
 func (c CordonStatus) holdMIG(gm GPUMIG) GPUMIG {
 	gm.Plan, gm.Waiting = mig.Plan{}, ""
 	gm.State = mig.State{Phase: mig.PhasePending, Reason: "GPU cordoned (" + cordonAnnotation + "): its layout is applied once it is uncordoned"}

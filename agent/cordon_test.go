@@ -140,6 +140,11 @@ func TestCordonHoldsMIGLayout(t *testing.T) {
 		t.Errorf("the cordoned GPU 2 got %d instances", n)
 	}
 
+	// Cordoning a GPU already at its layout changes nothing there.
+	h.step(CordonChanged{GPUs: []string{"1", "2"}})
+	if st := h.migState(1); st.Phase != mig.PhaseApplied {
+		t.Errorf("GPU 1, cordoned at its layout: MIG state %+v; want applied", st)
+	}
 	h.step(CordonChanged{})
 	if st := h.migState(2); st.Phase != mig.PhaseApplied {
 		t.Errorf("after uncordon GPU 2's MIG state %+v; want applied", st)

@@ -237,10 +237,6 @@ func planMIG(s Snapshot, sel config.Selected) (out []GPUMIG, firstErr error, nee
 			continue
 		}
 		gm := GPUMIG{GPU: g.Index, UUID: g.UUID, Want: want.String()}
-		if cordon.has(g.UUID) {
-			out = append(out, cordon.holdMIG(gm))
-			continue
-		}
 		profiles, ok := s.Profiles[g.Name]
 		if !ok {
 			why := s.ProfileErrs[g.Name]
@@ -258,6 +254,10 @@ func planMIG(s Snapshot, sel config.Selected) (out []GPUMIG, firstErr error, nee
 			errs = append(errs, fmt.Errorf("%s: %w", field, err))
 		}
 		gm.Plan, gm.State = plan, state
+		if cordon.has(g.UUID) && len(plan.Steps) > 0 {
+			out = append(out, cordon.holdMIG(gm))
+			continue
+		}
 		if state.Phase == mig.PhasePending && !s.Holdings.Fresh && s.Holdings.allocatedOn(g) {
 			// Waiting on allocations the kubelet has not accounted for:
 			// only its answer can release them.
