@@ -163,18 +163,19 @@ type Agent struct {
 	// list strategy.
 	cdiPlugin bool
 
-	// Config: the file's content, the config selected for this node, the
-	// last one that planned here, and why the latest was rejected.
-	file   *config.File
-	labels map[string]string
 	// cordoned is the Node's cordon annotation (CordonChanged), and
 	// cordonStatus what the last pass resolved it to.
 	cordoned     []string
 	cordonStatus CordonStatus
-	selected     config.Selected
-	lastGood     config.Selected
-	cfgErr       standingError
-	fitErr       standingError
+
+	// Config: the file's content, the config selected for this node, the
+	// last one that planned here, and why the latest was rejected.
+	file     *config.File
+	labels   map[string]string
+	selected config.Selected
+	lastGood config.Selected
+	cfgErr   standingError
+	fitErr   standingError
 	// selErr: the node's entry or labels select nothing (the last
 	// selection stays).
 	selErr   standingError
