@@ -48,8 +48,10 @@ func TestClusterCordon(t *testing.T) {
 
 	at := time.Now()
 	cordon("cordon", held[0], "GPU-not-on-this-node")
+	offered := waitOfferedQ(t, c, gpuResource, nodeGPUs-1, at)
 	took := waitAllocatableQ(t, c, gpuResource, nodeGPUs-1, at)
-	t.Logf("MEASURED gpu-agent cordon -> Node allocatable %s=%d: %s", gpuResource, nodeGPUs-1, took.Round(10*time.Millisecond))
+	t.Logf("MEASURED gpu-agent cordon -> kubelet offers %d: %s, Node allocatable %s=%d: %s", nodeGPUs-1,
+		offered.Round(10*time.Millisecond), gpuResource, nodeGPUs-1, took.Round(10*time.Millisecond))
 	var st struct {
 		Cordon struct {
 			GPUs []struct {
@@ -83,8 +85,10 @@ func TestClusterCordon(t *testing.T) {
 
 	at = time.Now()
 	cordon("uncordon", "--all")
+	offered = waitOfferedQ(t, c, gpuResource, nodeGPUs, at)
 	took = waitAllocatableQ(t, c, gpuResource, nodeGPUs, at)
-	t.Logf("MEASURED gpu-agent uncordon -> Node allocatable %s=%d: %s", gpuResource, nodeGPUs, took.Round(10*time.Millisecond))
+	t.Logf("MEASURED gpu-agent uncordon -> kubelet offers %d: %s, Node allocatable %s=%d: %s", nodeGPUs,
+		offered.Round(10*time.Millisecond), gpuResource, nodeGPUs, took.Round(10*time.Millisecond))
 	keeps("uncordoned")
 	n, err := c.Node(clusterCtx(t))
 	if err != nil {
