@@ -61,6 +61,7 @@ bench:
 # Every fuzz target, as package:Target: each decoder of outside or persisted
 # bytes. Their seeds and testdata/fuzz corpora also run in every `go test`.
 FUZZ_TARGETS := \
+	./agent:FuzzCordonAnnotation \
 	./agent:FuzzDecodeAllocLog \
 	./agent:FuzzDecodeCheckpoint \
 	./cdi:FuzzParseMigMinors \

@@ -170,6 +170,11 @@ type Agent struct {
 	// list strategy.
 	cdiPlugin bool
 
+	// cordoned is the Node's cordon annotation (CordonChanged), and
+	// cordonStatus what the last pass resolved it to.
+	cordoned     []string
+	cordonStatus CordonStatus
+
 	// Config: the file's content, the config selected for this node, the
 	// last one that planned here, and why the latest was rejected.
 	file     *config.File

@@ -48,6 +48,9 @@ type Snapshot struct {
 	// the config does not share by MPS.
 	ClaimMPS []mps.Daemon
 	Holdings Holdings
+	// Cordoned are the GPUs the Node's cordon annotation lists, as written
+	// (Snapshot.Cordon resolves them).
+	Cordoned []string
 	// Published is the catalog the kubelet was last given.
 	Published *catalog.Catalog
 	// Scorer returns the topology scorer for an allocation policy (nil:
@@ -103,6 +106,8 @@ type Desired struct {
 	Warnings []string
 	// DRA is what the node offers through DRA (nil: DRA is off).
 	DRA *dra.Pool
+	// Cordon is the GPUs taken out of service (withdrawCordoned).
+	Cordon CordonStatus
 }
 
 // GPUMIG is one GPU's MIG plan.
@@ -127,6 +132,7 @@ func (g GPUMIG) Apply() bool {
 func Plan(s Snapshot) Desired {
 	var d Desired
 	d.DRA = planDRA(s)
+	d.Cordon = s.Cordon()
 	if s.Selected.Config == nil {
 		return d
 	}
@@ -174,6 +180,7 @@ func Plan(s Snapshot) Desired {
 	withholdClaimed(planned.Catalog, s.Holdings.Releasing, nil, func(by string) string {
 		return "created for " + by + " through DRA, which was released: being destroyed"
 	})
+	withdrawCordoned(planned.Catalog, d.DRA, d.Cordon)
 	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, withClaimDaemons(planned.MPSDaemons, s.ClaimMPS), planned.Warnings
 	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)
 	return d
@@ -231,6 +238,7 @@ func planMIG(s Snapshot, sel config.Selected) (out []GPUMIG, firstErr error, nee
 		return nil, fmt.Errorf("%s: %w", field, err), false
 	}
 	held := s.Holdings.heldMIG(s.Inventory)
+	cordon := s.Cordon()
 	var errs []error
 	for _, g := range s.Inventory.GPUs {
 		want, ok := wants[g.Index]
@@ -255,6 +263,10 @@ func planMIG(s Snapshot, sel config.Selected) (out []GPUMIG, firstErr error, nee
 			errs = append(errs, fmt.Errorf("%s: %w", field, err))
 		}
 		gm.Plan, gm.State = plan, state
+		if cordon.has(g.UUID) && len(plan.Steps) > 0 {
+			out = append(out, cordon.holdMIG(gm))
+			continue
+		}
 		if state.Phase == mig.PhasePending && !s.Holdings.Fresh && s.Holdings.allocatedOn(g) {
 			// Waiting on allocations the kubelet has not accounted for:
 			// only its answer can release them.

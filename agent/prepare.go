@@ -52,8 +52,10 @@ func (a *Agent) prepareClaims(e ClaimsPrepare) (map[types.UID]dra.Prepared, []ty
 			added = append(added, c.UID) // the ledger changed either way
 		}
 		if pool == nil || planned != a.inv {
-			pool, planned = planDRA(a.snapshot()), a.inv
+			snap := a.snapshot()
+			pool, planned = planDRA(snap), a.inv
 			shareDevices(pool, a.cat, a.lastGood) // the config the catalog was planned with
+			withdrawCordoned(nil, pool, snap.Cordon())
 		}
 		pc, err := a.prepareClaim(c, pool)
 		if err != nil {

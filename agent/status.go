@@ -33,6 +33,9 @@ type Status struct {
 	Sharing []SharingState `json:"sharing,omitempty"`
 	// MIG is each GPU's repartitioning state when the config has a layout.
 	MIG []MIGState `json:"mig,omitempty"`
+	// Cordon lists the GPUs taken out of service by the Node's
+	// gpu-agent.io/cordon annotation, and entries of it that name no GPU.
+	Cordon *CordonStatus `json:"cordon,omitempty"`
 	// DRA is what the node offers through DRA and which claims are
 	// prepared (absent when DRA is off).
 	DRA *DRAStatus `json:"dra,omitempty"`
@@ -231,6 +234,9 @@ func (a *Agent) publishStatus() {
 		s.Config.Error, s.Config.ErrorSince = a.migErr.err.Error(), a.migErr.since
 	}
 	s.MIG = a.migStatus()
+	if c := a.cordonStatus; len(c.GPUs) > 0 || len(c.Unknown) > 0 {
+		s.Cordon = &c
+	}
 	for _, uuid := range slices.Sorted(maps.Keys(a.failed)) {
 		f := a.failed[uuid]
 		s.Unread = append(s.Unread, UnreadGPU{Index: f.GPU.Index, UUID: uuid, Name: f.GPU.Name, Reason: f.Reason, Since: f.Since, ForgetAt: a.forgetAt(f)})

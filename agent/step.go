@@ -31,6 +31,7 @@ const refreshRetry = 10 * time.Second
 //	event      updates                                    work
 //	config     file, selection (rejected: nothing)        observe + plan
 //	labels     selection                                  observe + plan, if the selection changed
+//	cordon     GPUs taken out of service                  plan, if they changed
 //	health     health state                               plan
 //	mps        -                                          plan
 //	allocated  - (the ledger recorded it before Allocate  - (plan, with DRA)
@@ -62,6 +63,11 @@ func (a *Agent) Step(batch []Event) {
 		case LabelsChanged:
 			if a.setLabels(e.Labels) {
 				observe, plan = true, true
+			}
+		case CordonChanged:
+			if !slices.Equal(a.cordoned, e.GPUs) {
+				a.cordoned = slices.Clone(e.GPUs)
+				plan = true
 			}
 		case HealthChanged:
 			a.health = e.State
@@ -283,6 +289,7 @@ func (a *Agent) snapshot() Snapshot {
 			Unsettled: unsettled(l.intents, l.releases)},
 		DRA:       a.opts.DRA != nil,
 		ClaimMPS:  a.claimDaemons(),
+		Cordoned:  a.cordoned,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
 	}
 }
@@ -319,6 +326,7 @@ func (a *Agent) pass(why string) {
 	}
 	a.fresh = false
 	a.noteFit(d)
+	a.noteCordon(d.Cordon)
 	a.notePlanWarnings(d.Warnings)
 	if d.Catalog == nil {
 		return // nothing fits: what is served stays as it is

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -228,7 +229,7 @@ func TestPublisherState(t *testing.T) {
 			client := fake.NewClientset()
 			p := NewPublisher(client, "gpu-1", nil)
 			p.now = func() time.Time { return written }
-			nodes := NewNodeWatcher(client, "gpu-1", func(map[string]string) {}, nil)
+			nodes := NewNodeWatcher(client, "gpu-1", func(NodeInfo) {}, nil)
 			cms := NewConfigMapWatcher(client, "gpu-agent", "cfg", func(map[string]string, bool) {}, nil)
 			p.Track(nodes, cms)
 			for _, s := range tt.steps {
@@ -253,27 +254,107 @@ func TestPublisherState(t *testing.T) {
 	}
 }
 
-// The node watcher reports the labels of its own node only, once per change.
+// The node watcher reports the labels and the cordon annotation of its own
+// node only, once per change of either.
 func TestNodeWatcherReportsLabels(t *testing.T) {
 	client := fake.NewClientset(newNode(map[string]string{"a": "1"}),
 		&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "other", Labels: map[string]string{"b": "2"}}})
-	got := make(chan map[string]string, 10)
+	got := make(chan NodeInfo, 10)
 	open := watching(client, "nodes")
-	w := NewNodeWatcher(client, "gpu-1", func(l map[string]string) { got <- l }, nil)
+	w := NewNodeWatcher(client, "gpu-1", func(n NodeInfo) { got <- n }, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); _ = w.Run(ctx) }()
 	defer func() { cancel(); <-done }()
-	if l := next(t, got); !maps.Equal(l, map[string]string{"a": "1"}) {
-		t.Fatalf("first labels %v", l)
+	if n := next(t, got); !maps.Equal(n.Labels, map[string]string{"a": "1"}) || n.Cordon != "" {
+		t.Fatalf("first node info %+v", n)
 	}
 	next(t, open)
 	n := newNode(map[string]string{"a": "1", "nvidia.com/mig.config": "all-1g.10gb"})
 	if _, err := client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if l := next(t, got); l["nvidia.com/mig.config"] != "all-1g.10gb" {
-		t.Fatalf("after the label change %v", l)
+	if n := next(t, got); n.Labels["nvidia.com/mig.config"] != "all-1g.10gb" {
+		t.Fatalf("after the label change %+v", n)
+	}
+	n.Annotations = map[string]string{CordonAnnotation: "1"}
+	if _, err := client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if n := next(t, got); n.Cordon != "1" || n.Labels["nvidia.com/mig.config"] != "all-1g.10gb" {
+		t.Fatalf("after the annotation %+v", n)
+	}
+	// Another annotation alone is no news.
+	n.Annotations["x"] = "y"
+	if _, err := client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	delete(n.Annotations, CordonAnnotation)
+	if _, err := client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if n := next(t, got); n.Cordon != "" {
+		t.Fatalf("after the annotation's removal %+v (an unrelated annotation was delivered?)", n)
+	}
+}
+
+func TestSplitCordon(t *testing.T) {
+	for _, tt := range []struct {
+		in   string
+		want []string
+	}{
+		{"", nil},
+		{" , ,", nil},
+		{"0", []string{"0"}},
+		{"GPU-a, 1,GPU-a ,,2", []string{"GPU-a", "1", "2"}},
+	} {
+		if got := SplitCordon(tt.in); !slices.Equal(got, tt.want) {
+			t.Errorf("SplitCordon(%q) = %q, want %q", tt.in, got, tt.want)
+		}
+	}
+}
+
+// EditCordon writes the edited list, removes an emptied annotation, and
+// leaves the node's other annotations alone.
+func TestEditCordon(t *testing.T) {
+	node := newNode(nil)
+	node.Annotations = map[string]string{"keep": "me"}
+	client := fake.NewClientset(node)
+	ctx := context.Background()
+	annotations := func() map[string]string {
+		n, err := client.CoreV1().Nodes().Get(ctx, "gpu-1", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n.Annotations
+	}
+	add := func(gpus ...string) func([]string) []string {
+		return func(l []string) []string { return SplitCordon(strings.Join(append(l, gpus...), ",")) }
+	}
+	for _, tt := range []struct {
+		edit func([]string) []string
+		want string // "" : no annotation
+	}{
+		{add("1"), "1"},
+		{add("GPU-x", "1"), "1,GPU-x"},
+		{func(l []string) []string { return slices.DeleteFunc(l, func(s string) bool { return s == "1" }) }, "GPU-x"},
+		{func([]string) []string { return nil }, ""},
+	} {
+		got, err := EditCordon(ctx, client, "gpu-1", tt.edit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a := annotations()
+		v, ok := a[CordonAnnotation]
+		if v != tt.want || ok != (tt.want != "") || strings.Join(got, ",") != tt.want {
+			t.Fatalf("annotation %q (present %v), returned %q, want %q", v, ok, got, tt.want)
+		}
+		if a["keep"] != "me" {
+			t.Fatalf("other annotations changed: %v", a)
+		}
+	}
+	if _, err := EditCordon(ctx, client, "nope", add("1")); err == nil || !strings.Contains(err.Error(), "node nope") {
+		t.Fatalf("unknown node: %v", err)
 	}
 }
 

@@ -24,23 +24,31 @@ import (
 const resyncPeriod = 10 * time.Minute
 
 // NodeWatcher follows the agent's own Node (and only it: a field selector on
-// its name, so a big cluster costs one object) and reports its labels.
+// its name, so a big cluster costs one object) and reports what the agent
+// reads of it: its labels and the cordon annotation.
 type NodeWatcher struct {
 	client kubernetes.Interface
 	node   string
 	log    *slog.Logger
-	// OnLabels gets the node's labels after every change (a copy); it must
-	// not block.
-	onLabels func(map[string]string)
-	errs     *errorLog
+	// onNode gets the node's labels and cordon annotation after every
+	// change of either (a copy); it must not block.
+	onNode func(NodeInfo)
+	errs   *errorLog
 }
 
-// NewNodeWatcher watches node; onLabels gets its labels.
-func NewNodeWatcher(client kubernetes.Interface, node string, onLabels func(map[string]string), log *slog.Logger) *NodeWatcher {
+// NodeInfo is what the agent reads of its Node.
+type NodeInfo struct {
+	Labels map[string]string
+	// Cordon is the CordonAnnotation's value ("" when absent).
+	Cordon string
+}
+
+// NewNodeWatcher watches node; onNode gets its labels and cordon annotation.
+func NewNodeWatcher(client kubernetes.Interface, node string, onNode func(NodeInfo), log *slog.Logger) *NodeWatcher {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &NodeWatcher{client: client, node: node, log: log, onLabels: onLabels, errs: newErrorLog(log, "node "+node)}
+	return &NodeWatcher{client: client, node: node, log: log, onNode: onNode, errs: newErrorLog(log, "node "+node)}
 }
 
 // Run watches until ctx ends. API errors (down, forbidden) are logged once
@@ -62,6 +70,7 @@ func (w *NodeWatcher) Run(ctx context.Context) error {
 	// tests) say so, instead of the reflector waiting for its bookmark.
 	inf := cache.NewSharedIndexInformer(cache.ToListWatcherWithWatchListSemantics(lw, w.client), &corev1.Node{}, resyncPeriod, cache.Indexers{})
 	var last map[string]string
+	var lastCordon string
 	var mu sync.Mutex
 	deliver := func(obj any) {
 		n, ok := obj.(*corev1.Node)
@@ -71,14 +80,15 @@ func (w *NodeWatcher) Run(ctx context.Context) error {
 		w.errs.ok()
 		mu.Lock()
 		defer mu.Unlock()
-		if last != nil && maps.Equal(last, n.Labels) {
-			return
+		cordon := n.Annotations[CordonAnnotation]
+		if last != nil && maps.Equal(last, n.Labels) && cordon == lastCordon {
+			return // a heartbeat or status update: nothing the agent reads
 		}
-		last = maps.Clone(n.Labels)
+		last, lastCordon = maps.Clone(n.Labels), cordon
 		if last == nil {
 			last = map[string]string{}
 		}
-		w.onLabels(maps.Clone(last))
+		w.onNode(NodeInfo{Labels: maps.Clone(last), Cordon: cordon})
 	}
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    deliver,

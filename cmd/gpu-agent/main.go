@@ -31,6 +31,9 @@ Usage:
   gpu-agent sim list                       list the simulated nodes
   gpu-agent node-cleanup [--all | --node-name N] [--kubeconfig F]
                                            remove the Node labels gpu-agent owns (uninstall)
+  gpu-agent cordon [--node-name N] GPU...  take GPUs (UUID or index) out of service: no new work
+  gpu-agent uncordon [--node-name N] (GPU... | --all)
+                                           put them back
 
 The offline tools (config validate, mig plan, inventory) look at --backend
 (default sim:dgx-a100, the node 'make run' simulates; nvml: this machine's
@@ -76,6 +79,8 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = cmdMIG(ctx, args[1:], stdout, stderr)
 	case "node-cleanup":
 		err = cmdNodeCleanup(ctx, args[1:], stdout, stderr)
+	case "cordon", "uncordon":
+		err = cmdCordon(ctx, args[0], args[1:], stdout, stderr)
 	default:
 		fmt.Fprintf(stderr, "gpu-agent: unknown command %q\n\n%s", args[0], usage)
 		return 2

@@ -128,12 +128,14 @@ func TestWriteStatus(t *testing.T) {
 		MIG:           []agent.MIGState{{GPU: 0, Want: "3g.40gb x2", Phase: "pending", Reason: "held by ml/trainer"}},
 		Sharing: []agent.SharingState{{Device: "GPU-2", GPU: 1, Resource: "nvidia.com/gpu.mps", Mode: "mps", Replicas: 4,
 			ActiveThreadPercentage: "25", PinnedMemoryLimit: "0=10240M", Holders: []string{"GPU-2::0 by ml/a (main)"}}},
+		Cordon: &agent.CordonStatus{GPUs: []agent.CordonedGPU{{Index: 0, UUID: "GPU-1", As: "0"}}, Unknown: []string{"GPU-typo"}},
 	}
 	var b bytes.Buffer
 	if err := writeStatus(&b, st); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"threads 25%, memory 0=10240M", "GPU-2::0 by ml/a (main)", "pending", "held by ml/trainer", "ml/trainer (main)", "unknown field (line 3)", "config default stays in force", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent"} {
+	for _, want := range []string{"threads 25%, memory 0=10240M", "GPU-2::0 by ml/a (main)", "pending", "held by ml/trainer", "ml/trainer (main)", "unknown field (line 3)", "config default stays in force", "40 GiB", "unhealthy: XID 79", "not registered: kubelet.sock absent",
+		"CORDONED (gpu-agent.io/cordon lists 0)", "names no GPU of this node, ignored: GPU-typo"} {
 		if !strings.Contains(b.String(), want) {
 			t.Errorf("status lacks %q:\n%s", want, b.String())
 		}

@@ -232,7 +232,10 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		client = clients.Agent
 		pub := kube.NewPublisher(client, f.nodeName, log.With("component", "kube"))
 		cluster = pub
-		nodes := kube.NewNodeWatcher(client, f.nodeName, func(l map[string]string) { inbox.Post(agent.LabelsChanged{Labels: l}) }, log.With("component", "kube"))
+		nodes := kube.NewNodeWatcher(client, f.nodeName, func(n kube.NodeInfo) {
+			inbox.Post(agent.LabelsChanged{Labels: n.Labels})
+			inbox.Post(agent.CordonChanged{GPUs: kube.SplitCordon(n.Cordon)})
+		}, log.With("component", "kube"))
 		kubeRuns = append(kubeRuns, pub.Run, nodes.Run)
 		pub.Track(nodes)
 		if f.configMap != "" {

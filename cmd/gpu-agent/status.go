@@ -121,6 +121,14 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 		}
 		fmt.Fprintf(tw, "%d\t%s\t%s\tunreadable since %s: %s; %s\n", u.Index, u.Name, u.UUID, u.Since.Format(time.RFC3339), u.Reason, forget)
 	}
+	if c := st.Cordon; c != nil {
+		for _, g := range c.GPUs {
+			fmt.Fprintf(tw, "%d\t\t%s\tCORDONED (%s lists %s): offered to no new work; holders keep it\n", g.Index, g.UUID, kube.CordonAnnotation, g.As)
+		}
+		if len(c.Unknown) > 0 {
+			fmt.Fprintf(tw, "!\t%s names no GPU of this node, ignored: %s\n", kube.CordonAnnotation, strings.Join(c.Unknown, ", "))
+		}
+	}
 	fmt.Fprintln(tw)
 
 	if len(st.Sharing) > 0 {
