@@ -45,13 +45,15 @@ var nvidiaSpecDirs = []string{
 }
 
 // nvidiaNodes are the nodes each claim is tried on: whole GPUs, static MIG,
-// MIG devices made on demand, and GPUs the node config shares 4 ways.
+// MIG devices made on demand, GPUs the node config shares 4 ways, and a
+// GH200 (96GB), whose MIG profiles NVIDIA's extended-resources demo names.
 var nvidiaNodes = []struct{ name, profile string }{
 	{"a100", "dgx-a100"},
 	{"a100-dyn", "dgx-a100 dynamic"},
 	{"h100-mig", "dgx-h100-mig"},
 	{"h100-dyn", "dgx-h100 dynamic"},
 	{"a100-shared", "dgx-a100 shared"},
+	{"gh200-dyn", "gh200 dynamic"},
 }
 
 // nvidiaNotAllocating are the claims that allocate on none of nvidiaNodes,
@@ -69,7 +71,6 @@ var nvidiaNotAllocating = map[string]string{
 	"error-handling.yaml.tmpl/h300-nonexistent-template":                   "written not to match: a product that does not exist",
 	"gpu-test-vfio-config.yaml/single-gpu-full-vfioconfig":                 "vfio-pci passthrough (type 'vfio'): gpu-agent has no VFIO devices",
 	"resourceClaimTemplates.yaml/fm-partition-2gpu":                        "Fabric Manager partition of VFIO GPUs (partition2 attribute): gpu-agent has neither",
-	"mig-1g-12gb.yaml/mig-1g12gb-pod-extended-resources":                   "profile 1g.12gb exists on H100 94GB and GH200 only; no simulated GPU has it",
 	"rc-opaque-cfg-unknown-field.yaml.tmpl/batssuite-rc-bad-opaque-config": "ComputeDomain channel (compute-domain.nvidia.com): not gpu-agent's",
 }
 
