@@ -3,6 +3,7 @@
 package e2e
 
 import (
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -183,7 +184,10 @@ func createTemplate(t *testing.T, c *harness.Cluster, name string, devices resou
 // claimSource is a pod's claim "gpu": made from a template, or an existing claim.
 type claimSource struct{ template, claim string }
 
-// runClaimPod runs a pod whose containers ("main", then "second") each use the request of claim "gpu" at the
+// containerNames are the names runClaimPod gives a pod's containers, in order.
+var containerNames = []string{"main", "second", "third", "fourth"}
+
+// runClaimPod runs a pod whose containers (containerNames) each use the request of claim "gpu" at the
 // same position in requests, and waits until it runs.
 func runClaimPod(t *testing.T, c *harness.Cluster, name string, src claimSource, requests []string) {
 	t.Helper()
@@ -199,7 +203,7 @@ func runClaimPod(t *testing.T, c *harness.Cluster, name string, src claimSource,
 	p.Spec.Containers = nil
 	for i, req := range requests {
 		ctr := *main.DeepCopy()
-		ctr.Name = []string{"main", "second"}[i]
+		ctr.Name = containerNames[i]
 		ctr.Resources.Claims = []corev1.ResourceClaim{{Name: "gpu", Request: req}}
 		p.Spec.Containers = append(p.Spec.Containers, ctr)
 	}
@@ -280,4 +284,85 @@ func gpuNodes(paths []string) []string {
 		}
 	}
 	return out
+}
+
+// gpu-test4's ask on the real control plane: one claim of four MIG devices (two 1g.5gb, a 2g.10gb and a 3g.20gb)
+// on one GPU (matchAttribute parentUUID), each used by its own container, on an A100 node that makes MIG devices
+// on demand. The pod runs; the agent made those four profiles on one GPU; each container has that GPU's node and
+// MIG access nodes of its own.
+func TestClusterDRAQuickstartMIGContainerd2(t *testing.T) {
+	c, agent := installOverlayOn(t, "sim-dra-mig-overlay", inputs.containerd2)
+	eventually(t, "the ResourceSlices with MIG devices on demand", func() bool { return len(nodeSlice(t, c)) > nodeGPUs })
+	profile := func(name, p string) resourceapi.DeviceRequest {
+		r := gpuRequest(name)
+		r.Exactly.DeviceClassName = "mig.nvidia.com"
+		r.Exactly.Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
+			Expression: "device.attributes['gpu.nvidia.com'].profile == '" + p + "'",
+		}}}
+		return r
+	}
+	requests := []string{"mig-1g-a", "mig-1g-b", "mig-2g", "mig-3g"}
+	parent := resourceapi.FullyQualifiedName("gpu.nvidia.com/parentUUID")
+	createTemplate(t, c, "four-mig", resourceapi.DeviceClaim{
+		Requests: []resourceapi.DeviceRequest{
+			profile(requests[0], "1g.5gb"), profile(requests[1], "1g.5gb"), profile(requests[2], "2g.10gb"), profile(requests[3], "3g.20gb"),
+		},
+		Constraints: []resourceapi.DeviceConstraint{{MatchAttribute: &parent}},
+	})
+	runClaimPod(t, c, "four-mig", claimSource{template: "four-mig"}, requests)
+
+	var st struct {
+		GPUs []struct {
+			Index     int `json:"index"`
+			Instances []struct {
+				Profile string `json:"profile"`
+			} `json:"instances"`
+		} `json:"gpus"`
+	}
+	agentGet(t, agent, "/status", &st)
+	gpuIdx := -1
+	for _, g := range st.GPUs {
+		var ps []string
+		for _, m := range g.Instances {
+			ps = append(ps, m.Profile)
+		}
+		slices.Sort(ps)
+		switch {
+		case len(ps) == 0:
+		case slices.Equal(ps, []string{"1g.5gb", "1g.5gb", "2g.10gb", "3g.20gb"}) && gpuIdx < 0:
+			gpuIdx = g.Index
+		default:
+			t.Fatalf("GPU %d has MIG devices %v; want the claim's four on one GPU", g.Index, ps)
+		}
+	}
+	if gpuIdx < 0 {
+		t.Fatal("no GPU has the claim's four MIG devices")
+	}
+	p, err := c.Client.CoreV1().Pods("default").Get(clusterCtx(t), "four-mig", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	caps := map[string]string{}
+	for _, ctr := range containerNames {
+		env, err := c.PodContainerEnvOf(clusterCtx(t), p, ctr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		devs := gpuDevices(env["E2E_DEVICES"])
+		var own []string
+		for _, d := range devs {
+			if strings.HasPrefix(d, "/dev/nvidia-caps/") {
+				own = append(own, d)
+			}
+		}
+		if g := gpuNodes(devs); len(g) != 1 || g[0] != fmt.Sprintf("/dev/nvidia%d", gpuIdx) || len(own) == 0 {
+			t.Fatalf("container %s has %v; want GPU %d's node and MIG access nodes", ctr, devs, gpuIdx)
+		}
+		key := strings.Join(own, " ")
+		if other, dup := caps[key]; dup {
+			t.Fatalf("containers %s and %s have the same MIG access nodes %s", other, ctr, key)
+		}
+		caps[key] = ctr
+		t.Logf("container %s: %v", ctr, devs)
+	}
 }
