@@ -203,7 +203,7 @@ func TestClusterDRACDIContainerd2(t *testing.T) {
 // memory. Each pod's container gets, from its claim's own CDI spec, the daemon's pipe directory and MPS limits
 // derived from what its claim consumes: 50% of the threads each, the default half of the memory and the 8 GiB.
 func TestClusterDRAMPSContainerd2(t *testing.T) {
-	c := installDRAWithFakeMPS(t)
+	c, _ := installDRAWithFakeMPS(t)
 	setConfigMap(t, c, map[string]string{"config.yaml": `version: v1
 configs:
   default:
@@ -260,14 +260,14 @@ configs:
 }
 
 // installDRAWithFakeMPS installs the agent with its DRA component on a containerd 2.x node, with a stand-in
-// MPS control daemon as its --mps-binary.
-func installDRAWithFakeMPS(t *testing.T) *harness.Cluster {
+// MPS control daemon as its --mps-binary. It returns the cluster and the agent's URL.
+func installDRAWithFakeMPS(t *testing.T) (*harness.Cluster, string) {
 	t.Helper()
 	fake := os.Getenv("E2E_FAKEMPS")
 	if fake == "" {
 		t.Fatal("E2E_FAKEMPS is not set; run ./run.sh (make e2e)")
 	}
-	c, _ := installOverlayOn(t, "sim-dra-overlay", inputs.containerd2, func(c *harness.Cluster, l *harness.NodeLayer) {
+	return installOverlayOn(t, "sim-dra-overlay", inputs.containerd2, func(c *harness.Cluster, l *harness.NodeLayer) {
 		// The stand-in daemon, in the agent's state directory (a hostPath) so the agent's container can run it.
 		bin := filepath.Join(c.AgentStateDir(), "e2e-bin", "nvidia-cuda-mps-control")
 		data, err := os.ReadFile(fake)
@@ -282,5 +282,4 @@ func installDRAWithFakeMPS(t *testing.T) *harness.Cluster {
 		}
 		l.ExtraArgs = append(l.ExtraArgs, "--mps-binary=/var/lib/gpu-agent/e2e-bin/nvidia-cuda-mps-control")
 	})
-	return c
 }

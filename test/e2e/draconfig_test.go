@@ -18,7 +18,7 @@ import (
 // (it beats the class's), each run as a pod. Each container gets, from its claim's CDI spec, the pipe
 // directory of a daemon started for the claim on its GPU and the limits of the config that won.
 func TestClusterDRAMPSConfigContainerd2(t *testing.T) {
-	c := installDRAWithFakeMPS(t)
+	c, _ := installDRAWithFakeMPS(t)
 	ctx := clusterCtx(t)
 	setConfigMap(t, c, map[string]string{"config.yaml": "version: v1\nconfigs:\n  default: {}\n"})
 	mpsConfig := func(percent int, pinned string) runtime.RawExtension {

@@ -495,9 +495,14 @@ func DescribeAPIPod(p *corev1.Pod) string {
 // PodContainerEnv returns the environment that the API pod's container "main" printed into its log (see
 // GPUPodTemplate).
 func (c *Cluster) PodContainerEnv(ctx context.Context, p *corev1.Pod) (map[string]string, error) {
-	env, err := c.containerEnv(ctx, p.Namespace, p.Name, string(p.UID))
+	return c.PodContainerEnvOf(ctx, p, "main")
+}
+
+// PodContainerEnvOf is PodContainerEnv for the named container, which runs GPUPodTemplate's command too.
+func (c *Cluster) PodContainerEnvOf(ctx context.Context, p *corev1.Pod, container string) (map[string]string, error) {
+	env, err := c.containerEnv(ctx, p.Namespace, p.Name, string(p.UID), container)
 	if err != nil {
-		return nil, fmt.Errorf("pod %s/%s: container env: %w", p.Namespace, p.Name, err)
+		return nil, fmt.Errorf("pod %s/%s: container %s env: %w", p.Namespace, p.Name, container, err)
 	}
 	return env, nil
 }

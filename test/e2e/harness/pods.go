@@ -222,18 +222,18 @@ func DescribePod(p *corev1.Pod) string {
 // ContainerEnv returns the environment the pod's container really started with, as it printed it into its
 // log, waiting until the dump is complete.
 func (e *Env) ContainerEnv(ctx context.Context, name string) (map[string]string, error) {
-	env, err := e.containerEnv(ctx, PodNamespace, e.PodName(name), "*")
+	env, err := e.containerEnv(ctx, PodNamespace, e.PodName(name), "*", "main")
 	if err != nil {
 		return nil, fmt.Errorf("pod %s: container env: %w", name, err)
 	}
 	return env, nil
 }
 
-// containerEnv reads the environment that the container "main" of pod namespace/name (uid may be a glob)
-// printed into its log.
-func (e *Env) containerEnv(ctx context.Context, namespace, name, uid string) (map[string]string, error) {
+// containerEnv reads the environment that the container of pod namespace/name (uid may be a glob) printed
+// into its log.
+func (e *Env) containerEnv(ctx context.Context, namespace, name, uid, container string) (map[string]string, error) {
 	// The kubelet names pod log directories namespace_podname_uid/container/N.log.
-	pattern := filepath.Join(e.d.podLogs, namespace+"_"+name+"_"+uid, "main", "*.log")
+	pattern := filepath.Join(e.d.podLogs, namespace+"_"+name+"_"+uid, container, "*.log")
 	var env map[string]string
 	err := poll(ctx, 200*time.Millisecond, func() error {
 		files, err := filepath.Glob(pattern)
