@@ -26,6 +26,7 @@ Usage:
   gpu-agent mig plan --config FILE [--backend B]
                                            print the MIG repartitioning plan per GPU
   gpu-agent sim list                       list the simulated nodes
+  gpu-agent mps-control-sim [-d]           the stand-in MPS control program of simulated nodes
   gpu-agent node-cleanup [--all | --node-name N] [--kubeconfig F]
                                            remove the Node labels gpu-agent owns (uninstall)
 
@@ -53,6 +54,8 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = cmdRun(ctx, args[1:], stdout, stderr)
 	case "mps-host":
 		err = cmdMPSHost(ctx, args[1:], stdout, stderr)
+	case mpsControlSimCommand:
+		err = cmdMPSControlSim(ctx, args[1:], os.Stdin, stdout, stderr)
 	case "status":
 		err = cmdStatus(ctx, args[1:], stdout, stderr)
 	case "config":

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -39,6 +40,9 @@ type runFlags struct {
 	cdiSpecDir, devRoot, migMinors                     string
 	resync, forgetGone                                 time.Duration
 	mpsHost, dra                                       bool
+	// mpsBinarySet: --mps-binary or its variable was given, so even a
+	// simulated node runs that program rather than the stand-in.
+	mpsBinarySet bool
 }
 
 func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) {
@@ -99,6 +103,8 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if fs.NArg() > 0 {
 		return usageError{fmt.Sprintf("unexpected arguments: %s", strings.Join(fs.Args(), " "))}
 	}
+	f.mpsBinarySet = envDefault("GPU_AGENT_MPS_BINARY", "") != ""
+	fs.Visit(func(fl *flag.Flag) { f.mpsBinarySet = f.mpsBinarySet || fl.Name == "mps-binary" })
 	if err := (config.ParseOptions{MIGStrategy: config.MIGStrategy(f.migStrategy)}).Check(); err != nil {
 		return usageError{"--mig-strategy: " + err.Error()}
 	}
@@ -170,7 +176,10 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	})
 	// The MPS daemons' supervisor, or with --mps-host the agent's side of
 	// mps-host, which runs them outside this container (mpshost.go).
-	mpsSup := newMPSControl(f, log)
+	mpsSup, err := newMPSControl(f, be.Sim != nil, log)
+	if err != nil {
+		return err
+	}
 
 	// The ledger: Allocate, DRA Prepare and the MIG applier all pass
 	// through it, so no device is handed out and destroyed at once.

@@ -1,0 +1,132 @@
+package main
+
+import (
+	"context"
+	"net"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/mps"
+	"github.com/gpu-agent/gpu-agent/mps/simdaemon"
+)
+
+// TestMain lets this test binary be the agent's own MPS stand-in: an agent
+// run in-process starts `<this binary> mps-control-sim -d`, as the real
+// agent starts itself.
+func TestMain(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == mpsControlSimCommand {
+		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+		code := runMain(ctx, os.Args[1:], os.Stdout, os.Stderr)
+		stop()
+		os.Exit(code)
+	}
+	os.Exit(m.Run())
+}
+
+// On a simulated node, with no --mps-binary, the agent runs its own
+// stand-in daemons: the MPS replicas are healthy, and each daemon holds the
+// limits every client of its GPU gets (half the SMs, half the memory of a
+// 48 GB L40S). The daemons outlive the agent, as real ones do.
+func TestRunSimMPSStandIn(t *testing.T) {
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if self, err = filepath.EvalSymlinks(self); err != nil {
+		t.Fatal(err)
+	}
+	root, err := os.MkdirTemp("", "mps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		killFakeDaemons(self, root)
+		os.RemoveAll(root)
+	})
+	dir := t.TempDir()
+	pluginDir := filepath.Join(dir, "dp")
+	if err := os.Mkdir(pluginDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	startFakeKubelet(t, pluginDir)
+	cfg := filepath.Join(dir, "config.yaml")
+	if err := os.WriteFile(cfg, []byte(mpsTestConfig), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	addr := freeAddr(t)
+	t.Setenv("GPU_AGENT_MPS_BINARY", "") // unset: the stand-in
+	ag := startCommand(t, "run", "--backend", "sim:pcie-4gpu", "--device-plugin-dir", pluginDir,
+		"--listen", addr, "--state-dir", filepath.Join(dir, "state"), "--node-name", "n1", "--config", cfg,
+		"--mps-root", root, "--mps-shm-dir", filepath.Join(dir, "shm"))
+
+	st := waitStatus(t, addr, "8 healthy MPS replicas", func(st *agent.Status) bool {
+		for _, r := range st.Resource {
+			if r.Name == "nvidia.com/gpu.mps" {
+				healthy := 0
+				for _, d := range r.Devices {
+					if d.Healthy {
+						healthy++
+					}
+				}
+				return healthy == 8
+			}
+		}
+		return false
+	})
+	if len(st.GPUs) != 4 {
+		t.Fatalf("%d GPUs, want 4", len(st.GPUs))
+	}
+	pids := map[string]int{}
+	for _, g := range st.GPUs {
+		env := simdaemon.Env{PipeDir: mps.PipeDir(root, g.UUID), LogDir: mps.LogDir(root, g.UUID)}
+		out, err := simdaemon.Control(env, "get_default_active_thread_percentage", "get_default_device_pinned_mem_limit 0")
+		want := "50.0\n" + strconv.FormatUint(g.MemoryBytes/2>>20, 10) + "M\n"
+		if err != nil || out != want {
+			t.Errorf("gpu %d daemon: %q, %v; want %q", g.Index, out, err, want)
+		}
+		pids[g.UUID] = pidFile(t, root, g.UUID)
+	}
+	if code := ag.stop(t); code != 0 {
+		t.Fatalf("agent exited %d", code)
+	}
+	for dev, pid := range pids {
+		if err := syscall.Kill(pid, 0); err != nil {
+			t.Errorf("%s daemon (pid %d) gone with the agent: %v", dev, pid, err)
+		}
+	}
+}
+
+func TestMPSControlSimUsage(t *testing.T) {
+	t.Setenv("CUDA_MPS_PIPE_DIRECTORY", t.TempDir())
+	t.Setenv("CUDA_MPS_LOG_DIRECTORY", t.TempDir())
+	for _, tt := range []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{mpsControlSimCommand, "--help"}, 0, "stand-in for nvidia-cuda-mps-control"},
+		{[]string{mpsControlSimCommand, "-x"}, 2, `unexpected arguments "-x"`},
+	} {
+		code, out, errOut := run(t, tt.args...)
+		if code != tt.code || !strings.Contains(out+errOut, tt.want) {
+			t.Errorf("%v: exit %d, %q %q; want %d and %q", tt.args, code, out, errOut, tt.code, tt.want)
+		}
+	}
+}
+
+// freeAddr is a loopback address nothing listens on.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
