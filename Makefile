@@ -12,9 +12,11 @@ all: build
 
 IMAGE ?= ghcr.io/gpu-agent/gpu-agent
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-# `gpu-agent version`, /status and gpu_agent_build_info report it; the commit
-# and Go version come from the binary's own build info.
-LDFLAGS := -X main.version=$(VERSION)
+# `gpu-agent version`, /status and gpu_agent_build_info report them; the Go
+# version comes from the binary's build info, and so does the commit where
+# the build stamped VCS information.
+COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
+LDFLAGS := -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 
 # -v lists each package as it is compiled: a cold build compiles a few
 # hundred (Kubernetes, gRPC) for minutes on two cores, a warm one none.
@@ -46,7 +48,7 @@ hammer:
 # The image needs a Docker engine (not on these machines); test/deploy checks
 # the Dockerfile instead.
 image:
-	docker build --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
+	docker build --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t $(IMAGE):$(VERSION) .
 
 # Install artefacts: manifests and chart variants decoded strictly, examples
 # validated, the Dockerfile checked, the DaemonSet's own args run on a sim.

@@ -15,6 +15,8 @@ import (
 type Status struct {
 	Node    string `json:"node"`
 	Backend string `json:"backend,omitempty"`
+	// Build is what runs (filled by the HTTP layer).
+	Build *BuildInfo `json:"build,omitempty"`
 	// Cluster says how the Kubernetes API side is doing ("standalone: no
 	// API" without one).
 	Cluster string       `json:"cluster"`
@@ -50,6 +52,13 @@ type Status struct {
 	// HealthEvents lists the GPUs NVML delivers health events for (filled
 	// by the HTTP layer from the health watcher).
 	HealthEvents []string `json:"healthEvents,omitempty"`
+}
+
+// BuildInfo says which gpu-agent build runs.
+type BuildInfo struct {
+	Version   string `json:"version"`
+	Commit    string `json:"commit"`
+	GoVersion string `json:"goVersion"`
 }
 
 // DRAStatus is the DRA side of the node.

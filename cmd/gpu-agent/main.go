@@ -27,6 +27,7 @@ Usage:
                                            print the MIG repartitioning plan per GPU
   gpu-agent sim list                       list the simulated nodes
   gpu-agent mps-control-sim [-d]           the stand-in MPS control program of simulated nodes
+  gpu-agent version                        print the version, commit and Go version (also --version)
   gpu-agent node-cleanup [--all | --node-name N] [--kubeconfig F]
                                            remove the Node labels gpu-agent owns (uninstall)
 
@@ -50,6 +51,8 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return 0
+	case "version", "--version":
+		err = cmdVersion(args[1:], stdout, stderr)
 	case "run":
 		err = cmdRun(ctx, args[1:], stdout, stderr)
 	case "mps-host":

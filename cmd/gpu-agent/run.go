@@ -145,7 +145,8 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		return fmt.Errorf("--state-dir: %w", err)
 	}
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		newBuildInfoMetric(buildInfo()))
 
 	// Everything that must survive a restart: allocations not yet accounted
 	// for, health causes, the GPUs last seen. A bad checkpoint is set aside
@@ -310,7 +311,8 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
-	log.Info("gpu-agent starting", "backend", be.Name, "node", f.nodeName, "listen", ln.Addr().String(),
+	b := buildInfo()
+	log.Info("gpu-agent starting", "version", b.Version, "commit", b.Commit, "backend", be.Name, "node", f.nodeName, "listen", ln.Addr().String(),
 		"device-plugin-dir", f.pluginDir, "config", f.config)
 
 	ctx, cancel := context.WithCancel(ctx)
