@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 
@@ -29,7 +30,9 @@ func (b *backend) Close() {
 
 // openBackend opens "nvml" or "sim:<profile>[,option...]". nvmlLib is the
 // libnvidia-ml path for the real backend ("" = the loader's search path).
-func openBackend(spec, nvmlLib string) (*backend, error) {
+// A simulated node logs to log (nil: slog's default), so that what it says
+// (a failed state write, a crash-after kill) reads like the agent's own log.
+func openBackend(spec, nvmlLib string, log *slog.Logger) (*backend, error) {
 	switch {
 	case spec == "nvml":
 		var opts []nvml.LibraryOption
@@ -50,6 +53,9 @@ func openBackend(spec, nvmlLib string) (*backend, error) {
 		profile, opts, err := parseSimSpec(spec)
 		if err != nil {
 			return nil, err
+		}
+		if log != nil {
+			opts = append(opts, sim.WithLogger(log.With("component", "sim")))
 		}
 		node, err := sim.New(profile, opts...)
 		if err != nil {

@@ -130,3 +130,36 @@ func freeAddr(t *testing.T) string {
 	defer ln.Close()
 	return ln.Addr().String()
 }
+
+// The MPS side's log lines name their component once (the mps package
+// names it; the agent once did too, and every line said component=mps twice).
+func TestMPSControlLogsComponentOnce(t *testing.T) {
+	var logs syncBuffer
+	log, err := newLogger(&logs, "info", "text")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := runFlags{mpsBinary: filepath.Join(t.TempDir(), "absent"), mpsBinarySet: true, mpsRoot: t.TempDir()}
+	c, err := newMPSControl(f, false, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set([]mps.Daemon{{Device: "GPU-x", Index: 0, ActiveThreadPercentage: 50}}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	<-c.Changes() // the daemon could not start: unhealthy
+	cancel()
+	<-done
+	lines := strings.Split(strings.TrimSpace(logs.String()), "\n")
+	for _, l := range lines {
+		if n := strings.Count(l, "component=mps"); n != 1 {
+			t.Errorf("component=mps %d times in %q", n, l)
+		}
+	}
+	if !strings.Contains(logs.String(), "mps daemon down") {
+		t.Errorf("no line says the daemon is down:\n%s", logs.String())
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"strings"
 	"text/tabwriter"
@@ -82,7 +83,7 @@ func cmdConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return fmt.Errorf("%s: node %s: %w", file, *node, err)
 	}
-	be, err := openBackend(*backendSpec, *nvmlLib)
+	be, err := openBackend(*backendSpec, *nvmlLib, slog.New(slog.NewTextHandler(stderr, nil)))
 	if err != nil {
 		return err
 	}
@@ -138,7 +139,7 @@ func cmdInventory(args []string, stdout, stderr io.Writer) error {
 	if *out != "table" && *out != "json" {
 		return usageError{fmt.Sprintf("-o %q: want table or json", *out)}
 	}
-	be, err := openBackend(*backendSpec, *nvmlLib)
+	be, err := openBackend(*backendSpec, *nvmlLib, slog.New(slog.NewTextHandler(stderr, nil)))
 	if err != nil {
 		return err
 	}
@@ -201,7 +202,7 @@ func cmdMIG(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "config %q has no MIG layout: the GPUs are left as they are\n", sel.Name)
 		return nil
 	}
-	be, err := openBackend(*backendSpec, *nvmlLib)
+	be, err := openBackend(*backendSpec, *nvmlLib, slog.New(slog.NewTextHandler(stderr, nil)))
 	if err != nil {
 		return err
 	}

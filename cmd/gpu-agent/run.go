@@ -136,7 +136,7 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 }
 
 func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
-	be, err := openBackend(f.backend, f.nvmlLib)
+	be, err := openBackend(f.backend, f.nvmlLib, log)
 	if err != nil {
 		return err
 	}
