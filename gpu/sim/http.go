@@ -33,6 +33,8 @@ func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		route = serveLost
 	case "/reset":
 		route = serveReset
+	case "/reboot":
+		route = serveReboot
 	case "/utilization":
 		route = serveUtilization
 	case "/fail":
@@ -196,6 +198,25 @@ func serveReset(n *Node, dec *json.Decoder) error {
 		return err
 	}
 	return n.Reset(gpu)
+}
+
+// serveReboot takes an empty body or {}: a reboot is of the whole node.
+func serveReboot(n *Node, dec *json.Decoder) error {
+	var req struct{}
+	if err := dec.Decode(&req); err != nil && !errors.Is(err, io.EOF) {
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &te) {
+			return fmt.Errorf("bad JSON: the body is a JSON %s, want none or {} (a reboot is of the whole node)", te.Value)
+		}
+		if strings.Contains(err.Error(), "unknown field") {
+			return fmt.Errorf("bad JSON: %w: a reboot is of the whole node and takes no fields", err)
+		}
+		return fmt.Errorf("bad JSON: %w", err)
+	}
+	if err := dec.Decode(&struct{}{}); !errors.Is(err, io.EOF) {
+		return errors.New("bad JSON: more than one value in body")
+	}
+	return n.Reboot()
 }
 
 func serveUtilization(n *Node, dec *json.Decoder) error {

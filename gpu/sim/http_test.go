@@ -168,3 +168,34 @@ func TestHTTPFailCount(t *testing.T) {
 		})
 	}
 }
+
+// /sim/reboot takes no body or {}, and reboots the node: a lost GPU is back
+// and the boot id is new. Anything else is refused, saying what it takes.
+func TestHTTPReboot(t *testing.T) {
+	n := newNode(t, "dgx-a100")
+	h := n.Handler()
+	for _, tt := range []struct {
+		name, body string
+		status     int
+		errPart    string
+	}{
+		{"no body", ``, 200, ""},
+		{"empty object", `{}`, 200, ""},
+		{"one GPU", `{"gpu":1}`, 400, "a reboot is of the whole node and takes no fields"},
+		{"array", `[]`, 400, "the body is a JSON array, want none or {}"},
+		{"two objects", `{}{}`, 400, "more than one value"},
+	} {
+		must(t, n.SetLost(5, true))
+		boot := n.BootID()
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest("POST", "/sim/reboot", strings.NewReader(tt.body)))
+		if rec.Code != tt.status || !strings.Contains(rec.Body.String(), tt.errPart) {
+			t.Errorf("%s: %d %s, want %d and %q", tt.name, rec.Code, rec.Body, tt.status, tt.errPart)
+		}
+		_, r := n.DeviceGetHandleByIndex(5)
+		if rebooted := n.BootID() != boot; rebooted != (tt.status == 200) || (r == nvml.SUCCESS) != rebooted {
+			t.Errorf("%s: new boot %v, GPU 5 %v; want a reboot only when accepted", tt.name, rebooted, r)
+		}
+		must(t, n.SetLost(5, false))
+	}
+}

@@ -50,9 +50,12 @@ func WithStateFile(path string) Option { return func(o *options) { o.statePath =
 
 // stateFile is the JSON document of a state file.
 type stateFile struct {
-	Version int         `json:"version"`
-	Profile string      `json:"profile"`
-	GPUs    []gpuRecord `json:"gpus"`
+	Version int    `json:"version"`
+	Profile string `json:"profile"`
+	// BootID is the node's boot (Node.BootID); a file written before
+	// there were boots has none, and the node starts a new one.
+	BootID string      `json:"boot_id,omitempty"`
+	GPUs   []gpuRecord `json:"gpus"`
 }
 
 type gpuRecord struct {
@@ -210,7 +213,7 @@ func (n *Node) persist() error {
 
 // record is the node's kept state; callers hold n.mu.
 func (n *Node) record() stateFile {
-	st := stateFile{Version: stateVersion, Profile: n.spec.name, GPUs: make([]gpuRecord, 0, len(n.gpus))}
+	st := stateFile{Version: stateVersion, Profile: n.spec.name, BootID: n.boot, GPUs: make([]gpuRecord, 0, len(n.gpus))}
 	for _, g := range n.gpus {
 		e := g.ecc
 		rec := gpuRecord{
@@ -284,6 +287,9 @@ func (n *Node) load(data []byte) error {
 		if err := n.loadGPU(n.gpus[i], rec); err != nil {
 			return fmt.Errorf("gpu %d: %w", i, err)
 		}
+	}
+	if st.BootID != "" {
+		n.boot = st.BootID
 	}
 	return nil
 }
