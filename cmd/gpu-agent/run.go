@@ -168,6 +168,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	watcher := health.NewWatcher(be.Lib, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
 		Logger:   log.With("component", "health"),
 		Restore:  savedHealth,
+		BootID:   be.BootID,
 		OnChange: func(s *health.State) { inbox.Post(agent.HealthChanged{State: s}) },
 	})
 	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
@@ -292,6 +293,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		InventoryObservers: []func(*gpu.Inventory){sampler.SetInventory},
 		StateDir:           f.stateDir,
 		Restored:           restored,
+		BootID:             be.BootID(),
 		Ledger:             ledger,
 		ResyncInterval:     f.resync,
 		ForgetGoneAfter:    f.forgetGone,
