@@ -83,6 +83,7 @@ FUZZ_TARGETS := \
 	./mps:FuzzParseDesiredFile \
 	./mps:FuzzParseHealthFile \
 	./mps:FuzzParsePID \
+	./mps/simdaemon:FuzzCommand \
 	./timeslice:FuzzParent
 
 # Fuzzes each target for FUZZTIME. go test fuzzes one target of one package

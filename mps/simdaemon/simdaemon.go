@@ -302,7 +302,7 @@ func (d *Daemon) do(line string) (answer string, quit bool) {
 
 func percentage(s string) (string, error) {
 	v, err := strconv.ParseFloat(s, 64)
-	if err != nil || v < 1 || v > 100 {
+	if err != nil || !(v >= 1 && v <= 100) { // NaN too
 		return "", fmt.Errorf("invalid active thread percentage %q: want 1 to 100", s)
 	}
 	return strconv.FormatFloat(v, 'f', 1, 64), nil

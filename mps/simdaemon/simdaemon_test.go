@@ -22,6 +22,7 @@ func TestCommands(t *testing.T) {
 		{"get_default_active_thread_percentage", "25.0", false},
 		{"set_default_active_thread_percentage 0", `invalid active thread percentage "0": want 1 to 100`, false},
 		{"set_default_active_thread_percentage 101", `invalid active thread percentage "101": want 1 to 100`, false},
+		{"set_default_active_thread_percentage NaN", `invalid active thread percentage "NaN": want 1 to 100`, false},
 		{"get_default_active_thread_percentage", "25.0", false},
 		{"get_default_device_pinned_mem_limit 0", "0M", false},
 		{"set_default_device_pinned_mem_limit 0 10240M", "", false},
