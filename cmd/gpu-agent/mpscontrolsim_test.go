@@ -6,7 +6,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"strconv"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -30,9 +30,9 @@ func TestMain(m *testing.M) {
 }
 
 // On a simulated node, with no --mps-binary, the agent runs its own
-// stand-in daemons: the MPS replicas are healthy, and each daemon holds the
-// limits every client of its GPU gets (half the SMs, half the memory of a
-// 48 GB L40S). The daemons outlive the agent, as real ones do.
+// stand-in daemons: with README's example the MPS replicas are healthy, and
+// each daemon holds the limits every client of its GPU gets (half the SMs,
+// 20 GiB). The daemons outlive the agent, as real ones do.
 func TestRunSimMPSStandIn(t *testing.T) {
 	self, err := os.Executable()
 	if err != nil {
@@ -55,10 +55,7 @@ func TestRunSimMPSStandIn(t *testing.T) {
 		t.Fatal(err)
 	}
 	startFakeKubelet(t, pluginDir)
-	cfg := filepath.Join(dir, "config.yaml")
-	if err := os.WriteFile(cfg, []byte(mpsTestConfig), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	cfg := readmeMPSExample(t)
 	addr := freeAddr(t)
 	t.Setenv("GPU_AGENT_MPS_BINARY", "") // unset: the stand-in
 	ag := startCommand(t, "run", "--backend", "sim:pcie-4gpu", "--device-plugin-dir", pluginDir,
@@ -86,7 +83,7 @@ func TestRunSimMPSStandIn(t *testing.T) {
 	for _, g := range st.GPUs {
 		env := simdaemon.Env{PipeDir: mps.PipeDir(root, g.UUID), LogDir: mps.LogDir(root, g.UUID)}
 		out, err := simdaemon.Control(env, "get_default_active_thread_percentage", "get_default_device_pinned_mem_limit 0")
-		want := "50.0\n" + strconv.FormatUint(g.MemoryBytes/2>>20, 10) + "M\n"
+		want := "50.0\n20480M\n" // as README says
 		if err != nil || out != want {
 			t.Errorf("gpu %d daemon: %q, %v; want %q", g.Index, out, err, want)
 		}
@@ -161,5 +158,35 @@ func TestMPSControlLogsComponentOnce(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "mps daemon down") {
 		t.Errorf("no line says the daemon is down:\n%s", logs.String())
+	}
+}
+
+// readmeMPSExample is the config of README's MPS-on-a-simulated-node
+// example, as a file.
+func readmeMPSExample(t *testing.T) string {
+	t.Helper()
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, rest, ok := strings.Cut(string(readme), "cat >.run/mps.yaml <<'EOF'")
+	_, rest, ok2 := strings.Cut(rest, "\n")
+	example, _, ok3 := strings.Cut(rest, "\nEOF\n")
+	if !ok || !ok2 || !ok3 {
+		t.Fatal("README has no MPS example for the simulated node")
+	}
+	file := filepath.Join(t.TempDir(), "mps.yaml")
+	if err := os.WriteFile(file, []byte(example), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return file
+}
+
+// README's example gives the 16 replicas it says on make run's node; the
+// limits it says are checked on a running agent (TestRunSimMPSStandIn).
+func TestReadmeMPSSimExample(t *testing.T) {
+	code, out, stderr := run(t, "config", "validate", readmeMPSExample(t), "--backend", "sim:dgx-a100")
+	if code != 0 || !regexp.MustCompile(`(?m)^nvidia\.com/gpu\.mps +16 `).MatchString(out) {
+		t.Errorf("README's MPS example: exit %d, want 16 replicas of nvidia.com/gpu.mps:\n%s%s", code, out, stderr)
 	}
 }
