@@ -190,3 +190,18 @@ func TestReadmeMPSSimExample(t *testing.T) {
 		t.Errorf("README's MPS example: exit %d, want 16 replicas of nvidia.com/gpu.mps:\n%s%s", code, out, stderr)
 	}
 }
+
+// A daemon that cannot start fails its launch at once, with its reason in
+// the launcher's stderr, rather than after the launch timeout.
+func TestMPSControlSimLaunchFails(t *testing.T) {
+	notDir := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(notDir, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("CUDA_MPS_PIPE_DIRECTORY", filepath.Join(notDir, "pipe"))
+	t.Setenv("CUDA_MPS_LOG_DIRECTORY", filepath.Join(notDir, "log"))
+	code, _, errOut := run(t, mpsControlSimCommand, "-d")
+	if code != 1 || !strings.Contains(errOut, "exited before it answered") {
+		t.Errorf("launch into a file: exit %d, %q; want the daemon's early exit reported", code, errOut)
+	}
+}

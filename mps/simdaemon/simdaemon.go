@@ -51,26 +51,33 @@ func EnvFrom(getenv func(string) string) (Env, error) {
 
 // Launch starts the daemon as the real `nvidia-cuda-mps-control -d` does:
 // in the background, in a session of its own so that it outlives its
-// launcher, and returns once it answers. self is the command line that runs
-// Serve (the agent's own binary and subcommand).
+// launcher, and returns once it answers, or with its error once it exits
+// without. self is the command line that runs Serve (the agent's own binary
+// and subcommand). The daemon writes errors to the launcher's stderr, which
+// the agent's supervisor points at a file.
 func Launch(self []string, env Env, timeout time.Duration) error {
 	if len(self) == 0 {
 		return errors.New("launch: no command to run the daemon with")
 	}
 	cmd := exec.Command(self[0], self[1:]...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	// Its output goes to control.log; a pipe would tie it to the launcher.
-	cmd.Stdin, cmd.Stdout, cmd.Stderr = nil, nil, nil
+	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("launch %s: %w", self[0], err)
 	}
-	// Reaped in the background: the launcher exits right after, and a
-	// launcher that lives on (tests) must not keep a zombie.
-	go func() { _ = cmd.Wait() }()
+	// Reaped whatever happens: a launcher that lives on (tests) must not
+	// keep a zombie.
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
 	deadline := time.Now().Add(timeout)
 	for {
 		if _, err := Control(env, "get_server_list"); err == nil {
 			return nil
+		}
+		select {
+		case err := <-exited:
+			return fmt.Errorf("launch: the daemon (pid %d) exited before it answered: %v", cmd.Process.Pid, err)
+		default:
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("launch: the daemon (pid %d) did not answer in %s on %s", cmd.Process.Pid, timeout, filepath.Join(env.PipeDir, socketName))
