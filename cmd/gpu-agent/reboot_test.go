@@ -1,6 +1,7 @@
 package main
 
 import (
+	"log/slog"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -28,9 +29,15 @@ func TestSimFaultsAndRecovery(t *testing.T) {
 	}
 	startFakeKubelet(t, pluginDir)
 	simState := filepath.Join(dir, "sim-state.json")
+	// Probed every 200 ms rather than 10 s: the reset and the reboot are
+	// seen by probes.
+	cfg := filepath.Join(dir, "config.yaml")
+	if err := os.WriteFile(cfg, []byte("version: v1\nconfigs:\n  default:\n    health:\n      probeInterval: 200ms\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	addr := freeAddr(t)
 	start := func() *command {
-		return startCommand(t, "run", "--backend", "sim:pcie-4gpu,state="+simState, "--device-plugin-dir", pluginDir,
+		return startCommand(t, "run", "--backend", "sim:pcie-4gpu,state="+simState, "--config", cfg, "--device-plugin-dir", pluginDir,
 			"--listen", addr, "--state-dir", filepath.Join(dir, "state"), "--node-name", "n1",
 			"--mps-root", filepath.Join(dir, "mps"), "--pod-resources-socket", filepath.Join(dir, "podres.sock"))
 	}
@@ -95,7 +102,7 @@ func TestSimFaultsAndRecovery(t *testing.T) {
 	}
 	// The node reboots while no agent runs: the next agent does not
 	// restore the cause.
-	node, err := sim.New("pcie-4gpu", sim.WithStateFile(simState))
+	node, err := sim.New("pcie-4gpu", sim.WithStateFile(simState), sim.WithLogger(slog.New(slog.DiscardHandler)))
 	if err != nil {
 		t.Fatal(err)
 	}
