@@ -16,10 +16,12 @@ COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
 ARG VERSION=dev
+# The build context has no .git, so the commit comes in as an argument (make image sets both).
+ARG COMMIT=unknown
 # go-nvml's cgo headers use deprecated declarations; keep the build quiet.
 ENV CGO_ENABLED=1 CGO_CFLAGS=-Wno-deprecated-declarations
-RUN go build -trimpath -ldflags "-s -w" -o /out/gpu-agent ./cmd/gpu-agent \
- && /out/gpu-agent sim list >/dev/null
+RUN go build -trimpath -ldflags "-s -w -X main.version=${VERSION} -X main.commit=${COMMIT}" -o /out/gpu-agent ./cmd/gpu-agent \
+ && /out/gpu-agent version
 
 FROM gcr.io/distroless/base-debian12
 ARG VERSION=dev

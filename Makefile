@@ -6,12 +6,23 @@ BIN := bin/gpu-agent
 # Where `make run` keeps its sockets and state, so it needs no root.
 RUN_DIR ?= $(CURDIR)/.run
 
-.PHONY: all build test unit lint fmt bench run fuzz fuzz-short simulation clean e2e image deploy-test
+.PHONY: all build test unit lint fmt bench run clean-run fuzz fuzz-short simulation clean e2e image deploy-test
 
 all: build
 
+IMAGE ?= ghcr.io/gpu-agent/gpu-agent
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+# `gpu-agent version`, /status and gpu_agent_build_info report them; the Go
+# version comes from the binary's build info, and so does the commit where
+# the build stamped VCS information.
+COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
+LDFLAGS := -X main.version=$(VERSION) -X main.commit=$(COMMIT)
+
+# -v lists each package as it is compiled: a cold build compiles a few
+# hundred (Kubernetes, gRPC) for minutes on two cores, a warm one none.
 build:
-	$(GO) build -o $(BIN) ./cmd/gpu-agent
+	@echo "building $(BIN) $(VERSION) (a first build compiles every dependency: minutes on two cores)"
+	$(GO) build -v -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/gpu-agent
 
 # The README's test command; .ci/run calls exactly this. e2e needs root (it
 # runs a real kubelet and containerd) and installs its Debian packages.
@@ -34,13 +45,10 @@ HAMMER_FLIPS ?= 500
 hammer:
 	$(GO) test -count=1 -run '^TestAllocateHammer$$' -timeout 1h ./agent -hammer.flips=$(HAMMER_FLIPS) -v
 
-IMAGE ?= ghcr.io/gpu-agent/gpu-agent
-VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-
 # The image needs a Docker engine (not on these machines); test/deploy checks
 # the Dockerfile instead.
 image:
-	docker build --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
+	docker build --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t $(IMAGE):$(VERSION) .
 
 # Install artefacts: manifests and chart variants decoded strictly, examples
 # validated, the Dockerfile checked, the DaemonSet's own args run on a sim.
@@ -79,6 +87,7 @@ FUZZ_TARGETS := \
 	./mps:FuzzParseDesiredFile \
 	./mps:FuzzParseHealthFile \
 	./mps:FuzzParsePID \
+	./mps/simdaemon:FuzzCommand \
 	./timeslice:FuzzParent
 
 # Fuzzes each target for FUZZTIME. go test fuzzes one target of one package
@@ -108,14 +117,27 @@ SIM_STEPS ?= 60
 simulation:
 	$(GO) test -run '^TestSimulation$$' -count=1 -timeout 2h -v ./agent -sim.seeds=$(SIM_SEEDS) -sim.steps=$(SIM_STEPS)
 
-# Runs the agent on a simulated DGX A100 with its sockets and GPU state under $(RUN_DIR).
+# Runs the agent on a simulated DGX A100 with its sockets, its state and the
+# GPUs' state under $(RUN_DIR); CONFIG=FILE gives it a config.
+CONFIG ?=
 run: build
 	mkdir -p $(RUN_DIR)/device-plugins $(RUN_DIR)/state $(RUN_DIR)/mps
+	@echo "running the agent on sim:dgx-a100 (GPU and agent state in $(RUN_DIR); 'make clean-run' starts over)"
 	$(BIN) run --backend sim:dgx-a100,state=$(RUN_DIR)/sim-state.json \
 		--device-plugin-dir $(RUN_DIR)/device-plugins \
 		--pod-resources-socket $(RUN_DIR)/pod-resources.sock \
 		--state-dir $(RUN_DIR)/state --mps-root $(RUN_DIR)/mps \
-		--listen 127.0.0.1:9400
+		--listen 127.0.0.1:9400 $(if $(CONFIG),--config $(CONFIG))
 
-clean:
-	rm -rf bin $(RUN_DIR)
+# Starts `make run` over: the simulated GPUs' state and the agent's own
+# (its checkpoint would restore the health causes of the old GPUs), after
+# quitting the stand-in MPS daemons, which outlive the agent as real ones do.
+clean-run:
+	@for p in $(RUN_DIR)/mps/*/pipe; do \
+		[ -S "$$p/control" ] && [ -x $(BIN) ] || continue; \
+		echo quit | CUDA_MPS_PIPE_DIRECTORY="$$p" CUDA_MPS_LOG_DIRECTORY="$${p%/pipe}/log" $(BIN) mps-control-sim || true; \
+	done
+	rm -rf $(RUN_DIR)
+
+clean: clean-run
+	rm -rf bin

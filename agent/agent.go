@@ -129,6 +129,10 @@ type Options struct {
 	StateDir string
 	// Restored is the checkpoint read at start (nil: none).
 	Restored *Checkpoint
+	// BootID is the node's boot id at start ("" unknown): health causes
+	// the checkpoint holds from another boot are not restored (the reboot
+	// reset the GPUs), as the health watcher does not restore them.
+	BootID string
 	// Ledger is the node's record of who has each device (nil: a new one,
 	// with its allocation log in StateDir). The device plugin's Allocate
 	// and the MIG applier must pass through the same ledger (see Ledger).

@@ -154,7 +154,7 @@ func (a *Agent) restore(cp *Checkpoint) {
 	if len(cp.Health) > 0 {
 		// Until the watcher reports, plan with the causes that were in
 		// force: otherwise the first catalog would offer them healthy.
-		a.health = health.RestoredState(cp.Health)
+		a.health = health.RestoredState(cp.Health, a.opts.BootID)
 	}
 	a.log.Info("checkpoint restored", "written", cp.Written, "gpus", len(cp.GPUs),
 		"allocations", len(cp.Allocated), "healthCauses", len(cp.Health), "draClaims", len(cp.Claims), "draReleasing", len(cp.Releasing), "draIntents", len(cp.Intents))

@@ -153,7 +153,7 @@ func TestClusterEvents(t *testing.T) {
 	if ev := c.took(); len(ev) != 1 || !strings.HasPrefix(ev[0], "Warning "+ReasonGPUUnhealthy) || !strings.Contains(ev[0], sick) {
 		t.Errorf("events %v, want one GPUUnhealthy for %s", ev, sick)
 	}
-	h.step(HealthChanged{State: health.RestoredState(nil)})
+	h.step(HealthChanged{State: health.RestoredState(nil, "")})
 	if ev := c.took(); len(ev) != 1 || !strings.HasPrefix(ev[0], "Normal "+ReasonGPURecovered) {
 		t.Errorf("events %v, want one GPURecovered", ev)
 	}

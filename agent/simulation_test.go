@@ -952,7 +952,7 @@ func (s *simRun) healthState() *health.State {
 			Class: health.ClassReset, Count: 1, Reason: "XID 48 (double-bit ECC error), needs GPU reset",
 		}})
 	}
-	return health.RestoredState(saved)
+	return health.RestoredState(saved, "")
 }
 
 // injectFault makes NVML fail: some calls on one GPU (the next few, or

@@ -17,6 +17,8 @@ import (
 type Status struct {
 	Node    string `json:"node"`
 	Backend string `json:"backend,omitempty"`
+	// Build is what runs (filled by the HTTP layer).
+	Build *BuildInfo `json:"build,omitempty"`
 	// Cluster is the Kubernetes API side: whether the API answers, the
 	// Node labels the agent owns, the ConfigMap read through it (API
 	// "standalone" without one).
@@ -72,6 +74,13 @@ type ConfigMapStatus struct {
 	Name    string `json:"name"`
 	InForce bool   `json:"inForce"`
 	Reason  string `json:"reason,omitempty"`
+}
+
+// BuildInfo says which gpu-agent build runs.
+type BuildInfo struct {
+	Version   string `json:"version"`
+	Commit    string `json:"commit"`
+	GoVersion string `json:"goVersion"`
 }
 
 // DRAStatus is the DRA side of the node.

@@ -29,7 +29,7 @@ func xidState(uuid string, xid uint64) *health.State {
 	return health.RestoredState([]health.SavedCause{{Cause: health.Cause{
 		GPU: uuid, GI: health.AllInstances, CI: health.AllInstances, Kind: health.CauseXID, XID: xid,
 		Class: health.ClassReset, Count: 1, Reason: "XID 48 (double-bit ECC error), needs GPU reset",
-	}}})
+	}}}, "")
 }
 
 // The loop as a table: each row is a batch of events, the plan passes it
@@ -61,7 +61,7 @@ func TestStepTable(t *testing.T) {
 			return []Event{Allocated{Resource: ResourceGPU, IDs: []string{findGPU(h, 0).ID}}}
 		}, gpus: 8},
 		{name: "health, holdings and tick in one batch: one pass", events: func() []Event {
-			return []Event{HealthChanged{State: health.RestoredState(nil)}, HoldingsChanged{Attribution: h.hold.hold(ResourceGPU)}, Tick{}}
+			return []Event{HealthChanged{State: health.RestoredState(nil, "")}, HoldingsChanged{Attribution: h.hold.hold(ResourceGPU)}, Tick{}}
 		}, passes: 1, publishes: 1, gpus: 8, wantHealth: map[int]bool{1: true}},
 		{name: "rejected config: no pass, nothing published", events: func() []Event {
 			return []Event{ConfigChanged{Update: config.Update{Data: []byte(badField)}}}

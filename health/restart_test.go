@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -189,4 +190,88 @@ func TestSamplerSamplesAsSoonAsInventoryArrives(t *testing.T) {
 	defer func() { cancel(); <-done }()
 	s.SetInventory(inventory(t, n))
 	eventually(t, "a sample of every GPU", func() bool { return len(s.Snapshot().GPUs) == 4 })
+}
+
+// A reboot under a running watcher (a simulated node's /sim/reboot) clears
+// every cause raised before it, the XID 79 that needed it included, and
+// reads again what outlives a reboot: a failed row remapping.
+func TestWatcherRebootClearsCauses(t *testing.T) {
+	n := newNode(t, "dgx-a100")
+	uuid2, uuid5 := gpuUUID(t, n, 2), gpuUUID(t, n, 5)
+	w, states := runFresh(t, n, WatcherOptions{BootID: n.BootID})
+	eventually(t, "registered", func() bool { return len(w.Watched()) == 8 })
+	n.InjectXID(2, 79)
+	n.InjectXID(5, 48)
+	waitFor(t, states, "XID 79 on GPU 2 and 48 on GPU 5", func(s *State) bool { return bad(s, uuid2) && bad(s, uuid5) })
+	// Set while the watcher runs: no event says so, only the reboot's
+	// fresh read of NVML finds it.
+	if err := n.SetRemappedRows(5, 0, 1, false, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Reboot(); err != nil {
+		t.Fatal(err)
+	}
+	s := waitFor(t, states, "the XIDs cleared by the reboot", func(s *State) bool {
+		return !bad(s, uuid2) && len(s.Causes) == 1 && s.Causes[0].Kind == CauseRemapFailure
+	})
+	if s.Causes[0].GPU != uuid5 {
+		t.Errorf("row remapping failure on %s, want GPU 5", s.Causes[0].GPU)
+	}
+	if sv := s.Saved(); len(sv) != 1 || sv[0].Boot != n.BootID() {
+		t.Errorf("saved %+v: want the remapping failure, of the new boot %s", sv, n.BootID())
+	}
+	cleared := 0
+	for _, e := range s.Log {
+		if e.Action == ActionHealthy && strings.Contains(e.Message, "the node rebooted") {
+			cleared++
+		}
+	}
+	if cleared != 2 {
+		t.Errorf("%d log entries say a reboot cleared a cause, want 2:\n%+v", cleared, s.Log)
+	}
+}
+
+// Checkpointed causes of another boot are not restored: the node rebooted
+// while no agent ran, and the reboot reset the GPUs. Those of this boot, and
+// those checkpointed without a boot, are; the latter then belong to it.
+func TestWatcherRestoresOnlyThisBoot(t *testing.T) {
+	n := newNode(t, "pcie-4gpu")
+	boot := n.BootID()
+	cause := func(i int, b string) SavedCause {
+		return SavedCause{Cause: Cause{GPU: gpuUUID(t, n, i), Index: i, GI: AllInstances, CI: AllInstances, Kind: CauseXID, XID: 79,
+			Class: ClassReboot, Count: 1, Reason: "XID 79 (GPU has fallen off the bus), needs reboot"}, Boot: b}
+	}
+	saved := []SavedCause{cause(0, "an-earlier-boot"), cause(1, boot), cause(2, "")}
+	for _, tt := range []struct {
+		name string
+		got  *State
+	}{
+		// The agent's stand-in until the watcher reports.
+		{"RestoredState", RestoredState(saved, boot)},
+		{"watcher", func() *State {
+			_, states := runFresh(t, n, WatcherOptions{Restore: saved, BootID: n.BootID})
+			return waitFor(t, states, "restored", func(s *State) bool { return bad(s, gpuUUID(t, n, 1)) && bad(s, gpuUUID(t, n, 2)) })
+		}()},
+	} {
+		if bad(tt.got, gpuUUID(t, n, 0)) || !bad(tt.got, gpuUUID(t, n, 1)) || !bad(tt.got, gpuUUID(t, n, 2)) {
+			t.Errorf("%s: causes %+v; want GPUs 1 and 2 unhealthy, not 0 (its cause is of another boot)", tt.name, tt.got.Causes)
+		}
+	}
+	_, states := runFresh(t, n, WatcherOptions{Restore: saved, BootID: n.BootID})
+	s := waitFor(t, states, "restored", func(s *State) bool { return bad(s, gpuUUID(t, n, 2)) })
+	for _, c := range s.Saved() {
+		if c.Boot != boot {
+			t.Errorf("saved %+v: want it of this boot %s", c, boot)
+		}
+	}
+	if !slices.ContainsFunc(s.Log, func(e Entry) bool {
+		return e.Index == 0 && strings.Contains(e.Message, "not restored from the checkpoint") && strings.Contains(e.Message, "the node rebooted since")
+	}) {
+		t.Errorf("no log entry says GPU 0's cause was not restored:\n%+v", s.Log)
+	}
+	// Without a boot id (not Linux, an older simulated state file) every
+	// cause is restored, as before.
+	if rs := RestoredState(saved, ""); len(rs.Causes) != 3 {
+		t.Errorf("RestoredState without a boot id: %d causes, want all 3", len(rs.Causes))
+	}
 }

@@ -2,6 +2,7 @@ package health
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 )
@@ -181,6 +182,10 @@ type SavedCause struct {
 	ActionSeen bool `json:"actionSeen,omitempty"`
 	// SawDown: the GPU was seen unreachable while active.
 	SawDown bool `json:"sawDown,omitempty"`
+	// Boot is the node's boot id when the cause was raised: after a
+	// reboot (another boot id) it is not restored, as the reboot reset the
+	// GPU. Empty: unknown (restored).
+	Boot string `json:"boot,omitempty"`
 }
 
 // Saved returns the active causes with their evidence, for a checkpoint.
@@ -194,8 +199,13 @@ func (s *State) Saved() []SavedCause {
 // RestoredState is the State a checkpoint describes, for use before the
 // watcher has read the GPUs again: devices of a GPU with a GPU-wide cause
 // are unhealthy. MIG-scoped causes take effect once the watcher knows the
-// GPU's instances.
-func RestoredState(saved []SavedCause) *State {
+// GPU's instances. boot is the node's boot id ("" unknown): causes of
+// another boot are left out, as the watcher leaves them out (a reboot
+// cleared them).
+func RestoredState(saved []SavedCause, boot string) *State {
+	saved = slices.DeleteFunc(slices.Clone(saved), func(c SavedCause) bool {
+		return boot != "" && c.Boot != "" && c.Boot != boot
+	})
 	s := &State{byGPU: map[string][]Cause{}, mig: map[string]migRef{}, stats: map[string]GPUStats{}, saved: saved}
 	for _, c := range saved {
 		s.byGPU[c.GPU] = append(s.byGPU[c.GPU], c.Cause)

@@ -58,6 +58,9 @@ type tracker struct {
 	// restored are checkpointed causes of GPUs not seen yet in this
 	// process; each takes effect when its GPU appears in an inventory.
 	restored map[string][]SavedCause
+	// boot is the node's boot id ("" unknown); each cause is stamped with
+	// the boot it was raised in, and a reboot clears those of earlier boots.
+	boot string
 }
 
 type gpuTrack struct {
@@ -76,6 +79,8 @@ type cause struct {
 	dbeKnown bool
 	// actionSeen: NVML reported a pending recovery action while active.
 	actionSeen bool
+	// boot is the boot it was raised in ("" unknown).
+	boot string
 }
 
 func newTracker(p Policy, log *slog.Logger) *tracker {
@@ -150,7 +155,20 @@ func (t *tracker) ensure(uuid string, index int) *gpuTrack {
 		t.gpus[uuid] = gt
 		t.changed = true
 		for _, sc := range t.restored[uuid] {
-			c := &cause{Cause: sc.Cause, dbeMax: sc.DBEMax, dbeKnown: sc.DBEKnown, actionSeen: sc.ActionSeen, sawDown: sc.SawDown}
+			if t.boot != "" && sc.Boot != "" && sc.Boot != t.boot {
+				// A reboot resets every GPU: a reset-class cause is
+				// cleared, and so is one that needed the reboot itself.
+				// Faults that outlive it still show in NVML, read anew.
+				t.changed = true
+				t.record(sc.Last, gt, ActionHealthy, fmt.Sprintf("not restored from the checkpoint: %q%s: the node rebooted since (boot %s, now %s)",
+					sc.Reason, scopeText(sc.GI, sc.CI), sc.Boot, t.boot))
+				continue
+			}
+			c := &cause{Cause: sc.Cause, dbeMax: sc.DBEMax, dbeKnown: sc.DBEKnown, actionSeen: sc.ActionSeen, sawDown: sc.SawDown, boot: sc.Boot}
+			if c.boot == "" {
+				// Checkpointed before boots were: the next reboot clears it.
+				c.boot = t.boot
+			}
 			c.Index = index
 			gt.causes = append(gt.causes, c)
 			t.record(c.Last, gt, ActionUnhealthy, "restored from the checkpoint: "+c.Reason+scopeText(c.GI, c.CI))
@@ -215,7 +233,7 @@ func (t *tracker) add(g *gpuTrack, c Cause, now time.Time) {
 		}
 	}
 	c.GPU, c.Index, c.Since, c.Last, c.Count = g.uuid, g.index, now, now, 1
-	g.causes = append(g.causes, &cause{Cause: c})
+	g.causes = append(g.causes, &cause{Cause: c, boot: t.boot})
 	t.changed = true
 	t.record(now, g, ActionUnhealthy, c.Reason+scopeText(c.GI, c.CI))
 }
@@ -371,6 +389,37 @@ func (t *tracker) noteReset(uuid string, now time.Time) {
 	})
 }
 
+// setBoot learns the node's boot id. A new one, after another was known,
+// is a reboot: every cause raised before it is cleared, as the reboot reset
+// every GPU; it reports whether that happened.
+func (t *tracker) setBoot(boot string, now time.Time) (rebooted bool) {
+	if boot == "" || boot == t.boot {
+		return false
+	}
+	old := t.boot
+	t.boot = boot
+	if old == "" {
+		for _, g := range t.gpus {
+			for _, c := range g.causes {
+				if c.boot == "" {
+					c.boot = boot
+				}
+			}
+		}
+		return false
+	}
+	for _, g := range t.sortedGPUs() {
+		t.recover(g, now, func(c *cause) string {
+			if c.boot != boot {
+				return fmt.Sprintf("the node rebooted (boot %s, now %s)", old, boot)
+			}
+			return ""
+		})
+	}
+	t.changed = true
+	return true
+}
+
 // tick clears application-class causes whose quiet period has passed.
 func (t *tracker) tick(now time.Time) {
 	for _, g := range t.gpus {
@@ -423,7 +472,7 @@ func (t *tracker) state() *State {
 		for _, c := range g.causes {
 			cs = append(cs, c.Cause)
 			s.saved = append(s.saved, SavedCause{Cause: c.Cause, DBEMax: c.dbeMax, DBEKnown: c.dbeKnown,
-				ActionSeen: c.actionSeen, SawDown: c.sawDown})
+				ActionSeen: c.actionSeen, SawDown: c.sawDown, Boot: c.boot})
 		}
 		// Most severe first, so Unhealthy names the cause that takes longest to clear.
 		slices.SortStableFunc(cs, func(a, b Cause) int {

@@ -38,8 +38,16 @@ type WatcherOptions struct {
 	// watcher notices ctx, inventory or policy changes (default 1s).
 	WaitTimeout time.Duration
 	// Restore are causes checkpointed by an earlier agent; each applies
-	// when its GPU is found, and clears by the usual evidence.
+	// when its GPU is found, and clears by the usual evidence. One raised
+	// in another boot than BootID's is not restored.
 	Restore []SavedCause
+	// BootID reads the node's boot id (Linux's
+	// /proc/sys/kernel/random/boot_id, or a simulated node's), at start
+	// and with every probe; nil or "" means unknown. A reboot clears every
+	// cause raised before it: it reset every GPU. Only a simulated node
+	// reboots under a running agent; a real one sees the new boot at its
+	// next start, against the causes it checkpointed.
+	BootID func() string
 }
 
 // Watcher turns NVML events and reachability probes into device health.
@@ -100,9 +108,17 @@ func NewWatcher(lib nvml.Interface, policy Policy, opts WatcherOptions) *Watcher
 		tr:   newTracker(policy, opts.Logger),
 		devs: map[string]*watchedGPU{}, byHandle: map[nvml.Device]string{},
 	}
+	w.tr.setBoot(w.bootID(), opts.Now())
 	w.tr.restore(opts.Restore)
 	w.state.Store(w.tr.state())
 	return w
+}
+
+func (w *Watcher) bootID() string {
+	if w.opts.BootID == nil {
+		return ""
+	}
+	return w.opts.BootID()
 }
 
 // SetInventory tells the watcher which GPUs and MIG devices exist; new GPUs
@@ -155,6 +171,14 @@ func (w *Watcher) Run(ctx context.Context) error {
 		// is an event, not a trace the scan also reports.
 		w.publishWatched()
 		if interval := w.tr.policy.ProbeInterval; time.Since(lastProbe) >= interval {
+			if w.tr.setBoot(w.bootID(), w.opts.Now()) {
+				// Read again what earlier faults left in NVML: what
+				// outlives a reboot (a failed row remapping) is there.
+				for _, d := range w.devs {
+					d.scanned = false
+				}
+				w.scanNew()
+			}
 			w.probeAll()
 			lastProbe = time.Now()
 		}

@@ -41,6 +41,10 @@ type Options struct {
 	// Binary is the control program; "" looks up DefaultBinary on PATH when
 	// a daemon is first started.
 	Binary string
+	// Args come before the control program's own arguments (`-d`, or none
+	// for a command): the subcommand of a stand-in such as `gpu-agent
+	// mps-control-sim` on simulated nodes.
+	Args []string
 	// Root holds one folder per device with the pipe and log directories.
 	Root   string
 	Logger *slog.Logger
@@ -566,7 +570,7 @@ func (s *Supervisor) start(ctx context.Context, d Daemon) (int, error) {
 	defer out.Close()
 	cctx, cancel := context.WithTimeout(ctx, s.opts.CommandTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(cctx, bin, "-d")
+	cmd := exec.CommandContext(cctx, bin, append(slices.Clone(s.opts.Args), "-d")...)
 	cmd.Env = s.daemonTarget(d).env
 	cmd.Stdout, cmd.Stderr = out, out
 	launchErr := cmd.Run()
@@ -657,7 +661,7 @@ func (s *Supervisor) control(ctx context.Context, t target, cmds ...string) (str
 	}
 	cctx, cancel := context.WithTimeout(ctx, s.opts.CommandTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(cctx, bin)
+	cmd := exec.CommandContext(cctx, bin, s.opts.Args...)
 	cmd.Env = t.env
 	cmd.Stdin = strings.NewReader(strings.Join(cmds, "\n") + "\n")
 	cmd.WaitDelay = time.Second

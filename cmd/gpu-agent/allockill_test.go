@@ -41,7 +41,9 @@ func agentBinary(t *testing.T) string {
 			return
 		}
 		builtBin = filepath.Join(dir, "gpu-agent")
-		build := exec.Command("go", "build", "-o", builtBin, ".")
+		// Linked as the Makefile links it, so the version reaches
+		// `version`, /status and gpu_agent_build_info (TestVersion).
+		build := exec.Command("go", "build", "-ldflags", "-X main.version="+testVersion+" -X main.commit="+testCommit, "-o", builtBin, ".")
 		build.Env = append(os.Environ(), "CGO_CFLAGS=-Wno-deprecated-declarations")
 		builtOut, builtErr = build.CombinedOutput()
 	})

@@ -2,6 +2,8 @@ package main
 
 import (
 	"fmt"
+	"log/slog"
+	"os"
 	"strconv"
 	"strings"
 
@@ -17,8 +19,23 @@ type backend struct {
 	Lib              nvml.Interface
 	InventoryOptions gpu.Options
 	// Sim is set for simulated nodes only (fault injection endpoints).
-	Sim   *sim.Node
-	close func()
+	Sim *sim.Node
+	// BootID reads the node's boot id, which a reboot changes ("" when it
+	// cannot be read): the kernel's, or a simulated node's own.
+	BootID func() string
+	close  func()
+}
+
+// kernelBootID is the path of Linux's boot id; a container sees the host's.
+const kernelBootID = "/proc/sys/kernel/random/boot_id"
+
+// readBootID reads a boot id file; "" when it cannot (not Linux).
+func readBootID(path string) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
 }
 
 func (b *backend) Close() {
@@ -29,7 +46,9 @@ func (b *backend) Close() {
 
 // openBackend opens "nvml" or "sim:<profile>[,option...]". nvmlLib is the
 // libnvidia-ml path for the real backend ("" = the loader's search path).
-func openBackend(spec, nvmlLib string) (*backend, error) {
+// A simulated node logs to log (nil: slog's default), so that what it says
+// (a failed state write, a crash-after kill) reads like the agent's own log.
+func openBackend(spec, nvmlLib string, log *slog.Logger) (*backend, error) {
 	switch {
 	case spec == "nvml":
 		var opts []nvml.LibraryOption
@@ -44,12 +63,16 @@ func openBackend(spec, nvmlLib string) (*backend, error) {
 			Name:             spec,
 			Lib:              lib,
 			InventoryOptions: gpu.Options{NUMANode: gpu.SysfsNUMA("/sys"), PCIeRoot: gpu.SysfsPCIeRoot("/sys")},
+			BootID:           func() string { return readBootID(kernelBootID) },
 			close:            func() { lib.Shutdown() },
 		}, nil
 	case strings.HasPrefix(spec, "sim:"):
 		profile, opts, err := parseSimSpec(spec)
 		if err != nil {
 			return nil, err
+		}
+		if log != nil {
+			opts = append(opts, sim.WithLogger(log.With("component", "sim")))
 		}
 		node, err := sim.New(profile, opts...)
 		if err != nil {
@@ -60,7 +83,7 @@ func openBackend(spec, nvmlLib string) (*backend, error) {
 			return nil, fmt.Errorf("backend %s: init: %v", spec, ret)
 		}
 		return &backend{
-			Name: spec, Lib: node, Sim: node,
+			Name: spec, Lib: node, Sim: node, BootID: node.BootID,
 			// Releases the state file at once, so a restart in the same
 			// process (tests) or right after this one can open it.
 			close: func() { node.Close() },

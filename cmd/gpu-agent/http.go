@@ -38,6 +38,7 @@ type sampled interface{ Snapshot() *health.Snapshot }
 // the DRA driver's publishing state (nil without DRA).
 func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples sampled, draSlices func() dra.Slices, reg *prometheus.Registry, be *backend) http.Handler {
 	mux := http.NewServeMux()
+	build := buildInfo()
 	mux.Handle("GET /metrics", fewAtATime(runtime.GOMAXPROCS(0), promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg})))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		if !ag.Alive() {
@@ -68,6 +69,7 @@ func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples s
 	mux.HandleFunc("GET /status", func(w http.ResponseWriter, _ *http.Request) {
 		st := *ag.Status()
 		st.Backend = be.Name
+		st.Build = &build
 		st.Registrations = nil
 		for _, r := range mgr.Status() {
 			st.Registrations = append(st.Registrations, agent.Registration{

@@ -29,6 +29,8 @@ Usage:
   gpu-agent mig plan --config FILE [--backend B | --addr URL]
                                            print the MIG repartitioning plan per GPU
   gpu-agent sim list                       list the simulated nodes
+  gpu-agent mps-control-sim [-d]           the stand-in MPS control program of simulated nodes
+  gpu-agent version                        print the version, commit and Go version (also --version)
   gpu-agent node-cleanup [--all | --node-name N] [--kubeconfig F]
                                            remove the Node labels gpu-agent owns (uninstall)
   gpu-agent cordon [--node-name N] GPU...  take GPUs (UUID or index) out of service: no new work
@@ -63,10 +65,14 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		fmt.Fprint(stdout, usage)
 		return 0
+	case "version", "--version":
+		err = cmdVersion(args[1:], stdout, stderr)
 	case "run":
 		err = cmdRun(ctx, args[1:], stdout, stderr)
 	case "mps-host":
 		err = cmdMPSHost(ctx, args[1:], stdout, stderr)
+	case mpsControlSimCommand:
+		err = cmdMPSControlSim(ctx, args[1:], os.Stdin, stdout, stderr)
 	case "status":
 		err = cmdStatus(ctx, args[1:], stdout, stderr)
 	case "config":

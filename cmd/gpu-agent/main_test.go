@@ -216,6 +216,9 @@ func TestRunBinarySIGTERM(t *testing.T) {
 			if st.Cluster.API != kube.APIStandalone || st.DRA != nil {
 				t.Errorf("status: cluster %+v, DRA %+v; want standalone, no DRA", st.Cluster, st.DRA)
 			}
+			if st.Build == nil || st.Build.Version != testVersion {
+				t.Errorf("status: build %+v, want version %s as linked", st.Build, testVersion)
+			}
 		}},
 		{name: "DRA, API server down", args: func(t *testing.T, dir string) []string {
 			registry := filepath.Join(dir, "plugins_registry")
@@ -298,6 +301,9 @@ func runBinaryUntilSIGTERM(t *testing.T, bin string, extra func(t *testing.T, di
 	var mb bytes.Buffer
 	mb.ReadFrom(resp.Body)
 	resp.Body.Close()
+	if !regexp.MustCompile(`(?m)^gpu_agent_build_info\{commit="` + builtCommit + `",goversion="go1\.[^"]+",version="` + testVersion + `"\} 1$`).MatchString(mb.String()) {
+		t.Errorf("metrics lack the build info:\n%s", grepLines(mb.String(), "gpu_agent_build_info"))
+	}
 	if !strings.Contains(mb.String(), `gpu_agent_devices{health="healthy",resource="nvidia.com/gpu"} 4`) {
 		t.Errorf("metrics lack the device gauge:\n%s", grepLines(mb.String(), "gpu_agent_"))
 	}

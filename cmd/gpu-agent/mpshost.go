@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"strconv"
 	"time"
 
@@ -65,13 +66,25 @@ type mpsControl interface {
 
 // newMPSControl is the agent's MPS side: with --mps-host, a Remote that asks
 // mps-host for the daemons; otherwise a Supervisor that runs them in the
-// agent's own container (where they die with it).
-func newMPSControl(f runFlags, log *slog.Logger) mpsControl {
+// agent's own container (where they die with it). A simulated node has no
+// CUDA for nvidia-cuda-mps-control: unless --mps-binary names a program,
+// its daemons are gpu-agent's own stand-in (`gpu-agent mps-control-sim`).
+// The mps package names its component in the log itself.
+func newMPSControl(f runFlags, simulated bool, log *slog.Logger) (mpsControl, error) {
 	if f.mpsHost {
 		log.Info("MPS daemons are run by gpu-agent mps-host; this agent asks for them in the MPS root", "mps-root", f.mpsRoot)
-		return mps.NewRemote(mps.RemoteOptions{Root: f.mpsRoot, Logger: log})
+		return mps.NewRemote(mps.RemoteOptions{Root: f.mpsRoot, Logger: log}), nil
 	}
-	return mps.NewSupervisor(mps.Options{Binary: f.mpsBinary, Root: f.mpsRoot, Logger: log.With("component", "mps")})
+	opts := mps.Options{Binary: f.mpsBinary, Root: f.mpsRoot, Logger: log}
+	if simulated && !f.mpsBinarySet {
+		self, err := os.Executable()
+		if err != nil {
+			return nil, fmt.Errorf("mps stand-in for the simulated node: %w", err)
+		}
+		opts.Binary, opts.Args = self, []string{mpsControlSimCommand}
+		log.Info("simulated node: MPS daemons are gpu-agent's stand-in", "mps-control", self+" "+mpsControlSimCommand, "mps-root", f.mpsRoot)
+	}
+	return mps.NewSupervisor(opts), nil
 }
 
 // registerMPSHostFlag adds `run --mps-host` [GPU_AGENT_MPS_HOST] to fs.

@@ -71,7 +71,7 @@ func (n *nodeFlags) open(ctx context.Context, fs *flag.FlagSet) (*backend, error
 // an agent is running on it (make run's .run/sim-state.json).
 func openOfflineBackend(spec, nvmlLib string) (*backend, error) {
 	if !strings.HasPrefix(spec, "sim:") {
-		return openBackend(spec, nvmlLib)
+		return openBackend(spec, nvmlLib, nil)
 	}
 	profile, opts, err := parseSimSpec(spec)
 	if err != nil {
@@ -79,7 +79,7 @@ func openOfflineBackend(spec, nvmlLib string) (*backend, error) {
 	}
 	path := simStatePath(spec)
 	if path == "" {
-		return openBackend(spec, nvmlLib)
+		return openBackend(spec, nvmlLib, nil)
 	}
 	data, err := atomicfile.ReadFile(path, 1<<20)
 	switch {

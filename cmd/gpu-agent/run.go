@@ -41,6 +41,9 @@ type runFlags struct {
 	cdiSpecDir, devRoot, migMinors                     string
 	resync, forgetGone                                 time.Duration
 	mpsHost, dra                                       bool
+	// mpsBinarySet: --mps-binary or its variable was given, so even a
+	// simulated node runs that program rather than the stand-in.
+	mpsBinarySet bool
 }
 
 func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) {
@@ -109,6 +112,8 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err := parseNoArgs(fs, args); err != nil {
 		return err
 	}
+	f.mpsBinarySet = envDefault("GPU_AGENT_MPS_BINARY", "") != ""
+	fs.Visit(func(fl *flag.Flag) { f.mpsBinarySet = f.mpsBinarySet || fl.Name == "mps-binary" })
 	if err := (config.ParseOptions{MIGStrategy: config.MIGStrategy(f.migStrategy)}).Check(); err != nil {
 		return usageError{"--mig-strategy: " + err.Error()}
 	}
@@ -140,7 +145,7 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 }
 
 func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
-	be, err := openBackend(f.backend, f.nvmlLib)
+	be, err := openBackend(f.backend, f.nvmlLib, log)
 	if err != nil {
 		return err
 	}
@@ -149,7 +154,8 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		return fmt.Errorf("--state-dir: %w", err)
 	}
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		newBuildInfoMetric(buildInfo()))
 
 	// Everything that must survive a restart: allocations not yet accounted
 	// for, health causes, the GPUs last seen. A bad checkpoint is set aside
@@ -171,6 +177,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	watcher := health.NewWatcher(be.Lib, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
 		Logger:   log.With("component", "health"),
 		Restore:  savedHealth,
+		BootID:   be.BootID,
 		OnChange: func(s *health.State) { inbox.Post(agent.HealthChanged{State: s}) },
 	})
 	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
@@ -180,7 +187,10 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	})
 	// The MPS daemons' supervisor, or with --mps-host the agent's side of
 	// mps-host, which runs them outside this container (mpshost.go).
-	mpsSup := newMPSControl(f, log)
+	mpsSup, err := newMPSControl(f, be.Sim != nil, log)
+	if err != nil {
+		return err
+	}
 
 	// The ledger: Allocate, DRA Prepare and the MIG applier all pass
 	// through it, so no device is handed out and destroyed at once.
@@ -308,6 +318,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		InventoryObservers: []func(*gpu.Inventory){sampler.SetInventory},
 		StateDir:           f.stateDir,
 		Restored:           restored,
+		BootID:             be.BootID(),
 		Ledger:             ledger,
 		ResyncInterval:     f.resync,
 		ForgetGoneAfter:    f.forgetGone,
@@ -327,7 +338,8 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
-	log.Info("gpu-agent starting", "backend", be.Name, "node", f.nodeName, "listen", ln.Addr().String(),
+	b := buildInfo()
+	log.Info("gpu-agent starting", "version", b.Version, "commit", b.Commit, "backend", be.Name, "node", f.nodeName, "listen", ln.Addr().String(),
 		"device-plugin-dir", f.pluginDir, "config", f.config)
 
 	ctx, cancel := context.WithCancel(ctx)

@@ -34,7 +34,9 @@
 //   - A lost GPU has no handle: DeviceGetHandleByIndex returns
 //     ERROR_GPU_IS_LOST, and handles taken before return it from every call.
 //     Losing a GPU also raises XID 79 on registered event sets.
-//   - Reset destroys the GPU's MIG instances, as a real reset does.
+//   - Reset destroys the GPU's MIG instances, as a real reset does; Reboot
+//     resets every GPU and starts a new boot (BootID), which the agent
+//     reads as the node's /proc/sys/kernel/random/boot_id.
 //   - Handles are the sim's own types; do not type-assert them to go-nvml's
 //     mock types.
 //
@@ -99,6 +101,7 @@
 //	POST /sim/xid          {"gpu":0,"xid":48}            optional "gi","ci" (default 4294967295: whole GPU)
 //	POST /sim/lost         {"gpu":0}                     optional "lost":false to bring it back
 //	POST /sim/reset        {"gpu":0}
+//	POST /sim/reboot       no body, or {}                every GPU reset, a new boot id (Reboot)
 //	POST /sim/utilization  {"gpu":0,"gpu_util":80,"mem_used_bytes":1073741824}  optional "mem_util",
 //	                       "enc_util", "dec_util"; fields left out keep their value, at least one
 //	                       is needed; with "gi" (a GPU instance id) only "gpu_util" and "mem_util"

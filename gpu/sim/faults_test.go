@@ -2,6 +2,7 @@ package sim
 
 import (
 	"encoding/binary"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -399,5 +400,78 @@ func TestRecoveryActionAndDBE(t *testing.T) {
 	}
 	if agg, _ := d.GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_UNCORRECTED, nvml.AGGREGATE_ECC); agg != 1 {
 		t.Errorf("aggregate DBE after reset: %d, want 1 (survives resets)", agg)
+	}
+}
+
+// A reboot does to every GPU what a reset does, loads the driver afresh
+// (injected failures end) and starts a new boot; what real GPUs keep across
+// a reboot stays, in the state file too.
+func TestReboot(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "state.json")
+	n := newNode(t, "dgx-a100", WithStateFile(path))
+	boot := n.BootID()
+	if boot == "" {
+		t.Fatal("no boot id")
+	}
+	// GPU 0: MIG mode asked for, pending the reset real A100s need.
+	wantRet(t, "SetMigMode", func() nvml.Return { _, r := handle(t, n, 0).SetMigMode(nvml.DEVICE_MIG_ENABLE); return r }(), nvml.SUCCESS)
+	// GPU 1: MIG on with an instance.
+	must(t, n.Reset(0))
+	wantRet(t, "SetMigMode", func() nvml.Return { _, r := handle(t, n, 1).SetMigMode(nvml.DEVICE_MIG_ENABLE); return r }(), nvml.SUCCESS)
+	must(t, n.Reset(1))
+	createFullCI(t, createGI(t, handle(t, n, 1), nvml.GPU_INSTANCE_PROFILE_3_SLICE, 0))
+	// GPU 2 asks for MIG again, pending; GPU 3 is lost; GPU 4 had a
+	// double-bit error and wants a reset; GPU 5's rows wait for one, GPU
+	// 6's remapping failed; GPU 7 fails every GetName.
+	wantRet(t, "SetMigMode", func() nvml.Return { _, r := handle(t, n, 2).SetMigMode(nvml.DEVICE_MIG_ENABLE); return r }(), nvml.SUCCESS)
+	must(t, n.SetLost(3, true))
+	must(t, n.InjectXID(4, 48))
+	must(t, n.SetRecoveryAction(4, nvml.GPU_RECOVERY_ACTION_GPU_RESET))
+	must(t, n.SetRemappedRows(5, 0, 2, true, false))
+	must(t, n.SetRemappedRows(6, 0, 3, false, true))
+	must(t, n.FailCalls(7, "GetName", nvml.ERROR_UNKNOWN, -1))
+
+	must(t, n.Reboot())
+	if n.BootID() == boot || n.BootID() == "" {
+		t.Errorf("boot id %q after reboot, was %q: want a new one", n.BootID(), boot)
+	}
+	if cur, _, _ := handle(t, n, 1).GetMigMode(); cur != nvml.DEVICE_MIG_ENABLE {
+		t.Errorf("gpu 1 MIG mode %d after reboot: MIG mode survives reboots", cur)
+	}
+	if gis, _ := handle(t, n, 1).GetGpuInstances(&nvml.GpuInstanceProfileInfo{Id: nvml.GPU_INSTANCE_PROFILE_3_SLICE}); len(gis) != 0 {
+		t.Errorf("gpu 1 has %d GPU instances after reboot; they do not survive one", len(gis))
+	}
+	if cur, pend, _ := handle(t, n, 2).GetMigMode(); cur != nvml.DEVICE_MIG_ENABLE || pend != nvml.DEVICE_MIG_ENABLE {
+		t.Errorf("gpu 2 MIG mode %d/%d after reboot: the pending mode applies", cur, pend)
+	}
+	if _, r := handle(t, n, 3).GetName(); r != nvml.SUCCESS {
+		t.Errorf("lost gpu 3 after reboot: %v", r)
+	}
+	if dbe, _ := handle(t, n, 4).GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_UNCORRECTED, nvml.VOLATILE_ECC); dbe != 0 {
+		t.Errorf("gpu 4 volatile DBE %d after reboot", dbe)
+	}
+	if agg, _ := handle(t, n, 4).GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_UNCORRECTED, nvml.AGGREGATE_ECC); agg != 1 {
+		t.Errorf("gpu 4 aggregate DBE %d after reboot, want 1", agg)
+	}
+	if _, unc, pending, failure, _ := handle(t, n, 5).GetRemappedRows(); unc != 2 || pending || failure {
+		t.Errorf("gpu 5 remapped rows %d pending %v failure %v: want 2 remapped, no longer pending", unc, pending, failure)
+	}
+	if _, _, _, failure, _ := handle(t, n, 6).GetRemappedRows(); !failure {
+		t.Error("gpu 6: a failed remapping survives a reboot")
+	}
+	if _, r := handle(t, n, 7).GetName(); r != nvml.SUCCESS {
+		t.Errorf("gpu 7 GetName after reboot: %v, want the injected failure gone", r)
+	}
+
+	// The state file has the new boot: a restarted process is in it.
+	rebooted := n.BootID()
+	must(t, n.Close())
+	again := newNode(t, "dgx-a100", WithStateFile(path))
+	if again.BootID() != rebooted {
+		t.Errorf("boot id %q from the state file, want %q", again.BootID(), rebooted)
+	}
+	// Without a state file every node is a new boot, as its GPUs are new.
+	if a, b := newNode(t, "pcie-4gpu"), newNode(t, "pcie-4gpu"); a.BootID() == b.BootID() {
+		t.Error("two nodes without a state file share a boot id")
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"reflect"
+	"strconv"
 	"strings"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -35,6 +37,8 @@ func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		route = serveLost
 	case "/reset":
 		route = serveReset
+	case "/reboot":
+		route = serveReboot
 	case "/utilization":
 		route = serveUtilization
 	case "/fail":
@@ -83,11 +87,21 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v) // the client went away; nothing to do
 }
 
-// decode reads exactly one JSON object into v.
+// decode reads exactly one JSON object into v, a pointer to a struct whose
+// json tags are the endpoint's fields.
 func decode(dec *json.Decoder, v any) error {
 	if err := dec.Decode(v); err != nil {
 		if errors.Is(err, io.EOF) {
-			return errors.New("empty body, want a JSON object")
+			return fmt.Errorf("empty body, want a JSON object with %s", fieldList(v))
+		}
+		// encoding/json names Go types ("cannot unmarshal array into Go
+		// value of type struct { GPU *int ...}"); the caller wrote JSON.
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &te) {
+			if te.Field == "" {
+				return fmt.Errorf("bad JSON: the body is a JSON %s, want one JSON object with %s", te.Value, fieldList(v))
+			}
+			return fmt.Errorf("bad JSON: %q is a JSON %s, want %s", te.Field, te.Value, jsonKind(te.Type))
 		}
 		return fmt.Errorf("bad JSON: %w", err)
 	}
@@ -95,6 +109,53 @@ func decode(dec *json.Decoder, v any) error {
 		return errors.New("bad JSON: more than one value in body")
 	}
 	return nil
+}
+
+// fieldList names the JSON fields of the struct v points to, for errors:
+// `"gpu", "xid", "gi" or "ci"`.
+func fieldList(v any) string {
+	t := reflect.TypeOf(v)
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if t.Kind() != reflect.Struct {
+		return "its fields"
+	}
+	var names []string
+	for f := range t.Fields() {
+		if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name != "" && name != "-" {
+			names = append(names, strconv.Quote(name))
+		}
+	}
+	switch len(names) {
+	case 0:
+		return "no fields"
+	case 1:
+		return "field " + names[0]
+	}
+	return "fields " + strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
+}
+
+// jsonKind says which JSON value a Go type decodes from.
+func jsonKind(t reflect.Type) string {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.Bool:
+		return "true or false"
+	case reflect.String:
+		return "a string"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		return "an integer"
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "an integer of 0 or more"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	}
+	return "an object"
 }
 
 func needGPU(gpu *int) (int, error) {
@@ -159,6 +220,25 @@ func serveReset(n *Node, dec *json.Decoder) error {
 		return err
 	}
 	return n.Reset(gpu)
+}
+
+// serveReboot takes an empty body or {}: a reboot is of the whole node.
+func serveReboot(n *Node, dec *json.Decoder) error {
+	var req struct{}
+	if err := dec.Decode(&req); err != nil && !errors.Is(err, io.EOF) {
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &te) {
+			return fmt.Errorf("bad JSON: the body is a JSON %s, want none or {} (a reboot is of the whole node)", te.Value)
+		}
+		if strings.Contains(err.Error(), "unknown field") {
+			return fmt.Errorf("bad JSON: %w: a reboot is of the whole node and takes no fields", err)
+		}
+		return fmt.Errorf("bad JSON: %w", err)
+	}
+	if err := dec.Decode(&struct{}{}); !errors.Is(err, io.EOF) {
+		return errors.New("bad JSON: more than one value in body")
+	}
+	return n.Reboot()
 }
 
 func serveUtilization(n *Node, dec *json.Decoder) error {

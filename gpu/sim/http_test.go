@@ -30,9 +30,12 @@ func httpCases() []httpCase {
 		{"xid gpu out of range", "POST", "/sim/xid", `{"gpu":8,"xid":48}`, 400, "out of range"},
 		{"unknown field", "POST", "/sim/xid", `{"gpu":1,"xid":48,"extra":1}`, 400, "extra"},
 		{"negative gpu index", "POST", "/sim/xid", `{"gpu":-1,"xid":48}`, 400, "out of range"},
-		{"wrong type", "POST", "/sim/xid", `{"gpu":"one","xid":48}`, 400, "bad JSON"},
+		{"wrong type", "POST", "/sim/xid", `{"gpu":"one","xid":48}`, 400, `bad JSON: "gpu" is a JSON string, want an integer`},
+		{"array, not object", "POST", "/sim/xid", `[{"gpu":1,"xid":48}]`, 400,
+			`bad JSON: the body is a JSON array, want one JSON object with fields "gpu", "xid", "gi" or "ci"`},
+		{"number, not object", "POST", "/sim/reset", `3`, 400, `the body is a JSON number, want one JSON object with field "gpu"`},
 		{"two objects", "POST", "/sim/reset", `{"gpu":1}{"gpu":2}`, 400, "more than one"},
-		{"empty body", "POST", "/sim/lost", ``, 400, "empty body"},
+		{"empty body", "POST", "/sim/lost", ``, 400, `empty body, want a JSON object with fields "gpu" or "lost"`},
 		{"utilization", "POST", "/sim/utilization", `{"gpu":3,"gpu_util":80,"mem_used_bytes":1073741824,"mem_util":20}`, 200, ""},
 		{"utilization over 100", "POST", "/sim/utilization", `{"gpu":3,"gpu_util":180}`, 400, "above 100"},
 		{"utilization nothing to set", "POST", "/sim/utilization", `{"gpu":3}`, 400, "nothing to set"},
@@ -185,5 +188,36 @@ func TestHTTPState(t *testing.T) {
 	n.Handler().ServeHTTP(rec, httptest.NewRequest("POST", "/sim/state", strings.NewReader(`{}`)))
 	if rec.Code != http.StatusMethodNotAllowed || rec.Header().Get("Allow") != "GET" {
 		t.Errorf("POST /sim/state: %d, Allow %q; want 405, GET", rec.Code, rec.Header().Get("Allow"))
+	}
+}
+
+// /sim/reboot takes no body or {}, and reboots the node: a lost GPU is back
+// and the boot id is new. Anything else is refused, saying what it takes.
+func TestHTTPReboot(t *testing.T) {
+	n := newNode(t, "dgx-a100")
+	h := n.Handler()
+	for _, tt := range []struct {
+		name, body string
+		status     int
+		errPart    string
+	}{
+		{"no body", ``, 200, ""},
+		{"empty object", `{}`, 200, ""},
+		{"one GPU", `{"gpu":1}`, 400, "a reboot is of the whole node and takes no fields"},
+		{"array", `[]`, 400, "the body is a JSON array, want none or {}"},
+		{"two objects", `{}{}`, 400, "more than one value"},
+	} {
+		must(t, n.SetLost(5, true))
+		boot := n.BootID()
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest("POST", "/sim/reboot", strings.NewReader(tt.body)))
+		if rec.Code != tt.status || !strings.Contains(rec.Body.String(), tt.errPart) {
+			t.Errorf("%s: %d %s, want %d and %q", tt.name, rec.Code, rec.Body, tt.status, tt.errPart)
+		}
+		_, r := n.DeviceGetHandleByIndex(5)
+		if rebooted := n.BootID() != boot; rebooted != (tt.status == 200) || (r == nvml.SUCCESS) != rebooted {
+			t.Errorf("%s: new boot %v, GPU 5 %v; want a reboot only when accepted", tt.name, rebooted, r)
+		}
+		must(t, n.SetLost(5, false))
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"slices"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/google/uuid"
 )
 
 // NoInstance in Event.GI or Event.CI marks an event that concerns the whole
@@ -96,18 +97,67 @@ func (n *Node) Reset(gpu int) error {
 		return err
 	}
 	g.advance(n)
-	return n.change(g, func() error {
-		g.migCurrent = g.migPending
-		g.destroyAll()
-		g.lost = false
-		g.procs = nil
-		g.gpuUtil, g.memUtil, g.memUsed = 0, 0, 0
-		g.encUtil, g.decUtil = 0, 0
-		g.ecc[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.VOLATILE_ECC] = 0
-		g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC] = 0
-		g.recovery = nvml.GPU_RECOVERY_ACTION_NONE
-		return nil
-	})
+	return n.change(g, func() error { g.reset(); return nil })
+}
+
+// reset is what a GPU reset does to g; callers hold n.mu.
+func (g *gpuState) reset() {
+	g.migCurrent = g.migPending
+	g.destroyAll()
+	g.lost = false
+	g.procs = nil
+	g.gpuUtil, g.memUtil, g.memUsed = 0, 0, 0
+	g.encUtil, g.decUtil = 0, 0
+	g.ecc[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.VOLATILE_ECC] = 0
+	g.ecc[nvml.MEMORY_ERROR_TYPE_UNCORRECTED][nvml.VOLATILE_ECC] = 0
+	g.recovery = nvml.GPU_RECOVERY_ACTION_NONE
+	// Rows are remapped when the GPU resets; a failed remapping stays.
+	g.remapPending = false
+}
+
+// Reboot is a reboot of the node: every GPU is reset (see Reset: pending
+// MIG modes apply, MIG instances are gone, lost GPUs are back, volatile ECC
+// counts, recovery actions and pending row remappings clear), the driver is
+// loaded afresh (injected call failures and flakiness end, the energy
+// counters start again) and the node gets a new boot id. What persists
+// across a reboot on real GPUs stays: MIG modes, aggregate ECC counts,
+// remapped rows and failed remappings. A process using the node goes on
+// (a real reboot would have ended it); it sees the new boot id.
+func (n *Node) Reboot() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	snaps := make([]gpuSnapshot, len(n.gpus))
+	for i, g := range n.gpus {
+		g.advance(n)
+		snaps[i] = g.snapshot()
+	}
+	oldBoot := n.boot
+	for _, g := range n.gpus {
+		g.reset()
+		g.energyMJ = 0
+	}
+	n.boot = uuid.NewString()
+	if err := n.persist(); err != nil {
+		for i, g := range n.gpus {
+			g.rollback(snaps[i])
+		}
+		n.boot = oldBoot
+		return fmt.Errorf("sim %s: reboot: %w", n.spec.name, err)
+	}
+	clear(n.failures)
+	n.flakyRate, n.flakyRand = 0, nil
+	n.opts.logger.Info("sim: node rebooted", "boot-id", n.boot)
+	return nil
+}
+
+// BootID identifies the node's current boot, as Linux's
+// /proc/sys/kernel/random/boot_id does: Reboot changes it. A node with a
+// state file keeps it there; one without starts a new boot with each New,
+// as its GPUs start afresh too.
+func (n *Node) BootID() string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.boot
 }
 
 // SetRecoveryAction sets what NVML's FI_DEV_GET_GPU_RECOVERY_ACTION field

@@ -91,6 +91,8 @@ type Node struct {
 
 	// gpmLive counts GPM sample buffers not yet freed.
 	gpmLive int
+	// boot is the boot id (BootID).
+	boot string
 }
 
 // mockInterface puts the go-nvml mock one level deeper than Node's own
@@ -154,7 +156,7 @@ func New(profile string, opts ...Option) (*Node, error) {
 	for _, opt := range opts {
 		opt(&o)
 	}
-	n := &Node{spec: spec, opts: o, sets: map[*eventSet]struct{}{}, failures: map[failKey]failure{}}
+	n := &Node{spec: spec, opts: o, sets: map[*eventSet]struct{}{}, failures: map[failKey]failure{}, boot: uuid.NewString()}
 	n.Interface = &mock.Interface{}
 	fillFuncs(n.Interface, func(string) nvml.Return {
 		n.mu.Lock()

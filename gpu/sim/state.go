@@ -84,9 +84,12 @@ func StateProfile(data []byte) (string, error) {
 
 // stateFile is the JSON document of a state file.
 type stateFile struct {
-	Version int         `json:"version"`
-	Profile string      `json:"profile"`
-	GPUs    []gpuRecord `json:"gpus"`
+	Version int    `json:"version"`
+	Profile string `json:"profile"`
+	// BootID is the node's boot (Node.BootID); a file written before
+	// there were boots has none, and the node starts a new one.
+	BootID string      `json:"boot_id,omitempty"`
+	GPUs   []gpuRecord `json:"gpus"`
 }
 
 type gpuRecord struct {
@@ -244,7 +247,7 @@ func (n *Node) persist() error {
 
 // record is the node's kept state; callers hold n.mu.
 func (n *Node) record() stateFile {
-	st := stateFile{Version: stateVersion, Profile: n.spec.name, GPUs: make([]gpuRecord, 0, len(n.gpus))}
+	st := stateFile{Version: stateVersion, Profile: n.spec.name, BootID: n.boot, GPUs: make([]gpuRecord, 0, len(n.gpus))}
 	for _, g := range n.gpus {
 		e := g.ecc
 		rec := gpuRecord{
@@ -318,6 +321,9 @@ func (n *Node) load(data []byte) error {
 		if err := n.loadGPU(n.gpus[i], rec); err != nil {
 			return fmt.Errorf("gpu %d: %w", i, err)
 		}
+	}
+	if st.BootID != "" {
+		n.boot = st.BootID
 	}
 	return nil
 }

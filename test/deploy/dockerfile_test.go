@@ -123,6 +123,13 @@ func TestDockerfile(t *testing.T) {
 	if !strings.Contains(buildRun, "./cmd/gpu-agent") {
 		t.Errorf("no RUN go build of ./cmd/gpu-agent (got %q)", buildRun)
 	}
+	// The context has no .git: without these the image reports version
+	// "dev" and commit "unknown" (gpu-agent version, /status, gpu_agent_build_info).
+	for _, x := range []string{"-X main.version=${VERSION}", "-X main.commit=${COMMIT}"} {
+		if !strings.Contains(buildRun, x) {
+			t.Errorf("go build does not link %s (got %q)", x, buildRun)
+		}
+	}
 	for _, e := range []string{"CGO_ENABLED=1", "CGO_CFLAGS=-Wno-deprecated-declarations", "NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=utility"} {
 		if !env[e] {
 			t.Errorf("ENV %s missing", e)

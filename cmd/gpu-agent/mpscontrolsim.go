@@ -1,0 +1,63 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/gpu-agent/gpu-agent/mps/simdaemon"
+)
+
+// mpsControlSimCommand is the subcommand that stands in for
+// nvidia-cuda-mps-control; the agent runs it as its MPS control program on
+// simulated nodes (mps.Options.Args).
+const mpsControlSimCommand = "mps-control-sim"
+
+// cmdMPSControlSim runs `gpu-agent mps-control-sim`, the stand-in MPS
+// control program of simulated nodes, with the real one's command line:
+// `-d` starts the daemon in the background, no argument sends the lines of
+// stdin to it and prints its answers. Both find the daemon through
+// CUDA_MPS_PIPE_DIRECTORY, as the real program does.
+func cmdMPSControlSim(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) error {
+	if len(args) == 1 && (args[0] == "-h" || args[0] == "--help") {
+		fmt.Fprintf(stdout, "Usage: gpu-agent %s [-d]\n\n"+
+			"A stand-in for nvidia-cuda-mps-control on simulated nodes (no CUDA): -d starts the control daemon\n"+
+			"of CUDA_MPS_PIPE_DIRECTORY (log in CUDA_MPS_LOG_DIRECTORY); without -d, each line of stdin is a\n"+
+			"command to it (set_default_active_thread_percentage 25, get_default_device_pinned_mem_limit 0,\n"+
+			"get_server_list, quit, ...). The agent runs it by itself with a sim: backend.\n", mpsControlSimCommand)
+		return nil
+	}
+	env, err := simdaemon.EnvFrom(os.Getenv)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(args) == 1 && args[0] == "-d":
+		self, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		return simdaemon.Launch([]string{self, mpsControlSimCommand, "--daemon"}, env, 10*time.Second)
+	case len(args) == 1 && args[0] == "--daemon":
+		d, err := simdaemon.Listen(env)
+		if err != nil {
+			return err
+		}
+		return d.Serve(ctx)
+	case len(args) == 0:
+		in, err := io.ReadAll(io.LimitReader(stdin, 1<<20))
+		if err != nil {
+			return err
+		}
+		out, err := simdaemon.Control(env, strings.Split(strings.TrimRight(string(in), "\n"), "\n")...)
+		if err != nil {
+			return err
+		}
+		_, err = io.WriteString(stdout, out)
+		return err
+	}
+	return usageError{fmt.Sprintf("unexpected arguments %q: want -d or none (commands on stdin)", strings.Join(args, " "))}
+}
