@@ -152,6 +152,7 @@ type Agent struct {
 	inbox   *Inbox
 	status  atomic.Pointer[Status]
 	catalog atomic.Pointer[catalog.Catalog]
+	draHeld atomic.Pointer[draHeld]
 	metrics *metrics
 	passes  atomic.Int64
 

@@ -14,6 +14,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/cdi"
@@ -290,7 +291,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	})
 
 	reg.MustRegister(health.NewCollector(health.CollectorOptions{
-		Samples: sampler, Health: watcher, Attribution: podres, Catalog: ag, Hostname: f.nodeName,
+		Samples: sampler, Health: watcher, Attribution: podres, Catalog: ag, DRA: ag, Hostname: f.nodeName,
 	}))
 
 	var draSlices func() dra.Slices
@@ -333,7 +334,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		return nil
 	})
 	if draDriver != nil {
-		draDriver.SetClaims(ag)
+		draDriver.SetClaims(claimsThenList{ag, podres})
 		// A driver that cannot register leaves the device plugin serving:
 		// the node loses DRA, not its GPUs.
 		if err := draDriver.Start(ctx); err != nil {
@@ -415,4 +416,25 @@ func configMapUpdate(data map[string]string, deleted bool) config.Update {
 		data = map[string]string{}
 	}
 	return config.Update{Files: data}
+}
+
+// claimsThenList asks pod-resources again after each Prepare and Unprepare:
+// the kubelet lists a claim's devices once it is prepared and stops once
+// it is not, and metrics should follow without waiting for the next
+// periodic List.
+type claimsThenList struct {
+	dra.Claims
+	podres interface{ Invalidate() }
+}
+
+// PrepareClaims implements [dra.Claims].
+func (c claimsThenList) PrepareClaims(ctx context.Context, claims []dra.Claim) (map[types.UID]dra.Prepared, error) {
+	defer c.podres.Invalidate()
+	return c.Claims.PrepareClaims(ctx, claims)
+}
+
+// UnprepareClaims implements [dra.Claims].
+func (c claimsThenList) UnprepareClaims(ctx context.Context, claims []dra.ClaimRef) (map[types.UID]error, error) {
+	defer c.podres.Invalidate()
+	return c.Claims.UnprepareClaims(ctx, claims)
 }
