@@ -113,6 +113,9 @@ type Options struct {
 	// DRA publishes the node's DRA pool (nil: DRA is off). The agent then
 	// also answers PrepareClaims and UnprepareClaims.
 	DRA DRAPublisher
+	// ClaimStatus writes the prepared claims' device status to the API
+	// (dra.ClaimStatusWriter; nil: none is written).
+	ClaimStatus ClaimStatusPublisher
 	// MPSRoot and MPSShmDir: where daemons keep their pipes, and the host
 	// directory MPS clients get as /dev/shm.
 	MPSRoot, MPSShmDir string
@@ -153,6 +156,8 @@ type Agent struct {
 	status  atomic.Pointer[Status]
 	catalog atomic.Pointer[catalog.Catalog]
 	draHeld atomic.Pointer[draHeld]
+	// claimStatus is what was last handed to opts.ClaimStatus.
+	claimStatus map[types.UID]dra.ClaimStatus
 	metrics *metrics
 	passes  atomic.Int64
 

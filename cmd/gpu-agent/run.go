@@ -240,6 +240,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	// prepare claims; it starts once the loop exists.
 	var draDriver *dra.Driver
 	var draPub agent.DRAPublisher
+	var claimStatus agent.ClaimStatusPublisher
 	switch {
 	case f.dra && client == nil:
 		log.Error("--dra needs the Kubernetes API (ResourceSlices); DRA is off, the device plugin serves alone")
@@ -247,6 +248,11 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		draDriver = dra.New(dra.Options{NodeName: f.nodeName, Client: client, PluginDir: f.draPluginDir,
 			RegistryDir: f.kubeletRegistryDir, Logger: log.With("component", "dra")})
 		draPub = draDriver
+		// Each prepared claim's devices, written into its status in the
+		// background (kubectl describe resourceclaim shows them).
+		w := dra.NewClaimStatusWriter(dra.ClaimStatusOptions{Client: client, NodeName: f.nodeName, Logger: log.With("component", "dra")})
+		claimStatus = w
+		kubeRuns = append(kubeRuns, w.Run)
 	}
 
 	var cdiSpecs agent.CDISpecs
@@ -271,6 +277,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		MIGStrategy:        config.MIGStrategy(f.migStrategy),
 		Cluster:            cluster,
 		DRA:                draPub,
+		ClaimStatus:        claimStatus,
 		CDI:                cdiSpecs,
 		Inbox:              inbox,
 		Publisher:          mgr,
