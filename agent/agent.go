@@ -158,8 +158,8 @@ type Agent struct {
 	draHeld atomic.Pointer[draHeld]
 	// claimStatus is what was last handed to opts.ClaimStatus.
 	claimStatus map[types.UID]dra.ClaimStatus
-	metrics *metrics
-	passes  atomic.Int64
+	metrics     *metrics
+	passes      atomic.Int64
 
 	// Everything below is owned by the loop (Run or Step), one goroutine.
 	ctx context.Context
