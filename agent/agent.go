@@ -156,10 +156,8 @@ type Agent struct {
 	status  atomic.Pointer[Status]
 	catalog atomic.Pointer[catalog.Catalog]
 	draHeld atomic.Pointer[draHeld]
-	// claimStatus is what was last handed to opts.ClaimStatus.
-	claimStatus map[types.UID]dra.ClaimStatus
-	metrics     *metrics
-	passes      atomic.Int64
+	metrics *metrics
+	passes  atomic.Int64
 
 	// Everything below is owned by the loop (Run or Step), one goroutine.
 	ctx context.Context
@@ -216,9 +214,11 @@ type Agent struct {
 	asking    bool
 
 	// Published.
-	cat       *catalog.Catalog
-	draPool   *dra.Pool
-	migStates map[int]MIGState
+	cat     *catalog.Catalog
+	draPool *dra.Pool
+	// claimStatus is what was last handed to opts.ClaimStatus.
+	claimStatus map[types.UID]dra.ClaimStatus
+	migStates   map[int]MIGState
 	// migSaid is each GPU's MIG state as last logged and sent as an Event.
 	migSaid  map[int]MIGState
 	migErr   standingError
