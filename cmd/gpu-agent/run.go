@@ -428,7 +428,9 @@ func configMapUpdate(data map[string]string, deleted bool) config.Update {
 // claimsThenList asks pod-resources again after each Prepare and Unprepare:
 // the kubelet lists a claim's devices once it is prepared and stops once
 // it is not, and metrics should follow without waiting for the next
-// periodic List.
+// periodic List. The kubelet records the outcome only once the answer
+// reaches it, after these calls return, so it asks once more a little
+// later (pod-resources' rate limit merges the two when they come close).
 type claimsThenList struct {
 	dra.Claims
 	podres interface{ Invalidate() }
@@ -436,12 +438,17 @@ type claimsThenList struct {
 
 // PrepareClaims implements [dra.Claims].
 func (c claimsThenList) PrepareClaims(ctx context.Context, claims []dra.Claim) (map[types.UID]dra.Prepared, error) {
-	defer c.podres.Invalidate()
+	defer c.listSoon()
 	return c.Claims.PrepareClaims(ctx, claims)
 }
 
 // UnprepareClaims implements [dra.Claims].
 func (c claimsThenList) UnprepareClaims(ctx context.Context, claims []dra.ClaimRef) (map[types.UID]error, error) {
-	defer c.podres.Invalidate()
+	defer c.listSoon()
 	return c.Claims.UnprepareClaims(ctx, claims)
+}
+
+func (c claimsThenList) listSoon() {
+	c.podres.Invalidate()
+	time.AfterFunc(3*time.Second, c.podres.Invalidate)
 }

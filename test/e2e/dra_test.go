@@ -553,13 +553,23 @@ func TestClusterDRASharedGPU(t *testing.T) {
 
 	// /metrics: GPU 0's series, once per claim, name each pod and its claim with dcgm-exporter's DRA labels;
 	// a released claim's series goes, the other stays.
+	released0 := time.Now()
 	claimSeries := func(claim string) string {
 		return draSeries(t, agent, "DCGM_FI_DEV_GPU_TEMP", `gpu="0"`, `pod="`+claim+`"`, `namespace="default"`, `container="main"`,
 			`dra_claim_name="`+claim+`"`, `dra_claim_namespace="default"`, `dra_driver_name="`+draDriver+`"`,
 			`dra_pool_name="`+c.NodeName()+`"`, `dra_device_name="gpu-0"`, `dra_mig_profile=""`)
 	}
+	listed, err := c.DynamicResources(ctx)
+	t.Logf("pod-resources lists DRA devices %q (%v)", listed, err)
 	eventually(t, "GPU 0's metrics carry one series per claim", func() bool {
-		return claimSeries("share-a") != "" && claimSeries("share-b") != ""
+		if claimSeries("share-a") != "" && claimSeries("share-b") != "" {
+			return true
+		}
+		if l := draSeries(t, agent, "DCGM_FI_DEV_GPU_TEMP", `gpu="0"`); time.Since(released0) > time.Minute && l != "" {
+			t.Logf("not yet; GPU 0's series: %s", l)
+			released0 = time.Now()
+		}
+		return false
 	})
 	t.Logf("a DRA pod's series: %s", claimSeries("share-a"))
 	if err := c.Client.CoreV1().Pods("default").Delete(ctx, "share-a", metav1.DeleteOptions{}); err != nil {
