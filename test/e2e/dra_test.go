@@ -180,10 +180,27 @@ func TestClusterDRAWholeGPU(t *testing.T) {
 		return draDeviceHealth(t, c, "dra-user", want) == corev1.ResourceHealthStatusUnhealthy
 	})
 	t.Logf("MEASURED fatal XID -> DRA pod status unhealthy: %s", time.Since(injected).Round(10*time.Millisecond))
+	// The claim's status says so too: Ready false, with the cause.
+	eventually(t, "claim one-gpu's device not Ready, reason Unhealthy", func() bool {
+		cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(clusterCtx(t), "one-gpu", metav1.GetOptions{})
+		if err != nil || len(cl.Status.Devices) != 1 {
+			return false
+		}
+		cond := meta.FindStatusCondition(cl.Status.Devices[0].Conditions, "Ready")
+		return cond != nil && cond.Status == metav1.ConditionFalse && cond.Reason == "Unhealthy" && strings.Contains(cond.Message, "48")
+	})
+	logClaimStatus(t, c, "one-gpu")
 	agentPost(t, agent, "/sim/reset", fmt.Sprintf(`{"gpu":%d}`, idx))
 	eventually(t, "the taint gone and the pod's device healthy after the reset", func() bool {
 		return len(nodeSlice(t, c)[got.Device].Taints) == 0 && draDeviceHealth(t, c, "dra-user", want) == corev1.ResourceHealthStatusHealthy
 	})
+	eventually(t, "claim one-gpu's device Ready again", func() bool { return readyDevice(t, c, "one-gpu") != nil })
+
+	// /metrics names the pod on its GPU's series, with the claim.
+	userSeries := func() string {
+		return draSeries(t, agent, "DCGM_FI_DEV_GPU_TEMP", `UUID="`+uuid+`"`, `pod="dra-user"`, `dra_claim_name="one-gpu"`, `dra_device_name="`+got.Device+`"`)
+	}
+	eventually(t, "the DRA pod on its GPU's series", func() bool { return userSeries() != "" })
 
 	// A device plugin pod for the other 7 GPUs: none is the claimed one, and they leave the slice.
 	if _, err := c.Client.AppsV1().Deployments("default").Create(ctx, gpuDeployment("dp-user", 1, nodeGPUs-1), metav1.CreateOptions{}); err != nil {
@@ -213,6 +230,7 @@ func TestClusterDRAWholeGPU(t *testing.T) {
 		agentGet(t, agent, "/status", &st)
 		return len(st.DRA.Claims) == 0
 	})
+	eventually(t, "the released claim's pod gone from its GPU's series", func() bool { return userSeries() == "" })
 	waitAllocatableQ(t, c, gpuResource, nodeGPUs, time.Now())
 	if d := nodeSlice(t, c); len(d) != 1 {
 		t.Errorf("slice after the release: %d devices, want the one GPU no pod holds", len(d))
@@ -503,6 +521,12 @@ func TestClusterDRARestartBeforeStart(t *testing.T) {
 // pods run.
 func TestClusterDRASharedGPU(t *testing.T) {
 	c, agent := installDRA(t)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("the agent's log:\n%s", c.ContainerLogTail("gpu-agent", "gpu-agent-", "gpu-agent", 80))
+			logClaimStatus(t, c, "share-a")
+		}
+	})
 	ctx := clusterCtx(t)
 	setConfigMap(t, c, map[string]string{"config.yaml": timeSliced4})
 	eventually(t, "gpu-0 shared 4 ways in the ResourceSlice", func() bool {
@@ -553,7 +577,6 @@ func TestClusterDRASharedGPU(t *testing.T) {
 
 	// /metrics: GPU 0's series, once per claim, name each pod and its claim with dcgm-exporter's DRA labels;
 	// a released claim's series goes, the other stays.
-	released0 := time.Now()
 	claimSeries := func(claim string) string {
 		return draSeries(t, agent, "DCGM_FI_DEV_GPU_TEMP", `gpu="0"`, `pod="`+claim+`"`, `namespace="default"`, `container="main"`,
 			`dra_claim_name="`+claim+`"`, `dra_claim_namespace="default"`, `dra_driver_name="`+draDriver+`"`,
@@ -561,13 +584,15 @@ func TestClusterDRASharedGPU(t *testing.T) {
 	}
 	listed, err := c.DynamicResources(ctx)
 	t.Logf("pod-resources lists DRA devices %q (%v)", listed, err)
+	lastLog := time.Now()
 	eventually(t, "GPU 0's metrics carry one series per claim", func() bool {
 		if claimSeries("share-a") != "" && claimSeries("share-b") != "" {
 			return true
 		}
-		if l := draSeries(t, agent, "DCGM_FI_DEV_GPU_TEMP", `gpu="0"`); time.Since(released0) > time.Minute && l != "" {
-			t.Logf("not yet; GPU 0's series: %s", l)
-			released0 = time.Now()
+		if time.Since(lastLog) > time.Minute {
+			// What to look at if it never comes.
+			t.Logf("not yet; a series of GPU 0: %s", draSeries(t, agent, "DCGM_FI_DEV_GPU_TEMP", `gpu="0"`))
+			lastLog = time.Now()
 		}
 		return false
 	})
