@@ -201,6 +201,7 @@ func (w *ClaimStatusWriter) writeDue(ctx context.Context) time.Time {
 		if ctx.Err() != nil {
 			break
 		}
+		w.log.Debug("DRA: writing claim status", "claim", c.Namespace+"/"+c.Name, "uid", c.UID)
 		err := w.apply(ctx, c)
 		w.mu.Lock()
 		if cur, ok := w.want[c.UID]; !ok || !reflect.DeepEqual(cur, c) {
@@ -212,6 +213,7 @@ func (w *ClaimStatusWriter) writeDue(ctx context.Context) time.Time {
 		case err == nil:
 			w.written[c.UID] = c
 			w.applied++
+			w.log.Info("DRA: claim status written", "claim", c.Namespace+"/"+c.Name, "uid", c.UID, "devices", len(c.Devices))
 			delete(w.failures, c.UID)
 			delete(w.retryAt, c.UID)
 		case apierrors.IsNotFound(err) || apierrors.IsInvalid(err) || apierrors.IsConflict(err):
