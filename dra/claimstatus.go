@@ -59,9 +59,13 @@ type ClaimStatusOptions struct {
 	// Now is the clock (nil: time.Now); Retry is how long to wait before
 	// writing a claim again after the n-th failure in a row (nil: 1s
 	// doubling up to 1m).
-	Now    func() time.Time
-	Retry  func(n int) time.Duration
-	Logger *slog.Logger
+	Now   func() time.Time
+	Retry func(n int) time.Duration
+	// Timeout bounds one write (0: 20s): a request the API server or the
+	// client's rate limiter holds up is given up and retried, so one
+	// claim never stalls the others.
+	Timeout time.Duration
+	Logger  *slog.Logger
 }
 
 // ClaimStatusWriter writes the status of the node's prepared claims to the
@@ -110,6 +114,9 @@ func NewClaimStatusWriter(opts ClaimStatusOptions) *ClaimStatusWriter {
 	}
 	if opts.Retry == nil {
 		opts.Retry = func(n int) time.Duration { return min(time.Second<<min(n-1, 6), time.Minute) }
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = 20 * time.Second
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
@@ -250,6 +257,8 @@ func (w *ClaimStatusWriter) apply(ctx context.Context, c ClaimStatus) error {
 	if err != nil {
 		return err
 	}
+	ctx, cancel := context.WithTimeout(ctx, w.opts.Timeout)
+	defer cancel()
 	_, err = w.opts.Client.ResourceV1().ResourceClaims(c.Namespace).ApplyStatus(ctx, cfg,
 		metav1.ApplyOptions{FieldManager: w.FieldManager(), Force: true})
 	if err != nil {

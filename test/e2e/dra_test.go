@@ -31,7 +31,13 @@ const draDriver = "gpu.nvidia.com"
 
 func installDRA(t *testing.T) (*harness.Cluster, string) {
 	t.Helper()
-	return installOverlay(t, "sim-dra-overlay")
+	c, agent := installOverlay(t, "sim-dra-overlay")
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("the agent's log:\n%s", c.ContainerLogTail("gpu-agent", "gpu-agent-", "gpu-agent", 80))
+		}
+	})
+	return c, agent
 }
 
 // nodeSlice returns the agent's ResourceSlice devices on the node, by name (nil when there is no slice).
@@ -523,7 +529,6 @@ func TestClusterDRASharedGPU(t *testing.T) {
 	c, agent := installDRA(t)
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("the agent's log:\n%s", c.ContainerLogTail("gpu-agent", "gpu-agent-", "gpu-agent", 80))
 			logClaimStatus(t, c, "share-a")
 		}
 	})
