@@ -117,6 +117,9 @@ type Options struct {
 	// DRA publishes the node's DRA pool (nil: DRA is off). The agent then
 	// also answers PrepareClaims and UnprepareClaims.
 	DRA DRAPublisher
+	// ClaimStatus writes the prepared claims' device status to the API
+	// (dra.ClaimStatusWriter; nil: none is written).
+	ClaimStatus ClaimStatusPublisher
 	// MPSRoot and MPSShmDir: where daemons keep their pipes, and the host
 	// directory MPS clients get as /dev/shm.
 	MPSRoot, MPSShmDir string
@@ -163,6 +166,7 @@ type Agent struct {
 	inbox   *Inbox
 	status  atomic.Pointer[Status]
 	catalog atomic.Pointer[catalog.Catalog]
+	draHeld atomic.Pointer[draHeld]
 	metrics *metrics
 	passes  atomic.Int64
 
@@ -232,9 +236,11 @@ type Agent struct {
 	asking    bool
 
 	// Published.
-	cat       *catalog.Catalog
-	draPool   *dra.Pool
-	migStates map[int]MIGState
+	cat     *catalog.Catalog
+	draPool *dra.Pool
+	// claimStatus is what was last handed to opts.ClaimStatus.
+	claimStatus map[types.UID]dra.ClaimStatus
+	migStates   map[int]MIGState
 	// migSaid is each GPU's MIG state as last logged and sent as an Event.
 	migSaid  map[int]MIGState
 	migErr   standingError

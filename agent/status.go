@@ -270,6 +270,8 @@ func (a *Agent) publishStatus() {
 		}
 	}
 	a.status.Store(s)
+	a.draHeld.Store(newDRAHeld(a.opts.NodeName, a.ledger.claims, a.inv))
+	a.publishClaimStatus()
 }
 
 func resourceState(r *catalog.Resource, held map[string]health.Holder) ResourceState {

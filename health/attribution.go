@@ -36,6 +36,24 @@ type Attribution struct {
 	held    map[string]int      // by device UUID: distinct IDs (replicas) held
 	byRes   map[string]map[Holder]int
 	ids     map[string]map[string]Holder // resource → device ID as allocated → first holder
+	// dra are the devices containers hold through DRA claims. They are
+	// for metrics only: the ledger learns of claims from Prepare, so Same,
+	// Holders and Held leave them out.
+	dra []DRAHold
+}
+
+// DRAHold is one device a container holds through a DRA claim, as the
+// kubelet lists it: the claim, and the driver, pool and device of one of
+// its allocation results.
+type DRAHold struct {
+	Holder
+	ClaimNamespace, ClaimName string
+	Driver, Pool, Device      string
+}
+
+func (d DRAHold) compare(o DRAHold) int {
+	return cmp.Or(d.Holder.compare(o.Holder), cmp.Compare(d.ClaimNamespace, o.ClaimNamespace), cmp.Compare(d.ClaimName, o.ClaimName),
+		cmp.Compare(d.Driver, o.Driver), cmp.Compare(d.Pool, o.Pool), cmp.Compare(d.Device, o.Device))
 }
 
 // NewAttribution indexes a pod-resources List answer. Resources other than
@@ -47,6 +65,12 @@ func NewAttribution(pods []*podresourcesv1.PodResources, keep func(resource stri
 	for _, p := range pods {
 		for _, c := range p.GetContainers() {
 			h := Holder{Namespace: p.GetNamespace(), Pod: p.GetName(), Container: c.GetName()}
+			for _, dr := range c.GetDynamicResources() {
+				for _, r := range dr.GetClaimResources() {
+					a.dra = append(a.dra, DRAHold{Holder: h, ClaimNamespace: dr.GetClaimNamespace(), ClaimName: dr.GetClaimName(),
+						Driver: r.GetDriverName(), Pool: r.GetPoolName(), Device: r.GetDeviceName()})
+				}
+			}
 			for _, d := range c.GetDevices() {
 				res := d.GetResourceName()
 				if keep != nil && !keep(res) {
@@ -78,7 +102,19 @@ func NewAttribution(pods []*podresourcesv1.PodResources, keep func(resource stri
 	for _, hs := range a.holders {
 		slices.SortFunc(hs, Holder.compare)
 	}
+	// A device two requests of one claim share is listed twice.
+	slices.SortFunc(a.dra, DRAHold.compare)
+	a.dra = slices.Compact(a.dra)
 	return a
+}
+
+// DRAHolds lists the devices containers hold through DRA claims, of every
+// driver, sorted; the caller picks its own driver and pool.
+func (a *Attribution) DRAHolds() []DRAHold {
+	if a == nil {
+		return nil
+	}
+	return a.dra
 }
 
 // Same reports whether a and b attribute the same device IDs to the same

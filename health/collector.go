@@ -23,7 +23,22 @@ type (
 	AttributionSource interface{ Attribution() *Attribution }
 	// CatalogSource returns the catalog last published to the kubelet.
 	CatalogSource interface{ Catalog() *catalog.Catalog }
+	// DRASource says which of the node's devices a device held through a
+	// DRA claim is: the agent, from its prepared claims and DRA pool. It
+	// answers false for another driver's device, another node's pool, or
+	// a claim the agent has not prepared.
+	DRASource interface {
+		DRADevice(h DRAHold) (DRADevice, bool)
+	}
 )
+
+// DRADevice is the node's device behind a device of the DRA pool.
+type DRADevice struct {
+	// UUID is the GPU's, or the MIG device's.
+	UUID string
+	// MIGProfile is the MIG device's profile ("1g.10gb"); "" for a GPU.
+	MIGProfile string
+}
 
 // CollectorOptions wire a Collector; only Samples is required.
 type CollectorOptions struct {
@@ -31,15 +46,98 @@ type CollectorOptions struct {
 	Health      HealthSource
 	Attribution AttributionSource
 	Catalog     CatalogSource
+	// DRA attributes devices held through DRA claims (nil: none are).
+	DRA DRASource
 	// Hostname fills dcgm-exporter's Hostname label (the node name).
 	Hostname string
 }
 
 // dcgmLabels are dcgm-exporter's labels, in its order. One metric family
 // needs one label set, so labels a series lacks (GPU_I_* on a whole GPU, pod
-// labels on an unallocated device) are empty, which PromQL treats as absent.
-var dcgmLabels = []string{"gpu", "UUID", "pci_bus_id", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID",
-	"Hostname", "DCGM_FI_DRIVER_VERSION", "container", "namespace", "pod"}
+// labels on an unallocated device, dra_* on a device no claim holds) are
+// empty, which PromQL treats as absent. The holder's labels come last, in
+// the order of holderLabels.
+var dcgmLabels = append([]string{"gpu", "UUID", "pci_bus_id", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID",
+	"Hostname", "DCGM_FI_DRIVER_VERSION"}, holderLabelNames...)
+
+// holderLabelNames are the labels that say who holds a device: the
+// container, and for a device held through a DRA claim dcgm-exporter's
+// DRA labels (with KUBERNETES_ENABLE_DRA): the claim, the driver, pool
+// and device of its allocation result, and for a MIG device its profile
+// and UUID.
+var holderLabelNames = []string{"container", "namespace", "pod",
+	"dra_claim_name", "dra_claim_namespace", "dra_driver_name", "dra_pool_name", "dra_device_name",
+	"dra_mig_profile", "dra_mig_device_uuid"}
+
+// seriesHolder is one holder of a device as its series name it: a
+// container, and the claim it holds the device through (none for the
+// device plugin). A device shared by claims has one series per claim.
+type seriesHolder struct {
+	Holder
+	claim      DRAHold // zero for the device plugin
+	migProfile string
+	migUUID    string
+}
+
+func (s seriesHolder) compare(o seriesHolder) int {
+	return cmp.Or(s.claim.compare(o.claim), s.Holder.compare(o.Holder), cmp.Compare(s.migProfile, o.migProfile), cmp.Compare(s.migUUID, o.migUUID))
+}
+
+// values writes s's labels into lv, in holderLabelNames' order.
+func (s seriesHolder) values(lv []string) {
+	copy(lv, []string{s.Container, s.Namespace, s.Pod, s.claim.ClaimName, s.claim.ClaimNamespace, s.claim.Driver,
+		s.claim.Pool, s.claim.Device, s.migProfile, s.migUUID})
+}
+
+// holdersOf is who holds each device (by GPU or MIG UUID), through the
+// device plugin or DRA.
+type holdersOf struct {
+	attr *Attribution
+	dra  map[string][]seriesHolder
+}
+
+// newHoldersOf resolves the DRA holdings of attr through src.
+func newHoldersOf(attr *Attribution, src DRASource) holdersOf {
+	h := holdersOf{attr: attr, dra: map[string][]seriesHolder{}}
+	if src == nil {
+		return h
+	}
+	for _, d := range attr.DRAHolds() {
+		dev, ok := src.DRADevice(d)
+		if !ok || dev.UUID == "" {
+			continue
+		}
+		s := seriesHolder{Holder: d.Holder, claim: d}
+		if dev.MIGProfile != "" {
+			s.migProfile, s.migUUID = dev.MIGProfile, dev.UUID
+		}
+		h.dra[dev.UUID] = append(h.dra[dev.UUID], s)
+	}
+	return h
+}
+
+// series returns the holders of the devices, one per container and claim,
+// sorted; nil when none.
+func (h holdersOf) series(uuids ...string) []seriesHolder {
+	var out []seriesHolder
+	for _, u := range uuids {
+		for _, c := range h.attr.Holders(u) {
+			out = append(out, seriesHolder{Holder: c})
+		}
+		out = append(out, h.dra[u]...)
+	}
+	slices.SortFunc(out, seriesHolder.compare)
+	return slices.CompactFunc(out, func(a, b seriesHolder) bool { return a.compare(b) == 0 })
+}
+
+// containers counts the distinct containers holding the devices.
+func (h holdersOf) containers(uuids ...string) int {
+	seen := map[Holder]bool{}
+	for _, s := range h.series(uuids...) {
+		seen[s.Holder] = true
+	}
+	return len(seen)
+}
 
 type dcgmDef struct {
 	field Field
@@ -140,7 +238,7 @@ func NewCollector(opts CollectorOptions) *Collector {
 	c.ecc = prometheus.NewDesc("gpu_agent_ecc_events_total", "ECC error events seen since the agent started.", append(slices.Clone(gpuL), "type"), nil)
 	c.migMode = prometheus.NewDesc("gpu_agent_mig_mode", "1 when MIG mode is on; state current is in force, pending applies after a GPU reset.", append(slices.Clone(gpuL), "state"), nil)
 	c.migDevices = prometheus.NewDesc("gpu_agent_mig_devices", "MIG devices on the GPU, by profile.", append(slices.Clone(gpuL), "profile"), nil)
-	c.holders = prometheus.NewDesc("gpu_agent_device_holders", "Containers holding the GPU or MIG device or a replica of it.", dev, nil)
+	c.holders = prometheus.NewDesc("gpu_agent_device_holders", "Containers holding the GPU or MIG device, a replica of it, or a DRA claim on it.", dev, nil)
 	c.held = prometheus.NewDesc("gpu_agent_device_allocated_ids", "Allocated IDs of the device: 1 for the device itself, or how many of its replicas.", dev, nil)
 	c.replicas = prometheus.NewDesc("gpu_agent_replicas", "Replicas offered of a device under a shared resource.", []string{"resource", "UUID"}, nil)
 	c.allocs = prometheus.NewDesc("gpu_agent_allocated_devices", "Device IDs of a resource a container holds.", []string{"resource", "namespace", "pod", "container"}, nil)
@@ -174,20 +272,21 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.sampleTime, prometheus.GaugeValue, float64(snap.Time.UnixNano())/1e9)
 	}
 	served := c.servedHealth()
+	holders := newHoldersOf(attr, c.opts.DRA)
 	lv := make([]string, len(dcgmLabels))
 	for i := range snap.GPUs {
 		g := &snap.GPUs[i]
 		idx := strconv.Itoa(g.Index)
 		lv[0], lv[1], lv[2], lv[3], lv[4] = idx, g.UUID, g.PCIBusID, "nvidia"+strconv.Itoa(g.Minor), g.Name
 		lv[5], lv[6], lv[7], lv[8] = "", "", c.opts.Hostname, snap.DriverVersion
-		c.gpuAgent(ch, g, idx, st, attr, served)
+		c.gpuAgent(ch, g, idx, st, attr, holders, served)
 		if g.Lost {
 			continue // no value beats a stale one
 		}
 		// A MIG-enabled GPU is never allocated whole: its series carry no pod.
-		var hs []Holder
+		var hs []seriesHolder
 		if !g.MIG.Current {
-			hs = attr.Holders(g.UUID)
+			hs = holders.series(g.UUID)
 		}
 		for j := range c.defs {
 			d := &c.defs[j]
@@ -209,12 +308,13 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 				continue
 			}
 			lv[5], lv[6] = in.Profile, strconv.Itoa(in.GI)
-			hs := attr.Holders(in.UUID)
+			uuids := []string{in.UUID}
 			for _, o := range g.Instances[k+1:] {
 				if o.GI == in.GI {
-					hs = mergeHolders(hs, attr.Holders(o.UUID))
+					uuids = append(uuids, o.UUID)
 				}
 			}
+			hs := holders.series(uuids...)
 			for j := range c.defs {
 				d := &c.defs[j]
 				if !d.mig {
@@ -229,36 +329,27 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	c.sharing(ch, attr)
 }
 
-// mergeHolders is a ∪ b, sorted, without changing either.
-func mergeHolders(a, b []Holder) []Holder {
-	if len(b) == 0 {
-		return a
-	}
-	out := slices.Concat(a, b)
-	slices.SortFunc(out, Holder.compare)
-	return slices.Compact(out)
-}
-
-// emit sends one series per holder, or one without pod labels when none.
-func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueType, v float64, lv []string, hs []Holder) {
-	n := len(lv)
+// emit sends one series per holder, or one without holder labels when none.
+func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueType, v float64, lv []string, hs []seriesHolder) {
+	tail := lv[len(lv)-len(holderLabelNames):]
 	if len(hs) == 0 {
-		lv[n-3], lv[n-2], lv[n-1] = "", "", ""
+		seriesHolder{}.values(tail)
 		ch <- prometheus.MustNewConstMetric(d, typ, v, lv...)
 		return
 	}
 	for _, h := range hs {
-		lv[n-3], lv[n-2], lv[n-1] = h.Container, h.Namespace, h.Pod
+		h.values(tail)
 		ch <- prometheus.MustNewConstMetric(d, typ, v, lv...)
 	}
 }
 
 // gpuAgent sends gpu-agent's own per-GPU metrics.
-func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx string, st *State, attr *Attribution, served map[string]bool) {
+func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx string, st *State, attr *Attribution, hs holdersOf, served map[string]bool) {
 	// device sends the metrics of the devices its labels name: a GPU, or
 	// a GPU instance with every MIG device (compute instance) in it.
 	device := func(profile, gi string, uuids ...string) {
-		h, holders, held := 1.0, 0, 0
+		h, held := 1.0, 0
+		holders := hs.containers(uuids...)
 		for _, uuid := range uuids {
 			if ok, offered := served[uuid]; offered {
 				// What the kubelet was told, so the metric and the node's
@@ -269,7 +360,6 @@ func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx stri
 			} else if _, bad := st.Unhealthy(uuid); bad {
 				h = 0
 			}
-			holders += len(attr.Holders(uuid))
 			held += attr.Held(uuid)
 		}
 		ch <- prometheus.MustNewConstMetric(c.healthy, prometheus.GaugeValue, h, idx, g.UUID, profile, gi)

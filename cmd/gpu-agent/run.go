@@ -14,6 +14,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/gpu-agent/gpu-agent/agent"
@@ -268,6 +269,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	// prepare claims; it starts once the loop exists.
 	var draDriver *dra.Driver
 	var draPub agent.DRAPublisher
+	var claimStatus agent.ClaimStatusPublisher
 	switch {
 	case f.dra && client == nil:
 		log.Error("--dra needs the Kubernetes API (ResourceSlices); DRA is off, the device plugin serves alone")
@@ -275,6 +277,11 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		draDriver = dra.New(dra.Options{NodeName: f.nodeName, Client: client, ClaimReader: clients.Claims, PluginDir: f.draPluginDir,
 			RegistryDir: f.kubeletRegistryDir, Logger: log.With("component", "dra")})
 		draPub = draDriver
+		// Each prepared claim's devices, written into its status in the
+		// background (kubectl describe resourceclaim shows them).
+		w := dra.NewClaimStatusWriter(dra.ClaimStatusOptions{Client: client, NodeName: f.nodeName, Logger: log.With("component", "dra")})
+		claimStatus = w
+		kubeRuns = append(kubeRuns, w.Run)
 	}
 
 	var cdiSpecs agent.CDISpecs
@@ -305,6 +312,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		MIGStrategy:        config.MIGStrategy(f.migStrategy),
 		Cluster:            cluster,
 		DRA:                draPub,
+		ClaimStatus:        claimStatus,
 		CDI:                cdiSpecs,
 		Inbox:              inbox,
 		Publisher:          mgr,
@@ -327,7 +335,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	})
 
 	reg.MustRegister(health.NewCollector(health.CollectorOptions{
-		Samples: sampler, Health: watcher, Attribution: podres, Catalog: ag, Hostname: f.nodeName,
+		Samples: sampler, Health: watcher, Attribution: podres, Catalog: ag, DRA: ag, Hostname: f.nodeName,
 	}))
 
 	var draSlices func() dra.Slices
@@ -371,7 +379,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		return nil
 	})
 	if draDriver != nil {
-		draDriver.SetClaims(ag)
+		draDriver.SetClaims(claimsThenList{ag, podres})
 		// A driver that cannot register leaves the device plugin serving:
 		// the node loses DRA, not its GPUs.
 		if err := draDriver.Start(ctx); err != nil {
@@ -453,4 +461,32 @@ func configMapUpdate(data map[string]string, deleted bool) config.Update {
 		data = map[string]string{}
 	}
 	return config.Update{Files: data}
+}
+
+// claimsThenList asks pod-resources again after each Prepare and Unprepare:
+// the kubelet lists a claim's devices once it is prepared and stops once
+// it is not, and metrics should follow without waiting for the next
+// periodic List. The kubelet records the outcome only once the answer
+// reaches it, after these calls return, so it asks once more a little
+// later (pod-resources' rate limit merges the two when they come close).
+type claimsThenList struct {
+	dra.Claims
+	podres interface{ Invalidate() }
+}
+
+// PrepareClaims implements [dra.Claims].
+func (c claimsThenList) PrepareClaims(ctx context.Context, claims []dra.Claim) (map[types.UID]dra.Prepared, error) {
+	defer c.listSoon()
+	return c.Claims.PrepareClaims(ctx, claims)
+}
+
+// UnprepareClaims implements [dra.Claims].
+func (c claimsThenList) UnprepareClaims(ctx context.Context, claims []dra.ClaimRef) (map[types.UID]error, error) {
+	defer c.listSoon()
+	return c.Claims.UnprepareClaims(ctx, claims)
+}
+
+func (c claimsThenList) listSoon() {
+	c.podres.Invalidate()
+	time.AfterFunc(3*time.Second, c.podres.Invalidate)
 }

@@ -71,9 +71,21 @@ func TestDRAInstall(t *testing.T) {
 				t.Errorf("%s: DeviceClass %s selects %q, want %q", name, n, got[n], e)
 			}
 		}
-		for _, r := range []struct{ res, verbs string }{{"resourceslices", "create,delete,list,update,watch"}, {"resourceclaims", "get"}} {
+		for _, r := range []struct{ res, verbs string }{
+			{"resourceslices", "create,delete,list,update,watch"}, {"resourceclaims", "get"},
+			// status.devices by server-side apply: a patch, and on 1.36 the API server's per-driver
+			// check, granted only for claims allocated on the agent's own node.
+			{"resourceclaims/status", "patch"}, {"resourceclaims/driver", "associated-node:patch"},
+		} {
 			if v := ruleVerbs(o.ClusterRoles, r.res); v != r.verbs {
 				t.Errorf("%s: %s verbs %q, want %q", name, r.res, v, r.verbs)
+			}
+		}
+		for _, role := range o.ClusterRoles {
+			for _, rule := range role.Rules {
+				if slices.Contains(rule.Resources, "resourceclaims/driver") && !slices.Equal(rule.ResourceNames, []string{"gpu.nvidia.com"}) {
+					t.Errorf("%s: resourceclaims/driver for %v, want only the driver gpu.nvidia.com", name, rule.ResourceNames)
+				}
 			}
 		}
 	}

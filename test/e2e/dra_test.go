@@ -3,7 +3,10 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -14,7 +17,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
 
 	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
 )
@@ -27,7 +32,13 @@ const draDriver = "gpu.nvidia.com"
 
 func installDRA(t *testing.T) (*harness.Cluster, string) {
 	t.Helper()
-	return installOverlay(t, "sim-dra-overlay")
+	c, agent := installOverlay(t, "sim-dra-overlay")
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("the agent's log:\n%s", c.ContainerLogTail("gpu-agent", "gpu-agent-", "gpu-agent", 80))
+		}
+	})
+	return c, agent
 }
 
 // nodeSlice returns the agent's ResourceSlice devices on the node, by name (nil when there is no slice).
@@ -178,10 +189,27 @@ func TestClusterDRAWholeGPU(t *testing.T) {
 		return draDeviceHealth(t, c, "dra-user", want) == corev1.ResourceHealthStatusUnhealthy
 	})
 	t.Logf("MEASURED fatal XID -> DRA pod status unhealthy: %s", time.Since(injected).Round(10*time.Millisecond))
+	// The claim's status says so too: Ready false, with the cause.
+	eventually(t, "claim one-gpu's device not Ready, reason Unhealthy", func() bool {
+		cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(clusterCtx(t), "one-gpu", metav1.GetOptions{})
+		if err != nil || len(cl.Status.Devices) != 1 {
+			return false
+		}
+		cond := meta.FindStatusCondition(cl.Status.Devices[0].Conditions, "Ready")
+		return cond != nil && cond.Status == metav1.ConditionFalse && cond.Reason == "Unhealthy" && strings.Contains(cond.Message, "48")
+	})
+	logClaimStatus(t, c, "one-gpu")
 	agentPost(t, agent, "/sim/reset", fmt.Sprintf(`{"gpu":%d}`, idx))
 	eventually(t, "the taint gone and the pod's device healthy after the reset", func() bool {
 		return len(nodeSlice(t, c)[got.Device].Taints) == 0 && draDeviceHealth(t, c, "dra-user", want) == corev1.ResourceHealthStatusHealthy
 	})
+	eventually(t, "claim one-gpu's device Ready again", func() bool { return readyDevice(t, c, "one-gpu") != nil })
+
+	// /metrics names the pod on its GPU's series, with the claim.
+	userSeries := func() string {
+		return draSeries(t, agent, "DCGM_FI_DEV_GPU_TEMP", `UUID="`+uuid+`"`, `pod="dra-user"`, `dra_claim_name="one-gpu"`, `dra_device_name="`+got.Device+`"`)
+	}
+	eventually(t, "the DRA pod on its GPU's series", func() bool { return userSeries() != "" })
 
 	// A device plugin pod for the other 7 GPUs: none is the claimed one, and they leave the slice.
 	if _, err := c.Client.AppsV1().Deployments("default").Create(ctx, gpuDeployment("dp-user", 1, nodeGPUs-1), metav1.CreateOptions{}); err != nil {
@@ -211,6 +239,7 @@ func TestClusterDRAWholeGPU(t *testing.T) {
 		agentGet(t, agent, "/status", &st)
 		return len(st.DRA.Claims) == 0
 	})
+	eventually(t, "the released claim's pod gone from its GPU's series", func() bool { return userSeries() == "" })
 	waitAllocatableQ(t, c, gpuResource, nodeGPUs, time.Now())
 	if d := nodeSlice(t, c); len(d) != 1 {
 		t.Errorf("slice after the release: %d devices, want the one GPU no pod holds", len(d))
@@ -375,6 +404,32 @@ func TestClusterDRADynamicMIG(t *testing.T) {
 		t.Fatalf("GPU 0 has %v, DRA claims %v; want a 3g.20gb and a 4g.20gb made for the two claims", profiles, st.DRA.Claims)
 	}
 
+	// The claim's status.devices (KEP-4817), as kubectl describe resourceclaim shows it: the device Ready,
+	// and the MIG device made for it named by its UUID and placement.
+	var made *resourceapi.AllocatedDeviceStatus
+	eventually(t, "claim three's status.devices: Ready with the MIG device's UUID", func() bool {
+		made = readyDevice(t, c, "three")
+		return made != nil && made.Data != nil && strings.Contains(string(made.Data.Raw), `"uuid":"MIG-`)
+	})
+	var data struct {
+		UUID      string `json:"uuid"`
+		Profile   string `json:"profile"`
+		Placement struct {
+			Start int `json:"start"`
+			Size  int `json:"size"`
+		} `json:"placement"`
+	}
+	if err := json.Unmarshal(made.Data.Raw, &data); err != nil || data.Profile != "3g.20gb" || data.Placement.Size != 4 ||
+		!slices.ContainsFunc(st.GPUs[0].Instances, func(m struct {
+			Profile string `json:"profile"`
+			UUID    string `json:"uuid"`
+		}) bool {
+			return m.UUID == data.UUID
+		}) {
+		t.Errorf("claim three's device data %s (%v), want the 3g.20gb device made for it (GPU 0: %+v)", made.Data.Raw, err, st.GPUs[0].Instances)
+	}
+	logClaimStatus(t, c, "three")
+
 	// A 7g claim for the same GPU: the scheduler sees its memory slices taken.
 	ctx7 := clusterCtx(t)
 	if _, err := c.Client.ResourceV1().ResourceClaims("default").Create(ctx7, migClaim("seven", "7g.40gb", 0), metav1.CreateOptions{}); err != nil {
@@ -478,6 +533,11 @@ func TestClusterDRARestartBeforeStart(t *testing.T) {
 // pods run.
 func TestClusterDRASharedGPU(t *testing.T) {
 	c, agent := installDRA(t)
+	t.Cleanup(func() {
+		if t.Failed() {
+			logClaimStatus(t, c, "share-a")
+		}
+	})
 	ctx := clusterCtx(t)
 	setConfigMap(t, c, map[string]string{"config.yaml": timeSliced4})
 	eventually(t, "gpu-0 shared 4 ways in the ResourceSlice", func() bool {
@@ -517,6 +577,107 @@ func TestClusterDRASharedGPU(t *testing.T) {
 	if !slices.Equal(st.DRA.Claims, []string{"default/share-a: gpu-0", "default/share-b: gpu-0"}) && !slices.Equal(st.DRA.Claims, []string{"default/share-b: gpu-0", "default/share-a: gpu-0"}) {
 		t.Errorf("/status dra claims %v", st.DRA.Claims)
 	}
+
+	// Each claim's status names its share of gpu-0, Ready.
+	for _, name := range []string{"share-a", "share-b"} {
+		eventually(t, "claim "+name+"'s status.devices: gpu-0 Ready", func() bool {
+			d := readyDevice(t, c, name)
+			return d != nil && d.Device == "gpu-0" && d.ShareID != nil
+		})
+	}
+
+	// /metrics: GPU 0's series, once per claim, name each pod and its claim with dcgm-exporter's DRA labels;
+	// a released claim's series goes, the other stays.
+	claimSeries := func(claim string) string {
+		return draSeries(t, agent, "DCGM_FI_DEV_GPU_TEMP", `gpu="0"`, `pod="`+claim+`"`, `namespace="default"`, `container="main"`,
+			`dra_claim_name="`+claim+`"`, `dra_claim_namespace="default"`, `dra_driver_name="`+draDriver+`"`,
+			`dra_pool_name="`+c.NodeName()+`"`, `dra_device_name="gpu-0"`, `dra_mig_profile=""`)
+	}
+	listed, err := c.DynamicResources(ctx)
+	t.Logf("pod-resources lists DRA devices %q (%v)", listed, err)
+	lastLog := time.Now()
+	eventually(t, "GPU 0's metrics carry one series per claim", func() bool {
+		if claimSeries("share-a") != "" && claimSeries("share-b") != "" {
+			return true
+		}
+		if time.Since(lastLog) > time.Minute {
+			// What to look at if it never comes.
+			t.Logf("not yet; a series of GPU 0: %s", draSeries(t, agent, "DCGM_FI_DEV_GPU_TEMP", `gpu="0"`))
+			lastLog = time.Now()
+		}
+		return false
+	})
+	t.Logf("a DRA pod's series: %s", claimSeries("share-a"))
+	if err := c.Client.CoreV1().Pods("default").Delete(ctx, "share-a", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	released := time.Now()
+	eventually(t, "the released claim's series gone, the other's kept", func() bool {
+		return claimSeries("share-a") == "" && claimSeries("share-b") != ""
+	})
+	t.Logf("MEASURED DRA pod deleted -> its series gone from /metrics: %s", time.Since(released).Round(10*time.Millisecond))
+}
+
+// draSeries returns the first series of metric on the agent's /metrics that has all the labels, "" if none.
+func draSeries(t *testing.T, agent, metric string, labels ...string) string {
+	t.Helper()
+	resp, err := (&http.Client{Timeout: 10 * time.Second}).Get(agent + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET /metrics: %s %v", resp.Status, err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if !strings.HasPrefix(l, metric+"{") {
+			continue
+		}
+		ok := true
+		for _, lb := range labels {
+			ok = ok && (strings.Contains(l, "{"+lb+",") || strings.Contains(l, ","+lb+",") || strings.Contains(l, ","+lb+"}"))
+		}
+		if ok {
+			return l
+		}
+	}
+	return ""
+}
+
+// readyDevice is the first entry of the claim's status.devices that is this node's, of gpu.nvidia.com, with
+// the condition Ready true; nil when there is none.
+func readyDevice(t *testing.T, c *harness.Cluster, claim string) *resourceapi.AllocatedDeviceStatus {
+	t.Helper()
+	cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(clusterCtx(t), claim, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, d := range cl.Status.Devices {
+		if d.Driver == draDriver && d.Pool == c.NodeName() && meta.IsStatusConditionTrue(d.Conditions, "Ready") {
+			return &cl.Status.Devices[i]
+		}
+	}
+	return nil
+}
+
+// logClaimStatus prints the claim's status as YAML: what kubectl describe resourceclaim shows of it.
+func logClaimStatus(t *testing.T, c *harness.Cluster, claim string) {
+	t.Helper()
+	cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(clusterCtx(t), claim, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := cl.Status.DeepCopy()
+	out, err := yaml.Marshal(map[string]any{"name": cl.Name, "namespace": cl.Namespace, "status": st})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var managers []string
+	for _, m := range cl.ManagedFields {
+		managers = append(managers, m.Manager+" ("+string(m.Operation)+" "+m.Subresource+")")
+	}
+	t.Logf("ResourceClaim %s/%s (field managers %v):\n%s", cl.Namespace, cl.Name, managers, out)
 }
 
 // TestClusterDRASlicesComeBack: what restoring the API server's data from a backup taken before the node

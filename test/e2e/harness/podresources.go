@@ -153,3 +153,28 @@ func parseCheckpoint(b []byte) (*Checkpoint, error) {
 	}
 	return &Checkpoint{RegisteredDevices: raw.Data.RegisteredDevices, PodDevices: raw.Data.PodDeviceEntries}, nil
 }
+
+// DynamicResources lists, from pod-resources List, each container's devices held through DRA claims as
+// "namespace/pod/container: claim namespace/name driver/pool/device", sorted.
+func (e *Env) DynamicResources(ctx context.Context) ([]string, error) {
+	var out []string
+	err := e.withPodResources(ctx, func(c podresourcesv1.PodResourcesListerClient) error {
+		resp, err := c.List(ctx, &podresourcesv1.ListPodResourcesRequest{})
+		if err != nil {
+			return err
+		}
+		for _, p := range resp.GetPodResources() {
+			for _, ctr := range p.GetContainers() {
+				for _, dr := range ctr.GetDynamicResources() {
+					for _, r := range dr.GetClaimResources() {
+						out = append(out, fmt.Sprintf("%s/%s/%s: %s/%s %s/%s/%s", p.GetNamespace(), p.GetName(), ctr.GetName(),
+							dr.GetClaimNamespace(), dr.GetClaimName(), r.GetDriverName(), r.GetPoolName(), r.GetDeviceName()))
+					}
+				}
+			}
+		}
+		return nil
+	})
+	slices.Sort(out)
+	return out, err
+}

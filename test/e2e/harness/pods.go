@@ -312,3 +312,21 @@ func ContainerID(p *corev1.Pod) (string, error) {
 	}
 	return raw, nil
 }
+
+// ContainerLogTail returns the last n lines of the logs of container in the pods of namespace whose names
+// start with prefix (every restart's file), for a failing test to show what a component said.
+func (e *Env) ContainerLogTail(namespace, prefix, container string, n int) string {
+	files, _ := filepath.Glob(filepath.Join(e.d.podLogs, namespace+"_"+prefix+"*", container, "*.log"))
+	var out []string
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			out = append(out, f+": "+err.Error())
+			continue
+		}
+		lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+		out = append(out, "== "+f)
+		out = append(out, lines[max(0, len(lines)-n):]...)
+	}
+	return strings.Join(out, "\n")
+}
