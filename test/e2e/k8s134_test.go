@@ -65,7 +65,8 @@ func leftOut(t *testing.T, agent string) map[string]string {
 // counters; the agent warns naming DRAPartitionableDevices, and leaves the on-demand MIG devices and counter
 // sets out while the whole GPUs stay. A layout's MIG devices (static MIG, GPU 0) are published; a claim for a
 // whole GPU and one for a static MIG device allocate and their pods run. A fatal XID's taint is dropped too:
-// the agent warns naming DRADeviceTaints and leaves the unhealthy GPU out until it is reset.
+// the agent warns naming DRADeviceTaints and leaves the unhealthy GPU out until it is reset. Time-slicing the
+// GPUs drops their sharing: DRAConsumableCapacity is named and the shared GPUs leave the slice.
 func TestClusterK8s134DRA(t *testing.T) {
 	c, agent := installOverlay(t, "sim-dra-h100-overlay")
 	ctx := clusterCtx(t)
@@ -178,6 +179,35 @@ configs:
 		d, ok := nodeSlice(t, c)[name]
 		return ok && len(d.Taints) == 0
 	})
+
+	// Time-slicing the whole GPUs: without consumable capacity a shared device cannot be offered to several
+	// claims, so the whole GPUs leave the slice and the layout's MIG devices, which the config does not share,
+	// stay.
+	setConfigMap(t, c, map[string]string{"config.yaml": `version: v1
+configs:
+  default:
+    sharing:
+      timeSlicing:
+        resources:
+        - name: nvidia.com/gpu
+          replicas: 2
+    mig:
+      strategy: mixed
+      devices:
+      - devices: [0]
+        mig-enabled: true
+        mig-devices:
+          "3g.40gb": 2
+`})
+	eventually(t, "DRAConsumableCapacity left out on /status, and only GPU 0's MIG devices in the slice", func() bool {
+		_, sharing := leftOut(t, agent)["DRAConsumableCapacity"]
+		devs = nodeSlice(t, c)
+		return sharing && len(devs) == len(mig) && !slices.ContainsFunc(slices.Collect(maps.Values(devs)), func(d resourceapi.Device) bool {
+			return attr(d, "type") != "mig"
+		})
+	})
+	warned = agentLogHas(t, c, "DRAConsumableCapacity")
+	t.Logf("the agent's warning: %s", warned)
 }
 
 // agentLogHas waits for the agent's warning naming feature in its log, and returns that line.
