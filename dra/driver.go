@@ -185,13 +185,26 @@ type Slices struct {
 	// Restarts counts the times publishing started over, with a controller
 	// that reads the API server afresh, because its copy stayed not ours.
 	Restarts int `json:"restarts,omitempty"`
+	// LeftOut: each feature the API server drops the fields of (off
+	// there, as on Kubernetes 1.34 and 1.35 by default), with the devices
+	// left out of the slices for it; the warning logged once, kept here
+	// so that one look at /status explains a device missing from them.
+	LeftOut []LeftOut `json:"leftOut,omitempty"`
+}
+
+// LeftOut is one feature off on the API server and what it leaves out.
+type LeftOut struct {
+	Feature string `json:"feature"`
+	Devices string `json:"devices"`
 }
 
 // Slices returns where ResourceSlice publishing stands.
 func (d *Driver) Slices() Slices {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.slices
+	s := d.slices
+	s.LeftOut = d.dropped.leftOut()
+	return s
 }
 
 // New returns a driver that keeps what Publish gives it until Start.
@@ -421,6 +434,22 @@ func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 		d.stale = true
 		d.publishLocked()
 	}
+}
+
+// droppedFeatures are the features whose fields Dropped latches, in the
+// order /status lists them.
+var droppedFeatures = []string{"DRADeviceTaints", "DRAPartitionableDevices", "DRAConsumableCapacity"}
+
+// leftOut lists the latched features with what each leaves out (nil when
+// none is).
+func (x Dropped) leftOut() []LeftOut {
+	var out []LeftOut
+	for _, f := range droppedFeatures {
+		if flag, what := x.flag(f); *flag {
+			out = append(out, LeftOut{Feature: f, Devices: what})
+		}
+	}
+	return out
 }
 
 // flag is the field of x that the dropped fields of feature (as

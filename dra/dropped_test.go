@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -275,6 +276,16 @@ func TestHandleDroppedFields(t *testing.T) {
 					t.Errorf("no warning names %s and what is left out: %q", f, warned)
 				}
 			}
+			var onStatus []string
+			for _, l := range d.Slices().LeftOut {
+				if l.Devices == "" {
+					t.Errorf("/status names %s with nothing left out", l.Feature)
+				}
+				onStatus = append(onStatus, l.Feature)
+			}
+			if !slices.Equal(onStatus, tt.warned) {
+				t.Errorf("/status left out %v, want %v", onStatus, tt.warned)
+			}
 			if failed := len(logs.at(slog.LevelError)) > 0; failed != tt.failed {
 				t.Errorf("error logged: %v, want %v (%q)", failed, tt.failed, logs.at(slog.LevelError))
 			}
@@ -375,7 +386,7 @@ func TestFirstPublishWaitsAlone(t *testing.T) {
 		health.Devices[i].Health != drahealth.HealthStatus_UNHEALTHY {
 		t.Errorf("health stream while the first publish waits: gpu-2 not unhealthy (%v)", health.Devices)
 	}
-	if got := d.Slices(); got != (Slices{WaitingForAPI: now}) {
+	if got := d.Slices(); !reflect.DeepEqual(got, Slices{WaitingForAPI: now}) {
 		t.Errorf("state while the first publish waits: %+v, want waiting since %v and nothing published", got, now)
 	}
 
@@ -383,7 +394,7 @@ func TestFirstPublishWaitsAlone(t *testing.T) {
 	if got, want := summarize(<-w.calls).tainted, summarize(Resources("node-a", next, 0, Dropped{})).tainted; got != want {
 		t.Errorf("after the first publish: %d devices tainted, want the newer pool's %d", got, want)
 	}
-	if got := d.Slices(); got != (Slices{Generation: 2, At: now}) {
+	if got := d.Slices(); !reflect.DeepEqual(got, Slices{Generation: 2, At: now}) {
 		t.Errorf("state after the first publish and the one it owed: %+v, want generation 2, not waiting", got)
 	}
 	// From then on a publish is handed over at once, and an unchanged pool

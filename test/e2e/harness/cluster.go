@@ -150,7 +150,7 @@ func (c *Cluster) AdminKubeconfig() string { return c.adminKubeconfig }
 // kube-scheduler, each on a free loopback port, waiting for each to serve.
 func (c *Cluster) startControlPlane(ctx context.Context, cfg ClusterConfig) error {
 	e := c.Env
-	ports, err := freePorts(5)
+	ports, err := freePorts(5, e.kubeletPort, e.healthzPort)
 	if err != nil {
 		return err
 	}

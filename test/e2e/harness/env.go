@@ -182,8 +182,10 @@ func newEnv(t testing.TB, cfg Config) (*Env, error) {
 	return e, nil
 }
 
-// freePorts asks the kernel for n distinct free TCP ports on 127.0.0.1.
-func freePorts(n int) ([]int, error) {
+// freePorts asks the kernel for n distinct free TCP ports on 127.0.0.1, none of them in avoid: ports given out
+// earlier whose owner has not bound them yet (the kubelet's, when the control plane's are picked), which the
+// kernel, seeing them free, may hand out again.
+func freePorts(n int, avoid ...int) ([]int, error) {
 	var ls []net.Listener
 	defer func() {
 		for _, l := range ls {
@@ -191,13 +193,15 @@ func freePorts(n int) ([]int, error) {
 		}
 	}()
 	var ports []int
-	for range n {
+	for len(ports) < n {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			return nil, err
 		}
-		ls = append(ls, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+		ls = append(ls, l) // held until the end, so it is not returned twice
+		if p := l.Addr().(*net.TCPAddr).Port; !slices.Contains(avoid, p) {
+			ports = append(ports, p)
+		}
 	}
 	return ports, nil
 }

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 func TestParseEnvLog(t *testing.T) {
@@ -433,5 +434,48 @@ func TestPoll(t *testing.T) {
 	err := poll(ctx, time.Millisecond, func() error { calls++; return stop(final) })
 	if !errors.Is(err, final) || calls != 1 {
 		t.Fatalf("poll = %v after %d calls, want the stop error at once", err, calls)
+	}
+}
+
+func TestContainerLog(t *testing.T) {
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "gpu-agent", Name: "gpu-agent-x", UID: "u1"}}
+	tests := []struct {
+		name    string
+		files   map[string]string // N.log under the container's directory
+		want    string
+		wantErr bool
+	}{
+		{
+			name:  "one log, both streams, a partial line joined",
+			files: map[string]string{"0.log": "t stderr F level=WARN msg=a\nt stdout P b\nt stdout F c\n"},
+			want:  "level=WARN msg=a\nbc\n",
+		},
+		{
+			name:  "restarts in order, 10 after 2",
+			files: map[string]string{"10.log": "t stderr F third\n", "0.log": "t stderr F first\n", "2.log": "t stderr F second\n"},
+			want:  "first\nsecond\nthird\n",
+		},
+		{name: "no log yet", wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := &Env{d: newDirs(t.TempDir())}
+			dir := filepath.Join(e.d.podLogs, "gpu-agent_gpu-agent-x_u1", "gpu-agent")
+			if err := os.MkdirAll(dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			for name, text := range tt.files {
+				if err := os.WriteFile(filepath.Join(dir, name), []byte(text), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			got, err := e.ContainerLog(pod, "gpu-agent")
+			if (err != nil) != tt.wantErr {
+				t.Fatalf("err = %v, wantErr %v", err, tt.wantErr)
+			}
+			if got != tt.want {
+				t.Errorf("log %q, want %q", got, tt.want)
+			}
+		})
 	}
 }
