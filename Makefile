@@ -5,6 +5,9 @@ GO ?= go
 BIN := bin/gpu-agent
 # Where `make run` keeps its sockets and state, so it needs no root.
 RUN_DIR ?= $(CURDIR)/.run
+# Where `make run` serves /status, /metrics and /sim (README's Quick start
+# curls it); test/deploy runs the Quick start on a free port.
+LISTEN ?= 127.0.0.1:9400
 
 .PHONY: all build test unit lint fmt bench run clean-run fuzz fuzz-short simulation clean e2e e2e-k8s134 image deploy-test
 
@@ -140,7 +143,7 @@ run: build
 		--device-plugin-dir $(RUN_DIR)/device-plugins \
 		--pod-resources-socket $(RUN_DIR)/pod-resources.sock \
 		--state-dir $(RUN_DIR)/state --mps-root $(RUN_DIR)/mps \
-		--listen 127.0.0.1:9400 $(if $(CONFIG),--config $(CONFIG))
+		--listen $(LISTEN) $(if $(CONFIG),--config $(CONFIG))
 
 # Starts `make run` over: the simulated GPUs' state and the agent's own
 # (its checkpoint would restore the health causes of the old GPUs), after

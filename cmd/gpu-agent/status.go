@@ -63,6 +63,10 @@ func writeStatus(w io.Writer, st *agent.Status) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "Node:\t%s\n", st.Node)
 	fmt.Fprintf(tw, "Backend:\t%s\n", st.Backend)
+	// An agent from before build info serves none; say nothing rather than guess.
+	if b := st.Build; b != nil {
+		fmt.Fprintf(tw, "Agent:\tgpu-agent %s (commit %s, %s)\n", b.Version, b.Commit, b.GoVersion)
+	}
 	writeConfig(tw, st)
 	writeCluster(tw, &st.Cluster)
 	if !st.LastPass.IsZero() {

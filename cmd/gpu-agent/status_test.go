@@ -26,6 +26,7 @@ func TestWriteStatusFixtures(t *testing.T) {
 		{
 			fixture: "standalone-xid.json",
 			want: []string{
+				"Agent: gpu-agent v0.9.0-12-gf103057 (commit f103057e2c1d4b8a9f0e6d3c2b1a0f9e8d7c6b5a, go1.26.8)",
 				"Config: default (by default config) from built-in default, generation 0",
 				"Cluster: standalone, no Kubernetes API: no node labels, Events or ConfigMap",
 				"CDI spec: none needed yet",
@@ -42,6 +43,7 @@ func TestWriteStatusFixtures(t *testing.T) {
 				"Config: a100-ts (by node label gpu-agent.io/config) from ConfigMap gpu-agent/gpu-agent-config (API), generation 3",
 				"Config warning: sharing.timeSlicing.resources[0].rename: nvidia.com/gpu-ts ignored, as NVIDIA's device plugin ignores it in its format: " +
 					"the replicas are served as nvidia.com/gpu (line 6); gpu-agent's own format (version: v1 with configs:) honours rename",
+				"Agent: gpu-agent v1.0.0 (commit 0c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d, go1.26.8)",
 				"Cluster: API server reachable",
 				"Node labels: 23 owned, written 2026-11-25T22:20:00Z",
 				"ConfigMap: gpu-agent/gpu-agent-config, in force",
@@ -83,7 +85,8 @@ func TestWriteStatusFixtures(t *testing.T) {
 				"Node labels: 0 owned, never written; a change is being written",
 				"ConfigMap: gpu-agent/gpu-agent-config, NOT in force: no content read through the API (the ConfigMap is absent, or the API has not answered); nothing is served until a config arrives",
 			},
-			absent: []string{"Last reconcile:", "Config error:", "HEALTH CAUSE"},
+			// No build: an agent from before build info; the table makes none up.
+			absent: []string{"Last reconcile:", "Config error:", "HEALTH CAUSE", "Agent:"},
 		},
 	} {
 		t.Run(tt.fixture, func(t *testing.T) {

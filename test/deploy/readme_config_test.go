@@ -30,32 +30,53 @@ var exampleProfiles = map[string]string{
 // README's Install section, comments dropped.
 func readmeInstallCommands(t *testing.T) []string {
 	t.Helper()
+	cmds := readmeCommands(t, "## Install\n")
+	if len(cmds) < 4 {
+		t.Fatalf("README's Install section has %d commands in sh blocks, want the config workflow's", len(cmds))
+	}
+	return cmds
+}
+
+// readmeCommands are the command lines of the ```sh blocks in the README
+// section whose heading starts with heading, in order, comments dropped (a
+// line that is only a comment, continuing the one above, drops out).
+func readmeCommands(t *testing.T, heading string) []string {
+	t.Helper()
+	var cmds []string
+	for _, line := range readmeShLines(t, heading) {
+		if line, _, _ = strings.Cut(line, "#"); strings.TrimSpace(line) != "" {
+			cmds = append(cmds, strings.TrimSpace(line))
+		}
+	}
+	return cmds
+}
+
+// readmeShLines are the lines of the ```sh blocks in the README section
+// whose heading starts with heading, in order, trimmed, comments kept.
+func readmeShLines(t *testing.T, heading string) []string {
+	t.Helper()
 	readme, err := os.ReadFile(repoPath("README.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, section, ok := strings.Cut(string(readme), "\n## Install\n")
+	_, section, ok := strings.Cut(string(readme), "\n"+heading)
 	if !ok {
-		t.Fatal("README has no Install section")
+		t.Fatalf("README has no section %q", strings.TrimSpace(heading))
 	}
 	section, _, _ = strings.Cut(section, "\n## ")
-	var cmds []string
+	var lines []string
 	for block := range strings.SplitSeq(section, "```sh\n") {
 		if !strings.Contains(block, "```") {
 			continue // the text before the first block
 		}
 		body, _, _ := strings.Cut(block, "```")
 		for line := range strings.SplitSeq(body, "\n") {
-			line, _, _ = strings.Cut(line, "#")
 			if line = strings.TrimSpace(line); line != "" {
-				cmds = append(cmds, line)
+				lines = append(lines, line)
 			}
 		}
 	}
-	if len(cmds) < 4 {
-		t.Fatalf("README's Install section has %d commands in sh blocks, want the config workflow's", len(cmds))
-	}
-	return cmds
+	return lines
 }
 
 // TestReadmeConfigWorkflow runs README's config commands on every example,
