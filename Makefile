@@ -56,6 +56,8 @@ image:
 # Install artefacts: manifests and chart variants decoded strictly, examples
 # validated, the Dockerfile checked, the DaemonSet's own args run on a sim.
 deploy-test:
+	@command -v curl >/dev/null || { echo "deploy-test: installing curl (README's Quick start, which test/deploy runs, uses it)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends curl >/dev/null; }
 	cd test/deploy && $(GO) test -race -count=1 ./...
 
 # A real kubelet (built from k8s.io/kubernetes, cached) with containerd and
