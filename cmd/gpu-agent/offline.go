@@ -270,15 +270,25 @@ func configFileArg(fs *flag.FlagSet, args []string) (string, error) {
 	return file, nil
 }
 
+// subcommand checks that args name the one subcommand sub (config
+// validate, mig plan): done when the caller is to return err instead,
+// after printing the usage for -h or refusing anything else.
+func subcommand(args []string, sub, synopsis string, stdout io.Writer) (done bool, err error) {
+	switch {
+	case len(args) > 0 && args[0] == sub:
+		return false, nil
+	case len(args) > 0 && (args[0] == "-h" || args[0] == "--help"):
+		fmt.Fprintln(stdout, "Usage: gpu-agent "+synopsis)
+		return true, nil
+	}
+	return true, usageError{"want: " + synopsis}
+}
+
 const validateSynopsis = "config validate FILE [--backend sim:<profile>[,state=F]|nvml | --addr URL] [--node-name N] [--labels K=V,...]"
 
 func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	if len(args) == 0 || args[0] != "validate" {
-		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
-			fmt.Fprintln(stdout, "Usage: gpu-agent "+validateSynopsis)
-			return nil
-		}
-		return usageError{"want: " + validateSynopsis}
+	if done, err := subcommand(args, "validate", validateSynopsis, stdout); done {
+		return err
 	}
 	fs := newFlagSet("config validate", validateSynopsis, stderr)
 	var nf nodeFlags
@@ -458,12 +468,8 @@ func cmdSim(args []string, stdout, _ io.Writer) error {
 const planSynopsis = "mig plan --config FILE [--backend sim:<profile>[,state=F]|nvml | --addr URL] [--node-name N] [--labels K=V,...]"
 
 func cmdMIG(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	if len(args) == 0 || args[0] != "plan" {
-		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
-			fmt.Fprintln(stdout, "Usage: gpu-agent "+planSynopsis)
-			return nil
-		}
-		return usageError{"want: " + planSynopsis}
+	if done, err := subcommand(args, "plan", planSynopsis, stdout); done {
+		return err
 	}
 	fs := newFlagSet("mig plan", planSynopsis, stderr)
 	file := fs.String("config", envDefault("GPU_AGENT_CONFIG", ""), "config file, ConfigMap manifest or directory [GPU_AGENT_CONFIG]")
