@@ -56,6 +56,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/test/bench/internal/proc"
+
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
@@ -220,7 +222,7 @@ func run(o options) error {
 			return fmt.Errorf("bare plugin: %w", err)
 		}
 		defer stopProcess(child)
-		bareCPU = func() time.Duration { d, _ := cpuTime(child.Process.Pid); return d }
+		bareCPU = func() time.Duration { d, _ := proc.CPUTime(child.Process.Pid); return d }
 	}
 	bare, err := dial(ctx, "bare", bareSocket, o)
 	if err != nil {
@@ -642,7 +644,7 @@ func (a *agentProc) exitError(err error) error {
 
 // cpu is the CPU time the agent has used (user and system, all threads).
 func (a *agentProc) cpu() time.Duration {
-	d, _ := cpuTime(a.cmd.Process.Pid)
+	d, _ := proc.CPUTime(a.cmd.Process.Pid)
 	return d
 }
 
@@ -789,30 +791,6 @@ func stopProcess(c *exec.Cmd) {
 		_ = c.Process.Kill()
 		<-done
 	}
-}
-
-// cpuTime is the user and system time pid has used, from /proc/PID/stat.
-func cpuTime(pid int) (time.Duration, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	// The fields after the command name, which is in parentheses.
-	_, rest, _ := strings.Cut(string(b), ") ")
-	f := strings.Fields(rest)
-	if len(f) < 13 {
-		return 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
-	}
-	var ticks int64
-	for _, s := range f[11:13] { // utime, stime
-		n, err := strconv.ParseInt(s, 10, 64)
-		if err != nil {
-			return 0, err
-		}
-		ticks += n
-	}
-	const clkTck = 100 // USER_HZ: 100 on x86 and arm
-	return time.Duration(ticks) * time.Second / clkTck, nil
 }
 
 // loadAvg is the 1-minute load average ("?" where unknown).

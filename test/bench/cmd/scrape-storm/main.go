@@ -40,6 +40,8 @@ import (
 	"syscall"
 	"text/tabwriter"
 	"time"
+
+	"github.com/gpu-agent/gpu-agent/test/bench/internal/proc"
 )
 
 type options struct {
@@ -130,7 +132,7 @@ func run(o options) error {
 	fmt.Printf("agent %s on %s: %d scrapers (nice %d) of /metrics every %v for %v (keep-alive %v), /healthz probe every %v with timeout %v\n",
 		o.agent, addr, o.scrapers, o.scrapersNice, o.interval, o.duration, o.keepAlive, o.probeEvery, o.probeTimeout)
 
-	cpu0, err := cpuTime(cmd.Process.Pid)
+	cpu0, err := proc.CPUTime(cmd.Process.Pid)
 	if err != nil {
 		return err
 	}
@@ -144,7 +146,7 @@ func run(o options) error {
 	if err := errors.Join(probeErr, scrapeErr); err != nil {
 		return err
 	}
-	cpu1, err := cpuTime(cmd.Process.Pid)
+	cpu1, err := proc.CPUTime(cmd.Process.Pid)
 	if err != nil {
 		return err
 	}
@@ -425,30 +427,6 @@ func waitSampled(base string, bound time.Duration) error {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-}
-
-// cpuTime is the user and system time pid has used, from /proc/PID/stat.
-func cpuTime(pid int) (time.Duration, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	// The fields after the command name, which is in parentheses.
-	_, rest, _ := strings.Cut(string(b), ") ")
-	f := strings.Fields(rest)
-	if len(f) < 13 {
-		return 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
-	}
-	var ticks int64
-	for _, s := range f[11:13] { // utime, stime
-		n, err := strconv.ParseInt(s, 10, 64)
-		if err != nil {
-			return 0, err
-		}
-		ticks += n
-	}
-	const clkTck = 100 // USER_HZ: 100 on x86 and arm
-	return time.Duration(ticks) * time.Second / clkTck, nil
 }
 
 func stop(cmd *exec.Cmd) {
