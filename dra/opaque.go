@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -298,7 +299,7 @@ func mpsLimitsOf(m *mpsConfigWire) (*MPSLimits, error) {
 		}
 		out.PinnedMemoryBytes = b
 	}
-	for _, k := range sortedKeys(m.DefaultPerDevicePinnedMemoryLimit) {
+	for _, k := range slices.Sorted(maps.Keys(m.DefaultPerDevicePinnedMemoryLimit)) {
 		q := m.DefaultPerDevicePinnedMemoryLimit[k]
 		if k == "" {
 			return nil, errors.New(`defaultPerDevicePinnedMemoryLimit[""]: names no device (an index or a UUID)`)
@@ -325,22 +326,13 @@ func pinned(q resource.Quantity) (int64, error) {
 	return b, nil
 }
 
-func sortedKeys[V any](m map[string]V) []string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
-	return keys
-}
-
 // LimitFor is the pinned memory limit of the device at position i (of n)
 // among those the config applies to, with UUID uuid: its PerDevice entry by
 // UUID or position, else PinnedMemoryBytes (0: none). A PerDevice key that
 // names none of the devices is an error, as a misspelt UUID would
 // otherwise leave a device without its limit.
 func (m *MPSLimits) LimitFor(i int, uuid string, uuids []string) (int64, error) {
-	for _, k := range sortedKeys(m.PerDevice) {
+	for _, k := range slices.Sorted(maps.Keys(m.PerDevice)) {
 		if slices.Contains(uuids, k) {
 			continue
 		}
