@@ -136,7 +136,7 @@ func Plan(s Snapshot) Desired {
 	if s.Selected.Config == nil {
 		return d
 	}
-	d.MIG, d.MIGErr, d.NeedFreshHoldings = planMIG(s, s.Selected)
+	d.MIG, d.MIGErr, d.NeedFreshHoldings = planMIG(s, s.Selected, d.Cordon)
 	d.Config = s.Selected
 	planned, err := planWith(s, s.Selected)
 	badLayout := errors.Is(d.MIGErr, mig.ErrLayout)
@@ -161,7 +161,7 @@ func Plan(s Snapshot) Desired {
 		// exist.
 		d.Config = s.LastGood
 		if badLayout {
-			d.MIG, d.MIGErr, d.NeedFreshHoldings = planMIG(s, s.LastGood)
+			d.MIG, d.MIGErr, d.NeedFreshHoldings = planMIG(s, s.LastGood, d.Cordon)
 		}
 		if planned, err = planWith(s, s.LastGood); err != nil {
 			d.FitErr = fmt.Errorf("%w; the last good config %q no longer fits either: %w", d.FitErr, s.LastGood.Name, err)
@@ -226,8 +226,9 @@ func planWith(s Snapshot, sel config.Selected) (Planned, error) {
 
 // planMIG plans each GPU the selected layout names. The layout comes from
 // the selected config even when its sharing section does not fit yet: a
-// config that shares MIG devices fits only once they exist.
-func planMIG(s Snapshot, sel config.Selected) (out []GPUMIG, firstErr error, needFresh bool) {
+// config that shares MIG devices fits only once they exist. A cordoned GPU
+// (cordon, resolved once by Plan) keeps its MIG devices until uncordoned.
+func planMIG(s Snapshot, sel config.Selected, cordon CordonStatus) (out []GPUMIG, firstErr error, needFresh bool) {
 	layout := sel.MIGLayout
 	if layout == nil || !s.MIGApplies || s.Inventory == nil {
 		return nil, nil, false
@@ -238,7 +239,6 @@ func planMIG(s Snapshot, sel config.Selected) (out []GPUMIG, firstErr error, nee
 		return nil, fmt.Errorf("%s: %w", field, err), false
 	}
 	held := s.Holdings.heldMIG(s.Inventory)
-	cordon := s.Cordon()
 	var errs []error
 	for _, g := range s.Inventory.GPUs {
 		want, ok := wants[g.Index]
