@@ -25,7 +25,7 @@ func BenchmarkPrepare(b *testing.B) {
 		share                         bool
 	}{
 		{"whole-gpu", "dgx-a100", "gpu-3", wholeGPUs, nil, false},
-		{"dynamic-mig-3g", "dgx-h100", "gpu-3-mig-3g40gb-4", wholeGPUs, []sim.Option{sim.WithMIGEnabled()}, false},
+		{"dynamic-mig-3g", "dgx-h100", "gpu-3-mig-3g40gb-4", migOnDemand, []sim.Option{sim.WithMIGEnabled()}, false},
 		// An MPS share writes the claim's own CDI spec (and Unprepare removes it).
 		{"mps-share", "pcie-4gpu", "gpu-3", mpsShared, nil, true},
 	}

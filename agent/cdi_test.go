@@ -118,7 +118,7 @@ func TestCDISpecHasDynamicMIGBeforePrepareReturns(t *testing.T) {
 	dir := t.TempDir()
 	rec := &draRecorder{}
 	h := newHarness(t, simNode(t, "dgx-h100", sim.WithMIGEnabled(), sim.WithImmediateMIGModeChange()), withDRA(rec), withMIG(), withCDI(dir))
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	if names := specNames(t, dir); len(names) != 17 {
 		t.Fatalf("DRA on: spec names %v, want 8 GPUs by UUID and index, and all", names)
 	}
@@ -254,7 +254,7 @@ func TestDRADynamicMIGWithMPSAndHealth(t *testing.T) {
 	rec := &draRecorder{}
 	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()),
 		withDRA(rec), withMIG(), withCDI(dir), withMPS(&fakeMPS{}))
-	h.config("version: v1\nconfigs:\n  default:\n    sharing:\n      mps:\n        resources:\n        - name: nvidia.com/gpu\n          devices: [1]\n          replicas: 2\n")
+	h.config("version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true}\n    sharing:\n      mps:\n        resources:\n        - name: nvidia.com/gpu\n          devices: [1]\n          replicas: 2\n")
 	mpsClaim := claim("uid-mps", "mps", "gpu-1")
 	mpsClaim.Devices[0].ShareID = "share-1"
 	if got := h.prepare(mpsClaim)["uid-mps"]; got.Err != nil || len(got.Devices[0].CDIDevices) != 2 {

@@ -300,7 +300,7 @@ func TestDRAClaimConfigOnDemandMIG(t *testing.T) {
 	const migMPS = `{"apiVersion":"resource.nvidia.com/v1beta1","kind":"MigDeviceConfig","sharing":{"strategy":"MPS"}}`
 	const migTS = `{"apiVersion":"resource.nvidia.com/v1beta1","kind":"MigDeviceConfig","sharing":{"strategy":"TimeSlicing"}}`
 	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(&draRecorder{}), withMIG(), withCDI(t.TempDir()), withMPS(&fakeMPS{}))
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	tests := []struct {
 		name  string
 		claim dra.Claim

@@ -46,7 +46,7 @@ func TestClaimStatusFollowsClaimsAndHealth(t *testing.T) {
 	rec, st := &draRecorder{}, &statusRecorder{}
 	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(rec), withMIG(),
 		func(h *harness) { h.opts.ClaimStatus = st })
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	if got := st.last(); len(got) != 0 {
 		t.Fatalf("claim statuses before any claim: %+v", got)
 	}

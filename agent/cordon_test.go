@@ -161,7 +161,7 @@ func TestCordonDynamicMIG(t *testing.T) {
 	rec := &draRecorder{}
 	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
 	h := newHarness(t, node, withDRA(rec), withMIG())
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	h.step(CordonChanged{GPUs: []string{"0"}})
 	n := 0
 	for _, d := range rec.last().Devices {

@@ -38,7 +38,7 @@ func intentLeft(t *testing.T) (*harness, *draRecorder) {
 	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
 	fo := &flakyObserver{}
 	h := newHarness(t, node, withDRA(rec), withMIG(), withFlakyObserver(node, fo))
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	fo.failNext = 1 // the read after the creation
 	if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err == nil {
 		t.Fatalf("Prepare with GPU 0 unreadable after the creation: %+v, want an error", got)
@@ -60,7 +60,7 @@ func TestDRAFailedClaimUndoesItsMIGDevice(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			rec := &draRecorder{}
 			h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(rec), withMIG())
-			h.config(wholeGPUs)
+			h.config(migOnDemand)
 			c := claim("uid-1", "two", "gpu-0-mig-3g40gb-4", tt.second)
 			c.Devices[1].Request = "second"
 			got := h.prepare(c)["uid-1"]
@@ -85,7 +85,7 @@ func TestDRAReleaseRetriedUntilDone(t *testing.T) {
 	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
 	dir := t.TempDir()
 	h := newHarnessIn(t, node, dir, withDRA(rec), withMIG())
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]
 	if got.Err != nil {
 		t.Fatal(got.Err)
@@ -121,7 +121,7 @@ func TestDRAReleaseRetriedUntilDone(t *testing.T) {
 
 	// A restart remembers it; the next resync that can destroy it does.
 	h2 := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG(), withCheckpoint())
-	h2.config(wholeGPUs)
+	h2.config(migOnDemand)
 	h2.step(Tick{})
 	if g := gpuOf(t, h2, 0); len(g.GIsWithoutCI) != 1 {
 		t.Fatalf("GPU 0 bare GPU instances %+v while destroying still fails", g.GIsWithoutCI)
@@ -192,7 +192,7 @@ func TestDRACrashBetweenCreateAndCheckpoint(t *testing.T) {
 			}
 			node.Init()
 			h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG())
-			h.config(wholeGPUs)
+			h.config(migOnDemand)
 			c := claim("uid-1", "one", tt.devices...)
 			for i := range c.Devices {
 				c.Devices[i].Request = fmt.Sprintf("r%d", i)
@@ -218,7 +218,7 @@ func TestDRACrashBetweenCreateAndCheckpoint(t *testing.T) {
 			if g := gpuOf(t, h2, 0); len(g.Instances) != 1 {
 				t.Fatalf("after the crash GPU 0 has instances %+v, want the one made before it", g.Instances)
 			}
-			h2.config(wholeGPUs)
+			h2.config(migOnDemand)
 			for range tt.failReads {
 				h2.step(Tick{})
 			}
@@ -268,7 +268,7 @@ func TestDRAFailedPrepareReplans(t *testing.T) {
 	rec := &draRecorder{}
 	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
 	h := newHarness(t, node, withDRA(rec), withMIG())
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	if err := node.FailCalls(0, "GpuInstanceDestroy", nvml.ERROR_IN_USE, -1); err != nil {
 		t.Fatal(err)
 	}
@@ -298,7 +298,7 @@ func TestDRAPreparedClaimCheckedAfterReboot(t *testing.T) {
 	dir := t.TempDir()
 	cdiDir := t.TempDir()
 	h := newHarnessIn(t, node, dir, withDRA(rec), withMIG(), withCDI(cdiDir))
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	before := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]
 	if before.Err != nil {
 		t.Fatal(before.Err)
@@ -312,7 +312,7 @@ func TestDRAPreparedClaimCheckedAfterReboot(t *testing.T) {
 	if early := h2.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; early.Err == nil {
 		t.Errorf("Prepare before the config: %+v, want refused", early)
 	}
-	h2.config(wholeGPUs)
+	h2.config(migOnDemand)
 	after := h2.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]
 	if after.Err != nil {
 		t.Fatal(after.Err)
@@ -383,7 +383,7 @@ func TestDRAAdminAccessAndTolerations(t *testing.T) {
 // there, and makes none itself.
 func TestDRAAdminAccessDynamicMIG(t *testing.T) {
 	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(&draRecorder{}), withMIG())
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	admin := claim("uid-admin", "watch", "gpu-0-mig-3g40gb-4")
 	admin.Devices[0].AdminAccess = true
 	if got := h.prepare(admin)["uid-admin"]; got.Err == nil || !strings.Contains(got.Err.Error(), "admin access creates none") {

@@ -356,17 +356,19 @@ func TestDRADynamicMIG(t *testing.T) {
 	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
 	dir := t.TempDir()
 	h := newHarnessIn(t, node, dir, withDRA(rec), withMIG())
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	whole, parts := partitionsOf(rec.last(), 0)
 	if !whole || len(parts) != 25 || len(rec.last().CounterSets) != 8 {
 		t.Fatalf("GPU 0: whole %v, %d partitions %v, %d counter sets; want whole, 25 (7+7+4+3+2+1+1), 8", whole, len(parts), parts, len(rec.last().CounterSets))
 	}
+	// The counters that keep placements apart, less those the others imply
+	// (dra.pruneCounters): on an H100 memory slices 0-6 and the one OFA.
 	set := rec.last().CounterSets[0].Counters
-	if set["memory-slice-0"] != 1 || set["memory-slice-7"] != 1 || set["compute-slices"] != 7 {
+	if len(set) != 8 || set["memory-slice-0"] != 1 || set["ofa-engines"] != 1 || hasKey(set, "memory-slice-7") || hasKey(set, "compute-slices") {
 		t.Errorf("GPU 0's counters %v", set)
 	}
-	if d, _ := rec.last().Device("gpu-0-mig-3g40gb-4"); d.Consumes["memory-slice-4"] != 1 || d.Consumes["memory-slice-3"] != 0 || d.Consumes["compute-slices"] != 3 {
-		t.Errorf("3g.40gb at 4 consumes %v", d.Consumes)
+	if d, _ := rec.last().Device("gpu-0-mig-3g40gb-4"); d.Consumes["memory-slice-4"] != 1 || d.Consumes["memory-slice-3"] != 0 || len(d.Consumes) != 3 {
+		t.Errorf("3g.40gb at 4 consumes %v, want memory slices 4-6", d.Consumes)
 	}
 
 	a := h.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]
@@ -402,7 +404,7 @@ func TestDRADynamicMIG(t *testing.T) {
 	// A restart keeps both claims: nothing is blocked, nothing destroyed.
 	rec2 := &draRecorder{}
 	h2 := newHarnessIn(t, node, dir, withDRA(rec2), withMIG(), withCheckpoint())
-	h2.config(wholeGPUs)
+	h2.config(migOnDemand)
 	if again := h2.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]; again.Err != nil || again.Devices[0].CDIDevices[0] != a.Devices[0].CDIDevices[0] {
 		t.Errorf("3g claim after a restart: %+v, want %+v", again, a)
 	}
@@ -462,7 +464,7 @@ func TestDRADynamicMIGLeavesAdminMIGOn(t *testing.T) {
 	rec := &draRecorder{}
 	node := simNode(t, "dgx-h100", sim.WithMIGEnabled(), sim.WithImmediateMIGModeChange())
 	h := newHarness(t, node, withDRA(rec), withMIG())
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	if got := h.prepare(claim("uid-1", "one", "gpu-2-mig-1g10gb-6"))["uid-1"]; got.Err != nil {
 		t.Fatal(got.Err)
 	}

@@ -334,7 +334,7 @@ func TestDRAPrepareNeverGivesOneGPUTwice(t *testing.T) {
 			rec := &draRecorder{}
 			node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
 			h := newHarness(t, node, withDRA(rec), withMIG())
-			h.config(wholeGPUs)
+			h.config(migOnDemand)
 			got := h.prepare(tc.claims...)
 			for _, c := range tc.claims {
 				p := got[c.UID]
@@ -380,7 +380,7 @@ func TestDRAFailedPrepareCancelsPendingMIGMode(t *testing.T) {
 	rec := &draRecorder{}
 	node := simNode(t, "dgx-h100") // no immediate MIG mode change: a reset is needed
 	h := newHarness(t, node, withDRA(rec), withMIG())
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	p := h.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]
 	if p.Err == nil || !strings.Contains(p.Err.Error(), mig.PhaseResetRequired) {
 		t.Fatalf("Prepare = %+v, want refused as %s", p, mig.PhaseResetRequired)

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 
 	"k8s.io/apimachinery/pkg/types"
@@ -130,7 +131,9 @@ func planDRA(s Snapshot) *dra.Pool {
 		base.Unhealthy = unhealthy[g.UUID]
 		devs, set := dra.Partitions(dyn, base)
 		p.Devices = append(p.Devices, devs...)
-		p.CounterSets = append(p.CounterSets, set)
+		if len(set.Counters) > 0 { // none when no two devices left could clash
+			p.CounterSets = append(p.CounterSets, set)
+		}
 	}
 	slices.SortFunc(p.Devices, func(a, b dra.Device) int { return strings.Compare(a.Name, b.Name) })
 	p.GPUOrder = dra.PublishOrder(s.Inventory)
@@ -146,10 +149,18 @@ func dynamicKeepsStatic(dyn dra.Dynamic, d dra.Device) bool {
 
 // dynamicGPUs are the GPUs whose MIG devices are created on demand, by
 // index: MIG-capable, read completely, not changing MIG mode, with known
-// profiles, and governed by no MIG layout of the config. A GPU with MIG off
-// qualifies only where turning it on needs no reset (Hopper and newer; an
-// A100 needs one, so it stays a whole GPU). Placements taken by MIG devices
-// that no claim created are blocked.
+// profiles, governed by no MIG layout of the config, and either chosen by
+// the config's dra.migOnDemand (off by default: the scheduler pays for every
+// partition on every node, docs/dra-devices.md "Scale") or holding a MIG
+// device a claim made or is making. A GPU with MIG off qualifies only where
+// turning it on needs no reset (Hopper and newer; an A100 needs one, so it
+// stays a whole GPU). Placements taken by MIG devices that no claim created
+// are blocked.
+//
+// A GPU the config no longer chooses stays dynamic while claims hold MIG
+// devices made on it, offering only those (the claims' allocations name
+// them, and the scheduler must keep counting them as taken), and goes back
+// to a whole or static MIG GPU once they are released.
 func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 	if !s.DRA || !s.MIGApplies || s.Inventory == nil {
 		return nil
@@ -164,13 +175,23 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 			laid[i] = true
 		}
 	}
+	var onDemand *config.MIGOnDemand
+	if s.Selected.Config != nil {
+		onDemand = s.Selected.Config.DRA.MIGOnDemand
+	}
 	created := map[string]bool{} // parent UUID + placement of claim-created devices
+	// madeFor: per GPU UUID, the partitions claims made or are making there.
+	madeFor := map[string][]dra.ProfileAt{}
 	for _, pc := range s.Holdings.Claims {
 		for _, d := range pc.Devices {
 			if d.Created {
 				created[fmt.Sprintf("%s/%d+%d", d.Parent, d.Placement.Start, d.Placement.Size)] = true
+				madeFor[d.Parent] = append(madeFor[d.Parent], dra.ProfileAt{Profile: d.Profile, Placement: d.Placement})
 			}
 		}
+	}
+	for _, d := range s.Holdings.Unsettled {
+		madeFor[d.Parent] = append(madeFor[d.Parent], dra.ProfileAt{Profile: d.Profile, Placement: d.Placement})
 	}
 	out := map[int]dra.Dynamic{}
 	for _, g := range s.Inventory.GPUs {
@@ -178,12 +199,33 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 		if laid[g.Index] || !g.MIGCapable || g.MIGUnknown() || g.MIG.Current != g.MIG.Pending || !ok || len(profiles) == 0 {
 			continue
 		}
+		chosen := onDemand != nil && onDemand.Enabled && migDeviceFilterMatches(onDemand.DeviceFilter, g)
+		made := madeFor[g.UUID]
+		if !chosen && len(made) == 0 {
+			continue
+		}
 		if !g.MIG.Current && !migModeWithoutReset(g) {
 			continue
 		}
 		// Not whole while a release or intent on it waits: MIG may be on,
 		// with a device left, whatever the last read said.
-		dyn := dra.Dynamic{GPU: g, Profiles: profiles, Whole: !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID)}
+		dyn := dra.Dynamic{GPU: g, Profiles: profiles, Whole: chosen && !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID)}
+		if chosen {
+			dyn.Offered = onDemand.Profiles
+			for _, m := range made {
+				// A claim keeps the partition it holds even when its profile
+				// has left the allow-list since.
+				if len(dyn.Offered) > 0 && !slices.Contains(dyn.Offered, m.Profile) {
+					dyn.Only = append(dyn.Only, m)
+				}
+			}
+			if len(dyn.Only) > 0 {
+				dyn.Only = append(dyn.Only, allowedPartitions(profiles, onDemand.Profiles)...)
+				dyn.Offered = nil
+			}
+		} else {
+			dyn.Only = made
+		}
 		for _, m := range g.Instances {
 			if !created[fmt.Sprintf("%s/%d+%d", g.UUID, m.Placement.Start, m.Placement.Size)] {
 				dyn.Blocked = append(dyn.Blocked, m.Placement)
@@ -201,6 +243,36 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 		out[g.Index] = dyn
 	}
 	return out
+}
+
+// allowedPartitions lists every placement of the allowed profiles.
+func allowedPartitions(ps mig.Profiles, allowed []string) []dra.ProfileAt {
+	var out []dra.ProfileAt
+	for _, p := range ps {
+		if !slices.Contains(allowed, p.Name) {
+			continue
+		}
+		for _, pl := range p.Placements {
+			out = append(out, dra.ProfileAt{Profile: p.Name, Placement: pl})
+		}
+	}
+	return out
+}
+
+// migDeviceFilterMatches reports whether g is one of the PCI device IDs of
+// filter (mig-parted's device-filter; empty matches every GPU). A GPU whose
+// ID is unknown matches no filter.
+func migDeviceFilterMatches(filter []string, g gpu.GPU) bool {
+	if len(filter) == 0 {
+		return true
+	}
+	for _, f := range filter {
+		v, err := strconv.ParseUint(strings.TrimPrefix(strings.ToLower(f), "0x"), 16, 32)
+		if err == nil && g.PCIDeviceID != 0 && uint32(v) == g.PCIDeviceID {
+			return true
+		}
+	}
+	return false
 }
 
 // migModeWithoutReset: from Hopper on, an idle GPU changes MIG mode at once;

@@ -371,7 +371,7 @@ func TestSimRegressCrashMidUnprepareLeavesGPUUnguarded(t *testing.T) {
 	}
 	node.Init()
 	h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG())
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err != nil {
 		t.Fatal(got.Err)
 	}
@@ -393,7 +393,7 @@ func TestSimRegressCrashMidUnprepareLeavesGPUUnguarded(t *testing.T) {
 	node2.Init()
 	t.Cleanup(func() { node2.Close() })
 	h2 := newHarnessIn(t, node2, dir, withDRA(&draRecorder{}), withMIG(), withCheckpoint())
-	h2.config(wholeGPUs)
+	h2.config(migOnDemand)
 	if g := gpuOf(t, h2, 0); !g.MIG.Current || len(g.Instances) != 0 {
 		t.Fatalf("after the crash GPU 0 is MIG %v with instances %+v; want MIG on, the claim's device gone", g.MIG, g.Instances)
 	}
@@ -492,7 +492,7 @@ func a100MIG(t *testing.T) *sim.Node { return simNode(t, "dgx-a100", sim.WithMIG
 // failed read the record may be one from before the device was made).
 func TestPoolBlocksUnsettledPlacements(t *testing.T) {
 	h := newHarness(t, simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange()), withDRA(&draRecorder{}), withMIG(), withQuietLog())
-	h.config(wholeGPUs)
+	h.config(migOnDemand)
 	uuid := findGPU(h, 0).ID
 	at := gpu.Placement{Start: 4, Size: 4}
 	for _, tc := range []struct {

@@ -309,6 +309,9 @@ var simProfiles = []simProfile{
 // simConfig is one config file the admin may write.
 type simConfig struct{ name, yaml string }
 
+// onDemandSection turns MIG on demand on, indented to go under a config.
+const onDemandSection = "    dra:\n      migOnDemand: {enabled: true}\n"
+
 // simConfigs are the config files a seed switches between: whole GPUs,
 // time-slicing, MIG layouts of several shapes (each on some of the GPUs,
 // overlapping, so the others stay whole or make MIG devices for claims;
@@ -329,8 +332,24 @@ func simConfigs(p simProfile) []simConfig {
 		"  some-small:\n  - devices: [0, 1, 2]\n    mig-enabled: true\n    mig-devices: " + small + "\n" +
 		"  mixed:\n  - devices: [0, 1, 2, 3]\n    mig-enabled: true\n    mig-devices: " + mixed + "\n" +
 		"  some-big:\n  - devices: [2, 3, 4, 5]\n    mig-enabled: true\n    mig-devices: " + big + "\n"
+	// Most configs offer MIG on demand, so that claims make MIG devices on
+	// the GPUs no layout governs; "whole" and "sliced" do not, so switching
+	// to them leaves the devices claims made, which stay offered until
+	// released, and "allow-listed" offers one profile.
+	onDemand := func(yaml string) string {
+		if strings.Contains(yaml, "  default: {}\n") {
+			return strings.Replace(yaml, "  default: {}\n", "  default:\n"+onDemandSection, 1)
+		}
+		return strings.Replace(yaml, "  default:\n", "  default:\n"+onDemandSection, 1)
+	}
+	layout = func(layout func(strategy, devices, counts string) string) func(strategy, devices, counts string) string {
+		return func(strategy, devices, counts string) string { return onDemand(layout(strategy, devices, counts)) }
+	}(layout)
+	labelled = onDemand(labelled)
 	return []simConfig{
 		{"whole", wholeGPUs},
+		{"on-demand", migOnDemand},
+		{"allow-listed", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, profiles: [" + p.small + "]}\n"},
 		{"sliced", sliced2},
 		{"small", layout("mixed", "[0, 1, 2]", small)},
 		{"mixed", layout("mixed", "[0, 1, 2, 3]", mixed)},
@@ -339,7 +358,7 @@ func simConfigs(p simProfile) []simConfig {
 		{"single", layout("single", "[0, 1, 2]", small)},
 		{"small-sliced", layout("mixed", "[0, 1, 2]", small) +
 			"    sharing:\n      timeSlicing:\n        resources:\n        - name: " + MIGResourceName(p.small) + "\n          replicas: 2\n"},
-		{"dra-only", draOnly},
+		{"dra-only", onDemand(draOnly)},
 		{"labelled", labelled},
 	}
 }

@@ -22,6 +22,8 @@ const (
 	sliced2    = "version: v1\nconfigs:\n  default:\n    sharing:\n      timeSlicing:\n        resources:\n        - name: nvidia.com/gpu\n          replicas: 2\n"
 	badField   = "version: v1\nconfigs:\n  default:\n    devicePlugin:\n      passDeviceSpec: true\n"
 	mixedNoMIG = "version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n"
+	// migOnDemand: whole GPUs, and MIG devices made on demand for DRA claims.
+	migOnDemand = "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true}\n"
 )
 
 // xidState is the health watcher's state with one fatal XID on a GPU.

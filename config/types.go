@@ -70,6 +70,41 @@ type Config struct {
 	MIG          MIG          `yaml:"mig"`
 	Sharing      Sharing      `yaml:"sharing"`
 	Health       Health       `yaml:"health"`
+	DRA          DRA          `yaml:"dra,omitempty"`
+}
+
+// DRA is what the DRA driver (--dra) publishes beyond the node's devices as
+// they are.
+type DRA struct {
+	// MIGOnDemand offers MIG devices that do not exist yet, made when a
+	// claim is prepared. Off unless set: every profile at every placement
+	// is a device of its own drawing on its GPU's counters (26 devices per
+	// H100 instead of 1), and the scheduler pays for them on every node at
+	// every scheduling attempt, whatever the claim asks for
+	// (docs/dra-devices.md, "Scale").
+	MIGOnDemand *MIGOnDemand `yaml:"migOnDemand,omitempty"`
+}
+
+// MIGOnDemand says which GPUs offer MIG devices made on demand, and which
+// profiles. It applies to MIG-capable GPUs that no MIG layout of the config
+// governs, that have MIG on or change MIG mode without a reset (Hopper and
+// newer).
+type MIGOnDemand struct {
+	// Enabled turns MIG on demand on.
+	Enabled bool `yaml:"enabled"`
+	// Profiles, when set, are the only profiles offered ("1g.10gb",
+	// "3g.40gb"); each profile costs the scheduler one device per
+	// placement. Empty: every profile the GPU has.
+	Profiles []string `yaml:"profiles,omitempty,flow"`
+	// DeviceFilter restricts it to GPUs with these PCI device IDs
+	// ("0x233010DE"), as a MIG layout's device-filter does; empty: every
+	// model.
+	DeviceFilter StringList `yaml:"device-filter,omitempty,flow"`
+}
+
+// Offers reports whether m offers profile on demand (m may be nil).
+func (m *MIGOnDemand) Offers(profile string) bool {
+	return m != nil && m.Enabled && (len(m.Profiles) == 0 || slices.Contains(m.Profiles, profile))
 }
 
 // DevicePlugin holds what the kubelet-facing servers do in Allocate.

@@ -173,6 +173,7 @@ func (v *validator) config(p string, c *Config) {
 		}
 		v.sharing(p+".sharing", &c.Sharing, c.MIG.Strategy)
 		v.health(p+".health", &c.Health)
+		v.dra(p+".dra", &c.DRA)
 	}
 	v.mig(p+".mig", &c.MIG)
 }
@@ -335,6 +336,31 @@ func checkProfile(s string) error {
 		}
 	}
 	return nil
+}
+
+// dra checks what the DRA driver is asked to publish.
+func (v *validator) dra(p string, d *DRA) {
+	od := d.MIGOnDemand
+	if od == nil {
+		return
+	}
+	seen := map[string]bool{}
+	for i, prof := range od.Profiles {
+		if err := checkProfile(prof); err != nil {
+			v.errorf(fmt.Sprintf("%s.migOnDemand.profiles[%d]", p, i), "%v", err)
+		} else if seen[prof] {
+			v.errorf(fmt.Sprintf("%s.migOnDemand.profiles[%d]", p, i), "%q is listed twice", prof)
+		}
+		seen[prof] = true
+	}
+	for i, id := range od.DeviceFilter {
+		if !reDeviceFilter.MatchString(id) {
+			v.errorf(fmt.Sprintf("%s.migOnDemand.device-filter[%d]", p, i), "%q is not a PCI device id like 0x233010DE", id)
+		}
+	}
+	if !od.Enabled && (len(od.Profiles) > 0 || len(od.DeviceFilter) > 0) {
+		v.warnf(p+".migOnDemand", "profiles or device-filter given but enabled is false: no MIG device is offered on demand")
+	}
 }
 
 // sharing checks both policies, then that no device is in both.

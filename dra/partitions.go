@@ -2,7 +2,9 @@ package dra
 
 import (
 	"fmt"
+	"maps"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
@@ -36,6 +38,28 @@ type Dynamic struct {
 	// stay as they are (offered as existing MIG devices), and no partition
 	// overlapping them is offered.
 	Blocked []gpu.Placement
+	// Offered, when set, are the only profiles offered (the config's
+	// allow-list); the counter set stays the GPU's whole, since NVML places
+	// the profiles offered among all of them.
+	Offered []string
+	// Only, when set, are the only partitions offered: a GPU kept dynamic
+	// for the MIG devices claims hold on it, or an allow-list that lost a
+	// profile a claim holds.
+	Only []ProfileAt
+}
+
+// ProfileAt is one profile at one placement.
+type ProfileAt struct {
+	Profile   string
+	Placement gpu.Placement
+}
+
+// offers reports whether dyn offers profile at pl.
+func (dyn Dynamic) offers(profile string, pl gpu.Placement) bool {
+	if dyn.Only != nil {
+		return slices.Contains(dyn.Only, ProfileAt{Profile: profile, Placement: pl})
+	}
+	return len(dyn.Offered) == 0 || slices.Contains(dyn.Offered, profile)
 }
 
 // Partitions lists, for a GPU whose MIG devices are created on demand,
@@ -51,12 +75,17 @@ func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 		for _, pl := range p.Placements {
 			mem = max(mem, pl.Start+pl.Size)
 		}
-		total[counterCompute] = max(total[counterCompute], int64(p.Info.SliceCount))
-		total[counterCopyEngines] = max(total[counterCopyEngines], int64(p.Info.CopyEngineCount))
-		total[counterDecoders] = max(total[counterDecoders], int64(p.Info.DecoderCount))
-		total[counterEncoders] = max(total[counterEncoders], int64(p.Info.EncoderCount))
-		total[counterJPEG] = max(total[counterJPEG], int64(p.Info.JpegCount))
-		total[counterOFA] = max(total[counterOFA], int64(p.Info.OfaCount))
+		// The GPU has at least what its largest instance, or as many
+		// instances of one profile as NVML allows, take together: on a
+		// B200 every profile has one JPEG engine, 7g.180gb too, and seven
+		// 1g instances take seven.
+		n := max(int64(p.Info.InstanceCount), 1)
+		total[counterCompute] = max(total[counterCompute], n*int64(p.Info.SliceCount))
+		total[counterCopyEngines] = max(total[counterCopyEngines], n*int64(p.Info.CopyEngineCount))
+		total[counterDecoders] = max(total[counterDecoders], n*int64(p.Info.DecoderCount))
+		total[counterEncoders] = max(total[counterEncoders], n*int64(p.Info.EncoderCount))
+		total[counterJPEG] = max(total[counterJPEG], n*int64(p.Info.JpegCount))
+		total[counterOFA] = max(total[counterOFA], n*int64(p.Info.OfaCount))
 	}
 	for k := range mem {
 		total[memorySliceCounter(k)] = 1
@@ -66,7 +95,21 @@ func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 			delete(total, name)
 		}
 	}
-	set := CounterSet{GPU: g.Index, Counters: total}
+	// An instance no claim made keeps its engines and compute slices: the
+	// partitions share what is left (a 1g+me instance holds the GPU's one
+	// OFA, so no +me partition fits beside it), and one that needs more
+	// than is left is not offered.
+	avail := maps.Clone(total)
+	for _, b := range dyn.Blocked {
+		if p, ok := dyn.Profiles[instanceProfileAt(g, b)]; ok {
+			for name, v := range consumption(p, b) {
+				if !strings.HasPrefix(name, "memory-slice-") {
+					avail[name] -= v
+				}
+			}
+		}
+	}
+	set := CounterSet{GPU: g.Index}
 
 	var out []Device
 	if dyn.Whole {
@@ -85,7 +128,10 @@ func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 	}
 	for _, p := range dyn.Profiles {
 		for _, pl := range p.Placements {
-			if slices.ContainsFunc(dyn.Blocked, func(b gpu.Placement) bool { return overlaps(b, pl) }) {
+			if !dyn.offers(p.Name, pl) || slices.ContainsFunc(dyn.Blocked, func(b gpu.Placement) bool { return overlaps(b, pl) }) {
+				continue
+			}
+			if exceeds(consumption(p, pl), avail) {
 				continue
 			}
 			d := base
@@ -99,7 +145,33 @@ func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 		}
 	}
 	slices.SortFunc(out, func(a, b Device) int { return strings.Compare(a.Name, b.Name) })
+	out, set.Counters = pruneCounters(out, avail)
 	return out, set
+}
+
+// instanceProfileAt is the profile of g's MIG device or bare GPU instance
+// at pl ("" if none).
+func instanceProfileAt(g gpu.GPU, pl gpu.Placement) string {
+	for _, m := range g.Instances {
+		if m.Placement == pl {
+			return m.Profile
+		}
+	}
+	for _, gi := range g.GIsWithoutCI {
+		if gi.Placement == pl {
+			return gi.Profile
+		}
+	}
+	return ""
+}
+
+func exceeds(use, avail map[string]int64) bool {
+	for name, v := range use {
+		if v > avail[name] {
+			return true
+		}
+	}
+	return false
 }
 
 // maxMultiprocessors is the most multiprocessors a profile of the GPU has:
@@ -159,4 +231,128 @@ func PartitionName(index int, profile string, start int) string {
 		}
 	}
 	return fmt.Sprintf("gpu-%d-mig-%s-%d", index, b.String(), start)
+}
+
+// pruneLimit bounds the search of pruneCounters: sets of devices visited
+// per counter tried. The GPUs NVIDIA makes stay far below it (a free H100
+// with every profile has 1,700-odd sets that fit); past it a counter is
+// kept, which is always exact.
+const pruneLimit = 200_000
+
+// pruneCounters returns the counters of total that the devices need, and
+// the devices drawing on those only: a counter goes when no set of the
+// devices that fits the other counters exceeds it, so the sets the
+// scheduler may allocate together are exactly those the full counters
+// allow, and so exactly the MIG devices NVML can hold together. Each
+// counter costs the scheduler work for every device that draws on it, on
+// every node, at every scheduling attempt; on an H100 the compute and
+// engine totals and a memory slice are implied by the others. Engines and
+// compute slices are tried first, then the memory slices from the top.
+func pruneCounters(devs []Device, total map[string]int64) ([]Device, map[string]int64) {
+	names := slices.SortedFunc(maps.Keys(total), func(a, b string) int {
+		am, bm := strings.HasPrefix(a, "memory-slice-"), strings.HasPrefix(b, "memory-slice-")
+		if am != bm {
+			if am {
+				return 1
+			}
+			return -1
+		}
+		if am {
+			return memorySliceIndex(b) - memorySliceIndex(a)
+		}
+		return strings.Compare(a, b)
+	})
+	// use[i][c]: device i's draw on counter c, as a dense table.
+	use := make([][]int64, len(devs))
+	for i, d := range devs {
+		use[i] = make([]int64, len(names))
+		for c, name := range names {
+			use[i][c] = d.Consumes[name]
+		}
+	}
+	limits := make([]int64, len(names))
+	for c, name := range names {
+		limits[c] = total[name]
+	}
+	kept := make([]bool, len(names))
+	for c := range kept {
+		kept[c] = true
+	}
+	for c := range names {
+		kept[c] = false
+		if !impliedByKept(use, limits, kept) {
+			kept[c] = true
+		}
+	}
+	keep := map[string]int64{}
+	for c, name := range names {
+		if kept[c] {
+			keep[name] = total[name]
+		}
+	}
+	out := make([]Device, len(devs))
+	for i, d := range devs {
+		out[i] = d
+		if d.Consumes == nil {
+			continue
+		}
+		out[i].Consumes = map[string]int64{}
+		for name, v := range d.Consumes {
+			if _, ok := keep[name]; ok {
+				out[i].Consumes[name] = v
+			}
+		}
+	}
+	return out, keep
+}
+
+// impliedByKept reports whether every set of devices within the limits of
+// the kept counters is also within every other counter's (the one just
+// dropped and those dropped before): then the kept counters allow exactly
+// the sets all of them do. The search adds devices in order while the kept
+// counters allow, so it visits only sets all counters allow until it finds
+// one that exceeds a dropped counter.
+func impliedByKept(use [][]int64, limits []int64, kept []bool) bool {
+	sum := make([]int64, len(limits))
+	visited := 0
+	var walk func(from int) bool
+	walk = func(from int) bool {
+		for i := from; i < len(use); i++ {
+			if visited++; visited > pruneLimit {
+				return false
+			}
+			fits := true
+			for c, v := range use[i] {
+				if kept[c] && sum[c]+v > limits[c] {
+					fits = false
+					break
+				}
+			}
+			if !fits {
+				continue
+			}
+			for c, v := range use[i] {
+				if !kept[c] && sum[c]+v > limits[c] {
+					return false // within the kept counters, past a dropped one
+				}
+			}
+			for c, v := range use[i] {
+				sum[c] += v
+			}
+			ok := walk(i + 1)
+			for c, v := range use[i] {
+				sum[c] -= v
+			}
+			if !ok {
+				return false
+			}
+		}
+		return true
+	}
+	return walk(0)
+}
+
+func memorySliceIndex(name string) int {
+	k, _ := strconv.Atoi(strings.TrimPrefix(name, "memory-slice-"))
+	return k
 }
