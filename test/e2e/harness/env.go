@@ -482,8 +482,11 @@ func (e *Env) spawnAgent() (*Process, error) {
 }
 
 // StartAgentExpectingCrash starts gpu-agent and waits for it to be killed
-// (a simulated node's crash-after option kills it mid-change); it fails if
-// the agent gets ready or exits any other way.
+// (a simulated node's crash-after option kills it mid-change). Readiness says
+// nothing here: the agent serves long before a repartition is done, so the
+// crash point can come after /readyz answers. It fails if the agent exits any
+// other way, or if /status shows every GPU's MIG plan applied, which means the
+// changes the crash was to interrupt are over and the crash will not come.
 func (e *Env) StartAgentExpectingCrash(ctx context.Context) error {
 	p, err := e.spawnAgent()
 	if err != nil {
@@ -492,8 +495,8 @@ func (e *Env) StartAgentExpectingCrash(ctx context.Context) error {
 	return poll(ctx, 100*time.Millisecond, func() error {
 		done, werr := p.Exited()
 		if !done {
-			if httpOK(ctx, "http://"+e.agentAddr+"/readyz") == nil {
-				return stop(fmt.Errorf("gpu-agent got ready instead of crashing (see %s)", p.LogPath))
+			if st, err := e.AgentStatus(ctx); err == nil && migSettled(st) {
+				return stop(fmt.Errorf("gpu-agent applied every GPU's MIG plan instead of crashing (see %s)", p.LogPath))
 			}
 			return errors.New("still running")
 		}
@@ -505,6 +508,19 @@ func (e *Env) StartAgentExpectingCrash(ctx context.Context) error {
 		}
 		return stop(fmt.Errorf("gpu-agent exited with %v, want killed by SIGKILL (see %s)", werr, p.LogPath))
 	})
+}
+
+// migSettled says whether /status lists MIG plans and every one is applied.
+func migSettled(st *AgentStatus) bool {
+	if len(st.MIG) == 0 {
+		return false
+	}
+	for _, m := range st.MIG {
+		if m.Phase != "applied" {
+			return false
+		}
+	}
+	return true
 }
 
 // StopAgent ends gpu-agent with SIGTERM.
