@@ -14,6 +14,7 @@ import (
 // PROFILE, picked as a user picks it from `gpu-agent sim list`.
 var exampleProfiles = map[string]string{
 	"cdi.yaml":               "dgx-a100",
+	"dra-mig-on-demand.yaml": "dgx-h100",
 	"mig-a100-all-1g.yaml":   "dgx-a100",
 	"mig-a100-balanced.yaml": "dgx-a100",
 	"mig-a100-half-3g.yaml":  "dgx-a100",
