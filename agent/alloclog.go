@@ -47,7 +47,10 @@ const (
 // are called under the ledger's lock.
 type allocLog struct {
 	path string
-	f    *os.File
+	// write replaces a file atomically: atomicfile.Write (nil), or a
+	// test's stand-in that fails as a full or read-only state dir would.
+	write writeFunc
+	f     *os.File
 	// size is the length of the whole records in the file: a failed write
 	// is cut back to it, so a torn line never prefixes the next record.
 	size int64
@@ -56,6 +59,9 @@ type allocLog struct {
 	// container start path.
 	buf []byte
 }
+
+// writeFunc is atomicfile.Write's signature.
+type writeFunc func(path string, data []byte, opts ...atomicfile.Options) error
 
 // appendRecord appends one record and its newline to b: the JSON that
 // json.Marshal makes of rec, written by hand for the IDs the catalog has
@@ -147,9 +153,9 @@ type AllocEntry struct {
 // and opens it for appending. A log that cannot be read (not a regular
 // file, too large) is set aside and an error says so; lines that cannot be
 // decoded (the torn last line of a crash) are skipped with a warning.
-func openAllocLog(dir string, log *slog.Logger) (*allocLog, map[string]AllocEntry, error) {
+func openAllocLog(dir string, log *slog.Logger, write writeFunc) (*allocLog, map[string]AllocEntry, error) {
 	path := filepath.Join(dir, AllocLogFile)
-	l := &allocLog{path: path, log: log}
+	l := &allocLog{path: path, log: log, write: write}
 	entries := map[string]AllocEntry{}
 	var readErr error
 	b, err := atomicfile.ReadFile(path, maxAllocLogBytes)
@@ -279,7 +285,11 @@ func (l *allocLog) rewrite(entries map[string]AllocEntry) error {
 		buf.Write(line)
 		buf.WriteByte('\n')
 	}
-	if err := atomicfile.Write(l.path, buf.Bytes(), atomicfile.Options{Perm: 0o600}); err != nil {
+	write := l.write
+	if write == nil {
+		write = atomicfile.Write
+	}
+	if err := write(l.path, buf.Bytes(), atomicfile.Options{Perm: 0o600}); err != nil {
 		return err
 	}
 	f, err := os.OpenFile(l.path, os.O_WRONLY|os.O_APPEND, 0)

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/plugin"
@@ -80,6 +81,12 @@ type place struct {
 // log could not be opened, or that an unreadable one was set aside; the
 // ledger is usable either way (without a log it records in memory only).
 func NewLedger(stateDir string, now func() time.Time, log *slog.Logger) (*Ledger, error) {
+	return newLedgerAt(stateDir, now, log, atomicfile.Write)
+}
+
+// newLedgerAt is NewLedger writing the allocation log's rewrites through
+// write (tests fail it).
+func newLedgerAt(stateDir string, now func() time.Time, log *slog.Logger, write writeFunc) (*Ledger, error) {
 	if now == nil {
 		now = time.Now
 	}
@@ -90,7 +97,7 @@ func NewLedger(stateDir string, now func() time.Time, log *slog.Logger) (*Ledger
 	if stateDir == "" {
 		return l, nil
 	}
-	al, entries, err := openAllocLog(stateDir, log)
+	al, entries, err := openAllocLog(stateDir, log, write)
 	if al == nil {
 		return l, err
 	}
