@@ -58,6 +58,10 @@ type allocLog struct {
 	// buf is reused for each record: Allocate is on the kubelet's
 	// container start path.
 	buf []byte
+	// read is set once what the file held at start is in the ledger: a
+	// retried open does not read the file it rewrites again. closed is
+	// set by close: the log is not opened again.
+	read, closed bool
 }
 
 // writeFunc is atomicfile.Write's signature.
@@ -149,36 +153,37 @@ type AllocEntry struct {
 	Replica  bool
 }
 
-// openAllocLog reads what dir's allocation log holds, rewrites it compacted
-// and opens it for appending. A log that cannot be read (not a regular
-// file, too large) is set aside and an error says so; lines that cannot be
-// decoded (the torn last line of a crash) are skipped with a warning.
-func openAllocLog(dir string, log *slog.Logger, write writeFunc) (*allocLog, map[string]AllocEntry, error) {
-	path := filepath.Join(dir, AllocLogFile)
-	l := &allocLog{path: path, log: log, write: write}
-	entries := map[string]AllocEntry{}
-	var readErr error
-	b, err := atomicfile.ReadFile(path, maxAllocLogBytes)
+// newAllocLog is dir's allocation log, neither read nor open yet (the
+// ledger's openLogLocked does both).
+func newAllocLog(dir string, log *slog.Logger, write writeFunc) *allocLog {
+	return &allocLog{path: filepath.Join(dir, AllocLogFile), log: log, write: write}
+}
+
+// readBack reads what the log holds. A log that cannot be read (not a
+// regular file, too large) is set aside, and setAside says so; lines that
+// cannot be decoded (the torn last line of a crash) are skipped with a
+// warning. err says the log could be neither read nor set aside.
+func (l *allocLog) readBack() (entries map[string]AllocEntry, setAside, err error) {
+	b, err := atomicfile.ReadFile(l.path, maxAllocLogBytes)
 	switch {
 	case errors.Is(err, os.ErrNotExist):
+		return map[string]AllocEntry{}, nil, nil
 	case err != nil:
-		aside := path + ".unreadable"
-		if rerr := os.Rename(path, aside); rerr != nil {
-			return nil, nil, fmt.Errorf("allocation log %s: %w (and setting it aside: %w)", path, err, rerr)
+		aside := l.path + ".unreadable"
+		if rerr := os.Rename(l.path, aside); rerr != nil {
+			return nil, nil, fmt.Errorf("allocation log %s: %w (and setting it aside: %w)", l.path, err, rerr)
 		}
-		readErr = fmt.Errorf("allocation log %s: %w; set aside as %s, allocations made before this start are known only from the kubelet", path, err, aside)
-	default:
-		var bad []error
-		entries, bad = DecodeAllocLog(b)
-		for _, e := range bad {
-			log.Warn("allocation log: record skipped", "path", path, "error", e)
-		}
+		return map[string]AllocEntry{}, fmt.Errorf("allocation log %s: %w; set aside as %s, allocations made before this start are known only from the kubelet", l.path, err, aside), nil
 	}
-	if err := l.rewrite(entries); err != nil {
-		return nil, nil, fmt.Errorf("allocation log %s: %w", path, err)
+	entries, bad := DecodeAllocLog(b)
+	for _, e := range bad {
+		l.log.Warn("allocation log: record skipped", "path", l.path, "error", e)
 	}
-	return l, entries, readErr
+	return entries, nil, nil
 }
+
+// isOpen reports whether records can be appended.
+func (l *allocLog) isOpen() bool { return l.f != nil }
 
 // DecodeAllocLog reads an allocation log: for each device, when and how it
 // was last handed out. A line that is not a whole record is skipped and
@@ -258,9 +263,10 @@ func (l *allocLog) append(rec allocRecord) error {
 }
 
 // compactLocked rewrites the log with only entries once it has grown past
-// compactAbove; a failure keeps the longer log, which is still right.
+// compactAbove; a failure keeps the longer log, which is still right. A log
+// not open is left to the ledger's retries (openLogLocked).
 func (l *allocLog) compactLocked(entries map[string]AllocEntry) {
-	if l.size < compactAbove {
+	if !l.isOpen() || l.size < compactAbove {
 		return
 	}
 	if err := l.rewrite(entries); err != nil {
@@ -303,8 +309,9 @@ func (l *allocLog) rewrite(entries map[string]AllocEntry) error {
 	return nil
 }
 
-// close closes the file.
+// close closes the file, for good.
 func (l *allocLog) close() {
+	l.closed = true
 	if l.f != nil {
 		l.f.Close()
 		l.f = nil
