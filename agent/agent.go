@@ -289,9 +289,10 @@ func New(opts Options) *Agent {
 	a.ledger = opts.Ledger
 	if a.ledger == nil {
 		var err error
+		// Usable whatever the error: a log it could not open refuses
+		// Allocate until it opens, keeping what it read.
 		if a.ledger, err = NewLedger(opts.StateDir, opts.Now, opts.Logger); err != nil {
-			a.log.Error("allocation log not opened; allocations are kept in memory only", "error", err)
-			a.ledger = newLedger(opts.Now)
+			a.log.Error("allocation log", "error", err)
 		}
 	}
 	if opts.Registerer != nil {

@@ -47,7 +47,10 @@ const (
 // are called under the ledger's lock.
 type allocLog struct {
 	path string
-	f    *os.File
+	// write replaces a file atomically: atomicfile.Write (nil), or a
+	// test's stand-in that fails as a full or read-only state dir would.
+	write writeFunc
+	f     *os.File
 	// size is the length of the whole records in the file: a failed write
 	// is cut back to it, so a torn line never prefixes the next record.
 	size int64
@@ -55,7 +58,14 @@ type allocLog struct {
 	// buf is reused for each record: Allocate is on the kubelet's
 	// container start path.
 	buf []byte
+	// read is set once what the file held at start is in the ledger: a
+	// retried open does not read the file it rewrites again. closed is
+	// set by close: the log is not opened again.
+	read, closed bool
 }
+
+// writeFunc is atomicfile.Write's signature.
+type writeFunc func(path string, data []byte, opts ...atomicfile.Options) error
 
 // appendRecord appends one record and its newline to b: the JSON that
 // json.Marshal makes of rec, written by hand for the IDs the catalog has
@@ -143,36 +153,37 @@ type AllocEntry struct {
 	Replica  bool
 }
 
-// openAllocLog reads what dir's allocation log holds, rewrites it compacted
-// and opens it for appending. A log that cannot be read (not a regular
-// file, too large) is set aside and an error says so; lines that cannot be
-// decoded (the torn last line of a crash) are skipped with a warning.
-func openAllocLog(dir string, log *slog.Logger) (*allocLog, map[string]AllocEntry, error) {
-	path := filepath.Join(dir, AllocLogFile)
-	l := &allocLog{path: path, log: log}
-	entries := map[string]AllocEntry{}
-	var readErr error
-	b, err := atomicfile.ReadFile(path, maxAllocLogBytes)
+// newAllocLog is dir's allocation log, neither read nor open yet (the
+// ledger's openLogLocked does both).
+func newAllocLog(dir string, log *slog.Logger, write writeFunc) *allocLog {
+	return &allocLog{path: filepath.Join(dir, AllocLogFile), log: log, write: write}
+}
+
+// readBack reads what the log holds. A log that cannot be read (not a
+// regular file, too large) is set aside, and setAside says so; lines that
+// cannot be decoded (the torn last line of a crash) are skipped with a
+// warning. err says the log could be neither read nor set aside.
+func (l *allocLog) readBack() (entries map[string]AllocEntry, setAside, err error) {
+	b, err := atomicfile.ReadFile(l.path, maxAllocLogBytes)
 	switch {
 	case errors.Is(err, os.ErrNotExist):
+		return map[string]AllocEntry{}, nil, nil
 	case err != nil:
-		aside := path + ".unreadable"
-		if rerr := os.Rename(path, aside); rerr != nil {
-			return nil, nil, fmt.Errorf("allocation log %s: %w (and setting it aside: %w)", path, err, rerr)
+		aside := l.path + ".unreadable"
+		if rerr := os.Rename(l.path, aside); rerr != nil {
+			return nil, nil, fmt.Errorf("allocation log %s: %w (and setting it aside: %w)", l.path, err, rerr)
 		}
-		readErr = fmt.Errorf("allocation log %s: %w; set aside as %s, allocations made before this start are known only from the kubelet", path, err, aside)
-	default:
-		var bad []error
-		entries, bad = DecodeAllocLog(b)
-		for _, e := range bad {
-			log.Warn("allocation log: record skipped", "path", path, "error", e)
-		}
+		return map[string]AllocEntry{}, fmt.Errorf("allocation log %s: %w; set aside as %s, allocations made before this start are known only from the kubelet", l.path, err, aside), nil
 	}
-	if err := l.rewrite(entries); err != nil {
-		return nil, nil, fmt.Errorf("allocation log %s: %w", path, err)
+	entries, bad := DecodeAllocLog(b)
+	for _, e := range bad {
+		l.log.Warn("allocation log: record skipped", "path", l.path, "error", e)
 	}
-	return l, entries, readErr
+	return entries, nil, nil
 }
+
+// isOpen reports whether records can be appended.
+func (l *allocLog) isOpen() bool { return l.f != nil }
 
 // DecodeAllocLog reads an allocation log: for each device, when and how it
 // was last handed out. A line that is not a whole record is skipped and
@@ -252,9 +263,10 @@ func (l *allocLog) append(rec allocRecord) error {
 }
 
 // compactLocked rewrites the log with only entries once it has grown past
-// compactAbove; a failure keeps the longer log, which is still right.
+// compactAbove; a failure keeps the longer log, which is still right. A log
+// not open is left to the ledger's retries (openLogLocked).
 func (l *allocLog) compactLocked(entries map[string]AllocEntry) {
-	if l.size < compactAbove {
+	if !l.isOpen() || l.size < compactAbove {
 		return
 	}
 	if err := l.rewrite(entries); err != nil {
@@ -279,7 +291,11 @@ func (l *allocLog) rewrite(entries map[string]AllocEntry) error {
 		buf.Write(line)
 		buf.WriteByte('\n')
 	}
-	if err := atomicfile.Write(l.path, buf.Bytes(), atomicfile.Options{Perm: 0o600}); err != nil {
+	write := l.write
+	if write == nil {
+		write = atomicfile.Write
+	}
+	if err := write(l.path, buf.Bytes(), atomicfile.Options{Perm: 0o600}); err != nil {
 		return err
 	}
 	f, err := os.OpenFile(l.path, os.O_WRONLY|os.O_APPEND, 0)
@@ -293,8 +309,9 @@ func (l *allocLog) rewrite(entries map[string]AllocEntry) error {
 	return nil
 }
 
-// close closes the file.
+// close closes the file, for good.
 func (l *allocLog) close() {
+	l.closed = true
 	if l.f != nil {
 		l.f.Close()
 		l.f = nil

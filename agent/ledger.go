@@ -1,9 +1,11 @@
 package agent
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -14,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/plugin"
@@ -62,8 +65,10 @@ type Ledger struct {
 	dynamicMIG map[string]bool
 	doomed     map[string]string // device UUID → why
 
-	// logErr is why the last allocation could not be recorded (cleared by
-	// the next that could); logFailures counts them.
+	// logErr is why the allocation log is not open, or why the last
+	// allocation could not be recorded (cleared once the log opens, or by
+	// the next allocation recorded); logFailures counts the allocations
+	// refused for either.
 	logErr      standingError
 	logFailures atomic.Int64
 }
@@ -76,10 +81,19 @@ type place struct {
 }
 
 // NewLedger returns the node's ledger with the allocations its allocation
-// log in stateDir holds ("": none, and none recorded). An error says the
-// log could not be opened, or that an unreadable one was set aside; the
-// ledger is usable either way (without a log it records in memory only).
+// log in stateDir holds ("": none, and none recorded). The ledger is usable
+// whatever the error. An error says that an unreadable log was set aside,
+// or that the log could not be opened: then the ledger keeps what it read,
+// Admit refuses every allocation (Unavailable) until the log opens, and
+// the log is tried again at each Admit and at each pass of the loop
+// (retryLog), the error standing on /status meanwhile.
 func NewLedger(stateDir string, now func() time.Time, log *slog.Logger) (*Ledger, error) {
+	return newLedgerAt(stateDir, now, log, atomicfile.Write)
+}
+
+// newLedgerAt is NewLedger writing the allocation log's rewrites through
+// write (tests fail it).
+func newLedgerAt(stateDir string, now func() time.Time, log *slog.Logger, write writeFunc) (*Ledger, error) {
 	if now == nil {
 		now = time.Now
 	}
@@ -90,18 +104,76 @@ func NewLedger(stateDir string, now func() time.Time, log *slog.Logger) (*Ledger
 	if stateDir == "" {
 		return l, nil
 	}
-	al, entries, err := openAllocLog(stateDir, log)
-	if al == nil {
-		return l, err
+	l.log = newAllocLog(stateDir, log, write)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	setAside, err := l.openLogLocked()
+	if err != nil {
+		l.logErr.set(err, now())
+		return l, errors.Join(err, setAside)
 	}
-	l.log = al
-	if future := l.restoreAllocations(entries); future > 0 {
-		log.Warn("allocations dated after now (the clock stepped back since they were made) count from now", "allocations", future)
+	return l, setAside
+}
+
+// openLogLocked opens the allocation log, which is not open: it reads what
+// the file holds into the ledger (the first time only), then rewrites the
+// file with every allocation the ledger holds and opens it for appending.
+// setAside says an unreadable file was set aside; err, that the log is
+// still not open. Called by NewLedger, then by reopenLocked until it
+// succeeds.
+func (l *Ledger) openLogLocked() (setAside, err error) {
+	al := l.log
+	if al.closed {
+		return nil, fmt.Errorf("allocation log %s: closed", al.path)
 	}
-	if len(entries) > 0 {
-		log.Info("allocations not yet accounted for by the kubelet restored", "allocations", len(entries), "log", al.path)
+	if !al.read {
+		entries, aside, err := al.readBack()
+		if err != nil {
+			return nil, err
+		}
+		al.read, setAside = true, aside
+		if future := l.restoreAllocationsLocked(entries); future > 0 {
+			al.log.Warn("allocations dated after now (the clock stepped back since they were made) count from now", "allocations", future)
+		}
+		if len(entries) > 0 {
+			al.log.Info("allocations not yet accounted for by the kubelet restored", "allocations", len(entries), "log", al.path)
+		}
 	}
-	return l, err
+	if err := al.rewrite(l.plugin); err != nil {
+		return setAside, fmt.Errorf("allocation log %s: %w", al.path, err)
+	}
+	return setAside, nil
+}
+
+// reopenLocked tries again to open the allocation log, which is not open:
+// the error stands (logError) until it opens.
+func (l *Ledger) reopenLocked(now time.Time) error {
+	setAside, err := l.openLogLocked()
+	if setAside != nil {
+		l.log.log.Error("allocation log", "error", setAside)
+	}
+	if err != nil {
+		if l.logErr.set(err, now) {
+			l.log.log.Error("allocation log not open; Allocate is refused until it opens (tried again at every pass and every Allocate)", "error", err)
+		}
+		return err
+	}
+	if l.logErr.clear() {
+		l.log.log.Info("allocation log open again", "path", l.log.path)
+	}
+	return nil
+}
+
+// retryLog opens the allocation log if it could not be opened yet. The loop
+// calls it at every pass, so the error leaves /status once the state dir
+// can be written, without waiting for an Allocate.
+func (l *Ledger) retryLog() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.log == nil || l.log.isOpen() || l.log.closed {
+		return
+	}
+	_ = l.reopenLocked(l.now()) // standing in logErr
 }
 
 // Close closes the allocation log.
@@ -151,7 +223,8 @@ func (l *Ledger) overlaps(a, b string) bool {
 // record is in the allocation log before Admit returns (see allocLog for
 // why a crash right after the answer cannot lose it). The error is a gRPC
 // status: FailedPrecondition naming the device and why, Unavailable when
-// the record could not be written. Implements plugin.Options.Admit.
+// the record could not be written, or the log is not open (it could not be
+// at start, and opening it again failed). Implements plugin.Options.Admit.
 func (l *Ledger) Admit(resource string, devs []plugin.Handout) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -166,6 +239,12 @@ func (l *Ledger) Admit(resource string, devs []plugin.Handout) error {
 	}
 	now := l.now()
 	if l.log != nil {
+		if !l.log.isOpen() {
+			if err := l.reopenLocked(now); err != nil {
+				l.logFailures.Add(1)
+				return status.Errorf(codes.Unavailable, "the allocation could not be recorded (the allocation log in %s is not open), so a restart could destroy the device under its container: %v", filepath.Dir(l.log.path), err)
+			}
+		}
 		// The record's lists reuse one array: Allocate is on the
 		// kubelet's container start path.
 		l.ids = l.ids[:0]
@@ -381,8 +460,8 @@ func (l *Ledger) holder(u string, except types.UID) string {
 	return l.claimHolder(u, except)
 }
 
-// logError is why the last allocation could not be recorded, and since
-// when (nil when it was).
+// logError is why the allocation log is not open, or why the last
+// allocation could not be recorded, and since when (nil when neither).
 func (l *Ledger) logError() (error, time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -422,9 +501,13 @@ func (l *Ledger) settleable(now time.Time) bool {
 // now: otherwise no answer could ever be late enough to settle it, and its
 // GPU would stay blocked for good.
 func (l *Ledger) restoreAllocations(allocs map[string]AllocEntry) (future int) {
-	now := l.now()
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	return l.restoreAllocationsLocked(allocs)
+}
+
+func (l *Ledger) restoreAllocationsLocked(allocs map[string]AllocEntry) (future int) {
+	now := l.now()
 	for u, e := range allocs {
 		if e.At.After(now) {
 			e.At, future = now, future+1

@@ -7,12 +7,16 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
@@ -400,5 +404,153 @@ func TestDRAFailedPrepareCancelsPendingMIGMode(t *testing.T) {
 	}
 	if p := h.prepare(claim("uid-whole", "whole", "gpu-0"))["uid-whole"]; p.Err != nil {
 		t.Errorf("a claim for GPU 0 whole after the failed Prepare: %v", p.Err)
+	}
+}
+
+// Issue 29, defect 1: an allocation log that could not be rewritten at
+// start (the state dir full or read-only) left the ledger without the
+// allocations it had just read and without a log, and Allocate answered
+// OK from memory only: a restart then knew neither allocation, and a MIG
+// plan could destroy their devices under their containers. The ledger
+// keeps what it read, refuses Allocate (Unavailable) while the log is not
+// open, shows why on /status, and opens the log again, rewritten with what
+// it holds, at the loop's next pass or the next Admit once it can.
+func TestAllocationLogUnwritableAtStart(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "state")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	node := simNode(t, "pcie-4gpu")
+	// The agent before the restart: GPU 0 allocated, and logged.
+	h := newHarnessIn(t, node, dir)
+	h.config(wholeGPUs)
+	first, second := h.a.inv.GPUs[0].UUID, h.a.inv.GPUs[1].UUID
+	if err := h.allocate(ResourceGPU, first); err != nil {
+		t.Fatal(err)
+	}
+	h.a.Ledger().Close()
+
+	// Restarted on a full state dir: the log reads, its rewrite fails.
+	var full error = syscall.ENOSPC
+	write := func(path string, data []byte, opts ...atomicfile.Options) error {
+		if full != nil {
+			return fmt.Errorf("write %s: %w", path, full)
+		}
+		return atomicfile.Write(path, data, opts...)
+	}
+	reg := prometheus.NewRegistry()
+	var openErr error
+	h2 := newHarnessIn(t, node, dir, withCheckpoint(), func(h *harness) {
+		h.opts.Registerer = reg
+		h.opts.Ledger, openErr = newLedgerAt(dir, h.clock.Now, h.opts.Logger, write)
+	})
+	defer h2.a.Ledger().Close()
+	start := h2.clock.Now()
+	logPath := filepath.Join(dir, AllocLogFile)
+	if openErr == nil || !strings.Contains(openErr.Error(), logPath) || !strings.Contains(openErr.Error(), "no space left on device") {
+		t.Errorf("NewLedger: %v, want an error naming %s and why", openErr, logPath)
+	}
+	h2.config(wholeGPUs)
+	l := h2.a.Ledger()
+
+	// (a) What the log held is still held: no plan may destroy it.
+	if _, ok := l.allocations()[first]; !ok {
+		t.Errorf("allocations %v: %s, read from the log at start, is gone", l.allocations(), first)
+	}
+	if err := l.Doom([]string{first}, "test"); err == nil || !strings.Contains(err.Error(), "held by a container the device plugin gave it") {
+		t.Errorf("Doom %s = %v, want it refused as held", first, err)
+	}
+
+	// The kubelet lists the container from now on: the allocation stays
+	// when the loop's passes below ask it.
+	h2.hold.hold(ResourceGPU, first)
+
+	// (b) Allocate is refused while the log is not open, saying why.
+	h2.clock.Advance(time.Minute)
+	err := h2.allocate(ResourceGPU, second)
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), dir) || !strings.Contains(err.Error(), "no space left on device") {
+		t.Errorf("Allocate while the log is not open = %v, want Unavailable naming %s and why", err, dir)
+	}
+	if _, ok := l.allocations()[second]; ok {
+		t.Errorf("a refused allocation is in the ledger: %v", l.allocations())
+	}
+	if got := l.LogFailures(); got != 1 {
+		t.Errorf("LogFailures = %d, want 1 (the refused Allocate)", got)
+	}
+
+	// (d) /status, /readyz and gpu_agent_state_saved say so, since start.
+	h2.step(Tick{})
+	st := h2.a.Status().State
+	if st == nil || !strings.Contains(st.Error, "allocation log: ") || !strings.Contains(st.Error, "no space left on device") || !st.ErrorSince.Equal(start) {
+		t.Errorf("state %+v, want the allocation log's error since %v", st, start)
+	}
+	if got := testutil.ToFloat64(h2.a.metrics.stateSaved); got != 0 {
+		t.Errorf("gpu_agent_state_saved = %v, want 0", got)
+	}
+
+	// (c) Space is freed: the loop's next pass opens the log, rewritten
+	// with what the ledger holds; the status clears; Allocate is logged.
+	full = nil
+	h2.clock.Advance(time.Minute)
+	h2.step(Tick{})
+	if st := h2.a.Status().State; st == nil || st.Error != "" || testutil.ToFloat64(h2.a.metrics.stateSaved) != 1 {
+		t.Errorf("after the space came back: state %+v", st)
+	}
+	if b, err := os.ReadFile(logPath); err != nil || !strings.Contains(string(b), first) {
+		t.Errorf("log after the loop's pass (%v):\n%s", err, b)
+	}
+	if err := h2.allocate(ResourceGPU, second); err != nil {
+		t.Fatalf("Allocate once the log is open: %v", err)
+	}
+	again, err := NewLedger(dir, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	for _, u := range []string{first, second} {
+		if _, ok := again.allocations()[u]; !ok {
+			t.Errorf("a restart reads %v from the log, without %s", again.allocations(), u)
+		}
+	}
+}
+
+// The same at Admit, without the loop (the device plugin's Allocate may
+// come first): the next Admit after the fault clears opens the log.
+func TestAllocationLogOpenedAtAdmit(t *testing.T) {
+	dir := t.TempDir()
+	clock := newClock()
+	l, err := NewLedger(dir, clock.Now, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Allocate([]string{"GPU-a"}); err != nil {
+		t.Fatal(err)
+	}
+	var full error = syscall.EROFS
+	write := func(path string, data []byte, opts ...atomicfile.Options) error {
+		if full != nil {
+			return fmt.Errorf("write %s: %w", path, full)
+		}
+		return atomicfile.Write(path, data, opts...)
+	}
+	l2, _ := newLedgerAt(dir, clock.Now, nil, write)
+	defer l2.Close()
+	if err := l2.Allocate([]string{"GPU-b"}); status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "read-only file system") {
+		t.Errorf("Allocate while the log is not open = %v, want Unavailable saying why", err)
+	}
+	if err, since := l2.logError(); err == nil || !since.Equal(clock.Now()) {
+		t.Errorf("logError = %v since %v, want the open's error since start", err, since)
+	}
+	full = nil
+	if err := l2.Allocate([]string{"GPU-b"}); err != nil {
+		t.Fatalf("Allocate once the fault cleared: %v", err)
+	}
+	if err, _ := l2.logError(); err != nil {
+		t.Errorf("logError = %v after the log opened", err)
+	}
+	again, _ := NewLedger(dir, clock.Now, nil)
+	defer again.Close()
+	if got := again.allocations(); len(got) != 2 {
+		t.Errorf("a restart reads %v from the log, want GPU-a and GPU-b", got)
 	}
 }

@@ -123,7 +123,9 @@ func (a *Agent) Step(batch []Event) {
 	a.fresh = false // an answer authorises the pass of its own batch only
 	if observe || plan || len(claims) > 0 {
 		// Nothing the checkpoint holds changes otherwise (an allocation
-		// alone is in the allocation log already).
+		// alone is in the allocation log already). An allocation log
+		// that could not be opened is tried again as often.
+		a.ledger.retryLog()
 		a.checkpoint()
 	}
 	a.publishStatus()
