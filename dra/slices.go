@@ -1,6 +1,7 @@
 package dra
 
 import (
+	"encoding/json"
 	"fmt"
 	"maps"
 	"slices"
@@ -243,11 +244,18 @@ func attributes(d Device) map[resourceapi.QualifiedName]resourceapi.DeviceAttrib
 	}
 	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
 		"type":                  str(d.Type),
-		"uuid":                  str(d.UUID),
-		"index":                 num(d.Index),
 		"minor":                 num(d.Minor),
 		"productName":           str(d.ProductName),
 		"cudaComputeCapability": ver(fmt.Sprintf("%d.%d.0", d.CC.Major, d.CC.Minor)),
+	}
+	// A MIG device made on demand has no UUID or index until it exists, as
+	// in NVIDIA's driver: an empty value would only cost every node's
+	// slices bytes.
+	if d.UUID != "" {
+		attrs["uuid"] = str(d.UUID)
+	}
+	if d.Index >= 0 {
+		attrs["index"] = num(d.Index)
 	}
 	optional := func(name resourceapi.QualifiedName, v string) {
 		if v != "" {
@@ -330,4 +338,46 @@ func semver(v string) (string, bool) {
 		return "", false
 	}
 	return fmt.Sprintf("%d.%d.%d", major, minor, patch), true
+}
+
+// Footprint is what a pool costs once published: its devices, the MIG
+// devices made on demand among them, its counter sets and their counters,
+// and the bytes of its ResourceSlices as JSON (what the API server stores
+// and every scheduler reads, node by node, at each scheduling attempt).
+type Footprint struct {
+	Devices, Partitions, CounterSets, Counters, Consumptions, Slices, Bytes int
+}
+
+// FootprintOf is pool's Footprint as published for nodeName.
+func FootprintOf(nodeName string, pool *Pool) (Footprint, error) {
+	var f Footprint
+	if pool == nil {
+		return f, nil
+	}
+	for _, d := range pool.Devices {
+		f.Devices++
+		if d.Partition {
+			f.Partitions++
+		}
+		f.Consumptions += len(d.Consumes)
+	}
+	for _, s := range pool.CounterSets {
+		f.CounterSets++
+		f.Counters += len(s.Counters)
+	}
+	res := Resources(nodeName, pool, 1, Dropped{})
+	for _, s := range res.Pools[nodeName].Slices {
+		spec := resourceapi.ResourceSliceSpec{
+			Driver: DriverName, NodeName: ptr.To(nodeName),
+			Pool:    resourceapi.ResourcePool{Name: nodeName, Generation: 1, ResourceSliceCount: int64(len(res.Pools[nodeName].Slices))},
+			Devices: s.Devices, SharedCounters: s.SharedCounters,
+		}
+		b, err := json.Marshal(resourceapi.ResourceSlice{Spec: spec})
+		if err != nil {
+			return f, fmt.Errorf("ResourceSlice of %s: %w", nodeName, err)
+		}
+		f.Slices++
+		f.Bytes += len(b)
+	}
+	return f, nil
 }

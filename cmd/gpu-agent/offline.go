@@ -19,6 +19,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -319,7 +320,7 @@ func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	for _, w := range d.Warnings {
 		fmt.Fprintf(stderr, "warning: %s: on %s: %s\n", file, be.Name, w)
 	}
-	cat := d.Catalog
+	cat, pool := d.Catalog, d.DRA
 	offers := fmt.Sprintf("On %s it would offer:\n", be.Name)
 	if sel.MIGLayout != nil {
 		fmt.Fprintf(stdout, "MIG layout on %s:\n", be.Name)
@@ -340,12 +341,39 @@ func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			if err != nil {
 				return fmt.Errorf("%s: %w", file, err)
 			}
-			cat = after.Catalog
+			cat, pool = after.Catalog, after.DRA
 			offers = fmt.Sprintf("On %s, once the layout is applied, it would offer:\n", be.Name)
 		}
 	}
 	fmt.Fprint(stdout, offers)
-	return writeCatalog(stdout, cat)
+	if err := writeCatalog(stdout, cat); err != nil {
+		return err
+	}
+	return writeDRAFootprint(stdout, pool)
+}
+
+// writeDRAFootprint says what the node's ResourceSlices would hold with the
+// DRA driver on: their cost is paid by the scheduler for every node at each
+// scheduling attempt, so a config's author sees it before a fleet does.
+func writeDRAFootprint(w io.Writer, pool *dra.Pool) error {
+	f, err := dra.FootprintOf("node", pool)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "With --dra its ResourceSlices would hold %d devices", f.Devices)
+	if f.Partitions > 0 {
+		fmt.Fprintf(w, " (%d of them MIG devices made on demand)", f.Partitions)
+	}
+	if f.CounterSets > 0 {
+		fmt.Fprintf(w, " drawing %d times on %d counter sets of %d counters in all", f.Consumptions, f.CounterSets, f.Counters)
+	} else {
+		fmt.Fprint(w, " and no counters")
+	}
+	fmt.Fprintf(w, ", in %d slices of %.1f KiB\n", f.Slices, float64(f.Bytes)/1024)
+	if f.CounterSets > 0 {
+		fmt.Fprintln(w, "  (every node publishing counters costs the scheduler at every attempt on every node: docs/dra-devices.md, \"Scale\")")
+	}
+	return nil
 }
 
 func writeCatalog(w io.Writer, cat *catalog.Catalog) error {
@@ -517,7 +545,7 @@ func offlineSnapshot(be *backend, sel config.Selected) (agent.Snapshot, error) {
 		return agent.Snapshot{}, fmt.Errorf("inventory of %s: %w", be.Name, err)
 	}
 	snap := agent.Snapshot{
-		Inventory: inv, Selected: sel, MPSSupervised: true, MIGApplies: true,
+		Inventory: inv, Selected: sel, MPSSupervised: true, MIGApplies: true, DRA: true,
 		Holdings: agent.Holdings{Fresh: true},
 		Profiles: map[string]mig.Profiles{}, ProfileErrs: map[string]error{},
 	}

@@ -271,3 +271,33 @@ func TestValidateNamesNodeOnce(t *testing.T) {
 		t.Errorf("exit %d, stderr %q; want 1 naming node vm once", code, stderr)
 	}
 }
+
+// config validate says what the node's ResourceSlices would cost with the DRA
+// driver on: whole GPUs publish no counters, MIG on demand every profile at
+// every placement on counters, an allow-list only its profiles.
+func TestValidateShowsDRAFootprint(t *testing.T) {
+	for _, tt := range []struct {
+		name, config, want string
+		counters           bool
+	}{
+		{"whole GPUs", "version: v1\nconfigs:\n  default: {}\n", "would hold 8 devices and no counters, in 1 slices", false},
+		{"on demand", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true}\n",
+			"would hold 208 devices (200 of them MIG devices made on demand) drawing 488 times on 8 counter sets of 64 counters", true},
+		{"allow-list", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, profiles: [3g.40gb]}\n",
+			"would hold 24 devices (16 of them MIG devices made on demand)", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := writeFile(t, "c.yaml", tt.config)
+			code, out, stderr := run(t, "config", "validate", cfg, "--backend", "sim:dgx-h100")
+			if code != 0 {
+				t.Fatalf("exit %d: %s", code, stderr)
+			}
+			if !strings.Contains(out, tt.want) {
+				t.Errorf("output does not say %q:\n%s", tt.want, out)
+			}
+			if got := strings.Contains(out, `docs/dra-devices.md, "Scale"`); got != tt.counters {
+				t.Errorf("points to the scale docs: %v, want %v:\n%s", got, tt.counters, out)
+			}
+		})
+	}
+}
