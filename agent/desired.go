@@ -372,6 +372,14 @@ func (h Holdings) heldMIG(inv *gpu.Inventory) map[string]string {
 			held[uuid] = "a container allocated it at " + stamp(h.Allocated[uuid]) + " (not yet listed by the kubelet)"
 		}
 	}
+	// A MIG device being made or destroyed for a claim is the claim's until
+	// that is done: a layout destroying it meanwhile would race the claim's
+	// own MIG plan on the same instance.
+	for _, uuid := range slices.Sorted(maps.Keys(h.Releasing)) {
+		if _, ok := held[uuid]; !ok {
+			held[uuid] = h.Releasing[uuid] + " (DRA, being made or released)"
+		}
+	}
 	return held
 }
 

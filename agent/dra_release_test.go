@@ -505,3 +505,34 @@ func TestDRAClaimRequestsInOrder(t *testing.T) {
 		t.Errorf("GPU 0 instances %+v after a Prepare nobody waited for, want none", g.Instances)
 	}
 }
+
+// A MIG device being made for a claim (or undone after its creation failed),
+// and its GPU, are the claim's until that settles: a MIG layout may neither destroy the device nor change
+// the GPU's mode meanwhile (the ledger refuses the doom, and the layout's plan
+// keeps the device as held).
+func TestDoomRefusesDevicesOfIntents(t *testing.T) {
+	h, _ := intentLeft(t)
+	inv, err := h.opts.Observer.Inventory()
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := inv.GPUs[0]
+	h.a.ledger.setInventory(inv.GPUs)
+	if err := h.a.ledger.Doom([]string{g.UUID}, "a layout's mode change"); err == nil || !strings.Contains(err.Error(), "ResourceClaim default/one") {
+		t.Errorf("Doom of GPU 0 with an intent on it: %v, want refused naming the claim", err)
+	}
+	m, ok := instanceAt(g, "3g.40gb", gpu.Placement{Start: 4, Size: 4})
+	if !ok {
+		t.Fatalf("GPU 0 has no 3g.40gb at 4 (the intent's device was made before the read failed): %+v", g.Instances)
+	}
+	if err := h.a.ledger.Doom([]string{m.UUID}, "a layout's destroy"); err == nil {
+		t.Errorf("Doom of the intent's device %s: nil, want refused", m.UUID)
+	}
+	if d := h.a.ledger.doomedNow(); len(d) != 0 {
+		t.Errorf("doomed %v after refusals", d)
+	}
+	held := Holdings{Releasing: map[string]string{m.UUID: "claim default/one"}}.heldMIG(inv)
+	if !strings.Contains(held[m.UUID], "default/one") {
+		t.Errorf("heldMIG %v: the intent's device is not held, so a layout would destroy it", held)
+	}
+}

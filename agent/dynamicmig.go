@@ -24,7 +24,9 @@ import (
 // devices it destroyed are gone, those it did not are free again.
 func (a *Agent) applyAndRead(plan mig.Plan, why string) error {
 	a.touchMIG(plan.UUID)
+	a.ledger.settlingClaims(true)
 	st, err := a.opts.MIG.Apply(a.ctx, plan)
+	a.ledger.settlingClaims(false)
 	if err == nil && st.Phase != mig.PhaseApplied {
 		err = fmt.Errorf("%s: %s", st.Phase, st.Reason)
 	}

@@ -64,6 +64,9 @@ type Ledger struct {
 	releases   map[types.UID]PreparedClaim
 	dynamicMIG map[string]bool
 	doomed     map[string]string // device UUID → why
+	// settling: the MIG plan running is a claim's own (making or undoing
+	// the devices of intents and releases), which Doom lets touch them.
+	settling bool
 
 	// logErr is why the allocation log is not open, or why the last
 	// allocation could not be recorded (cleared once the log opens, or by
@@ -732,6 +735,9 @@ func (l *Ledger) Doom(uuids []string, why string) error {
 		if by := l.claimHolder(u, ""); by != "" {
 			return fmt.Errorf("%s is prepared for %s through DRA", u, by)
 		}
+		if by := l.unsettledHolderLocked(u); by != "" && !l.settling {
+			return fmt.Errorf("%s is %s", u, by)
+		}
 	}
 	for _, u := range uuids {
 		if _, ok := l.doomed[u]; !ok {
@@ -739,6 +745,35 @@ func (l *Ledger) Doom(uuids []string, why string) error {
 		}
 	}
 	return nil
+}
+
+// settlingClaims marks the MIG plans applied from now on (until called
+// with false) as a claim's own: they make and undo the devices of intents
+// and releases, which layouts' plans must leave alone.
+func (l *Ledger) settlingClaims(on bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.settling = on
+}
+
+// unsettledHolderLocked says which claim's intent or release u belongs to
+// ("" if none): a MIG device being made or destroyed for a claim (by its
+// UUID, or by its placement for one whose UUID is not known yet), or the
+// GPU such a device is on, whose mode must not change under it.
+func (l *Ledger) unsettledHolderLocked(u string) string {
+	at, known := l.places[u]
+	for what, set := range map[string]map[types.UID]PreparedClaim{"being made for": l.intents, "being released by": l.releases} {
+		for _, uid := range slices.Sorted(maps.Keys(set)) {
+			for _, d := range set[uid].Devices {
+				switch {
+				case d.UUID != "" && d.UUID == u, d.Parent != "" && d.Parent == u,
+					known && d.Created && d.Parent == at.parent && d.Placement.Overlaps(at.placement):
+					return what + " " + set[uid].String()
+				}
+			}
+		}
+	}
+	return ""
 }
 
 // undoomAll clears every doom: the plans ran, and what they destroyed is
