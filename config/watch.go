@@ -238,8 +238,16 @@ func (w *Watcher) check(ctx context.Context, out chan<- Update, st *watchState, 
 				data = append(data, files[k]...)
 			}
 		}
-	} else {
-		data, err = ReadFile(w.path)
+	} else if data, err = ReadFile(w.path); err == nil {
+		// A ConfigMap manifest given as the file (deploy/examples, what
+		// `config validate` reads) is read as the ConfigMap it describes:
+		// every key a config, as when it is mounted.
+		var manifest bool
+		if files, manifest, err = ConfigMapManifest(data); err != nil {
+			err = fmt.Errorf("%s: %w", w.path, err)
+		} else if !manifest {
+			files = nil
+		}
 	}
 	if err != nil {
 		if st.errSent {
@@ -265,7 +273,7 @@ func (w *Watcher) check(ctx context.Context, out chan<- Update, st *watchState, 
 	}
 	st.sum, st.sent, st.errSent = sum, true, false
 	w.logger.Info("config content changed", "bytes", len(data), "initial", initial)
-	if w.isDir {
+	if files != nil {
 		return send(ctx, out, Update{Files: files})
 	}
 	return send(ctx, out, Update{Data: data})

@@ -342,3 +342,22 @@ func TestWatcherConfigMapDirectory(t *testing.T) {
 		}
 	}
 }
+
+// A ConfigMap manifest given as the config file is read as the ConfigMap it
+// describes (every key a config), as `config validate` reads it: the agent
+// serves what validate said was valid instead of refusing the file.
+func TestWatcherReadsConfigMapManifest(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "manifest.yaml")
+	manifest := "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: gpu-agent-config\ndata:\n  config.yaml: |\n    version: v1\n    configs:\n      default: {}\n"
+	if err := os.WriteFile(path, []byte(manifest), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	u := recv(t, startWatcher(t, path, 0))
+	if u.Err != nil || u.Data != nil || u.Files["config.yaml"] != "version: v1\nconfigs:\n  default: {}\n" {
+		t.Fatalf("update = {data %q, files %q, %v}, want the manifest's config.yaml as a ConfigMap key", u.Data, u.Files, u.Err)
+	}
+	f, _, err := u.Parse("")
+	if err != nil || f.Configs["default"] == nil {
+		t.Fatalf("parsed %+v, %v", f, err)
+	}
+}

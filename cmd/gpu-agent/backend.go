@@ -95,7 +95,9 @@ func openBackend(spec, nvmlLib string, log *slog.Logger) (*backend, error) {
 // parseSimSpec reads sim:<profile>[,mig-enabled][,immediate-mig-mode][,state=<path>][,crash-after=<n>].
 // The state path cannot hold a comma: options are split on commas.
 func parseSimSpec(spec string) (string, []sim.Option, error) {
-	profile, rest, _ := strings.Cut(strings.TrimPrefix(spec, "sim:"), ",")
+	// `sim list` prints each profile as sim:<profile>, which pasted as the
+	// profile of --backend sim:PROFILE reads sim:sim:<profile>: take it.
+	profile, rest, _ := strings.Cut(strings.TrimPrefix(strings.TrimPrefix(spec, "sim:"), "sim:"), ",")
 	var opts []sim.Option
 	for opt := range strings.SplitSeq(rest, ",") {
 		switch key, val, hasVal := strings.Cut(opt, "="); {

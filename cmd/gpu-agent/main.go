@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/signal"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 )
@@ -116,10 +117,39 @@ func newFlagSet(name, synopsis string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: gpu-agent %s\n\nFlags:\n", synopsis)
-		fs.PrintDefaults()
+		fmt.Fprintf(stderr, "Usage: gpu-agent %s\n", synopsis)
+		printFlags(stderr, fs)
 	}
 	return fs
+}
+
+// printFlags lists fs's flags as README writes them (--name; a one-letter
+// flag -x), each with its usage and default; nothing for a command without
+// flags. Go's flag package reads -name and --name alike.
+func printFlags(w io.Writer, fs *flag.FlagSet) {
+	n := 0
+	fs.VisitAll(func(f *flag.Flag) {
+		if n++; n == 1 {
+			fmt.Fprint(w, "\nFlags:\n")
+		}
+		dash := "--"
+		if len(f.Name) == 1 {
+			dash = "-"
+		}
+		kind, usage := flag.UnquoteUsage(f)
+		line := "  " + dash + f.Name
+		if kind != "" {
+			line += " " + kind
+		}
+		fmt.Fprintf(w, "%s\n    \t%s", line, strings.ReplaceAll(usage, "\n", "\n    \t"))
+		if def := f.DefValue; def != "" && def != "false" && def != "0" {
+			if kind == "string" {
+				def = strconv.Quote(def)
+			}
+			fmt.Fprintf(w, " (default %s)", def)
+		}
+		fmt.Fprintln(w)
+	})
 }
 
 // envDefault returns the environment variable's value, or def when unset.

@@ -453,6 +453,7 @@ func cmdInventory(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	var nf nodeFlags
 	nf.register(fs)
 	out := fs.String("o", "table", "output: table or json")
+	fs.StringVar(out, "output", "table", "output: table or json (the same as -o)")
 	if err := parseNoArgs(fs, args); err != nil {
 		return err
 	}

@@ -301,3 +301,34 @@ func TestValidateShowsDRAFootprint(t *testing.T) {
 		})
 	}
 }
+
+// `sim list` prints sim:<profile>; pasted where README writes
+// --backend sim:PROFILE it gives sim:sim:<profile>, which works too.
+func TestBackendTakesSimListName(t *testing.T) {
+	for _, spec := range []string{"sim:dgx-a100", "sim:sim:dgx-a100"} {
+		profile, _, err := parseSimSpec(spec + ",mig-enabled")
+		if err != nil || profile != "dgx-a100" {
+			t.Errorf("parseSimSpec(%q) = %q, %v; want dgx-a100", spec, profile, err)
+		}
+	}
+	code, out, stderr := run(t, "inventory", "--backend", "sim:sim:dgx-a100")
+	if code != 0 || !strings.Contains(out, "A100") {
+		t.Errorf("inventory --backend sim:sim:dgx-a100: exit %d\n%s%s", code, out, stderr)
+	}
+}
+
+// Help writes flags as README does (--backend; a one-letter flag -o), says
+// nothing of flags for a command without any, and --output is -o.
+func TestHelpWritesFlagsAsREADME(t *testing.T) {
+	_, _, help := run(t, "inventory", "--help")
+	if !strings.Contains(help, "\n  --backend string\n") || !strings.Contains(help, "\n  -o string\n") || strings.Contains(help, "\n  -backend") {
+		t.Errorf("inventory --help:\n%s", help)
+	}
+	if _, _, help := run(t, "version", "--help"); strings.Contains(help, "Flags:") {
+		t.Errorf("version --help lists flags it does not have:\n%s", help)
+	}
+	code, out, stderr := run(t, "inventory", "--backend", "sim:dgx-a100", "--output", "json")
+	if code != 0 || !strings.HasPrefix(strings.TrimSpace(out), "{") && !strings.HasPrefix(strings.TrimSpace(out), "[") {
+		t.Errorf("inventory --output json: exit %d, %.80q %s", code, out, stderr)
+	}
+}

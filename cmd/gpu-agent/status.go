@@ -18,6 +18,7 @@ func cmdStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fs := newFlagSet("status", "status [--addr URL] [-o table|json]", stderr)
 	addr := fs.String("addr", envDefault("GPU_AGENT_ADDR", "http://127.0.0.1:9400"), "the agent's HTTP address [GPU_AGENT_ADDR]")
 	out := fs.String("o", "table", "output: table or json")
+	fs.StringVar(out, "output", "table", "output: table or json (the same as -o)")
 	if err := parseNoArgs(fs, args); err != nil {
 		return err
 	}
