@@ -8,11 +8,13 @@ package kube
 import (
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/util/homedir"
 )
 
 // Standalone is what /status says when there is no API to talk to.
@@ -62,18 +64,57 @@ func Connect(kubeconfig, userAgent string) (clients *Clients, how string, err er
 	if err != nil {
 		return nil, how, fmt.Errorf("kubernetes API (%s): %w", how, err)
 	}
+	clients, err = newClients(cfg, userAgent)
+	if err != nil {
+		return nil, how, fmt.Errorf("kubernetes API (%s): %w", how, err)
+	}
+	return clients, how, nil
+}
+
+// ConnectAsKubectl returns clients found as kubectl finds its config: the
+// path given, else the KUBECONFIG variable's files, else ~/.kube/config,
+// else the in-cluster service account. For the commands a person runs
+// (gpu-agent cordon), not for the agent, which must never pick up a
+// user's file by accident.
+func ConnectAsKubectl(kubeconfig, userAgent string) (*Clients, string, error) {
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = kubeconfig
+	if os.Getenv(clientcmd.RecommendedConfigPathEnvVar) == "" {
+		// The home directory now, not when the package was initialised.
+		rules.Precedence = []string{filepath.Join(homedir.HomeDir(), clientcmd.RecommendedHomeDir, clientcmd.RecommendedFileName)}
+	}
+	cc := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{})
+	cfg, err := cc.ClientConfig()
+	how := "kubeconfig " + strings.Join(rules.GetLoadingPrecedence(), ":")
+	if kubeconfig != "" {
+		how = "kubeconfig " + kubeconfig
+	}
+	if err != nil {
+		return nil, how, fmt.Errorf("kubernetes API (%s): %w", how, err)
+	}
+	clients, err := newClients(cfg, userAgent)
+	if err != nil {
+		return nil, how, fmt.Errorf("kubernetes API (%s): %w", how, err)
+	}
+	return clients, how, nil
+}
+
+// newClients builds the agent's and the claim reader's clients from cfg,
+// each with its rate limit.
+func newClients(cfg *rest.Config, userAgent string) (*Clients, error) {
 	cfg.UserAgent = userAgent
 	agent, claims := rest.CopyConfig(cfg), rest.CopyConfig(cfg)
 	agent.QPS, agent.Burst = 5, 10
 	claims.QPS, claims.Burst = ClaimQPS, ClaimBurst
-	clients = &Clients{}
+	clients := &Clients{}
+	var err error
 	if clients.Agent, err = kubernetes.NewForConfig(agent); err != nil {
-		return nil, how, fmt.Errorf("kubernetes API (%s): %w", how, err)
+		return nil, err
 	}
 	if clients.Claims, err = kubernetes.NewForConfig(claims); err != nil {
-		return nil, how, fmt.Errorf("kubernetes API (%s): %w", how, err)
+		return nil, err
 	}
-	return clients, how, nil
+	return clients, nil
 }
 
 // ParseConfigMapRef reads --configmap's NAMESPACE/NAME.

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -28,7 +27,7 @@ func cmdCordon(ctx context.Context, name string, args []string, stdout, stderr i
 	fs := newFlagSet(name, synopsis, stderr)
 	host, _ := os.Hostname()
 	node := fs.String("node-name", envDefault("NODE_NAME", host), "the Node whose GPUs to "+name+" [NODE_NAME]")
-	kubeconfig := fs.String("kubeconfig", envDefault("KUBECONFIG", ""), "kubeconfig (empty: in-cluster config) [KUBECONFIG]")
+	kubeconfig := fs.String("kubeconfig", "", "kubeconfig (empty: as kubectl, the KUBECONFIG variable's files, then ~/.kube/config, then in-cluster config)")
 	var all *bool
 	if name == "uncordon" {
 		all = fs.Bool("all", false, "every GPU of the node")
@@ -46,12 +45,9 @@ func cmdCordon(ctx context.Context, name string, args []string, stdout, stderr i
 	if err := checkCordonGPUs(gpus); err != nil {
 		return err
 	}
-	clients, _, err := kube.Connect(*kubeconfig, "gpu-agent-"+name)
+	clients, _, err := kube.ConnectAsKubectl(*kubeconfig, "gpu-agent-"+name)
 	if err != nil {
 		return err
-	}
-	if clients == nil {
-		return errors.New("no Kubernetes API: give --kubeconfig, or run it in a pod")
 	}
 	return editCordon(ctx, clients.Agent, *node, name == "cordon", gpus, stdout)
 }

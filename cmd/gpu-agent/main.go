@@ -172,12 +172,28 @@ func parseNoArgs(fs *flag.FlagSet, args []string) error {
 	return nil
 }
 
+// parseFlags parses flags before, between and after the arguments, as every
+// subcommand takes them (cordon GPU --node-name N as well as cordon
+// --node-name N GPU); after "--" everything is an argument.
 func parseFlags(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
+	var positional []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return err
+			}
+			return usageError{err.Error()}
 		}
-		return usageError{err.Error()}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			break
+		}
+		if len(args) > len(rest) && args[len(args)-len(rest)-1] == "--" {
+			positional = append(positional, rest...)
+			break
+		}
+		positional, args = append(positional, rest[0]), rest[1:]
 	}
-	return nil
+	// Parse once more so that fs.Args() are the arguments.
+	return fs.Parse(append([]string{"--"}, positional...))
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -330,5 +331,17 @@ func TestHelpWritesFlagsAsREADME(t *testing.T) {
 	code, out, stderr := run(t, "inventory", "--backend", "sim:dgx-a100", "--output", "json")
 	if code != 0 || !strings.HasPrefix(strings.TrimSpace(out), "{") && !strings.HasPrefix(strings.TrimSpace(out), "[") {
 		t.Errorf("inventory --output json: exit %d, %.80q %s", code, out, stderr)
+	}
+}
+
+// Flags go before or after the arguments, for every subcommand.
+func TestFlagsAfterArguments(t *testing.T) {
+	fs := newFlagSet("cordon", "cordon", io.Discard)
+	node := fs.String("node-name", "", "")
+	if err := parseFlags(fs, []string{"0", "--node-name", "n1", "GPU-x", "--", "--not-a-flag"}); err != nil {
+		t.Fatal(err)
+	}
+	if *node != "n1" || strings.Join(fs.Args(), " ") != "0 GPU-x --not-a-flag" {
+		t.Errorf("node %q, args %q", *node, fs.Args())
 	}
 }
