@@ -44,6 +44,8 @@ var (
 	nodeGVK   = schema.GroupVersionKind{Version: "v1", Kind: "Node"}
 	slicesGVR = resourcev1.SchemeGroupVersion.WithResource("resourceslices")
 	sliceGVK  = resourcev1.SchemeGroupVersion.WithKind("ResourceSlice")
+	claimsGVR = resourcev1.SchemeGroupVersion.WithResource("resourceclaims")
+	claimGVK  = resourcev1.SchemeGroupVersion.WithKind("ResourceClaim")
 )
 
 // policyFor returns the policy whose rules match resource, and its binding; nil if none does.
@@ -67,19 +69,23 @@ func policyFor(o *objects, resource string) (*admissionregistrationv1.Validating
 }
 
 // checkPolicies asserts that the install holds the agent's service account sa in namespace ns to its own node:
-// a policy on Nodes and, where RBAC lets it write ResourceSlices, one on those, each bound with Deny, failing
-// closed, and matching that service account only.
+// a policy on Nodes and, for each of ResourceSlices and ResourceClaim status where RBAC lets it write them, one
+// on those, each bound with Deny, failing closed, and matching that service account only.
 func checkPolicies(t *testing.T, o *objects, sa, ns string) {
 	t.Helper()
 	resources := []string{"nodes"}
-	if hasRule(o.ClusterRoles, "resourceslices") {
-		resources = append(resources, "resourceslices")
+	for _, res := range []string{"resourceslices", "resourceclaims/status"} {
+		if hasRule(o.ClusterRoles, res) {
+			resources = append(resources, res)
+		}
 	}
 	if len(o.Policies) != len(resources) || len(o.PolicyBindings) != len(resources) {
 		t.Fatalf("got %d ValidatingAdmissionPolicies and %d bindings, want one each for %v", len(o.Policies), len(o.PolicyBindings), resources)
 	}
 	username := fmt.Sprintf("request.userInfo.username == 'system:serviceaccount:%s:%s'", ns, sa)
-	groups := map[string]string{"nodes": "", "resourceslices": "resource.k8s.io"}
+	groups := map[string]string{"nodes": "", "resourceslices": "resource.k8s.io", "resourceclaims/status": "resource.k8s.io"}
+	// A subresource is only ever updated (a patch or an apply is an UPDATE to admission).
+	ops := map[string][]admissionregistrationv1.OperationType{"resourceclaims/status": {"UPDATE"}}
 	for _, res := range resources {
 		p, b := policyFor(o, res)
 		if p == nil || b == nil {
@@ -93,9 +99,13 @@ func checkPolicies(t *testing.T, o *objects, sa, ns string) {
 			t.Errorf("policy %s: matchConditions %+v, want only %q", p.Name, mc, username)
 		}
 		rules := p.Spec.MatchConstraints.ResourceRules
+		wantOps, ok := ops[res]
+		if !ok {
+			wantOps = []admissionregistrationv1.OperationType{"CREATE", "UPDATE", "DELETE"}
+		}
 		if len(rules) != 1 || !slices.Equal(rules[0].APIGroups, []string{groups[res]}) || !slices.Equal(rules[0].Resources, []string{res}) ||
-			!slices.Equal(rules[0].Operations, []admissionregistrationv1.OperationType{"CREATE", "UPDATE", "DELETE"}) {
-			t.Errorf("policy %s: rules %+v, want CREATE, UPDATE and DELETE of %s only", p.Name, rules, res)
+			!slices.Equal(rules[0].Operations, wantOps) {
+			t.Errorf("policy %s: rules %+v, want %v of %s only", p.Name, rules, wantOps, res)
 		}
 		if !slices.Equal(b.Spec.ValidationActions, []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny}) ||
 			b.Spec.MatchResources != nil || b.Spec.ParamRef != nil {
@@ -410,11 +420,157 @@ func TestResourceSlicePolicy(t *testing.T) {
 	}
 }
 
+// claimOn is a ResourceClaim allocated as the scheduler allocates a node-local claim on node: gpu-0 of
+// gpu.nvidia.com and nic-0 of nic.example.com from node's pools, the nodeSelector naming node, reserved for a
+// pod, with nic.example.com's entry in status.devices. node "": not allocated.
+func claimOn(node string) *resourcev1.ResourceClaim {
+	c := &resourcev1.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "train-0-gpu", Namespace: "ml", UID: "3d1f0c2e-claim", ResourceVersion: "7"},
+		Spec: resourcev1.ResourceClaimSpec{Devices: resourcev1.DeviceClaim{Requests: []resourcev1.DeviceRequest{
+			{Name: "gpu", Exactly: &resourcev1.ExactDeviceRequest{DeviceClassName: draDriver}},
+			{Name: "nic", Exactly: &resourcev1.ExactDeviceRequest{DeviceClassName: "nic.example.com"}},
+		}}},
+	}
+	if node == "" {
+		return c
+	}
+	c.Status = resourcev1.ResourceClaimStatus{
+		Allocation: &resourcev1.AllocationResult{
+			Devices: resourcev1.DeviceAllocationResult{Results: []resourcev1.DeviceRequestAllocationResult{
+				{Request: "gpu", Driver: draDriver, Pool: node, Device: "gpu-0"},
+				{Request: "nic", Driver: "nic.example.com", Pool: node, Device: "nic-0"},
+			}},
+			NodeSelector: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchFields: []corev1.NodeSelectorRequirement{
+				{Key: "metadata.name", Operator: corev1.NodeSelectorOpIn, Values: []string{node}},
+			}}}},
+		},
+		ReservedFor: []resourcev1.ResourceClaimConsumerReference{{Resource: "pods", Name: "train-0", UID: "9a2b7c4d-pod"}},
+		Devices:     []resourcev1.AllocatedDeviceStatus{deviceStatus("nic.example.com", node, "nic-0", "", "LinkUp")},
+	}
+	return c
+}
+
+func deviceStatus(driver, pool, device, shareID, reason string) resourcev1.AllocatedDeviceStatus {
+	d := resourcev1.AllocatedDeviceStatus{Driver: driver, Pool: pool, Device: device, Conditions: []metav1.Condition{{
+		Type: "Ready", Status: metav1.ConditionTrue, Reason: reason, LastTransitionTime: metav1.Unix(1767225600, 0),
+	}}}
+	if shareID != "" {
+		d.ShareID = &shareID
+	}
+	return d
+}
+
+func TestResourceClaimStatusPolicy(t *testing.T) {
+	with := func(c *resourcev1.ResourceClaim, f func(c *resourcev1.ResourceClaim)) *resourcev1.ResourceClaim {
+		c = c.DeepCopy()
+		f(c)
+		return c
+	}
+	addEntry := func(c *resourcev1.ResourceClaim, d resourcev1.AllocatedDeviceStatus) *resourcev1.ResourceClaim {
+		return with(c, func(c *resourcev1.ResourceClaim) { c.Status.Devices = append(c.Status.Devices, d) })
+	}
+	mine := claimOn(agentNode)
+	prepared := addEntry(mine, deviceStatus(draDriver, agentNode, "gpu-0", "", "Prepared"))
+	theirs := claimOn(anotherNode)
+	released := func(c *resourcev1.ResourceClaim) *resourcev1.ResourceClaim {
+		return with(c, func(c *resourcev1.ResourceClaim) { c.Status = resourcev1.ResourceClaimStatus{} })
+	}
+	selector := func(c *resourcev1.ResourceClaim, sel *corev1.NodeSelector) *resourcev1.ResourceClaim {
+		return with(c, func(c *resourcev1.ResourceClaim) { c.Status.Allocation.NodeSelector = sel })
+	}
+	byName := func(op corev1.NodeSelectorOperator, names ...string) []corev1.NodeSelectorRequirement {
+		return []corev1.NodeSelectorRequirement{{Key: "metadata.name", Operator: op, Values: names}}
+	}
+	const on = "gpu-agent on node " + agentNode
+	const claim = "ResourceClaim ml/train-0-gpu"
+	notOneNode := "Forbidden: " + on + " may not change the status of " + claim + ", not allocated to one node: only of claims allocated to its node"
+	entries := func(list string) string {
+		return "Forbidden: " + on + " may not change the status.devices entries " + list + " of " + claim + ": only gpu.nvidia.com's, of pool " + agentNode
+	}
+	tests := []struct {
+		name     string
+		obj, old *resourcev1.ResourceClaim
+		node     string
+		other    bool
+		want     string
+	}{
+		{name: "its entry, added", node: agentNode, old: mine, obj: prepared},
+		{name: "its entry, changed", node: agentNode, old: prepared,
+			obj: with(prepared, func(c *resourcev1.ResourceClaim) {
+				c.Status.Devices[1].Conditions[0].Status = metav1.ConditionFalse
+				c.Status.Devices[1].Conditions[0].Reason = "Unhealthy"
+			})},
+		{name: "its entry, removed", node: agentNode, old: prepared, obj: mine},
+		{name: "entries of shares of one device", node: agentNode, old: mine,
+			obj: addEntry(addEntry(mine, deviceStatus(draDriver, agentNode, "gpu-0", "6c0d", "Prepared")), deviceStatus(draDriver, agentNode, "gpu-0", "9e1a", "Prepared"))},
+		{name: "nothing changed", node: agentNode, old: prepared, obj: prepared},
+		{name: "release its node's claim", node: agentNode, old: mine, obj: released(mine),
+			want: "Forbidden: " + on + " may not change status.allocation or status.reservedFor of " + claim + ": only its devices' entries in status.devices"},
+		{name: "drop the reservation", node: agentNode, old: mine,
+			obj:  with(mine, func(c *resourcev1.ResourceClaim) { c.Status.ReservedFor = nil }),
+			want: "Forbidden: " + on + " may not change status.allocation or status.reservedFor of " + claim + ": only its devices' entries in status.devices"},
+		{name: "another driver's entry, changed", node: agentNode, old: prepared,
+			obj:  with(prepared, func(c *resourcev1.ResourceClaim) { c.Status.Devices[0].Conditions[0].Reason = "LinkDown" }),
+			want: entries("nic.example.com/" + agentNode + "/nic-0")},
+		{name: "another driver's entry, removed", node: agentNode, old: prepared,
+			obj:  with(prepared, func(c *resourcev1.ResourceClaim) { c.Status.Devices = c.Status.Devices[1:] }),
+			want: entries("nic.example.com/" + agentNode + "/nic-0")},
+		{name: "another driver's entry, added", node: agentNode, old: with(prepared, func(c *resourcev1.ResourceClaim) { c.Status.Devices = c.Status.Devices[1:] }),
+			obj: prepared, want: entries("nic.example.com/" + agentNode + "/nic-0")},
+		{name: "allocate a claim to its node", node: agentNode, old: released(mine), obj: mine, want: notOneNode},
+		{name: "another pool's entry", node: agentNode, old: mine,
+			obj:  addEntry(mine, deviceStatus(draDriver, anotherNode, "gpu-0", "", "Prepared")),
+			want: entries(draDriver + "/" + anotherNode + "/gpu-0")},
+		{name: "a claim of another node", node: agentNode, old: theirs,
+			obj:  addEntry(theirs, deviceStatus(draDriver, anotherNode, "gpu-0", "", "Prepared")),
+			want: "Forbidden: " + on + " may not change the status of " + claim + ", allocated to node " + anotherNode + ": only of claims allocated to its node"},
+		{name: "release a claim of another node", node: agentNode, old: theirs, obj: released(theirs),
+			want: "Forbidden: " + on + " may not change the status of " + claim + ", allocated to node " + anotherNode + ": only of claims allocated to its node"},
+		{name: "a claim not allocated", node: agentNode, old: claimOn(""), obj: claimOn(""), want: notOneNode},
+		{name: "a claim on its node or another", node: agentNode,
+			old:  selector(mine, &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchFields: byName(corev1.NodeSelectorOpIn, agentNode, anotherNode)}}}),
+			obj:  selector(prepared, &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchFields: byName(corev1.NodeSelectorOpIn, agentNode, anotherNode)}}}),
+			want: notOneNode},
+		{name: "a claim on every node but another", node: agentNode,
+			old:  selector(mine, &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchFields: byName(corev1.NodeSelectorOpNotIn, anotherNode)}}}),
+			obj:  selector(prepared, &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchFields: byName(corev1.NodeSelectorOpNotIn, anotherNode)}}}),
+			want: notOneNode},
+		{name: "a claim on its node, by a label too", node: agentNode,
+			old: selector(mine, &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchFields: byName(corev1.NodeSelectorOpIn, agentNode),
+				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: "zone", Operator: corev1.NodeSelectorOpIn, Values: []string{"a"}}}}}}),
+			obj: selector(prepared, &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchFields: byName(corev1.NodeSelectorOpIn, agentNode),
+				MatchExpressions: []corev1.NodeSelectorRequirement{{Key: "zone", Operator: corev1.NodeSelectorOpIn, Values: []string{"a"}}}}}}),
+			want: notOneNode},
+		{name: "a claim with no node selector", node: agentNode, old: selector(mine, nil), obj: selector(prepared, nil), want: notOneNode},
+		{name: "a token without the node claim", node: "", old: mine, obj: prepared,
+			want: "Forbidden: gpu-agent's service account may write ResourceClaim status only with a token bound to a pod on a node: this request's token has no " + nodeNameKey},
+		{name: "another service account", node: agentNode, other: true, old: theirs, obj: released(theirs)},
+	}
+	for _, in := range policyInstalls(t) {
+		p, _ := policyFor(in.o, "resourceclaims/status")
+		if p == nil {
+			t.Fatalf("%s: no policy on ResourceClaim status", in.name)
+		}
+		c := compilePolicy(t, p)
+		for _, tt := range tests {
+			t.Run(in.name+"/"+tt.name, func(t *testing.T) {
+				who := saUser(in.ns, in.sa, tt.node)
+				if tt.other {
+					who = saUser("other", in.sa, tt.node)
+				}
+				if got := c.admit(t, admission.Update, claimsGVR, claimGVK, tt.obj, tt.old, who); got != tt.want {
+					t.Errorf("%s:\n got %q\nwant %q", c.name, got, tt.want)
+				}
+			})
+		}
+	}
+}
+
 // The chart's policies are the manifests', but for their names and the service account they match.
 func TestPolicyChartMatchesManifests(t *testing.T) {
 	ins := policyInstalls(t)
 	m, h := ins[0], ins[1]
-	for _, res := range []string{"nodes", "resourceslices"} {
+	for _, res := range []string{"nodes", "resourceslices", "resourceclaims/status"} {
 		mp, _ := policyFor(m.o, res)
 		hp, _ := policyFor(h.o, res)
 		if mp == nil || hp == nil {

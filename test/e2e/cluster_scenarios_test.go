@@ -47,6 +47,12 @@ func installOverlay(t *testing.T, overlay string) (*harness.Cluster, string) {
 func installOverlayOn(t *testing.T, overlay, containerd2 string, tweak ...func(*harness.Cluster, *harness.NodeLayer)) (*harness.Cluster, string) {
 	t.Helper()
 	c := startClusterOn(t, containerd2)
+	return c, installOverlayIn(t, c, overlay, tweak...)
+}
+
+// installOverlayIn installs the overlay in the cluster c, started already, and returns the agent's metrics URL.
+func installOverlayIn(t *testing.T, c *harness.Cluster, overlay string, tweak ...func(*harness.Cluster, *harness.NodeLayer)) string {
+	t.Helper()
 	layer, err := c.NodeLayer()
 	if err != nil {
 		t.Fatal(err)
@@ -63,7 +69,7 @@ func installOverlayOn(t *testing.T, overlay, containerd2 string, tweak ...func(*
 		t.Fatal(err)
 	}
 	installAgent(t, c, layer, append(crd, objs...))
-	return c, fmt.Sprintf("http://127.0.0.1:%d", layer.MetricsPort)
+	return fmt.Sprintf("http://127.0.0.1:%d", layer.MetricsPort)
 }
 
 // waitAllocatableQ waits until the Node's allocatable resource is n and

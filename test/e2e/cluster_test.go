@@ -94,18 +94,25 @@ func startCluster(t *testing.T) *harness.Cluster {
 // startClusterOn starts the cluster with its node on the containerd 2.x build in containerd2 ("": Debian's 1.6).
 func startClusterOn(t *testing.T, containerd2 string) *harness.Cluster {
 	t.Helper()
+	return startClusterWith(t, containerd2, "")
+}
+
+// startClusterWith is startClusterOn with the API server's --feature-gates set to gates ("": its defaults).
+func startClusterWith(t *testing.T, containerd2, gates string) *harness.Cluster {
+	t.Helper()
 	in := clusterInputs(t)
 	return harness.StartCluster(t, harness.ClusterConfig{
-		Kubelet:           inputs.kubelet,
-		APIServer:         in.apiserver,
-		ControllerManager: in.controllerManager,
-		Scheduler:         in.scheduler,
-		Etcd:              in.etcd,
-		Images:            inputs.images,
-		NodeName:          nodeName,
-		NodeLabels:        gpuNodeLabels,
-		LedgerPath:        inputs.ledger,
-		Containerd2:       containerd2,
+		Kubelet:               inputs.kubelet,
+		APIServer:             in.apiserver,
+		ControllerManager:     in.controllerManager,
+		Scheduler:             in.scheduler,
+		Etcd:                  in.etcd,
+		Images:                inputs.images,
+		NodeName:              nodeName,
+		NodeLabels:            gpuNodeLabels,
+		LedgerPath:            inputs.ledger,
+		Containerd2:           containerd2,
+		APIServerFeatureGates: gates,
 	})
 }
 

@@ -32,7 +32,14 @@ const draDriver = "gpu.nvidia.com"
 
 func installDRA(t *testing.T) (*harness.Cluster, string) {
 	t.Helper()
-	c, agent := installOverlay(t, "sim-dra-overlay")
+	return installDRAWith(t, "")
+}
+
+// installDRAWith is installDRA on an API server with the feature gates gates ("": its defaults).
+func installDRAWith(t *testing.T, gates string) (*harness.Cluster, string) {
+	t.Helper()
+	c := startClusterWith(t, "", gates)
+	agent := installOverlayIn(t, c, "sim-dra-overlay")
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("the agent's log:\n%s", c.ContainerLogTail("gpu-agent", "gpu-agent-", "gpu-agent", 80))

@@ -14,6 +14,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	metaapply "k8s.io/client-go/applyconfigurations/meta/v1"
+	resourceapply "k8s.io/client-go/applyconfigurations/resource/v1"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
@@ -21,12 +23,20 @@ import (
 
 // The least-privilege issue's scenario: the ValidatingAdmissionPolicies of deploy/manifests and its DRA
 // component hold gpu-agent's service account to the node its pod runs on. RBAC alone lets that service
-// account patch every Node and write every ResourceSlice.
+// account patch every Node, write every ResourceSlice and, on Kubernetes 1.34 and 1.35, patch the status of
+// every ResourceClaim.
 
 const (
 	otherNode    = "e2e-other-node"
 	nodeNameKey  = "authentication.kubernetes.io/node-name"
 	agentAccount = "system:serviceaccount:gpu-agent:gpu-agent"
+	nicDriver    = "nic.example.com"
+	// statusAuthzGate is the 1.36 API server's own check on ResourceClaim status writes (beta, on by default):
+	// changing status.allocation or status.reservedFor needs resourceclaims/binding, and changing a driver's
+	// status.devices entries needs resourceclaims/driver, whose associated-node: verb (all the agent has)
+	// counts only on claims allocated to the node its token names. 1.34 and 1.35 have no such check; with
+	// the gate off, a 1.36 API server validates these writes as they do.
+	statusAuthzGate = "DRAResourceClaimGranularStatusAuthorization"
 )
 
 // agentToken mints a token for the agent's service account, bound to its pod when pod is given (as the
@@ -72,13 +82,78 @@ func probeSlice(name, node, driver string) *resourceapi.ResourceSlice {
 	}
 }
 
+// allocatedClaim creates, as the admin, a ResourceClaim in default allocated the way the scheduler allocates
+// a node-local claim: gpu-0 of gpu.nvidia.com and nic-0 of nic.example.com, both from node's pool, and a
+// nodeSelector naming the node (one term, one matchFields on metadata.name). It is reserved for a consumer
+// that is not a pod, which the resource claim controller leaves alone (it would release a reservation for a
+// pod that does not exist, and then the claim), and carries nic.example.com's entry in status.devices, as
+// that driver would write it.
+func allocatedClaim(t *testing.T, c *harness.Cluster, name, node string) *resourceapi.ResourceClaim {
+	t.Helper()
+	ctx := clusterCtx(t)
+	claims := c.Client.ResourceV1().ResourceClaims("default")
+	claim, err := claims.Create(ctx, &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default"},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{
+			{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: draDriver}},
+			{Name: "nic", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: nicDriver}},
+		}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim.Status = resourceapi.ResourceClaimStatus{
+		Allocation: &resourceapi.AllocationResult{
+			Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{
+				{Request: "gpu", Driver: draDriver, Pool: node, Device: "gpu-0"},
+				{Request: "nic", Driver: nicDriver, Pool: node, Device: "nic-0"},
+			}},
+			NodeSelector: &corev1.NodeSelector{NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchFields: []corev1.NodeSelectorRequirement{
+				{Key: "metadata.name", Operator: corev1.NodeSelectorOpIn, Values: []string{node}},
+			}}}},
+		},
+		ReservedFor: []resourceapi.ResourceClaimConsumerReference{
+			{APIGroup: "e2e.example.com", Resource: "jobs", Name: name, UID: types.UID("e2e-job-" + name)},
+		},
+		Devices: []resourceapi.AllocatedDeviceStatus{{Driver: nicDriver, Pool: node, Device: "nic-0", Conditions: []metav1.Condition{{
+			Type: "Ready", Status: metav1.ConditionTrue, Reason: "LinkUp", Message: "written by " + nicDriver, LastTransitionTime: metav1.Now(),
+		}}}},
+	}
+	if claim, err = claims.UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return claim
+}
+
+// applyDeviceStatus writes one status.devices entry of claim as the agent's ClaimStatusWriter does: server-side
+// apply of resourceclaims/status with the claim's UID, field manager gpu.nvidia.com/<node>, forced. The entry's
+// Ready condition has the message msg: a write that differs from the entry there changes it.
+func applyDeviceStatus(t *testing.T, as kubernetes.Interface, claim *resourceapi.ResourceClaim, node, driver, pool, device, msg string, dryRun bool) (*resourceapi.ResourceClaim, error) {
+	t.Helper()
+	entry := resourceapply.AllocatedDeviceStatus().WithDriver(driver).WithPool(pool).WithDevice(device).
+		WithConditions(metaapply.Condition().WithType("Ready").WithStatus(metav1.ConditionTrue).WithReason("Prepared").
+			WithMessage(msg).WithLastTransitionTime(metav1.Now()))
+	cfg := resourceapply.ResourceClaim(claim.Name, claim.Namespace).WithUID(claim.UID).
+		WithStatus(resourceapply.ResourceClaimStatus().WithDevices(entry))
+	opts := metav1.ApplyOptions{FieldManager: draDriver + "/" + node, Force: true}
+	if dryRun {
+		opts.DryRun = []string{metav1.DryRunAll}
+	}
+	return as.ResourceV1().ResourceClaims(claim.Namespace).ApplyStatus(clusterCtx(t), cfg, opts)
+}
+
 // TestClusterAgentTokenPolicy: a token of the agent's service account bound to the agent's pod names the pod's
 // node to the API server; with it, patching the labels the agent owns on that Node works, and patching another
 // Node, another label, the Node's spec, or writing a ResourceSlice of another node or another driver is refused
 // with the policy's message; a ResourceSlice of its own node and driver may be written. A token without the node
 // claim is refused outright. The agent itself keeps labelling its Node and publishing its slice.
+// ResourceClaim status: the API server runs with statusAuthzGate off, so that it checks these writes no more
+// than 1.34 and 1.35 do and the policy alone refuses: releasing a claim (clearing status.reservedFor and
+// status.allocation) of its own node, any status write to a claim of another node, and writing another
+// driver's status.devices entry; writing gpu.nvidia.com's entry of its own node's claim, as the agent does,
+// is allowed.
 func TestClusterAgentTokenPolicy(t *testing.T) {
-	c, agent := installDRA(t)
+	c, agent := installDRAWith(t, statusAuthzGate+"=false")
 	ctx := clusterCtx(t)
 	node := c.NodeName()
 	pods, err := c.WaitPodsRunning(ctx, "gpu-agent", "app.kubernetes.io/name=gpu-agent", 1)
@@ -171,6 +246,71 @@ func TestClusterAgentTokenPolicy(t *testing.T) {
 		t.Fatalf("delete a ResourceSlice of its own node and driver: %v", err)
 	}
 	t.Logf("create and delete a ResourceSlice of its own node and driver: allowed")
+
+	// ResourceClaim status.
+	myClaim := allocatedClaim(t, c, "e2e-mine", node)
+	theirClaim := allocatedClaim(t, c, "e2e-theirs", otherNode)
+	const claimsRes, claimPolicy = "resourceclaims.resource.k8s.io", "gpu-agent-claim-status"
+	eventually(t, "the policy refuses the agent's token a status write to a claim of another node", func() bool {
+		_, err = applyDeviceStatus(t, as, theirClaim, node, draDriver, otherNode, "gpu-0", "e2e: probe", true)
+		return apierrors.IsForbidden(err)
+	})
+	// (d) The agent's own write: its driver's entry, of its pool, in a claim allocated to its node.
+	got, err := applyDeviceStatus(t, as, myClaim, node, draDriver, node, "gpu-0", "prepared on node "+node, false)
+	if err != nil {
+		t.Fatalf("write gpu.nvidia.com's status.devices entry of a claim allocated to its node: %v", err)
+	}
+	if len(got.Status.Devices) != 2 || got.Status.Allocation == nil || len(got.Status.ReservedFor) != 1 {
+		t.Errorf("claim %s after the agent's write: devices %+v, allocation %v, reservedFor %v; want both drivers' entries, the allocation and the reservation kept",
+			myClaim.Name, got.Status.Devices, got.Status.Allocation != nil, got.Status.ReservedFor)
+	}
+	t.Logf("write gpu.nvidia.com's status.devices entry of its own node's claim: allowed")
+	// (c) Another driver's entry in its own node's claim.
+	_, err = applyDeviceStatus(t, as, myClaim, node, nicDriver, node, "nic-0", "e2e: stolen", false)
+	refused(t, "write another driver's status.devices entry", err, claimsRes, myClaim.Name, claimPolicy,
+		on+" may not change the status.devices entries "+nicDriver+"/"+node+"/nic-0 of ResourceClaim default/"+myClaim.Name+": only gpu.nvidia.com's, of pool "+node)
+	// A token without the node claim.
+	_, err = applyDeviceStatus(t, agentToken(t, c, nil), myClaim, node, draDriver, node, "gpu-0", "e2e: unbound token", false)
+	refused(t, "write claim status with an unbound token", err, claimsRes, myClaim.Name, claimPolicy,
+		"gpu-agent's service account may write ResourceClaim status only with a token bound to a pod on a node: this request's token has no "+nodeNameKey)
+	// (b) A claim allocated to another node: its gpu.nvidia.com entry, and releasing it.
+	_, err = applyDeviceStatus(t, as, theirClaim, node, draDriver, otherNode, "gpu-0", "e2e: stolen", false)
+	refused(t, "write a status.devices entry of another node's claim", err, claimsRes, theirClaim.Name, claimPolicy,
+		on+" may not change the status of ResourceClaim default/"+theirClaim.Name+", allocated to node "+otherNode+": only of claims allocated to its node")
+	release := []byte(`{"status":{"reservedFor":null,"allocation":null}}`)
+	claimsAs := as.ResourceV1().ResourceClaims("default")
+	_, err = claimsAs.Patch(ctx, theirClaim.Name, types.MergePatchType, release, metav1.PatchOptions{}, "status")
+	refused(t, "release another node's claim", err, claimsRes, theirClaim.Name, claimPolicy,
+		on+" may not change the status of ResourceClaim default/"+theirClaim.Name+", allocated to node "+otherNode+": only of claims allocated to its node")
+	// (a) Releasing a claim allocated to its own node: the scheduler and the resource claim controller do that.
+	_, err = claimsAs.Patch(ctx, myClaim.Name, types.MergePatchType, release, metav1.PatchOptions{}, "status")
+	refused(t, "release its own node's claim", err, claimsRes, myClaim.Name, claimPolicy,
+		on+" may not change status.allocation or status.reservedFor of ResourceClaim default/"+myClaim.Name+": only its devices' entries in status.devices")
+	// Both claims are as the admin and the agent's allowed write left them.
+	for _, cl := range []*resourceapi.ResourceClaim{myClaim, theirClaim} {
+		now, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, cl.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var entries []string
+		for _, d := range now.Status.Devices {
+			msg := ""
+			if len(d.Conditions) > 0 {
+				msg = d.Conditions[0].Message
+			}
+			entries = append(entries, d.Driver+"/"+d.Pool+"/"+d.Device+" "+msg)
+		}
+		t.Logf("claim %s after the refusals: allocated %v, reservedFor %d, status.devices %q", cl.Name, now.Status.Allocation != nil, len(now.Status.ReservedFor), entries)
+		want := []string{nicDriver + "/" + cl.Status.Devices[0].Pool + "/nic-0 written by " + nicDriver}
+		if cl == myClaim {
+			want = append([]string{draDriver + "/" + node + "/gpu-0 prepared on node " + node}, want...)
+		}
+		slices.Sort(entries)
+		if now.Status.Allocation == nil || len(now.Status.ReservedFor) != 1 || !slices.Equal(entries, want) {
+			t.Errorf("claim %s after the refusals: allocated %v, reservedFor %v, status.devices %q; want it allocated, reserved, with %q",
+				cl.Name, now.Status.Allocation != nil, now.Status.ReservedFor, entries, want)
+		}
+	}
 
 	// A token of the same service account without the node claim (not bound to a pod).
 	_, err = agentToken(t, c, nil).CoreV1().Nodes().Patch(ctx, node, types.MergePatchType, label("nvidia.com/gpu.family", family), metav1.PatchOptions{})

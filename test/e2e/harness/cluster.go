@@ -28,6 +28,9 @@ type ClusterConfig struct {
 	Images                                                 []string // docker-archive tarballs to import (see BuildImages)
 	NodeName                                               string
 	NodeLabels                                             map[string]string // the kubelet's --node-labels
+	// APIServerFeatureGates is the API server's --feature-gates ("": its defaults), e.g. to turn off a
+	// beta check the API server has and older ones lack.
+	APIServerFeatureGates string
 	// Containerd2: see Config.Containerd2. The node layer then points the agent at the stand-in dev root.
 	Containerd2 string
 	LedgerPath  string
@@ -222,7 +225,7 @@ func (c *Cluster) startControlPlane(ctx context.Context, cfg ClusterConfig) erro
 		return err
 	}
 
-	apiserver, err := c.startComponent("kube-apiserver", cfg.APIServer,
+	apiserverArgs := []string{
 		"--etcd-servers", etcdURL,
 		"--bind-address", "127.0.0.1",
 		"--secure-port", fmt.Sprint(c.APIPort),
@@ -249,7 +252,12 @@ func (c *Cluster) startControlPlane(ctx context.Context, cfg ClusterConfig) erro
 		"--enable-admission-plugins", "NodeRestriction",
 		"--allow-privileged=true",
 		"--cert-dir", filepath.Join(e.d.run, "pki", "kube-apiserver-generated"),
-		"--v", "1")
+		"--v", "1",
+	}
+	if cfg.APIServerFeatureGates != "" {
+		apiserverArgs = append(apiserverArgs, "--feature-gates", cfg.APIServerFeatureGates)
+	}
+	apiserver, err := c.startComponent("kube-apiserver", cfg.APIServer, apiserverArgs...)
 	if err != nil {
 		return err
 	}
