@@ -240,6 +240,10 @@ func writeConfig(tw io.Writer, st *agent.Status) {
 		fmt.Fprintf(tw, "Config:\t%s from %s, generation %d; selected: %s, not applied\n", c.Serving, c.Source, c.Generation, orNone(selected))
 	case c.Name == "":
 		fmt.Fprintf(tw, "Config:\tnone in force yet (from %s)\n", c.Source)
+	case c.Source == agent.BuiltInConfigName:
+		// No file or ConfigMap was given: naming the selection would only
+		// repeat "default" three ways.
+		fmt.Fprintf(tw, "Config:\tthe built-in default (no --config or ConfigMap given)\n")
 	default:
 		fmt.Fprintf(tw, "Config:\t%s from %s, generation %d\n", selected, c.Source, c.Generation)
 	}

@@ -27,7 +27,7 @@ func TestWriteStatusFixtures(t *testing.T) {
 			fixture: "standalone-xid.json",
 			want: []string{
 				"Agent: gpu-agent v0.9.0-12-gf103057 (commit f103057e2c1d4b8a9f0e6d3c2b1a0f9e8d7c6b5a, go1.26.8)",
-				"Config: default (by default config) from built-in default, generation 0",
+				"Config: the built-in default (no --config or ConfigMap given)",
 				"Cluster: standalone, no Kubernetes API: no node labels, Events or ConfigMap",
 				"CDI spec: none needed yet",
 				"Health events: from NVML for every GPU",
