@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"regexp"
 	"slices"
 	"strings"
 	"time"
@@ -282,8 +283,61 @@ func planMIG(s Snapshot, sel config.Selected, cordon CordonStatus) (out []GPUMIG
 		}
 		out = append(out, gm)
 	}
-	return out, errors.Join(errs...), needFresh
+	return out, groupGPUErrors(errs), needFresh
 }
+
+// reGPUInError finds the GPU an error of planMIG names.
+var reGPUInError = regexp.MustCompile(`gpu (\d+) \(GPU-[^)]*\): `)
+
+// groupGPUErrors joins errs, those that say the same of several GPUs once
+// with the GPUs listed ("gpus 0, 1, 2: MIG layout does not fit: ..."): a
+// layout that does not fit a model fails on every GPU of it alike, and eight
+// identical lines hide the one that differs. Each group wraps its first
+// error, so errors.Is still finds mig.ErrLayout.
+func groupGPUErrors(errs []error) error {
+	type group struct {
+		gpus []string
+		err  error
+	}
+	var order []string
+	groups := map[string]*group{}
+	for _, err := range errs {
+		msg := err.Error()
+		key, idx := msg, ""
+		if m := reGPUInError.FindStringSubmatchIndex(msg); m != nil {
+			key, idx = msg[:m[0]]+"\x00"+msg[m[1]:], msg[m[2]:m[3]]
+		}
+		g, ok := groups[key]
+		if !ok {
+			g = &group{err: err}
+			groups[key] = g
+			order = append(order, key)
+		}
+		if idx != "" {
+			g.gpus = append(g.gpus, idx)
+		}
+	}
+	out := make([]error, 0, len(order))
+	for _, key := range order {
+		g := groups[key]
+		if len(g.gpus) < 2 {
+			out = append(out, g.err)
+			continue
+		}
+		before, after, _ := strings.Cut(key, "\x00")
+		out = append(out, groupedError{msg: before + "gpus " + strings.Join(g.gpus, ", ") + ": " + after, err: g.err})
+	}
+	return errors.Join(out...)
+}
+
+// groupedError is one error said of several GPUs.
+type groupedError struct {
+	msg string
+	err error
+}
+
+func (e groupedError) Error() string { return e.msg }
+func (e groupedError) Unwrap() error { return e.err }
 
 // createOnly keeps the steps of p that destroy no MIG device and touch no
 // slice such a destroy would free: creating in free slices, and removing a

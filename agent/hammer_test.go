@@ -293,9 +293,22 @@ func TestAllocateHammer(t *testing.T) {
 				conns[res] = c
 			}
 			id := free[rng.IntN(len(free))]
+			// As the kubelet's device manager, which holds its lock while
+			// it allocates and answers pod-resources under it too: no
+			// answer and no MIG plan falls between Allocate's answer and
+			// the kubelet's record of it. Without it, a loaded machine
+			// could run a plan (and an answer, 5 fake seconds later, not
+			// listing the device) in that gap, and the test blamed the
+			// agent for the kubelet's missing record.
+			k.mu.Lock()
 			callCtx, done := context.WithTimeout(ctx, time.Second)
 			_, err := c.Allocate(callCtx, &pluginapi.AllocateRequest{ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: []string{id}}}})
 			done()
+			if err == nil {
+				k.held[id] = res
+				k.since[id] = k.epoch
+			}
+			k.mu.Unlock()
 			if err != nil {
 				refused++
 				why[status.Code(err).String()]++
@@ -305,10 +318,6 @@ func TestAllocateHammer(t *testing.T) {
 				continue
 			}
 			accepted++
-			k.mu.Lock()
-			k.held[id] = res
-			k.since[id] = k.epoch
-			k.mu.Unlock()
 		}
 	}()
 

@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -8,6 +10,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 func testInventory() *gpu.Inventory {
@@ -339,5 +342,21 @@ func TestPlanMPS(t *testing.T) {
 	in.Sharing.MPS.Resources = []config.MPSResource{entry([]string{"2"}, 20)}
 	if _, err := PlanResources(in); err == nil || !strings.Contains(err.Error(), "sharing.mps.resources[0].replicas: GPU 2") {
 		t.Errorf("20 MPS clients on a compute capability 6.0 GPU: %v", err)
+	}
+}
+
+// A layout that does not fit fails alike on every GPU of the model: said
+// once, the GPUs listed, and still a mig.ErrLayout.
+func TestMIGFitErrorsGrouped(t *testing.T) {
+	errs := []error{
+		fmt.Errorf("configs.default.mig: gpu 0 (GPU-a): %w: 3× 3g.20gb exceeds", mig.ErrLayout),
+		fmt.Errorf("configs.default.mig: gpu 1 (GPU-b): %w: 3× 3g.20gb exceeds", mig.ErrLayout),
+		fmt.Errorf("configs.default.mig: gpu 2 (GPU-c): %w: 3× 3g.20gb exceeds", mig.ErrLayout),
+		errors.New("configs.default.mig: gpu 3 (GPU-d): MIG profiles not read"),
+	}
+	err := groupGPUErrors(errs)
+	want := "configs.default.mig: gpus 0, 1, 2: " + mig.ErrLayout.Error() + ": 3× 3g.20gb exceeds\nconfigs.default.mig: gpu 3 (GPU-d): MIG profiles not read"
+	if err == nil || err.Error() != want || !errors.Is(err, mig.ErrLayout) {
+		t.Errorf("grouped:\n%v\nwant:\n%s", err, want)
 	}
 }

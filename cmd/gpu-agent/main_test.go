@@ -396,8 +396,8 @@ func TestMIGPlan(t *testing.T) {
 	bad := filepath.Join(t.TempDir(), "bad.yaml")
 	os.WriteFile(bad, []byte("version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n      devices:\n      - devices: all\n        mig-enabled: true\n        mig-devices: {\"3g.40gb\": 3}\n"), 0o644)
 	code, _, stderr = run(t, "mig", "plan", "--config", bad, "--backend", "sim:dgx-h100")
-	if code != 1 || !strings.Contains(stderr, "gpu 0") {
-		t.Errorf("impossible layout: exit %d, stderr %q; want 1 naming the GPU", code, stderr)
+	if code != 1 || !strings.Contains(stderr, "gpus 0, 1, 2, 3, 4, 5, 6, 7: MIG layout does not fit") || strings.Count(stderr, "does not fit") != 1 {
+		t.Errorf("impossible layout: exit %d, stderr %q; want 1 naming the GPUs once", code, stderr)
 	}
 }
 
