@@ -10,7 +10,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
 )
@@ -151,9 +150,14 @@ func TestPodResourcesUnreachableDestroysNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("MIG states: %+v", st.MIG)
-	// Several resyncs later nothing has changed.
-	time.Sleep(3 * 2 * time.Second)
-	st, err = e.WaitAgentStatus(stepCtx(t), "a fresh status", func(*harness.AgentStatus) bool { return true })
+	// Three turns of the loop later (resyncs, every 2 s) nothing has changed.
+	turns, last := 0, st.LastLoop
+	st, err = e.WaitAgentStatus(stepCtx(t), "three more turns of the agent's loop", func(st *harness.AgentStatus) bool {
+		if st.LastLoop.After(last) {
+			turns, last = turns+1, st.LastLoop
+		}
+		return turns >= 3
+	})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -722,6 +722,8 @@ func Lock(path string) (*os.File, error) {
 
 // AgentStatus is the part of gpu-agent's /status the suite reads.
 type AgentStatus struct {
+	// LastLoop is the agent loop's last turn (each event batch and resync).
+	LastLoop time.Time `json:"lastLoop"`
 	Config struct {
 		Name       string `json:"name"`
 		Generation int    `json:"generation"`
