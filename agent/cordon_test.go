@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -189,5 +190,63 @@ func TestCordonDynamicMIG(t *testing.T) {
 	}
 	if got := h.prepare(claim("uid-3g1", "three", "gpu-1-mig-3g40gb-4"))["uid-3g1"]; got.Err != nil {
 		t.Errorf("claim on GPU 1: %v", got.Err)
+	}
+}
+
+// cordonedInPool reports whether the DRA pool withdraws d for a cordon.
+func cordonedInPool(d dra.Device) bool { return strings.Contains(d.Unhealthy, ReasonCordoned) }
+
+// A cordon outlives an agent restart (issue 29, defect 4a): the first
+// catalog and DRA pool of the agent restarted on the same state dir
+// withdraw the cordoned GPU before its Node watch has answered, and the
+// watch's answer then replaces the list, here with none.
+func TestCordonSurvivesRestart(t *testing.T) {
+	node := simNode(t, "dgx-a100")
+	dir := t.TempDir()
+	h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}))
+	h.config(wholeGPUs)
+	u := uuids(t, h)
+	h.step(CordonChanged{GPUs: []string{"1", u[3]}})
+
+	rec := &draRecorder{}
+	h2 := newHarnessIn(t, node, dir, withDRA(rec), withCheckpoint())
+	h2.config(wholeGPUs)
+	if n := h2.pub.published(); n != 1 {
+		t.Fatalf("%d catalogs after the config, want the first one", n)
+	}
+	for _, d := range h2.pub.last().Resources[ResourceGPU].Devices {
+		cordoned := d.GPU == 1 || d.GPU == 3
+		if cordoned != (!d.Healthy && d.Reason == ReasonCordoned) {
+			t.Errorf("first catalog after a restart: GPU %d healthy %v (%q); cordoned %v", d.GPU, d.Healthy, d.Reason, cordoned)
+		}
+	}
+	if p := rec.last(); p == nil {
+		t.Fatal("no DRA pool after the config")
+	} else {
+		for _, d := range p.Devices {
+			if cordoned := d.Index == 1 || d.Index == 3; cordoned != cordonedInPool(d) {
+				t.Errorf("first DRA pool after a restart: %s unhealthy %q; cordoned %v", d.Name, d.Unhealthy, cordoned)
+			}
+		}
+	}
+	if st := h2.a.Status().Cordon; st == nil || len(st.GPUs) != 2 {
+		t.Errorf("/status cordon after a restart %+v, want GPUs 1 and 3", st)
+	}
+
+	// The Node watch answers: the annotation was removed meanwhile.
+	h2.step(CordonChanged{})
+	for _, d := range h2.pub.last().Resources[ResourceGPU].Devices {
+		if !d.Healthy {
+			t.Errorf("after the Node watch's answer, GPU %d is unhealthy: %s", d.GPU, d.Reason)
+		}
+	}
+	for _, d := range rec.last().Devices {
+		if cordonedInPool(d) {
+			t.Errorf("after the Node watch's answer, DRA device %s is cordoned", d.Name)
+		}
+	}
+	cp, err := LoadCheckpoint(dir)
+	if err != nil || len(cp.Cordon) != 0 {
+		t.Errorf("checkpoint after the uncordon: %+v (%v), want no cordon", cp, err)
 	}
 }
