@@ -18,10 +18,11 @@ import (
 // CordonAnnotation), the node watcher hands the list to the loop
 // (CordonChanged), and Plan withdraws every device on those GPUs from new
 // work: unhealthy to the kubelet ("cordoned"), tainted NoSchedule in the DRA
-// pool under its own key, dra.TaintCordoned (left out where the API server
-// drops taints), and no MIG layout or
-// dynamic MIG device is made on them. Containers that hold one keep it;
-// removing a GPU from the list brings it back at the next pass.
+// pool under a key of its own, dra.TaintCordoned (left out where the API
+// server drops taints), and no MIG layout or dynamic MIG device is made on
+// them. Containers that hold one keep it; removing a GPU from the list
+// brings it back at the next pass. The list is checkpointed, so that a
+// restarted agent withdraws them before its Node watch answers.
 
 // ReasonCordoned is the reason the kubelet and /status are given for a
 // cordoned GPU's devices.

@@ -182,8 +182,8 @@ func TestCordonDynamicMIG(t *testing.T) {
 		t.Errorf("%d of GPU 0's partitions tainted, want 25", n)
 	}
 	got := h.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]
-	if got.Err == nil || !strings.Contains(got.Err.Error(), ReasonCordoned) {
-		t.Errorf("claim of a cordoned GPU's partition: %+v", got)
+	if got.Err == nil || !strings.Contains(got.Err.Error(), "gpu-0-mig-3g40gb-4 is on GPU 0 (") || !strings.Contains(got.Err.Error(), dra.TaintCordoned) {
+		t.Errorf("claim of a cordoned GPU's partition: %+v; want refused naming the GPU and the cordon's taint", got)
 	}
 	inv, err := h.opts.Observer.Inventory()
 	if err != nil {
