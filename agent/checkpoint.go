@@ -25,14 +25,16 @@ const CheckpointFile = "checkpoint.json"
 // CheckpointVersion is the format written. A file of another version is set
 // aside, not trusted: guessing at fields that changed meaning could mark
 // healthy GPUs unhealthy or, worse, forget a held device.
-const CheckpointVersion = 3
+const CheckpointVersion = 4
 
 // The formats before: version 1 had no DRA claims; version 2 kept the
 // device plugin's allocations here (now in the allocation log) and intents
-// among the releases. Both read as version 3.
+// among the releases; version 3 had no cordon and no GPUs touched by MIG
+// plans. All read as version 4.
 const (
 	checkpointV1 = 1
 	checkpointV2 = 2
+	checkpointV3 = 3
 )
 
 // maxCheckpointBytes bounds what is read back: the checkpoint holds a few
@@ -41,8 +43,9 @@ const maxCheckpointBytes = 8 << 20
 
 // Checkpoint is what must survive an agent restart: the GPUs last seen (so
 // one lost at start is offered unhealthy, not dropped), the ledger's DRA
-// side (prepared claims, intents, releases), and the active health causes
-// with the evidence their recovery is judged by. The device plugin's
+// side (prepared claims, intents, releases), the active health causes
+// with the evidence their recovery is judged by, the cordoned GPUs, and the
+// GPUs MIG plans changed since they were last read whole. The device plugin's
 // allocations are in the allocation log (AllocLogFile), written before
 // Allocate answers.
 type Checkpoint struct {
@@ -67,6 +70,17 @@ type Checkpoint struct {
 	// first was: a GPU gone for good is forgotten that long after, however
 	// often the agent restarts (version 3).
 	FailedSince map[string]time.Time `json:"failedSince,omitempty"`
+	// Cordon is the Node's cordon annotation as last heard (UUIDs or
+	// indices, as written; version 4). Until the Node watch answers after
+	// a restart it is the only word on which GPUs are out of service:
+	// without it the first catalog and DRA pool would offer them.
+	Cordon []string `json:"cordon,omitempty"`
+	// MIGTouched are the GPUs MIG plans ran on that were not read whole
+	// since (version 4). Their records in GPUs do not say what NVML has
+	// now (one from before a plan has the devices it destroyed), so a
+	// restarted agent offers them failed, with no MIG device, until it
+	// reads them whole, as the agent before it did.
+	MIGTouched []string `json:"migTouched,omitempty"`
 }
 
 // LoadCheckpoint reads dir's checkpoint. A missing file is (nil, nil). An
@@ -107,7 +121,7 @@ func DecodeCheckpoint(b []byte) (*Checkpoint, error) {
 	if dec.More() {
 		return nil, errors.New("data after the JSON object")
 	}
-	if cp.Version != CheckpointVersion && cp.Version != checkpointV2 && cp.Version != checkpointV1 {
+	if !slices.Contains([]int{CheckpointVersion, checkpointV3, checkpointV2, checkpointV1}, cp.Version) {
 		return nil, fmt.Errorf("version %d, this agent reads version %d", cp.Version, CheckpointVersion)
 	}
 	return &cp, nil
@@ -144,6 +158,19 @@ func (a *Agent) restore(cp *Checkpoint) {
 		a.ledger.dynamicMIG[uuid] = true
 	}
 	a.failedSince = maps.Clone(cp.FailedSince)
+	// The Node watch's first answer replaces it (CordonChanged), as any
+	// later one does.
+	a.cordoned = slices.Clone(cp.Cordon)
+	for _, uuid := range cp.MIGTouched {
+		// Only a GPU the checkpoint has a record of: the set is about
+		// which records not to believe.
+		if slices.ContainsFunc(cp.GPUs, func(g gpu.GPU) bool { return g.UUID == uuid }) {
+			if a.migTouched == nil {
+				a.migTouched = map[string]bool{}
+			}
+			a.migTouched[uuid] = true
+		}
+	}
 	if len(cp.GPUs) > 0 {
 		// What the last agent believed, as the base the first read settles
 		// against: a GPU that cannot be read now is then offered unhealthy
@@ -157,7 +184,7 @@ func (a *Agent) restore(cp *Checkpoint) {
 		a.health = health.RestoredState(cp.Health, a.opts.BootID)
 	}
 	a.log.Info("checkpoint restored", "written", cp.Written, "gpus", len(cp.GPUs),
-		"allocations", len(cp.Allocated), "healthCauses", len(cp.Health), "draClaims", len(cp.Claims), "draReleasing", len(cp.Releasing), "draIntents", len(cp.Intents))
+		"allocations", len(cp.Allocated), "healthCauses", len(cp.Health), "draClaims", len(cp.Claims), "draReleasing", len(cp.Releasing), "draIntents", len(cp.Intents), "cordon", cp.Cordon, "migTouched", cp.MIGTouched)
 }
 
 // checkpoint writes the checkpoint when its content changed; the error says
@@ -167,7 +194,8 @@ func (a *Agent) checkpoint() error {
 		return nil
 	}
 	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Claims: a.ledger.claims,
-		Releasing: a.ledger.releases, Intents: a.ledger.intents, DynamicMIG: slices.Sorted(maps.Keys(a.ledger.dynamicMIG))}
+		Releasing: a.ledger.releases, Intents: a.ledger.intents, DynamicMIG: slices.Sorted(maps.Keys(a.ledger.dynamicMIG)),
+		Cordon: a.cordoned, MIGTouched: slices.Sorted(maps.Keys(a.migTouched))}
 	if a.inv != nil {
 		cp.GPUs = a.inv.GPUs
 		for _, uuid := range slices.Sorted(maps.Keys(a.failed)) {

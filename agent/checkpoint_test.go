@@ -13,18 +13,24 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
-// What LoadCheckpoint trusts: this version and the one before it (version 1
-// had no DRA claims); anything else is set aside, never guessed at.
+// What LoadCheckpoint trusts: this version and the ones before it (version
+// 1 had no DRA claims, version 3 no cordon and no GPUs touched by MIG
+// plans); anything else is set aside, never guessed at.
 func TestLoadCheckpointVersions(t *testing.T) {
 	tests := []struct {
 		name, body string
 		wantErr    string // "" = read
 		claims     int
 		allocated  int
+		cordon     int
+		touched    int
 	}{
 		{name: "version 1, before DRA", body: `{"version":1,"node":"n","written":"2026-11-23T00:00:00Z","allocated":{"MIG-a":"2026-11-23T00:00:00Z"}}`, allocated: 1},
 		{name: "version 2 with a claim", body: `{"version":2,"node":"n","written":"2026-11-23T00:00:00Z","claims":{"uid-a":{"namespace":"default","name":"a","devices":[{"requests":["gpu"],"device":"gpu-0","cdiDevices":["nvidia.com/gpu=GPU-0"],"uuid":"GPU-0"}],"at":"2026-11-23T00:00:00Z"}}}`, claims: 1},
-		{name: "a newer version", body: `{"version":4,"written":"2026-11-23T00:00:00Z"}`, wantErr: "version 4"},
+		{name: "version 3, before the cordon", body: `{"version":3,"node":"n","written":"2026-11-23T00:00:00Z","dynamicMIG":["GPU-0"]}`},
+		{name: "version 4 with a cordon", body: `{"version":4,"node":"n","written":"2026-11-23T00:00:00Z","cordon":["1","GPU-a"]}`, cordon: 2},
+		{name: "version 4 with GPUs MIG plans touched", body: `{"version":4,"node":"n","written":"2026-11-23T00:00:00Z","gpus":[{"index":0,"uuid":"GPU-a"}],"migTouched":["GPU-a"]}`, touched: 1},
+		{name: "a newer version", body: `{"version":5,"written":"2026-11-23T00:00:00Z"}`, wantErr: "version 5"},
 		{name: "an unknown field", body: `{"version":1,"written":"2026-11-23T00:00:00Z","bogus":1}`, wantErr: "unknown field"},
 		{name: "torn", body: `{"version":2,"wri`, wantErr: "unexpected EOF"},
 	}
@@ -51,8 +57,9 @@ func TestLoadCheckpointVersions(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if len(cp.Claims) != tt.claims || len(cp.Allocated) != tt.allocated {
-				t.Errorf("read %d claims and %d allocations, want %d and %d", len(cp.Claims), len(cp.Allocated), tt.claims, tt.allocated)
+			if len(cp.Claims) != tt.claims || len(cp.Allocated) != tt.allocated || len(cp.Cordon) != tt.cordon || len(cp.MIGTouched) != tt.touched {
+				t.Errorf("read %d claims, %d allocations, %d cordoned GPUs and %d touched by MIG plans, want %d, %d, %d and %d",
+					len(cp.Claims), len(cp.Allocated), len(cp.Cordon), len(cp.MIGTouched), tt.claims, tt.allocated, tt.cordon, tt.touched)
 			}
 		})
 	}

@@ -214,6 +214,9 @@ func (a *Agent) draStatus() *DRAStatus {
 			if d.Unhealthy != "" {
 				st.Unhealthy = append(st.Unhealthy, d.Name)
 			}
+			if d.Cordoned != "" {
+				st.Cordoned = append(st.Cordoned, d.Name)
+			}
 		}
 	}
 	for _, uid := range slices.Sorted(maps.Keys(a.ledger.claims)) {

@@ -32,8 +32,8 @@ func (a *Agent) publishClaimStatus() {
 }
 
 // claimStatuses is each prepared claim's devices as the driver reports
-// them: healthy or why not (the pool's reason, which the ResourceSlice's
-// taint gives too, or the health watcher's for a device the pool does not
+// them: healthy or why not (the pool's reasons, unhealthy or cordoned,
+// which the ResourceSlice's taints give too, or the health watcher's for a device the pool does not
 // list as it is), and what the device is.
 func (a *Agent) claimStatuses() map[types.UID]dra.ClaimStatus {
 	out := make(map[types.UID]dra.ClaimStatus, len(a.ledger.claims))
@@ -45,7 +45,9 @@ func (a *Agent) claimStatuses() map[types.UID]dra.ClaimStatus {
 			}
 			ds := dra.DeviceStatus{Device: d.Device, ShareID: d.ShareID, Data: map[string]any{"uuid": d.UUID}}
 			if pd, ok := a.draPool.Device(d.Device); ok {
-				ds.Unhealthy = pd.Unhealthy
+				// A cordon is said too: the device keeps working for this
+				// claim, but the GPU is out of service.
+				ds.Unhealthy = joinReason(pd.Unhealthy, pd.Cordoned)
 			}
 			if r, bad := a.health.Unhealthy(d.UUID); bad && ds.Unhealthy == "" {
 				ds.Unhealthy = r

@@ -18,9 +18,11 @@ import (
 // CordonAnnotation), the node watcher hands the list to the loop
 // (CordonChanged), and Plan withdraws every device on those GPUs from new
 // work: unhealthy to the kubelet ("cordoned"), tainted NoSchedule in the DRA
-// pool (left out where the API server drops taints), and no MIG layout or
-// dynamic MIG device is made on them. Containers that hold one keep it;
-// removing a GPU from the list brings it back at the next pass.
+// pool under a key of its own, dra.TaintCordoned (left out where the API
+// server drops taints), and no MIG layout or dynamic MIG device is made on
+// them. Containers that hold one keep it; removing a GPU from the list
+// brings it back at the next pass. The list is checkpointed, so that a
+// restarted agent withdraws them before its Node watch answers.
 
 // ReasonCordoned is the reason the kubelet and /status are given for a
 // cordoned GPU's devices.
@@ -106,9 +108,12 @@ const cordonAnnotation = "gpu-agent.io/cordon"
 
 // withdrawCordoned marks every device on a cordoned GPU unhealthy in the
 // catalog (the whole GPU, its replicas, its MIG devices: catalog.Device.GPU
-// is the physical GPU) and in the DRA pool (a MIG device or partition by its
-// parent), where unhealthy means a NoSchedule taint. A device unhealthy for
-// another reason keeps it, with "cordoned" added.
+// is the physical GPU; a device unhealthy for another reason keeps it, with
+// "cordoned" added), and cordoned in the DRA pool (a MIG device or
+// partition by its parent): the taint of its own, dra.TaintCordoned, so
+// that a claim tolerating unhealthy devices is not given it. A device also
+// unhealthy carries both taints, and the cordon's is never NoExecute
+// (Device.Evict is the unhealthy taint's alone).
 func withdrawCordoned(cat *catalog.Catalog, pool *dra.Pool, c CordonStatus) {
 	if len(c.GPUs) == 0 {
 		return
@@ -131,7 +136,7 @@ func withdrawCordoned(cat *catalog.Catalog, pool *dra.Pool, c CordonStatus) {
 		for i := range pool.Devices {
 			d := &pool.Devices[i]
 			if c.has(d.UUID) || d.Type == dra.TypeMIG && c.has(d.ParentUUID) {
-				d.Unhealthy = joinReason(d.Unhealthy, ReasonCordoned)
+				d.Cordoned = ReasonCordoned
 			}
 		}
 	}

@@ -5,6 +5,11 @@ import (
 	"strings"
 	"testing"
 
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -80,8 +85,8 @@ func TestCordonWithdrawsAndRestores(t *testing.T) {
 	}
 	for _, d := range rec.last().Devices {
 		cordoned := d.Index == 1 || d.Index == 3
-		if cordoned != (d.Unhealthy == ReasonCordoned) || d.Evict {
-			t.Errorf("DRA device %s: unhealthy %q, evict %v", d.Name, d.Unhealthy, d.Evict)
+		if cordoned != (d.Cordoned == ReasonCordoned) || d.Unhealthy != "" || d.Evict {
+			t.Errorf("DRA device %s: cordoned %q, unhealthy %q, evict %v", d.Name, d.Cordoned, d.Unhealthy, d.Evict)
 		}
 	}
 	st := h.a.Status().Cordon
@@ -108,8 +113,8 @@ func TestCordonWithdrawsAndRestores(t *testing.T) {
 		}
 	}
 	for _, d := range rec.last().Devices {
-		if d.Unhealthy != "" {
-			t.Errorf("after uncordon, DRA device %s: %s", d.Name, d.Unhealthy)
+		if d.Unhealthy != "" || d.Cordoned != "" {
+			t.Errorf("after uncordon, DRA device %s: unhealthy %q, cordoned %q", d.Name, d.Unhealthy, d.Cordoned)
 		}
 	}
 	if st := h.a.Status().Cordon; st != nil {
@@ -166,8 +171,8 @@ func TestCordonDynamicMIG(t *testing.T) {
 	n := 0
 	for _, d := range rec.last().Devices {
 		on0 := d.ParentIndexOrSelf() == 0
-		if on0 != (d.Unhealthy == ReasonCordoned) {
-			t.Errorf("DRA device %s: unhealthy %q", d.Name, d.Unhealthy)
+		if on0 != (d.Cordoned == ReasonCordoned) || d.Unhealthy != "" {
+			t.Errorf("DRA device %s: cordoned %q, unhealthy %q", d.Name, d.Cordoned, d.Unhealthy)
 		}
 		if on0 && d.Partition {
 			n++
@@ -177,8 +182,8 @@ func TestCordonDynamicMIG(t *testing.T) {
 		t.Errorf("%d of GPU 0's partitions tainted, want 25", n)
 	}
 	got := h.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]
-	if got.Err == nil || !strings.Contains(got.Err.Error(), ReasonCordoned) {
-		t.Errorf("claim of a cordoned GPU's partition: %+v", got)
+	if got.Err == nil || !strings.Contains(got.Err.Error(), "gpu-0-mig-3g40gb-4 is on GPU 0 (") || !strings.Contains(got.Err.Error(), dra.TaintCordoned) {
+		t.Errorf("claim of a cordoned GPU's partition: %+v; want refused naming the GPU and the cordon's taint", got)
 	}
 	inv, err := h.opts.Observer.Inventory()
 	if err != nil {
@@ -189,5 +194,134 @@ func TestCordonDynamicMIG(t *testing.T) {
 	}
 	if got := h.prepare(claim("uid-3g1", "three", "gpu-1-mig-3g40gb-4"))["uid-3g1"]; got.Err != nil {
 		t.Errorf("claim on GPU 1: %v", got.Err)
+	}
+}
+
+// cordonedInPool reports whether the DRA pool withdraws d for a cordon.
+func cordonedInPool(d dra.Device) bool { return d.Cordoned != "" }
+
+// A cordon outlives an agent restart (issue 29, defect 4a): the first
+// catalog and DRA pool of the agent restarted on the same state dir
+// withdraw the cordoned GPU before its Node watch has answered, and the
+// watch's answer then replaces the list, here with none.
+func TestCordonSurvivesRestart(t *testing.T) {
+	node := simNode(t, "dgx-a100")
+	dir := t.TempDir()
+	h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}))
+	h.config(wholeGPUs)
+	u := uuids(t, h)
+	h.step(CordonChanged{GPUs: []string{"1", u[3]}})
+
+	rec := &draRecorder{}
+	h2 := newHarnessIn(t, node, dir, withDRA(rec), withCheckpoint())
+	h2.config(wholeGPUs)
+	if n := h2.pub.published(); n != 1 {
+		t.Fatalf("%d catalogs after the config, want the first one", n)
+	}
+	for _, d := range h2.pub.last().Resources[ResourceGPU].Devices {
+		cordoned := d.GPU == 1 || d.GPU == 3
+		if cordoned != (!d.Healthy && d.Reason == ReasonCordoned) {
+			t.Errorf("first catalog after a restart: GPU %d healthy %v (%q); cordoned %v", d.GPU, d.Healthy, d.Reason, cordoned)
+		}
+	}
+	if p := rec.last(); p == nil {
+		t.Fatal("no DRA pool after the config")
+	} else {
+		for _, d := range p.Devices {
+			if cordoned := d.Index == 1 || d.Index == 3; cordoned != cordonedInPool(d) {
+				t.Errorf("first DRA pool after a restart: %s cordoned %q; want %v", d.Name, d.Cordoned, cordoned)
+			}
+		}
+	}
+	if st := h2.a.Status().Cordon; st == nil || len(st.GPUs) != 2 {
+		t.Errorf("/status cordon after a restart %+v, want GPUs 1 and 3", st)
+	}
+
+	// The Node watch answers: the annotation was removed meanwhile.
+	h2.step(CordonChanged{})
+	for _, d := range h2.pub.last().Resources[ResourceGPU].Devices {
+		if !d.Healthy {
+			t.Errorf("after the Node watch's answer, GPU %d is unhealthy: %s", d.GPU, d.Reason)
+		}
+	}
+	for _, d := range rec.last().Devices {
+		if cordonedInPool(d) {
+			t.Errorf("after the Node watch's answer, DRA device %s is cordoned", d.Name)
+		}
+	}
+	cp, err := LoadCheckpoint(dir)
+	if err != nil || len(cp.Cordon) != 0 {
+		t.Errorf("checkpoint after the uncordon: %+v (%v), want no cordon", cp, err)
+	}
+}
+
+// tolerating is claim uid's allocation of device in node-a's pool, its
+// request tolerating the taint keys given, as dra.ClaimOf reads it from
+// the API.
+func tolerating(uid, device string, admin bool, keys ...string) dra.Claim {
+	r := resourceapi.DeviceRequestAllocationResult{Request: "gpu", Driver: dra.DriverName, Pool: "node-a", Device: device, AdminAccess: &admin}
+	for _, k := range keys {
+		r.Tolerations = append(r.Tolerations, resourceapi.DeviceToleration{Key: k, Operator: resourceapi.DeviceTolerationOpExists})
+	}
+	return dra.ClaimOf(&resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{UID: types.UID(uid), Namespace: "default", Name: uid},
+		Status: resourceapi.ResourceClaimStatus{Allocation: &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{
+			Results: []resourceapi.DeviceRequestAllocationResult{r},
+		}}},
+	}, "node-a")
+}
+
+// A cordon has a taint key of its own, gpu.nvidia.com/cordoned, always
+// NoSchedule (issue 29, defect 4b): a claim that tolerates unhealthy
+// devices is not given a cordoned one, a device both unhealthy and
+// cordoned carries both taints, and Prepare refuses a cordoned device
+// unless the request tolerates the cordon (or is admin access).
+func TestCordonTaintKey(t *testing.T) {
+	const cordonKey = "gpu.nvidia.com/cordoned"
+	rec := &draRecorder{}
+	h := newHarness(t, simNode(t, "dgx-a100"), withDRA(rec))
+	// Unhealthy devices evict; cordoned ones must not.
+	h.config("version: v1\nconfigs:\n  default:\n    health:\n      draTaintEffect: NoExecute\n")
+	gpu1, gpu2 := findGPU(h, 1).ID, findGPU(h, 2).ID
+	h.step(HealthChanged{State: xidState(gpu2, 48)})
+	h.step(CordonChanged{GPUs: []string{"1", "2"}})
+
+	taints := map[string][]string{}
+	for _, s := range dra.Resources("node-a", rec.last(), 1, dra.Dropped{}).Pools["node-a"].Slices {
+		for _, d := range s.Devices {
+			for _, tt := range d.Taints {
+				taints[d.Name] = append(taints[d.Name], string(tt.Key)+":"+string(tt.Effect))
+			}
+		}
+	}
+	for dev, want := range map[string][]string{
+		"gpu-0": nil,
+		"gpu-1": {cordonKey + ":NoSchedule"},
+		"gpu-2": {dra.TaintUnhealthy + ":NoExecute", cordonKey + ":NoSchedule"},
+	} {
+		if !slices.Equal(taints[dev], want) {
+			t.Errorf("%s taints %q, want %q", dev, taints[dev], want)
+		}
+	}
+
+	got := h.prepare(tolerating("uid-u", "gpu-1", false, dra.TaintUnhealthy))["uid-u"]
+	if got.Err == nil || !strings.Contains(got.Err.Error(), gpu1) || !strings.Contains(got.Err.Error(), "cordon") {
+		t.Errorf("a request tolerating only the unhealthy taint, on cordoned gpu-1: %+v; want refused naming the GPU and the cordon", got)
+	}
+	if got := h.prepare(tolerating("uid-c", "gpu-1", false, cordonKey))["uid-c"]; got.Err != nil {
+		t.Errorf("a request tolerating the cordon, on cordoned gpu-1: %v", got.Err)
+	}
+	if st := h.a.claimStatuses()["uid-c"]; len(st.Devices) != 1 || st.Devices[0].Unhealthy != ReasonCordoned {
+		t.Errorf("claim status of uid-c %+v, want its device said cordoned", st)
+	}
+	got = h.prepare(tolerating("uid-c2", "gpu-2", false, cordonKey))["uid-c2"]
+	if got.Err == nil || !strings.Contains(got.Err.Error(), "unhealthy") {
+		t.Errorf("a request tolerating only the cordon, on unhealthy and cordoned gpu-2: %+v; want refused as unhealthy", got)
+	}
+	if got := h.prepare(tolerating("uid-b", "gpu-2", false, cordonKey, dra.TaintUnhealthy))["uid-b"]; got.Err != nil {
+		t.Errorf("a request tolerating both, on unhealthy and cordoned gpu-2: %v", got.Err)
+	}
+	if got := h.prepare(tolerating("uid-a", "gpu-1", true))["uid-a"]; got.Err != nil {
+		t.Errorf("admin access to cordoned gpu-1: %v", got.Err)
 	}
 }

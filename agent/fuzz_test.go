@@ -18,6 +18,8 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 		`{"version":2,"node":"n","written":"2026-11-23T00:00:00Z","claims":{"uid-a":{"namespace":"default","name":"a","devices":[{"requests":["gpu"],"device":"gpu-0","cdiDevices":["nvidia.com/gpu=GPU-0"],"uuid":"GPU-0"}],"at":"2026-11-23T00:00:00Z"}}}`,
 		`{"version":3,"node":"n","written":"2026-11-23T00:00:00Z","gpus":[{"index":0,"uuid":"GPU-0","name":"NVIDIA A100-SXM4-40GB"}],"intents":{"u":{"namespace":"a","name":"b","devices":[{"device":"gpu-0-mig-1g5gb-0","created":true,"parent":"GPU-0","profile":"1g.5gb","placement":{"start":0,"size":1}}],"at":"2026-11-23T00:00:00Z"}},"releasing":{"v":{"namespace":"a","name":"c","devices":[],"at":"2026-11-23T00:00:00Z"}},"dynamicMIG":["GPU-0"]}`,
 		`{"version":3,"written":"2026-11-23T00:00:00Z","health":[{"cause":{"gpu":"GPU-0","kind":"xid","xid":79}}]}`,
+		`{"version":4,"node":"n","written":"2026-11-23T00:00:00Z","cordon":["1","GPU-0",""]}`,
+		`{"version":4,"node":"n","written":"2026-11-23T00:00:00Z","gpus":[{"index":0,"uuid":"GPU-0","migCapable":true}],"migTouched":["GPU-0","GPU-gone"]}`,
 		`{"version":3}{}`,
 	} {
 		f.Add([]byte(s))

@@ -76,11 +76,20 @@ func (a *Agent) observe(why string) {
 
 // touchMIG records that a MIG plan is about to run on GPU uuid: until the
 // GPU is read completely again, its record from before is not believed.
+// The set is checkpointed before the plan runs, so that an agent killed
+// in the middle of it does not, once restarted, believe the checkpoint's
+// record from before the plan either. A checkpoint that cannot be written
+// does not stop the plan: it is retried at every pass and shown on
+// /status, as for anything else the checkpoint holds.
 func (a *Agent) touchMIG(uuid string) {
+	if a.migTouched[uuid] {
+		return
+	}
 	if a.migTouched == nil {
 		a.migTouched = map[string]bool{}
 	}
 	a.migTouched[uuid] = true
+	a.checkpoint()
 }
 
 // withoutMIG is what is known of GPU g after a MIG plan ran on it and no
@@ -278,6 +287,7 @@ func (a *Agent) forgetGone(failed map[string]FailedGPU) {
 		}
 		delete(failed, uuid)
 		delete(a.misses, uuid)
+		delete(a.migTouched, uuid)
 		a.log.Info("GPU forgotten: not enumerated by NVML for longer than --forget-gone-gpus-after; no longer offered",
 			"gpu", f.GPU.Index, "uuid", uuid, "since", f.Since, "after", a.opts.ForgetGoneAfter)
 		a.event(false, ReasonGPUForgotten, "GPU %d (%s) forgotten: not enumerated by NVML since %s, more than %s; no longer offered",

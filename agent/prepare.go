@@ -180,6 +180,19 @@ func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, po
 	if d.Unhealthy != "" && !r.ToleratesUnhealthy && !r.AdminAccess {
 		return PreparedClaimDevice{}, nil, fmt.Errorf("device %s (%s) is unhealthy: %s", r.Device, d.UUID, d.Unhealthy)
 	}
+	if d.Cordoned != "" && !r.ToleratesCordon && !r.AdminAccess {
+		// The scheduler honours the taint; this catches a claim allocated
+		// before the cordon, or by one that ignores taints.
+		name, idx, uuid := r.Device, d.Index, d.UUID
+		if d.Type == dra.TypeMIG {
+			idx, uuid = d.ParentIndex, d.ParentUUID
+			if d.UUID != "" { // "": a MIG device not made yet
+				name += " (" + d.UUID + ")"
+			}
+		}
+		return PreparedClaimDevice{}, nil, fmt.Errorf("device %s is on GPU %d (%s), cordoned by the Node's %s annotation: only a request that tolerates the %s taint gets it",
+			name, idx, uuid, cordonAnnotation, dra.TaintCordoned)
+	}
 	if r.AdminAccess {
 		// Monitoring: the device as it is, shared with whoever holds it;
 		// admin access neither holds nor creates anything.

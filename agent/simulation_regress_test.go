@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -358,7 +359,11 @@ func TestSimRegressPartlyReadAfterApplyKeepsDestroyedDevices(t *testing.T) {
 // release cannot turn MIG off under that container, and waits until it
 // exits. Where: the ledger finds a claim's GPU through the inventory
 // (overlaps, places; withholdClaimed likewise), not through the claim's
-// own record of it (PreparedClaimDevice.Parent).
+// own record of it (PreparedClaimDevice.Parent). Since the agent
+// checkpoints the GPUs MIG plans touch before the plan runs (issue 29,
+// defect 6), the release is on disk before NVML destroys anything, unless
+// that write failed: the checkpoint from before the Unprepare, put back
+// after the crash, stands for that.
 func TestSimRegressCrashMidUnprepareLeavesGPUUnguarded(t *testing.T) {
 	dir := t.TempDir()
 	state := filepath.Join(dir, "gpus.json")
@@ -375,6 +380,11 @@ func TestSimRegressCrashMidUnprepareLeavesGPUUnguarded(t *testing.T) {
 	if got := h.prepare(claim("uid-1", "one", "gpu-0-mig-3g40gb-4"))["uid-1"]; got.Err != nil {
 		t.Fatal(got.Err)
 	}
+	ckpt := filepath.Join(dir, CheckpointFile)
+	prepared, err := os.ReadFile(ckpt)
+	if err != nil {
+		t.Fatal(err)
+	}
 	func() {
 		defer func() {
 			if r := recover(); r != (crash{}) {
@@ -385,6 +395,9 @@ func TestSimRegressCrashMidUnprepareLeavesGPUUnguarded(t *testing.T) {
 	}()
 	h.a.Ledger().Close()
 	node.Close()
+	if err := os.WriteFile(ckpt, prepared, 0o600); err != nil {
+		t.Fatal(err)
+	}
 
 	node2, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state))
 	if err != nil {

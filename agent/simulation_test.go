@@ -1295,7 +1295,7 @@ func (k *simKubelet) schedule(pool *dra.Pool, devs []dra.Allocated) (dra.Allocat
 	// drowned by the many partitions.
 	byKind := map[string][]dra.Allocated{}
 	for _, d := range pool.Devices {
-		if d.Unhealthy != "" || !fits(d) {
+		if d.Unhealthy != "" || d.Cordoned != "" || !fits(d) {
 			continue
 		}
 		switch {

@@ -85,9 +85,11 @@ type BuildInfo struct {
 
 // DRAStatus is the DRA side of the node.
 type DRAStatus struct {
-	// Devices are the pool's device names, Unhealthy those tainted.
+	// Devices are the pool's device names, Unhealthy those tainted
+	// unhealthy, Cordoned those tainted cordoned (a device may be both).
 	Devices   []string `json:"devices"`
 	Unhealthy []string `json:"unhealthy,omitempty"`
+	Cordoned  []string `json:"cordoned,omitempty"`
 	// Claims are the prepared claims, "namespace/name: device, ...".
 	Claims []string `json:"claims,omitempty"`
 	// Releasing is what released claims left that is still to be undone,

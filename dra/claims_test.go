@@ -217,3 +217,38 @@ func TestSharedMIGDeviceTakesEveryShare(t *testing.T) {
 		t.Errorf("a claim beyond every share: %v, want unsatisfiable", err)
 	}
 }
+
+// The scheduler's allocator gives a device on a cordoned GPU only to a
+// request that tolerates the cordon's own taint: tolerating unhealthy
+// devices is not enough (issue 29, defect 4b).
+func TestCordonedDevicesNeedTheirToleration(t *testing.T) {
+	_, pool := simPool(t, "pcie-4gpu", false)
+	for i := range pool.Devices {
+		pool.Devices[i].Cordoned = "cordoned"
+	}
+	n := schedsim.New("node-a", dra.DriverName, dra.Resources("node-a", pool, 1, dra.Dropped{}), deviceClasses(t))
+	for _, tt := range []struct {
+		name string
+		keys []string
+		ok   bool
+	}{
+		{"no toleration", nil, false},
+		{"the unhealthy taint", []string{dra.TaintUnhealthy}, false},
+		{"the cordon", []string{dra.TaintCordoned}, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			r := resourceapi.DeviceRequest{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.nvidia.com"}}
+			for _, k := range tt.keys {
+				r.Exactly.Tolerations = append(r.Exactly.Tolerations, resourceapi.DeviceToleration{Key: k, Operator: resourceapi.DeviceTolerationOpExists})
+			}
+			c := &resourceapi.ResourceClaim{Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{r}}}}
+			c.Name, c.Namespace, c.UID = "c", "default", types.UID("uid-"+tt.name)
+			schedsim.Default(c)
+			_, err := n.Allocate(context.Background(), c)
+			if tt.ok && err != nil || !tt.ok && !errors.Is(err, schedsim.ErrUnsatisfiable) {
+				t.Errorf("Allocate: %v; want allocated %v", err, tt.ok)
+			}
+			n.Release()
+		})
+	}
+}

@@ -70,6 +70,10 @@ type Device struct {
 	// published with a taint, NoSchedule unless Evict (NoExecute).
 	Unhealthy string
 	Evict     bool
+	// Cordoned is why the device's GPU is out of service ("" when it is
+	// not): an admin cordoned it. It is published with the NoSchedule taint
+	// TaintCordoned, apart from Unhealthy, whatever the device's health.
+	Cordoned string
 	// Partition: a MIG device that does not exist yet (dynamic MIG): Prepare
 	// creates it at Placement with the GPU instance profile ProfileIndex.
 	Partition    bool

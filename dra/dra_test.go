@@ -166,6 +166,47 @@ func TestResources(t *testing.T) {
 	}
 }
 
+// A device on a cordoned GPU carries a taint of its own, TaintCordoned,
+// always NoSchedule (a cordon never evicts), not the unhealthy one; a
+// device both unhealthy and cordoned carries both; where the API server
+// drops taints it is left out; the health stream says it is cordoned
+// (issue 29, defect 4b).
+func TestResourcesCordoned(t *testing.T) {
+	ns, nx := resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute
+	for _, tt := range []struct {
+		name      string
+		unhealthy string
+		evict     bool
+		cordoned  string
+		want      []resourceapi.DeviceTaint
+	}{
+		{name: "healthy"},
+		{name: "unhealthy", unhealthy: "XID 48", want: []resourceapi.DeviceTaint{{Key: TaintUnhealthy, Effect: ns}}},
+		{name: "cordoned", cordoned: "cordoned", want: []resourceapi.DeviceTaint{{Key: TaintCordoned, Effect: ns}}},
+		{name: "unhealthy, evicting, and cordoned", unhealthy: "XID 48", evict: true, cordoned: "cordoned",
+			want: []resourceapi.DeviceTaint{{Key: TaintUnhealthy, Effect: nx}, {Key: TaintCordoned, Effect: ns}}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d := apiDevice(Device{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Unhealthy: tt.unhealthy, Evict: tt.evict, Cordoned: tt.cordoned})
+			if !slices.Equal(d.Taints, tt.want) {
+				t.Errorf("taints %+v, want %+v", d.Taints, tt.want)
+			}
+		})
+	}
+
+	pool := &Pool{Devices: []Device{{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0"}, {Name: "gpu-1", Type: TypeGPU, UUID: "GPU-1", Index: 1, Cordoned: "cordoned"}}}
+	if got := summarize(Resources("node-a", pool, 1, Dropped{Taints: true})); !got.has("gpu-0") || got.has("gpu-1") {
+		t.Errorf("without taints the API server is given %v, want gpu-0 only", got.devices)
+	}
+	d := New(Options{NodeName: "node-a", Now: time.Now})
+	d.Publish(pool)
+	for _, h := range d.healthResponse().Devices {
+		if cordoned := h.Device.DeviceName == "gpu-1"; cordoned != (h.Health == drahealth.HealthStatus_UNHEALTHY && h.Message == "cordoned") {
+			t.Errorf("health stream: %s %v %q", h.Device.DeviceName, h.Health, h.Message)
+		}
+	}
+}
+
 // A shared device: allowMultipleAllocations, and a "shares" capacity a
 // claim takes one of by default, up to all of them.
 func TestResourcesSharedDevice(t *testing.T) {
@@ -589,7 +630,9 @@ func TestPartitionNamesOfEveryModel(t *testing.T) {
 }
 
 // ClaimOf keeps this driver's results in this node's pool, with the share and
-// the capacity a shared device's claim consumes.
+// the capacity a shared device's claim consumes, and which of the driver's
+// taints each request tolerates (the cordon's is NoSchedule only, so a
+// toleration of NoExecute alone does not cover it).
 func TestClaimOf(t *testing.T) {
 	share := types.UID("share-1")
 	c := &resourceapi.ResourceClaim{
@@ -606,6 +649,10 @@ func TestClaimOf(t *testing.T) {
 					Tolerations: []resourceapi.DeviceToleration{{Operator: resourceapi.DeviceTolerationOpExists, Effect: resourceapi.DeviceTaintEffectNoExecute}}},
 				{Request: "other", Driver: DriverName, Pool: "node-a", Device: "gpu-4",
 					Tolerations: []resourceapi.DeviceToleration{{Key: "example.com/other", Operator: resourceapi.DeviceTolerationOpExists}}},
+				{Request: "cordon", Driver: DriverName, Pool: "node-a", Device: "gpu-5",
+					Tolerations: []resourceapi.DeviceToleration{{Key: TaintCordoned, Operator: resourceapi.DeviceTolerationOpExists, Effect: resourceapi.DeviceTaintEffectNoSchedule}}},
+				{Request: "all", Driver: DriverName, Pool: "node-a", Device: "gpu-6",
+					Tolerations: []resourceapi.DeviceToleration{{Operator: resourceapi.DeviceTolerationOpExists}}},
 			},
 		}}},
 	}
@@ -615,6 +662,8 @@ func TestClaimOf(t *testing.T) {
 		{Request: "watch", Device: "gpu-2", AdminAccess: true, ToleratesUnhealthy: true},
 		{Request: "any", Device: "gpu-3", ToleratesUnhealthy: true},
 		{Request: "other", Device: "gpu-4"},
+		{Request: "cordon", Device: "gpu-5", ToleratesCordon: true},
+		{Request: "all", Device: "gpu-6", ToleratesUnhealthy: true, ToleratesCordon: true},
 	}
 	if got.UID != "uid-1" || !slices.Equal(got.Devices, want) {
 		t.Errorf("ClaimOf: %+v, want devices %+v", got, want)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -54,6 +55,10 @@ type Allocated struct {
 	// ToleratesUnhealthy: the request tolerates the unhealthy taint, so
 	// the scheduler may have given it an unhealthy device on purpose.
 	ToleratesUnhealthy bool `json:"toleratesUnhealthy,omitempty"`
+	// ToleratesCordon: the request tolerates the cordon's taint
+	// (TaintCordoned, NoSchedule), so it may be given a device on a
+	// cordoned GPU on purpose.
+	ToleratesCordon bool `json:"toleratesCordon,omitempty"`
 }
 
 // ClaimRef names a claim to unprepare; the claim object may be gone.
@@ -372,6 +377,11 @@ func ClaimOf(c *resourceapi.ResourceClaim, pool string) Claim {
 						a.ToleratesUnhealthy = true
 					}
 				}
+				// The cordon's taint is only ever NoSchedule: a toleration of
+				// NoExecute alone does not match it, for the scheduler either.
+				if resourceclaim.ToleratesTaint(t, resourceapi.DeviceTaint{Key: TaintCordoned, Effect: resourceapi.DeviceTaintEffectNoSchedule}) {
+					a.ToleratesCordon = true
+				}
 			}
 			out.Devices = append(out.Devices, a)
 		}
@@ -458,7 +468,7 @@ func (x Dropped) leftOut() []LeftOut {
 func (x *Dropped) flag(feature string) (*bool, string) {
 	switch feature {
 	case "DRADeviceTaints":
-		return &x.Taints, "unhealthy devices, which cannot carry their taint"
+		return &x.Taints, "unhealthy and cordoned devices, which cannot carry their taint"
 	case "DRAPartitionableDevices":
 		return &x.Partitions, "the counter sets and every MIG device made on demand, which without counters could be given out overlapping"
 	case "DRAConsumableCapacity":
@@ -512,12 +522,26 @@ func (d *Driver) healthResponse() *drahealth.NodeWatchResourcesResponse {
 			// Three resends missed: the agent is gone, the kubelet says Unknown.
 			HealthCheckTimeoutSeconds: max(1, int64(3*d.opts.HealthResend/time.Second)), // a resend under 1/3 s must not round it to 0
 		}
-		if dev.Unhealthy != "" {
-			h.Health, h.Message = drahealth.HealthStatus_UNHEALTHY, truncate(dev.Unhealthy, 1024)
+		// A cordoned device reads as the device plugin reports it to the
+		// kubelet: not to be used, saying why. The stream only informs
+		// (the pod's allocatedResourcesStatus); it evicts nothing.
+		if why := joinWhy(dev.Unhealthy, dev.Cordoned); why != "" {
+			h.Health, h.Message = drahealth.HealthStatus_UNHEALTHY, truncate(why, 1024)
 		}
 		out.Devices = append(out.Devices, h)
 	}
 	return out
+}
+
+// joinWhy joins the reasons given, leaving out empty ones.
+func joinWhy(why ...string) string {
+	var out []string
+	for _, w := range why {
+		if w != "" {
+			out = append(out, w)
+		}
+	}
+	return strings.Join(out, "; ")
 }
 
 func truncate(s string, n int) string {

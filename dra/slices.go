@@ -23,6 +23,13 @@ const CapacityShares = "shares"
 // and with NoExecute the pods whose claims hold it are evicted.
 const TaintUnhealthy = DriverName + "/unhealthy"
 
+// TaintCordoned is the device taint of a device on a GPU an admin cordoned
+// (the Node's gpu-agent.io/cordon annotation). It is a key of its own so
+// that a claim tolerating unhealthy devices is not given a cordoned one,
+// and it is always NoSchedule: a cordon takes a GPU from new work, it
+// never evicts the pods that hold it.
+const TaintCordoned = DriverName + "/cordoned"
+
 // Attributes Kubernetes defines for every driver (KEP-4381's standard
 // names, k8s.io/dynamic-resource-allocation/deviceattribute), so that a
 // claim can align devices of different drivers, a GPU with a NIC under one
@@ -49,8 +56,8 @@ const (
 // because the feature behind it is off. A device that needs a dropped field
 // to be offered safely is left out instead of being published without it.
 type Dropped struct {
-	// Taints (DRADeviceTaints): unhealthy devices are left out, since
-	// without their taint the scheduler would hand them out.
+	// Taints (DRADeviceTaints): unhealthy and cordoned devices are left
+	// out, since without their taint the scheduler would hand them out.
 	Taints bool
 	// Partitions (DRAPartitionableDevices): shared counters and the devices'
 	// consumption of them. Partition devices are left out, since without
@@ -66,14 +73,14 @@ type Dropped struct {
 
 // withholds reports whether d must be left out of the slices.
 func (x Dropped) withholds(d Device) bool {
-	return x.Taints && d.Unhealthy != "" || x.Partitions && d.Partition || x.Sharing && d.Shares > 1
+	return x.Taints && (d.Unhealthy != "" || d.Cordoned != "") || x.Partitions && d.Partition || x.Sharing && d.Shares > 1
 }
 
 // Resources is what the kubelet plugin helper publishes for pool on
 // nodeName: one pool named for the node; the GPUs' counter sets in slices
 // of their own (a slice holds devices or counters, not both), then the
 // devices, as many slices as the API's limits need. Unhealthy devices carry
-// the NoSchedule taint TaintUnhealthy. What the API server drops (dropped)
+// the taint TaintUnhealthy, cordoned ones TaintCordoned. What the API server drops (dropped)
 // is left out, with the devices that need it.
 func Resources(nodeName string, pool *Pool, generation int64, dropped Dropped) resourceslice.DriverResources {
 	var out []resourceslice.Slice
@@ -227,7 +234,10 @@ func apiDevice(d Device) resourceapi.Device {
 		if d.Evict {
 			effect = resourceapi.DeviceTaintEffectNoExecute
 		}
-		out.Taints = []resourceapi.DeviceTaint{{Key: TaintUnhealthy, Effect: effect}}
+		out.Taints = append(out.Taints, resourceapi.DeviceTaint{Key: TaintUnhealthy, Effect: effect})
+	}
+	if d.Cordoned != "" {
+		out.Taints = append(out.Taints, resourceapi.DeviceTaint{Key: TaintCordoned, Effect: resourceapi.DeviceTaintEffectNoSchedule})
 	}
 	return out
 }

@@ -265,6 +265,11 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	if f.configMap != "" && client == nil {
 		log.Warn("--configmap needs the Kubernetes API; using --config only", "configmap", f.configMap)
 	}
+	if client == nil {
+		// No Node watch will answer: a cordon restored from the checkpoint
+		// could never be lifted, so none stands without the API.
+		inbox.Post(agent.CordonChanged{})
+	}
 	// DRA: the driver publishes what the loop plans and asks the loop to
 	// prepare claims; it starts once the loop exists.
 	var draDriver *dra.Driver

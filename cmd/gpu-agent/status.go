@@ -343,6 +343,9 @@ func writeDRA(tw io.Writer, d *agent.DRAStatus) {
 	if len(d.Unhealthy) > 0 {
 		pool += fmt.Sprintf(", %d tainted unhealthy: %s", len(d.Unhealthy), strings.Join(d.Unhealthy, ", "))
 	}
+	if len(d.Cordoned) > 0 {
+		pool += fmt.Sprintf(", %d tainted cordoned: %s", len(d.Cordoned), strings.Join(d.Cordoned, ", "))
+	}
 	fmt.Fprintf(tw, "DRA:\t%s\n", pool)
 	switch s := d.Slices; {
 	case s == nil:

@@ -48,7 +48,7 @@ func TestWriteStatusFixtures(t *testing.T) {
 				"Node labels: 23 owned, written 2026-11-25T22:20:00Z",
 				"ConfigMap: gpu-agent/gpu-agent-config, in force",
 				"CDI spec: /var/run/cdi/gpu-agent.json, 3 devices",
-				"DRA: 2 devices in the pool, 1 tainted unhealthy: gpu-1",
+				"DRA: 2 devices in the pool, 1 tainted unhealthy: gpu-1, 1 tainted cordoned: gpu-1",
 				"DRA slices: generation 12 handed to the API server 2026-11-25T22:21:00Z",
 				"ml/train-0 gpu-0",
 				"ml/infer-7 MIG-5c0e9b6e-30a4-5cb5-9f0b-8a8e3e3f0a11",
