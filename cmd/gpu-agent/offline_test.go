@@ -345,3 +345,35 @@ func TestFlagsAfterArguments(t *testing.T) {
 		t.Errorf("node %q, args %q", *node, fs.Args())
 	}
 }
+
+// A mig-parted file of layouts for several models, one of them (for the
+// A100-40GB) asking for a profile the A100-40GB lacks.
+const migPartedMixed = `version: v1
+mig-configs:
+  all-disabled:
+  - devices: all
+    mig-enabled: false
+  five-1g-one-2g:
+  - device-filter: ["0x20B010DE"]
+    devices: all
+    mig-enabled: true
+    mig-devices:
+      "1g.5gb": 5
+      "4g.40gb": 1
+  h100-3g:
+  - device-filter: ["0x233010DE"]
+    devices: all
+    mig-enabled: true
+    mig-devices: {"3g.40gb": 2}
+`
+
+// The planner's errors name the layout as its author wrote it, not the
+// config the agent made of it (issue 32: "configs.default.mig").
+func TestLayoutErrorNamesMigPartedEntry(t *testing.T) {
+	cfg := writeFile(t, "mig.yaml", migPartedMixed)
+	code, _, stderr := run(t, "config", "validate", cfg, "--labels", "nvidia.com/mig.config=five-1g-one-2g")
+	want := "mig-configs.five-1g-one-2g[0].mig-devices: gpus 0, 1, 2, 3, 4, 5, 6, 7: MIG layout does not fit: profile 4g.40gb not offered"
+	if code != 1 || !strings.Contains(stderr, want) || !strings.Contains(stderr, "(line 10)") || strings.Contains(stderr, "configs.default") {
+		t.Errorf("exit %d, stderr %q; want 1 with %q at line 10", code, stderr, want)
+	}
+}
