@@ -70,26 +70,51 @@ var ErrLayout = errors.New("MIG layout does not fit")
 func Desired(layout config.MigLayout, inv *gpu.Inventory) (map[int]Want, error) {
 	out := map[int]Want{}
 	for _, g := range inv.GPUs {
-		for ei, e := range layout {
-			ok, err := entryMatches(e, g)
-			if err != nil {
-				return nil, fmt.Errorf("%w: %w", ErrLayout, &EntryError{Entry: ei, Field: "device-filter", Err: err})
-			}
-			if !ok {
-				continue
-			}
-			w, field, err := wantOf(ei, e, g)
-			if err != nil {
-				return nil, fmt.Errorf("%w: %w", ErrLayout, &EntryError{Entry: ei, Field: field,
-					Err: fmt.Errorf("gpu %d (%s): %w", g.Index, g.UUID, err)})
-			}
-			if w != nil {
-				out[g.Index] = *w
-			}
-			break
+		ei, err := EntryOf(layout, g)
+		if err != nil {
+			return nil, err
+		}
+		if ei < 0 {
+			continue
+		}
+		w, field, err := wantOf(ei, layout[ei], g)
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrLayout, &EntryError{Entry: ei, Field: field,
+				Err: fmt.Errorf("gpu %d (%s): %w", g.Index, g.UUID, err)})
+		}
+		if w != nil {
+			out[g.Index] = *w
 		}
 	}
 	return out, nil
+}
+
+// EntryOf is the index of the first entry of layout that matches g by
+// index and device filter, the one that applies to it (mig-parted's rule);
+// -1 for none.
+func EntryOf(layout config.MigLayout, g gpu.GPU) (int, error) {
+	for ei, e := range layout {
+		ok, err := entryMatches(e, g)
+		if err != nil {
+			return -1, fmt.Errorf("%w: %w", ErrLayout, &EntryError{Entry: ei, Field: "device-filter", Err: err})
+		}
+		if ok {
+			return ei, nil
+		}
+	}
+	return -1, nil
+}
+
+// FilterNames reports whether e's device-filter names the PCI device id
+// id (a GPU model).
+func FilterNames(e config.MigDeviceConfig, id uint32) bool {
+	for _, f := range e.DeviceFilter {
+		v, err := strconv.ParseUint(strings.TrimPrefix(strings.ToLower(f), "0x"), 16, 32)
+		if err == nil && id != 0 && uint32(v) == id {
+			return true
+		}
+	}
+	return false
 }
 
 func entryMatches(e config.MigDeviceConfig, g gpu.GPU) (bool, error) {

@@ -323,8 +323,7 @@ func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	cat, pool := d.Catalog, d.DRA
 	offers := fmt.Sprintf("On %s it would offer:\n", be.Name)
 	if sel.MIGLayout != nil {
-		fmt.Fprintf(stdout, "MIG layout on %s:\n", be.Name)
-		if err := printMIG(stdout, snap, d, false); err != nil {
+		if err := printMIG(stdout, fmt.Sprintf("MIG layout on %s:\n", be.Name), snap, d, false); err != nil {
 			return fmt.Errorf("%s: on %s: %w", file, be.Name, err)
 		}
 	}
@@ -529,8 +528,7 @@ func cmdMIG(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "MIG layout of config %q on %s:\n", sel.Name, be.Name)
-	if err := printMIG(stdout, snap, agent.Plan(snap), true); err != nil {
+	if err := printMIG(stdout, fmt.Sprintf("MIG layout of config %q on %s:\n", sel.Name, be.Name), snap, agent.Plan(snap), true); err != nil {
 		return fmt.Errorf("%s: %w", *file, err)
 	}
 	return nil
@@ -563,11 +561,11 @@ func offlineSnapshot(be *backend, sel config.Selected) (agent.Snapshot, error) {
 	return snap, nil
 }
 
-// printMIG prints, per GPU, what applying the layout would do; steps lists
-// the steps too. An impossible layout is an error naming the GPU, and so is
-// a layout none of whose entries applies to any GPU: it would change nothing,
-// which is never what its author meant (a device-filter for another model).
-func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool) error {
+// printMIG prints, under header, per GPU what applying the layout would
+// do; steps lists the steps too. An impossible layout is an error naming
+// the GPU, and so is a layout that does nothing of what it is for on this
+// node (checkSelectedLayout: a device-filter for another model).
+func printMIG(stdout io.Writer, header string, snap agent.Snapshot, d agent.Desired, steps bool) error {
 	planned := map[int]agent.GPUMIG{}
 	for _, gm := range d.MIG {
 		planned[gm.GPU] = gm
@@ -578,9 +576,10 @@ func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool
 	if d.MIGErr != nil && len(d.MIG) == 0 {
 		return d.MIGErr
 	}
-	if len(planned) == 0 {
-		return noEntryApplies(snap)
+	if err := checkSelectedLayout(snap, d); err != nil {
+		return err
 	}
+	fmt.Fprint(stdout, header)
 	for _, g := range snap.Inventory.GPUs {
 		gm, ok := planned[g.Index]
 		if !ok {
@@ -598,27 +597,6 @@ func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool
 			}
 		}
 	}
+	writeUnmatched(stdout, snap)
 	return d.MIGErr
-}
-
-// noEntryApplies names the node's GPU models, so the author can see which
-// device-filter the layout lacks.
-func noEntryApplies(snap agent.Snapshot) error {
-	var models []string
-	seen := map[string]bool{}
-	for _, g := range snap.Inventory.GPUs {
-		m := g.Name
-		if g.PCIDeviceID != 0 {
-			m = fmt.Sprintf("%s, device-filter 0x%08X", g.Name, g.PCIDeviceID)
-		}
-		if !g.MIGCapable {
-			m += ", no MIG"
-		}
-		if !seen[m] {
-			seen[m] = true
-			models = append(models, m)
-		}
-	}
-	return fmt.Errorf("config %q: no entry of its MIG layout (mig.devices) applies to any GPU of this node (%s): it would change nothing; check each entry's device-filter and devices",
-		snap.Selected.Name, strings.Join(models, "; "))
 }

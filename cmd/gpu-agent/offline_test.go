@@ -75,7 +75,7 @@ func TestNoLayoutEntryApplies(t *testing.T) {
 		{"mig", "plan", "--config", cfg, "--backend", "sim:dgx-h100"},
 	} {
 		code, _, stderr := run(t, args...)
-		if code != 1 || !strings.Contains(stderr, "no entry of its MIG layout (mig.devices) applies to any GPU") ||
+		if code != 1 || !strings.Contains(stderr, "configs.default.mig.devices: no entry applies to any GPU of this node") ||
 			!strings.Contains(stderr, "NVIDIA H100 80GB HBM3, device-filter 0x233010DE") {
 			t.Errorf("%v: exit %d, stderr %q; want 1 naming the H100's device-filter", args, code, stderr)
 		}
@@ -375,5 +375,44 @@ func TestLayoutErrorNamesMigPartedEntry(t *testing.T) {
 	want := "mig-configs.five-1g-one-2g[0].mig-devices: gpus 0, 1, 2, 3, 4, 5, 6, 7: MIG layout does not fit: profile 4g.40gb not offered"
 	if code != 1 || !strings.Contains(stderr, want) || !strings.Contains(stderr, "(line 10)") || strings.Contains(stderr, "configs.default") {
 		t.Errorf("exit %d, stderr %q; want 1 with %q at line 10", code, stderr, want)
+	}
+}
+
+// A layout whose entries enabling MIG are all for another model does
+// nothing it is for on this node, even if an entry disabling MIG applies:
+// refused like a layout no entry of which applies (issue 32: the H100
+// half-3g example was valid on the A100s, the other H100 examples not).
+func TestLayoutForAnotherModelRefused(t *testing.T) {
+	for _, example := range []string{"mig-h100-half-3g.yaml", "mig-h100-balanced.yaml", "mig-h100-all-1g.yaml"} {
+		code, out, stderr := run(t, "config", "validate", filepath.Join("..", "..", "deploy", "examples", example))
+		if code != 1 || !strings.Contains(stderr, "device-filter 0x233010DE names another model") && !strings.Contains(stderr, "no entry applies to any GPU of this node") {
+			t.Errorf("%s on the A100s: exit %d, want 1:\n%s%s", example, code, out, stderr)
+		}
+	}
+	half := `version: v1
+configs:
+  default:
+    mig:
+      strategy: mixed
+      devices:
+      - device-filter: ["0x233010DE"]
+        devices: [0, 1, 2, 3]
+        mig-enabled: true
+        mig-devices: {"3g.40gb": 2}
+      - devices: [4, 5, 6, 7]
+        mig-enabled: false
+`
+	code, _, stderr := run(t, "mig", "plan", "--config", writeFile(t, "half.yaml", half))
+	want := "configs.default.mig.devices: no entry that enables MIG applies to any GPU of this node (entry [0]: device-filter 0x233010DE names another model; " +
+		"this node: NVIDIA A100-SXM4-40GB, device-filter 0x20B010DE): it would only disable MIG on GPUs 4-7; check each entry's device-filter and devices (line 6)"
+	if code != 1 || !strings.Contains(stderr, want) {
+		t.Errorf("mig plan: exit %d, stderr %q; want 1 with %q", code, stderr, want)
+	}
+	// A layout for two models: the other model's entry is listed, not refused.
+	both := strings.Replace(half, "      - devices: [4, 5, 6, 7]\n        mig-enabled: false\n",
+		"      - device-filter: [\"0x20B010DE\"]\n        devices: all\n        mig-enabled: true\n        mig-devices: {\"3g.20gb\": 2}\n", 1)
+	code, out, stderr := run(t, "config", "validate", writeFile(t, "both.yaml", both))
+	if code != 0 || !strings.Contains(out, "configs.default.mig.devices[0]: applies to no GPU of this node (device-filter 0x233010DE names another model) (line 7)") {
+		t.Errorf("two-model layout: exit %d, want 0 naming the H100 entry:\n%s%s", code, out, stderr)
 	}
 }
