@@ -304,6 +304,14 @@ func layoutField(g gpu.GPU, want mig.Want, err error) string {
 	return "mig-devices"
 }
 
+// PlanMIG is the MIG part of Plan: each GPU's plan for s.Selected's layout
+// and the error that refuses it, if any (mig.ErrLayout when the layout
+// does not fit). `config validate` checks every named layout with it.
+func PlanMIG(s Snapshot) ([]GPUMIG, error) {
+	out, err, _ := planMIG(s, s.Selected, s.Cordon())
+	return out, err
+}
+
 // reGPUInError finds the GPU an error of planMIG names.
 var reGPUInError = regexp.MustCompile(`gpu (\d+) \(GPU-[^)]*\): `)
 

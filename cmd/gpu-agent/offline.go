@@ -327,6 +327,25 @@ func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			return fmt.Errorf("%s: on %s: %w", file, be.Name, err)
 		}
 	}
+	if len(f.MigConfigs) > 0 {
+		reports, err := checkMigConfigs(f, &s, snap)
+		if err != nil {
+			return fmt.Errorf("%s: %w", file, err)
+		}
+		writeMigConfigs(stdout, be.Name, reports)
+		if w := migConfigsWarning(reports, len(nodeModels(snap.Inventory))); w != "" {
+			fmt.Fprintf(stderr, "warning: %s: on %s: %s\n", file, be.Name, w)
+		}
+		var errs []string
+		for _, rep := range reports {
+			if rep.severity == entryIsError {
+				errs = append(errs, rep.err.Error())
+			}
+		}
+		if len(errs) > 0 {
+			return fmt.Errorf("%s: on %s: %s", file, be.Name, strings.Join(errs, "\n"))
+		}
+	}
 	format := string(f.Format)
 	if what != "" {
 		format += "; " + what

@@ -378,6 +378,64 @@ func TestLayoutErrorNamesMigPartedEntry(t *testing.T) {
 	}
 }
 
+// Every named layout is planned on the node as the agent would with the
+// node labelled nvidia.com/mig.config=<entry>, model by model: one that
+// does not fit the model its device-filter names is an error, one for
+// other models a warning (issue 32: an A100-40GB entry asking for 4g.40gb
+// was "valid").
+func TestValidateChecksEveryMigConfigsEntry(t *testing.T) {
+	cfg := writeFile(t, "mig.yaml", migPartedMixed)
+	code, out, stderr := run(t, "config", "validate", cfg)
+	if code != 1 || strings.Contains(out, "valid (") {
+		t.Errorf("exit %d, want 1 and no \"valid\":\n%s%s", code, out, stderr)
+	}
+	wantLines(t, out,
+		"Its mig-configs on sim:dgx-a100, each as the node labelled nvidia.com/mig.config=<entry> would apply it:",
+		" all-disabled: fits NVIDIA A100-SXM4-40GB (GPUs 0-7)",
+		" five-1g-one-2g: does not fit NVIDIA A100-SXM4-40GB: mig-configs.five-1g-one-2g[0].mig-devices: gpus 0, 1, 2, 3, 4, 5, 6, 7: MIG layout does not fit: profile 4g.40gb not offered",
+		" h100-3g: applies to no GPU of this node (entry [0]: device-filter 0x233010DE names another model; this node: NVIDIA A100-SXM4-40GB, device-filter 0x20B010DE)")
+	if strings.Count(out, "4g.40gb not offered") != 1 {
+		t.Errorf("the reason is not said once for the model:\n%s", out)
+	}
+	if !strings.Contains(stderr, "mig-configs entry five-1g-one-2g does not fit the NVIDIA A100-SXM4-40GB its device-filter names: mig-configs.five-1g-one-2g[0].mig-devices:") ||
+		!strings.Contains(stderr, "(line 10)") {
+		t.Errorf("stderr does not name the entry, its path and line:\n%s", stderr)
+	}
+	if !strings.Contains(stderr, "warning: "+cfg+": on sim:dgx-a100: mig-configs entry h100-3g fits no GPU model of this node (above); fine if it is meant for other nodes") {
+		t.Errorf("no warning for the H100 entry:\n%s", stderr)
+	}
+
+	// On the H100s the A100 entry is the one for other nodes.
+	code, out, stderr = run(t, "config", "validate", cfg, "--backend", "sim:dgx-h100")
+	if code != 0 || !strings.Contains(out, "valid (mig-parted)") {
+		t.Errorf("on H100s: exit %d, want 0:\n%s%s", code, out, stderr)
+	}
+	wantLines(t, out, " h100-3g: fits NVIDIA H100 80GB HBM3 (GPUs 0-7)",
+		" five-1g-one-2g: applies to no GPU of this node (entry [0]: device-filter 0x20B010DE names another model; this node: NVIDIA H100 80GB HBM3, device-filter 0x233010DE)")
+	if !strings.Contains(stderr, "mig-configs entry five-1g-one-2g fits no GPU model of this node") {
+		t.Errorf("on H100s, no warning for the A100 entry:\n%s", stderr)
+	}
+
+	// An entry without a device-filter may be meant for other nodes: a
+	// warning, on its model too.
+	unfiltered := strings.Replace(migPartedMixed, `  - device-filter: ["0x20B010DE"]
+    devices: all`, "  - devices: all", 1)
+	code, out, stderr = run(t, "config", "validate", writeFile(t, "mig.yaml", unfiltered))
+	if code != 0 || !strings.Contains(stderr, "2 mig-configs entries fit no GPU model of this node (above): five-1g-one-2g, h100-3g") {
+		t.Errorf("unfiltered entry: exit %d, want 0 with a warning:\n%s%s", code, out, stderr)
+	}
+
+	// The mig-configs of gpu-agent's own format are checked alike, in a
+	// ConfigMap directory too.
+	own := "version: v1\nconfigs:\n  default: {}\n" + strings.TrimPrefix(migPartedMixed, "version: v1\n")
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "config.yaml"), []byte(own), 0o644)
+	code, out, stderr = run(t, "config", "validate", dir)
+	if code != 1 || !strings.Contains(out, " five-1g-one-2g: does not fit NVIDIA A100-SXM4-40GB: key config.yaml: mig-configs.five-1g-one-2g[0].mig-devices:") {
+		t.Errorf("own format: exit %d, want 1:\n%s%s", code, out, stderr)
+	}
+}
+
 // A layout whose entries enabling MIG are all for another model does
 // nothing it is for on this node, even if an entry disabling MIG applies:
 // refused like a layout no entry of which applies (issue 32: the H100
