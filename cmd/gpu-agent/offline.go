@@ -211,6 +211,8 @@ func parseLabels(list string) (map[string]string, error) {
 // node picks its config from it.
 type selection struct {
 	node, labels, defaultConfig, migStrategy string
+	// warnings counts the warnings load printed.
+	warnings int
 }
 
 func (s *selection) register(fs *flag.FlagSet) {
@@ -240,6 +242,7 @@ func (s *selection) load(file string, stderr io.Writer) (*config.File, config.Se
 	for _, w := range warnings {
 		fmt.Fprintf(stderr, "warning: %s: %s\n", file, w)
 	}
+	s.warnings += len(warnings)
 	if err != nil {
 		return nil, config.Selected{}, "", fmt.Errorf("%s: invalid:\n%w", file, err)
 	}
@@ -285,7 +288,7 @@ func subcommand(args []string, sub, synopsis string, stdout io.Writer) (done boo
 	return true, usageError{"want: " + synopsis}
 }
 
-const validateSynopsis = "config validate FILE [--backend sim:<profile>[,state=F]|nvml | --addr URL] [--node-name N] [--labels K=V,...]"
+const validateSynopsis = "config validate FILE [--backend sim:<profile>[,state=F]|nvml | --addr URL] [--node-name N] [--labels K=V,...] [--strict]"
 
 func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if done, err := subcommand(args, "validate", validateSynopsis, stdout); done {
@@ -296,10 +299,29 @@ func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	nf.register(fs)
 	var s selection
 	s.register(fs)
+	strict := fs.Bool("strict", false, "warnings fail too (exit 1), for CI: a field NVIDIA's format ignores, a mig-configs entry that fits no model of the node, ...")
 	file, err := configFileArg(fs, args[1:])
 	if err != nil {
 		return err
 	}
+	if err := validate(ctx, file, &nf, &s, fs, stdout, stderr); err != nil {
+		return err
+	}
+	if *strict && s.warnings > 0 {
+		return fmt.Errorf("%s: %d %s, and --strict makes them errors", file, s.warnings, plural(s.warnings, "warning", "warnings"))
+	}
+	return nil
+}
+
+func plural(n int, one, more string) string {
+	if n == 1 {
+		return one
+	}
+	return more
+}
+
+// validate is config validate, warnings counted in s.
+func validate(ctx context.Context, file string, nf *nodeFlags, s *selection, fs *flag.FlagSet, stdout, stderr io.Writer) error {
 	f, sel, what, err := s.load(file, stderr)
 	if err != nil {
 		return err
@@ -320,6 +342,7 @@ func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	for _, w := range d.Warnings {
 		fmt.Fprintf(stderr, "warning: %s: on %s: %s\n", file, be.Name, w)
 	}
+	s.warnings += len(d.Warnings)
 	cat, pool := d.Catalog, d.DRA
 	offers := fmt.Sprintf("On %s it would offer:\n", be.Name)
 	if sel.MIGLayout != nil {
@@ -328,13 +351,14 @@ func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 	}
 	if len(f.MigConfigs) > 0 {
-		reports, err := checkMigConfigs(f, &s, snap)
+		reports, err := checkMigConfigs(f, s, snap)
 		if err != nil {
 			return fmt.Errorf("%s: %w", file, err)
 		}
 		writeMigConfigs(stdout, be.Name, reports)
 		if w := migConfigsWarning(reports, len(nodeModels(snap.Inventory))); w != "" {
 			fmt.Fprintf(stderr, "warning: %s: on %s: %s\n", file, be.Name, w)
+			s.warnings++
 		}
 		var errs []string
 		for _, rep := range reports {

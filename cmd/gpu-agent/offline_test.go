@@ -474,3 +474,35 @@ configs:
 		t.Errorf("two-model layout: exit %d, want 0 naming the H100 entry:\n%s%s", code, out, stderr)
 	}
 }
+
+// A typo in a file of NVIDIA's format is a warning, as NVIDIA's plugin
+// ignores it; --strict makes every warning fail, for CI (issue 32).
+func TestValidateStrict(t *testing.T) {
+	nvidia := writeFile(t, "nvidia.yaml", `version: v1
+sharing:
+  timeSlicing:
+    renameByDefualt: true
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 4
+`)
+	code, out, stderr := run(t, "config", "validate", nvidia)
+	if code != 0 || !strings.Contains(stderr, "warning: "+nvidia+": sharing.timeSlicing.renameByDefualt: unknown field") {
+		t.Errorf("without --strict: exit %d, want 0 with a warning:\n%s%s", code, out, stderr)
+	}
+	for _, args := range [][]string{{"config", "validate", nvidia, "--strict"}, {"config", "validate", "--strict", nvidia}} {
+		code, _, stderr = run(t, args...)
+		if code != 1 || !strings.Contains(stderr, nvidia+": 1 warning, and --strict makes them errors") {
+			t.Errorf("%v: exit %d, want 1:\n%s", args, code, stderr)
+		}
+	}
+	// Warnings found on the node count too.
+	code, _, stderr = run(t, "config", "validate", writeFile(t, "mig.yaml", strings.Replace(migPartedMixed, `"4g.40gb": 1`, `"2g.10gb": 1`, 1)), "--strict")
+	if code != 1 || !strings.Contains(stderr, ": 2 warnings, and --strict makes them errors") {
+		t.Errorf("mig-configs for other nodes: exit %d, want 1 counting 2 warnings:\n%s", code, stderr)
+	}
+	cfg := writeFile(t, "a100.yaml", a100Balanced)
+	if code, out, stderr := run(t, "config", "validate", cfg, "--strict"); code != 0 {
+		t.Errorf("no warnings: exit %d\n%s%s", code, out, stderr)
+	}
+}
