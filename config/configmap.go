@@ -68,7 +68,7 @@ func ParseConfigMapWith(data map[string]string, defaultKey string, o ParseOption
 	// The decoder's budget carries from key to key: a few hundred bytes of
 	// aliases expand to the whole budget, and a thousand such keys would
 	// otherwise expand to a thousand budgets.
-	spentNodes, spentBytes := 0, 0
+	spentNodes, spentBytes, suggested := 0, 0, 0
 	for _, key := range slices.Sorted(maps.Keys(data)) {
 		if msg := checkConfigMapKey(key); msg != "" {
 			// The API server enforces this; a directory's file names or a
@@ -77,9 +77,9 @@ func ParseConfigMapWith(data map[string]string, defaultKey string, o ParseOption
 			continue
 		}
 		d := newDecoder()
-		d.nodes, d.bytes, d.shared = spentNodes, spentBytes, true
+		d.nodes, d.bytes, d.shared, d.suggested = spentNodes, spentBytes, true, suggested
 		f, w, err := parse([]byte(data[key]), d, checkLocal, o)
-		spentNodes, spentBytes = d.nodes, d.bytes
+		spentNodes, spentBytes, suggested = d.nodes, d.bytes, d.suggested
 		warnings = append(warnings, prefixAll(key, w)...)
 		if err != nil {
 			errs = append(errs, inKey(key, err)...)

@@ -269,8 +269,16 @@ func detectFormat(root *yaml.Node) (Format, error) {
 	case keys["mig-configs"]:
 		return FormatMigParted, nil
 	}
-	return "", ErrorList{{Line: root.Line, Msg: "unrecognised config file: expected top-level configs: (gpu-agent), " +
-		"flags:/sharing: (NVIDIA device plugin) or mig-configs: (mig-parted)"}}
+	msg := "unrecognised config file: expected top-level configs: (gpu-agent), " +
+		"flags:/sharing: (NVIDIA device plugin) or mig-configs: (mig-parted)"
+	known := []string{"configs", "flags", "health", "imex", "mig-configs", "nodes", "resources", "sharing", "version"}
+	for i := 0; i+1 < len(root.Content) && i < 2*maxListed; i += 2 {
+		key := root.Content[i].Value
+		if name := closest(key, known); name != "" && name != key {
+			msg += fmt.Sprintf("; %s (line %d): did you mean %s?", key, root.Content[i].Line, name)
+		}
+	}
+	return "", ErrorList{{Line: root.Line, Msg: msg}}
 }
 
 // applyDefaults fills every field left empty with its default, in one place.

@@ -501,7 +501,7 @@ configs:
           replicas: 2
           replica: 4
 `))
-	want := "configs.default.sharing.timeSlicing.resources[0].replica: unknown field (line 9)"
+	want := "configs.default.sharing.timeSlicing.resources[0].replica: unknown field; did you mean replicas? (line 9)"
 	if err == nil || err.Error() != want {
 		t.Fatalf("error = %v, want %q", err, want)
 	}
