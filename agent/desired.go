@@ -234,10 +234,15 @@ func planMIG(s Snapshot, sel config.Selected, cordon CordonStatus) (out []GPUMIG
 	if layout == nil || !s.MIGApplies || s.Inventory == nil {
 		return nil, nil, false
 	}
-	field := "configs." + sel.Name + ".mig"
+	// Errors name the layout where its author wrote it: the entry of
+	// mig-configs or the config's mig.devices, and the field.
 	wants, err := mig.Desired(layout, s.Inventory)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", field, err), false
+		var ee *mig.EntryError
+		if errors.As(err, &ee) {
+			return nil, sel.MIGError(ee.Entry, ee.Field, fmt.Errorf("%w: %w", mig.ErrLayout, ee.Err)), false
+		}
+		return nil, sel.MIGError(-1, "", err), false
 	}
 	held := s.Holdings.heldMIG(s.Inventory)
 	var errs []error
@@ -253,15 +258,15 @@ func planMIG(s Snapshot, sel config.Selected, cordon CordonStatus) (out []GPUMIG
 			if why == nil {
 				why = errors.New("MIG profiles not read")
 			}
-			err := fmt.Errorf("%s: gpu %d (%s): %w", field, g.Index, g.UUID, why)
+			err := fmt.Errorf("gpu %d (%s): %w", g.Index, g.UUID, why)
 			gm.State = mig.State{Phase: mig.PhaseFailed, Reason: err.Error()}
-			errs = append(errs, err)
+			errs = append(errs, sel.MIGError(want.Entry, "", err))
 			out = append(out, gm)
 			continue
 		}
 		plan, state, err := mig.MakePlan(g, profiles, want, held)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", field, err))
+			errs = append(errs, sel.MIGError(want.Entry, layoutField(g, want, err), err))
 		}
 		gm.Plan, gm.State = plan, state
 		if cordon.has(g.UUID) && len(plan.Steps) > 0 {
@@ -284,6 +289,27 @@ func planMIG(s Snapshot, sel config.Selected, cordon CordonStatus) (out []GPUMIG
 		out = append(out, gm)
 	}
 	return out, groupGPUErrors(errs), needFresh
+}
+
+// layoutField is the field of a layout entry that MakePlan's err for g is
+// about: mig-enabled for a GPU without MIG, mig-devices for profiles that
+// do not fit, the entry itself for the rest (the GPU's state).
+func layoutField(g gpu.GPU, want mig.Want, err error) string {
+	switch {
+	case !errors.Is(err, mig.ErrLayout) || !want.MIGEnabled:
+		return ""
+	case !g.MIGCapable:
+		return "mig-enabled"
+	}
+	return "mig-devices"
+}
+
+// PlanMIG is the MIG part of Plan: each GPU's plan for s.Selected's layout
+// and the error that refuses it, if any (mig.ErrLayout when the layout
+// does not fit). `config validate` checks every named layout with it.
+func PlanMIG(s Snapshot) ([]GPUMIG, error) {
+	out, err, _ := planMIG(s, s.Selected, s.Cordon())
+	return out, err
 }
 
 // reGPUInError finds the GPU an error of planMIG names.

@@ -465,6 +465,12 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 	}
 	states := map[int]MIGState{}
 	errs := []error{d.MIGErr}
+	// The layout applied is the served config's, else the selected one's
+	// (planned while its sharing does not fit yet).
+	layoutOf := d.Config
+	if layoutOf.MIGLayout == nil {
+		layoutOf = a.selected
+	}
 	refused := a.doom(d.MIG)
 	for _, gm := range d.MIG {
 		st := MIGState{GPU: gm.GPU, UUID: gm.UUID, Want: gm.Want, Phase: gm.State.Phase, Reason: gm.State.Reason}
@@ -478,7 +484,7 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 			}
 			s, err := a.opts.MIG.Apply(a.ctx, gm.Plan)
 			if err != nil {
-				errs = append(errs, fmt.Errorf("configs.%s.mig: %w", a.selected.Name, err))
+				errs = append(errs, layoutOf.MIGError(gm.Plan.Want.Entry, "", err))
 			}
 			changed = changed || len(gm.Plan.Steps) > 0
 			st.Phase, st.Reason = s.Phase, s.Reason

@@ -45,7 +45,7 @@ newSection: {a: 1}
 			want: nvidiaWant{
 				warnings: []string{
 					"flags.futureFlag: unknown field, ignored as NVIDIA's device plugin ignores it (line 4)",
-					"flags.plugin.passDeviceSpec: unknown field, ignored as NVIDIA's device plugin ignores it (line 6)",
+					"flags.plugin.passDeviceSpec: unknown field, ignored as NVIDIA's device plugin ignores it; did you mean passDeviceSpecs? (line 6)",
 					"sharing.timeSlicing.resources[0].weight: unknown field, ignored as NVIDIA's device plugin ignores it (line 12)",
 					"newSection: unknown field, ignored as NVIDIA's device plugin ignores it (line 13)",
 				},

@@ -68,7 +68,7 @@ func ParseConfigMapWith(data map[string]string, defaultKey string, o ParseOption
 	// The decoder's budget carries from key to key: a few hundred bytes of
 	// aliases expand to the whole budget, and a thousand such keys would
 	// otherwise expand to a thousand budgets.
-	spentNodes, spentBytes := 0, 0
+	spentNodes, spentBytes, suggested := 0, 0, 0
 	for _, key := range slices.Sorted(maps.Keys(data)) {
 		if msg := checkConfigMapKey(key); msg != "" {
 			// The API server enforces this; a directory's file names or a
@@ -77,9 +77,9 @@ func ParseConfigMapWith(data map[string]string, defaultKey string, o ParseOption
 			continue
 		}
 		d := newDecoder()
-		d.nodes, d.bytes, d.shared = spentNodes, spentBytes, true
+		d.nodes, d.bytes, d.shared, d.suggested = spentNodes, spentBytes, true, suggested
 		f, w, err := parse([]byte(data[key]), d, checkLocal, o)
-		spentNodes, spentBytes = d.nodes, d.bytes
+		spentNodes, spentBytes, suggested = d.nodes, d.bytes, d.suggested
 		warnings = append(warnings, prefixAll(key, w)...)
 		if err != nil {
 			errs = append(errs, inKey(key, err)...)
@@ -137,6 +137,10 @@ func mergeParts(parts []mapPart, defaultKey string, complete bool) (*File, []str
 	here := func(p mapPart, path string) origin {
 		return origin{p.key, path, p.f.lineOf(path)}
 	}
+	// What a key defines keeps its lines, for the errors the planner finds
+	// in a MIG layout (Selected.MIGError).
+	out.keys, out.lines = map[string]string{}, map[string]int{}
+	keep := func(p mapPart, top string) { out.keys[top] = p.key }
 
 	// Configs users wrote first, so that those a mig-parted key implies
 	// (one per entry) only fill the names left free.
@@ -157,6 +161,7 @@ func mergeParts(parts []mapPart, defaultKey string, complete bool) (*File, []str
 			for _, name := range sortedKeys(p.f.Configs) {
 				if define("config", name, here(p, joinKey("configs", name)), configFrom) {
 					out.Configs[name] = p.f.Configs[name]
+					keep(p, joinKey("configs", name))
 				}
 				written++
 			}
@@ -175,6 +180,14 @@ func mergeParts(parts []mapPart, defaultKey string, complete bool) (*File, []str
 					out.MigConfigs = map[string]MigLayout{}
 				}
 				out.MigConfigs[name] = p.f.MigConfigs[name]
+				keep(p, joinKey("mig-configs", name))
+			}
+		}
+	}
+	for _, p := range parts {
+		for path, line := range p.f.lines {
+			if top := topEntry(path); top != "" && out.keys[top] == p.key {
+				out.lines[path] = line
 			}
 		}
 	}
@@ -228,6 +241,19 @@ func mergeParts(parts []mapPart, defaultKey string, complete bool) (*File, []str
 		return nil, warnings, errs
 	}
 	return out, warnings, nil
+}
+
+// topEntry is the "configs.<name>" or "mig-configs.<name>" that path is
+// in, "" for none.
+func topEntry(path string) string {
+	for p := path; p != ""; {
+		parent := parentPath(p)
+		if parent == "configs" || parent == "mig-configs" {
+			return p
+		}
+		p = parent
+	}
+	return ""
 }
 
 // checkConfigMapKey applies Kubernetes' rule for a ConfigMap key; "" when

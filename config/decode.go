@@ -2,7 +2,9 @@ package config
 
 import (
 	"fmt"
+	"maps"
 	"reflect"
+	"slices"
 	"sort"
 	"strings"
 
@@ -51,7 +53,15 @@ type decoder struct {
 	lenient  bool
 	warnings []string
 	unknown  int
+	// suggested counts the unknown fields given a "did you mean", against
+	// maxSuggestions (carried from key to key of a ConfigMap, as the budget
+	// is).
+	suggested int
 }
+
+// maxSuggestions bounds the unknown fields compared with the schema's for a
+// "did you mean": a file of thousands of unknown keys gets the first ones.
+const maxSuggestions = 100
 
 // maxLenientWarnings bounds the warnings a lenient decode lists one by one.
 const maxLenientWarnings = 20
@@ -207,11 +217,12 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) {
 				}
 			}
 			if !ok {
+				hint := d.suggest(fields, key)
 				if d.lenient {
-					d.warnf(joinKey(path, key), kn.Line, "unknown field, ignored as NVIDIA's device plugin ignores it")
+					d.warnf(joinKey(path, key), kn.Line, "unknown field, ignored as NVIDIA's device plugin ignores it%s", hint)
 					return
 				}
-				d.errorf(joinKey(path, key), kn.Line, "unknown field")
+				d.errorf(joinKey(path, key), kn.Line, "unknown field%s", hint)
 				return
 			}
 			d.keyLine(joinKey(path, name), kn)
@@ -370,6 +381,74 @@ func (d *decoder) mapping(n *yaml.Node, path string, seen map[string]int, fn fun
 			})
 		}
 	}
+}
+
+// suggest is "; did you mean <field>?" for the field of fields that key is
+// a typo of, "" when none is close (see closest).
+func (d *decoder) suggest(fields map[string][]int, key string) string {
+	if d.suggested >= maxSuggestions {
+		return ""
+	}
+	d.suggested++
+	if name := closest(key, slices.Sorted(maps.Keys(fields))); name != "" {
+		return "; did you mean " + name + "?"
+	}
+	return ""
+}
+
+// closest is the name that key is most likely a typo of: the nearest by
+// edit distance (insertions, deletions, substitutions and transpositions
+// of adjacent letters; case ignored), the first of names on a tie, when
+// that is at most a quarter of the name's length (at least 1, at most 3);
+// "" when none is that close.
+func closest(key string, names []string) string {
+	const maxLen = 64 // longer than any field name
+	if len(key) > maxLen {
+		return ""
+	}
+	best, bestDist := "", 0
+	for _, name := range names {
+		limit := min(max(len(name)/4, 1), 3)
+		if abs(len(name)-len(key)) > limit {
+			continue
+		}
+		if dist := editDistance(strings.ToLower(key), strings.ToLower(name)); dist <= limit && (best == "" || dist < bestDist) {
+			best, bestDist = name, dist
+		}
+	}
+	return best
+}
+
+func abs(n int) int {
+	if n < 0 {
+		return -n
+	}
+	return n
+}
+
+// editDistance is the optimal string alignment distance between a and b,
+// by bytes.
+func editDistance(a, b string) int {
+	// Three rows: the one before last is for transpositions.
+	prev2, prev, cur := make([]int, len(b)+1), make([]int, len(b)+1), make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+			if i > 1 && j > 1 && a[i-1] == b[j-2] && a[i-2] == b[j-1] {
+				cur[j] = min(cur[j], prev2[j-2]+1)
+			}
+		}
+		prev2, prev, cur = prev, cur, prev2
+	}
+	return prev[len(b)]
 }
 
 // structFields maps yaml keys to field indices, following ",inline" structs.

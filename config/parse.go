@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"gopkg.in/yaml.v3"
 )
@@ -184,13 +185,13 @@ func parseNode(data []byte) (*yaml.Node, error) {
 		if errors.Is(err, io.EOF) {
 			return nil, ErrorList{{Msg: "empty config file"}}
 		}
-		return nil, ErrorList{syntaxError(err)}
+		return nil, ErrorList{syntaxError(err, data)}
 	}
 	var extra yaml.Node
 	if err := dec.Decode(&extra); err == nil {
 		return nil, ErrorList{{Line: extra.Line, Msg: "more than one YAML document; a config file holds one"}}
 	} else if !errors.Is(err, io.EOF) {
-		return nil, ErrorList{syntaxError(err)}
+		return nil, ErrorList{syntaxError(err, data)}
 	}
 	if doc.Kind != yaml.DocumentNode || len(doc.Content) != 1 {
 		return nil, ErrorList{{Msg: "empty config file"}}
@@ -202,12 +203,53 @@ func parseNode(data []byte) (*yaml.Node, error) {
 	return root, nil
 }
 
-func syntaxError(err error) *FieldError {
+func syntaxError(err error, data []byte) *FieldError {
 	if m := reYAMLLine.FindStringSubmatch(err.Error()); m != nil {
 		line, _ := strconv.Atoi(m[1])
+		if fe := tabError(line, m[2], data); fe != nil {
+			return fe
+		}
 		return &FieldError{Line: line, Msg: "invalid YAML: " + m[2]}
 	}
 	return &FieldError{Msg: "invalid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")}
+}
+
+// tabError says "tab" for the errors yaml.v3 gives a tab where YAML wants
+// spaces ("found character that cannot start any token", "found a tab
+// character that violates indentation"), at the tab's line and column:
+// yaml.v3 names the line before the tab for the second kind. nil when msg is
+// not such an error, or no tab is found where it points.
+func tabError(line int, msg string, data []byte) *FieldError {
+	lines := strings.Split(string(data), "\n")
+	var candidates []int
+	switch {
+	case strings.Contains(msg, "cannot start any token"):
+		candidates = []int{line}
+	case strings.Contains(msg, "tab character"):
+		candidates = []int{line, line + 1}
+	}
+	for _, l := range candidates {
+		if l < 1 || l > len(lines) {
+			continue
+		}
+		text := lines[l-1]
+		col := strings.IndexByte(text, '\t')
+		if col < 0 {
+			continue
+		}
+		where, before := "indenting the line", strings.TrimRight(text[:col], " ")
+		if before != "" {
+			// A tab may be in a quoted value; a token that cannot start
+			// is one after an indicator.
+			if !strings.Contains(msg, "tab character") && !strings.ContainsAny(before[len(before)-1:], "-:,[{?") {
+				continue
+			}
+			where = "before " + strconv.Quote(strings.TrimSpace(text[col:]))
+		}
+		return &FieldError{Line: l, Msg: fmt.Sprintf("invalid YAML: a tab (column %d, %s): YAML indents with spaces, never tabs (%s)",
+			utf8.RuneCountInString(text[:col])+1, where, msg)}
+	}
+	return nil
 }
 
 // detectFormat looks at the top-level keys: configs/nodes are ours; flags,
@@ -227,8 +269,16 @@ func detectFormat(root *yaml.Node) (Format, error) {
 	case keys["mig-configs"]:
 		return FormatMigParted, nil
 	}
-	return "", ErrorList{{Line: root.Line, Msg: "unrecognised config file: expected top-level configs: (gpu-agent), " +
-		"flags:/sharing: (NVIDIA device plugin) or mig-configs: (mig-parted)"}}
+	msg := "unrecognised config file: expected top-level configs: (gpu-agent), " +
+		"flags:/sharing: (NVIDIA device plugin) or mig-configs: (mig-parted)"
+	known := []string{"configs", "flags", "health", "imex", "mig-configs", "nodes", "resources", "sharing", "version"}
+	for i := 0; i+1 < len(root.Content) && i < 2*maxListed; i += 2 {
+		key := root.Content[i].Value
+		if name := closest(key, known); name != "" && name != key {
+			msg += fmt.Sprintf("; %s (line %d): did you mean %s?", key, root.Content[i].Line, name)
+		}
+	}
+	return "", ErrorList{{Line: root.Line, Msg: msg}}
 }
 
 // applyDefaults fills every field left empty with its default, in one place.

@@ -119,6 +119,22 @@ configs:
 			want: []wantErr{{"", 3, "invalid YAML"}},
 		},
 		{
+			name: "tab indenting a line",
+			in:   "version: v1\nconfigs:\n  default:\n\t mig: {}\n",
+			want: []wantErr{{"", 4, "a tab (column 1, indenting the line): YAML indents with spaces, never tabs"}},
+		},
+		{
+			name: "tab after a list's dash",
+			in:   "version: v1\nconfigs:\n  default:\n    mig:\n      devices:\n      -\tdevices: all\n",
+			want: []wantErr{{"", 6, `a tab (column 8, before "devices: all")`}},
+		},
+		{
+			// yaml.v3 names the line before the tab.
+			name: "tab where an indentation space is expected",
+			in:   "version: v1\nconfigs:\n  - a\n\t- b\n",
+			want: []wantErr{{"", 4, "a tab (column 1, indenting the line)"}},
+		},
+		{
 			name: "unknown format",
 			in:   "version: v1\nfoo: bar\n",
 			want: []wantErr{{"", 1, "unrecognised config file"}},
@@ -485,7 +501,7 @@ configs:
           replicas: 2
           replica: 4
 `))
-	want := "configs.default.sharing.timeSlicing.resources[0].replica: unknown field (line 9)"
+	want := "configs.default.sharing.timeSlicing.resources[0].replica: unknown field; did you mean replicas? (line 9)"
 	if err == nil || err.Error() != want {
 		t.Fatalf("error = %v, want %q", err, want)
 	}

@@ -65,6 +65,16 @@ type Selected struct {
 	// the label); "" for a config's own mig.devices or no layout. It is what
 	// mig-manager would report its nvidia.com/mig.config.state for.
 	MIGEntry string
+	// MIGPath is where MIGLayout is written, as its author wrote it: the
+	// mig-configs entry ("mig-configs.five-1g-one-2g") or the config's own
+	// layout ("configs.big.mig.devices"); MIGKey is the ConfigMap key that
+	// holds it ("" for a file). Both are "" when MIGLayout is nil. Errors
+	// about the layout name it so (MIGError), whatever config or label
+	// picked it.
+	MIGPath string
+	MIGKey  string
+	// migLines are the lines of the paths under MIGPath, when known.
+	migLines map[string]int
 	// Notes are inputs Select deliberately did not act on, one sentence
 	// each, for the log and /status; see Select.
 	Notes []string
@@ -72,10 +82,11 @@ type Selected struct {
 
 // Equal reports whether two selections would have the node run the same:
 // same config name, reason and content, same MIG layout from the same
-// source. Select builds a new Config when it adjusts the MIG strategy, so
+// source (the lines it is written on do not count). Select builds a new Config when it adjusts the MIG strategy, so
 // pointer comparison would see a change on every call.
 func (s Selected) Equal(o Selected) bool {
 	if s.Name != o.Name || s.Reason != o.Reason || s.MIGSource != o.MIGSource || s.MIGEntry != o.MIGEntry ||
+		s.MIGPath != o.MIGPath || s.MIGKey != o.MIGKey ||
 		!slices.Equal(s.Notes, o.Notes) || (s.Config == nil) != (o.Config == nil) {
 		return false
 	}
@@ -130,8 +141,69 @@ func (f *File) Select(nodeName string, labels map[string]string) (Selected, erro
 	if err := f.selectMIG(&s, nodeName, labels); err != nil {
 		return Selected{}, err
 	}
+	f.placeMIG(&s)
 	return s, nil
 }
+
+// placeMIG records where s's MIG layout is written: its path, ConfigMap key
+// and lines.
+func (f *File) placeMIG(s *Selected) {
+	switch {
+	case s.MIGLayout == nil:
+		return
+	case s.MIGEntry != "":
+		s.MIGPath = joinKey("mig-configs", s.MIGEntry)
+	default:
+		s.MIGPath = joinKey("configs", s.Name) + ".mig.devices"
+	}
+	s.MIGKey = f.keys[s.MIGPath]
+	if s.MIGKey == "" && s.MIGEntry == "" {
+		s.MIGKey = f.keys[joinKey("configs", s.Name)]
+	}
+	for p, line := range f.lines {
+		if under(p, s.MIGPath) {
+			if s.migLines == nil {
+				s.migLines = map[string]int{}
+			}
+			s.migLines[p] = line
+		}
+	}
+}
+
+// under reports whether path p is prefix or inside it.
+func under(p, prefix string) bool {
+	return p == prefix || strings.HasPrefix(p, prefix) && (p[len(prefix)] == '.' || p[len(prefix)] == '[')
+}
+
+// MIGError is err about entry i of the selected MIG layout (i < 0: the
+// layout as a whole) at its field ("" for the entry itself: "mig-devices",
+// "mig-enabled", "device-filter"), named as its author wrote it: the
+// ConfigMap key, the path and, when known, the line. It wraps err.
+func (s Selected) MIGError(i int, field string, err error) error {
+	p := s.MIGPath
+	if p == "" {
+		p = joinKey("configs", s.Name) + ".mig"
+	}
+	if i >= 0 {
+		p = joinIndex(p, i)
+		if field != "" {
+			p = joinKey(p, field)
+		}
+	}
+	line := 0
+	for q := p; q != "" && line == 0; q = parentPath(q) {
+		line = s.migLines[q]
+	}
+	return &layoutError{FieldError{Key: s.MIGKey, Path: p, Line: line, Msg: err.Error()}, err}
+}
+
+// layoutError is a FieldError that wraps the error it says (mig.ErrLayout).
+type layoutError struct {
+	FieldError
+	err error
+}
+
+func (e *layoutError) Unwrap() error { return e.err }
 
 func (f *File) selectConfig(nodeName string, labels map[string]string) (Selected, error) {
 	var name, label string

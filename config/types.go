@@ -61,6 +61,10 @@ type File struct {
 	// rewrites turn a path of the converted File back into the path the user
 	// wrote, for files imported from another format.
 	rewrites []pathRewrite
+	// keys maps "configs.<name>" and "mig-configs.<name>" to the ConfigMap
+	// key that defines it, for a File merged from a ConfigMap (whose lines
+	// are then each key's, for those paths).
+	keys map[string]string
 }
 
 // Config is one named configuration of a node.

@@ -70,25 +70,51 @@ var ErrLayout = errors.New("MIG layout does not fit")
 func Desired(layout config.MigLayout, inv *gpu.Inventory) (map[int]Want, error) {
 	out := map[int]Want{}
 	for _, g := range inv.GPUs {
-		for ei, e := range layout {
-			ok, err := entryMatches(e, g)
-			if err != nil {
-				return nil, fmt.Errorf("%w: mig layout entry %d: %w", ErrLayout, ei, err)
-			}
-			if !ok {
-				continue
-			}
-			w, err := wantOf(ei, e, g)
-			if err != nil {
-				return nil, fmt.Errorf("%w: mig layout entry %d, gpu %d (%s): %w", ErrLayout, ei, g.Index, g.UUID, err)
-			}
-			if w != nil {
-				out[g.Index] = *w
-			}
-			break
+		ei, err := EntryOf(layout, g)
+		if err != nil {
+			return nil, err
+		}
+		if ei < 0 {
+			continue
+		}
+		w, field, err := wantOf(ei, layout[ei], g)
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrLayout, &EntryError{Entry: ei, Field: field,
+				Err: fmt.Errorf("gpu %d (%s): %w", g.Index, g.UUID, err)})
+		}
+		if w != nil {
+			out[g.Index] = *w
 		}
 	}
 	return out, nil
+}
+
+// EntryOf is the index of the first entry of layout that matches g by
+// index and device filter, the one that applies to it (mig-parted's rule);
+// -1 for none.
+func EntryOf(layout config.MigLayout, g gpu.GPU) (int, error) {
+	for ei, e := range layout {
+		ok, err := entryMatches(e, g)
+		if err != nil {
+			return -1, fmt.Errorf("%w: %w", ErrLayout, &EntryError{Entry: ei, Field: "device-filter", Err: err})
+		}
+		if ok {
+			return ei, nil
+		}
+	}
+	return -1, nil
+}
+
+// FilterNames reports whether e's device-filter names the PCI device id
+// id (a GPU model).
+func FilterNames(e config.MigDeviceConfig, id uint32) bool {
+	for _, f := range e.DeviceFilter {
+		v, err := strconv.ParseUint(strings.TrimPrefix(strings.ToLower(f), "0x"), 16, 32)
+		if err == nil && id != 0 && uint32(v) == id {
+			return true
+		}
+	}
+	return false
 }
 
 func entryMatches(e config.MigDeviceConfig, g gpu.GPU) (bool, error) {
@@ -116,27 +142,41 @@ func entryMatches(e config.MigDeviceConfig, g gpu.GPU) (bool, error) {
 // A GPU whose MIG mode could not be read gets the entry's want either way:
 // its false MIGCapable means unknown, not "no MIG", and MakePlan refuses to
 // plan from it.
-func wantOf(ei int, e config.MigDeviceConfig, g gpu.GPU) (*Want, error) {
+func wantOf(ei int, e config.MigDeviceConfig, g gpu.GPU) (w *Want, field string, err error) {
 	noMIG := !g.MIGCapable && !g.Unknown(gpu.FactMIGMode)
 	if !e.MigEnabled {
 		if noMIG {
-			return nil, nil
+			return nil, "", nil
 		}
-		return &Want{Entry: ei}, nil
+		return &Want{Entry: ei}, "", nil
 	}
 	if noMIG {
-		return nil, fmt.Errorf("%s does not support MIG", g.Name)
+		return nil, "mig-enabled", fmt.Errorf("%s does not support MIG", g.Name)
 	}
-	w := &Want{MIGEnabled: true, Entry: ei, Counts: map[string]int{}}
+	w = &Want{MIGEnabled: true, Entry: ei, Counts: map[string]int{}}
 	for name, n := range e.MigDevices {
 		switch {
 		case n < 0:
-			return nil, fmt.Errorf("mig-devices %s: negative count %d", name, n)
+			return nil, "mig-devices", fmt.Errorf("mig-devices %s: negative count %d", name, n)
 		case strings.Contains(name, "c."):
-			return nil, fmt.Errorf("mig-devices %s: compute-instance profiles are not supported, use whole GPU instances", name)
+			return nil, "mig-devices", fmt.Errorf("mig-devices %s: compute-instance profiles are not supported, use whole GPU instances", name)
 		case n > 0:
 			w.Counts[name] = n
 		}
 	}
-	return w, nil
+	return w, "", nil
 }
+
+// EntryError is an error about entry Entry of a layout, at its field Field
+// ("device-filter", "mig-enabled", "mig-devices"; "" for the entry), so
+// that the caller can name the entry as its author wrote it
+// (config.Selected.MIGError).
+type EntryError struct {
+	Entry int
+	Field string
+	Err   error
+}
+
+func (e *EntryError) Error() string { return fmt.Sprintf("mig layout entry %d: %v", e.Entry, e.Err) }
+
+func (e *EntryError) Unwrap() error { return e.Err }

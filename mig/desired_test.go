@@ -37,7 +37,7 @@ func TestDesired(t *testing.T) {
 		{"filter matches nothing", config.MigLayout{{Devices: all, DeviceFilter: config.StringList{"0x00000000"}, MigEnabled: true}},
 			map[int]string{}, ""},
 		{"MIG on a GPU without it", config.MigLayout{{Devices: config.DeviceIndices{Indices: []int{2}}, MigEnabled: true}},
-			nil, "mig layout entry 0, gpu 2 (GPU-c): L40S does not support MIG"},
+			nil, "mig layout entry 0: gpu 2 (GPU-c): L40S does not support MIG"},
 		{"negative count", config.MigLayout{{Devices: all, DeviceFilter: config.StringList{"0x20b010de"}, MigEnabled: true, MigDevices: map[string]int{"1g.5gb": -1}}},
 			nil, "gpu 1 (GPU-b): mig-devices 1g.5gb: negative count"},
 		{"bad filter", config.MigLayout{{Devices: all, DeviceFilter: config.StringList{"zz"}}}, nil, "device-filter \"zz\""},

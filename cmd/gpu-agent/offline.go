@@ -211,6 +211,8 @@ func parseLabels(list string) (map[string]string, error) {
 // node picks its config from it.
 type selection struct {
 	node, labels, defaultConfig, migStrategy string
+	// warnings counts the warnings load printed.
+	warnings int
 }
 
 func (s *selection) register(fs *flag.FlagSet) {
@@ -240,6 +242,7 @@ func (s *selection) load(file string, stderr io.Writer) (*config.File, config.Se
 	for _, w := range warnings {
 		fmt.Fprintf(stderr, "warning: %s: %s\n", file, w)
 	}
+	s.warnings += len(warnings)
 	if err != nil {
 		return nil, config.Selected{}, "", fmt.Errorf("%s: invalid:\n%w", file, err)
 	}
@@ -285,7 +288,7 @@ func subcommand(args []string, sub, synopsis string, stdout io.Writer) (done boo
 	return true, usageError{"want: " + synopsis}
 }
 
-const validateSynopsis = "config validate FILE [--backend sim:<profile>[,state=F]|nvml | --addr URL] [--node-name N] [--labels K=V,...]"
+const validateSynopsis = "config validate FILE [--backend sim:<profile>[,state=F]|nvml | --addr URL] [--node-name N] [--labels K=V,...] [--strict]"
 
 func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if done, err := subcommand(args, "validate", validateSynopsis, stdout); done {
@@ -296,10 +299,29 @@ func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	nf.register(fs)
 	var s selection
 	s.register(fs)
+	strict := fs.Bool("strict", false, "warnings fail too (exit 1), for CI: a field NVIDIA's format ignores, a mig-configs entry that fits no model of the node, ...")
 	file, err := configFileArg(fs, args[1:])
 	if err != nil {
 		return err
 	}
+	if err := validate(ctx, file, &nf, &s, fs, stdout, stderr); err != nil {
+		return err
+	}
+	if *strict && s.warnings > 0 {
+		return fmt.Errorf("%s: %d %s, and --strict makes them errors", file, s.warnings, plural(s.warnings, "warning", "warnings"))
+	}
+	return nil
+}
+
+func plural(n int, one, more string) string {
+	if n == 1 {
+		return one
+	}
+	return more
+}
+
+// validate is config validate, warnings counted in s.
+func validate(ctx context.Context, file string, nf *nodeFlags, s *selection, fs *flag.FlagSet, stdout, stderr io.Writer) error {
 	f, sel, what, err := s.load(file, stderr)
 	if err != nil {
 		return err
@@ -320,12 +342,32 @@ func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	for _, w := range d.Warnings {
 		fmt.Fprintf(stderr, "warning: %s: on %s: %s\n", file, be.Name, w)
 	}
+	s.warnings += len(d.Warnings)
 	cat, pool := d.Catalog, d.DRA
 	offers := fmt.Sprintf("On %s it would offer:\n", be.Name)
 	if sel.MIGLayout != nil {
-		fmt.Fprintf(stdout, "MIG layout on %s:\n", be.Name)
-		if err := printMIG(stdout, snap, d, false); err != nil {
+		if err := printMIG(stdout, fmt.Sprintf("MIG layout on %s:\n", be.Name), snap, d, false); err != nil {
 			return fmt.Errorf("%s: on %s: %w", file, be.Name, err)
+		}
+	}
+	if len(f.MigConfigs) > 0 {
+		reports, err := checkMigConfigs(f, s, snap)
+		if err != nil {
+			return fmt.Errorf("%s: %w", file, err)
+		}
+		writeMigConfigs(stdout, be.Name, reports)
+		if w := migConfigsWarning(reports, len(nodeModels(snap.Inventory))); w != "" {
+			fmt.Fprintf(stderr, "warning: %s: on %s: %s\n", file, be.Name, w)
+			s.warnings++
+		}
+		var errs []string
+		for _, rep := range reports {
+			if rep.severity == entryIsError {
+				errs = append(errs, rep.err.Error())
+			}
+		}
+		if len(errs) > 0 {
+			return fmt.Errorf("%s: on %s: %s", file, be.Name, strings.Join(errs, "\n"))
 		}
 	}
 	format := string(f.Format)
@@ -529,8 +571,7 @@ func cmdMIG(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "MIG layout of config %q on %s:\n", sel.Name, be.Name)
-	if err := printMIG(stdout, snap, agent.Plan(snap), true); err != nil {
+	if err := printMIG(stdout, fmt.Sprintf("MIG layout of config %q on %s:\n", sel.Name, be.Name), snap, agent.Plan(snap), true); err != nil {
 		return fmt.Errorf("%s: %w", *file, err)
 	}
 	return nil
@@ -563,11 +604,11 @@ func offlineSnapshot(be *backend, sel config.Selected) (agent.Snapshot, error) {
 	return snap, nil
 }
 
-// printMIG prints, per GPU, what applying the layout would do; steps lists
-// the steps too. An impossible layout is an error naming the GPU, and so is
-// a layout none of whose entries applies to any GPU: it would change nothing,
-// which is never what its author meant (a device-filter for another model).
-func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool) error {
+// printMIG prints, under header, per GPU what applying the layout would
+// do; steps lists the steps too. An impossible layout is an error naming
+// the GPU, and so is a layout that does nothing of what it is for on this
+// node (checkSelectedLayout: a device-filter for another model).
+func printMIG(stdout io.Writer, header string, snap agent.Snapshot, d agent.Desired, steps bool) error {
 	planned := map[int]agent.GPUMIG{}
 	for _, gm := range d.MIG {
 		planned[gm.GPU] = gm
@@ -578,9 +619,10 @@ func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool
 	if d.MIGErr != nil && len(d.MIG) == 0 {
 		return d.MIGErr
 	}
-	if len(planned) == 0 {
-		return noEntryApplies(snap)
+	if err := checkSelectedLayout(snap, d); err != nil {
+		return err
 	}
+	fmt.Fprint(stdout, header)
 	for _, g := range snap.Inventory.GPUs {
 		gm, ok := planned[g.Index]
 		if !ok {
@@ -598,27 +640,6 @@ func printMIG(stdout io.Writer, snap agent.Snapshot, d agent.Desired, steps bool
 			}
 		}
 	}
+	writeUnmatched(stdout, snap)
 	return d.MIGErr
-}
-
-// noEntryApplies names the node's GPU models, so the author can see which
-// device-filter the layout lacks.
-func noEntryApplies(snap agent.Snapshot) error {
-	var models []string
-	seen := map[string]bool{}
-	for _, g := range snap.Inventory.GPUs {
-		m := g.Name
-		if g.PCIDeviceID != 0 {
-			m = fmt.Sprintf("%s, device-filter 0x%08X", g.Name, g.PCIDeviceID)
-		}
-		if !g.MIGCapable {
-			m += ", no MIG"
-		}
-		if !seen[m] {
-			seen[m] = true
-			models = append(models, m)
-		}
-	}
-	return fmt.Errorf("config %q: no entry of its MIG layout (mig.devices) applies to any GPU of this node (%s): it would change nothing; check each entry's device-filter and devices",
-		snap.Selected.Name, strings.Join(models, "; "))
 }

@@ -75,7 +75,7 @@ func TestNoLayoutEntryApplies(t *testing.T) {
 		{"mig", "plan", "--config", cfg, "--backend", "sim:dgx-h100"},
 	} {
 		code, _, stderr := run(t, args...)
-		if code != 1 || !strings.Contains(stderr, "no entry of its MIG layout (mig.devices) applies to any GPU") ||
+		if code != 1 || !strings.Contains(stderr, "configs.default.mig.devices: no entry applies to any GPU of this node") ||
 			!strings.Contains(stderr, "NVIDIA H100 80GB HBM3, device-filter 0x233010DE") {
 			t.Errorf("%v: exit %d, stderr %q; want 1 naming the H100's device-filter", args, code, stderr)
 		}
@@ -343,5 +343,166 @@ func TestFlagsAfterArguments(t *testing.T) {
 	}
 	if *node != "n1" || strings.Join(fs.Args(), " ") != "0 GPU-x --not-a-flag" {
 		t.Errorf("node %q, args %q", *node, fs.Args())
+	}
+}
+
+// A mig-parted file of layouts for several models, one of them (for the
+// A100-40GB) asking for a profile the A100-40GB lacks.
+const migPartedMixed = `version: v1
+mig-configs:
+  all-disabled:
+  - devices: all
+    mig-enabled: false
+  five-1g-one-2g:
+  - device-filter: ["0x20B010DE"]
+    devices: all
+    mig-enabled: true
+    mig-devices:
+      "1g.5gb": 5
+      "4g.40gb": 1
+  h100-3g:
+  - device-filter: ["0x233010DE"]
+    devices: all
+    mig-enabled: true
+    mig-devices: {"3g.40gb": 2}
+`
+
+// The planner's errors name the layout as its author wrote it, not the
+// config the agent made of it (issue 32: "configs.default.mig").
+func TestLayoutErrorNamesMigPartedEntry(t *testing.T) {
+	cfg := writeFile(t, "mig.yaml", migPartedMixed)
+	code, _, stderr := run(t, "config", "validate", cfg, "--labels", "nvidia.com/mig.config=five-1g-one-2g")
+	want := "mig-configs.five-1g-one-2g[0].mig-devices: gpus 0, 1, 2, 3, 4, 5, 6, 7: MIG layout does not fit: profile 4g.40gb not offered"
+	if code != 1 || !strings.Contains(stderr, want) || !strings.Contains(stderr, "(line 10)") || strings.Contains(stderr, "configs.default") {
+		t.Errorf("exit %d, stderr %q; want 1 with %q at line 10", code, stderr, want)
+	}
+}
+
+// Every named layout is planned on the node as the agent would with the
+// node labelled nvidia.com/mig.config=<entry>, model by model: one that
+// does not fit the model its device-filter names is an error, one for
+// other models a warning (issue 32: an A100-40GB entry asking for 4g.40gb
+// was "valid").
+func TestValidateChecksEveryMigConfigsEntry(t *testing.T) {
+	cfg := writeFile(t, "mig.yaml", migPartedMixed)
+	code, out, stderr := run(t, "config", "validate", cfg)
+	if code != 1 || strings.Contains(out, "valid (") {
+		t.Errorf("exit %d, want 1 and no \"valid\":\n%s%s", code, out, stderr)
+	}
+	wantLines(t, out,
+		"Its mig-configs on sim:dgx-a100, each as the node labelled nvidia.com/mig.config=<entry> would apply it:",
+		" all-disabled: fits NVIDIA A100-SXM4-40GB (GPUs 0-7)",
+		" five-1g-one-2g: does not fit NVIDIA A100-SXM4-40GB: mig-configs.five-1g-one-2g[0].mig-devices: gpus 0, 1, 2, 3, 4, 5, 6, 7: MIG layout does not fit: profile 4g.40gb not offered",
+		" h100-3g: applies to no GPU of this node (entry [0]: device-filter 0x233010DE names another model; this node: NVIDIA A100-SXM4-40GB, device-filter 0x20B010DE)")
+	if strings.Count(out, "4g.40gb not offered") != 1 {
+		t.Errorf("the reason is not said once for the model:\n%s", out)
+	}
+	if !strings.Contains(stderr, "mig-configs entry five-1g-one-2g does not fit the NVIDIA A100-SXM4-40GB its device-filter names: mig-configs.five-1g-one-2g[0].mig-devices:") ||
+		!strings.Contains(stderr, "(line 10)") {
+		t.Errorf("stderr does not name the entry, its path and line:\n%s", stderr)
+	}
+	if !strings.Contains(stderr, "warning: "+cfg+": on sim:dgx-a100: mig-configs entry h100-3g fits no GPU model of this node (above); fine if it is meant for other nodes") {
+		t.Errorf("no warning for the H100 entry:\n%s", stderr)
+	}
+
+	// On the H100s the A100 entry is the one for other nodes.
+	code, out, stderr = run(t, "config", "validate", cfg, "--backend", "sim:dgx-h100")
+	if code != 0 || !strings.Contains(out, "valid (mig-parted)") {
+		t.Errorf("on H100s: exit %d, want 0:\n%s%s", code, out, stderr)
+	}
+	wantLines(t, out, " h100-3g: fits NVIDIA H100 80GB HBM3 (GPUs 0-7)",
+		" five-1g-one-2g: applies to no GPU of this node (entry [0]: device-filter 0x20B010DE names another model; this node: NVIDIA H100 80GB HBM3, device-filter 0x233010DE)")
+	if !strings.Contains(stderr, "mig-configs entry five-1g-one-2g fits no GPU model of this node") {
+		t.Errorf("on H100s, no warning for the A100 entry:\n%s", stderr)
+	}
+
+	// An entry without a device-filter may be meant for other nodes: a
+	// warning, on its model too.
+	unfiltered := strings.Replace(migPartedMixed, `  - device-filter: ["0x20B010DE"]
+    devices: all`, "  - devices: all", 1)
+	code, out, stderr = run(t, "config", "validate", writeFile(t, "mig.yaml", unfiltered))
+	if code != 0 || !strings.Contains(stderr, "2 mig-configs entries fit no GPU model of this node (above): five-1g-one-2g, h100-3g") {
+		t.Errorf("unfiltered entry: exit %d, want 0 with a warning:\n%s%s", code, out, stderr)
+	}
+
+	// The mig-configs of gpu-agent's own format are checked alike, in a
+	// ConfigMap directory too.
+	own := "version: v1\nconfigs:\n  default: {}\n" + strings.TrimPrefix(migPartedMixed, "version: v1\n")
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "config.yaml"), []byte(own), 0o644)
+	code, out, stderr = run(t, "config", "validate", dir)
+	if code != 1 || !strings.Contains(out, " five-1g-one-2g: does not fit NVIDIA A100-SXM4-40GB: key config.yaml: mig-configs.five-1g-one-2g[0].mig-devices:") {
+		t.Errorf("own format: exit %d, want 1:\n%s%s", code, out, stderr)
+	}
+}
+
+// A layout whose entries enabling MIG are all for another model does
+// nothing it is for on this node, even if an entry disabling MIG applies:
+// refused like a layout no entry of which applies (issue 32: the H100
+// half-3g example was valid on the A100s, the other H100 examples not).
+func TestLayoutForAnotherModelRefused(t *testing.T) {
+	for _, example := range []string{"mig-h100-half-3g.yaml", "mig-h100-balanced.yaml", "mig-h100-all-1g.yaml"} {
+		code, out, stderr := run(t, "config", "validate", filepath.Join("..", "..", "deploy", "examples", example))
+		if code != 1 || !strings.Contains(stderr, "device-filter 0x233010DE names another model") && !strings.Contains(stderr, "no entry applies to any GPU of this node") {
+			t.Errorf("%s on the A100s: exit %d, want 1:\n%s%s", example, code, out, stderr)
+		}
+	}
+	half := `version: v1
+configs:
+  default:
+    mig:
+      strategy: mixed
+      devices:
+      - device-filter: ["0x233010DE"]
+        devices: [0, 1, 2, 3]
+        mig-enabled: true
+        mig-devices: {"3g.40gb": 2}
+      - devices: [4, 5, 6, 7]
+        mig-enabled: false
+`
+	code, _, stderr := run(t, "mig", "plan", "--config", writeFile(t, "half.yaml", half))
+	want := "configs.default.mig.devices: no entry that enables MIG applies to any GPU of this node (entry [0]: device-filter 0x233010DE names another model; " +
+		"this node: NVIDIA A100-SXM4-40GB, device-filter 0x20B010DE): it would only disable MIG on GPUs 4-7; check each entry's device-filter and devices (line 6)"
+	if code != 1 || !strings.Contains(stderr, want) {
+		t.Errorf("mig plan: exit %d, stderr %q; want 1 with %q", code, stderr, want)
+	}
+	// A layout for two models: the other model's entry is listed, not refused.
+	both := strings.Replace(half, "      - devices: [4, 5, 6, 7]\n        mig-enabled: false\n",
+		"      - device-filter: [\"0x20B010DE\"]\n        devices: all\n        mig-enabled: true\n        mig-devices: {\"3g.20gb\": 2}\n", 1)
+	code, out, stderr := run(t, "config", "validate", writeFile(t, "both.yaml", both))
+	if code != 0 || !strings.Contains(out, "configs.default.mig.devices[0]: applies to no GPU of this node (device-filter 0x233010DE names another model) (line 7)") {
+		t.Errorf("two-model layout: exit %d, want 0 naming the H100 entry:\n%s%s", code, out, stderr)
+	}
+}
+
+// A typo in a file of NVIDIA's format is a warning, as NVIDIA's plugin
+// ignores it; --strict makes every warning fail, for CI (issue 32).
+func TestValidateStrict(t *testing.T) {
+	nvidia := writeFile(t, "nvidia.yaml", `version: v1
+sharing:
+  timeSlicing:
+    renameByDefualt: true
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 4
+`)
+	code, out, stderr := run(t, "config", "validate", nvidia)
+	if code != 0 || !strings.Contains(stderr, "warning: "+nvidia+": sharing.timeSlicing.renameByDefualt: unknown field") {
+		t.Errorf("without --strict: exit %d, want 0 with a warning:\n%s%s", code, out, stderr)
+	}
+	for _, args := range [][]string{{"config", "validate", nvidia, "--strict"}, {"config", "validate", "--strict", nvidia}} {
+		code, _, stderr = run(t, args...)
+		if code != 1 || !strings.Contains(stderr, nvidia+": 1 warning, and --strict makes them errors") {
+			t.Errorf("%v: exit %d, want 1:\n%s", args, code, stderr)
+		}
+	}
+	// Warnings found on the node count too.
+	code, _, stderr = run(t, "config", "validate", writeFile(t, "mig.yaml", strings.Replace(migPartedMixed, `"4g.40gb": 1`, `"2g.10gb": 1`, 1)), "--strict")
+	if code != 1 || !strings.Contains(stderr, ": 2 warnings, and --strict makes them errors") {
+		t.Errorf("mig-configs for other nodes: exit %d, want 1 counting 2 warnings:\n%s", code, stderr)
+	}
+	cfg := writeFile(t, "a100.yaml", a100Balanced)
+	if code, out, stderr := run(t, "config", "validate", cfg, "--strict"); code != 0 {
+		t.Errorf("no warnings: exit %d\n%s%s", code, out, stderr)
 	}
 }

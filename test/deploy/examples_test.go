@@ -122,7 +122,8 @@ func TestExamples(t *testing.T) {
 }
 
 // checkMIGFits asserts that each layout entry names the model's device filter
-// and that its instances fit in the GPU's 7 compute and 8 memory slices.
+// (one disabling MIG too: without it, it would disable MIG on another model's
+// GPUs) and that its instances fit in the GPU's 7 compute and 8 memory slices.
 func checkMIGFits(t *testing.T, data []byte, backend string) {
 	t.Helper()
 	m, ok := migModels[strings.TrimSuffix(backend, "-mig")]
@@ -135,11 +136,11 @@ func checkMIGFits(t *testing.T, data []byte, backend string) {
 	}
 	for name, c := range f.Configs {
 		for i, e := range c.MIG.Devices {
-			if !e.MigEnabled {
-				continue
-			}
 			if len(e.DeviceFilter) != 1 || e.DeviceFilter[0] != m.deviceFilter {
 				t.Errorf("%s.mig.devices[%d]: device-filter %v, want [%s] so other models skip it", name, i, e.DeviceFilter, m.deviceFilter)
+			}
+			if !e.MigEnabled {
+				continue
 			}
 			compute, memory := 0, 0
 			for prof, n := range e.MigDevices {
