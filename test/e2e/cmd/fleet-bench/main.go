@@ -254,11 +254,7 @@ func run(ctx context.Context, o options) (err error) {
 		fmt.Sprintf("Fleet benchmark: sim:%s, Kubernetes %s, %d pods per scenario (limit %s), %d CPUs, %s in all.",
 			o.profile, version, o.pods, o.limit, runtime.NumCPU(), duration(time.Since(start))),
 	}
-	out := table(results, header) + strings.Join(skippedModels, "\n")
-	if len(skippedModels) > 0 {
-		out += "\n"
-	}
-	out += "\n" + legend + "\n"
+	out := table(results, header, skippedModels) + "\n" + legend + "\n"
 	fmt.Print(out)
 	if o.out != "" {
 		if err := os.WriteFile(o.out, []byte(out), 0o644); err != nil {

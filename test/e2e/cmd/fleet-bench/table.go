@@ -2,14 +2,15 @@ package main
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 )
 
 // table writes the results as Markdown: one row per measured scenario (skipped and failed ones are listed
-// below it), in the order they ran, and each row's binding rate against the whole-gpus-only row of the same
-// fleet size and claim.
-func table(rs []result, header []string) string {
+// below it, after notes), in the order they ran, and each row's binding rate against the whole-gpus-only row
+// of the same fleet size and claim.
+func table(rs []result, header, notes []string) string {
 	var b strings.Builder
 	for _, h := range header {
 		fmt.Fprintf(&b, "%s\n", h)
@@ -25,7 +26,7 @@ func table(rs []result, header []string) string {
 	}
 	b.WriteString("| model | N | claim | bound/asked | pods/s | vs whole-gpus-only | wall s | sched CPU s/pod | sched RSS peak MiB | apiserver RSS peak MiB | sched ready s | slice kB/node | devices/node | counter sets × counters/node |\n")
 	b.WriteString("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
-	var notes []string
+	notes = slices.Clone(notes)
 	for _, r := range rs {
 		switch {
 		case r.Skip != "":
@@ -85,10 +86,11 @@ binding to the last); *vs whole-gpus-only* divides it by the whole-gpus-only row
 runs from the first pod's creation to the last binding, or to the time limit; *sched CPU s/pod* is the
 scheduler's user+system CPU time over that window divided by the pods bound; RSS peaks are VmHWM (the scheduler is
 a fresh process per row and its peak includes its initial list of the fleet; the API server's peak is reset
-before the pods are created); *sched ready s* is from the scheduler's start to its /readyz with the fleet already
-stored; slice bytes are one node's ResourceSlices as JSON, as the API server returns them. whole-gpus-only is
-derived from the default model's slices (its type=gpu devices only, no ConsumesCounters, no counter sets), not
-published by an agent.`
+before the pods are created, to its RSS then, which holds the fleet); *sched ready s* is from the scheduler's start
+to its /readyz with the fleet already stored; slice bytes are one node's ResourceSlices as JSON, as the API server
+returns them. With only a few pods bound, pods/s rests on a few bindings: bound/asked over the limit is the other
+reading. whole-gpus-only is derived from the default model's slices (its type=gpu devices only, no
+ConsumesCounters, no counter sets), not published by an agent.`
 
 // duration formats a duration for the log.
 func duration(d time.Duration) string { return d.Round(100 * time.Millisecond).String() }
