@@ -3,6 +3,10 @@
 # the kubelet, the control plane and etcd once per version (cached), the pause image's binary and gpu-agent,
 # then runs the Go tests.
 # Any missing piece is an error: this script never skips. Extra arguments go to `go test` (e.g. -run TestOneGPU).
+# E2E_BUILD_ONLY=1 only builds (or finds cached) the Kubernetes binaries and etcd, with no root and no apt, and
+# prints their paths as `export E2E_...=...` lines for a shell to eval (make fleet-bench does), so that they
+# are built in this one place; E2E_BUILD_ONLY="etcd kube-apiserver kube-scheduler" builds only those (names
+# among kubelet, kube-apiserver, kube-controller-manager, kube-scheduler, etcd).
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -14,24 +18,27 @@ mkdir -p "$E2E_CACHE"
 die() { echo "e2e: $*" >&2; exit 1; }
 step() { echo "e2e: $* ($(date +%T))" >&2; }
 
-[ "$(id -u)" = 0 ] || die "must run as root: the kubelet and containerd need it"
+build_only="${E2E_BUILD_ONLY:-}"
+if [ -z "$build_only" ]; then
+	[ "$(id -u)" = 0 ] || die "must run as root: the kubelet and containerd need it"
 
-# Debian 12 ships containerd 1.6 and runc; busybox-static fills the test image (the plain busybox package is
-# dynamically linked and would not run in an image without libc).
-missing=()
-for pkg in containerd runc busybox-static prometheus; do
-	dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-	step "installing ${missing[*]}"
-	command -v apt-get >/dev/null || die "apt-get not found; install ${missing[*]} by hand"
-	apt-get update -qq || die "apt-get update failed"
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
-		|| die "apt-get install ${missing[*]} failed"
+	# Debian 12 ships containerd 1.6 and runc; busybox-static fills the test image (the plain busybox package is
+	# dynamically linked and would not run in an image without libc).
+	missing=()
+	for pkg in containerd runc busybox-static prometheus; do
+		dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
+	done
+	if [ "${#missing[@]}" -gt 0 ]; then
+		step "installing ${missing[*]}"
+		command -v apt-get >/dev/null || die "apt-get not found; install ${missing[*]} by hand"
+		apt-get update -qq || die "apt-get update failed"
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+			|| die "apt-get install ${missing[*]} failed"
+	fi
+	for bin in containerd ctr runc containerd-shim-runc-v2; do
+		command -v "$bin" >/dev/null || die "$bin not found after installing containerd and runc"
+	done
 fi
-for bin in containerd ctr runc containerd-shim-runc-v2; do
-	command -v "$bin" >/dev/null || die "$bin not found after installing containerd and runc"
-done
 
 # The kubelet and the control plane (kube-apiserver, kube-controller-manager, kube-scheduler) come from the
 # k8s.io/kubernetes version pinned in go.mod, etcd from the etcd server module that version requires (the
@@ -54,19 +61,30 @@ apiserver="$E2E_CACHE/kube-apiserver-$version"
 controller_manager="$E2E_CACHE/kube-controller-manager-$version"
 scheduler="$E2E_CACHE/kube-scheduler-$version"
 etcd="$E2E_CACHE/etcd-$etcd_version"
-# binary in the cache, the package, the name `go build -o DIR/` gives it, the module to build it in
+# binary in the cache, the package, the name `go build -o DIR/` gives it, the module to build it in, the
+# name E2E_BUILD_ONLY selects it by and the variable the suite reads its path from
 builds=(
-	"$kubelet k8s.io/kubernetes/cmd/kubelet kubelet $k8s_mod"
-	"$apiserver k8s.io/kubernetes/cmd/kube-apiserver kube-apiserver $k8s_mod"
-	"$controller_manager k8s.io/kubernetes/cmd/kube-controller-manager kube-controller-manager $k8s_mod"
-	"$scheduler k8s.io/kubernetes/cmd/kube-scheduler kube-scheduler $k8s_mod"
-	"$etcd go.etcd.io/etcd/server/v3 server $here"
+	"$kubelet k8s.io/kubernetes/cmd/kubelet kubelet $k8s_mod kubelet E2E_KUBELET"
+	"$apiserver k8s.io/kubernetes/cmd/kube-apiserver kube-apiserver $k8s_mod kube-apiserver E2E_KUBE_APISERVER"
+	"$controller_manager k8s.io/kubernetes/cmd/kube-controller-manager kube-controller-manager $k8s_mod kube-controller-manager E2E_KUBE_CONTROLLER_MANAGER"
+	"$scheduler k8s.io/kubernetes/cmd/kube-scheduler kube-scheduler $k8s_mod kube-scheduler E2E_KUBE_SCHEDULER"
+	"$etcd go.etcd.io/etcd/server/v3 server $here etcd E2E_ETCD"
 )
+# wanted: whether this run needs the binary of that name (all of them, unless E2E_BUILD_ONLY names some).
+wanted() { [ -z "$build_only" ] || [ "$build_only" = 1 ] || [[ " $build_only " == *" $1 "* ]]; }
+if [ -n "$build_only" ] && [ "$build_only" != 1 ]; then
+	for name in $build_only; do
+		case "$name" in
+		kubelet | kube-apiserver | kube-controller-manager | kube-scheduler | etcd) ;;
+		*) die "E2E_BUILD_ONLY: unknown name $name; want 1, or names among kubelet kube-apiserver kube-controller-manager kube-scheduler etcd" ;;
+		esac
+	done
+fi
 for mod in "$k8s_mod" "$here"; do
 	pkgs=()
 	for b in "${builds[@]}"; do
-		read -r bin pkg _ dir <<<"$b"
-		[ "$dir" = "$mod" ] && [ ! -x "$bin" ] && pkgs+=("$pkg")
+		read -r bin pkg _ dir key _ <<<"$b"
+		[ "$dir" = "$mod" ] && [ ! -x "$bin" ] && wanted "$key" && pkgs+=("$pkg")
 	done
 	[ "${#pkgs[@]}" -gt 0 ] || continue
 	step "building ${pkgs[*]##*/cmd/} in ${mod#"$repo"/} (k8s.io/kubernetes $version, etcd $etcd_version; cold, all five: about 25 minutes on 2 cores)"
@@ -75,11 +93,20 @@ for mod in "$k8s_mod" "$here"; do
 		-ldflags "-X k8s.io/component-base/version.gitVersion=$version" \
 		-o "$out/" "${pkgs[@]}") || { rm -rf "$out"; die "build of ${pkgs[*]} failed"; }
 	for b in "${builds[@]}"; do
-		read -r bin _ name dir <<<"$b"
+		read -r bin _ name dir _ <<<"$b"
 		if [ "$dir" = "$mod" ] && [ -e "$out/$name" ]; then mv "$out/$name" "$bin"; fi
 	done
 	rm -rf "$out"
 done
+
+if [ -n "$build_only" ]; then
+	for b in "${builds[@]}"; do
+		read -r bin _ _ _ key var <<<"$b"
+		if wanted "$key"; then printf 'export %s=%q\n' "$var" "$bin"; fi
+	done
+	printf 'export E2E_K8S_VERSION=%q\n' "$version"
+	exit 0
+fi
 
 # containerd 2.x for the CDI scenarios (Debian 12's containerd 1.6 has no CDI; the other scenarios keep it):
 # containerd, its runc shim and ctr from the version pinned in containerd2/go.mod, built once per version

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -149,193 +148,21 @@ func (c *Cluster) TokenClient(token string) (kubernetes.Interface, error) {
 // AdminKubeconfig is a kubeconfig for a cluster admin (kubectl --kubeconfig works with it while the test runs).
 func (c *Cluster) AdminKubeconfig() string { return c.adminKubeconfig }
 
-// startControlPlane generates the PKI and starts etcd, kube-apiserver, kube-controller-manager and
-// kube-scheduler, each on a free loopback port, waiting for each to serve.
+// startControlPlane starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler (StartControlPlane)
+// in the Env's run directory, its PIDs in the Env's ledger; the Env's teardown stops them last.
 func (c *Cluster) startControlPlane(ctx context.Context, cfg ClusterConfig) error {
 	e := c.Env
-	ports, err := freePorts(5, e.kubeletPort, e.healthzPort)
+	cp, err := StartControlPlane(ctx, ControlPlaneConfig{
+		APIServer: cfg.APIServer, Etcd: cfg.Etcd, ControllerManager: cfg.ControllerManager, Scheduler: cfg.Scheduler,
+		Dir: e.d.run, LogDir: e.d.logs, AvoidPorts: []int{e.kubeletPort, e.healthzPort}, ledger: e.ledger,
+		APIServerFeatureGates: cfg.APIServerFeatureGates,
+	})
 	if err != nil {
 		return err
 	}
-	etcdClient, etcdPeer, kcmPort, schedPort := ports[0], ports[1], ports[3], ports[4]
-	c.APIPort = ports[2]
-	if c.pki, err = newPKI(filepath.Join(e.d.run, "pki"), "gpu-agent-e2e-ca"); err != nil {
-		return err
-	}
-	serving, err := c.pki.issue("kube-apiserver", "kube-apiserver", nil, true,
-		[]net.IP{net.ParseIP("127.0.0.1"), net.ParseIP(kubernetesSvcIP)},
-		[]string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"})
-	if err != nil {
-		return err
-	}
-	saKey, err := c.pki.serviceAccountKey()
-	if err != nil {
-		return err
-	}
-	// The aggregation layer's front proxy has a CA of its own, as kubeadm sets it up: the API server publishes
-	// it (configmap kube-system/extension-apiserver-authentication), and the controller manager and the
-	// scheduler, which authenticate their own HTTPS clients through the API server, read it from there.
-	frontProxy, err := newPKI(filepath.Join(e.d.run, "pki", "front-proxy"), "gpu-agent-e2e-front-proxy-ca")
-	if err != nil {
-		return err
-	}
-	proxyClient, err := frontProxy.issue("front-proxy-client", "front-proxy-client", nil, false, nil, nil)
-	if err != nil {
-		return err
-	}
-	// Each component has its own identity; the bootstrap RBAC policy the API server creates grants them what
-	// they need (system:kube-controller-manager, system:kube-scheduler).
-	kubeconfigs := map[string]string{}
-	for _, id := range []struct{ name, cn, group string }{
-		{"admin", "e2e-admin", "system:masters"},
-		{"kube-controller-manager", "system:kube-controller-manager", ""},
-		{"kube-scheduler", "system:kube-scheduler", ""},
-	} {
-		var groups []string
-		if id.group != "" {
-			groups = []string{id.group}
-		}
-		cred, err := c.pki.issue(id.name, id.cn, groups, false, nil, nil)
-		if err != nil {
-			return err
-		}
-		if kubeconfigs[id.name], err = c.pki.kubeconfig(id.name, c.apiURL(), cred); err != nil {
-			return err
-		}
-	}
-	c.adminKubeconfig = kubeconfigs["admin"]
-
-	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdClient)
-	peerURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPeer)
-	etcd, err := c.startComponent("etcd", cfg.Etcd,
-		"--name", "e2e",
-		"--data-dir", filepath.Join(e.d.run, "etcd"),
-		"--listen-client-urls", etcdURL,
-		"--advertise-client-urls", etcdURL,
-		"--listen-peer-urls", peerURL,
-		"--initial-advertise-peer-urls", peerURL,
-		"--initial-cluster", "e2e="+peerURL,
-		// The data lives only as long as the test; fsync would only make a busy shared disk slower.
-		"--unsafe-no-fsync",
-		"--log-level", "warn")
-	if err != nil {
-		return err
-	}
-	if err := waitServing(ctx, etcd, func() error { return httpOK(ctx, etcdURL+"/health") }); err != nil {
-		return err
-	}
-
-	apiserverArgs := []string{
-		"--etcd-servers", etcdURL,
-		"--bind-address", "127.0.0.1",
-		"--secure-port", fmt.Sprint(c.APIPort),
-		// The "kubernetes" Service's endpoints would name this address, and an endpoint may not be loopback:
-		// the reconciler is off (no kube-proxy here could route the Service anyway; in-cluster clients are
-		// pointed at 127.0.0.1 instead, see InstallPatches).
-		"--advertise-address", "127.0.0.1",
-		"--endpoint-reconciler-type", "none",
-		"--tls-cert-file", serving.CertFile,
-		"--tls-private-key-file", serving.KeyFile,
-		"--client-ca-file", c.pki.caFile(),
-		"--requestheader-client-ca-file", frontProxy.caFile(),
-		"--requestheader-allowed-names", "front-proxy-client",
-		"--requestheader-username-headers", "X-Remote-User",
-		"--requestheader-group-headers", "X-Remote-Group",
-		"--requestheader-extra-headers-prefix", "X-Remote-Extra-",
-		"--proxy-client-cert-file", proxyClient.CertFile,
-		"--proxy-client-key-file", proxyClient.KeyFile,
-		"--service-account-issuer", saIssuer,
-		"--service-account-key-file", saKey,
-		"--service-account-signing-key-file", saKey,
-		"--service-cluster-ip-range", serviceCIDR,
-		"--authorization-mode", "Node,RBAC",
-		"--enable-admission-plugins", "NodeRestriction",
-		"--allow-privileged=true",
-		"--cert-dir", filepath.Join(e.d.run, "pki", "kube-apiserver-generated"),
-		"--v", "1",
-	}
-	if cfg.APIServerFeatureGates != "" {
-		apiserverArgs = append(apiserverArgs, "--feature-gates", cfg.APIServerFeatureGates)
-	}
-	apiserver, err := c.startComponent("kube-apiserver", cfg.APIServer, apiserverArgs...)
-	if err != nil {
-		return err
-	}
-	restCfg := &rest.Config{
-		Host: c.apiURL(),
-		TLSClientConfig: rest.TLSClientConfig{
-			CAFile:   c.pki.caFile(),
-			CertFile: filepath.Join(c.pki.dir, "admin.crt"),
-			KeyFile:  filepath.Join(c.pki.dir, "admin.key"),
-		},
-		QPS: 50, Burst: 100, Timeout: 30 * time.Second,
-	}
-	if c.Client, err = kubernetes.NewForConfig(restCfg); err != nil {
-		return err
-	}
-	if c.Dynamic, err = dynamic.NewForConfig(restCfg); err != nil {
-		return err
-	}
-	// /readyz turns 200 once the post-start hooks are done: bootstrap RBAC, the system priority classes.
-	if err := waitServing(ctx, apiserver, func() error {
-		body, err := c.Client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(ctx)
-		if err != nil {
-			return fmt.Errorf("/readyz: %w: %s", err, body)
-		}
-		return nil
-	}); err != nil {
-		return err
-	}
-
-	kcm, err := c.startComponent("kube-controller-manager", cfg.ControllerManager,
-		"--kubeconfig", kubeconfigs["kube-controller-manager"],
-		"--authentication-kubeconfig", kubeconfigs["kube-controller-manager"],
-		"--authorization-kubeconfig", kubeconfigs["kube-controller-manager"],
-		"--bind-address", "127.0.0.1",
-		"--secure-port", fmt.Sprint(kcmPort),
-		"--leader-elect=false",
-		// Every controller the default set runs (daemonset, deployment, replicaset, serviceaccount,
-		// serviceaccount-token, namespace, garbage collector, node lifecycle, root CA publisher, ...), each
-		// with its own service account, as kubeadm sets it up.
-		"--controllers", "*",
-		"--use-service-account-credentials=true",
-		"--service-account-private-key-file", saKey,
-		"--root-ca-file", c.pki.caFile(),
-		"--v", "1")
-	if err != nil {
-		return err
-	}
-	sched, err := c.startComponent("kube-scheduler", cfg.Scheduler,
-		"--kubeconfig", kubeconfigs["kube-scheduler"],
-		"--authentication-kubeconfig", kubeconfigs["kube-scheduler"],
-		"--authorization-kubeconfig", kubeconfigs["kube-scheduler"],
-		"--bind-address", "127.0.0.1",
-		"--secure-port", fmt.Sprint(schedPort),
-		"--leader-elect=false",
-		"--v", "1")
-	if err != nil {
-		return err
-	}
-	for _, s := range []struct {
-		p    *Process
-		port int
-	}{{kcm, kcmPort}, {sched, schedPort}} {
-		url := fmt.Sprintf("https://127.0.0.1:%d/healthz", s.port)
-		if err := waitServing(ctx, s.p, func() error { return httpsOKInsecure(ctx, url) }); err != nil {
-			return err
-		}
-	}
+	e.controlPlane = cp.procs
+	c.Client, c.Dynamic, c.APIPort, c.pki, c.adminKubeconfig = cp.Client, cp.Dynamic, cp.APIPort, cp.pki, cp.adminKubeconfig
 	return nil
-}
-
-// startComponent starts a control plane process, logging to logs/<name>.log and recorded in the ledger.
-func (c *Cluster) startComponent(name, bin string, args ...string) (*Process, error) {
-	p, err := startProcess(name, filepath.Join(c.d.logs, name+".log"), c.ledger, append([]string{bin}, args...)...)
-	if err != nil {
-		return nil, err
-	}
-	c.controlPlane = append(c.controlPlane, p)
-	return p, nil
 }
 
 // waitServing polls ready until it succeeds, giving up at once if p exits.

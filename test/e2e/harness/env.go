@@ -724,7 +724,7 @@ func Lock(path string) (*os.File, error) {
 type AgentStatus struct {
 	// LastLoop is the agent loop's last turn (each event batch and resync).
 	LastLoop time.Time `json:"lastLoop"`
-	Config struct {
+	Config   struct {
 		Name       string `json:"name"`
 		Generation int    `json:"generation"`
 		Error      string `json:"error"`

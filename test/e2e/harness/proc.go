@@ -32,6 +32,13 @@ func startProcess(name, logPath string, l *ledger, argv ...string) (*Process, er
 	return startProcessEnv(name, logPath, l, nil, argv...)
 }
 
+// StartProcess starts argv as startProcess does, with env added to this process's own, recorded in no ledger:
+// for programs outside the suite (the fleet benchmark) that start their own daemons. It dies with this process
+// (SIGKILL), so none outlives a killed program.
+func StartProcess(name, logPath string, env []string, argv ...string) (*Process, error) {
+	return startProcessEnv(name, logPath, nil, env, argv...)
+}
+
 // startProcessEnv is startProcess with extra environment (added to this
 // process's own).
 func startProcessEnv(name, logPath string, l *ledger, env []string, argv ...string) (*Process, error) {

@@ -1,0 +1,188 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+)
+
+func TestParseCPUTime(t *testing.T) {
+	// A comm with a space and a parenthesis: only what follows the last ')' counts. utime 250, stime 50.
+	stat := "4242 (kube sched) uler) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 12 0 1234 0 0"
+	got, err := parseCPUTime([]byte(stat))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := 3 * time.Second; got != want {
+		t.Fatalf("got %s, want %s", got, want)
+	}
+	if _, err := parseCPUTime([]byte("4242 (x) S 1 2")); err == nil {
+		t.Fatal("a short stat line was read")
+	}
+}
+
+func TestParseMemory(t *testing.T) {
+	status := "Name:\tkube-scheduler\nVmPeak:\t  900000 kB\nVmHWM:\t   204800 kB\nVmRSS:\t   102400 kB\nThreads:\t12\n"
+	got, err := parseMemory([]byte(status))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.HWM != 200<<20 || got.RSS != 100<<20 {
+		t.Fatalf("got %+v, want HWM 200 MiB, RSS 100 MiB", got)
+	}
+	if _, err := parseMemory([]byte("Name:\tkthreadd\n")); err == nil {
+		t.Fatal("a status without VmRSS was read")
+	}
+}
+
+func str(s string) resourceapi.DeviceAttribute { return resourceapi.DeviceAttribute{StringValue: &s} }
+func num(n int64) resourceapi.DeviceAttribute  { return resourceapi.DeviceAttribute{IntValue: &n} }
+
+// defaultLike is a small default-model pool: two GPUs consuming their counters, a MIG placement, and the
+// counter sets in a slice of their own, as the agent publishes them.
+func defaultLike() template {
+	consume := func(set string) []resourceapi.DeviceCounterConsumption {
+		return []resourceapi.DeviceCounterConsumption{{CounterSet: set, Counters: map[string]resourceapi.Counter{}}}
+	}
+	gpu := func(name string, clique int64) resourceapi.Device {
+		return resourceapi.Device{Name: name, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+			"type": str("gpu"), "nvlinkClique": num(clique)}, ConsumesCounters: consume(name + "-counters")}
+	}
+	pool := resourceapi.ResourcePool{Name: "template", Generation: 3, ResourceSliceCount: 2}
+	return template{Model: "default", Slices: []resourceapi.ResourceSlice{
+		{ObjectMeta: metav1.ObjectMeta{Name: "template-gpu.nvidia.com-abcde"}, Spec: resourceapi.ResourceSliceSpec{
+			Driver: driverName, Pool: pool, NodeName: ptr.To("template"),
+			SharedCounters: []resourceapi.CounterSet{{Name: "gpu-0-counters"}, {Name: "gpu-1-counters"}},
+		}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "template-gpu.nvidia.com-fghij"}, Spec: resourceapi.ResourceSliceSpec{
+			Driver: driverName, Pool: pool, NodeName: ptr.To("template"),
+			Devices: []resourceapi.Device{
+				gpu("gpu-0", 0), gpu("gpu-1", 0),
+				{Name: "gpu-0-mig-1g-10gb-0", Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+					"gpu.nvidia.com/type": str("mig"), "profile": str("1g.10gb")}, ConsumesCounters: consume("gpu-0-counters")},
+			},
+		}},
+	}}
+}
+
+func TestWholeGPUsOnly(t *testing.T) {
+	def := defaultLike()
+	base, err := wholeGPUsOnly(def)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(base.Slices) != 1 {
+		t.Fatalf("%d slices, want 1", len(base.Slices))
+	}
+	s := base.Slices[0].Spec
+	if len(s.Devices) != 2 || s.SharedCounters != nil || s.Pool.ResourceSliceCount != 1 {
+		t.Fatalf("got %d devices, counters %v, pool %+v; want the 2 GPUs alone in a pool of one slice", len(s.Devices), s.SharedCounters, s.Pool)
+	}
+	for _, d := range s.Devices {
+		if d.ConsumesCounters != nil {
+			t.Fatalf("device %s still consumes counters", d.Name)
+		}
+	}
+	if def.Slices[1].Spec.Devices[0].ConsumesCounters == nil {
+		t.Fatal("the default model's template was changed")
+	}
+	if st := base.stats(); st.Devices != 2 || st.CounterSets != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestClaimsFit(t *testing.T) {
+	def := defaultLike()
+	base, err := wholeGPUsOnly(def)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range claimSpecs {
+		fitsDef, _ := c.Fits(def)
+		fitsBase, why := c.Fits(base)
+		if !fitsDef {
+			t.Errorf("%s does not fit the default-like template", c.Name)
+		}
+		if c.Name == "mig-1g" {
+			if fitsBase {
+				t.Errorf("mig-1g fits whole GPUs only")
+			}
+		} else if !fitsBase {
+			t.Errorf("%s does not fit whole GPUs only: %s", c.Name, why)
+		}
+	}
+}
+
+func TestCloneSlices(t *testing.T) {
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "fleet-node-7", UID: "uid-7"}}
+	got := cloneSlices(defaultLike(), node)
+	if len(got) != 2 {
+		t.Fatalf("%d slices, want 2", len(got))
+	}
+	for i, s := range got {
+		if want := "fleet-node-7-gpu.nvidia.com-" + string(rune('0'+i)); s.Name != want {
+			t.Errorf("name %s, want %s", s.Name, want)
+		}
+		if *s.Spec.NodeName != node.Name || s.Spec.Pool.Name != node.Name || s.Spec.Pool.Generation != 3 {
+			t.Errorf("%s: node %s, pool %+v", s.Name, *s.Spec.NodeName, s.Spec.Pool)
+		}
+		if len(s.OwnerReferences) != 1 || s.OwnerReferences[0].UID != node.UID || s.OwnerReferences[0].Name != node.Name {
+			t.Errorf("%s: owners %+v", s.Name, s.OwnerReferences)
+		}
+	}
+}
+
+func TestSteadyRate(t *testing.T) {
+	t0 := time.Now()
+	ts := []time.Time{t0, t0.Add(time.Second), t0.Add(2 * time.Second), t0.Add(4 * time.Second)}
+	if got := steadyRate(ts); got != 0.75 {
+		t.Fatalf("got %v, want 3 pods over 4 s", got)
+	}
+	if got := steadyRate(ts[:1]); got != 0 {
+		t.Fatalf("one binding: got %v, want 0", got)
+	}
+}
+
+func TestTableRatio(t *testing.T) {
+	rs := []result{
+		{Model: baselineModel, Nodes: 100, Claim: "1gpu", Asked: 10, Bound: 10, Rate: 50, API: memory{HWM: 1 << 30}, APIPeakReset: true},
+		{Model: "default", Nodes: 100, Claim: "1gpu", Asked: 10, Bound: 4, Rate: 0.5, TimedOut: true, Why: "6 pods unbound",
+			Stats: stats{CounterSets: 8, Counters: 104, MaxCounters: 13}, APIPeakReset: true},
+		{Model: "default", Nodes: 100, Claim: "mig-1g", Skip: "no MIG device of profile 1g.10gb"},
+	}
+	out := table(rs, nil, []string{"- model x: not measured."})
+	for _, want := range []string{"| default | 100 | 1gpu | 4/10 (limit) | 0.50 | 0.010 |", "8 × 13 |", "6 pods unbound", "not measured: no MIG device", "\n\n- model x: not measured."} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+// The examples the models name are ConfigMap manifests with a config.yaml key.
+func TestConfigFromExamples(t *testing.T) {
+	for _, m := range exampleModels {
+		if m.Manifest == "" {
+			continue
+		}
+		path := filepath.Join(repoDir(), m.Manifest)
+		if _, err := os.Stat(path); err != nil {
+			t.Logf("%s: %v (the model is skipped at run time)", m.Name, err)
+			continue
+		}
+		cfg, err := configFromManifest(path, t.TempDir())
+		if err != nil {
+			t.Fatalf("%s: %v", m.Name, err)
+		}
+		b, err := os.ReadFile(cfg)
+		if err != nil || !strings.Contains(string(b), "version: v1") {
+			t.Fatalf("%s: config %q, %v", m.Name, b, err)
+		}
+	}
+}

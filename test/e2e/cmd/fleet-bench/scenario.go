@@ -1,0 +1,417 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
+)
+
+// namespace holds every scenario's pods and claims.
+const namespace = "fleet"
+
+// binaries are the control plane's, built by test/e2e/run.sh.
+type binaries struct{ Etcd, APIServer, Scheduler string }
+
+// result is one row of the table: one model, fleet size and claim.
+type result struct {
+	Model, Claim string
+	Nodes        int
+	Asked, Bound int
+	// Rate is the steady binding rate: pods bound after the first, over the time from the first binding to
+	// the last. Wall is from the first pod's creation to the last binding (or to the time limit).
+	Rate float64
+	Wall time.Duration
+	// SchedStart is from the scheduler's start to its /readyz with the fleet already in the API server: its
+	// informers' initial list of every Node and ResourceSlice.
+	SchedStart time.Duration
+	// SchedCPU is the scheduler's CPU time over the binding phase (pods' creation to the end).
+	SchedCPU       time.Duration
+	Sched, API     memory // the scheduler's (a fresh process) and the API server's (peak reset before the pods)
+	APIPeakReset   bool   // whether the API server's peak could be reset (else it is the peak since its start)
+	SliceBytes     int    // per node
+	Stats          stats  // per node
+	TimedOut       bool
+	Skip, Err, Why string // Why: the scheduler's last word on a pod it did not bind
+}
+
+// fleetRun is one control plane with N nodes of one model; its scenarios run one after another on it, each
+// with a fresh scheduler.
+type fleetRun struct {
+	bins      binaries
+	dir       string
+	repo      string
+	tmpl      template
+	nodes     int
+	pods      int
+	limit     time.Duration
+	logf      func(string, ...any)
+	apiServer *harness.Process
+}
+
+// run starts the control plane, creates the fleet and measures every claim on it, returning a row per claim
+// (skipped claims included, with the reason); an error is returned when the fleet itself cannot be made.
+func (f *fleetRun) run(ctx context.Context, claims []claimSpec) ([]result, error) {
+	cp, err := f.start(ctx)
+	if cp != nil {
+		defer func() {
+			if err := cp.Stop(10 * time.Second); err != nil {
+				f.logf("%v", err)
+			}
+		}()
+	}
+	if err != nil {
+		return nil, err
+	}
+	cs, err := benchClient(cp.RESTConfig)
+	if err != nil {
+		return nil, err
+	}
+	st := f.tmpl.stats()
+	sb, err := sliceBytes(ctx, cs, fleetNodeName(0))
+	if err != nil {
+		return nil, err
+	}
+	var out []result
+	for _, c := range claims {
+		r := result{Model: f.tmpl.Model, Claim: c.Name, Nodes: f.nodes, Asked: f.pods, SliceBytes: sb, Stats: st}
+		if ok, why := c.Fits(f.tmpl); !ok {
+			r.Skip = why
+			out = append(out, r)
+			continue
+		}
+		f.logf("measuring %s, %d nodes, %d pods of claim %s (at most %s)", f.tmpl.Model, f.nodes, f.pods, c.Name, f.limit)
+		if err := f.measure(ctx, cp, cs, c, &r); err != nil {
+			r.Err = err.Error()
+			f.logf("%s/%d/%s: %v", r.Model, r.Nodes, r.Claim, err)
+		}
+		f.logf("%s", r.summary())
+		out = append(out, r)
+		if ctx.Err() != nil {
+			return out, ctx.Err()
+		}
+	}
+	return out, nil
+}
+
+// start brings up etcd and the API server, creates the DeviceClasses, the namespace and the fleet. The
+// scheduler is not started yet: each scenario starts its own.
+func (f *fleetRun) start(ctx context.Context) (*harness.ControlPlane, error) {
+	sctx, cancel := context.WithTimeout(ctx, 4*time.Minute)
+	defer cancel()
+	t0 := time.Now()
+	cp, err := harness.StartControlPlane(sctx, harness.ControlPlaneConfig{
+		APIServer: f.bins.APIServer, Etcd: f.bins.Etcd, Dir: f.dir, LogDir: filepath.Join(f.dir, "logs"),
+		SchedulerClientQPS: 5000,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("control plane: %w", err)
+	}
+	f.apiServer = cp.APIServer
+	cs, err := benchClient(cp.RESTConfig)
+	if err != nil {
+		return cp, err
+	}
+	if err := createDeviceClasses(ctx, cs, filepath.Join(f.repo, "deploy", "manifests", "dra", "deviceclasses.yaml")); err != nil {
+		return cp, err
+	}
+	if err := createNamespace(ctx, cs, namespace); err != nil {
+		return cp, err
+	}
+	t1 := time.Now()
+	// Creating thousands of slices of tens of kB takes the API server a while on two cores; bounded all the
+	// same, so that the program ends by itself.
+	cctx, cancel := context.WithTimeout(ctx, 20*time.Minute)
+	defer cancel()
+	if err := createFleet(cctx, cs, f.tmpl, f.nodes); err != nil {
+		return cp, fmt.Errorf("%s: %d nodes: %w", f.tmpl.Model, f.nodes, err)
+	}
+	f.logf("%s: control plane up in %s, %d nodes with %d slices each created in %s", f.tmpl.Model,
+		t1.Sub(t0).Round(100*time.Millisecond), f.nodes, len(f.tmpl.Slices), time.Since(t1).Round(100*time.Millisecond))
+	return cp, nil
+}
+
+// benchClient is an admin client whose rate limit does not throttle the benchmark's own creations.
+func benchClient(cfg *rest.Config) (kubernetes.Interface, error) {
+	c := rest.CopyConfig(cfg)
+	c.QPS, c.Burst = 5000, 5000
+	c.Timeout = 2 * time.Minute // a list of every slice of 500 nodes is hundreds of MB
+	cs, err := kubernetes.NewForConfig(c)
+	if err != nil {
+		return nil, fmt.Errorf("client: %w", err)
+	}
+	return cs, nil
+}
+
+// measure runs one scenario: a fresh scheduler, then the claims, then the pods, and waits until every pod
+// is bound or the limit passes.
+func (f *fleetRun) measure(ctx context.Context, cp *harness.ControlPlane, cs kubernetes.Interface, c claimSpec, r *result) error {
+	defer func() {
+		if err := cp.StopScheduler(10 * time.Second); err != nil {
+			f.logf("%v", err)
+		}
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Minute)
+		defer cancel()
+		if err := clearNamespace(cctx, cs, namespace); err != nil {
+			f.logf("%v", err)
+		}
+	}()
+	t0 := time.Now()
+	sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	if err := cp.StartScheduler(sctx, f.bins.Scheduler); err != nil {
+		return err
+	}
+	if err := cp.WaitSchedulerReady(sctx); err != nil {
+		return err
+	}
+	r.SchedStart = time.Since(t0)
+	sched := cp.Scheduler.PID()
+	// What the scheduler does once ready (its first resyncs) is not the pods' cost: wait until it idles.
+	if err := waitIdle(sctx, sched); err != nil {
+		return err
+	}
+
+	// Claims first, so that a pod never waits for its claim and the creations are not in the measured window.
+	pods := make([]*corev1.Pod, f.pods)
+	err := parallel(ctx, f.pods, 16, func(ctx context.Context, i int) error {
+		claim, pod := claimAndPod(namespace, c, i)
+		pods[i] = pod
+		if _, err := cs.ResourceV1().ResourceClaims(namespace).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
+			return fmt.Errorf("create ResourceClaim %s: %w", claim.Name, err)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+
+	w := newBindWatch(cs)
+	wctx, stopWatch := context.WithCancel(ctx)
+	// The informer's goroutines end once its context does (stopWatch), and Shutdown waits for them.
+	defer w.factory.Shutdown()
+	defer stopWatch()
+	if err := w.start(wctx); err != nil {
+		return err
+	}
+	if err := resetPeakRSS(f.apiServer.PID()); err != nil {
+		f.logf("API server peak RSS not reset (it is the peak since its start): %v", err)
+	} else {
+		r.APIPeakReset = true
+	}
+	cpu0, err := cpuTime(sched)
+	if err != nil {
+		return fmt.Errorf("kube-scheduler CPU time: %w", err)
+	}
+	start := time.Now()
+	deadline := start.Add(f.limit)
+	err = parallel(ctx, f.pods, 16, func(ctx context.Context, i int) error {
+		if _, err := cs.CoreV1().Pods(namespace).Create(ctx, pods[i], metav1.CreateOptions{}); err != nil {
+			return fmt.Errorf("create Pod %s: %w", pods[i].Name, err)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	// Creation competes with the scheduler for the API server: when it takes as long as the binding, the
+	// rate measures the creations.
+	f.logf("%d pods created in %s", f.pods, duration(time.Since(start)))
+	for w.count() < f.pods && time.Now().Before(deadline) {
+		if done, werr := cp.Scheduler.Exited(); done {
+			return fmt.Errorf("kube-scheduler exited: %v (see %s)", werr, cp.Scheduler.LogPath)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	end := time.Now()
+	cpu1, err := cpuTime(sched)
+	if err != nil {
+		return fmt.Errorf("kube-scheduler CPU time: %w", err)
+	}
+	r.SchedCPU = cpu1 - cpu0
+	if r.Sched, err = readMemory(sched); err != nil {
+		return fmt.Errorf("kube-scheduler memory: %w", err)
+	}
+	if r.API, err = readMemory(f.apiServer.PID()); err != nil {
+		return fmt.Errorf("kube-apiserver memory: %w", err)
+	}
+	times := w.times()
+	r.Bound = len(times)
+	r.TimedOut = r.Bound < f.pods
+	r.Wall = end.Sub(start)
+	if !r.TimedOut && r.Bound > 0 {
+		r.Wall = times[len(times)-1].Sub(start)
+	}
+	r.Rate = steadyRate(times)
+	if r.TimedOut {
+		r.Why = w.whyPending(ctx, cs)
+	}
+	return nil
+}
+
+// steadyRate is the binding rate between the first and the last binding: the scheduler's own pace, without
+// the wait for the first pod (its creation, the first scheduling cycle).
+func steadyRate(times []time.Time) float64 {
+	if len(times) < 2 {
+		return 0
+	}
+	d := times[len(times)-1].Sub(times[0]).Seconds()
+	if d <= 0 {
+		return 0
+	}
+	return float64(len(times)-1) / d
+}
+
+// waitIdle waits until the process uses less than a tenth of a core over a second, for at most a minute
+// (then it goes on: a busy scheduler is measured as it is).
+func waitIdle(ctx context.Context, pid int) error {
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	prev, err := cpuTime(pid)
+	if err != nil {
+		return err
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(time.Second):
+		}
+		now, err := cpuTime(pid)
+		if err != nil {
+			return err
+		}
+		if now-prev < 100*time.Millisecond {
+			return nil
+		}
+		prev = now
+	}
+}
+
+// bindWatch records when each pod of the namespace is first seen bound (spec.nodeName set), through an
+// informer, which lists again should its watch break.
+type bindWatch struct {
+	factory informers.SharedInformerFactory
+	mu      sync.Mutex
+	bound   map[string]time.Time
+}
+
+func newBindWatch(cs kubernetes.Interface) *bindWatch {
+	return &bindWatch{
+		factory: informers.NewSharedInformerFactoryWithOptions(cs, 0, informers.WithNamespace(namespace)),
+		bound:   map[string]time.Time{},
+	}
+}
+
+func (w *bindWatch) start(ctx context.Context) error {
+	inf := w.factory.Core().V1().Pods().Informer()
+	see := func(obj any) {
+		p, ok := obj.(*corev1.Pod)
+		if !ok || p.Spec.NodeName == "" {
+			return
+		}
+		now := time.Now()
+		w.mu.Lock()
+		if _, seen := w.bound[p.Name]; !seen {
+			w.bound[p.Name] = now
+		}
+		w.mu.Unlock()
+	}
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    see,
+		UpdateFunc: func(_, obj any) { see(obj) },
+	}); err != nil {
+		return fmt.Errorf("pod informer: %w", err)
+	}
+	w.factory.Start(ctx.Done())
+	sctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	for typ, ok := range w.factory.WaitForCacheSync(sctx.Done()) {
+		if !ok {
+			return fmt.Errorf("pod informer %v: not synced in a minute", typ)
+		}
+	}
+	return nil
+}
+
+func (w *bindWatch) count() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.bound)
+}
+
+// times are the binding times, in order.
+func (w *bindWatch) times() []time.Time {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var ts []time.Time
+	for _, t := range w.bound {
+		ts = append(ts, t)
+	}
+	slices.SortFunc(ts, func(a, b time.Time) int { return a.Compare(b) })
+	return ts
+}
+
+// whyPending is the scheduler's message on one pod it did not bind (its PodScheduled condition), or what
+// says it has not looked at it yet.
+func (w *bindWatch) whyPending(ctx context.Context, cs kubernetes.Interface) string {
+	pods, err := cs.CoreV1().Pods(namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return "list pods: " + err.Error()
+	}
+	unbound, unseen := 0, 0
+	var msg string
+	for _, p := range pods.Items {
+		if p.Spec.NodeName != "" {
+			continue
+		}
+		unbound++
+		seen := false
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse {
+				seen = true
+				if msg == "" {
+					msg = fmt.Sprintf("%s: %s: %s", p.Name, c.Reason, c.Message)
+				}
+			}
+		}
+		if !seen {
+			unseen++
+		}
+	}
+	s := fmt.Sprintf("%d pods unbound, %d of them not yet tried (no PodScheduled=False)", unbound, unseen)
+	if msg != "" {
+		s += "; " + strings.TrimSpace(msg)
+	}
+	return s
+}
+
+// summary is a one-line log of a result.
+func (r result) summary() string {
+	if r.Err != "" {
+		return fmt.Sprintf("%s/%d nodes/%s: error: %s", r.Model, r.Nodes, r.Claim, r.Err)
+	}
+	s := fmt.Sprintf("%s/%d nodes/%s: %d/%d bound, %.2f pods/s, scheduler ready in %s, CPU %s, RSS peak %d MiB, API server RSS peak %d MiB",
+		r.Model, r.Nodes, r.Claim, r.Bound, r.Asked, r.Rate, r.SchedStart.Round(100*time.Millisecond), r.SchedCPU,
+		r.Sched.HWM>>20, r.API.HWM>>20)
+	if r.Why != "" {
+		s += "; " + r.Why
+	}
+	return s
+}

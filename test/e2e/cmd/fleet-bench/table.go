@@ -1,0 +1,96 @@
+package main
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+)
+
+// table writes the results as Markdown: one row per measured scenario (skipped and failed ones are listed
+// below it, after notes), in the order they ran, and each row's binding rate against the whole-gpus-only row
+// of the same fleet size and claim.
+func table(rs []result, header, notes []string) string {
+	var b strings.Builder
+	for _, h := range header {
+		fmt.Fprintf(&b, "%s\n", h)
+	}
+	if len(header) > 0 {
+		b.WriteString("\n")
+	}
+	baseline := map[string]float64{}
+	for _, r := range rs {
+		if r.Model == baselineModel && r.Skip == "" && r.Err == "" && r.Bound > 0 {
+			baseline[fmt.Sprint(r.Nodes, "/", r.Claim)] = r.Rate
+		}
+	}
+	b.WriteString("| model | N | claim | bound/asked | pods/s | vs whole-gpus-only | wall s | sched CPU s/pod | sched RSS peak MiB | apiserver RSS peak MiB | sched ready s | slice kB/node | devices/node | counter sets × counters/node |\n")
+	b.WriteString("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
+	notes = slices.Clone(notes)
+	for _, r := range rs {
+		switch {
+		case r.Skip != "":
+			notes = append(notes, fmt.Sprintf("- %s, %d nodes, %s: not measured: %s.", r.Model, r.Nodes, r.Claim, r.Skip))
+			continue
+		case r.Err != "":
+			notes = append(notes, fmt.Sprintf("- %s, %d nodes, %s: failed: %s", r.Model, r.Nodes, r.Claim, r.Err))
+			continue
+		}
+		rate := fmt.Sprintf("%.2f", r.Rate)
+		if r.Bound < 2 {
+			rate = "–"
+		}
+		ratio := "–"
+		if base, ok := baseline[fmt.Sprint(r.Nodes, "/", r.Claim)]; ok && base > 0 && r.Bound >= 2 {
+			ratio = fmt.Sprintf("%.3f", r.Rate/base)
+		}
+		bound := fmt.Sprintf("%d/%d", r.Bound, r.Asked)
+		if r.TimedOut {
+			bound += " (limit)"
+			notes = append(notes, fmt.Sprintf("- %s, %d nodes, %s: %s.", r.Model, r.Nodes, r.Claim, strings.TrimRight(r.Why, ".")))
+		}
+		perPod := "–"
+		if r.Bound > 0 {
+			perPod = fmt.Sprintf("%.3f", r.SchedCPU.Seconds()/float64(r.Bound))
+		}
+		apiPeak := fmt.Sprint(r.API.HWM >> 20)
+		if !r.APIPeakReset {
+			apiPeak += " (since start)"
+		}
+		fmt.Fprintf(&b, "| %s | %d | %s | %s | %s | %s | %.1f | %s | %d | %s | %.1f | %.1f | %d | %s |\n",
+			r.Model, r.Nodes, r.Claim, bound, rate, ratio, r.Wall.Seconds(), perPod, r.Sched.HWM>>20, apiPeak,
+			r.SchedStart.Seconds(), float64(r.SliceBytes)/1000, r.Stats.Devices, counters(r.Stats))
+	}
+	if len(notes) > 0 {
+		b.WriteString("\n")
+		b.WriteString(strings.Join(notes, "\n"))
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+// counters is "sets × counters each", or the totals when the sets differ in size.
+func counters(s stats) string {
+	switch {
+	case s.CounterSets == 0:
+		return "0"
+	case s.Counters == s.CounterSets*s.MaxCounters:
+		return fmt.Sprintf("%d × %d", s.CounterSets, s.MaxCounters)
+	}
+	return fmt.Sprintf("%d sets, %d counters", s.CounterSets, s.Counters)
+}
+
+// legend explains the columns under the table.
+const legend = `Columns: *pods/s* is the steady binding rate (pods bound after the first, over the time from the first
+binding to the last); *vs whole-gpus-only* divides it by the whole-gpus-only row of the same N and claim; *wall s*
+runs from the first pod's creation to the last binding, or to the time limit; *sched CPU s/pod* is the
+scheduler's user+system CPU time over that window divided by the pods bound; RSS peaks are VmHWM (the scheduler is
+a fresh process per row and its peak includes its initial list of the fleet; the API server's peak is reset
+before the pods are created, to its RSS then, which holds the fleet); *sched ready s* is from the scheduler's start
+to its /readyz with the fleet already stored; slice bytes are one node's ResourceSlices as JSON, as the API server
+returns them. With only a few pods bound, pods/s rests on a few bindings: bound/asked over the limit is the other
+reading. whole-gpus-only is derived from the default model's slices (its type=gpu devices only, no
+ConsumesCounters, no counter sets), not published by an agent.`
+
+// duration formats a duration for the log.
+func duration(d time.Duration) string { return d.Round(100 * time.Millisecond).String() }
