@@ -33,9 +33,13 @@ func renderChartIn(t *testing.T, values, ns string) (*objects, error) {
 	if err := yaml.Unmarshal([]byte(values), &vals); err != nil {
 		t.Fatalf("values: %v", err)
 	}
+	// The library's default capabilities say Kubernetes 1.20 (helm stamps
+	// its own build's version); render for the version the suite runs.
+	caps := chartutil.DefaultCapabilities.Copy()
+	caps.KubeVersion = chartutil.KubeVersion{Version: "v1.36.3", Major: "1", Minor: "36"}
 	rv, err := chartutil.ToRenderValues(chrt, vals, chartutil.ReleaseOptions{
 		Name: "gpu-agent", Namespace: ns, IsInstall: true, Revision: 1,
-	}, chartutil.DefaultCapabilities)
+	}, caps)
 	if err != nil {
 		t.Fatalf("render values: %v", err)
 	}
@@ -250,7 +254,7 @@ func commandFlags(t *testing.T, sub string, atLeast int) map[string]string {
 	t.Helper()
 	out, _ := exec.Command(agentBin, sub, "-h").CombinedOutput()
 	flags := map[string]string{}
-	re := regexp.MustCompile(`(?m)^\s+-([a-z-]+)(?: \S+)?\n\s+.*\[([A-Z_]+)\]`)
+	re := regexp.MustCompile(`(?m)^\s+--?([a-z][a-z-]*)(?: \S+)?\n\s+.*\[([A-Z_]+)\]`)
 	for _, m := range re.FindAllStringSubmatch(string(out), -1) {
 		flags[m[1]] = m[2]
 	}
@@ -481,5 +485,38 @@ func TestChartMPSEnabled(t *testing.T) {
 	if sc.Privileged != nil && *sc.Privileged || sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
 		len(sc.Capabilities.Add) != 0 || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
 		t.Errorf("mps-host securityContext %+v: want unprivileged, all capabilities dropped", sc)
+	}
+}
+
+// The chart installs on Kubernetes 1.26 and newer, but its default admission
+// policies need 1.30: on an older cluster it says so and how to install
+// without them, instead of failing on an unknown API.
+func TestChartAdmissionPolicyNeedsKubernetes130(t *testing.T) {
+	chrt, err := loader.Load(repoPath("deploy", "helm", "gpu-agent"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	render := func(version, values string) error {
+		vals := map[string]any{}
+		if err := yaml.Unmarshal([]byte(values), &vals); err != nil {
+			t.Fatal(err)
+		}
+		caps := chartutil.DefaultCapabilities.Copy()
+		caps.KubeVersion = chartutil.KubeVersion{Version: version, Major: "1", Minor: strings.Split(version, ".")[1]}
+		rv, err := chartutil.ToRenderValues(chrt, vals, chartutil.ReleaseOptions{Name: "gpu-agent", Namespace: "gpu-system", IsInstall: true}, caps)
+		if err != nil {
+			return err
+		}
+		_, err = engine.Render(chrt, rv)
+		return err
+	}
+	if err := render("v1.29.4", ""); err == nil || !strings.Contains(err.Error(), "admissionPolicy.enabled=false") || !strings.Contains(err.Error(), "v1.29.4") {
+		t.Errorf("1.29 with the default policies: %v, want an error naming the version and the value to set", err)
+	}
+	if err := render("v1.29.4", "admissionPolicy: {enabled: false}"); err != nil {
+		t.Errorf("1.29 without the policies: %v", err)
+	}
+	if err := render("v1.30.0", ""); err != nil {
+		t.Errorf("1.30: %v", err)
 	}
 }
