@@ -44,6 +44,7 @@ import (
 // wall-clock time, goroutines or map order, so a seed replays exactly:
 //
 //	go test -run '^TestSimulation$' ./agent                         # 200 seeds of 20 operations
+//	go test -run '^TestSimulation$' ./agent -sim.from=K -sim.seeds=N  # seeds K to K+N-1
 //	go test -run '^TestSimulation$' ./agent -sim.seed=K -sim.steps=N  # one seed, its sequence printed
 //	go test -run '^TestSimulation$' ./agent -sim.seed=K -sim.log      # with the agent's log in it
 //	make simulation                                                 # 10,000 seeds of 60 operations
@@ -56,7 +57,8 @@ import (
 // The default (200 seeds of 20 operations) takes about 27 s under -race
 // on 2 cores, 5 s without.
 var (
-	simSeeds = flag.Int("sim.seeds", 200, "TestSimulation: run seeds 0 to N-1")
+	simSeeds = flag.Int("sim.seeds", 200, "TestSimulation: run N seeds, from -sim.from")
+	simFrom  = flag.Int("sim.from", 0, "TestSimulation: the first seed of -sim.seeds (a sweep in chunks)")
 	simSeed  = flag.Int("sim.seed", -1, "TestSimulation: run this seed only, and print its sequence")
 	simSteps = flag.Int("sim.steps", 20, "TestSimulation: operations per seed (then the node settles)")
 	simLog   = flag.Bool("sim.log", false, "TestSimulation: log what the agent logs (with -sim.seed)")
@@ -94,7 +96,7 @@ func always(*simRun) bool { return true }
 func TestSimulation(t *testing.T) {
 	seeds := make([]uint64, 0, *simSeeds)
 	for s := range *simSeeds {
-		seeds = append(seeds, uint64(s))
+		seeds = append(seeds, uint64(*simFrom+s))
 	}
 	if *simSeed >= 0 {
 		seeds = []uint64{uint64(*simSeed)}
@@ -482,8 +484,11 @@ func (s *simRun) close() {
 // newNode opens the simulated node from its state file; armed, it crashes
 // the agent right after one of its next few MIG changes.
 func (s *simRun) newNode(armed bool) *sim.Node {
-	opts := append(slices.Clone(s.profile.opts), sim.WithStateFile(s.state), sim.WithClock(s.clock.Now),
-		sim.WithLogger(quietLogger()))
+	log := quietLogger()
+	if s.tb.log {
+		log = slog.New(slog.NewTextHandler(testWriter{s.tb}, nil)) // the crash, NVML calls failed
+	}
+	opts := append(slices.Clone(s.profile.opts), sim.WithStateFile(s.state), sim.WithClock(s.clock.Now), sim.WithLogger(log))
 	if armed {
 		opts = append(opts, sim.WithCrashAfter(1+s.rng.IntN(8), func() { panic(crash{}) }))
 	}
@@ -502,7 +507,11 @@ func (s *simRun) newHarness(restored bool) *harness {
 		h.clock, h.opts.Now = s.clock, s.clock.Now
 		h.pub, h.opts.Publisher = s.pub, s.pub
 		h.opts.Holdings = s.kube
-		h.opts.MIG = &watchingApplier{s: s, next: mig.NewApplier(h.node, h.dir, nil)}
+		var log *slog.Logger // the applier's steps, resumes and abandons, with -sim.log
+		if s.tb.log {
+			log = h.opts.Logger
+		}
+		h.opts.MIG = &watchingApplier{s: s, next: mig.NewApplier(h.node, h.dir, log)}
 	}}
 	if !s.tb.log {
 		opts = append(opts, withQuietLog())
