@@ -601,3 +601,46 @@ func layout(g gpu.GPU) []string {
 	slices.Sort(out)
 	return out
 }
+
+// Simulation, seed 3715 (dgx-h100; 26 operations): the agent is killed
+// while a layout is applied, after NVML made a GPU instance and before its
+// compute instance; the config has meanwhile become one whose layout does
+// not fit the GPUs, so the restarted agent, which has no last good config
+// of its own, serves the built-in default: no layout is in force. The GPU
+// instance without a compute instance stays for good. Where: removeBare
+// (bare.go) leaves alone every GPU the selected config's layout names
+// (governed), a layout that does not fit included, although Plan then
+// serves the last config that fitted, whose layout (here none) is the one
+// in force.
+func TestSimRegressBareGPUInstanceUnderUnfitLayout(t *testing.T) {
+	on0 := func(counts string) string {
+		return "version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n      devices:\n      - devices: [0]\n        mig-enabled: true\n        mig-devices: " + counts + "\n"
+	}
+	dir := t.TempDir()
+	state := filepath.Join(dir, "gpus.json")
+	// NVML changes: MIG on, the first GPU instance: killed there.
+	node, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state), sim.WithLogger(quietLogger()),
+		sim.WithCrashAfter(2, func() { panic(crash{}) }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	h := newHarnessIn(t, node, dir, withMIG())
+	crashIn(t, func() { h.config(on0(`{"1g.10gb": 7}`)) })
+
+	h2 := restartOn(t, h, "dgx-h100", state, sim.WithImmediateMIGModeChange())
+	if g := gpuOf(t, h2, 0); len(g.GIsWithoutCI) != 1 {
+		t.Fatalf("after the crash GPU 0 has bare GPU instances %+v, want the one made before it", g.GIsWithoutCI)
+	}
+	h2.config(on0(`{"7g.80gb": 2}`))
+	if h2.a.Status().Config.Error == "" {
+		t.Fatalf("2× 7g.80gb on GPU 0 was accepted; want it refused (it does not fit)")
+	}
+	for range 3 {
+		h2.clock.Advance(time.Minute)
+		h2.step(Tick{})
+	}
+	if g := gpuOf(t, h2, 0); len(g.GIsWithoutCI) != 0 {
+		t.Errorf("GPU 0 keeps a GPU instance without a compute instance under a layout not in force: %+v", g.GIsWithoutCI)
+	}
+}
