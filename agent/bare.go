@@ -25,8 +25,9 @@ const bareGrace = 10 * time.Second
 // removeBare destroys the GPU instances without a compute instance that a
 // change cut short left on GPUs no MIG layout in force governs (a layout's
 // plan removes those on its GPUs; a layout that does not fit is not in
-// force: Plan serves the last config that fitted, and its layout): no MIG device stands for one, so no container
-// can hold it and no claim was given it, yet it takes its slices for good.
+// force: Plan serves the last config that fitted, and its layout): no MIG
+// device stands for one, so no container can hold it and no claim was
+// given it, yet it takes its slices for good.
 // One at the placement of a claim's MIG device, or of one being made or
 // destroyed for a claim, is left to that claim's release, which undoes it.
 // It runs on GPUs just read.
