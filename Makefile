@@ -128,8 +128,9 @@ fuzz-short:
 # The simulation (TestSimulation, agent/simulation_test.go) for SIM_SEEDS
 # seeds of SIM_STEPS operations from seed SIM_FROM (a sweep in chunks);
 # `make unit` runs 200 of 20. A failing seed prints its sequence and how to
-# replay it. About 10 minutes on two cores (TMPDIR on a tmpfs saves a
-# third: the agent and the simulated GPUs fsync their state).
+# replay it. About 10 minutes on two idle cores, 26 on two shared with
+# other work (TMPDIR on a tmpfs saves a third: the agent and the simulated
+# GPUs fsync their state).
 SIM_SEEDS ?= 10000
 SIM_STEPS ?= 60
 SIM_FROM ?= 0
