@@ -549,20 +549,20 @@ func restartOn(t *testing.T, h *harness, profile, state string, opts ...sim.Opti
 	return newHarnessIn(t, node, h.dir, withDRA(&draRecorder{}), withMIG(), withCheckpoint())
 }
 
-// Simulation, seed 1047 (dgx-h100; 49 operations): the agent is killed
-// while it makes a claim's MIG device on a GPU already in MIG mode, after
-// NVML refused the compute instance and the applier removed the GPU
+// Simulation, seed 1047 (dgx-h100; 49 operations; seed 7165 leaves the
+// device made orphaned instead): the agent is killed while it makes a claim's MIG device on a GPU already in MIG mode,
+// after NVML refused the compute instance and the applier removed the GPU
 // instance again, before the plan's journal was dropped. The next agent
 // undoes the claim's intent (nothing is left at its placement) and the
 // journal stays. The next claim on that GPU wants a device of the same
-// profile elsewhere: its plan asks for the same counts as the journal's,
-// so the applier resumes the journal and makes the first claim's device;
-// the second claim fails ("created but NVML does not list it"), and the
-// device made, which no claim holds, is offered through the device plugin
-// and handed to a container while the simulation still counts it DRA's.
-// Where: mig.Applier resumes a journal whose Want (counts per profile)
-// equals the new plan's; a claim's plan is one device at one placement,
-// which counts do not say.
+// profile elsewhere: its plan asks for the same counts as the journal's, so
+// the applier resumes the journal and makes the first claim's device; the
+// second claim fails ("created but NVML does not list it"), and the device
+// made, which no claim holds, is offered through the device plugin and
+// handed to a container while the simulation still counts it DRA's. Where:
+// mig.Applier resumes a journal whose Want (counts per profile) equals the
+// new plan's; a claim's plan is one device at one placement, which counts
+// do not say.
 func TestSimRegressCrashMidPrepareJournalResumedForAnotherClaim(t *testing.T) {
 	dir := t.TempDir()
 	state := filepath.Join(dir, "gpus.json")
@@ -602,16 +602,16 @@ func layout(g gpu.GPU) []string {
 	return out
 }
 
-// Simulation, seed 3715 (dgx-h100; 26 operations): the agent is killed
-// while a layout is applied, after NVML made a GPU instance and before its
-// compute instance; the config has meanwhile become one whose layout does
-// not fit the GPUs, so the restarted agent, which has no last good config
-// of its own, serves the built-in default: no layout is in force. The GPU
-// instance without a compute instance stays for good. Where: removeBare
-// (bare.go) leaves alone every GPU the selected config's layout names
-// (governed), a layout that does not fit included, although Plan then
-// serves the last config that fitted, whose layout (here none) is the one
-// in force.
+// Simulation, seed 3715 (dgx-h100; 26 operations), and 6095, 6885, 7306:
+// the agent is killed while a layout is applied, after NVML made a GPU
+// instance and before its compute instance; the config has meanwhile become
+// one whose layout does not fit the GPUs, so the restarted agent, which has
+// no last good config of its own, serves the built-in default: no layout is
+// in force. The GPU instance without a compute instance stays for good.
+// Where: removeBare (bare.go) leaves alone every GPU the selected config's
+// layout names (governed), a layout that does not fit included, although
+// Plan then serves the last config that fitted, whose layout (here none) is
+// the one in force.
 func TestSimRegressBareGPUInstanceUnderUnfitLayout(t *testing.T) {
 	on0 := func(counts string) string {
 		return "version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n      devices:\n      - devices: [0]\n        mig-enabled: true\n        mig-devices: " + counts + "\n"
