@@ -9,7 +9,7 @@ RUN_DIR ?= $(CURDIR)/.run
 # curls it); test/deploy runs the Quick start on a free port.
 LISTEN ?= 127.0.0.1:9400
 
-.PHONY: all build test unit lint fmt bench run clean-run fuzz fuzz-short simulation clean e2e e2e-k8s134 image deploy-test fleet-bench
+.PHONY: all build test unit lint fmt bench run clean-run fuzz fuzz-short simulation sim-transcript clean e2e e2e-k8s134 image deploy-test fleet-bench
 
 all: build
 
@@ -146,14 +146,28 @@ fuzz-short:
 	@$(MAKE) --no-print-directory fuzz FUZZTIME=4s FUZZMINTIME=1s
 
 # The simulation (TestSimulation, agent/simulation_test.go) for SIM_SEEDS
-# seeds of SIM_STEPS operations; `make unit` runs 200 of 20. A failing seed
-# prints its sequence and how to replay it. About 10 minutes on two cores
-# (TMPDIR on a tmpfs saves a third: the agent and the simulated GPUs fsync
-# their state).
+# seeds of SIM_STEPS operations from seed SIM_FROM (a sweep in chunks);
+# `make unit` runs 200 of 20. A failing seed prints its sequence and how to
+# replay it. About 10 minutes on two idle cores, 26 on two shared with
+# other work (TMPDIR on a tmpfs saves a third: the agent and the simulated
+# GPUs fsync their state).
 SIM_SEEDS ?= 10000
 SIM_STEPS ?= 60
+SIM_FROM ?= 0
 simulation:
-	$(GO) test -run '^TestSimulation$$' -count=1 -timeout 2h -v ./agent -sim.seeds=$(SIM_SEEDS) -sim.steps=$(SIM_STEPS)
+	$(GO) test -run '^TestSimulation$$' -count=1 -timeout 2h -v ./agent -sim.from=$(SIM_FROM) -sim.seeds=$(SIM_SEEDS) -sim.steps=$(SIM_STEPS)
+
+# One seed as a transcript a person can follow (like etcd raft's
+# datadriven files): each operation, then what it changed: NVML (MIG mode,
+# MIG devices per GPU), what the device plugin and the DRA pool offer, who
+# holds what, the agent's ledger (claims, intents, releases, doomed), and
+# the violation, if any, at the end: make sim-transcript SEED=1047
+# (SIM_STEPS as the sweep that found it; TRANSCRIPT=FILE).
+SEED ?= 0
+TRANSCRIPT ?= sim-$(SEED).txt
+sim-transcript:
+	$(GO) test -run '^TestSimulation$$' -count=1 ./agent -sim.seed=$(SEED) -sim.steps=$(SIM_STEPS) -sim.transcript=$(abspath $(TRANSCRIPT)) || true
+	@echo "transcript of seed $(SEED): $(TRANSCRIPT)"
 
 # Runs the agent on a simulated DGX A100 with its sockets, its state and the
 # GPUs' state under $(RUN_DIR); CONFIG=FILE gives it a config.

@@ -220,7 +220,11 @@ type Agent struct {
 	migTouched map[string]bool
 	// bareSince: when each GPU instance without a compute instance was
 	// first seen (bareKey), for removeBare.
-	bareSince   map[string]time.Time
+	bareSince map[string]time.Time
+	// laid: the GPUs (by index) the MIG layout in force governs, as the
+	// last pass planned it (Plan serves the last config that fitted when
+	// the selected one's layout does not); nil before the first pass.
+	laid        map[int]bool
 	profiles    map[string]mig.Profiles
 	profileErrs map[string]error
 

@@ -23,9 +23,11 @@ import (
 const bareGrace = 10 * time.Second
 
 // removeBare destroys the GPU instances without a compute instance that a
-// change cut short left on GPUs no MIG layout governs (a layout's plan
-// removes those on its GPUs): no MIG device stands for one, so no container
-// can hold it and no claim was given it, yet it takes its slices for good.
+// change cut short left on GPUs no MIG layout in force governs (a layout's
+// plan removes those on its GPUs; a layout that does not fit is not in
+// force: Plan serves the last config that fitted, and its layout): no MIG
+// device stands for one, so no container can hold it and no claim was
+// given it, yet it takes its slices for good.
 // One at the placement of a claim's MIG device, or of one being made or
 // destroyed for a claim, is left to that claim's release, which undoes it.
 // It runs on GPUs just read.
@@ -40,7 +42,7 @@ func (a *Agent) removeBare() {
 		bare []gpu.GPUInstance
 	}
 	var todo []left
-	laid := a.governed()
+	laid := a.laid
 	for _, g := range a.inv.GPUs {
 		if !a.read(g.UUID) {
 			for k, at := range a.bareSince { // not read: what was seen stands
@@ -60,8 +62,9 @@ func (a *Agent) removeBare() {
 			seen[k] = at
 			switch {
 			case laid == nil || laid[g.Index]:
-				// A layout governs it (or a broken one leaves every GPU as
-				// it is): its plan destroys the instance.
+				// The layout in force governs it: its plan destroys the
+				// instance (before the first pass, what is in force is not
+				// known yet).
 			case a.claimedAt(g.UUID, b.Placement) != "":
 				if !ok {
 					a.log.Warn("GPU instance without a compute instance left: a DRA claim's MIG device is recorded at its placement; its release undoes it",
@@ -102,25 +105,6 @@ func (a *Agent) destroyBare(g gpu.GPU, bare []gpu.GPUInstance) error {
 		return fmt.Errorf("GPU %d (%s): %w", g.Index, g.UUID, err)
 	}
 	return nil
-}
-
-// governed says, by GPU index, which GPUs the selected config's MIG layout
-// governs; nil when the layout does not apply to this node (every GPU is
-// then left as it is).
-func (a *Agent) governed() map[int]bool {
-	laid := map[int]bool{}
-	layout := a.selected.MIGLayout
-	if layout == nil {
-		return laid
-	}
-	wants, err := mig.Desired(layout, a.inv)
-	if err != nil {
-		return nil
-	}
-	for i := range wants {
-		laid[i] = true
-	}
-	return laid
 }
 
 // claimedAt names the claim whose MIG device (prepared, being made, or to

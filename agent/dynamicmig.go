@@ -21,8 +21,11 @@ import (
 // applyAndRead runs a one-GPU MIG plan for a claim and reads the GPUs
 // again; the error includes a plan that stopped short of applied. What the
 // applier doomed for it (mig.Guard) is cleared once the GPUs are read: the
-// devices it destroyed are gone, those it did not are free again.
+// devices it destroyed are gone, those it did not are free again. The plan
+// is exact (mig.Plan.Exact): a journal a crash left is resumed only by the
+// same change, never by another claim's whose counts happen to match.
 func (a *Agent) applyAndRead(plan mig.Plan, why string) error {
+	plan.Exact = true
 	a.touchMIG(plan.UUID)
 	a.ledger.settlingClaims(true)
 	st, err := a.opts.MIG.Apply(a.ctx, plan)

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -531,5 +532,128 @@ func TestPoolBlocksUnsettledPlacements(t *testing.T) {
 				t.Errorf("partitions of GPU 0 over memory slices 4-7: %v; want offered: %v", over, tc.wantOver)
 			}
 		})
+	}
+}
+
+// crashIn runs f, which the simulated node crashes (sim.WithCrashAfter),
+// and fails the test if it does not.
+func crashIn(t *testing.T, f func()) {
+	t.Helper()
+	defer func() {
+		if r := recover(); r != (crash{}) {
+			t.Fatalf("recovered %v, want the simulated crash", r)
+		}
+	}()
+	f()
+}
+
+// restartOn starts the node again from its state file (no faults, no
+// crash armed) and an agent on it from what the last one checkpointed.
+func restartOn(t *testing.T, h *harness, profile, state string, opts ...sim.Option) *harness {
+	t.Helper()
+	h.a.Ledger().Close()
+	h.node.Close()
+	node, err := sim.New(profile, append(opts, sim.WithStateFile(state), sim.WithLogger(quietLogger()))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	t.Cleanup(func() { node.Close() })
+	return newHarnessIn(t, node, h.dir, withDRA(&draRecorder{}), withMIG(), withCheckpoint())
+}
+
+// Simulation, seed 1047 (dgx-h100; 49 operations; seed 7165 leaves the
+// device made orphaned instead): the agent is killed while it makes a claim's MIG device on a GPU already in MIG mode,
+// after NVML refused the compute instance and the applier removed the GPU
+// instance again, before the plan's journal was dropped. The next agent
+// undoes the claim's intent (nothing is left at its placement) and the
+// journal stays. The next claim on that GPU wants a device of the same
+// profile elsewhere: its plan asks for the same counts as the journal's, so
+// the applier resumes the journal and makes the first claim's device; the
+// second claim fails ("created but NVML does not list it"), and the device
+// made, which no claim holds, is offered through the device plugin and
+// handed to a container while the simulation still counts it DRA's. Where:
+// mig.Applier resumes a journal whose Want (counts per profile) equals the
+// new plan's; a claim's plan is one device at one placement, which counts
+// do not say.
+func TestSimRegressCrashMidPrepareJournalResumedForAnotherClaim(t *testing.T) {
+	dir := t.TempDir()
+	state := filepath.Join(dir, "gpus.json")
+	// NVML changes: the GPU instance made, then destroyed when its
+	// compute instance fails: killed there.
+	node, err := sim.New("dgx-a100", sim.WithMIGEnabled(), sim.WithStateFile(state), sim.WithLogger(quietLogger()),
+		sim.WithCrashAfter(2, func() { panic(crash{}) }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	h := newHarnessIn(t, node, dir, withDRA(&draRecorder{}), withMIG())
+	h.config(migOnDemand)
+	if err := node.FailCalls(0, "GpuInstanceCreateComputeInstance", nvml.ERROR_UNKNOWN, 1); err != nil {
+		t.Fatal(err)
+	}
+	crashIn(t, func() { h.prepare(claim("uid-1", "one", "gpu-0-mig-3g20gb-0")) })
+
+	h2 := restartOn(t, h, "dgx-a100", state)
+	h2.config(migOnDemand)
+	got := h2.prepare(claim("uid-2", "two", "gpu-0-mig-3g20gb-4"))["uid-2"]
+	if got.Err != nil {
+		t.Errorf("Prepare of 3g.20gb at 4 on GPU 0 after the crash: %v", got.Err)
+	}
+	if l := layout(gpuOf(t, h2, 0)); !slices.Equal(l, []string{"3g.20gb@4"}) {
+		t.Errorf("GPU 0 has MIG devices %v; want only claim two's, 3g.20gb@4", l)
+	}
+}
+
+// layout is g's MIG devices as profile@start, in order.
+func layout(g gpu.GPU) []string {
+	var out []string
+	for _, m := range g.Instances {
+		out = append(out, fmt.Sprintf("%s@%d", m.Profile, m.Placement.Start))
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Simulation, seed 3715 (dgx-h100; 26 operations), and 6095, 6885, 7306:
+// the agent is killed while a layout is applied, after NVML made a GPU
+// instance and before its compute instance; the config has meanwhile become
+// one whose layout does not fit the GPUs, so the restarted agent, which has
+// no last good config of its own, serves the built-in default: no layout is
+// in force. The GPU instance without a compute instance stays for good.
+// Where: removeBare (bare.go) leaves alone every GPU the selected config's
+// layout names (governed), a layout that does not fit included, although
+// Plan then serves the last config that fitted, whose layout (here none) is
+// the one in force.
+func TestSimRegressBareGPUInstanceUnderUnfitLayout(t *testing.T) {
+	on0 := func(counts string) string {
+		return "version: v1\nconfigs:\n  default:\n    mig:\n      strategy: mixed\n      devices:\n      - devices: [0]\n        mig-enabled: true\n        mig-devices: " + counts + "\n"
+	}
+	dir := t.TempDir()
+	state := filepath.Join(dir, "gpus.json")
+	// NVML changes: MIG on, the first GPU instance: killed there.
+	node, err := sim.New("dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithStateFile(state), sim.WithLogger(quietLogger()),
+		sim.WithCrashAfter(2, func() { panic(crash{}) }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Init()
+	h := newHarnessIn(t, node, dir, withMIG())
+	crashIn(t, func() { h.config(on0(`{"1g.10gb": 7}`)) })
+
+	h2 := restartOn(t, h, "dgx-h100", state, sim.WithImmediateMIGModeChange())
+	if g := gpuOf(t, h2, 0); len(g.GIsWithoutCI) != 1 {
+		t.Fatalf("after the crash GPU 0 has bare GPU instances %+v, want the one made before it", g.GIsWithoutCI)
+	}
+	h2.config(on0(`{"7g.80gb": 2}`))
+	if h2.a.Status().Config.Error == "" {
+		t.Fatalf("2× 7g.80gb on GPU 0 was accepted; want it refused (it does not fit)")
+	}
+	for range 3 {
+		h2.clock.Advance(time.Minute)
+		h2.step(Tick{})
+	}
+	if g := gpuOf(t, h2, 0); len(g.GIsWithoutCI) != 0 {
+		t.Errorf("GPU 0 keeps a GPU instance without a compute instance under a layout not in force: %+v", g.GIsWithoutCI)
 	}
 }

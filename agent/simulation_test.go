@@ -44,8 +44,10 @@ import (
 // wall-clock time, goroutines or map order, so a seed replays exactly:
 //
 //	go test -run '^TestSimulation$' ./agent                         # 200 seeds of 20 operations
+//	go test -run '^TestSimulation$' ./agent -sim.from=K -sim.seeds=N  # seeds K to K+N-1
 //	go test -run '^TestSimulation$' ./agent -sim.seed=K -sim.steps=N  # one seed, its sequence printed
 //	go test -run '^TestSimulation$' ./agent -sim.seed=K -sim.log      # with the agent's log in it
+//	go test -run '^TestSimulation$' ./agent -sim.seed=K -sim.transcript=FILE  # the state after each operation
 //	make simulation                                                 # 10,000 seeds of 60 operations
 //
 // A seed that breaks an invariant fails the test with its whole sequence,
@@ -56,7 +58,8 @@ import (
 // The default (200 seeds of 20 operations) takes about 27 s under -race
 // on 2 cores, 5 s without.
 var (
-	simSeeds = flag.Int("sim.seeds", 200, "TestSimulation: run seeds 0 to N-1")
+	simSeeds = flag.Int("sim.seeds", 200, "TestSimulation: run N seeds, from -sim.from")
+	simFrom  = flag.Int("sim.from", 0, "TestSimulation: the first seed of -sim.seeds (a sweep in chunks)")
 	simSeed  = flag.Int("sim.seed", -1, "TestSimulation: run this seed only, and print its sequence")
 	simSteps = flag.Int("sim.steps", 20, "TestSimulation: operations per seed (then the node settles)")
 	simLog   = flag.Bool("sim.log", false, "TestSimulation: log what the agent logs (with -sim.seed)")
@@ -94,7 +97,7 @@ func always(*simRun) bool { return true }
 func TestSimulation(t *testing.T) {
 	seeds := make([]uint64, 0, *simSeeds)
 	for s := range *simSeeds {
-		seeds = append(seeds, uint64(s))
+		seeds = append(seeds, uint64(*simFrom+s))
 	}
 	if *simSeed >= 0 {
 		seeds = []uint64{uint64(*simSeed)}
@@ -108,7 +111,7 @@ func TestSimulation(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := range work {
-				results[i] = runSimulation(t, base, seeds[i], *simSteps, *simLog && *simSeed >= 0)
+				results[i] = runSimulation(t, base, seeds[i], *simSteps, *simLog && *simSeed >= 0, *simTranscript != "")
 			}
 		}()
 	}
@@ -124,10 +127,22 @@ func TestSimulation(t *testing.T) {
 	} else if len(seeds) > 0 {
 		// The simulation itself must replay: the first seed again, the
 		// same sequence to the letter.
-		again := runSimulation(t, base, seeds[0], *simSteps, false)
+		again := runSimulation(t, base, seeds[0], *simSteps, false, false)
 		if a, b := strings.Join(results[0].ops, "\n"), strings.Join(again.ops, "\n"); a != b {
 			t.Errorf("seed %d does not replay: first run\n%s\nsecond run\n%s", seeds[0], a, b)
 		}
+	}
+	if *simTranscript != "" && len(results) > 0 {
+		r := results[0]
+		if i := slices.IndexFunc(results, func(r simResult) bool { return r.violation.kind != "" }); i >= 0 {
+			r = results[i]
+		}
+		head := fmt.Sprintf("# TestSimulation, seed %d (%s), -sim.steps=%d: each operation (indented: what it did), then after ----\n"+
+			"# what changed: NVML, what the device plugin and the DRA pool offer, who holds what, the agent's ledger.\n\n", r.seed, r.profile, *simSteps)
+		if err := os.WriteFile(*simTranscript, []byte(head+r.transcript), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("transcript of seed %d written to %s", r.seed, *simTranscript)
 	}
 	known := map[string][]uint64{}
 	failed := map[string][]simResult{}
@@ -187,6 +202,8 @@ type simResult struct {
 	// knownAt is after how many operations each first showed; seen counts
 	// what happened, by what (what the seeds exercise).
 	known, knownAt, seen map[string]int
+	// transcript is the seed's, with -sim.transcript.
+	transcript string
 }
 
 // simViolation stops a seed: an invariant broke (or the harness gave up).
@@ -213,14 +230,17 @@ func (r simResult) operations() int {
 	return n
 }
 
-// runSimulation runs one seed.
-func runSimulation(t *testing.T, base string, seed uint64, steps int, log bool) (res simResult) {
+// runSimulation runs one seed; record: with its transcript.
+func runSimulation(t *testing.T, base string, seed uint64, steps int, log, record bool) (res simResult) {
 	dir, err := os.MkdirTemp(base, fmt.Sprintf("seed-%d-", seed))
 	if err != nil {
 		return simResult{seed: seed, violation: simViolation{kind: "harness", detail: err.Error()}}
 	}
 	tb := &seedTB{TB: t, dir: dir, log: log}
 	s := newSimRun(tb, seed)
+	if record {
+		s.transcript = &transcript{last: map[string]string{}}
+	}
 	defer func() {
 		res = simResult{seed: seed, profile: s.profile.name, ops: s.ops, known: s.known, knownAt: s.knownAt, seen: s.seen}
 		if r := recover(); r != nil {
@@ -235,6 +255,7 @@ func runSimulation(t *testing.T, base string, seed uint64, steps int, log bool) 
 				res.violation = simViolation{kind: "panic", detail: fmt.Sprintf("%v\n%s", r, debug.Stack())}
 			}
 		}
+		res.transcript = s.finish(res.violation)
 		s.close()
 		tb.cleanup()
 		os.RemoveAll(dir)
@@ -440,6 +461,9 @@ type simRun struct {
 	ops      []string
 	found    []simViolation // seen inside an operation (MIG applies)
 	nextName int
+	// transcript, with -sim.transcript: the operations and the state
+	// after each (simtranscript_test.go).
+	transcript *transcript
 }
 
 func newSimRun(tb *seedTB, seed uint64) *simRun {
@@ -482,8 +506,11 @@ func (s *simRun) close() {
 // newNode opens the simulated node from its state file; armed, it crashes
 // the agent right after one of its next few MIG changes.
 func (s *simRun) newNode(armed bool) *sim.Node {
-	opts := append(slices.Clone(s.profile.opts), sim.WithStateFile(s.state), sim.WithClock(s.clock.Now),
-		sim.WithLogger(quietLogger()))
+	log := quietLogger()
+	if s.tb.log {
+		log = slog.New(slog.NewTextHandler(testWriter{s.tb}, nil)) // the crash, NVML calls failed
+	}
+	opts := append(slices.Clone(s.profile.opts), sim.WithStateFile(s.state), sim.WithClock(s.clock.Now), sim.WithLogger(log))
 	if armed {
 		opts = append(opts, sim.WithCrashAfter(1+s.rng.IntN(8), func() { panic(crash{}) }))
 	}
@@ -502,7 +529,11 @@ func (s *simRun) newHarness(restored bool) *harness {
 		h.clock, h.opts.Now = s.clock, s.clock.Now
 		h.pub, h.opts.Publisher = s.pub, s.pub
 		h.opts.Holdings = s.kube
-		h.opts.MIG = &watchingApplier{s: s, next: mig.NewApplier(h.node, h.dir, nil)}
+		var log *slog.Logger // the applier's steps, resumes and abandons, with -sim.log
+		if s.tb.log {
+			log = h.opts.Logger
+		}
+		h.opts.MIG = &watchingApplier{s: s, next: mig.NewApplier(h.node, h.dir, log)}
 	}}
 	if !s.tb.log {
 		opts = append(opts, withQuietLog())
@@ -520,6 +551,7 @@ func (s *simRun) do(what string, f func()) {
 	s.ops = append(s.ops, what)
 	if !s.guard(func() { f(); s.flush() }) {
 		s.check()
+		s.record()
 		return
 	}
 	s.pending = nil // posted to the inbox of the agent that died
@@ -530,6 +562,7 @@ func (s *simRun) do(what string, f func()) {
 		s.seen["the agent crashed while restarting"]++
 	}
 	s.check()
+	s.record()
 	if len(s.kube.unpreparing) > 0 {
 		s.do("the kubelet asks again to unprepare what it had no answer for", func() { s.note("%s", s.kube.unprepareAll()) })
 	}

@@ -309,6 +309,10 @@ func (a *Agent) pass(why string) {
 	}
 	start := a.now()
 	d := a.plan()
+	a.laid = map[int]bool{}
+	for _, gm := range d.MIG {
+		a.laid[gm.GPU] = true
+	}
 	if d.NeedFreshHoldings || a.ledger.settleable(start) {
 		// An allocation the kubelet had time to list holds its device
 		// (and the device's GPU: no MIG mode change) until an answer

@@ -64,8 +64,9 @@ type journal struct {
 }
 
 // Apply runs p on GPU p.GPU. When a journal for that GPU holds an unfinished
-// plan for the same wanted layout, that plan is resumed from its last step
-// instead; an unfinished plan for another layout is abandoned (an instance it
+// plan for the same wanted layout (an exact plan: the same steps,
+// Plan.Exact), that plan is resumed from its last step instead; an
+// unfinished plan for another layout is abandoned (an instance it
 // was half-way through creating is removed first). On a failed step the GPU
 // is left with whole instances only and the state says which step failed.
 func (a *Applier) Apply(ctx context.Context, p Plan) (State, error) {
@@ -78,7 +79,7 @@ func (a *Applier) Apply(ctx context.Context, p Plan) (State, error) {
 		return State{Phase: PhaseFailed, Reason: err.Error()}, err
 	}
 	switch {
-	case j != nil && j.Plan.Want.Equal(p.Want):
+	case j != nil && j.Plan.resumes(p):
 		a.log.Info("resuming MIG plan", "gpu", p.GPU, "uuid", p.UUID, "step", j.Next, "steps", len(j.Plan.Steps))
 		j.Plan.Held = p.Held // holders now, not when the old plan was made
 		j.Plan.DestroyBlocked = p.DestroyBlocked

@@ -13,6 +13,7 @@ import (
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
+	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 )
 
@@ -75,6 +76,44 @@ func TestCrashThenNewLayoutRemovesHalfCreatedInstance(t *testing.T) {
 	}
 	if got := len(r.gpu(0).Instances); got != 7 {
 		t.Fatalf("%d instances, want 7", got)
+	}
+}
+
+// An exact plan (the agent's own change for a claim: one device at one
+// placement) resumes only a journal of the same change. Another with the
+// same counts (a device of the same profile elsewhere) abandons it, the
+// half-made GPU instance included, and makes its own device.
+func TestExactPlanResumesOnlyItsOwnJournal(t *testing.T) {
+	create := func(r *rig, start int) Plan {
+		p := r.profiles(0)["3g.20gb"]
+		return Plan{GPU: 0, UUID: r.gpu(0).UUID, Want: want("1x3g.20gb"), Exact: true, Steps: []Step{{
+			Op: OpCreate, Profile: p.Name, ProfileIndex: p.Index, Placement: gpu.Placement{Start: start, Size: 4}, Reason: "claim"}}}
+	}
+	for _, tc := range []struct {
+		point string // where the first plan is cut short
+		next  int    // the placement the next plan makes its device at
+		want  []string
+	}{
+		{"before", 4, []string{"3g.20gb@4"}},
+		{"mid", 4, []string{"3g.20gb@4"}},
+		{"before", 0, []string{"3g.20gb@0"}}, // the same change: resumed
+		{"mid", 0, []string{"3g.20gb@0"}},
+	} {
+		t.Run(fmt.Sprintf("%s, then at %d", tc.point, tc.next), func(t *testing.T) {
+			r := newRig(t, "dgx-a100", sim.WithMIGEnabled())
+			r.ap.crash = func(pt string, step int) bool { return pt == tc.point && step == 0 }
+			if _, err := r.ap.Apply(context.Background(), create(r, 0)); !errors.Is(err, errCrashed) {
+				t.Fatalf("apply did not crash: %v", err)
+			}
+			r.ap = NewApplier(r.node, r.dir, slog.New(slog.DiscardHandler))
+			if st, err := r.ap.Apply(context.Background(), create(r, tc.next)); err != nil || st.Phase != PhaseApplied {
+				t.Fatalf("the next plan: %+v, %v", st, err)
+			}
+			g := r.gpu(0)
+			if got := layout(g); !slices.Equal(got, tc.want) || len(g.GIsWithoutCI) > 0 {
+				t.Errorf("GPU 0 has %v, GPU instances without a compute instance %v; want %v, none", got, g.GIsWithoutCI, tc.want)
+			}
+		})
 	}
 }
 

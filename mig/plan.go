@@ -68,6 +68,13 @@ type Step struct {
 	Reason string `json:"reason"`
 }
 
+// same reports whether s and o make the same change (their reasons and
+// the instance ids named for messages aside).
+func (s Step) same(o Step) bool {
+	return s.Op == o.Op && s.Enable == o.Enable && s.Profile == o.Profile && s.ProfileIndex == o.ProfileIndex &&
+		s.Placement == o.Placement && s.Bare == o.Bare && slices.Equal(s.UUIDs, o.UUIDs)
+}
+
 // check refuses a step no planner makes (a journal read back is outside
 // input): an unknown op, or a GPU instance outside the profile indices and
 // memory slices NVML has.
@@ -122,6 +129,21 @@ type Plan struct {
 	// offering them, so new work does not keep the layout from ever
 	// applying.
 	Draining []string `json:"-"`
+	// Exact: the plan is these steps, not a way to reach Want (the agent's
+	// own changes for claims: one device at one placement, which Want's
+	// counts do not say). A journal is resumed for an exact plan only if
+	// it is one with the same steps, and an exact plan's journal only for
+	// such a plan; otherwise it is abandoned.
+	Exact bool `json:"exact,omitempty"`
+}
+
+// resumes reports whether a journal of plan j is what p resumes: the same
+// layout (Want) for layout plans, the same steps for exact ones.
+func (j Plan) resumes(p Plan) bool {
+	if j.Exact || p.Exact {
+		return j.Exact && p.Exact && j.Want.Equal(p.Want) && slices.EqualFunc(j.Steps, p.Steps, Step.same)
+	}
+	return j.Want.Equal(p.Want)
 }
 
 // Destroys counts the instances the plan destroys.
