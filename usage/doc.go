@@ -39,6 +39,6 @@
 // node. So PodIndex takes the Pods of the node from the API server
 // (a watch on spec.nodeName, list and watch of pods in the agent's RBAC):
 // each has its UID and, in its container statuses, every container's ID.
-// A DRA claim needs none of it: its status.reservedFor names the pods by
-// UID.
+// A DRA claim's status.reservedFor names its pods by name and UID; its
+// containers' names still come from the Pods.
 package usage

@@ -24,7 +24,7 @@ func statLine(pid uint32, comm string, start uint64) string {
 }
 
 type fakeProc struct {
-	t    *testing.T
+	t    testing.TB
 	root string
 }
 
