@@ -181,3 +181,24 @@ func TestPodIndex(t *testing.T) {
 		}
 	}
 }
+
+// TestResolveSelf reads this test's own process from the real /proc: the
+// kernel's stat and cgroup files parse, and a second read is the cached one.
+func TestResolveSelf(t *testing.T) {
+	if _, err := os.Stat("/proc/self/stat"); err != nil {
+		t.Skip("no /proc here")
+	}
+	r := NewResolver("/proc")
+	pid := uint32(os.Getpid())
+	o, err := r.Resolve(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("this process: %+v", o)
+	if _, ok := r.cache[pid]; !ok {
+		t.Fatal("not cached")
+	}
+	if again, err := r.Resolve(pid); err != nil || again != o {
+		t.Errorf("second read %+v, %v", again, err)
+	}
+}

@@ -32,8 +32,9 @@ type ProcessSample struct {
 	// HasUtil says whether NVML reports per-process utilization for the
 	// device: not on MIG, not where it answers NOT_SUPPORTED. Then SM,
 	// Mem, Enc and Dec are the means (%) of the process's samples taken
-	// since the last pass, Samples their count: 0 for a process idle all
-	// along, as NVML leaves idle periods out.
+	// since the last pass (in a first pass, of all the driver keeps),
+	// Samples their count: 0 for a process idle all along, as NVML leaves
+	// idle periods out.
 	HasUtil           bool
 	SM, Mem, Enc, Dec float64
 	Samples           int
