@@ -107,6 +107,10 @@ type Options struct {
 	// MIG repartitions GPUs to the config's MIG layout (nil: layouts are
 	// not applied; existing instances are served).
 	MIG MIGApplier
+	// Reset resets a GPU whose MIG mode change waits for a reset, under
+	// the config's mig.resetPolicy (nil: none is reset; the GPU stays
+	// reset-required).
+	Reset GPUResetter
 	// MPS runs the MPS control daemons (nil: MPS sharing is refused).
 	MPS MPSControl
 	// Cluster publishes labels and Events (nil: standalone, no API).

@@ -16,6 +16,7 @@ const (
 	ReasonMIGPending       = "MIGPending"
 	ReasonMIGFailed        = "MIGFailed"
 	ReasonMIGReset         = "MIGResetRequired"
+	ReasonMIGGPUReset      = "MIGGPUReset"
 	ReasonGPUUnhealthy     = "GPUUnhealthy"
 	ReasonGPURecovered     = "GPURecovered"
 	ReasonGPUForgotten     = "GPUForgotten"

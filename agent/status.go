@@ -190,6 +190,10 @@ type MIGState struct {
 	Want   string `json:"want"`
 	Phase  string `json:"phase"`
 	Reason string `json:"reason,omitempty"`
+	// ResetBlockers, on a GPU whose MIG mode change waits for a reset the
+	// agent would do (mig.resetPolicy whenIdle), is what keeps it from the
+	// reset: the pods and claims holding it, the processes on it.
+	ResetBlockers []string `json:"resetBlockers,omitempty"`
 }
 
 func (a *Agent) publishStatus() {

@@ -286,6 +286,7 @@ func (a *Agent) snapshot() Snapshot {
 		Profiles: a.profiles, ProfileErrs: a.profileErrs,
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
+		MIGResets: a.opts.Reset != nil,
 		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.allocations(),
 			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed),
 			Unsettled: unsettled(l.intents, l.releases)},
@@ -320,7 +321,16 @@ func (a *Agent) pass(why string) {
 		// so the loop asks.
 		a.askHoldings()
 	}
-	changed := a.applyMIG(d)
+	changed, reset := a.applyMIG(d)
+	if reset {
+		// A GPU reset made a pending MIG mode current: its layout is made
+		// in this pass, from a fresh read.
+		a.observe("GPU reset for a MIG mode change")
+		a.ledger.undoomAll()
+		d = a.plan()
+		a.applyMIG(d)
+		changed = true
+	}
 	if changed {
 		a.observe("MIG layout applied")
 	}
@@ -453,8 +463,10 @@ func (a *Agent) holdingsAnswer(e HoldingsAnswer) bool {
 	return true
 }
 
-// applyMIG runs each GPU's MIG plan; it reports whether any GPU changed.
-func (a *Agent) applyMIG(d Desired) (changed bool) {
+// applyMIG runs each GPU's MIG plan, and resets the GPUs whose mode
+// change waits for a reset where the policy allows (resetForMIG); it
+// reports whether any GPU changed, and whether one was reset.
+func (a *Agent) applyMIG(d Desired) (changed, reset bool) {
 	if d.MIG == nil {
 		if a.migStates != nil {
 			a.metrics.migPhases.Reset()
@@ -462,7 +474,7 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 		a.migStates = nil
 		a.noteMIGErr(d.MIGErr)
 		clear(a.migSaid)
-		return false
+		return false, false
 	}
 	if a.migSaid == nil {
 		a.migSaid = map[int]MIGState{}
@@ -496,6 +508,11 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 				st.Phase, st.Reason = mig.PhasePending, gm.Waiting
 			}
 		}
+		if a.opts.MIG != nil {
+			var done bool
+			st, done = a.resetForMIG(gm, st, gm.ResetPolicy)
+			reset = reset || done
+		}
 		// Waiting for the answer the loop just asked for is a moment, not
 		// news: it is in /status, but logged and sent as an Event only if
 		// the answer does not come (it fails, or the pass after it waits).
@@ -516,7 +533,7 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 	for _, st := range states {
 		a.metrics.migPhases.WithLabelValues(fmt.Sprint(st.GPU), st.UUID, st.Phase).Set(1)
 	}
-	return changed
+	return changed, reset
 }
 
 // noteMIGErr keeps why the layout is not applied, logging it when it is
