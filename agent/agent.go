@@ -107,6 +107,10 @@ type Options struct {
 	// MIG repartitions GPUs to the config's MIG layout (nil: layouts are
 	// not applied; existing instances are served).
 	MIG MIGApplier
+	// ForeignPlugins lists the resources another device plugin serves on
+	// this kubelet, each with its socket (nil: none is looked for); the
+	// agent does not offer those (plugin.ForeignSockets).
+	ForeignPlugins func() map[string]string
 	// Reset resets a GPU whose MIG mode change waits for a reset, under
 	// the config's mig.resetPolicy (nil: none is reset; the GPU stays
 	// reset-required).
@@ -191,6 +195,8 @@ type Agent struct {
 	// last one that planned here, and why the latest was rejected.
 	file     *config.File
 	labels   map[string]string
+	// conflicts: NVIDIA's components seen acting on this node.
+	conflicts Conflicts
 	selected config.Selected
 	lastGood config.Selected
 	cfgErr   standingError

@@ -93,5 +93,5 @@ func (a *Agent) publishCluster() {
 	if cfg.Config == nil {
 		cfg = a.selected
 	}
-	a.opts.Cluster.SetLabels(NodeLabels(a.inv, cfg, a.migStatus()))
+	a.opts.Cluster.SetLabels(withoutGFDLabels(NodeLabels(a.inv, cfg, a.migStatus()), a.conflicts.GFD))
 }

@@ -46,6 +46,10 @@ type Snapshot struct {
 	// MIGResets: the agent can reset a GPU whose MIG mode change waits for
 	// one (Options.Reset), where the layout's mig.resetPolicy allows.
 	MIGResets bool
+	// MIGManager: NVIDIA's mig-manager runs on the node (its deploy label),
+	// acting on the same nvidia.com/mig.config label: no GPU is
+	// repartitioned or reset.
+	MIGManager bool
 	// DRA: the node also offers its devices through DRA.
 	DRA bool
 	// ClaimMPS are the MPS daemons DRA claims' configs ask for, on devices
@@ -279,6 +283,12 @@ func planMIG(s Snapshot, sel config.Selected, cordon CordonStatus) (out []GPUMIG
 		gm.Plan, gm.State = plan, state
 		if sel.Config != nil {
 			gm.ResetPolicy = sel.Config.MIG.ResetPolicy
+		}
+		if s.MIGManager && (len(plan.Steps) > 0 || state.Phase == mig.PhaseResetRequired) {
+			gm.Plan.Steps = nil
+			gm.State = mig.State{Phase: mig.PhasePending, Reason: "mig-manager runs on this node (" + LabelDeployMIGManager + "=true): gpu-agent does not repartition until it is off"}
+			out = append(out, gm)
+			continue
 		}
 		resets := s.MIGResets && gm.ResetPolicy.ResetsWhenIdle()
 		if resets && (state.Phase == mig.PhaseResetRequired || setsMode(plan)) {

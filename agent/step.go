@@ -234,7 +234,12 @@ func (a *Agent) setLabels(labels map[string]string) bool {
 	if maps.Equal(a.labels, labels) {
 		return false
 	}
+	mm, gfd := nodeConflicts(a.labels)
+	mm2, gfd2 := nodeConflicts(labels)
 	a.labels = maps.Clone(labels)
+	if mm != mm2 || gfd != gfd2 {
+		return true // mig-manager or GFD came or went: plan and label again
+	}
 	if a.file == nil {
 		return false
 	}
@@ -287,6 +292,7 @@ func (a *Agent) snapshot() Snapshot {
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
 		MIGResets: a.opts.Reset != nil,
+		MIGManager: a.labels[LabelDeployMIGManager] == "true",
 		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.allocations(),
 			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed),
 			Unsettled: unsettled(l.intents, l.releases)},
@@ -310,6 +316,7 @@ func (a *Agent) pass(why string) {
 	}
 	start := a.now()
 	d := a.plan()
+	a.noteConflicts(a.conflictsWith(d.Catalog))
 	a.laid = map[int]bool{}
 	for _, gm := range d.MIG {
 		a.laid[gm.GPU] = true
@@ -407,7 +414,7 @@ func (a *Agent) publish(cat *catalog.Catalog, why string) {
 	changed := a.cat == nil || !sameCatalog(a.cat, cat)
 	a.cat = cat
 	a.catalog.Store(cat)
-	a.opts.Publisher.Update(cat)
+	a.opts.Publisher.Update(withoutResources(cat, a.conflicts.Plugins))
 	a.metrics.devices.Reset()
 	for _, r := range cat.Resources {
 		healthy := 0

@@ -336,6 +336,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Holdings:           podres,
 		MIG:                mig.NewApplier(be.Lib, f.stateDir, log.With("component", "mig")),
 		Reset:              resetter,
+		ForeignPlugins:     func() map[string]string { return plugin.ForeignSockets(f.pluginDir) },
 		MPS:                mpsSup,
 		MPSRoot:            f.mpsRoot,
 		MPSShmDir:          f.mpsShmDir,
