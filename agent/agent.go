@@ -191,12 +191,13 @@ type Agent struct {
 	cordoned     []string
 	cordonStatus CordonStatus
 
+	// conflicts: NVIDIA's components seen acting on this node.
+	conflicts Conflicts
+
 	// Config: the file's content, the config selected for this node, the
 	// last one that planned here, and why the latest was rejected.
 	file     *config.File
 	labels   map[string]string
-	// conflicts: NVIDIA's components seen acting on this node.
-	conflicts Conflicts
 	selected config.Selected
 	lastGood config.Selected
 	cfgErr   standingError

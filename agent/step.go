@@ -291,7 +291,7 @@ func (a *Agent) snapshot() Snapshot {
 		Profiles: a.profiles, ProfileErrs: a.profileErrs,
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
-		MIGResets: a.opts.Reset != nil,
+		MIGResets:  a.opts.Reset != nil,
 		MIGManager: a.labels[LabelDeployMIGManager] == "true",
 		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.allocations(),
 			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed),
