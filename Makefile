@@ -23,7 +23,11 @@ LDFLAGS := -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 
 # -v lists each package as it is compiled: a cold build compiles a few
 # hundred (Kubernetes, gRPC) for minutes on two cores, a warm one none.
+# go-nvml is cgo: with CGO_ENABLED=0 (or no C compiler, which turns cgo off)
+# it fails deep inside with "undefined: Return". Say so before that.
 build:
+	@if [ "$$($(GO) env CGO_ENABLED)" != 1 ]; then \
+		echo "gpu-agent needs cgo (go-nvml binds libnvidia-ml through it): build with CGO_ENABLED=1 and a C compiler ($$($(GO) env CC)) on PATH" >&2; exit 1; fi
 	@echo "building $(BIN) $(VERSION) (a first build compiles every dependency: minutes on two cores)"
 	$(GO) build -v -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/gpu-agent
 

@@ -107,6 +107,14 @@ type Options struct {
 	// MIG repartitions GPUs to the config's MIG layout (nil: layouts are
 	// not applied; existing instances are served).
 	MIG MIGApplier
+	// ForeignPlugins lists the resources another device plugin serves on
+	// this kubelet, each with its socket (nil: none is looked for); the
+	// agent does not offer those (plugin.ForeignSockets).
+	ForeignPlugins func() map[string]string
+	// Reset resets a GPU whose MIG mode change waits for a reset, under
+	// the config's mig.resetPolicy (nil: none is reset; the GPU stays
+	// reset-required).
+	Reset GPUResetter
 	// MPS runs the MPS control daemons (nil: MPS sharing is refused).
 	MPS MPSControl
 	// Cluster publishes labels and Events (nil: standalone, no API).
@@ -182,6 +190,9 @@ type Agent struct {
 	// cordonStatus what the last pass resolved it to.
 	cordoned     []string
 	cordonStatus CordonStatus
+
+	// conflicts: NVIDIA's components seen acting on this node.
+	conflicts Conflicts
 
 	// Config: the file's content, the config selected for this node, the
 	// last one that planned here, and why the latest was rejected.

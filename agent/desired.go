@@ -43,6 +43,13 @@ type Snapshot struct {
 	MPSSupervised bool
 	// MIGApplies: a MIG applier runs (without one, layouts are not applied).
 	MIGApplies bool
+	// MIGResets: the agent can reset a GPU whose MIG mode change waits for
+	// one (Options.Reset), where the layout's mig.resetPolicy allows.
+	MIGResets bool
+	// MIGManager: NVIDIA's mig-manager runs on the node (its deploy label),
+	// acting on the same nvidia.com/mig.config label: no GPU is
+	// repartitioned or reset.
+	MIGManager bool
 	// DRA: the node also offers its devices through DRA.
 	DRA bool
 	// ClaimMPS are the MPS daemons DRA claims' configs ask for, on devices
@@ -121,6 +128,11 @@ type GPUMIG struct {
 	// Waiting, when set, is why the GPU stays pending after Plan's steps
 	// (create-only: destroying waits for the kubelet's answer).
 	Waiting string
+	// ResetPolicy is the layout's mig.resetPolicy, and ResetBlockers, on a
+	// GPU whose mode change waits for a reset, the holders that keep the
+	// agent from it (resetBlockers).
+	ResetPolicy   config.ResetPolicy
+	ResetBlockers []string
 }
 
 // Apply reports whether the GPU's plan is to be run.
@@ -269,6 +281,31 @@ func planMIG(s Snapshot, sel config.Selected, cordon CordonStatus) (out []GPUMIG
 			errs = append(errs, sel.MIGError(want.Entry, layoutField(g, want, err), err))
 		}
 		gm.Plan, gm.State = plan, state
+		if sel.Config != nil {
+			gm.ResetPolicy = sel.Config.MIG.ResetPolicy
+		}
+		if s.MIGManager && (len(plan.Steps) > 0 || state.Phase == mig.PhaseResetRequired) {
+			gm.Plan.Steps = nil
+			gm.State = mig.State{Phase: mig.PhasePending, Reason: "mig-manager runs on this node (" + LabelDeployMIGManager + "=true): gpu-agent does not repartition until it is off"}
+			out = append(out, gm)
+			continue
+		}
+		resets := s.MIGResets && gm.ResetPolicy.ResetsWhenIdle()
+		if resets && (state.Phase == mig.PhaseResetRequired || setsMode(plan)) {
+			// A mode change the plan makes may turn out to wait for a
+			// reset too (on most A100 hosts it does).
+			gm.ResetBlockers = resetBlockers(g, s.Holdings)
+			// Without any answer from the kubelet the reset waits for
+			// one: the loop asks.
+			needFresh = needFresh || s.Holdings.Attribution == nil
+		}
+		if state.Phase == mig.PhaseResetRequired {
+			if resets {
+				// The agent resets the GPU once nothing holds it: new
+				// work must not keep it from ever being idle.
+				gm.Plan.Draining = append(gm.Plan.Draining, g.UUID)
+			}
+		}
 		if cordon.has(g.UUID) && len(plan.Steps) > 0 {
 			out = append(out, cordon.holdMIG(gm))
 			continue

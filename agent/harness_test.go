@@ -156,6 +156,14 @@ func withMIG() harnessOption {
 	return func(h *harness) { h.opts.MIG = mig.NewApplier(h.node, h.dir, nil) }
 }
 
+// withReset lets the agent reset the simulated node's GPUs.
+func withReset() harnessOption {
+	return func(h *harness) {
+		node := h.node
+		h.opts.Reset = mig.NewResetter(node, func(_ context.Context, g gpu.GPU) error { return node.Reset(g.Index) })
+	}
+}
+
 // withQuietLog drops the agent's log (benchmarks).
 func withQuietLog() harnessOption {
 	return func(h *harness) { h.opts.Logger = slog.New(slog.DiscardHandler) }

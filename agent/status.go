@@ -35,6 +35,10 @@ type Status struct {
 	Sharing []SharingState `json:"sharing,omitempty"`
 	// MIG is each GPU's repartitioning state when the config has a layout.
 	MIG []MIGState `json:"mig,omitempty"`
+	// Conflicts are NVIDIA's components seen acting on this node (another
+	// device plugin, mig-manager, GFD) and what the agent does about each
+	// (docs/migrating.md).
+	Conflicts []string `json:"conflicts,omitempty"`
 	// Cordon lists the GPUs taken out of service by the Node's
 	// gpu-agent.io/cordon annotation, and entries of it that name no GPU.
 	Cordon *CordonStatus `json:"cordon,omitempty"`
@@ -190,6 +194,10 @@ type MIGState struct {
 	Want   string `json:"want"`
 	Phase  string `json:"phase"`
 	Reason string `json:"reason,omitempty"`
+	// ResetBlockers, on a GPU whose MIG mode change waits for a reset the
+	// agent would do (mig.resetPolicy whenIdle), is what keeps it from the
+	// reset: the pods and claims holding it, the processes on it.
+	ResetBlockers []string `json:"resetBlockers,omitempty"`
 }
 
 func (a *Agent) publishStatus() {
@@ -245,6 +253,7 @@ func (a *Agent) publishStatus() {
 		s.Config.Error, s.Config.ErrorSince = a.migErr.err.Error(), a.migErr.since
 	}
 	s.MIG = a.migStatus()
+	s.Conflicts = a.conflicts.Messages()
 	if c := a.cordonStatus; len(c.GPUs) > 0 || len(c.Unknown) > 0 {
 		s.Cordon = &c
 	}

@@ -58,7 +58,7 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.stateDir, "state-dir", "GPU_AGENT_STATE_DIR", "/var/lib/gpu-agent", "directory for state that must survive restarts")
 	fsAdd(&f.mpsRoot, "mps-root", "GPU_AGENT_MPS_ROOT", "/run/gpu-agent/mps", "root of the MPS pipe and log directories")
 	fsAdd(&f.mpsBinary, "mps-binary", "GPU_AGENT_MPS_BINARY", mps.DefaultBinary, "MPS control program, by path or found on PATH")
-	fsAdd(&f.nvidiaSMI, "nvidia-smi", "GPU_AGENT_NVIDIA_SMI", timeslice.DefaultSMI, "nvidia-smi, by path or found on PATH, to set the time slice DRA claims' TimeSlicing config asks for (empty, or a simulated node: only the Default interval is honoured)")
+	fsAdd(&f.nvidiaSMI, "nvidia-smi", "GPU_AGENT_NVIDIA_SMI", timeslice.DefaultSMI, "nvidia-smi, by path or found on PATH, to set the time slice DRA claims' TimeSlicing config asks for (empty, or a simulated node: only the Default interval is honoured) and to reset an idle GPU whose MIG mode change waits for a reset (mig.resetPolicy; empty: never)")
 	fsAdd(&f.mpsShmDir, "mps-shm-dir", "GPU_AGENT_MPS_SHM_DIR", "/dev/shm", "host directory MPS daemons and their clients share as /dev/shm")
 	fsAdd(&f.kubeconfig, "kubeconfig", "KUBECONFIG", "", "kubeconfig for the Kubernetes API (empty: in-cluster config when in a pod, else standalone)")
 	fsAdd(&f.configMap, "configmap", "GPU_AGENT_CONFIGMAP", "", "NAMESPACE/NAME of the ConfigMap to read the config from through the API (wins over --config, which stays the fallback)")
@@ -306,6 +306,17 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	if be.Sim == nil && f.nvidiaSMI != "" {
 		slicer = timeslice.Interval{Binary: f.nvidiaSMI}
 	}
+	// A MIG mode change that waits for a reset is applied by resetting the
+	// GPU (mig.resetPolicy): through nvidia-smi on a real node, as NVIDIA's
+	// mig-manager does, and through the sim's own reset on a simulated one.
+	var resetter agent.GPUResetter
+	switch {
+	case be.Sim != nil:
+		node := be.Sim
+		resetter = mig.NewResetter(be.Lib, func(_ context.Context, g gpu.GPU) error { return node.Reset(g.Index) })
+	case f.nvidiaSMI != "":
+		resetter = mig.NewResetter(be.Lib, mig.SMIReset(f.nvidiaSMI))
+	}
 
 	ag := agent.New(agent.Options{
 		Observer:           mig.NewObserver(be.Lib, be.InventoryOptions),
@@ -324,6 +335,8 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Health:             watcher,
 		Holdings:           podres,
 		MIG:                mig.NewApplier(be.Lib, f.stateDir, log.With("component", "mig")),
+		Reset:              resetter,
+		ForeignPlugins:     func() map[string]string { return plugin.ForeignSockets(f.pluginDir) },
 		MPS:                mpsSup,
 		MPSRoot:            f.mpsRoot,
 		MPSShmDir:          f.mpsShmDir,
