@@ -24,6 +24,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Observer reads the GPUs: the inventory and each model's MIG profiles
@@ -46,9 +47,9 @@ type HealthControl interface {
 }
 
 // HoldingsSource asks the kubelet's pod-resources API now
-// (health.PodResources).
+// (podresources.Client).
 type HoldingsSource interface {
-	Refresh(ctx context.Context) (*health.Attribution, error)
+	Refresh(ctx context.Context) (*podresources.Attribution, error)
 }
 
 // MIGApplier executes MIG plans (mig.Applier).

@@ -19,6 +19,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Snapshot is everything a plan is derived from. Plan reads nothing else:
@@ -62,7 +63,7 @@ type Snapshot struct {
 // Holdings is what the node knows about which devices containers hold.
 type Holdings struct {
 	// Attribution is the kubelet's latest pod-resources answer (nil: none).
-	Attribution *health.Attribution
+	Attribution *podresources.Attribution
 	// Fresh: Attribution is a successful answer the loop asked for during
 	// this pass. Destroying a MIG instance needs one that does not list it.
 	Fresh bool
@@ -503,7 +504,7 @@ func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
 // first holds its time-sliced replica "GPU-5::1", or a MIG device's GPU
 // (strategy none) while the first holds the MIG device. Replicas of one
 // device under one resource are meant to be shared and stay.
-func withholdHeldSilicon(cat *catalog.Catalog, att *health.Attribution, inv *gpu.Inventory) {
+func withholdHeldSilicon(cat *catalog.Catalog, att *podresources.Attribution, inv *gpu.Inventory) {
 	if att == nil || cat == nil {
 		return
 	}
@@ -518,7 +519,7 @@ func withholdHeldSilicon(cat *catalog.Catalog, att *health.Attribution, inv *gpu
 	type held struct {
 		resource, id string
 		replica      bool
-		by           health.Holder
+		by           podresources.Holder
 	}
 	bySilicon := map[string][]held{} // GPU or MIG UUID → what containers hold of it
 	for _, name := range att.Resources() {
@@ -565,7 +566,7 @@ func withholdHeldSilicon(cat *catalog.Catalog, att *health.Attribution, inv *gpu
 // a pod's allocation either way; advertising the device until the pod
 // releases it keeps its accounting honest and says on /status who holds it,
 // instead of silently handing the same device out under a new name.
-func keepHeld(cat, published *catalog.Catalog, att *health.Attribution) {
+func keepHeld(cat, published *catalog.Catalog, att *podresources.Attribution) {
 	if published == nil || att == nil {
 		return
 	}

@@ -6,6 +6,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // draHeld maps each device of each prepared claim to the node's device, so
@@ -45,7 +46,7 @@ func newDRAHeld(pool string, claims map[types.UID]PreparedClaim, inv *gpu.Invent
 
 // DRADevice implements [health.DRASource]: the device a prepared claim
 // holds, from the claims as the loop last published them.
-func (a *Agent) DRADevice(h health.DRAHold) (health.DRADevice, bool) {
+func (a *Agent) DRADevice(h podresources.DRAHold) (health.DRADevice, bool) {
 	held := a.draHeld.Load()
 	if held == nil || h.Driver != dra.DriverName || h.Pool != held.pool {
 		return health.DRADevice{}, false

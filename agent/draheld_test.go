@@ -8,6 +8,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 func TestDRADeviceResolvesPreparedClaims(t *testing.T) {
@@ -20,8 +21,8 @@ func TestDRADeviceResolvesPreparedClaims(t *testing.T) {
 		"u2": {Namespace: "ml", Name: "made", Devices: []PreparedClaimDevice{{PreparedDevice: dra.PreparedDevice{Device: "gpu-1-mig-3g40gb-4"}, UUID: "MIG-1a", Created: true}}},
 	}
 	a := &Agent{}
-	hold := func(claim, device string) health.DRAHold {
-		return health.DRAHold{ClaimNamespace: "ml", ClaimName: claim, Driver: dra.DriverName, Pool: "node-1", Device: device}
+	hold := func(claim, device string) podresources.DRAHold {
+		return podresources.DRAHold{ClaimNamespace: "ml", ClaimName: claim, Driver: dra.DriverName, Pool: "node-1", Device: device}
 	}
 	if _, ok := a.DRADevice(hold("whole", "gpu-0")); ok {
 		t.Fatal("resolved a device before the loop published any claim")
@@ -33,7 +34,7 @@ func TestDRADeviceResolvesPreparedClaims(t *testing.T) {
 	otherPool.Pool = "node-2"
 	tests := []struct {
 		name string
-		h    health.DRAHold
+		h    podresources.DRAHold
 		want health.DRADevice
 		ok   bool
 	}{

@@ -30,6 +30,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/mig"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // A deterministic simulation of the node, in the spirit of FoundationDB's:
@@ -1263,7 +1264,7 @@ func (k *simKubelet) allocatedIDs(res string) map[string]bool {
 
 // attribution is the kubelet's pod-resources answer now: the containers
 // it has admitted.
-func (k *simKubelet) attribution() *health.Attribution {
+func (k *simKubelet) attribution() *podresources.Attribution {
 	var pods []*podresourcesv1.PodResources
 	now := k.s.clock.Now()
 	for _, c := range k.containers {
@@ -1273,11 +1274,11 @@ func (k *simKubelet) attribution() *health.Attribution {
 		pods = append(pods, &podresourcesv1.PodResources{Name: c.name, Namespace: "sim", Containers: []*podresourcesv1.ContainerResources{{
 			Name: "main", Devices: []*podresourcesv1.ContainerDevices{{ResourceName: c.resource, DeviceIds: c.ids}}}}})
 	}
-	return health.NewAttribution(pods, nil)
+	return podresources.NewAttribution(pods, nil)
 }
 
 // Refresh implements HoldingsSource.
-func (k *simKubelet) Refresh(context.Context) (*health.Attribution, error) {
+func (k *simKubelet) Refresh(context.Context) (*podresources.Attribution, error) {
 	if k.down {
 		return nil, errUnreachable
 	}

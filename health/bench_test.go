@@ -14,6 +14,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // BenchmarkScrape measures one /metrics request on sim:dgx-h100 with 7 MIG
@@ -43,7 +44,7 @@ func BenchmarkScrape(b *testing.B) {
 	}
 	c := NewCollector(CollectorOptions{
 		Samples: s, Health: fixedState{tr.state()},
-		Attribution: fixedAttribution{NewAttribution(pods, IsGPUResource)},
+		Attribution: fixedAttribution{podresources.NewAttribution(pods, podresources.IsGPUResource)},
 		Catalog:     fixedCatalog{&catalog.Catalog{Resources: map[string]*catalog.Resource{res.Name: res}}},
 		Hostname:    "node-1",
 	})

@@ -21,6 +21,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
@@ -29,9 +30,9 @@ type fixedState struct{ s *State }
 
 func (f fixedState) State() *State { return f.s }
 
-type fixedAttribution struct{ a *Attribution }
+type fixedAttribution struct{ a *podresources.Attribution }
 
-func (f fixedAttribution) Attribution() *Attribution { return f.a }
+func (f fixedAttribution) Attribution() *podresources.Attribution { return f.a }
 
 type fixedCatalog struct{ c *catalog.Catalog }
 
@@ -121,12 +122,12 @@ func goldenCollector(t *testing.T) (*Collector, *gpu.Inventory) {
 	tr.ecc(inv.GPUs[1].UUID, false, AllInstances, AllInstances, now)
 
 	g1, mig := inv.GPUs[1].UUID, inv.GPUs[0].Instances[0].UUID
-	attr := NewAttribution([]*podresourcesv1.PodResources{
+	attr := podresources.NewAttribution([]*podresourcesv1.PodResources{
 		pod("ml", "train-a", "worker", "nvidia.com/gpu.shared", g1+"::0"),
 		pod("ml", "train-b", "worker", "nvidia.com/gpu.shared", g1+"::1", g1+"::2"),
 		pod("web", "infer", "server", "nvidia.com/mig-1g.10gb", mig),
 		pod("kube-system", "other", "c", "example.com/nic", "nic0"),
-	}, IsGPUResource)
+	}, podresources.IsGPUResource)
 	cat := &catalog.Catalog{Resources: map[string]*catalog.Resource{"nvidia.com/gpu.shared": {
 		Name: "nvidia.com/gpu.shared",
 		Devices: []catalog.Device{
@@ -349,7 +350,7 @@ func TestCollectorComputeInstancesShareTheirGPUInstance(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c := NewCollector(CollectorOptions{Samples: s, Attribution: fixedAttribution{NewAttribution(tt.pods, IsGPUResource)}})
+			c := NewCollector(CollectorOptions{Samples: s, Attribution: fixedAttribution{podresources.NewAttribution(tt.pods, podresources.IsGPUResource)}})
 			out := scrape(t, c, nil) // fails on duplicate series
 			for _, name := range []string{"DCGM_FI_DEV_FB_USED", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"} {
 				var got []string

@@ -87,3 +87,14 @@ func (c *fakeClock) sleep(d time.Duration) {
 func newSampler(lib nvml.Interface, clk *fakeClock) *Sampler {
 	return NewSampler(lib, SamplerOptions{Now: clk.now, Sleep: clk.sleep})
 }
+
+func eventually(t *testing.T, what string, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !ok() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}

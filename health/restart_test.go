@@ -3,9 +3,6 @@ package health
 import (
 	"context"
 	"log/slog"
-	"net"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -13,8 +10,6 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
-	"google.golang.org/grpc"
-	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 )
 
 // Defect: every resync planned twice because setInventory marked the state
@@ -118,65 +113,6 @@ func TestWatcherSeesEventsBeforeFirstInventory(t *testing.T) {
 	eventually(t, "registered without an inventory", func() bool { return len(w.Watched()) == 4 })
 	n.InjectXID(2, 79)
 	waitFor(t, states, "XID 79 on GPU 2", func(s *State) bool { return bad(s, uuid) })
-}
-
-// Defect: a relative --pod-resources-socket failed with "invalid
-// (non-empty) authority".
-func TestPodResourcesRelativeSocket(t *testing.T) {
-	kubelet, sock, _ := startKubelet(t)
-	kubelet.set(pod("ns", "p1", "c", "nvidia.com/gpu", "GPU-a"))
-	wd, _ := os.Getwd()
-	t.Chdir(filepath.Dir(sock))
-	defer os.Chdir(wd)
-	p := runPodResources(t, PodResourcesOptions{Socket: filepath.Base(sock), MaxAge: time.Hour})
-	a, err := p.Refresh(context.Background())
-	if err != nil || len(a.Holders("GPU-a")) != 1 {
-		t.Fatalf("Refresh through a relative socket path: %v", err)
-	}
-}
-
-// A kubelet that accepts and then never answers: Refresh fails within its
-// timeout (the loop then destroys nothing) instead of hanging.
-func TestPodResourcesRefreshHangingKubelet(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "kubelet.sock")
-	lis, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	release := make(chan struct{})
-	srv := grpc.NewServer()
-	podresourcesv1.RegisterPodResourcesListerServer(srv, hangingKubelet{release: release})
-	go func() { _ = srv.Serve(lis) }()
-	t.Cleanup(func() { close(release); srv.Stop() })
-
-	p := runPodResources(t, PodResourcesOptions{Socket: sock, Timeout: 100 * time.Millisecond, MaxAge: time.Hour})
-	_, err = p.Refresh(context.Background())
-	if err == nil || !strings.Contains(err.Error(), "DeadlineExceeded") {
-		t.Errorf("Refresh against a hanging kubelet: %v, want a deadline error", err)
-	}
-}
-
-type hangingKubelet struct {
-	podresourcesv1.UnimplementedPodResourcesListerServer
-	release chan struct{}
-}
-
-func (h hangingKubelet) List(ctx context.Context, _ *podresourcesv1.ListPodResourcesRequest) (*podresourcesv1.ListPodResourcesResponse, error) {
-	select {
-	case <-ctx.Done():
-	case <-h.release:
-	}
-	return nil, ctx.Err()
-}
-
-// Refresh is served by Run's goroutine, the cache's only writer; without Run
-// it fails rather than racing it.
-func TestPodResourcesRefreshNeedsRun(t *testing.T) {
-	_, sock, _ := startKubelet(t)
-	p := NewPodResources(PodResourcesOptions{Socket: sock, Timeout: 50 * time.Millisecond})
-	if _, err := p.Refresh(context.Background()); err == nil {
-		t.Error("Refresh answered without Run")
-	}
 }
 
 // Defect: /metrics lacked the DCGM series for a whole sampling interval

@@ -27,6 +27,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
+	"github.com/gpu-agent/gpu-agent/podresources"
 	"github.com/gpu-agent/gpu-agent/timeslice"
 )
 
@@ -182,9 +183,11 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		OnChange: func(s *health.State) { inbox.Post(agent.HealthChanged{State: s}) },
 	})
 	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
-	podres := health.NewPodResources(health.PodResourcesOptions{
+	podres := podresources.NewClient(podresources.Options{
 		Socket: f.podResources, Logger: log.With("component", "pod-resources"),
-		OnChange: func(a *health.Attribution) { inbox.Post(agent.HoldingsChanged{Attribution: a, Answered: time.Now()}) },
+		OnChange: func(a *podresources.Attribution) {
+			inbox.Post(agent.HoldingsChanged{Attribution: a, Answered: time.Now()})
+		},
 	})
 	// The MPS daemons' supervisor, or with --mps-host the agent's side of
 	// mps-host, which runs them outside this container (mpshost.go).
