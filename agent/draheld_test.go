@@ -7,8 +7,8 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
-	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/podresources"
+	"github.com/gpu-agent/gpu-agent/telemetry"
 )
 
 func TestDRADeviceResolvesPreparedClaims(t *testing.T) {
@@ -35,15 +35,15 @@ func TestDRADeviceResolvesPreparedClaims(t *testing.T) {
 	tests := []struct {
 		name string
 		h    podresources.DRAHold
-		want health.DRADevice
+		want telemetry.DRADevice
 		ok   bool
 	}{
-		{"whole GPU", hold("whole", "gpu-0"), health.DRADevice{UUID: "GPU-0"}, true},
-		{"MIG device made for the claim, profile from the inventory", hold("made", "gpu-1-mig-3g40gb-4"), health.DRADevice{UUID: "MIG-1a", MIGProfile: "3g.40gb"}, true},
-		{"a device the claim does not have", hold("whole", "gpu-1"), health.DRADevice{}, false},
-		{"a claim not prepared", hold("other", "gpu-0"), health.DRADevice{}, false},
-		{"another driver", otherDriver, health.DRADevice{}, false},
-		{"another node's pool", otherPool, health.DRADevice{}, false},
+		{"whole GPU", hold("whole", "gpu-0"), telemetry.DRADevice{UUID: "GPU-0"}, true},
+		{"MIG device made for the claim, profile from the inventory", hold("made", "gpu-1-mig-3g40gb-4"), telemetry.DRADevice{UUID: "MIG-1a", MIGProfile: "3g.40gb"}, true},
+		{"a device the claim does not have", hold("whole", "gpu-1"), telemetry.DRADevice{}, false},
+		{"a claim not prepared", hold("other", "gpu-0"), telemetry.DRADevice{}, false},
+		{"another driver", otherDriver, telemetry.DRADevice{}, false},
+		{"another node's pool", otherPool, telemetry.DRADevice{}, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -82,12 +82,6 @@ func (c *fakeClock) sleep(d time.Duration) {
 	c.add(d)
 }
 
-// newSampler is a sampler on clk (which the node should share, so that
-// GPM's averages see the time pass).
-func newSampler(lib nvml.Interface, clk *fakeClock) *Sampler {
-	return NewSampler(lib, SamplerOptions{Now: clk.now, Sleep: clk.sleep})
-}
-
 func eventually(t *testing.T, what string, ok func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)

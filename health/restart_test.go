@@ -115,19 +115,6 @@ func TestWatcherSeesEventsBeforeFirstInventory(t *testing.T) {
 	waitFor(t, states, "XID 79 on GPU 2", func(s *State) bool { return bad(s, uuid) })
 }
 
-// Defect: /metrics lacked the DCGM series for a whole sampling interval
-// after start (the first pass ran before the inventory arrived).
-func TestSamplerSamplesAsSoonAsInventoryArrives(t *testing.T) {
-	n := newNode(t, "pcie-4gpu")
-	s := NewSampler(n, SamplerOptions{Interval: time.Hour})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = s.Run(ctx) }()
-	defer func() { cancel(); <-done }()
-	s.SetInventory(inventory(t, n))
-	eventually(t, "a sample of every GPU", func() bool { return len(s.Snapshot().GPUs) == 4 })
-}
-
 // A reboot under a running watcher (a simulated node's /sim/reboot) clears
 // every cause raised before it, the XID 79 that needed it included, and
 // reads again what outlives a reboot: a failed row remapping.

@@ -28,6 +28,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
 	"github.com/gpu-agent/gpu-agent/podresources"
+	"github.com/gpu-agent/gpu-agent/telemetry"
 	"github.com/gpu-agent/gpu-agent/timeslice"
 )
 
@@ -182,7 +183,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		BootID:   be.BootID,
 		OnChange: func(s *health.State) { inbox.Post(agent.HealthChanged{State: s}) },
 	})
-	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
+	sampler := telemetry.NewSampler(be.Lib, telemetry.SamplerOptions{Logger: log.With("component", "metrics")})
 	podres := podresources.NewClient(podresources.Options{
 		Socket: f.podResources, Logger: log.With("component", "pod-resources"),
 		OnChange: func(a *podresources.Attribution) {
@@ -342,7 +343,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		Registerer:         reg,
 	})
 
-	reg.MustRegister(health.NewCollector(health.CollectorOptions{
+	reg.MustRegister(telemetry.NewCollector(telemetry.CollectorOptions{
 		Samples: sampler, Health: watcher, Attribution: podres, Catalog: ag, DRA: ag, Hostname: f.nodeName,
 	}))
 

@@ -1,4 +1,4 @@
-package health
+package telemetry
 
 import (
 	"cmp"
@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
@@ -19,7 +20,7 @@ type (
 	// SampleSource is the Sampler.
 	SampleSource interface{ Snapshot() *Snapshot }
 	// HealthSource is the Watcher.
-	HealthSource interface{ State() *State }
+	HealthSource interface{ State() *health.State }
 	// AttributionSource is PodResources (or a fake in tests).
 	AttributionSource interface {
 		Attribution() *podresources.Attribution
@@ -263,7 +264,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 // Collect reads the caches and sends the metrics.
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	snap := c.opts.Samples.Snapshot()
-	var st *State
+	var st *health.State
 	if c.opts.Health != nil {
 		st = c.opts.Health.State()
 	}
@@ -347,7 +348,7 @@ func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueT
 }
 
 // gpuAgent sends gpu-agent's own per-GPU metrics.
-func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx string, st *State, attr *podresources.Attribution, hs holdersOf, served map[string]bool) {
+func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx string, st *health.State, attr *podresources.Attribution, hs holdersOf, served map[string]bool) {
 	// device sends the metrics of the devices its labels name: a GPU, or
 	// a GPU instance with every MIG device (compute instance) in it.
 	device := func(profile, gi string, uuids ...string) {
@@ -394,7 +395,7 @@ func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx stri
 	}
 	type kc struct{ kind, class string }
 	counts := map[kc]int{}
-	for _, cs := range st.byGPU[g.UUID] {
+	for _, cs := range st.CausesOf(g.UUID) {
 		counts[kc{string(cs.Kind), cs.Class.String()}]++
 	}
 	for _, k := range slices.SortedFunc(maps.Keys(counts), func(a, b kc) int {

@@ -1,4 +1,4 @@
-package health
+package telemetry
 
 import (
 	"slices"
@@ -35,7 +35,7 @@ func (f fixedDRA) DRADevice(h podresources.DRAHold) (DRADevice, bool) {
 
 func TestCollectorLabelsDRAHolders(t *testing.T) {
 	clk := newClock()
-	n, inv := goldenNode(t, clk)
+	n, inv := goldenNode(t, clk, nil)
 	s := newSampler(n, clk)
 	s.SetInventory(inv)
 	s.Sample()
