@@ -18,6 +18,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
@@ -242,7 +243,7 @@ type Agent struct {
 
 	// Published.
 	cat     *catalog.Catalog
-	draPool *dra.Pool
+	draPool *devicemodel.Pool
 	// claimStatus is what was last handed to opts.ClaimStatus.
 	claimStatus map[types.UID]dra.ClaimStatus
 	migStates   map[int]MIGState

@@ -13,7 +13,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -107,7 +107,7 @@ type Desired struct {
 	// do, while the rest applies (Planned.Warnings).
 	Warnings []string
 	// DRA is what the node offers through DRA (nil: DRA is off).
-	DRA *dra.Pool
+	DRA *devicemodel.Pool
 	// Cordon is the GPUs taken out of service (withdrawCordoned).
 	Cordon CordonStatus
 }
@@ -469,7 +469,7 @@ func (h Holdings) heldMIG(inv *gpu.Inventory) map[string]string {
 // end: without it, new pods keep landing on them and the layout may never
 // apply on a busy node. Those the kubelet lists as held stay as they are
 // (healthy: a running container's device is not at fault).
-func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
+func drain(cat *catalog.Catalog, pool *devicemodel.Pool, plans []GPUMIG, h Holdings) {
 	draining := map[string]string{}
 	for _, gm := range plans {
 		for _, uuid := range gm.Plan.Draining {
@@ -494,7 +494,7 @@ func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
 		}
 	}
 	if pool != nil {
-		pool.Devices = slices.DeleteFunc(pool.Devices, func(d dra.Device) bool { return hasKey(draining, d.UUID) })
+		pool.Devices = slices.DeleteFunc(pool.Devices, func(d devicemodel.Device) bool { return hasKey(draining, d.UUID) })
 	}
 }
 

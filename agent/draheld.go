@@ -3,7 +3,7 @@ package agent
 import (
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/podresources"
 	"github.com/gpu-agent/gpu-agent/telemetry"
@@ -48,7 +48,7 @@ func newDRAHeld(pool string, claims map[types.UID]PreparedClaim, inv *gpu.Invent
 // holds, from the claims as the loop last published them.
 func (a *Agent) DRADevice(h podresources.DRAHold) (telemetry.DRADevice, bool) {
 	held := a.draHeld.Load()
-	if held == nil || h.Driver != dra.DriverName || h.Pool != held.pool {
+	if held == nil || h.Driver != devicemodel.DriverName || h.Pool != held.pool {
 		return telemetry.DRADevice{}, false
 	}
 	d, ok := held.devices[draHeldKey{h.ClaimNamespace, h.ClaimName, h.Device}]

@@ -6,6 +6,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/podresources"
 	"github.com/gpu-agent/gpu-agent/telemetry"
@@ -22,7 +23,7 @@ func TestDRADeviceResolvesPreparedClaims(t *testing.T) {
 	}
 	a := &Agent{}
 	hold := func(claim, device string) podresources.DRAHold {
-		return podresources.DRAHold{ClaimNamespace: "ml", ClaimName: claim, Driver: dra.DriverName, Pool: "node-1", Device: device}
+		return podresources.DRAHold{ClaimNamespace: "ml", ClaimName: claim, Driver: devicemodel.DriverName, Pool: "node-1", Device: device}
 	}
 	if _, ok := a.DRADevice(hold("whole", "gpu-0")); ok {
 		t.Fatal("resolved a device before the loop published any claim")

@@ -26,6 +26,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
@@ -918,7 +919,7 @@ func (s *simRun) prepareClaim(c *simClaim) {
 	c.prepared, c.held = true, nil
 	var got []string
 	for i, pd := range p.Devices {
-		u := strings.TrimPrefix(pd.CDIDevices[0], dra.CDIKind+"=")
+		u := strings.TrimPrefix(pd.CDIDevices[0], devicemodel.CDIKind+"=")
 		id, ok := truth.ident(u)
 		if !ok {
 			s.violate("vanished: prepared what NVML does not have", fmt.Sprintf("%s got %s (%s)", c.name, pd.Device, short(u)))
@@ -1288,7 +1289,7 @@ func (k *simKubelet) Refresh(context.Context) (*podresources.Attribution, error)
 // schedule picks a device of pool for a new claim that already has devs,
 // as the scheduler would: healthy, not allocated to another claim (a
 // shared device while its shares last), its counters not exhausted.
-func (k *simKubelet) schedule(pool *dra.Pool, devs []dra.Allocated) (dra.Allocated, bool) {
+func (k *simKubelet) schedule(pool *devicemodel.Pool, devs []dra.Allocated) (dra.Allocated, bool) {
 	allocated := map[string]int64{} // device name → shares taken (exclusive: -1)
 	var all []dra.Allocated
 	for _, c := range append(slices.Clone(k.claims), k.unpreparing...) {
@@ -1316,7 +1317,7 @@ func (k *simKubelet) schedule(pool *dra.Pool, devs []dra.Allocated) (dra.Allocat
 	for _, cs := range pool.CounterSets {
 		limits[cs.GPU] = cs.Counters
 	}
-	fits := func(d dra.Device) bool {
+	fits := func(d devicemodel.Device) bool {
 		g := d.ParentIndexOrSelf()
 		for c, v := range d.Consumes {
 			if used[g][c]+v > limits[g][c] {

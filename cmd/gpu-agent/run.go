@@ -21,6 +21,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/cdi"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
@@ -67,7 +68,7 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.defaultConfig, "default-config", "GPU_AGENT_DEFAULT_CONFIG", "", "config (a key of a multi-key ConfigMap) for nodes no entry or label selects, before \"default\" (NVIDIA's config.default)")
 	// NVIDIA's variable name, so a device plugin DaemonSet's env carries over.
 	fsAdd(&f.migStrategy, "mig-strategy", "MIG_STRATEGY", "", "none, single or mixed: MIG strategy of configs that set none, mig-parted entries and the implicit default (empty: none for configs, mixed for the others; the GPU Operator sets single)")
-	fsAdd(&f.draPluginDir, "dra-plugin-dir", "GPU_AGENT_DRA_PLUGIN_DIR", "/var/lib/kubelet/plugins/"+dra.DriverName, "where the DRA driver's socket goes (with --dra)")
+	fsAdd(&f.draPluginDir, "dra-plugin-dir", "GPU_AGENT_DRA_PLUGIN_DIR", "/var/lib/kubelet/plugins/"+devicemodel.DriverName, "where the DRA driver's socket goes (with --dra)")
 	fsAdd(&f.kubeletRegistryDir, "kubelet-registry-dir", "GPU_AGENT_KUBELET_REGISTRY_DIR", "/var/lib/kubelet/plugins_registry", "the kubelet's plugin registration directory (with --dra)")
 	fsAdd(&f.cdiSpecDir, "cdi-spec-dir", "GPU_AGENT_CDI_SPEC_DIR", cdi.DefaultDir, "where the node's CDI spec goes, written while the DRA driver or a CDI device list strategy needs it (empty: never)")
 	// NVIDIA's variable name, as for MIG_STRATEGY.
@@ -100,7 +101,7 @@ func runFlagSet(f *runFlags, stderr io.Writer) (*flag.FlagSet, error) {
 		return nil, err
 	}
 	if err := registerBoolFlag(fs, &f.dra, "dra", "GPU_AGENT_DRA",
-		"also offer the GPUs through Dynamic Resource Allocation, as driver "+dra.DriverName+" (needs the Kubernetes API)"); err != nil {
+		"also offer the GPUs through Dynamic Resource Allocation, as driver "+devicemodel.DriverName+" (needs the Kubernetes API)"); err != nil {
 		return nil, err
 	}
 	return fs, nil
@@ -395,7 +396,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 			log.Error("DRA driver not started; the device plugin serves alone", "error", err)
 		} else {
 			defer draDriver.Stop()
-			log.Info("DRA driver registered", "driver", dra.DriverName, "plugin-dir", f.draPluginDir)
+			log.Info("DRA driver registered", "driver", devicemodel.DriverName, "plugin-dir", f.draPluginDir)
 		}
 	}
 	for i, run := range kubeRuns {
