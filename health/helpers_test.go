@@ -81,14 +81,3 @@ func (c *fakeClock) sleep(d time.Duration) {
 	c.slept = append(c.slept, d)
 	c.add(d)
 }
-
-func eventually(t *testing.T, what string, ok func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !ok() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}

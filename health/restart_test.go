@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // Defect: every resync planned twice because setInventory marked the state
@@ -58,7 +59,7 @@ func TestWatcherRestoresCheckpointedCauses(t *testing.T) {
 	saved := []SavedCause{{Cause: Cause{GPU: uuid, Index: 3, GI: AllInstances, CI: AllInstances, Kind: CauseXID, XID: 48,
 		Class: ClassReset, Count: 1, Reason: "XID 48 (double-bit ECC error), needs GPU reset"}, DBEMax: 1, DBEKnown: true}}
 	w, states := runFresh(t, n, WatcherOptions{Restore: saved})
-	s := waitFor(t, states, "restored cause", func(s *State) bool { return bad(s, uuid) })
+	s := testwait.Receive(t, "restored cause", states, func(s *State) bool { return bad(s, uuid) })
 	if len(s.Causes) != 1 || s.Causes[0].XID != 48 {
 		t.Errorf("causes after restore %+v, want just the XID 48 (the DBE count it explains adds none)", s.Causes)
 	}
@@ -67,7 +68,7 @@ func TestWatcherRestoresCheckpointedCauses(t *testing.T) {
 	}
 	// A reset while we watch clears it by the usual evidence.
 	n.Reset(3)
-	waitFor(t, states, "cleared by reset", func(s *State) bool { return !bad(s, uuid) })
+	testwait.Receive(t, "cleared by reset", states, func(s *State) bool { return !bad(s, uuid) })
 	_ = w
 }
 
@@ -86,7 +87,7 @@ func TestWatcherReadsTracesOfEarlierFaults(t *testing.T) {
 	}
 	_, states := runFresh(t, n, WatcherOptions{})
 	want := map[int]CauseKind{1: CauseDoubleBitECC, 2: CauseRecoveryAction, 5: CauseRemapPending}
-	s := waitFor(t, states, "causes from NVML's counters", func(s *State) bool { return len(s.Causes) == len(want) })
+	s := testwait.Receive(t, "causes from NVML's counters", states, func(s *State) bool { return len(s.Causes) == len(want) })
 	for _, c := range s.Causes {
 		if want[c.Index] != c.Kind {
 			t.Errorf("cause %+v, want kind %s on GPU %d", c, want[c.Index], c.Index)
@@ -110,9 +111,9 @@ func TestWatcherSeesEventsBeforeFirstInventory(t *testing.T) {
 	n := newNode(t, "pcie-4gpu")
 	uuid := gpuUUID(t, n, 2)
 	w, states := runFresh(t, n, WatcherOptions{})
-	eventually(t, "registered without an inventory", func() bool { return len(w.Watched()) == 4 })
+	testwait.For(t, "registered without an inventory", func() bool { return len(w.Watched()) == 4 })
 	n.InjectXID(2, 79)
-	waitFor(t, states, "XID 79 on GPU 2", func(s *State) bool { return bad(s, uuid) })
+	testwait.Receive(t, "XID 79 on GPU 2", states, func(s *State) bool { return bad(s, uuid) })
 }
 
 // A reboot under a running watcher (a simulated node's /sim/reboot) clears
@@ -122,10 +123,10 @@ func TestWatcherRebootClearsCauses(t *testing.T) {
 	n := newNode(t, "dgx-a100")
 	uuid2, uuid5 := gpuUUID(t, n, 2), gpuUUID(t, n, 5)
 	w, states := runFresh(t, n, WatcherOptions{BootID: n.BootID})
-	eventually(t, "registered", func() bool { return len(w.Watched()) == 8 })
+	testwait.For(t, "registered", func() bool { return len(w.Watched()) == 8 })
 	n.InjectXID(2, 79)
 	n.InjectXID(5, 48)
-	waitFor(t, states, "XID 79 on GPU 2 and 48 on GPU 5", func(s *State) bool { return bad(s, uuid2) && bad(s, uuid5) })
+	testwait.Receive(t, "XID 79 on GPU 2 and 48 on GPU 5", states, func(s *State) bool { return bad(s, uuid2) && bad(s, uuid5) })
 	// Set while the watcher runs: no event says so, only the reboot's
 	// fresh read of NVML finds it.
 	if err := n.SetRemappedRows(5, 0, 1, false, true); err != nil {
@@ -134,7 +135,7 @@ func TestWatcherRebootClearsCauses(t *testing.T) {
 	if err := n.Reboot(); err != nil {
 		t.Fatal(err)
 	}
-	s := waitFor(t, states, "the XIDs cleared by the reboot", func(s *State) bool {
+	s := testwait.Receive(t, "the XIDs cleared by the reboot", states, func(s *State) bool {
 		return !bad(s, uuid2) && len(s.Causes) == 1 && s.Causes[0].Kind == CauseRemapFailure
 	})
 	if s.Causes[0].GPU != uuid5 {
@@ -173,7 +174,7 @@ func TestWatcherRestoresOnlyThisBoot(t *testing.T) {
 		{"RestoredState", RestoredState(saved, boot)},
 		{"watcher", func() *State {
 			_, states := runFresh(t, n, WatcherOptions{Restore: saved, BootID: n.BootID})
-			return waitFor(t, states, "restored", func(s *State) bool { return bad(s, gpuUUID(t, n, 1)) && bad(s, gpuUUID(t, n, 2)) })
+			return testwait.Receive(t, "restored", states, func(s *State) bool { return bad(s, gpuUUID(t, n, 1)) && bad(s, gpuUUID(t, n, 2)) })
 		}()},
 	} {
 		if bad(tt.got, gpuUUID(t, n, 0)) || !bad(tt.got, gpuUUID(t, n, 1)) || !bad(tt.got, gpuUUID(t, n, 2)) {
@@ -181,7 +182,7 @@ func TestWatcherRestoresOnlyThisBoot(t *testing.T) {
 		}
 	}
 	_, states := runFresh(t, n, WatcherOptions{Restore: saved, BootID: n.BootID})
-	s := waitFor(t, states, "restored", func(s *State) bool { return bad(s, gpuUUID(t, n, 2)) })
+	s := testwait.Receive(t, "restored", states, func(s *State) bool { return bad(s, gpuUUID(t, n, 2)) })
 	for _, c := range s.Saved() {
 		if c.Boot != boot {
 			t.Errorf("saved %+v: want it of this boot %s", c, boot)

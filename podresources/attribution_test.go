@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 	"google.golang.org/grpc"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 )
@@ -73,17 +74,6 @@ func runClient(t *testing.T, opts Options) *Client {
 	return p
 }
 
-func eventually(t *testing.T, what string, ok func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !ok() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func TestAttributionReplicasAndMIG(t *testing.T) {
 	a := NewAttribution([]*podresourcesv1.PodResources{
 		pod("a", "p1", "c1", "nvidia.com/gpu", "GPU-x::0", "GPU-x::1"),
@@ -125,7 +115,7 @@ func TestClientCachesAndRefreshes(t *testing.T) {
 	kubelet.set(pod("ns", "p1", "c", "nvidia.com/gpu", "GPU-a"))
 	p := runClient(t, Options{Socket: sock, MinInterval: 50 * time.Millisecond, MaxAge: time.Hour})
 
-	eventually(t, "first List", func() bool { return len(p.Attribution().Holders("GPU-a")) == 1 })
+	testwait.For(t, "first List", func() bool { return len(p.Attribution().Holders("GPU-a")) == 1 })
 	// Reading the cache (what a scrape does) never calls the kubelet.
 	before := kubelet.calls.Load()
 	for range 1000 {
@@ -138,13 +128,16 @@ func TestClientCachesAndRefreshes(t *testing.T) {
 	// An allocation changes the answer; Invalidate makes it visible.
 	kubelet.set(pod("ns", "p1", "c", "nvidia.com/gpu", "GPU-a"), pod("ns", "p2", "c", "nvidia.com/gpu", "GPU-b::0"))
 	p.Invalidate()
-	eventually(t, "refresh after Invalidate", func() bool { return len(p.Attribution().Holders("GPU-b")) == 1 })
+	testwait.For(t, "refresh after Invalidate", func() bool { return len(p.Attribution().Holders("GPU-b")) == 1 })
 
 	// A burst of Invalidates is rate limited to about one List per MinInterval.
 	start := kubelet.calls.Load()
 	t0 := time.Now()
 	for range 200 {
 		p.Invalidate()
+		// The pause is what is under test, not a wait for an event: the
+		// burst must span several MinIntervals of the client's real
+		// timers, which the bound below is measured against.
 		time.Sleep(time.Millisecond)
 	}
 	elapsed := time.Since(t0)
@@ -158,20 +151,20 @@ func TestClientMaxAge(t *testing.T) {
 	kubelet, sock, _ := startKubelet(t)
 	kubelet.set(pod("ns", "p1", "c", "nvidia.com/gpu", "GPU-a"))
 	p := runClient(t, Options{Socket: sock, MinInterval: 10 * time.Millisecond, MaxAge: 30 * time.Millisecond})
-	eventually(t, "first List", func() bool { return len(p.Attribution().Holders("GPU-a")) == 1 })
+	testwait.For(t, "first List", func() bool { return len(p.Attribution().Holders("GPU-a")) == 1 })
 	// The pod ends; without any Invalidate, MaxAge picks it up.
 	kubelet.set()
-	eventually(t, "refresh by age", func() bool { return len(p.Attribution().Holders("GPU-a")) == 0 })
+	testwait.For(t, "refresh by age", func() bool { return len(p.Attribution().Holders("GPU-a")) == 0 })
 }
 
 func TestClientKeepsLastOnError(t *testing.T) {
 	kubelet, sock, stop := startKubelet(t)
 	kubelet.set(pod("ns", "p1", "c", "nvidia.com/gpu", "GPU-a"))
 	p := runClient(t, Options{Socket: sock, MinInterval: 10 * time.Millisecond, MaxAge: 20 * time.Millisecond, Timeout: 200 * time.Millisecond})
-	eventually(t, "first List", func() bool { return len(p.Attribution().Holders("GPU-a")) == 1 })
+	testwait.For(t, "first List", func() bool { return len(p.Attribution().Holders("GPU-a")) == 1 })
 	n := p.Lists()
 	stop() // the kubelet goes away: every List fails from now on
-	eventually(t, "failed refreshes", func() bool { return p.Lists() > n+2 })
+	testwait.For(t, "failed refreshes", func() bool { return p.Lists() > n+2 })
 	if len(p.Attribution().Holders("GPU-a")) != 1 {
 		t.Error("a failing kubelet wiped the attribution")
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // newNode builds an initialised simulated node, shut down when the test ends.
@@ -91,17 +92,6 @@ func newSampler(lib nvml.Interface, clk *fakeClock) *Sampler {
 	return NewSampler(lib, SamplerOptions{Now: clk.now, Sleep: clk.sleep})
 }
 
-func eventually(t testing.TB, what string, ok func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !ok() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // watchedHealth runs a health.Watcher on lib for the GPUs of inv, calls
 // inject once every GPU is watched for events, and returns the first State
 // that done accepts; the watcher has stopped when it returns.
@@ -118,7 +108,7 @@ func watchedHealth(tb testing.TB, lib nvml.Interface, inv *gpu.Inventory, inject
 			tb.Errorf("health watcher: %v", err)
 		}
 	}()
-	eventually(tb, "every GPU watched for health events", func() bool {
+	testwait.For(tb, "every GPU watched for health events", func() bool {
 		for _, g := range inv.GPUs {
 			if !slices.Contains(w.Watched(), g.UUID) {
 				return false
@@ -128,6 +118,6 @@ func watchedHealth(tb testing.TB, lib nvml.Interface, inv *gpu.Inventory, inject
 	})
 	inject()
 	var st *health.State
-	eventually(tb, "the injected events in the health state", func() bool { st = w.State(); return done(st) })
+	testwait.For(tb, "the injected events in the health state", func() bool { st = w.State(); return done(st) })
 	return st
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // series gathers the collector's DCGM series of GPU gpu: the whole GPU's
@@ -447,5 +448,5 @@ func TestSamplerSamplesAsSoonAsInventoryArrives(t *testing.T) {
 	go func() { defer close(done); _ = s.Run(ctx) }()
 	defer func() { cancel(); <-done }()
 	s.SetInventory(inventory(t, n))
-	eventually(t, "a sample of every GPU", func() bool { return len(s.Snapshot().GPUs) == 4 })
+	testwait.For(t, "a sample of every GPU", func() bool { return len(s.Snapshot().GPUs) == 4 })
 }
