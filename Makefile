@@ -122,7 +122,7 @@ FUZZ_TARGETS := \
 	./config:FuzzConfigMapManifest \
 	./config:FuzzParse \
 	./config:FuzzParseConfigMap \
-	./dra:FuzzDecodeConfig \
+	./dra/devicemodel:FuzzDecodeConfig \
 	./gpu:FuzzNormalizeBusID \
 	./gpu:FuzzPCIeRootOfLink \
 	./gpu:FuzzReadJSON \

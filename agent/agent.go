@@ -18,12 +18,14 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Observer reads the GPUs: the inventory and each model's MIG profiles
@@ -46,9 +48,9 @@ type HealthControl interface {
 }
 
 // HoldingsSource asks the kubelet's pod-resources API now
-// (health.PodResources).
+// (podresources.Client).
 type HoldingsSource interface {
-	Refresh(ctx context.Context) (*health.Attribution, error)
+	Refresh(ctx context.Context) (*podresources.Attribution, error)
 }
 
 // MIGApplier executes MIG plans (mig.Applier).
@@ -252,7 +254,7 @@ type Agent struct {
 
 	// Published.
 	cat     *catalog.Catalog
-	draPool *dra.Pool
+	draPool *devicemodel.Pool
 	// claimStatus is what was last handed to opts.ClaimStatus.
 	claimStatus map[types.UID]dra.ClaimStatus
 	migStates   map[int]MIGState

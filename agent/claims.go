@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/mps"
 )
@@ -21,7 +22,7 @@ import (
 
 // DRAPublisher publishes the node's DRA pool (dra.Driver); it must not block.
 type DRAPublisher interface {
-	Publish(p *dra.Pool)
+	Publish(p *devicemodel.Pool)
 }
 
 // ClaimsPrepare asks the loop to prepare claims (the DRA driver's
@@ -72,7 +73,7 @@ type PreparedClaimDevice struct {
 	// claim holds the device.
 	MPSDaemon *mps.Daemon `json:"mpsDaemon,omitempty"`
 	// Interval is the time slice the claim's config set on the GPU.
-	Interval dra.Interval `json:"interval,omitempty"`
+	Interval devicemodel.Interval `json:"interval,omitempty"`
 	// Shares is how many shares of a shared device the claim took.
 	Shares int64 `json:"shares,omitempty"`
 	// AdminAccess: given for administrative access; it holds nothing.

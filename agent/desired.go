@@ -13,12 +13,13 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Snapshot is everything a plan is derived from. Plan reads nothing else:
@@ -69,7 +70,7 @@ type Snapshot struct {
 // Holdings is what the node knows about which devices containers hold.
 type Holdings struct {
 	// Attribution is the kubelet's latest pod-resources answer (nil: none).
-	Attribution *health.Attribution
+	Attribution *podresources.Attribution
 	// Fresh: Attribution is a successful answer the loop asked for during
 	// this pass. Destroying a MIG instance needs one that does not list it.
 	Fresh bool
@@ -113,7 +114,7 @@ type Desired struct {
 	// do, while the rest applies (Planned.Warnings).
 	Warnings []string
 	// DRA is what the node offers through DRA (nil: DRA is off).
-	DRA *dra.Pool
+	DRA *devicemodel.Pool
 	// Cordon is the GPUs taken out of service (withdrawCordoned).
 	Cordon CordonStatus
 }
@@ -505,7 +506,7 @@ func (h Holdings) heldMIG(inv *gpu.Inventory) map[string]string {
 // end: without it, new pods keep landing on them and the layout may never
 // apply on a busy node. Those the kubelet lists as held stay as they are
 // (healthy: a running container's device is not at fault).
-func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
+func drain(cat *catalog.Catalog, pool *devicemodel.Pool, plans []GPUMIG, h Holdings) {
 	draining := map[string]string{}
 	for _, gm := range plans {
 		for _, uuid := range gm.Plan.Draining {
@@ -530,7 +531,7 @@ func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
 		}
 	}
 	if pool != nil {
-		pool.Devices = slices.DeleteFunc(pool.Devices, func(d dra.Device) bool { return hasKey(draining, d.UUID) })
+		pool.Devices = slices.DeleteFunc(pool.Devices, func(d devicemodel.Device) bool { return hasKey(draining, d.UUID) })
 	}
 }
 
@@ -540,7 +541,7 @@ func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
 // first holds its time-sliced replica "GPU-5::1", or a MIG device's GPU
 // (strategy none) while the first holds the MIG device. Replicas of one
 // device under one resource are meant to be shared and stay.
-func withholdHeldSilicon(cat *catalog.Catalog, att *health.Attribution, inv *gpu.Inventory) {
+func withholdHeldSilicon(cat *catalog.Catalog, att *podresources.Attribution, inv *gpu.Inventory) {
 	if att == nil || cat == nil {
 		return
 	}
@@ -555,7 +556,7 @@ func withholdHeldSilicon(cat *catalog.Catalog, att *health.Attribution, inv *gpu
 	type held struct {
 		resource, id string
 		replica      bool
-		by           health.Holder
+		by           podresources.Holder
 	}
 	bySilicon := map[string][]held{} // GPU or MIG UUID → what containers hold of it
 	for _, name := range att.Resources() {
@@ -602,7 +603,7 @@ func withholdHeldSilicon(cat *catalog.Catalog, att *health.Attribution, inv *gpu
 // a pod's allocation either way; advertising the device until the pod
 // releases it keeps its accounting honest and says on /status who holds it,
 // instead of silently handing the same device out under a new name.
-func keepHeld(cat, published *catalog.Catalog, att *health.Attribution) {
+func keepHeld(cat, published *catalog.Catalog, att *podresources.Attribution) {
 	if published == nil || att == nil {
 		return
 	}

@@ -18,8 +18,8 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/gpu"
-	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/plugin"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Ledger is the node's one record of who has each device, and the one place
@@ -58,7 +58,7 @@ type Ledger struct {
 	ids    []string              // Admit's scratch, under mu
 
 	places     map[string]place // MIG device UUID → where it is (from the last inventory)
-	holders    *health.Attribution
+	holders    *podresources.Attribution
 	claims     map[types.UID]PreparedClaim
 	intents    map[types.UID]PreparedClaim
 	releases   map[types.UID]PreparedClaim
@@ -527,7 +527,7 @@ func (l *Ledger) restoreAllocationsLocked(allocs map[string]AllocEntry) (future 
 // recentSettle before asked are accounted for by it: those it does not
 // list are forgotten (their containers are gone), those it lists stay (the
 // allocation log keeps them for a restart). It reports how many went.
-func (l *Ledger) settle(att *health.Attribution, asked time.Time) int {
+func (l *Ledger) settle(att *podresources.Attribution, asked time.Time) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.holders = att
@@ -548,7 +548,7 @@ func (l *Ledger) settle(att *health.Attribution, asked time.Time) int {
 
 // setHolders takes who holds what from an answer whose time is unknown: it
 // settles nothing.
-func (l *Ledger) setHolders(att *health.Attribution) {
+func (l *Ledger) setHolders(att *podresources.Attribution) {
 	l.mu.Lock()
 	l.holders = att
 	l.mu.Unlock()

@@ -11,6 +11,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Status is what /status serves and `gpu-agent status` prints.
@@ -285,7 +286,7 @@ func (a *Agent) publishStatus() {
 	a.publishClaimStatus()
 }
 
-func resourceState(r *catalog.Resource, held map[string]health.Holder) ResourceState {
+func resourceState(r *catalog.Resource, held map[string]podresources.Holder) ResourceState {
 	rs := ResourceState{Name: r.Name, Devices: make([]DeviceState, 0, len(r.Devices))}
 	for _, d := range r.Devices {
 		ds := DeviceState{ID: d.ID, Healthy: d.Healthy, Reason: d.Reason, GPU: d.GPU, NUMANode: d.NUMANode}
@@ -300,7 +301,7 @@ func resourceState(r *catalog.Resource, held map[string]health.Holder) ResourceS
 }
 
 // sharingState groups a resource's replicas by the device they share.
-func sharingState(r *catalog.Resource, held map[string]health.Holder) []SharingState {
+func sharingState(r *catalog.Resource, held map[string]podresources.Holder) []SharingState {
 	by := map[string]*SharingState{}
 	var order []string
 	for _, d := range r.Devices {

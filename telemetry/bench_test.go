@@ -1,8 +1,7 @@
-package health
+package telemetry
 
 import (
 	"fmt"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"testing"
@@ -14,6 +13,8 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // BenchmarkScrape measures one /metrics request on sim:dgx-h100 with 7 MIG
@@ -27,8 +28,7 @@ func BenchmarkScrape(b *testing.B) {
 	s := newSampler(n, clk)
 	s.SetInventory(inv)
 	s.Sample()
-	tr := newTracker(Policy{}, slog.New(slog.DiscardHandler))
-	tr.setInventory(inv)
+	st := watchedHealth(b, n, inv, func() {}, func(s *health.State) bool { return s != nil })
 
 	var pods []*podresourcesv1.PodResources
 	res := &catalog.Resource{Name: "nvidia.com/mig-1g.10gb.shared"}
@@ -42,8 +42,8 @@ func BenchmarkScrape(b *testing.B) {
 		}
 	}
 	c := NewCollector(CollectorOptions{
-		Samples: s, Health: fixedState{tr.state()},
-		Attribution: fixedAttribution{NewAttribution(pods, IsGPUResource)},
+		Samples: s, Health: fixedState{st},
+		Attribution: fixedAttribution{podresources.NewAttribution(pods, podresources.IsGPUResource)},
 		Catalog:     fixedCatalog{&catalog.Catalog{Resources: map[string]*catalog.Resource{res.Name: res}}},
 		Hostname:    "node-1",
 	})

@@ -1,4 +1,4 @@
-package health
+package telemetry
 
 import (
 	"cmp"
@@ -10,6 +10,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Sources the Collector reads; each is a cache another loop keeps fresh, so
@@ -18,9 +20,11 @@ type (
 	// SampleSource is the Sampler.
 	SampleSource interface{ Snapshot() *Snapshot }
 	// HealthSource is the Watcher.
-	HealthSource interface{ State() *State }
+	HealthSource interface{ State() *health.State }
 	// AttributionSource is PodResources (or a fake in tests).
-	AttributionSource interface{ Attribution() *Attribution }
+	AttributionSource interface {
+		Attribution() *podresources.Attribution
+	}
 	// CatalogSource returns the catalog last published to the kubelet.
 	CatalogSource interface{ Catalog() *catalog.Catalog }
 	// DRASource says which of the node's devices a device held through a
@@ -28,7 +32,7 @@ type (
 	// answers false for another driver's device, another node's pool, or
 	// a claim the agent has not prepared.
 	DRASource interface {
-		DRADevice(h DRAHold) (DRADevice, bool)
+		DRADevice(h podresources.DRAHold) (DRADevice, bool)
 	}
 )
 
@@ -73,14 +77,14 @@ var holderLabelNames = []string{"container", "namespace", "pod",
 // container, and the claim it holds the device through (none for the
 // device plugin). A device shared by claims has one series per claim.
 type seriesHolder struct {
-	Holder
-	claim      DRAHold // zero for the device plugin
+	podresources.Holder
+	claim      podresources.DRAHold // zero for the device plugin
 	migProfile string
 	migUUID    string
 }
 
 func (s seriesHolder) compare(o seriesHolder) int {
-	return cmp.Or(s.claim.compare(o.claim), s.Holder.compare(o.Holder), cmp.Compare(s.migProfile, o.migProfile), cmp.Compare(s.migUUID, o.migUUID))
+	return cmp.Or(s.claim.Compare(o.claim), s.Holder.Compare(o.Holder), cmp.Compare(s.migProfile, o.migProfile), cmp.Compare(s.migUUID, o.migUUID))
 }
 
 // values writes s's labels into lv, in holderLabelNames' order.
@@ -92,12 +96,12 @@ func (s seriesHolder) values(lv []string) {
 // holdersOf is who holds each device (by GPU or MIG UUID), through the
 // device plugin or DRA.
 type holdersOf struct {
-	attr *Attribution
+	attr *podresources.Attribution
 	dra  map[string][]seriesHolder
 }
 
 // newHoldersOf resolves the DRA holdings of attr through src.
-func newHoldersOf(attr *Attribution, src DRASource) holdersOf {
+func newHoldersOf(attr *podresources.Attribution, src DRASource) holdersOf {
 	h := holdersOf{attr: attr, dra: map[string][]seriesHolder{}}
 	if src == nil {
 		return h
@@ -132,7 +136,7 @@ func (h holdersOf) series(uuids ...string) []seriesHolder {
 
 // containers counts the distinct containers holding the devices.
 func (h holdersOf) containers(uuids ...string) int {
-	seen := map[Holder]bool{}
+	seen := map[podresources.Holder]bool{}
 	for _, s := range h.series(uuids...) {
 		seen[s.Holder] = true
 	}
@@ -260,11 +264,11 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 // Collect reads the caches and sends the metrics.
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	snap := c.opts.Samples.Snapshot()
-	var st *State
+	var st *health.State
 	if c.opts.Health != nil {
 		st = c.opts.Health.State()
 	}
-	var attr *Attribution
+	var attr *podresources.Attribution
 	if c.opts.Attribution != nil {
 		attr = c.opts.Attribution.Attribution()
 	}
@@ -344,7 +348,7 @@ func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueT
 }
 
 // gpuAgent sends gpu-agent's own per-GPU metrics.
-func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx string, st *State, attr *Attribution, hs holdersOf, served map[string]bool) {
+func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx string, st *health.State, attr *podresources.Attribution, hs holdersOf, served map[string]bool) {
 	// device sends the metrics of the devices its labels name: a GPU, or
 	// a GPU instance with every MIG device (compute instance) in it.
 	device := func(profile, gi string, uuids ...string) {
@@ -391,7 +395,7 @@ func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx stri
 	}
 	type kc struct{ kind, class string }
 	counts := map[kc]int{}
-	for _, cs := range st.byGPU[g.UUID] {
+	for _, cs := range st.CausesOf(g.UUID) {
 		counts[kc{string(cs.Kind), cs.Class.String()}]++
 	}
 	for _, k := range slices.SortedFunc(maps.Keys(counts), func(a, b kc) int {
@@ -436,7 +440,7 @@ func (c *Collector) servedHealth() map[string]bool {
 }
 
 // sharing sends replicas per shared device and allocations per container.
-func (c *Collector) sharing(ch chan<- prometheus.Metric, attr *Attribution) {
+func (c *Collector) sharing(ch chan<- prometheus.Metric, attr *podresources.Attribution) {
 	if c.opts.Catalog != nil {
 		if cat := c.opts.Catalog.Catalog(); cat != nil {
 			for _, name := range cat.Names() {

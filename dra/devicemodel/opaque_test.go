@@ -1,4 +1,4 @@
-package dra
+package devicemodel
 
 import (
 	"reflect"
@@ -192,22 +192,6 @@ func TestMPSLimitFor(t *testing.T) {
 		if _, err := m.LimitFor(0, "GPU-a", uuids); err == nil || !strings.Contains(err.Error(), "defaultPerDevicePinnedMemoryLimit[\""+key+"\"]") {
 			t.Errorf("key %q: %v, want it refused", key, err)
 		}
-	}
-}
-
-// A claim's allocation carries its configs to Prepare.
-func TestClaimOfConfigs(t *testing.T) {
-	c := &resourceapi.ResourceClaim{Status: resourceapi.ResourceClaimStatus{Allocation: &resourceapi.AllocationResult{
-		Devices: resourceapi.DeviceAllocationResult{
-			Results: []resourceapi.DeviceRequestAllocationResult{{Request: "gpu", Driver: DriverName, Pool: "node", Device: "gpu-0"}},
-			Config: []resourceapi.DeviceAllocationConfiguration{
-				opaque(resourceapi.AllocationConfigSourceClaim, DriverName, `{"apiVersion":"resource.nvidia.com/v1beta1","kind":"GpuConfig","sharing":{"strategy":"MPS"}}`),
-			},
-		},
-	}}}
-	got := ClaimOf(c, "node")
-	if len(got.Configs) != 1 || got.Configs[0].Sharing == nil || got.Configs[0].Sharing.Strategy != StrategyMPS {
-		t.Fatalf("configs %+v, want the claim's MPS config", got.Configs)
 	}
 }
 

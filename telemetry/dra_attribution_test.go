@@ -1,10 +1,11 @@
-package health
+package telemetry
 
 import (
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/gpu-agent/gpu-agent/podresources"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 )
 
@@ -20,49 +21,11 @@ func draPod(ns, name, container, claim string, devices ...string) *podresourcesv
 	}}}
 }
 
-func TestAttributionReadsDynamicResources(t *testing.T) {
-	dp := pod("ml", "plugin", "c", "nvidia.com/gpu", "GPU-a")
-	twice := draPod("ml", "p", "c", "claim", "gpu-0", "gpu-0") // two requests, one device
-	other := draPod("ml", "nic", "c", "nic-claim", "eth0")
-	other.Containers[0].DynamicResources[0].ClaimResources[0].DriverName = "nic.example.com"
-	tests := []struct {
-		name string
-		pods []*podresourcesv1.PodResources
-		want []string // "container pod claim driver/pool/device"
-	}{
-		{"none", []*podresourcesv1.PodResources{dp}, nil},
-		{"one claim, two devices", []*podresourcesv1.PodResources{draPod("ml", "p", "c", "claim", "gpu-1", "gpu-0")},
-			[]string{"c p ml/claim gpu.nvidia.com/node-1/gpu-0", "c p ml/claim gpu.nvidia.com/node-1/gpu-1"}},
-		{"a device twice in a claim is listed once", []*podresourcesv1.PodResources{twice}, []string{"c p ml/claim gpu.nvidia.com/node-1/gpu-0"}},
-		{"two claims of a shared device", []*podresourcesv1.PodResources{draPod("ml", "a", "c", "ca", "gpu-0"), draPod("ml", "b", "c", "cb", "gpu-0")},
-			[]string{"c a ml/ca gpu.nvidia.com/node-1/gpu-0", "c b ml/cb gpu.nvidia.com/node-1/gpu-0"}},
-		{"every driver is listed", []*podresourcesv1.PodResources{other}, []string{"c nic ml/nic-claim nic.example.com/node-1/eth0"}},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			a := NewAttribution(append([]*podresourcesv1.PodResources{dp}, tt.pods...), IsGPUResource)
-			var got []string
-			for _, h := range a.DRAHolds() {
-				got = append(got, strings.Join([]string{h.Container, h.Pod, h.ClaimNamespace + "/" + h.ClaimName, h.Driver + "/" + h.Pool + "/" + h.Device}, " "))
-			}
-			if !slices.Equal(got, tt.want) {
-				t.Errorf("DRAHolds = %q, want %q", got, tt.want)
-			}
-			// Claims are the ledger's business through Prepare: what the
-			// ledger reads of an attribution is the device plugin's only.
-			plain := NewAttribution([]*podresourcesv1.PodResources{dp}, IsGPUResource)
-			if !a.Same(plain) || len(a.Holders("gpu-0")) != 0 || a.Held("GPU-a") != 1 || len(a.Allocations()) != 1 {
-				t.Errorf("DRA holdings changed the device plugin's view: same %v, allocations %v", a.Same(plain), a.Allocations())
-			}
-		})
-	}
-}
-
 // fixedDRA resolves "<claim namespace>/<claim>/<device>" of gpu.nvidia.com
 // in pool node-1.
 type fixedDRA map[string]DRADevice
 
-func (f fixedDRA) DRADevice(h DRAHold) (DRADevice, bool) {
+func (f fixedDRA) DRADevice(h podresources.DRAHold) (DRADevice, bool) {
 	if h.Driver != "gpu.nvidia.com" || h.Pool != "node-1" {
 		return DRADevice{}, false
 	}
@@ -72,7 +35,7 @@ func (f fixedDRA) DRADevice(h DRAHold) (DRADevice, bool) {
 
 func TestCollectorLabelsDRAHolders(t *testing.T) {
 	clk := newClock()
-	n, inv := goldenNode(t, clk)
+	n, inv := goldenNode(t, clk, nil)
 	s := newSampler(n, clk)
 	s.SetInventory(inv)
 	s.Sample()
@@ -113,7 +76,7 @@ func TestCollectorLabelsDRAHolders(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c := NewCollector(CollectorOptions{Samples: s, Attribution: fixedAttribution{NewAttribution(tt.pods, IsGPUResource)}, DRA: src})
+			c := NewCollector(CollectorOptions{Samples: s, Attribution: fixedAttribution{podresources.NewAttribution(tt.pods, podresources.IsGPUResource)}, DRA: src})
 			out := scrape(t, c, nil) // fails on duplicate series
 			var got []string
 			for _, l := range strings.Split(out, "\n") {

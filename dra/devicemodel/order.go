@@ -1,4 +1,4 @@
-package dra
+package devicemodel
 
 import (
 	"github.com/gpu-agent/gpu-agent/gpu"

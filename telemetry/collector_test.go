@@ -1,8 +1,7 @@
-package health
+package telemetry
 
 import (
 	"flag"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -11,7 +10,6 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/prometheus/client_golang/prometheus"
@@ -21,17 +19,19 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
 
-type fixedState struct{ s *State }
+type fixedState struct{ s *health.State }
 
-func (f fixedState) State() *State { return f.s }
+func (f fixedState) State() *health.State { return f.s }
 
-type fixedAttribution struct{ a *Attribution }
+type fixedAttribution struct{ a *podresources.Attribution }
 
-func (f fixedAttribution) Attribution() *Attribution { return f.a }
+func (f fixedAttribution) Attribution() *podresources.Attribution { return f.a }
 
 type fixedCatalog struct{ c *catalog.Catalog }
 
@@ -45,7 +45,10 @@ func pod(ns, name, container, resource string, ids ...string) *podresourcesv1.Po
 
 // goldenNode is a dgx-h100 trimmed to two GPUs: GPU 0 in MIG mode with two
 // 1g instances (one running a process), GPU 1 whole, busy, shared by replicas.
-func goldenNode(t *testing.T, clk *fakeClock) (*sim.Node, *gpu.Inventory) {
+// beforeValues (nil: none) runs once the GPUs are laid out, before their
+// telemetry values (ECC counts, remapped rows) are set: a health watcher
+// started then sees only the faults it is shown.
+func goldenNode(t *testing.T, clk *fakeClock, beforeValues func(*sim.Node, *gpu.Inventory)) (*sim.Node, *gpu.Inventory) {
 	t.Helper()
 	n := newNode(t, "dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithClock(clk.now))
 	dev, _ := n.DeviceGetHandleByIndex(0)
@@ -68,6 +71,9 @@ func goldenNode(t *testing.T, clk *fakeClock) (*sim.Node, *gpu.Inventory) {
 	}
 	inv := inventory(t, n)
 	inv.GPUs = inv.GPUs[:2]
+	if beforeValues != nil {
+		beforeValues(n, inv)
+	}
 	gi := inv.GPUs[0].Instances[0]
 	must(t, n.SetProcesses(0, []nvml.ProcessInfo{{Pid: 42, UsedGpuMemory: 3 << 30, GpuInstanceId: uint32(gi.GI), ComputeInstanceId: uint32(gi.CI)}}))
 	must(t, n.SetUtilization(1, 80, 35))
@@ -108,25 +114,30 @@ func scrape(tb testing.TB, c prometheus.Collector, reg *prometheus.Registry) str
 func goldenCollector(t *testing.T) (*Collector, *gpu.Inventory) {
 	t.Helper()
 	clk := newClock()
-	n, inv := goldenNode(t, clk)
+	// GPU 1 had XIDs 13 and 48 (which marks it until reset) and a
+	// single-bit ECC error, as the health watcher saw them.
+	var st *health.State
+	n, inv := goldenNode(t, clk, func(n *sim.Node, inv *gpu.Inventory) {
+		st = watchedHealth(t, n, inv, func() {
+			must(t, n.InjectXID(1, 13))
+			must(t, n.InjectXID(1, 48))
+			must(t, n.InjectEvent(sim.Event{GPU: 1, Type: nvml.EventTypeSingleBitEccError, GI: sim.NoInstance, CI: sim.NoInstance}))
+		}, func(s *health.State) bool {
+			st, ok := s.Stats(inv.GPUs[1].UUID)
+			return ok && st.LastXID == 48 && st.SingleBitEvents == 1
+		})
+	})
 	s := newSampler(n, clk)
 	s.SetInventory(inv)
 	s.Sample()
 
-	tr := newTracker(Policy{}, slog.New(slog.DiscardHandler))
-	tr.setInventory(inv)
-	now := time.Unix(1767323000, 0)
-	tr.xid(inv.GPUs[1].UUID, 13, AllInstances, AllInstances, now)
-	tr.xid(inv.GPUs[1].UUID, 48, AllInstances, AllInstances, now)
-	tr.ecc(inv.GPUs[1].UUID, false, AllInstances, AllInstances, now)
-
 	g1, mig := inv.GPUs[1].UUID, inv.GPUs[0].Instances[0].UUID
-	attr := NewAttribution([]*podresourcesv1.PodResources{
+	attr := podresources.NewAttribution([]*podresourcesv1.PodResources{
 		pod("ml", "train-a", "worker", "nvidia.com/gpu.shared", g1+"::0"),
 		pod("ml", "train-b", "worker", "nvidia.com/gpu.shared", g1+"::1", g1+"::2"),
 		pod("web", "infer", "server", "nvidia.com/mig-1g.10gb", mig),
 		pod("kube-system", "other", "c", "example.com/nic", "nic0"),
-	}, IsGPUResource)
+	}, podresources.IsGPUResource)
 	cat := &catalog.Catalog{Resources: map[string]*catalog.Resource{"nvidia.com/gpu.shared": {
 		Name: "nvidia.com/gpu.shared",
 		Devices: []catalog.Device{
@@ -134,7 +145,7 @@ func goldenCollector(t *testing.T) (*Collector, *gpu.Inventory) {
 		},
 	}}}
 	return NewCollector(CollectorOptions{
-		Samples: s, Health: fixedState{tr.state()}, Attribution: fixedAttribution{attr},
+		Samples: s, Health: fixedState{st}, Attribution: fixedAttribution{attr},
 		Catalog: fixedCatalog{cat}, Hostname: "node-1",
 	}), inv
 }
@@ -349,7 +360,7 @@ func TestCollectorComputeInstancesShareTheirGPUInstance(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c := NewCollector(CollectorOptions{Samples: s, Attribution: fixedAttribution{NewAttribution(tt.pods, IsGPUResource)}})
+			c := NewCollector(CollectorOptions{Samples: s, Attribution: fixedAttribution{podresources.NewAttribution(tt.pods, podresources.IsGPUResource)}})
 			out := scrape(t, c, nil) // fails on duplicate series
 			for _, name := range []string{"DCGM_FI_DEV_FB_USED", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"} {
 				var got []string

@@ -1,4 +1,4 @@
-package dra_test
+package devicemodel_test
 
 import (
 	"bytes"
@@ -18,7 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/yaml"
 
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/dra/schedsim"
 )
 
@@ -325,7 +325,7 @@ func TestNVIDIAClaims(t *testing.T) {
 					pool.Devices[j].Shares = 4
 				}
 			}
-			n := schedsim.New("node-a", dra.DriverName, dra.Resources("node-a", pool, 1, dra.Dropped{}), classes)
+			n := schedsim.New("node-a", devicemodel.DriverName, devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}), classes)
 			c := nc.claim.DeepCopy()
 			c.Namespace, c.UID = "default", types.UID(fmt.Sprintf("uid-%d", i))
 			schedsim.Default(c)

@@ -1,4 +1,4 @@
-package health
+package telemetry
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // series gathers the collector's DCGM series of GPU gpu: the whole GPU's
@@ -435,4 +436,17 @@ func TestVGPULicense(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Defect: /metrics lacked the DCGM series for a whole sampling interval
+// after start (the first pass ran before the inventory arrived).
+func TestSamplerSamplesAsSoonAsInventoryArrives(t *testing.T) {
+	n := newNode(t, "pcie-4gpu")
+	s := NewSampler(n, SamplerOptions{Interval: time.Hour})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = s.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	s.SetInventory(inventory(t, n))
+	testwait.For(t, "a sample of every GPU", func() bool { return len(s.Snapshot().GPUs) == 4 })
 }

@@ -1,4 +1,4 @@
-package dra
+package devicemodel
 
 import (
 	"fmt"

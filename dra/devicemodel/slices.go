@@ -1,4 +1,4 @@
-package dra
+package devicemodel
 
 import (
 	"encoding/json"
@@ -71,9 +71,47 @@ type Dropped struct {
 	Sharing bool
 }
 
-// withholds reports whether d must be left out of the slices.
-func (x Dropped) withholds(d Device) bool {
+// Withholds reports whether d must be left out of the slices, its needed
+// fields being dropped.
+func (x Dropped) Withholds(d Device) bool {
 	return x.Taints && (d.Unhealthy != "" || d.Cordoned != "") || x.Partitions && d.Partition || x.Sharing && d.Shares > 1
+}
+
+// LeftOut is one feature off on the API server and what it leaves out.
+type LeftOut struct {
+	Feature string `json:"feature"`
+	Devices string `json:"devices"`
+}
+
+// droppedFeatures are the features whose fields Dropped latches, in the
+// order /status lists them.
+var droppedFeatures = []string{"DRADeviceTaints", "DRAPartitionableDevices", "DRAConsumableCapacity"}
+
+// LeftOut lists the latched features with what each leaves out (nil when
+// none is).
+func (x Dropped) LeftOut() []LeftOut {
+	var out []LeftOut
+	for _, f := range droppedFeatures {
+		if flag, what := x.Flag(f); *flag {
+			out = append(out, LeftOut{Feature: f, Devices: what})
+		}
+	}
+	return out
+}
+
+// Flag is the field of x that the dropped fields of feature (as
+// DroppedFieldsError.DisabledFeatures names it) set, and what that leaves
+// out; nil for a feature whose fields the driver does not publish.
+func (x *Dropped) Flag(feature string) (*bool, string) {
+	switch feature {
+	case "DRADeviceTaints":
+		return &x.Taints, "unhealthy and cordoned devices, which cannot carry their taint"
+	case "DRAPartitionableDevices":
+		return &x.Partitions, "the counter sets and every MIG device made on demand, which without counters could be given out overlapping"
+	case "DRAConsumableCapacity":
+		return &x.Sharing, "devices shared by time-slicing or MPS, which cannot be shared by several claims"
+	}
+	return nil, ""
 }
 
 // Resources is what the kubelet plugin helper publishes for pool on
@@ -112,7 +150,7 @@ func Resources(nodeName string, pool *Pool, generation int64, dropped Dropped) r
 		var api []resourceapi.Device
 		counting := false
 		for _, d := range group {
-			if dropped.withholds(d) {
+			if dropped.Withholds(d) {
 				continue
 			}
 			if dropped.Partitions {

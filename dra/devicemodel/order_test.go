@@ -1,10 +1,10 @@
-package dra_test
+package devicemodel_test
 
 import (
 	"slices"
 	"testing"
 
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 )
@@ -50,7 +50,7 @@ func TestPublishOrder(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.profile, func(t *testing.T) {
 			inv := simInventory(t, tt.profile)
-			order := dra.PublishOrder(inv)
+			order := devicemodel.PublishOrder(inv)
 			if got := slices.Sorted(slices.Values(order)); len(got) != len(inv.GPUs) || got[0] != 0 || got[len(got)-1] != len(inv.GPUs)-1 {
 				t.Fatalf("order %v is not a permutation of the GPUs", order)
 			}
@@ -67,6 +67,6 @@ func TestPublishOrder(t *testing.T) {
 func BenchmarkPublishOrder(b *testing.B) {
 	inv := simInventory(b, "two-islands-16")
 	for b.Loop() {
-		dra.PublishOrder(inv)
+		devicemodel.PublishOrder(inv)
 	}
 }

@@ -1,4 +1,4 @@
-package dra_test
+package devicemodel_test
 
 import (
 	"bytes"
@@ -15,7 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/yaml"
 
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/dra/schedsim"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
@@ -24,7 +24,7 @@ import (
 
 // simPool is what the agent would publish for a simulated node: its devices
 // as they are, or (dynamic) every MIG-capable GPU's MIG devices on demand.
-func simPool(t *testing.T, profile string, dynamic bool) (*gpu.Inventory, *dra.Pool) {
+func simPool(t *testing.T, profile string, dynamic bool) (*gpu.Inventory, *devicemodel.Pool) {
 	t.Helper()
 	n, err := sim.New(profile)
 	if err != nil {
@@ -49,12 +49,12 @@ func simPool(t *testing.T, profile string, dynamic bool) (*gpu.Inventory, *dra.P
 		profiles[g.Name] = ps
 	}
 	if !dynamic {
-		return inv, &dra.Pool{Devices: dra.Devices(inv, profiles, nil), GPUOrder: dra.PublishOrder(inv)}
+		return inv, &devicemodel.Pool{Devices: devicemodel.Devices(inv, profiles, nil), GPUOrder: devicemodel.PublishOrder(inv)}
 	}
-	p := &dra.Pool{}
-	bases := dra.GPUBases(inv)
+	p := &devicemodel.Pool{}
+	bases := devicemodel.GPUBases(inv)
 	for i, g := range inv.GPUs {
-		devs, set := dra.Partitions(dra.Dynamic{GPU: g, Profiles: profiles[g.Name], Whole: !g.MIG.Current}, bases[i])
+		devs, set := devicemodel.Partitions(devicemodel.Dynamic{GPU: g, Profiles: profiles[g.Name], Whole: !g.MIG.Current}, bases[i])
 		p.Devices = append(p.Devices, devs...)
 		p.CounterSets = append(p.CounterSets, set)
 	}
@@ -64,7 +64,7 @@ func simPool(t *testing.T, profile string, dynamic bool) (*gpu.Inventory, *dra.P
 // deviceClasses are the classes gpu-agent installs.
 func deviceClasses(t *testing.T) []*resourceapi.DeviceClass {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join("..", "deploy", "manifests", "dra", "deviceclasses.yaml"))
+	b, err := os.ReadFile(filepath.Join("..", "..", "deploy", "manifests", "dra", "deviceclasses.yaml"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -110,7 +110,7 @@ func TestClaimsAsNVIDIAUsersWriteThem(t *testing.T) {
 			node := claim.Annotations["test.gpu-agent.io/node"]
 			profile, mode, _ := strings.Cut(node, " ")
 			inv, pool := simPool(t, profile, mode == "dynamic")
-			res := dra.Resources("node-a", pool, 1, dra.Dropped{})
+			res := devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{})
 			for _, sl := range res.Pools["node-a"].Slices {
 				for _, d := range sl.Devices {
 					if k := len(d.Attributes) + len(d.Capacity); k > resourceapi.ResourceSliceMaxAttributesAndCapacitiesPerDevice {
@@ -118,7 +118,7 @@ func TestClaimsAsNVIDIAUsersWriteThem(t *testing.T) {
 					}
 				}
 			}
-			n := schedsim.New("node-a", dra.DriverName, res, classes)
+			n := schedsim.New("node-a", devicemodel.DriverName, res, classes)
 
 			results, err := n.Allocate(context.Background(), claim)
 			want := claim.Annotations["test.gpu-agent.io/want"]
@@ -147,7 +147,7 @@ func TestClaimsAsNVIDIAUsersWriteThem(t *testing.T) {
 					t.Fatalf("allocated %q, not in the pool", r.Device)
 				}
 				g, _ := inv.GPUByUUID(d.UUID)
-				if d.Type == dra.TypeMIG {
+				if d.Type == devicemodel.TypeMIG {
 					g, _ = inv.GPUByUUID(d.ParentUUID)
 				}
 				gpus = append(gpus, g)
@@ -187,7 +187,7 @@ func TestSharedMIGDeviceTakesEveryShare(t *testing.T) {
 	for i := range pool.Devices {
 		pool.Devices[i].Shares = 3
 	}
-	n := schedsim.New("node-a", dra.DriverName, dra.Resources("node-a", pool, 1, dra.Dropped{}), deviceClasses(t))
+	n := schedsim.New("node-a", devicemodel.DriverName, devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}), deviceClasses(t))
 	claims := readClaims(t, "claims.yaml")
 	var byCapacity *resourceapi.ResourceClaim
 	for _, c := range claims {
@@ -226,15 +226,15 @@ func TestCordonedDevicesNeedTheirToleration(t *testing.T) {
 	for i := range pool.Devices {
 		pool.Devices[i].Cordoned = "cordoned"
 	}
-	n := schedsim.New("node-a", dra.DriverName, dra.Resources("node-a", pool, 1, dra.Dropped{}), deviceClasses(t))
+	n := schedsim.New("node-a", devicemodel.DriverName, devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}), deviceClasses(t))
 	for _, tt := range []struct {
 		name string
 		keys []string
 		ok   bool
 	}{
 		{"no toleration", nil, false},
-		{"the unhealthy taint", []string{dra.TaintUnhealthy}, false},
-		{"the cordon", []string{dra.TaintCordoned}, true},
+		{"the unhealthy taint", []string{devicemodel.TaintUnhealthy}, false},
+		{"the cordon", []string{devicemodel.TaintCordoned}, true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			r := resourceapi.DeviceRequest{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.nvidia.com"}}
