@@ -27,6 +27,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
+	"github.com/gpu-agent/gpu-agent/stateformat"
 	"github.com/gpu-agent/gpu-agent/timeslice"
 )
 
@@ -160,8 +161,13 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 
 	// Everything that must survive a restart: allocations not yet accounted
 	// for, health causes, the GPUs last seen. A bad checkpoint is set aside
-	// and the agent starts from what NVML shows.
+	// and the agent starts from what NVML shows. One a newer agent wrote in
+	// a format this build cannot read is not: starting without what it
+	// records would destroy what it protects (docs/upgrade.md).
 	restored, err := agent.LoadCheckpoint(f.stateDir)
+	if newer := (*stateformat.NewerError)(nil); errors.As(err, &newer) {
+		return err
+	}
 	if err != nil {
 		log.Error("checkpoint not restored; starting from what NVML shows", "error", err)
 	}
@@ -196,6 +202,10 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	// The ledger: Allocate, DRA Prepare and the MIG applier all pass
 	// through it, so no device is handed out and destroyed at once.
 	ledger, err := agent.NewLedger(f.stateDir, nil, log.With("component", "ledger"))
+	if newer := (*stateformat.NewerError)(nil); errors.As(err, &newer) {
+		ledger.Close()
+		return err
+	}
 	if err != nil {
 		log.Error("allocation log", "error", err)
 	}
