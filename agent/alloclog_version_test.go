@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -126,5 +127,25 @@ func TestAllocLogRefusesNewerMajor(t *testing.T) {
 	}
 	if _, err := os.Stat(path + ".unreadable"); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("log set aside: %v", err)
+	}
+}
+
+// The record Allocate appends by hand is the one json.Marshal makes, the
+// version fields included once records name one.
+func TestAppendRecordVersioned(t *testing.T) {
+	at := time.Date(2026, 11, 23, 12, 0, 0, 5, time.UTC)
+	for _, rec := range []allocRecord{
+		{At: at, IDs: []string{"GPU-a"}},
+		{At: at, IDs: []string{"GPU-a", "GPU-b"}, Version: 1, Minor: 2, Resource: "nvidia.com/gpu", Replicas: []string{"GPU-b"}},
+		{At: at, IDs: []string{"GPU-a"}, Version: 2},
+	} {
+		got, err := appendRecord(nil, rec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, _ := json.Marshal(rec)
+		if string(got) != string(want)+"\n" {
+			t.Errorf("appendRecord = %s, json.Marshal = %s", got, want)
+		}
 	}
 }
