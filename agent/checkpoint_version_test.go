@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -30,6 +31,12 @@ func TestCheckpointReadsVersion4(t *testing.T) {
 	}
 	if len(cp.GPUs) != 2 || len(cp.Claims) != 1 || len(cp.Health) != 1 || len(cp.Cordon) != 1 || len(cp.MIGTouched) != 1 || len(cp.FailedSince) != 1 || len(cp.DynamicMIG) != 1 {
 		t.Fatalf("read %+v", cp)
+	}
+	// Written back as this build writes it, it is the same bytes: an agent
+	// from before minor versions, rolled back to, reads it.
+	out, err := json.MarshalIndent(cp, "", " ")
+	if err != nil || !bytes.Equal(out, checkpointFixture(t)) {
+		t.Fatalf("written back as\n%s (%v)", out, err)
 	}
 }
 
