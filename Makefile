@@ -134,6 +134,7 @@ FUZZ_TARGETS := \
 	./mps:FuzzParseHealthFile \
 	./mps:FuzzParsePID \
 	./mps/simdaemon:FuzzCommand \
+	./stateformat:FuzzDecode \
 	./timeslice:FuzzParent
 
 # Fuzzes each target for FUZZTIME. go test fuzzes one target of one package

@@ -29,6 +29,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
 	"github.com/gpu-agent/gpu-agent/podresources"
+	"github.com/gpu-agent/gpu-agent/stateformat"
 	"github.com/gpu-agent/gpu-agent/telemetry"
 	"github.com/gpu-agent/gpu-agent/timeslice"
 )
@@ -170,6 +171,10 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	// The ledger: Allocate, DRA Prepare and the MIG applier all pass
 	// through it, so no device is handed out and destroyed at once.
 	ledger, err := agent.NewLedger(f.stateDir, nil, log.With("component", "ledger"))
+	if newer := (*stateformat.NewerError)(nil); errors.As(err, &newer) {
+		ledger.Close()
+		return err
+	}
 	if err != nil {
 		log.Error("allocation log", "error", err)
 	}
@@ -234,7 +239,14 @@ func openState(dir string, log *slog.Logger) (*agent.Checkpoint, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("--state-dir: %w", err)
 	}
+	// A bad checkpoint is set aside and the agent starts from what NVML
+	// shows. One a newer agent wrote in a format this build cannot read is
+	// not: starting without what it records would destroy what it protects
+	// (docs/upgrade.md).
 	restored, err := agent.LoadCheckpoint(dir)
+	if newer := (*stateformat.NewerError)(nil); errors.As(err, &newer) {
+		return nil, err
+	}
 	if err != nil {
 		log.Error("checkpoint not restored; starting from what NVML shows", "error", err)
 	}
