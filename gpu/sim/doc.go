@@ -8,9 +8,27 @@
 //
 // New takes one of the names Profiles lists: dgx-a100, dgx-h100 (NVSwitch
 // systems, MIG capable), dgx1-v100 (NVLink hybrid cube-mesh), pcie-8gpu,
-// pcie-4gpu (L40S without NVLink) and two-islands-16 (two cube-mesh
-// islands). UUIDs are name-based: the same profile, GPU index and MIG
-// GI/CI ids give the same UUIDs in every process.
+// pcie-4gpu (L40S without NVLink), two-islands-16 (two cube-mesh
+// islands) and gb200-tray (one compute tray of a GB200 NVL72 rack). UUIDs
+// are name-based: the same profile, GPU index and MIG GI/CI ids give the
+// same UUIDs in every process.
+//
+// # Multi-node NVLink
+//
+// A fabric-attached profile (gb200-tray) answers NVML's fabric info
+// (GetGpuFabricInfo, and GetGpuFabricInfoV3 for version 3 with health;
+// go-nvml's GetGpuFabricInfoV handler calls the real library and must not
+// be used): registration completed, the cluster UUID and clique id of the
+// node's NVLink domain (WithClique: nodes built with the same clique are
+// one domain, ClusterUUID gives its UUID), health mask and summary. Other
+// profiles answer NOT_SUPPORTED, as GPUs without a multi-node fabric do.
+// SetFabricFault (and POST /sim/fabric) makes a GPU's registration
+// incomplete or failed, or its fabric degraded or unhealthy; it is kept in
+// the state file. WriteDriverFiles writes the driver's IMEX files under a
+// root: proc/devices with the nvidia-caps-imex-channels major,
+// proc/driver/nvidia/params with ImexChannelCount (WithIMEXChannels,
+// default 2048 as the driver's), and the channel device nodes
+// dev/nvidia-caps-imex-channels/channel<N>.
 //
 // # NVML semantics worth knowing
 //
@@ -82,7 +100,12 @@
 //	  "ecc": {"corrected_volatile": 0, "corrected_aggregate": 0,
 //	    "uncorrected_volatile": 0, "uncorrected_aggregate": 0},
 //	  "recovery_action": 0,
-//	  "remapped_rows": {"corrected": 0, "uncorrected": 0, "pending": false, "failure": false}}]}
+//	  "remapped_rows": {"corrected": 0, "uncorrected": 0, "pending": false, "failure": false},
+//	  "fabric": {"state": "in-progress", "status": "ERROR_NOT_READY",
+//	    "degraded_bw": true, "route_recovery": false, "route_unhealthy": false}}]}
+//
+// "fabric" is left out when the GPU has no fabric fault, and its fields
+// when false or at their default (completed, SUCCESS).
 //
 // # Failing calls
 //
@@ -109,6 +132,10 @@
 //	                       "ERROR_UNKNOWN"; any ERROR_* name); "count" -1 fails until cleared, 0 clears,
 //	                       below -1 is refused; "call" as FailCalls names it
 //	POST /sim/flaky        {"rate":0.02,"seed":1}       "rate" 0 turns it off; "seed" defaults to 0
+//	POST /sim/fabric       {"gpu":0,"state":"in-progress"}  the GPU's whole fabric fault (fabric-attached
+//	                       profiles only): "state" not-started, in-progress or completed (default),
+//	                       "status" an NVML error name (default SUCCESS), "degraded_bw",
+//	                       "route_recovery", "route_unhealthy" (default false); {"gpu":0} clears it
 //
 // GET /sim/state, read-only, answers the node's State: what its state file
 // holds, from which WithState builds a copy.

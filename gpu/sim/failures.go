@@ -155,6 +155,7 @@ func returnCodes() []namedReturn {
 		{"ERROR_NO_DATA", nvml.ERROR_NO_DATA},
 		{"ERROR_INSUFFICIENT_RESOURCES", nvml.ERROR_INSUFFICIENT_RESOURCES},
 		{"ERROR_ARGUMENT_VERSION_MISMATCH", nvml.ERROR_ARGUMENT_VERSION_MISMATCH},
+		{"ERROR_NOT_READY", nvml.ERROR_NOT_READY},
 		{"ERROR_UNKNOWN", nvml.ERROR_UNKNOWN},
 	}
 }
@@ -174,4 +175,14 @@ func parseReturn(name string) (nvml.Return, error) {
 		names = append(names, c.name)
 	}
 	return 0, fmt.Errorf("unknown NVML error %q (known: %s)", name, strings.Join(names, ", "))
+}
+
+// returnName is parseReturn's inverse: "" for a code it does not know.
+func returnName(r nvml.Return) string {
+	for _, c := range returnCodes() {
+		if c.ret == r {
+			return c.name
+		}
+	}
+	return ""
 }
