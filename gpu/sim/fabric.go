@@ -148,16 +148,39 @@ func (n *Node) fabricInfo(g *gpuState) nvml.GpuFabricInfo_v3 {
 	return info
 }
 
+// noFabric answers the fabric calls of a profile without a fabric:
+// NOT_SUPPORTED, or why not even that. FailCalls reaches it, SetFlaky does
+// not: the fabric read the inventory makes then draws nothing from a
+// seeded flaky source, and the runs other profiles' soak tests were tuned
+// on stay as they were. Fabric-attached GPUs take both.
+func (d *device) noFabric(call string) nvml.Return {
+	d.n.mu.Lock()
+	defer d.n.mu.Unlock()
+	if r := d.n.ready(); r != nvml.SUCCESS {
+		return r
+	}
+	if r := d.n.injectedCall(d.g, call); r != nvml.SUCCESS {
+		return r
+	}
+	switch {
+	case d.g.lost:
+		return nvml.ERROR_GPU_IS_LOST
+	case d.ci != nil && d.ci.destroyed:
+		return nvml.ERROR_INVALID_ARGUMENT
+	}
+	return nvml.ERROR_NOT_SUPPORTED
+}
+
 // GetGpuFabricInfo is nvmlDeviceGetGpuFabricInfo (version 1, no health):
 // NOT_SUPPORTED on GPUs that are not fabric-attached and on MIG devices.
 func (d *device) GetGpuFabricInfo() (nvml.GpuFabricInfo, nvml.Return) {
+	if !d.n.spec.fabric {
+		return nvml.GpuFabricInfo{}, d.noFabric("GetGpuFabricInfo")
+	}
 	r := d.lock("GetGpuFabricInfo", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.GpuFabricInfo{}, r
-	}
-	if !d.n.spec.fabric {
-		return nvml.GpuFabricInfo{}, nvml.ERROR_NOT_SUPPORTED
 	}
 	v3 := d.n.fabricInfo(d.g)
 	return nvml.GpuFabricInfo{ClusterUuid: v3.ClusterUuid, Status: v3.Status, CliqueId: v3.CliqueId, State: v3.State}, nvml.SUCCESS
@@ -170,13 +193,13 @@ func (d *device) GetGpuFabricInfo() (nvml.GpuFabricInfo, nvml.Return) {
 // the sim cannot answer through it (its GetGpuFabricInfoV must not be
 // used); readers take this method where a device has it (gpu.Options).
 func (d *device) GetGpuFabricInfoV3() (nvml.GpuFabricInfo_v3, nvml.Return) {
+	if !d.n.spec.fabric {
+		return nvml.GpuFabricInfo_v3{}, d.noFabric("GetGpuFabricInfoV")
+	}
 	r := d.lock("GetGpuFabricInfoV", false)
 	defer d.n.mu.Unlock()
 	if r != nvml.SUCCESS {
 		return nvml.GpuFabricInfo_v3{}, r
-	}
-	if !d.n.spec.fabric {
-		return nvml.GpuFabricInfo_v3{}, nvml.ERROR_NOT_SUPPORTED
 	}
 	return d.n.fabricInfo(d.g), nvml.SUCCESS
 }
