@@ -49,6 +49,8 @@ type fakeGPU struct {
 	migs  []fakeMIG
 	// bareGIs are GPU instances besides those of migs.
 	bareGIs []fakeGI
+	// fabric is what GetGpuFabricInfo answers; nil: NOT_SUPPORTED.
+	fabric *nvml.GpuFabricInfo
 	// fail maps a call name to the Return it gives instead of its answer.
 	fail map[string]nvml.Return
 }
@@ -161,6 +163,12 @@ func (n *fakeNode) device(i int, index map[nvml.Device]int) *mock.Device {
 		},
 		GetNumaNodeIdFunc: func() (int, nvml.Return) { return g.numa, ret("GetNumaNodeId") },
 		GetBrandFunc:      func() (nvml.BrandType, nvml.Return) { return nvml.BRAND_NVIDIA, ret("GetBrand") },
+		GetGpuFabricInfoFunc: func() (nvml.GpuFabricInfo, nvml.Return) {
+			if g.fabric == nil {
+				return nvml.GpuFabricInfo{}, nvml.ERROR_NOT_SUPPORTED
+			}
+			return *g.fabric, ret("GetGpuFabricInfoV")
+		},
 		GetMigModeFunc: func() (int, int, nvml.Return) {
 			if g.mig == nil {
 				return 0, 0, nvml.ERROR_NOT_SUPPORTED

@@ -22,6 +22,11 @@ type Options struct {
 	// PCIeRoot returns the PCIe root complex of a PCI device ("pci0000:00");
 	// nil means derive it from the topology (GPU.PCIeRoot).
 	PCIeRoot func(busID string) (string, error)
+	// FabricInfo reads a GPU's NVLink fabric info; nil reads it without
+	// NVML's versioned call (a device's own GetGpuFabricInfoV3, as the
+	// simulated node's, else version 1). The real backend sets
+	// NVMLFabricInfo, which only the real library's devices may be given.
+	FabricInfo FabricReader
 	// Logger receives what New skips or degrades; nil discards.
 	Logger *slog.Logger
 }
@@ -112,7 +117,10 @@ func New(lib nvml.Interface, opts Options) (*Inventory, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	b := &builder{lib: lib, log: log, numa: opts.NUMANode, pcieRoot: opts.PCIeRoot}
+	b := &builder{lib: lib, log: log, numa: opts.NUMANode, pcieRoot: opts.PCIeRoot, fabric: opts.FabricInfo}
+	if b.fabric == nil {
+		b.fabric = defaultFabricInfo
+	}
 
 	count, ret := lib.DeviceGetCount()
 	if ret != nvml.SUCCESS {
@@ -154,6 +162,8 @@ type builder struct {
 	numa func(string) (int, error)
 	// pcieRoot is Options.PCIeRoot.
 	pcieRoot func(string) (string, error)
+	// fabric is Options.FabricInfo or its default.
+	fabric FabricReader
 	// errs in the order they happened: GPU by GPU, then topology, so that
 	// two snapshots of the same node list them identically.
 	errs []DeviceError
@@ -368,6 +378,17 @@ func (r *gpuReader) read() (GPU, bool) {
 			r.b.log.Debug("pcie root unavailable", "gpu", g.Index, "error", err)
 		}
 		g.PCIeRoot = root
+	}
+
+	if info, ret := r.b.fabric(dev); r.optional("GetGpuFabricInfoV", ret, FactFabric) {
+		f, err := DecodeFabric(info)
+		if err != nil {
+			// A driver newer than this build: the GPU is listed, its
+			// fabric unknown rather than guessed.
+			r.record("GetGpuFabricInfoV", err.Error())
+			r.miss(FactFabric)
+		}
+		g.Fabric = f
 	}
 
 	// A failed GetMigMode says nothing about MIG: the GPU keeps its zero MIG

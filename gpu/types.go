@@ -82,6 +82,10 @@ type GPU struct {
 	// keeps its memory slices from every other instance. Only an interrupted
 	// change (or a person halfway through nvidia-smi mig) leaves one.
 	GIsWithoutCI []GPUInstance `json:"gisWithoutCI,omitempty"`
+	// Fabric is the GPU's multi-node NVLink fabric attachment; nil when
+	// it has none (NVML answers NOT_SUPPORTED) or, with FactFabric in
+	// Unread, when NVML failed to say.
+	Fabric *Fabric `json:"fabric,omitempty"`
 	// Unread lists the facts that could not be read for this GPU in this
 	// snapshot because an NVML call (or the Options.NUMANode lookup) failed,
 	// in the order of the Fact constants; nil when the GPU was read
@@ -126,9 +130,11 @@ const (
 	FactInstances Fact = "instances"
 	// FactGIsWithoutCI: GIsWithoutCI may lack GPU instances that exist.
 	FactGIsWithoutCI Fact = "gisWithoutCI"
+	// FactFabric: Fabric is unknown (nil); the GPU may be in a clique.
+	FactFabric Fact = "fabric"
 )
 
-var factOrder = []Fact{FactComputeCapability, FactNUMANode, FactBrand, FactMIGMode, FactInstances, FactGIsWithoutCI}
+var factOrder = []Fact{FactComputeCapability, FactNUMANode, FactBrand, FactMIGMode, FactInstances, FactGIsWithoutCI, FactFabric}
 
 // Unknown reports whether any of facts is in g.Unread.
 func (g GPU) Unknown(facts ...Fact) bool {

@@ -62,25 +62,32 @@ func openBackend(spec, nvmlLib string, log *slog.Logger) (*backend, error) {
 		return &backend{
 			Name:             spec,
 			Lib:              lib,
-			InventoryOptions: gpu.Options{NUMANode: gpu.SysfsNUMA("/sys"), PCIeRoot: gpu.SysfsPCIeRoot("/sys")},
+			InventoryOptions: gpu.Options{NUMANode: gpu.SysfsNUMA("/sys"), PCIeRoot: gpu.SysfsPCIeRoot("/sys"), FabricInfo: gpu.NVMLFabricInfo},
 			BootID:           func() string { return readBootID(kernelBootID) },
 			close:            func() { lib.Shutdown() },
 		}, nil
 	case strings.HasPrefix(spec, "sim:"):
-		profile, opts, err := parseSimSpec(spec)
+		ss, err := parseSimSpec(spec)
 		if err != nil {
 			return nil, err
 		}
+		opts := ss.opts
 		if log != nil {
 			opts = append(opts, sim.WithLogger(log.With("component", "sim")))
 		}
-		node, err := sim.New(profile, opts...)
+		node, err := sim.New(ss.profile, opts...)
 		if err != nil {
 			return nil, fmt.Errorf("backend %s: %w", spec, err)
 		}
 		if ret := node.Init(); ret != nvml.SUCCESS {
 			node.Close()
 			return nil, fmt.Errorf("backend %s: init: %v", spec, ret)
+		}
+		if ss.driverRoot != "" {
+			if err := node.WriteDriverFiles(ss.driverRoot); err != nil {
+				node.Close()
+				return nil, fmt.Errorf("backend %s: %w", spec, err)
+			}
 		}
 		return &backend{
 			Name: spec, Lib: node, Sim: node, BootID: node.BootID,
@@ -92,36 +99,85 @@ func openBackend(spec, nvmlLib string, log *slog.Logger) (*backend, error) {
 	return nil, usageError{fmt.Sprintf("--backend %q: want nvml or sim:<profile> (see 'gpu-agent sim list')", spec)}
 }
 
-// parseSimSpec reads sim:<profile>[,mig-enabled][,immediate-mig-mode][,state=<path>][,crash-after=<n>].
-// The state path cannot hold a comma: options are split on commas.
-func parseSimSpec(spec string) (string, []sim.Option, error) {
+// simSpec is a parsed sim:<profile>[,option...] backend.
+type simSpec struct {
+	profile string
+	opts    []sim.Option
+	// driverRoot is where the node writes the driver's IMEX files
+	// (root=); "" for none. Only a running agent writes them: the
+	// offline tools look at a node, they do not set one up.
+	driverRoot string
+}
+
+// simOptionsHelp lists the options parseSimSpec takes, for its errors.
+const simOptionsHelp = "mig-enabled, immediate-mig-mode, state=<path>, crash-after=<n>, clique=<id>, imex-channels=<n>, root=<dir>"
+
+// parseSimSpec reads sim:<profile>[,mig-enabled][,immediate-mig-mode][,state=<path>][,crash-after=<n>]
+// [,clique=<id>][,imex-channels=<n>][,root=<dir>]. Paths cannot hold a
+// comma: options are split on commas. clique= puts a fabric-attached node
+// (a gb200 profile) in that NVLink domain and clique, shared by every node
+// given the same id; the sim refuses it on other profiles. An option given
+// twice is refused: which one was meant cannot be told.
+func parseSimSpec(spec string) (simSpec, error) {
 	// `sim list` prints each profile as sim:<profile>, which pasted as the
 	// profile of --backend sim:PROFILE reads sim:sim:<profile>: take it.
 	profile, rest, _ := strings.Cut(strings.TrimPrefix(strings.TrimPrefix(spec, "sim:"), "sim:"), ",")
-	var opts []sim.Option
+	s := simSpec{profile: profile}
+	bad := func(format string, a ...any) (simSpec, error) {
+		return simSpec{}, usageError{fmt.Sprintf("--backend %q: ", spec) + fmt.Sprintf(format, a...)}
+	}
+	if profile == "" {
+		return bad("no profile after sim: (see 'gpu-agent sim list')")
+	}
+	seen := map[string]bool{}
 	for opt := range strings.SplitSeq(rest, ",") {
-		switch key, val, hasVal := strings.Cut(opt, "="); {
+		key, val, hasVal := strings.Cut(opt, "=")
+		if opt != "" && seen[key] {
+			return bad("sim option %s given twice", key)
+		}
+		seen[key] = true
+		switch {
 		case opt == "":
 		case opt == "mig-enabled":
-			opts = append(opts, sim.WithMIGEnabled())
+			s.opts = append(s.opts, sim.WithMIGEnabled())
 		case opt == "immediate-mig-mode":
-			opts = append(opts, sim.WithImmediateMIGModeChange())
+			s.opts = append(s.opts, sim.WithImmediateMIGModeChange())
 		case key == "state" && hasVal:
 			if val == "" {
-				return "", nil, usageError{fmt.Sprintf("--backend %q: sim option state= needs a file path", spec)}
+				return bad("sim option state= needs a file path")
 			}
-			opts = append(opts, sim.WithStateFile(val))
+			s.opts = append(s.opts, sim.WithStateFile(val))
 		case key == "crash-after" && hasVal:
 			n, err := strconv.Atoi(val)
 			if err != nil || n < 1 {
-				return "", nil, usageError{fmt.Sprintf("--backend %q: sim option crash-after= needs a count of GPU changes (1 or more)", spec)}
+				return bad("sim option crash-after= needs a count of GPU changes (1 or more)")
 			}
-			opts = append(opts, sim.WithCrashAfter(n, nil))
+			s.opts = append(s.opts, sim.WithCrashAfter(n, nil))
+		case key == "clique" && hasVal:
+			id, err := strconv.ParseUint(val, 10, 32)
+			if err != nil {
+				return bad("sim option clique=%q: want a clique id, 0 to 4294967295 (nodes with the same id share one NVLink domain)", val)
+			}
+			if !strings.Contains(profile, "gb200") {
+				return bad("sim option clique= needs a fabric-attached profile (one with gb200 in its name), not %q", profile)
+			}
+			s.opts = append(s.opts, sim.WithClique(uint32(id)))
+		case key == "imex-channels" && hasVal:
+			n, err := strconv.Atoi(val)
+			if err != nil || n < 0 || n > sim.MaxIMEXChannelCount {
+				return bad("sim option imex-channels=%q: want a channel count, 0 to %d (the driver's default is %d)", val, sim.MaxIMEXChannelCount, sim.DefaultIMEXChannelCount)
+			}
+			s.opts = append(s.opts, sim.WithIMEXChannels(n))
+		case key == "root" && hasVal:
+			if val == "" {
+				return bad("sim option root= needs a directory")
+			}
+			s.driverRoot = val
 		default:
-			return "", nil, usageError{fmt.Sprintf("--backend %q: unknown sim option %q (want mig-enabled, immediate-mig-mode, state=<path>, crash-after=<n>)", spec, opt)}
+			return bad("unknown sim option %q (want %s)", opt, simOptionsHelp)
 		}
 	}
-	return profile, opts, nil
+	return s, nil
 }
 
 func nvmlLibName(p string) string {

@@ -14,6 +14,9 @@ import (
 	"testing"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
 )
 
 // An agent restarted on the same state file finds the MIG layout the last
@@ -59,8 +62,18 @@ func TestSimBackendSpecErrors(t *testing.T) {
 		want string
 	}{
 		{"sim:dgx-a100,state=", "state= needs a file path"},
-		{"sim:dgx-a100,state", `unknown sim option "state" (want mig-enabled, immediate-mig-mode, state=<path>, crash-after=<n>)`},
+		{"sim:dgx-a100,state", `unknown sim option "state" (want mig-enabled, immediate-mig-mode, state=<path>, crash-after=<n>, clique=<id>, imex-channels=<n>, root=<dir>)`},
 		{"sim:dgx-a100,mig=on", `unknown sim option "mig=on"`},
+		{"sim:", "no profile after sim:"},
+		{"sim:gb200-tray,clique=", `clique="": want a clique id, 0 to 4294967295`},
+		{"sim:gb200-tray,clique=-1", `clique="-1": want a clique id`},
+		{"sim:gb200-tray,clique=4294967296", `clique="4294967296"`},
+		{"sim:gb200-tray,clique=1,clique=2", "clique given twice"},
+		{"sim:dgx-h100,clique=1", `clique= needs a fabric-attached profile (one with gb200 in its name), not "dgx-h100"`},
+		{"sim:gb200-tray,imex-channels=x", `imex-channels="x": want a channel count, 0 to 1048576 (the driver's default is 2048)`},
+		{"sim:gb200-tray,imex-channels=-3", `imex-channels="-3"`},
+		{"sim:gb200-tray,root=", "root= needs a directory"},
+		{"sim:gb200-tray,mig-enabled,mig-enabled", "mig-enabled given twice"},
 	}
 	for _, tt := range tests {
 		_, err := openBackend(tt.spec, "", nil)
@@ -152,4 +165,81 @@ configs:
 	if !crashed {
 		t.Errorf("no JSON line of component sim announced the crash:\n%s", logs.String())
 	}
+}
+
+// Nodes given one clique share an NVLink domain; another clique is
+// another; root= gets the driver's IMEX files.
+func TestSimBackendClique(t *testing.T) {
+	open := func(spec string) *backend {
+		t.Helper()
+		be, err := openBackend(spec, "", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(be.Close)
+		return be
+	}
+	root := t.TempDir()
+	a := open("sim:gb200-tray,clique=3,imex-channels=4,root=" + root)
+	b := open("sim:gb200-tray,clique=3")
+	c := open("sim:gb200-tray,clique=4")
+	cliqueOf := func(be *backend) string {
+		t.Helper()
+		inv, err := gpu.New(be.Lib, be.InventoryOptions)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return inv.GPUs[0].Fabric.Clique()
+	}
+	if ca, cb, cc := cliqueOf(a), cliqueOf(b), cliqueOf(c); ca == "" || ca != cb || ca == cc || !strings.HasSuffix(cc, ".4") {
+		t.Errorf("cliques %q %q %q: want the first two equal, the third another", ca, cb, cc)
+	}
+	params, err := os.ReadFile(filepath.Join(root, sim.DriverParamsPath))
+	if err != nil || !strings.Contains(string(params), "ImexChannelCount: 4\n") {
+		t.Errorf("driver params: %q, %v", params, err)
+	}
+	if _, err := os.Stat(filepath.Join(root, sim.ProcDevicesPath)); err != nil {
+		t.Error(err)
+	}
+}
+
+// FuzzParseSimSpec reads any backend string. What it refuses is a usage
+// error naming the string; what it accepts names the profile given, and
+// builds a node or fails in the sim (an unknown profile, a clique on a
+// profile without a fabric), never panics.
+func FuzzParseSimSpec(f *testing.F) {
+	for _, s := range []string{
+		"sim:dgx-a100", "sim:sim:dgx-a100,mig-enabled", "sim:gb200-tray,clique=7,imex-channels=16",
+		"sim:gb200-tray,clique=4294967295", "sim:gb200-tray,clique=1,clique=1", "sim:dgx-h100,clique=0",
+		"sim:pcie-4gpu,crash-after=3,immediate-mig-mode", "sim:,", "sim:gb200-tray,,root=/x,", "sim:x,=,=",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, spec string) {
+		if strings.Contains(spec, "state=") || strings.Contains(spec, "root=") || strings.Contains(spec, "crash-after=") {
+			// Files and a process kill are not for a fuzzer to make.
+			if _, err := parseSimSpec(spec); err != nil {
+				var ue usageError
+				if !errors.As(err, &ue) {
+					t.Fatalf("parseSimSpec(%q): %v is not a usage error", spec, err)
+				}
+			}
+			return
+		}
+		ss, err := parseSimSpec(spec)
+		if err != nil {
+			var ue usageError
+			if !errors.As(err, &ue) || !strings.Contains(err.Error(), fmt.Sprintf("%q", spec)) {
+				t.Fatalf("parseSimSpec(%q): %v, want a usage error naming the spec", spec, err)
+			}
+			return
+		}
+		if ss.profile == "" || strings.Contains(ss.profile, ",") {
+			t.Fatalf("parseSimSpec(%q): profile %q", spec, ss.profile)
+		}
+		n, err := sim.New(ss.profile, ss.opts...)
+		if err == nil {
+			n.Close()
+		}
+	})
 }

@@ -74,6 +74,10 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = cmdMPSHost(ctx, args[1:], stdout, stderr)
 	case mpsControlSimCommand:
 		err = cmdMPSControlSim(ctx, args[1:], os.Stdin, stdout, stderr)
+	case imexSimCommand: // hidden: the stand-in nvidia-imex of simulated nodes
+		err = cmdIMEXSim(ctx, args[1:], stderr)
+	case imexCtlSimCommand: // hidden: the stand-in nvidia-imex-ctl
+		err = cmdIMEXCtlSim(ctx, args[1:], stdout, stderr)
 	case "status":
 		err = cmdStatus(ctx, args[1:], stdout, stderr)
 	case "config":
@@ -97,6 +101,8 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 0
 	case errors.Is(err, flag.ErrHelp):
 		return 0
+	case errors.Is(err, errNotReady):
+		return 1
 	case errors.As(err, new(usageError)):
 		fmt.Fprintf(stderr, "gpu-agent %s: %v\n", args[0], err)
 		return 2

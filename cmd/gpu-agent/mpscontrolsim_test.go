@@ -16,11 +16,11 @@ import (
 	"github.com/gpu-agent/gpu-agent/mps/simdaemon"
 )
 
-// TestMain lets this test binary be the agent's own MPS stand-in: an agent
-// run in-process starts `<this binary> mps-control-sim -d`, as the real
-// agent starts itself.
+// TestMain lets this test binary be the agent's own MPS and IMEX
+// stand-ins: an agent run in-process starts `<this binary> mps-control-sim
+// -d`, as the real agent starts itself.
 func TestMain(m *testing.M) {
-	if len(os.Args) > 1 && os.Args[1] == mpsControlSimCommand {
+	if len(os.Args) > 1 && (os.Args[1] == mpsControlSimCommand || os.Args[1] == imexSimCommand) {
 		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 		code := runMain(ctx, os.Args[1:], os.Stdout, os.Stderr)
 		stop()

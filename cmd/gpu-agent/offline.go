@@ -74,10 +74,11 @@ func openOfflineBackend(spec, nvmlLib string) (*backend, error) {
 	if !strings.HasPrefix(spec, "sim:") {
 		return openBackend(spec, nvmlLib, nil)
 	}
-	profile, opts, err := parseSimSpec(spec)
+	ss, err := parseSimSpec(spec)
 	if err != nil {
 		return nil, err
 	}
+	profile, opts := ss.profile, ss.opts
 	path := simStatePath(spec)
 	if path == "" {
 		return openBackend(spec, nvmlLib, nil)

@@ -307,7 +307,8 @@ func TestValidateShowsDRAFootprint(t *testing.T) {
 // --backend sim:PROFILE it gives sim:sim:<profile>, which works too.
 func TestBackendTakesSimListName(t *testing.T) {
 	for _, spec := range []string{"sim:dgx-a100", "sim:sim:dgx-a100"} {
-		profile, _, err := parseSimSpec(spec + ",mig-enabled")
+		ss, err := parseSimSpec(spec + ",mig-enabled")
+		profile := ss.profile
 		if err != nil || profile != "dgx-a100" {
 			t.Errorf("parseSimSpec(%q) = %q, %v; want dgx-a100", spec, profile, err)
 		}

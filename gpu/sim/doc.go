@@ -8,9 +8,27 @@
 //
 // New takes one of the names Profiles lists: dgx-a100, dgx-h100 (NVSwitch
 // systems, MIG capable), dgx1-v100 (NVLink hybrid cube-mesh), pcie-8gpu,
-// pcie-4gpu (L40S without NVLink) and two-islands-16 (two cube-mesh
-// islands). UUIDs are name-based: the same profile, GPU index and MIG
-// GI/CI ids give the same UUIDs in every process.
+// pcie-4gpu (L40S without NVLink), two-islands-16 (two cube-mesh
+// islands) and gb200-tray (one compute tray of a GB200 NVL72 rack). UUIDs
+// are name-based: the same profile, GPU index and MIG GI/CI ids give the
+// same UUIDs in every process.
+//
+// # Multi-node NVLink
+//
+// A fabric-attached profile (gb200-tray) answers NVML's fabric info
+// (GetGpuFabricInfo, and GetGpuFabricInfoV3 for version 3 with health;
+// go-nvml's GetGpuFabricInfoV handler calls the real library and must not
+// be used): registration completed, the cluster UUID and clique id of the
+// node's NVLink domain (WithClique: nodes built with the same clique are
+// one domain, ClusterUUID gives its UUID), health mask and summary. Other
+// profiles answer NOT_SUPPORTED, as GPUs without a multi-node fabric do.
+// SetFabricFault (and POST /sim/fabric) makes a GPU's registration
+// incomplete or failed, or its fabric degraded or unhealthy; it is kept in
+// the state file. WriteDriverFiles writes the driver's IMEX files under a
+// root: proc/devices with the nvidia-caps-imex-channels major,
+// proc/driver/nvidia/params with ImexChannelCount (WithIMEXChannels,
+// default 2048 as the driver's), and the channel device nodes
+// dev/nvidia-caps-imex-channels/channel<N>.
 //
 // # NVML semantics worth knowing
 //
@@ -99,11 +117,14 @@
 //	  "recovery_action": 0,
 //	  "remapped_rows": {"corrected": 0, "uncorrected": 0, "pending": false, "failure": false},
 //	  "processes": [{"pid": 4242, "gi": 1, "ci": 0, "mps": true, "memory_bytes": 1073741824,
-//	    "sm_util": 40, "mem_util": 10, "enc_util": 0, "dec_util": 0}]}]}
+//	    "sm_util": 40, "mem_util": 10, "enc_util": 0, "dec_util": 0}],
+//	  "fabric": {"state": "in-progress", "status": "ERROR_NOT_READY",
+//	    "degraded_bw": true, "route_recovery": false, "route_unhealthy": false}}]}
 //
 // "processes" is left out when there are none; on a whole GPU "gi" and
 // "ci" are 4294967295; "mps" and the utilizations are left out when false
-// or 0.
+// or 0. "fabric" is left out when the GPU has no fabric fault, and its fields
+// when false or at their default (completed, SUCCESS).
 //
 // # Failing calls
 //
@@ -135,6 +156,10 @@
 //	                       "mps", "mem_used_bytes", "sm_util", "mem_util", "enc_util", "dec_util"; fields
 //	                       left out keep their value (a new process: 0, not MPS)
 //	POST /sim/process/stop {"pid":4242}                 optional "gpu" or "uuid"; without, on every GPU
+//	POST /sim/fabric       {"gpu":0,"state":"in-progress"}  the GPU's whole fabric fault (fabric-attached
+//	                       profiles only): "state" not-started, in-progress or completed (default),
+//	                       "status" an NVML error name (default SUCCESS), "degraded_bw",
+//	                       "route_recovery", "route_unhealthy" (default false); {"gpu":0} clears it
 //
 // GET /sim/state, read-only, answers the node's State: what its state file
 // holds, from which WithState builds a copy.

@@ -82,6 +82,17 @@ func (n *Node) SetFlaky(rate float64, seed int64) error {
 // injected is the injected failure, if any, of call on GPU g; callers hold
 // n.mu and have checked the node is initialised.
 func (n *Node) injected(g *gpuState, call string) nvml.Return {
+	if r := n.injectedCall(g, call); r != nvml.SUCCESS {
+		return r
+	}
+	if n.flakyRand != nil && n.flakyRand.Float64() < n.flakyRate {
+		return nvml.ERROR_UNKNOWN
+	}
+	return nvml.SUCCESS
+}
+
+// injectedCall is injected without SetFlaky's draw: FailCalls alone.
+func (n *Node) injectedCall(g *gpuState, call string) nvml.Return {
 	k := failKey{g.index, call}
 	if f, ok := n.failures[k]; ok {
 		switch {
@@ -92,9 +103,6 @@ func (n *Node) injected(g *gpuState, call string) nvml.Return {
 			n.failures[k] = f
 		}
 		return f.ret
-	}
-	if n.flakyRand != nil && n.flakyRand.Float64() < n.flakyRate {
-		return nvml.ERROR_UNKNOWN
 	}
 	return nvml.SUCCESS
 }
@@ -155,6 +163,7 @@ func returnCodes() []namedReturn {
 		{"ERROR_NO_DATA", nvml.ERROR_NO_DATA},
 		{"ERROR_INSUFFICIENT_RESOURCES", nvml.ERROR_INSUFFICIENT_RESOURCES},
 		{"ERROR_ARGUMENT_VERSION_MISMATCH", nvml.ERROR_ARGUMENT_VERSION_MISMATCH},
+		{"ERROR_NOT_READY", nvml.ERROR_NOT_READY},
 		{"ERROR_UNKNOWN", nvml.ERROR_UNKNOWN},
 	}
 }
@@ -174,4 +183,14 @@ func parseReturn(name string) (nvml.Return, error) {
 		names = append(names, c.name)
 	}
 	return 0, fmt.Errorf("unknown NVML error %q (known: %s)", name, strings.Join(names, ", "))
+}
+
+// returnName is parseReturn's inverse: "" for a code it does not know.
+func returnName(r nvml.Return) string {
+	for _, c := range returnCodes() {
+		if c.ret == r {
+			return c.name
+		}
+	}
+	return ""
 }

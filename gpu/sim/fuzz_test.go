@@ -186,7 +186,7 @@ func simState(n *Node) string {
 // record back to itself, and a fresh node with MIG on makes the same layout
 // through NVML, so a file cannot hold what NVML would refuse to make.
 func FuzzLoadState(f *testing.F) {
-	profiles := []string{"gh200", "pcie-a30x4", "pcie-h100nvl-x2", "dgx1-v100"}
+	profiles := []string{"gh200", "pcie-a30x4", "pcie-h100nvl-x2", "dgx1-v100", "gb200-tray"}
 	for i, p := range profiles {
 		for _, busy := range []bool{false, true} {
 			data, err := stateSeed(p, busy)
@@ -357,6 +357,9 @@ func stateSeed(profile string, busy bool) ([]byte, error) {
 				return nil, err
 			}
 		}
+		// Only fabric-attached profiles take these.
+		_ = n.SetFabricFault(0, FabricFault{State: nvml.GPU_FABRIC_STATE_IN_PROGRESS, Status: nvml.ERROR_NOT_READY})
+		_ = n.SetFabricFault(1, FabricFault{DegradedBandwidth: true, RouteRecovery: true, RouteUnhealthy: true})
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()

@@ -50,6 +50,8 @@ func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		route = serveProcess
 	case "/process/stop":
 		route = serveProcessStop
+	case "/fabric":
+		route = serveFabric
 	default:
 		writeJSON(w, http.StatusNotFound, map[string]string{"error": fmt.Sprintf("no such endpoint %q", r.URL.Path)})
 		return
@@ -495,4 +497,36 @@ func (n *Node) processGPUs(pid uint32) []int {
 		}
 	}
 	return out
+}
+
+// serveFabric sets one GPU's whole FabricFault: fields left out are no
+// fault, so {"gpu":0} clears it.
+func serveFabric(n *Node, dec *json.Decoder) error {
+	var req struct {
+		GPU            *int    `json:"gpu"`
+		State          *string `json:"state"`
+		Status         *string `json:"status"`
+		DegradedBW     bool    `json:"degraded_bw"`
+		RouteRecovery  bool    `json:"route_recovery"`
+		RouteUnhealthy bool    `json:"route_unhealthy"`
+	}
+	if err := decode(dec, &req); err != nil {
+		return err
+	}
+	gpu, err := needGPU(req.GPU)
+	if err != nil {
+		return err
+	}
+	f := FabricFault{DegradedBandwidth: req.DegradedBW, RouteRecovery: req.RouteRecovery, RouteUnhealthy: req.RouteUnhealthy}
+	if req.State != nil {
+		if f.State, err = ParseFabricState(*req.State); err != nil {
+			return fmt.Errorf(`"state": %w`, err)
+		}
+	}
+	if req.Status != nil && *req.Status != "SUCCESS" {
+		if f.Status, err = parseReturn(*req.Status); err != nil {
+			return fmt.Errorf(`"status": %w`, err)
+		}
+	}
+	return n.SetFabricFault(gpu, f)
 }

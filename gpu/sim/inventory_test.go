@@ -63,6 +63,10 @@ func TestInventoryOfEveryProfile(t *testing.T) {
 			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, pxb, sys) }, func(int, int) int { return 18 }, true},
 		{"dgx-b200", 8, "NVIDIA B200", []int{0, 0, 0, 0, 1, 1, 1, 1},
 			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, pxb, sys) }, func(int, int) int { return 18 }, true},
+		// The tray's GPUs reach each other only through the rack's
+		// switches: 18 lanes each, none direct.
+		{"gb200-tray", 4, "NVIDIA GB200", []int{0, 0, 1, 1},
+			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, nod, sys) }, func(int, int) int { return 18 }, true},
 		{"pcie-a30x4", 4, "NVIDIA A30", []int{0, 0, 1, 1},
 			func(i, j int) gpu.LinkLevel { return pick(i/2 == j/2, pix, sys) }, func(int, int) int { return 0 }, true},
 		{"pcie-h100nvl-x2", 2, "NVIDIA H100 NVL", []int{0, 0},
@@ -298,5 +302,35 @@ func TestInventoryAlignmentGroups(t *testing.T) {
 				t.Errorf("CUDADriverVersion = %q, want 12.4", inv.CUDADriverVersion)
 			}
 		})
+	}
+}
+
+// The inventory reads the sim's fabric info: the clique as NVIDIA's DRA
+// driver names it, and a fault injected on one GPU.
+func TestInventoryFabric(t *testing.T) {
+	n := initNode(t, "gb200-tray", sim.WithClique(12))
+	if err := n.SetFabricFault(3, sim.FabricFault{DegradedBandwidth: true}); err != nil {
+		t.Fatal(err)
+	}
+	inv := inventory(t, n)
+	want := sim.ClusterUUID(12).String() + ".12"
+	for i, g := range inv.GPUs {
+		if c := g.Fabric.Clique(); c != want {
+			t.Errorf("gpu %d: clique %q, want %q", i, c, want)
+		}
+		if wantBus := []string{"0008:01:00.0", "0009:01:00.0", "0018:01:00.0", "0019:01:00.0"}[i]; g.PCIBusID != wantBus {
+			t.Errorf("gpu %d: bus %s, want %s", i, g.PCIBusID, wantBus)
+		}
+	}
+	if f := inv.GPUs[3].Fabric; f.Health != gpu.FabricLimitedCapacity || !slices.Equal(f.Conditions, []string{"degraded-bandwidth"}) {
+		t.Errorf("gpu 3 fabric %+v", f)
+	}
+	if f := inv.GPUs[0].Fabric; f.Health != gpu.FabricHealthy || f.Conditions != nil {
+		t.Errorf("gpu 0 fabric %+v", f)
+	}
+	for _, g := range inventory(t, initNode(t, "dgx-h100")).GPUs {
+		if g.Fabric != nil {
+			t.Errorf("dgx-h100 gpu %d: fabric %+v", g.Index, g.Fabric)
+		}
 	}
 }

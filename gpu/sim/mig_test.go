@@ -65,6 +65,7 @@ var migTables = []struct {
 	{"gh200-144g", sevenSlice("1g.18gb", "1g.18gb+me", "1g.36gb", "2g.36gb", "3g.72gb", "4g.72gb", "7g.144gb"), nil, 7},
 	{"dgx-h200", sevenSlice("1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"), nil, 7},
 	{"dgx-b200", sevenSlice("1g.23gb", "1g.23gb+me", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"), nil, 7},
+	{"gb200-tray", sevenSlice("1g.23gb", "1g.23gb+me", "1g.47gb", "2g.47gb", "3g.93gb", "4g.93gb", "7g.186gb"), nil, 7},
 	// The A30: 4 compute and 4 memory slices, and a 2g profile with media
 	// extensions instead of the 7-slice GPUs' 3g and 7g.
 	{"pcie-a30x4", []migProf{
@@ -158,8 +159,8 @@ func TestMIGProfileNamesRound(t *testing.T) {
 			}
 		}
 	}
-	if len(seen) != 9 {
-		t.Errorf("%d MIG models, want 9 (A100 40/80 GB, A30, H100, H100 NVL, H200, GH200 96/144 GB, B200)", len(seen))
+	if len(seen) != 10 {
+		t.Errorf("%d MIG models, want 10 (A100 40/80 GB, A30, H100, H100 NVL, H200, GH200 96/144 GB, B200, GB200)", len(seen))
 	}
 }
 

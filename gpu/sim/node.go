@@ -37,6 +37,9 @@ type options struct {
 	logger       *slog.Logger
 	crashAfter   int
 	crash        func()
+	clique       uint32
+	cliqueSet    bool
+	imexChannels int
 }
 
 // WithMIGEnabled starts MIG-capable GPUs with MIG mode on (current and
@@ -93,6 +96,9 @@ type Node struct {
 	gpmLive int
 	// boot is the boot id (BootID).
 	boot string
+	// clusterUUID is the NVLink domain's (WithClique); zero on profiles
+	// that are not fabric-attached.
+	clusterUUID [16]uint8
 }
 
 // mockInterface puts the go-nvml mock one level deeper than Node's own
@@ -104,6 +110,7 @@ type mockInterface struct{ *mock.Interface }
 type gpuState struct {
 	index  int
 	uuid   string
+	domain uint32
 	bus    uint32
 	pci    nvml.PciInfo
 	numa   int
@@ -135,6 +142,9 @@ type gpuState struct {
 	remapPending bool
 	remapFailure bool
 	procs        []process
+	// fabric is what is wrong with the GPU's NVLink fabric attachment
+	// (fabric-attached profiles only).
+	fabric FabricFault
 }
 
 // New builds the simulated node named profile (see Profiles).
@@ -152,11 +162,23 @@ func New(profile string, opts ...Option) (*Node, error) {
 		}
 		return nil, fmt.Errorf("sim: unknown profile %q (known: %s)", profile, strings.Join(names, ", "))
 	}
-	o := options{now: time.Now, logger: slog.Default()}
+	o := options{now: time.Now, logger: slog.Default(), imexChannels: DefaultIMEXChannelCount}
 	for _, opt := range opts {
 		opt(&o)
 	}
+	switch {
+	case o.cliqueSet && !spec.fabric:
+		return nil, fmt.Errorf("sim %s: a clique needs a fabric-attached profile (%s); this one has no multi-node NVLink", spec.name, fabricProfiles())
+	case !o.cliqueSet:
+		o.clique = defaultClique
+	}
+	if o.imexChannels < 0 || o.imexChannels > MaxIMEXChannelCount {
+		return nil, fmt.Errorf("sim %s: %d IMEX channels: want 0 to %d", spec.name, o.imexChannels, MaxIMEXChannelCount)
+	}
 	n := &Node{spec: spec, opts: o, sets: map[*eventSet]struct{}{}, failures: map[failKey]failure{}, boot: uuid.NewString()}
+	if spec.fabric {
+		n.clusterUUID = ClusterUUID(o.clique)
+	}
 	n.Interface = &mock.Interface{}
 	fillFuncs(n.Interface, func(string) nvml.Return {
 		n.mu.Lock()
@@ -169,16 +191,20 @@ func New(profile string, opts ...Option) (*Node, error) {
 	forwardHandleFuncs(n.Interface)
 
 	for _, bus := range spec.switchBus {
-		n.switchPCI = append(n.switchPCI, pciInfo(bus, spec.switchPCIx, 0))
+		n.switchPCI = append(n.switchPCI, pciInfo(0, bus, spec.switchPCIx, 0))
 	}
 	links := spec.links(len(spec.bus))
 	now := o.now()
 	m := spec.model
 	for i, bus := range spec.bus {
+		var domain uint32
+		if spec.domain != nil {
+			domain = spec.domain[i]
+		}
 		g := &gpuState{
-			index: i,
-			uuid:  "GPU-" + uuid.NewSHA1(uuidNamespace, []byte(spec.name+"/gpu/"+strconv.Itoa(i))).String(),
-			bus:   bus, pci: pciInfo(bus, m.pciDeviceID, m.pciSubsystem), numa: spec.numa(i), links: links[i],
+			index:  i,
+			uuid:   "GPU-" + uuid.NewSHA1(uuidNamespace, []byte(spec.name+"/gpu/"+strconv.Itoa(i))).String(),
+			domain: domain, bus: bus, pci: pciInfo(domain, bus, m.pciDeviceID, m.pciSubsystem), numa: spec.numa(i), links: links[i],
 			migCurrent: o.migEnabled && m.mig != nil,
 			migPending: o.migEnabled && m.mig != nil,
 			tempC:      m.idleTempC, powerMW: m.idlePowerMW, energyAt: now,
@@ -409,7 +435,7 @@ func (n *Node) DeviceGetHandleByPciBusId(id string) (nvml.Device, nvml.Return) {
 		return nil, nvml.ERROR_INVALID_ARGUMENT
 	}
 	for _, g := range n.gpus {
-		if domain == 0 && bus == g.bus && dev == 0 && fn == 0 {
+		if domain == g.domain && bus == g.bus && dev == 0 && fn == 0 {
 			return n.handleOf(g)
 		}
 	}
@@ -485,10 +511,10 @@ func (n *Node) gpu(i int) (*gpuState, error) {
 }
 
 // pciInfo renders NVML's two bus id forms ("00000000:07:00.0", "0000:07:00.0").
-func pciInfo(bus, deviceID, subsystem uint32) nvml.PciInfo {
-	p := nvml.PciInfo{Bus: bus, PciDeviceId: deviceID, PciSubSystemId: subsystem}
-	copyCString(p.BusId[:], fmt.Sprintf("%08X:%02X:00.0", 0, bus))
-	copyCString(p.BusIdLegacy[:], fmt.Sprintf("%04X:%02X:00.0", 0, bus))
+func pciInfo(domain, bus, deviceID, subsystem uint32) nvml.PciInfo {
+	p := nvml.PciInfo{Domain: domain, Bus: bus, PciDeviceId: deviceID, PciSubSystemId: subsystem}
+	copyCString(p.BusId[:], fmt.Sprintf("%08X:%02X:00.0", domain, bus))
+	copyCString(p.BusIdLegacy[:], fmt.Sprintf("%04X:%02X:00.0", domain, bus))
 	return p
 }
 

@@ -286,6 +286,32 @@ var (
 			migEngines{180, 182784, 148, 16, 1, 0, 1, 1},
 		),
 	}
+	// "GB200 MIG Profiles" (the MIG User Guide's table for the Blackwell GPU
+	// of a GB200 superchip, with the B200's geometry): 1g.23gb, 1g.23gb+me,
+	// 1g.47gb, 2g.47gb, 3g.93gb, 4g.93gb, 7g.186gb. The 1g and 2g rows are
+	// the driver's (nvidia-smi mig -lgip on a GB200 NVL72 tray, posted in
+	// NVIDIA/mig-parted#227): 22.00 GiB with 18 SMs and 2 copy engines for
+	// 1g.23gb, 45.50 GiB for 1g.47gb (32 SMs, 2 copy engines) and 2g.47gb
+	// (38 SMs, 4 copy engines, 2 NVDECs, 2 JPEGs). The 3g, 4g and 7g sizes
+	// (91.50 and 183.50 GiB, following the B200's steps) and SMs (the
+	// B200's) are ours. The total (189471 MiB), PCI ids (0x2941, subsystem
+	// 0x2046) and 1200 W limit are what NVML reports on GB200 trays.
+	gb200 = &model{
+		name: "NVIDIA GB200", memMiB: 189471, ccMajor: 10, ccMinor: 0,
+		arch: nvml.DEVICE_ARCH_BLACKWELL, brand: nvml.BRAND_NVIDIA,
+		pciDeviceID: 0x294110DE, pciSubsystem: 0x204610DE, sms: 148, copyEngines: 16,
+		maxSMMHz: 2062, maxMemMHz: 3996, idleSMMHz: 345, idlePowerMW: 160_000, powerLimitMW: 1_200_000,
+		idleTempC: 30, nvlinks: 18, nvlinkVersion: 5, rowRemap: true,
+		mig: buildMIG(migShapes,
+			migEngines{23, 22528, 18, 2, 1, 0, 1, 0},
+			migEngines{23, 22528, 18, 2, 1, 0, 1, 1},
+			migEngines{47, 46592, 32, 2, 1, 0, 1, 0},
+			migEngines{47, 46592, 38, 4, 2, 0, 2, 0},
+			migEngines{93, 93696, 70, 6, 3, 0, 3, 0},
+			migEngines{93, 93696, 72, 8, 4, 0, 4, 0},
+			migEngines{186, 187904, 148, 16, 7, 0, 7, 1},
+		),
+	}
 	v100 = &model{
 		name: "Tesla V100-SXM2-32GB", memMiB: 32768, ccMajor: 7, ccMinor: 0,
 		arch: nvml.DEVICE_ARCH_VOLTA, brand: nvml.BRAND_TESLA,
@@ -314,12 +340,19 @@ type nodeSpec struct {
 	model      *model
 	// bus holds each GPU's PCI bus number, ascending: NVML indexes GPUs in
 	// PCI bus order.
-	bus        []uint32
+	bus []uint32
+	// domain holds each GPU's PCI domain where they are not all in domain
+	// 0 (nil): ascending with bus, in NVML's order.
+	domain     []uint32
 	numa       func(i int) int
 	level      func(i, j int) nvml.GpuTopologyLevel
 	links      func(n int) [][]linkEnd
 	switchBus  []uint32
 	switchPCIx uint32 // NVSwitch pciDeviceId
+	// fabric: the GPUs are attached to a multi-node NVLink fabric (NVL72
+	// racks): they answer NVML's fabric info, and the node takes a clique
+	// (WithClique).
+	fabric bool
 	// migLayout, when set, starts every GPU with MIG on and these GPU
 	// instance profiles (GPU_INSTANCE_PROFILE_* indices) created, each with
 	// one full compute instance, through the node's own NVML calls.
@@ -450,6 +483,35 @@ var nodeSpecs = withMIGVariant([]*nodeSpec{
 		numa:  func(int) int { return 0 },
 		level: func(int, int) nvml.GpuTopologyLevel { return nvml.TOPOLOGY_INTERNAL },
 		links: noLinks,
+	},
+	{
+		// One compute tray of a GB200 NVL72 rack: two superchips, each a
+		// Grace CPU with two Blackwell GPUs on NVLink-C2C. Each GPU sits in
+		// a PCI domain of its own (0008, 0009 on the first Grace, 0018,
+		// 0019 on the second: lspci of a tray, NVIDIA/mig-parted#227). Its
+		// 18 NVLink 5 lanes all leave the tray, one to each of the 18
+		// NVSwitch chips of the rack's 9 switch trays, so GPUs of a tray
+		// reach each other, and the other 17 trays' GPUs, only through
+		// those switches. The switches are not PCI devices of this host;
+		// the bus numbers the sim gives them are ours, only to tell them
+		// apart. PCIe levels: GPUs on one Grace share its NUMA node, the
+		// others cross the chip-to-chip link (ours, as nvidia-smi topo -m
+		// reports NODE and SYS on Grace systems).
+		name: "gb200-tray", desc: "4x GB200 (Blackwell, 186 GB) of one NVL72 compute tray, 2 Grace CPUs (2 NUMA nodes), 18 NVLink lanes per GPU to the rack's NVSwitches, fabric-attached (clique=N), MIG capable",
+		model:  gb200,
+		domain: []uint32{0x0008, 0x0009, 0x0018, 0x0019},
+		bus:    []uint32{0x01, 0x01, 0x01, 0x01},
+		numa:   func(i int) int { return i / 2 },
+		level: func(i, j int) nvml.GpuTopologyLevel {
+			if i/2 == j/2 {
+				return nvml.TOPOLOGY_NODE
+			}
+			return nvml.TOPOLOGY_SYSTEM
+		},
+		links:      switchLinks([]int{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}),
+		switchBus:  []uint32{0x80, 0x81, 0x82, 0x83, 0x84, 0x85, 0x86, 0x87, 0x88, 0x89, 0x8A, 0x8B, 0x8C, 0x8D, 0x8E, 0x8F, 0x90, 0x91},
+		switchPCIx: 0x2B0010DE,
+		fabric:     true,
 	},
 	{
 		name: "dgx1-v100", desc: "8x Tesla V100-SXM2-32GB, NVLink hybrid cube-mesh, 2 NUMA nodes, no MIG",

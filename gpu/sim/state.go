@@ -111,6 +111,9 @@ type gpuRecord struct {
 	// Processes are left out when there are none, so files written
 	// before processes were kept read the same.
 	Processes []procRecord `json:"processes,omitempty"`
+	// Fabric is the GPU's FabricFault, left out when there is none (and
+	// on profiles that are not fabric-attached).
+	Fabric *fabricRecord `json:"fabric,omitempty"`
 }
 
 // procRecord is a Process.
@@ -281,6 +284,7 @@ func (n *Node) record() stateFile {
 			},
 			RecoveryAction: int32(g.recovery),
 			RemappedRows:   remapRecord{g.remapCorr, g.remapUnc, g.remapPending, g.remapFailure},
+			Fabric:         g.fabric.record(),
 		}
 		for _, gi := range g.gis {
 			gr := giRecord{
@@ -381,7 +385,17 @@ func (n *Node) loadGPU(g *gpuState, rec gpuRecord) error {
 		return fmt.Errorf("negative remapped_rows %d/%d", rec.RemappedRows.Corrected, rec.RemappedRows.Uncorrected)
 	case !m.rowRemap && rec.RemappedRows != (remapRecord{}):
 		return fmt.Errorf("remapped_rows set, but the %s does not remap rows", m.name)
+	case rec.Fabric != nil && !n.spec.fabric:
+		return fmt.Errorf("fabric set, but profile %s is not attached to an NVLink fabric", n.spec.name)
 	}
+	fabric, err := rec.Fabric.fault()
+	if err != nil {
+		return fmt.Errorf("fabric: %w", err)
+	}
+	if err := fabric.validate(); err != nil {
+		return fmt.Errorf("fabric: %w", err)
+	}
+	g.fabric = fabric
 	g.lost, g.migCurrent, g.migPending = rec.Lost, rec.MIGCurrent, rec.MIGPending
 	e := &g.ecc
 	e[nvml.MEMORY_ERROR_TYPE_CORRECTED][nvml.VOLATILE_ECC] = rec.ECC.CorrectedVolatile
