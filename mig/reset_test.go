@@ -26,9 +26,11 @@ func TestResetterProcesses(t *testing.T) {
 	if len(g.Instances) != 2 {
 		t.Fatalf("instances %v, want 2", layout(g))
 	}
-	in := g.Instances[1]
+	// With MIG on, CUDA processes run in MIG devices only: the GPU's handle
+	// lists them all, each MIG device's handle its own.
+	other, in := g.Instances[0], g.Instances[1]
 	if err := r.node.SetProcesses(0, []nvml.ProcessInfo{
-		{Pid: 100, GpuInstanceId: sim.NoInstance, ComputeInstanceId: sim.NoInstance},
+		{Pid: 100, GpuInstanceId: uint32(other.GI), ComputeInstanceId: uint32(other.CI)},
 		{Pid: 200, GpuInstanceId: uint32(in.GI), ComputeInstanceId: uint32(in.CI)},
 	}); err != nil {
 		t.Fatal(err)
