@@ -21,6 +21,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
@@ -139,7 +140,7 @@ type Options struct {
 	// Ledger is the node's record of who has each device (nil: a new one,
 	// with its allocation log in StateDir). The device plugin's Allocate
 	// and the MIG applier must pass through the same ledger (see Ledger).
-	Ledger *Ledger
+	Ledger *ledger.Ledger
 	// ForgetGoneAfter is how long a GPU NVML no longer enumerates is still
 	// offered, unhealthy, before it is forgotten (0: never). A GPU swapped
 	// for another is never enumerated again; one a container or claim
@@ -261,7 +262,7 @@ type Agent struct {
 	scorer scorerCache
 
 	// ledger is shared with the device plugin's Allocate (see Ledger).
-	ledger *Ledger
+	ledger *ledger.Ledger
 
 	// mpsSet are the MPS daemons last handed to Options.MPS; mpsPending the
 	// daemons DRA claims asked for that are not up yet, by device UUID
@@ -295,7 +296,7 @@ func New(opts Options) *Agent {
 		var err error
 		// Usable whatever the error: a log it could not open refuses
 		// Allocate until it opens, keeping what it read.
-		if a.ledger, err = NewLedger(opts.StateDir, opts.Now, opts.Logger); err != nil {
+		if a.ledger, err = ledger.New(ledger.Options{StateDir: opts.StateDir, Now: opts.Now, Logger: opts.Logger}); err != nil {
 			a.log.Error("allocation log", "error", err)
 		}
 	}
@@ -309,7 +310,7 @@ func New(opts Options) *Agent {
 	a.restore(opts.Restored)
 	if opts.CDI != nil {
 		// A claim unprepared while no agent ran leaves its spec behind.
-		removed, err := opts.CDI.RemoveStaleClaims(func(uid string) bool { return hasKey(a.ledger.claims, types.UID(uid)) })
+		removed, err := opts.CDI.RemoveStaleClaims(func(uid string) bool { return a.ledger.HasClaim(types.UID(uid)) })
 		if err != nil {
 			a.log.Warn("stale CDI claim specs not all removed", "error", err)
 		}
@@ -333,7 +334,7 @@ func New(opts Options) *Agent {
 
 // Ledger is the agent's record of who has each device; the device
 // plugin's Allocate goes through it (Ledger.Allocate).
-func (a *Agent) Ledger() *Ledger { return a.ledger }
+func (a *Agent) Ledger() *ledger.Ledger { return a.ledger }
 
 // Inbox is where producers post events for this agent.
 func (a *Agent) Inbox() *Inbox { return a.inbox }

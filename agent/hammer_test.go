@@ -27,6 +27,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/plugin"
 )
@@ -182,16 +183,16 @@ func TestAllocateHammer(t *testing.T) {
 
 	clock := &safeClock{now: time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)}
 	k := &kubeletModel{held: map[string]string{}, since: map[string]int{}, ended: map[string]int{}}
-	ledger, err := NewLedger(filepath.Join(dir, "state"), clock.Now, nil)
+	held, err := ledger.New(ledger.Options{StateDir: filepath.Join(dir, "state"), Now: clock.Now})
 	if err != nil {
 		os.MkdirAll(filepath.Join(dir, "state"), 0o755)
-		if ledger, err = NewLedger(filepath.Join(dir, "state"), clock.Now, nil); err != nil {
+		if held, err = ledger.New(ledger.Options{StateDir: filepath.Join(dir, "state"), Now: clock.Now}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	inbox := NewInbox()
 	mgr, err := plugin.NewManager(plugin.Options{Dir: pluginDir, RetryBackoff: 10 * time.Millisecond,
-		Admit:      ledger.Admit,
+		Admit:      Admit(held),
 		OnAllocate: func(res string, ids []string) { inbox.Post(Allocated{Resource: res, IDs: ids}) }})
 	if err != nil {
 		t.Fatal(err)
@@ -199,7 +200,7 @@ func TestAllocateHammer(t *testing.T) {
 	ap := &checkingApplier{next: mig.NewApplier(node, filepath.Join(dir, "state"), nil), node: node, k: k}
 	pub := turns{Publisher: mgr, ch: make(chan struct{}, 1)}
 	a := New(Options{Observer: mig.NewObserver(node, gpu.Options{}), NodeName: "n", WaitForConfig: true,
-		Inbox: inbox, Publisher: pub, Holdings: k, MIG: ap, Ledger: ledger, StateDir: filepath.Join(dir, "state"),
+		Inbox: inbox, Publisher: pub, Holdings: k, MIG: ap, Ledger: held, StateDir: filepath.Join(dir, "state"),
 		Now: clock.Now, ResyncInterval: time.Hour, Logger: slog.New(slog.DiscardHandler)})
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup

@@ -63,7 +63,7 @@ func (a *Agent) observe(why string) {
 	for _, uuid := range slices.Sorted(maps.Keys(a.failed)) {
 		gpus = append(gpus, a.failed[uuid].GPU)
 	}
-	a.ledger.setInventory(gpus)
+	a.ledger.SetInventory(gpus)
 	a.readProfiles()
 	if a.opts.Health != nil {
 		a.opts.Health.SetInventory(a.inv)
@@ -282,7 +282,7 @@ func (a *Agent) forgetGone(failed map[string]FailedGPU) {
 		if at.IsZero() || now.Before(at) {
 			continue
 		}
-		if by := a.ledger.holder(uuid, ""); by != "" {
+		if by := a.ledger.Holder(uuid, ""); by != "" {
 			continue // forgotten once released
 		}
 		delete(failed, uuid)

@@ -10,14 +10,13 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 // recentSettle is how long after an Allocate the kubelet's pod-resources
-// answer is trusted to list it. The kubelet records a container's devices
-// as it admits the pod, right after Allocate returns; the margin covers a
-// slow admission.
-const recentSettle = 5 * time.Second
+// answer is trusted to list it (the ledger's rule).
+const recentSettle = ledger.SettleAfter
 
 // refreshRetry is the least time between two pod-resources requests after one
 // failed, so a hung kubelet socket (each request waits out its timeout)
@@ -82,11 +81,11 @@ func (a *Agent) Step(batch []Event) {
 		case HoldingsChanged:
 			// The background refresh answers every few seconds, mostly
 			// the same: only news is planned from.
-			news := !e.Attribution.Same(a.ledger.holders)
+			news := !e.Attribution.Same(a.ledger.Holders())
 			if !e.Answered.IsZero() {
-				news = a.ledger.settle(e.Attribution, e.Answered) > 0 || news
+				news = a.ledger.Settle(e.Attribution, e.Answered) > 0 || news
 			} else {
-				a.ledger.setHolders(e.Attribution)
+				a.ledger.SetHolders(e.Attribution)
 			}
 			plan = plan || news
 		case HoldingsAnswer:
@@ -102,7 +101,7 @@ func (a *Agent) Step(batch []Event) {
 	reason := strings.Join(slices.Compact(why), "+")
 	if observe && a.file != nil {
 		a.observe(reason)
-		if len(a.ledger.releases) > 0 {
+		if len(a.ledger.Releases()) > 0 {
 			// On GPUs just read, before anything is planned from them.
 			a.retryReleases()
 		}
@@ -125,7 +124,7 @@ func (a *Agent) Step(batch []Event) {
 		// Nothing the checkpoint holds changes otherwise (an allocation
 		// alone is in the allocation log already). An allocation log
 		// that could not be opened is tried again as often.
-		a.ledger.retryLog()
+		a.ledger.RetryLog()
 		a.checkpoint()
 	}
 	a.publishStatus()
@@ -280,15 +279,16 @@ func (a *Agent) snapshot() Snapshot {
 		mpsIn.Healthy = a.opts.MPS.Healthy
 	}
 	l := a.ledger
-	claimed := claimedUUIDs(l.claims)
+	claims, intents, releases := l.Claims(), l.Intents(), l.Releases()
+	claimed := claimedUUIDs(claims)
 	return Snapshot{
 		Inventory: a.inv, Failed: a.failed,
 		Profiles: a.profiles, ProfileErrs: a.profileErrs,
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
-		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.allocations(),
-			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed),
-			Unsettled: unsettled(l.intents, l.releases)},
+		Holdings: Holdings{Attribution: l.Holders(), Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.Allocations(),
+			Claimed: claimed, Claims: claims, Releasing: releasingUUIDs(releases, intents, a.inv, claimed),
+			Unsettled: unsettled(intents, releases)},
 		DRA:       a.opts.DRA != nil,
 		ClaimMPS:  a.claimDaemons(),
 		Cordoned:  a.cordoned,
@@ -313,7 +313,7 @@ func (a *Agent) pass(why string) {
 	for _, gm := range d.MIG {
 		a.laid[gm.GPU] = true
 	}
-	if d.NeedFreshHoldings || a.ledger.settleable(start) {
+	if d.NeedFreshHoldings || a.ledger.Settleable(start) {
 		// An allocation the kubelet had time to list holds its device
 		// (and the device's GPU: no MIG mode change) until an answer
 		// accounts for it; the background refresh tells only changes,
@@ -326,7 +326,7 @@ func (a *Agent) pass(why string) {
 	}
 	// The devices the plans destroyed are gone from this read, those they
 	// did not destroy are free again: the catalog planned now says which.
-	a.ledger.undoomAll()
+	a.ledger.UndoomAll()
 	if changed {
 		d = a.plan()
 	}
@@ -449,7 +449,7 @@ func (a *Agent) holdingsAnswer(e HoldingsAnswer) bool {
 	if a.holdErr.clear() {
 		a.log.Info("pod-resources answers again")
 	}
-	a.ledger.settle(e.Attribution, e.Asked)
+	a.ledger.Settle(e.Attribution, e.Asked)
 	return true
 }
 
@@ -563,7 +563,7 @@ func (a *Agent) doom(plans []GPUMIG) map[int]string {
 			refused[gm.GPU] = "destroying waits: " + err.Error()
 		}
 	}
-	if doomed := a.ledger.doomedNow(); len(doomed) > 0 && a.cat != nil {
+	if doomed := a.ledger.Doomed(); len(doomed) > 0 && a.cat != nil {
 		a.publish(a.withdraw(a.cat, doomed), "MIG layout: withdrawing the devices it destroys before the first destroy")
 	}
 	return refused
@@ -577,7 +577,7 @@ func (a *Agent) withdraw(cat *catalog.Catalog, doomed map[string]string) *catalo
 		var devs []catalog.Device
 		for i, d := range r.Devices {
 			for _, u := range slices.Sorted(maps.Keys(doomed)) {
-				if !a.ledger.overlaps(d.Spec.VisibleID, u) {
+				if !a.ledger.Overlaps(d.Spec.VisibleID, u) {
 					continue
 				}
 				if devs == nil {

@@ -24,6 +24,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
@@ -195,15 +196,15 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 
 	// The ledger: Allocate, DRA Prepare and the MIG applier all pass
 	// through it, so no device is handed out and destroyed at once.
-	ledger, err := agent.NewLedger(f.stateDir, nil, log.With("component", "ledger"))
+	held, err := ledger.New(ledger.Options{StateDir: f.stateDir, Logger: log.With("component", "ledger")})
 	if err != nil {
 		log.Error("allocation log", "error", err)
 	}
-	defer ledger.Close()
+	defer held.Close()
 
 	mgr, err := plugin.NewManager(plugin.Options{
 		Dir: f.pluginDir, Logger: log.With("component", "plugin"),
-		Admit: ledger.Admit,
+		Admit: agent.Admit(held),
 		OnAllocate: func(resource string, ids []string) {
 			if f.dra {
 				// The device leaves the DRA pool at once; without DRA
@@ -332,7 +333,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		StateDir:           f.stateDir,
 		Restored:           restored,
 		BootID:             be.BootID(),
-		Ledger:             ledger,
+		Ledger:             held,
 		ResyncInterval:     f.resync,
 		ForgetGoneAfter:    f.forgetGone,
 		Logger:             log.With("component", "agent"),
