@@ -52,9 +52,11 @@ type HoldingsSource interface {
 	Refresh(ctx context.Context) (*health.Attribution, error)
 }
 
-// MIGApplier executes MIG plans (mig.Applier).
+// MIGApplier executes MIG plans (mig.Applier), asking g (the agent's
+// ledger) before each step that destroys a MIG device or changes a GPU's
+// MIG mode.
 type MIGApplier interface {
-	Apply(ctx context.Context, p mig.Plan) (mig.State, error)
+	Apply(ctx context.Context, p mig.Plan, g mig.Guard) (mig.State, error)
 }
 
 // MPSControl runs the MPS control daemons the loop asks for: mps.Supervisor
@@ -302,10 +304,6 @@ func New(opts Options) *Agent {
 	}
 	if opts.Registerer != nil {
 		opts.Registerer.MustRegister(newStateFailures(&a.metrics.ckptFailures, a.ledger))
-	}
-	if g, ok := opts.MIG.(interface{ SetGuard(mig.Guard) }); ok {
-		// Every MIG change checks the ledger before it destroys a device.
-		g.SetGuard(a.ledger)
 	}
 	a.restore(opts.Restored)
 	if opts.CDI != nil {

@@ -28,7 +28,7 @@ func (a *Agent) applyAndRead(plan mig.Plan, why string) error {
 	plan.Exact = true
 	a.touchMIG(plan.UUID)
 	a.ledger.SettlingClaims(true)
-	st, err := a.opts.MIG.Apply(a.ctx, plan)
+	st, err := a.opts.MIG.Apply(a.ctx, plan, a.ledger)
 	a.ledger.SettlingClaims(false)
 	if err == nil && st.Phase != mig.PhaseApplied {
 		err = fmt.Errorf("%s: %s", st.Phase, st.Reason)

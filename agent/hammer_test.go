@@ -91,16 +91,14 @@ func (p turns) Update(c *catalog.Catalog) {
 	}
 }
 
-func (c *checkingApplier) SetGuard(g mig.Guard) { c.next.SetGuard(g) }
-
-func (c *checkingApplier) Apply(ctx context.Context, p mig.Plan) (mig.State, error) {
+func (c *checkingApplier) Apply(ctx context.Context, p mig.Plan, g mig.Guard) (mig.State, error) {
 	before := c.devices(p.GPU)
 	c.k.mu.Lock()
 	c.k.epoch++
 	start := c.k.epoch
 	heldAtStart := maps.Clone(c.k.held)
 	c.k.mu.Unlock()
-	st, err := c.next.Apply(ctx, p)
+	st, err := c.next.Apply(ctx, p, g)
 	after := c.devices(p.GPU)
 	c.k.mu.Lock()
 	defer c.k.mu.Unlock()

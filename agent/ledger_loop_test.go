@@ -36,8 +36,8 @@ type allocatingApplier struct {
 	calls    int
 }
 
-func (ap *allocatingApplier) Apply(ctx context.Context, p mig.Plan) (mig.State, error) {
-	st, err := ap.next.Apply(ctx, p)
+func (ap *allocatingApplier) Apply(ctx context.Context, p mig.Plan, g mig.Guard) (mig.State, error) {
+	st, err := ap.next.Apply(ctx, p, g)
 	ap.calls++
 	res := ap.h.pub.last().Resources[ap.resource]
 	if res == nil {
@@ -56,8 +56,6 @@ func (ap *allocatingApplier) Apply(ctx context.Context, p mig.Plan) (mig.State, 
 	}
 	return st, err
 }
-
-func (ap *allocatingApplier) SetGuard(g mig.Guard) { ap.next.SetGuard(g) }
 
 // Issue 23, defect 1: a MIG device Allocate handed out while a repartition
 // ran over the GPUs was destroyed moments later (the old catalog offered

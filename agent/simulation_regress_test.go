@@ -199,14 +199,12 @@ type releaseAllocator struct {
 	allowed []string // what Allocate handed out
 }
 
-func (ap *releaseAllocator) Apply(ctx context.Context, p mig.Plan) (mig.State, error) {
+func (ap *releaseAllocator) Apply(ctx context.Context, p mig.Plan, g mig.Guard) (mig.State, error) {
 	if slices.ContainsFunc(p.Steps, func(s mig.Step) bool { return s.Op == mig.OpDestroy }) && ap.l.Allocate([]string{ap.gpu}) == nil {
 		ap.allowed = append(ap.allowed, ap.gpu)
 	}
-	return ap.next.Apply(ctx, p)
+	return ap.next.Apply(ctx, p, g)
 }
-
-func (ap *releaseAllocator) SetGuard(g mig.Guard) { ap.next.SetGuard(g) }
 
 // Simulation, seed 166 (dgx-h100): a claim whose first device, a MIG
 // device made on demand on idle GPU 3, is made and whose second fails is

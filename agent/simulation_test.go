@@ -2023,18 +2023,15 @@ type watchingApplier struct {
 	next *mig.Applier
 }
 
-// SetGuard implements the agent's hook for mig.Applier.SetGuard.
-func (w *watchingApplier) SetGuard(g mig.Guard) { w.next.SetGuard(g) }
-
 // Apply implements MIGApplier.
-func (w *watchingApplier) Apply(ctx context.Context, p mig.Plan) (mig.State, error) {
+func (w *watchingApplier) Apply(ctx context.Context, p mig.Plan, g mig.Guard) (mig.State, error) {
 	if len(p.Steps) > 0 && w.s.rng.IntN(4) == 0 {
 		w.s.meanwhile()
 	}
 	before := w.s.truth()
 	// Deferred: a simulated crash mid-plan unwinds through here.
 	defer func() { w.s.applied(p, before, w.s.truth()) }()
-	return w.next.Apply(ctx, p)
+	return w.next.Apply(ctx, p, g)
 }
 
 // applied compares the GPUs before and after one apply.

@@ -486,7 +486,7 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 			if len(gm.Plan.Steps) > 0 {
 				a.touchMIG(gm.UUID)
 			}
-			s, err := a.opts.MIG.Apply(a.ctx, gm.Plan)
+			s, err := a.opts.MIG.Apply(a.ctx, gm.Plan, a.ledger)
 			if err != nil {
 				errs = append(errs, layoutOf.MIGError(gm.Plan.Want.Entry, "", err))
 			}
