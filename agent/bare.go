@@ -106,8 +106,8 @@ func (a *Agent) destroyBare(g gpu.GPU, bare []gpu.GPUInstance) error {
 // claimedAt names the claim whose MIG device (prepared, being made, or to
 // be destroyed) is recorded at a placement overlapping pl on GPU uuid (""
 // when none).
-func (a *Agent) claimedAt(uuid string, pl gpu.Placement) string {
-	return a.ledger.ClaimedAt(uuid, pl)
+func (h *holdState) claimedAt(uuid string, pl gpu.Placement) string {
+	return h.ledger.ClaimedAt(uuid, pl)
 }
 
 // bareKey names a GPU instance without a compute instance across reads.

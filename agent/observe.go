@@ -301,15 +301,6 @@ func unsure(g gpu.GPU) bool {
 	return g.Unknown(gpu.FactMIGMode, gpu.FactInstances, gpu.FactGIsWithoutCI, gpu.FactComputeCapability, gpu.FactBrand)
 }
 
-// read reports whether GPU uuid's record comes from the last read, which
-// succeeded: only such a record may say that a MIG device is gone.
-func (a *Agent) read(uuid string) bool { return a.readNow[uuid] }
-
-func (a *Agent) isFailed(uuid string) bool {
-	_, ok := a.failed[uuid]
-	return ok
-}
-
 // errorFor finds the inventory error that names g, by UUID or else index.
 func errorFor(inv *gpu.Inventory, g gpu.GPU) (gpu.DeviceError, bool) {
 	for _, e := range inv.Errors {

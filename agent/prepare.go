@@ -100,8 +100,8 @@ func (a *Agent) notOnNode(uid types.UID, pc PreparedClaim) string {
 
 // failedHas reports whether uuid is a GPU that cannot be read now, or one
 // of the MIG devices it had.
-func (a *Agent) failedHas(uuid string) bool {
-	for _, f := range a.failed {
+func (n *nodeState) failedHas(uuid string) bool {
+	for _, f := range n.failed {
 		if f.GPU.HasDevice(uuid) {
 			return true
 		}
@@ -246,11 +246,11 @@ func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, po
 // adminDevice is what a claim with admin access to d gets: d itself, or
 // for an on-demand MIG device the instance a claim made at its placement
 // (admin access makes none).
-func (a *Agent) adminDevice(d dra.Device) (PreparedClaimDevice, error) {
+func (n *nodeState) adminDevice(d dra.Device) (PreparedClaimDevice, error) {
 	if !d.Partition {
 		return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{d.CDIDevice()}}, UUID: d.UUID, AdminAccess: true}, nil
 	}
-	if g, ok := a.inv.GPUByUUID(d.ParentUUID); ok {
+	if g, ok := n.inv.GPUByUUID(d.ParentUUID); ok {
 		if m, ok := instanceAt(g, d.Profile, d.Placement); ok {
 			return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}}, UUID: m.UUID, AdminAccess: true}, nil
 		}
@@ -264,11 +264,11 @@ func (a *Agent) adminDevice(d dra.Device) (PreparedClaimDevice, error) {
 // the device's capacity: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is its shares'
 // part of the threads, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT the memory it
 // consumes (by default an equal part).
-func (a *Agent) mpsClient(d dra.Device, r dra.Allocated) (map[string]string, []catalog.Mount, error) {
+func (p *publishedState) mpsClient(d dra.Device, r dra.Allocated) (map[string]string, []catalog.Mount, error) {
 	var spec *catalog.AllocateSpec
-	if a.cat != nil {
+	if p.cat != nil {
 	find:
-		for _, res := range a.cat.Resources {
+		for _, res := range p.cat.Resources {
 			for i := range res.Devices {
 				dev := &res.Devices[i]
 				if dev.Replica && dev.Spec.VisibleID == d.UUID && dev.Spec.Env[mpsPipeEnv] != "" {

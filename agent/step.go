@@ -152,14 +152,14 @@ func (a *Agent) configFrom(e ConfigChanged) (config.Update, bool) {
 	return u, src != beforeSrc || !sameUpdate(before, u)
 }
 
-func (a *Agent) inForce() (config.Update, ConfigSource) {
-	if u, ok := a.sources[SourceAPI]; ok && u.Err == nil {
+func (c *configState) inForce() (config.Update, ConfigSource) {
+	if u, ok := c.sources[SourceAPI]; ok && u.Err == nil {
 		return u, SourceAPI
 	}
-	if u, ok := a.sources[SourceFile]; ok {
+	if u, ok := c.sources[SourceFile]; ok {
 		return u, SourceFile
 	}
-	if u, ok := a.sources[SourceAPI]; ok {
+	if u, ok := c.sources[SourceAPI]; ok {
 		return u, SourceAPI // only the API, and it fails: say why
 	}
 	return config.Update{}, ""
@@ -571,13 +571,13 @@ func (a *Agent) doom(plans []GPUMIG) map[int]string {
 
 // withdraw is cat with every device that overlaps a doomed one unhealthy,
 // saying why (cat itself is immutable: it may be served right now).
-func (a *Agent) withdraw(cat *catalog.Catalog, doomed map[string]string) *catalog.Catalog {
+func (h *holdState) withdraw(cat *catalog.Catalog, doomed map[string]string) *catalog.Catalog {
 	out := &catalog.Catalog{Resources: make(map[string]*catalog.Resource, len(cat.Resources))}
 	for name, r := range cat.Resources {
 		var devs []catalog.Device
 		for i, d := range r.Devices {
 			for _, u := range slices.Sorted(maps.Keys(doomed)) {
-				if !a.ledger.Overlaps(d.Spec.VisibleID, u) {
+				if !h.ledger.Overlaps(d.Spec.VisibleID, u) {
 					continue
 				}
 				if devs == nil {
@@ -620,8 +620,8 @@ func resourceSummary(c *catalog.Catalog) map[string]int {
 }
 
 // migStatus lists the GPUs' MIG states in GPU order.
-func (a *Agent) migStatus() []MIGState {
-	out := slices.Collect(maps.Values(a.migStates))
+func (p *publishedState) migStatus() []MIGState {
+	out := slices.Collect(maps.Values(p.migStates))
 	slices.SortFunc(out, func(x, y MIGState) int { return x.GPU - y.GPU })
 	return out
 }
