@@ -18,6 +18,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
@@ -25,6 +26,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Observer reads the GPUs: the inventory and each model's MIG profiles
@@ -47,9 +49,9 @@ type HealthControl interface {
 }
 
 // HoldingsSource asks the kubelet's pod-resources API now
-// (health.PodResources).
+// (podresources.Client).
 type HoldingsSource interface {
-	Refresh(ctx context.Context) (*health.Attribution, error)
+	Refresh(ctx context.Context) (*podresources.Attribution, error)
 }
 
 // MIGApplier executes MIG plans (mig.Applier), asking g (the agent's
@@ -110,6 +112,14 @@ type Options struct {
 	// MIG repartitions GPUs to the config's MIG layout (nil: layouts are
 	// not applied; existing instances are served).
 	MIG MIGApplier
+	// ForeignPlugins lists the resources another device plugin serves on
+	// this kubelet, each with its socket (nil: none is looked for); the
+	// agent does not offer those (plugin.ForeignSockets).
+	ForeignPlugins func() map[string]string
+	// Reset resets a GPU whose MIG mode change waits for a reset, under
+	// the config's mig.resetPolicy (nil: none is reset; the GPU stays
+	// reset-required).
+	Reset GPUResetter
 	// MPS runs the MPS control daemons (nil: MPS sharing is refused).
 	MPS MPSControl
 	// Cluster publishes labels and Events (nil: standalone, no API).
@@ -235,6 +245,8 @@ type nodeState struct {
 	profiles    map[string]mig.Profiles
 	profileErrs map[string]error
 	health      *health.State
+	// conflicts: NVIDIA's components seen acting on this node.
+	conflicts Conflicts
 }
 
 // read reports whether GPU uuid's record comes from the last read, which
@@ -270,7 +282,7 @@ type holdState struct {
 // handed over, the checkpoint written, and what /status shows of them.
 type publishedState struct {
 	cat     *catalog.Catalog
-	draPool *dra.Pool
+	draPool *devicemodel.Pool
 	// claimStatus is what was last handed to opts.ClaimStatus.
 	claimStatus map[types.UID]dra.ClaimStatus
 	migStates   map[int]MIGState

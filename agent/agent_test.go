@@ -10,6 +10,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
 )
@@ -21,19 +22,6 @@ func topologyPolicy(t *testing.T, name string) topology.Policy {
 		t.Fatal(err)
 	}
 	return p
-}
-
-// waitFor polls cond until it holds: the thing waited for is the event
-// itself; the deadline only bounds a failure.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not seen in 20s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // The whole loop running: Run, a real health watcher posting to the inbox,
@@ -73,11 +61,11 @@ func TestRunHealthMarksAndRecovers(t *testing.T) {
 		}
 		return "", false, ""
 	}
-	waitFor(t, "first catalog", func() bool { id, _, _ := gpuOf(1); return id != "" })
-	waitFor(t, "events registered", func() bool { return len(w.Watched()) == 8 })
+	testwait.For(t, "first catalog", func() bool { id, _, _ := gpuOf(1); return id != "" })
+	testwait.For(t, "events registered", func() bool { return len(w.Watched()) == 8 })
 	node.InjectXID(0, 13) // application class: ignored by default
 	node.InjectXID(1, 48)
-	waitFor(t, "GPU 1 unhealthy", func() bool { _, ok, _ := gpuOf(1); return !ok })
+	testwait.For(t, "GPU 1 unhealthy", func() bool { _, ok, _ := gpuOf(1); return !ok })
 	// The XID's own cause, or the double-bit ECC count it left (whichever
 	// the watcher saw first: its start-up scan may read the count before
 	// the event arrives).
@@ -90,5 +78,5 @@ func TestRunHealthMarksAndRecovers(t *testing.T) {
 		}
 	}
 	node.Reset(1)
-	waitFor(t, "GPU 1 healthy after its reset", func() bool { _, ok, _ := gpuOf(1); return ok })
+	testwait.For(t, "GPU 1 healthy after its reset", func() bool { _, ok, _ := gpuOf(1); return ok })
 }

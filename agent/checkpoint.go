@@ -18,25 +18,25 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/ledger"
+	"github.com/gpu-agent/gpu-agent/stateformat"
 )
 
 // CheckpointFile is the checkpoint's name in --state-dir.
 const CheckpointFile = "checkpoint.json"
 
-// CheckpointVersion is the format written. A file of another version is set
-// aside, not trusted: guessing at fields that changed meaning could mark
+// CheckpointVersion is the major version of the format written
+// (checkpointFormat). A file of a major version this build does not read
+// is not trusted: guessing at fields that changed meaning could mark
 // healthy GPUs unhealthy or, worse, forget a held device.
 const CheckpointVersion = 4
 
-// The formats before: version 1 had no DRA claims; version 2 kept the
-// device plugin's allocations here (now in the allocation log) and intents
-// among the releases; version 3 had no cordon and no GPUs touched by MIG
-// plans. All read as version 4.
-const (
-	checkpointV1 = 1
-	checkpointV2 = 2
-	checkpointV3 = 3
-)
+// checkpointFormat is the checkpoint's format: "version" the major, "minor"
+// the minor (absent: 0). The majors before: 1 had no DRA claims; 2 kept
+// the device plugin's allocations here (now in the allocation log) and
+// intents among the releases; 3 had no cordon and no GPUs touched by MIG
+// plans. All read as version 4. A newer 4.x is read without the fields it
+// added; a newer major is refused, and left in place.
+var checkpointFormat = stateformat.Format{Reads: []stateformat.Version{{Major: 1}, {Major: 2}, {Major: 3}, {Major: CheckpointVersion, Minor: 0}}}
 
 // maxCheckpointBytes bounds what is read back: the checkpoint holds a few
 // records per GPU and device, so anything larger is not ours.
@@ -50,7 +50,9 @@ const maxCheckpointBytes = 8 << 20
 // allocations are in the allocation log (AllocLogFile), written before
 // Allocate answers.
 type Checkpoint struct {
+	// Version and Minor are the format's version (checkpointFormat).
 	Version int       `json:"version"`
+	Minor   int       `json:"minor,omitempty"`
 	Node    string    `json:"node,omitempty"`
 	Written time.Time `json:"written"`
 	GPUs    []gpu.GPU `json:"gpus,omitempty"`
@@ -85,9 +87,11 @@ type Checkpoint struct {
 }
 
 // LoadCheckpoint reads dir's checkpoint. A missing file is (nil, nil). An
-// unreadable, torn or foreign one is renamed aside (so the next start does
-// not trip over it again, and a person can look at it) and reported as an
-// error; the agent then starts from what NVML shows.
+// unreadable, torn or foreign one is set aside (atomicfile.SetAside) and
+// reported as an error; the agent then starts from what NVML shows. One of
+// a newer major format is left where it is, for the newer agent that wrote
+// it, and the error wraps a *stateformat.NewerError: the agent refuses to
+// start on it rather than forget what it records.
 func LoadCheckpoint(dir string) (*Checkpoint, error) {
 	path := filepath.Join(dir, CheckpointFile)
 	// Only a regular file is read: a FIFO would block the start forever
@@ -100,30 +104,24 @@ func LoadCheckpoint(dir string) (*Checkpoint, error) {
 	if err == nil {
 		cp, err = DecodeCheckpoint(b)
 	}
-	if err != nil {
-		aside := path + ".unreadable"
-		if rerr := os.Rename(path, aside); rerr != nil {
-			return nil, fmt.Errorf("checkpoint %s: %w (and setting it aside: %w)", path, err, rerr)
-		}
-		return nil, fmt.Errorf("checkpoint %s: %w; set aside as %s", path, err, aside)
+	var newer *stateformat.NewerError
+	switch {
+	case errors.As(err, &newer):
+		return nil, fmt.Errorf("checkpoint %s: %w; left as it is for the agent that wrote it (roll forward to it, or remove the file to start without the claims and health causes it records)", path, err)
+	case err != nil:
+		_, err := atomicfile.SetAside(path, err)
+		return nil, fmt.Errorf("checkpoint %w", err)
 	}
 	return cp, nil
 }
 
-// DecodeCheckpoint reads a checkpoint's bytes strictly: one JSON object of
-// a version this agent reads, with no field it does not know.
+// DecodeCheckpoint reads a checkpoint's bytes: one JSON object of a
+// version this agent reads, strictly (no field it does not know) but for a
+// newer minor version, whose added fields it skips.
 func DecodeCheckpoint(b []byte) (*Checkpoint, error) {
 	var cp Checkpoint
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&cp); err != nil {
+	if _, err := checkpointFormat.Decode(b, &cp); err != nil {
 		return nil, err
-	}
-	if dec.More() {
-		return nil, errors.New("data after the JSON object")
-	}
-	if !slices.Contains([]int{CheckpointVersion, checkpointV3, checkpointV2, checkpointV1}, cp.Version) {
-		return nil, fmt.Errorf("version %d, this agent reads version %d", cp.Version, CheckpointVersion)
 	}
 	return &cp, nil
 }
@@ -179,7 +177,7 @@ func (a *Agent) checkpoint() error {
 		return nil
 	}
 	held := a.ledger.Snapshot()
-	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Claims: held.Claims,
+	cp := Checkpoint{Version: CheckpointVersion, Minor: checkpointFormat.Current().Minor, Node: a.opts.NodeName, Claims: held.Claims,
 		Releasing: held.Releasing, Intents: held.Intents, DynamicMIG: held.DynamicMIG,
 		Cordon: a.cordoned, MIGTouched: slices.Sorted(maps.Keys(a.migTouched))}
 	if a.inv != nil {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/mps"
 )
 
@@ -41,31 +42,31 @@ type TimeSlicer interface {
 type claimSharing struct {
 	// field names the config, for errors.
 	field   string
-	sharing dra.Sharing
+	sharing devicemodel.Sharing
 	// pinned is the MPS pinned memory limit of this device (0: none).
 	pinned int64
 }
 
-func (cs *claimSharing) is(s dra.Strategy) bool { return cs != nil && cs.sharing.Strategy == s }
+func (cs *claimSharing) is(s devicemodel.Strategy) bool { return cs != nil && cs.sharing.Strategy == s }
 
 // claimSharings resolves the config of each of c's allocation results
 // (index-aligned with c.Devices; nil where none asks for sharing). Admin
 // access sees a device as it is: no config applies to it. An MPS config's
 // per-device limits name devices by their position among the results it
 // applies to, or by UUID.
-func claimSharings(c dra.Claim, pool *dra.Pool) ([]*claimSharing, error) {
+func claimSharings(c dra.Claim, pool *devicemodel.Pool) ([]*claimSharing, error) {
 	out := make([]*claimSharing, len(c.Devices))
 	if len(c.Configs) == 0 {
 		return out, nil
 	}
-	applies := map[*dra.DeviceConfig][]int{}
-	var order []*dra.DeviceConfig
+	applies := map[*devicemodel.DeviceConfig][]int{}
+	var order []*devicemodel.DeviceConfig
 	for i, r := range c.Devices {
 		d, ok := pool.Device(r.Device)
 		if !ok || r.AdminAccess {
 			continue // an unknown device fails on its own
 		}
-		cfg, err := dra.ConfigFor(c.Configs, r.Request, d.Type)
+		cfg, err := devicemodel.ConfigFor(c.Configs, r.Request, d.Type)
 		if err != nil {
 			return nil, fmt.Errorf("request %q: %w", r.Request, err)
 		}
@@ -107,13 +108,13 @@ func claimSharings(c dra.Claim, pool *dra.Pool) ([]*claimSharing, error) {
 
 // checkSharing refuses what cs asks of pool device d that the node cannot
 // give, before anything is made for the claim.
-func (a *Agent) checkSharing(d dra.Device, cs *claimSharing, uid types.UID) error {
+func (a *Agent) checkSharing(d devicemodel.Device, cs *claimSharing, uid types.UID) error {
 	if cs == nil {
 		return nil
 	}
 	at := cs.field + ": sharing.strategy " + string(cs.sharing.Strategy)
 	switch cs.sharing.Strategy {
-	case dra.StrategyMPS:
+	case devicemodel.StrategyMPS:
 		switch {
 		case d.Partition:
 			return fmt.Errorf("%s: not on a MIG device made on demand (its daemon could only start once the device exists); use a MIG layout's device", at)
@@ -129,12 +130,12 @@ func (a *Agent) checkSharing(d dra.Device, cs *claimSharing, uid types.UID) erro
 		if cs.pinned > 0 && uint64(cs.pinned) > d.MemoryBytes {
 			return fmt.Errorf("%s: sharing.mpsConfig: pinned memory limit %dMi is above the device's %dMi", cs.field, cs.pinned>>20, d.MemoryBytes>>20)
 		}
-	case dra.StrategyTimeSlicing:
+	case devicemodel.StrategyTimeSlicing:
 		if d.MPS {
 			return fmt.Errorf("%s: the node's config shares this device by MPS", at)
 		}
 		iv := cs.sharing.Interval
-		if iv == dra.IntervalDefault {
+		if iv == devicemodel.IntervalDefault {
 			return nil
 		}
 		if a.opts.TimeSlice == nil {
@@ -156,8 +157,8 @@ func (a *Agent) checkSharing(d dra.Device, cs *claimSharing, uid types.UID) erro
 // returns them for the claim's CDI spec (nil: the device needs none).
 // limits holds a device shared by the config's MPS: the claim's client
 // limits from its share (mpsClient).
-func (a *Agent) applySharing(uid types.UID, d dra.Device, r dra.Allocated, cs *claimSharing, pd *PreparedClaimDevice) (map[string]string, []catalog.Mount, error) {
-	if cs.is(dra.StrategyTimeSlicing) && cs.sharing.Interval != dra.IntervalDefault {
+func (a *Agent) applySharing(uid types.UID, d devicemodel.Device, r dra.Allocated, cs *claimSharing, pd *PreparedClaimDevice) (map[string]string, []catalog.Mount, error) {
+	if cs.is(devicemodel.StrategyTimeSlicing) && cs.sharing.Interval != devicemodel.IntervalDefault {
 		if err := a.opts.TimeSlice.SetInterval(d.UUID, cs.sharing.Interval.Level()); err != nil {
 			return nil, nil, fmt.Errorf("%s: setting time slice %s: %w", cs.field, cs.sharing.Interval, err)
 		}
@@ -166,7 +167,7 @@ func (a *Agent) applySharing(uid types.UID, d dra.Device, r dra.Allocated, cs *c
 	switch {
 	case d.MPS:
 		env, mounts, err := a.mpsClient(d, r)
-		if err != nil || !cs.is(dra.StrategyMPS) {
+		if err != nil || !cs.is(devicemodel.StrategyMPS) {
 			return env, mounts, err
 		}
 		// The claim's own limits, within the daemon's: the environment
@@ -178,7 +179,7 @@ func (a *Agent) applySharing(uid types.UID, d dra.Device, r dra.Allocated, cs *c
 			env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = "0=" + strconv.FormatInt(cs.pinned>>20, 10) + "M"
 		}
 		return env, mounts, nil
-	case cs.is(dra.StrategyMPS):
+	case cs.is(devicemodel.StrategyMPS):
 		dm := mps.Daemon{Device: d.UUID, Index: d.ParentIndexOrSelf(), ActiveThreadPercentage: cs.sharing.MPS.ActiveThreadPercentage, PinnedMemLimitBytes: uint64(cs.pinned)}
 		if err := dm.Validate(); err != nil {
 			return nil, nil, fmt.Errorf("%s: %w", cs.field, err)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/cdi"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mps"
 )
@@ -71,9 +72,9 @@ func (s *slicer) SetInterval(uuid string, level int) error {
 // the claim, applying to requests (none: all).
 func withConfig(c dra.Claim, source resourceapi.AllocationConfigSource, raw string, requests ...string) dra.Claim {
 	cfgs := []resourceapi.DeviceAllocationConfiguration{{Source: source, Requests: requests,
-		DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: dra.DriverName}}}}
+		DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: devicemodel.DriverName}}}}
 	cfgs[0].Opaque.Parameters.Raw = []byte(raw)
-	c.Configs = append(c.Configs, dra.ConfigsOf(cfgs)...)
+	c.Configs = append(c.Configs, devicemodel.ConfigsOf(cfgs)...)
 	for i := range c.Configs {
 		c.Configs[i].Field = fmt.Sprintf("config[%d]", i)
 	}
@@ -130,7 +131,7 @@ func TestDRAClaimConfigMPS(t *testing.T) {
 	if got.Err != nil {
 		t.Fatalf("Prepare once both daemons answer: %v", got.Err)
 	}
-	for i, dev := range []dra.Device{g1, g2} {
+	for i, dev := range []devicemodel.Device{g1, g2} {
 		wantCDI := []string{dev.CDIDevice(), cdi.QualifiedName(cdi.ClaimDeviceName("uid-m", i))}
 		if !slices.Equal(got.Devices[i].CDIDevices, wantCDI) {
 			t.Errorf("%s: CDI devices %v, want %v", dev.Name, got.Devices[i].CDIDevices, wantCDI)
@@ -141,7 +142,7 @@ func TestDRAClaimConfigMPS(t *testing.T) {
 		t.Fatalf("claim spec devices %+v, want one per GPU", spec.Devices)
 	}
 	for i, tt := range []struct {
-		dev   dra.Device
+		dev   devicemodel.Device
 		limit string
 	}{{g1, "0=2048M"}, {g2, "0=3072M"}} {
 		want := []string{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + tt.limit,
@@ -154,7 +155,7 @@ func TestDRAClaimConfigMPS(t *testing.T) {
 			t.Errorf("%s client: mounts %+v, want its daemon's pipe directory", tt.dev.Name, edits.Mounts)
 		}
 	}
-	for _, dev := range []dra.Device{g1, g2} {
+	for _, dev := range []devicemodel.Device{g1, g2} {
 		if d, ok := ctl.daemon(dev.UUID); !ok || d != want[dev.UUID] {
 			t.Errorf("daemon of %s: %+v (%v), want %+v", dev.Name, d, ok, want[dev.UUID])
 		}
@@ -166,7 +167,7 @@ func TestDRAClaimConfigMPS(t *testing.T) {
 		t.Errorf("after a restart, daemon of gpu-2: %+v (%v), want it kept for the claim", d, ok)
 	}
 	h2.unprepare(dra.ClaimRef{UID: "uid-m", Namespace: "default", Name: "m"})
-	for _, dev := range []dra.Device{g1, g2} {
+	for _, dev := range []devicemodel.Device{g1, g2} {
 		if d, ok := ctl.daemon(dev.UUID); ok {
 			t.Errorf("after Unprepare, daemon of %s still wanted: %+v", dev.Name, d)
 		}

@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/ledger"
 )
 
@@ -19,7 +20,7 @@ import (
 
 // DRAPublisher publishes the node's DRA pool (dra.Driver); it must not block.
 type DRAPublisher interface {
-	Publish(p *dra.Pool)
+	Publish(p *devicemodel.Pool)
 }
 
 // ClaimsPrepare asks the loop to prepare claims (the DRA driver's

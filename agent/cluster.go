@@ -16,6 +16,7 @@ const (
 	ReasonMIGPending       = "MIGPending"
 	ReasonMIGFailed        = "MIGFailed"
 	ReasonMIGReset         = "MIGResetRequired"
+	ReasonMIGGPUReset      = "MIGGPUReset"
 	ReasonGPUUnhealthy     = "GPUUnhealthy"
 	ReasonGPURecovered     = "GPURecovered"
 	ReasonGPUForgotten     = "GPUForgotten"
@@ -92,5 +93,5 @@ func (a *Agent) publishCluster() {
 	if cfg.Config == nil {
 		cfg = a.selected
 	}
-	a.opts.Cluster.SetLabels(NodeLabels(a.inv, cfg, a.migStatus()))
+	a.opts.Cluster.SetLabels(withoutGFDLabels(NodeLabels(a.inv, cfg, a.migStatus()), a.conflicts.GFD))
 }

@@ -8,7 +8,7 @@ import (
 	"strings"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
@@ -114,7 +114,7 @@ const cordonAnnotation = "gpu-agent.io/cordon"
 // that a claim tolerating unhealthy devices is not given it. A device also
 // unhealthy carries both taints, and the cordon's is never NoExecute
 // (Device.Evict is the unhealthy taint's alone).
-func withdrawCordoned(cat *catalog.Catalog, pool *dra.Pool, c CordonStatus) {
+func withdrawCordoned(cat *catalog.Catalog, pool *devicemodel.Pool, c CordonStatus) {
 	if len(c.GPUs) == 0 {
 		return
 	}
@@ -135,7 +135,7 @@ func withdrawCordoned(cat *catalog.Catalog, pool *dra.Pool, c CordonStatus) {
 	if pool != nil {
 		for i := range pool.Devices {
 			d := &pool.Devices[i]
-			if c.has(d.UUID) || d.Type == dra.TypeMIG && c.has(d.ParentUUID) {
+			if c.has(d.UUID) || d.Type == devicemodel.TypeMIG && c.has(d.ParentUUID) {
 				d.Cordoned = ReasonCordoned
 			}
 		}

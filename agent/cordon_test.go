@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -182,7 +183,7 @@ func TestCordonDynamicMIG(t *testing.T) {
 		t.Errorf("%d of GPU 0's partitions tainted, want 25", n)
 	}
 	got := h.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]
-	if got.Err == nil || !strings.Contains(got.Err.Error(), "gpu-0-mig-3g40gb-4 is on GPU 0 (") || !strings.Contains(got.Err.Error(), dra.TaintCordoned) {
+	if got.Err == nil || !strings.Contains(got.Err.Error(), "gpu-0-mig-3g40gb-4 is on GPU 0 (") || !strings.Contains(got.Err.Error(), devicemodel.TaintCordoned) {
 		t.Errorf("claim of a cordoned GPU's partition: %+v; want refused naming the GPU and the cordon's taint", got)
 	}
 	inv, err := h.opts.Observer.Inventory()
@@ -198,7 +199,7 @@ func TestCordonDynamicMIG(t *testing.T) {
 }
 
 // cordonedInPool reports whether the DRA pool withdraws d for a cordon.
-func cordonedInPool(d dra.Device) bool { return d.Cordoned != "" }
+func cordonedInPool(d devicemodel.Device) bool { return d.Cordoned != "" }
 
 // A cordon outlives an agent restart (issue 29, defect 4a): the first
 // catalog and DRA pool of the agent restarted on the same state dir
@@ -259,7 +260,7 @@ func TestCordonSurvivesRestart(t *testing.T) {
 // request tolerating the taint keys given, as dra.ClaimOf reads it from
 // the API.
 func tolerating(uid, device string, admin bool, keys ...string) dra.Claim {
-	r := resourceapi.DeviceRequestAllocationResult{Request: "gpu", Driver: dra.DriverName, Pool: "node-a", Device: device, AdminAccess: &admin}
+	r := resourceapi.DeviceRequestAllocationResult{Request: "gpu", Driver: devicemodel.DriverName, Pool: "node-a", Device: device, AdminAccess: &admin}
 	for _, k := range keys {
 		r.Tolerations = append(r.Tolerations, resourceapi.DeviceToleration{Key: k, Operator: resourceapi.DeviceTolerationOpExists})
 	}
@@ -287,7 +288,7 @@ func TestCordonTaintKey(t *testing.T) {
 	h.step(CordonChanged{GPUs: []string{"1", "2"}})
 
 	taints := map[string][]string{}
-	for _, s := range dra.Resources("node-a", rec.last(), 1, dra.Dropped{}).Pools["node-a"].Slices {
+	for _, s := range devicemodel.Resources("node-a", rec.last(), 1, devicemodel.Dropped{}).Pools["node-a"].Slices {
 		for _, d := range s.Devices {
 			for _, tt := range d.Taints {
 				taints[d.Name] = append(taints[d.Name], string(tt.Key)+":"+string(tt.Effect))
@@ -297,14 +298,14 @@ func TestCordonTaintKey(t *testing.T) {
 	for dev, want := range map[string][]string{
 		"gpu-0": nil,
 		"gpu-1": {cordonKey + ":NoSchedule"},
-		"gpu-2": {dra.TaintUnhealthy + ":NoExecute", cordonKey + ":NoSchedule"},
+		"gpu-2": {devicemodel.TaintUnhealthy + ":NoExecute", cordonKey + ":NoSchedule"},
 	} {
 		if !slices.Equal(taints[dev], want) {
 			t.Errorf("%s taints %q, want %q", dev, taints[dev], want)
 		}
 	}
 
-	got := h.prepare(tolerating("uid-u", "gpu-1", false, dra.TaintUnhealthy))["uid-u"]
+	got := h.prepare(tolerating("uid-u", "gpu-1", false, devicemodel.TaintUnhealthy))["uid-u"]
 	if got.Err == nil || !strings.Contains(got.Err.Error(), gpu1) || !strings.Contains(got.Err.Error(), "cordon") {
 		t.Errorf("a request tolerating only the unhealthy taint, on cordoned gpu-1: %+v; want refused naming the GPU and the cordon", got)
 	}
@@ -318,7 +319,7 @@ func TestCordonTaintKey(t *testing.T) {
 	if got.Err == nil || !strings.Contains(got.Err.Error(), "unhealthy") {
 		t.Errorf("a request tolerating only the cordon, on unhealthy and cordoned gpu-2: %+v; want refused as unhealthy", got)
 	}
-	if got := h.prepare(tolerating("uid-b", "gpu-2", false, cordonKey, dra.TaintUnhealthy))["uid-b"]; got.Err != nil {
+	if got := h.prepare(tolerating("uid-b", "gpu-2", false, cordonKey, devicemodel.TaintUnhealthy))["uid-b"]; got.Err != nil {
 		t.Errorf("a request tolerating both, on unhealthy and cordoned gpu-2: %v", got.Err)
 	}
 	if got := h.prepare(tolerating("uid-a", "gpu-1", true))["uid-a"]; got.Err != nil {

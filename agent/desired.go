@@ -13,12 +13,13 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Snapshot is everything a plan is derived from. Plan reads nothing else:
@@ -43,6 +44,13 @@ type Snapshot struct {
 	MPSSupervised bool
 	// MIGApplies: a MIG applier runs (without one, layouts are not applied).
 	MIGApplies bool
+	// MIGResets: the agent can reset a GPU whose MIG mode change waits for
+	// one (Options.Reset), where the layout's mig.resetPolicy allows.
+	MIGResets bool
+	// MIGManager: NVIDIA's mig-manager runs on the node (its deploy label),
+	// acting on the same nvidia.com/mig.config label: no GPU is
+	// repartitioned or reset.
+	MIGManager bool
 	// DRA: the node also offers its devices through DRA.
 	DRA bool
 	// ClaimMPS are the MPS daemons DRA claims' configs ask for, on devices
@@ -62,7 +70,7 @@ type Snapshot struct {
 // Holdings is what the node knows about which devices containers hold.
 type Holdings struct {
 	// Attribution is the kubelet's latest pod-resources answer (nil: none).
-	Attribution *health.Attribution
+	Attribution *podresources.Attribution
 	// Fresh: Attribution is a successful answer the loop asked for during
 	// this pass. Destroying a MIG instance needs one that does not list it.
 	Fresh bool
@@ -106,7 +114,7 @@ type Desired struct {
 	// do, while the rest applies (Planned.Warnings).
 	Warnings []string
 	// DRA is what the node offers through DRA (nil: DRA is off).
-	DRA *dra.Pool
+	DRA *devicemodel.Pool
 	// Cordon is the GPUs taken out of service (withdrawCordoned).
 	Cordon CordonStatus
 }
@@ -121,6 +129,11 @@ type GPUMIG struct {
 	// Waiting, when set, is why the GPU stays pending after Plan's steps
 	// (create-only: destroying waits for the kubelet's answer).
 	Waiting string
+	// ResetPolicy is the layout's mig.resetPolicy, and ResetBlockers, on a
+	// GPU whose mode change waits for a reset, the holders that keep the
+	// agent from it (resetBlockers).
+	ResetPolicy   config.ResetPolicy
+	ResetBlockers []string
 }
 
 // Apply reports whether the GPU's plan is to be run.
@@ -269,6 +282,31 @@ func planMIG(s Snapshot, sel config.Selected, cordon CordonStatus) (out []GPUMIG
 			errs = append(errs, sel.MIGError(want.Entry, layoutField(g, want, err), err))
 		}
 		gm.Plan, gm.State = plan, state
+		if sel.Config != nil {
+			gm.ResetPolicy = sel.Config.MIG.ResetPolicy
+		}
+		if s.MIGManager && (len(plan.Steps) > 0 || state.Phase == mig.PhaseResetRequired) {
+			gm.Plan.Steps = nil
+			gm.State = mig.State{Phase: mig.PhasePending, Reason: "mig-manager runs on this node (" + LabelDeployMIGManager + "=true): gpu-agent does not repartition until it is off"}
+			out = append(out, gm)
+			continue
+		}
+		resets := s.MIGResets && gm.ResetPolicy.ResetsWhenIdle()
+		if resets && (state.Phase == mig.PhaseResetRequired || setsMode(plan)) {
+			// A mode change the plan makes may turn out to wait for a
+			// reset too (on most A100 hosts it does).
+			gm.ResetBlockers = resetBlockers(g, s.Holdings)
+			// Without any answer from the kubelet the reset waits for
+			// one: the loop asks.
+			needFresh = needFresh || s.Holdings.Attribution == nil
+		}
+		if state.Phase == mig.PhaseResetRequired {
+			if resets {
+				// The agent resets the GPU once nothing holds it: new
+				// work must not keep it from ever being idle.
+				gm.Plan.Draining = append(gm.Plan.Draining, g.UUID)
+			}
+		}
 		if cordon.has(g.UUID) && len(plan.Steps) > 0 {
 			out = append(out, cordon.holdMIG(gm))
 			continue
@@ -468,7 +506,7 @@ func (h Holdings) heldMIG(inv *gpu.Inventory) map[string]string {
 // end: without it, new pods keep landing on them and the layout may never
 // apply on a busy node. Those the kubelet lists as held stay as they are
 // (healthy: a running container's device is not at fault).
-func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
+func drain(cat *catalog.Catalog, pool *devicemodel.Pool, plans []GPUMIG, h Holdings) {
 	draining := map[string]string{}
 	for _, gm := range plans {
 		for _, uuid := range gm.Plan.Draining {
@@ -493,7 +531,7 @@ func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
 		}
 	}
 	if pool != nil {
-		pool.Devices = slices.DeleteFunc(pool.Devices, func(d dra.Device) bool { return hasKey(draining, d.UUID) })
+		pool.Devices = slices.DeleteFunc(pool.Devices, func(d devicemodel.Device) bool { return hasKey(draining, d.UUID) })
 	}
 }
 
@@ -503,7 +541,7 @@ func drain(cat *catalog.Catalog, pool *dra.Pool, plans []GPUMIG, h Holdings) {
 // first holds its time-sliced replica "GPU-5::1", or a MIG device's GPU
 // (strategy none) while the first holds the MIG device. Replicas of one
 // device under one resource are meant to be shared and stay.
-func withholdHeldSilicon(cat *catalog.Catalog, att *health.Attribution, inv *gpu.Inventory) {
+func withholdHeldSilicon(cat *catalog.Catalog, att *podresources.Attribution, inv *gpu.Inventory) {
 	if att == nil || cat == nil {
 		return
 	}
@@ -518,7 +556,7 @@ func withholdHeldSilicon(cat *catalog.Catalog, att *health.Attribution, inv *gpu
 	type held struct {
 		resource, id string
 		replica      bool
-		by           health.Holder
+		by           podresources.Holder
 	}
 	bySilicon := map[string][]held{} // GPU or MIG UUID → what containers hold of it
 	for _, name := range att.Resources() {
@@ -565,7 +603,7 @@ func withholdHeldSilicon(cat *catalog.Catalog, att *health.Attribution, inv *gpu
 // a pod's allocation either way; advertising the device until the pod
 // releases it keeps its accounting honest and says on /status who holds it,
 // instead of silently handing the same device out under a new name.
-func keepHeld(cat, published *catalog.Catalog, att *health.Attribution) {
+func keepHeld(cat, published *catalog.Catalog, att *podresources.Attribution) {
 	if published == nil || att == nil {
 		return
 	}

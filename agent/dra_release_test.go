@@ -12,6 +12,7 @@ import (
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -90,7 +91,7 @@ func TestDRAReleaseRetriedUntilDone(t *testing.T) {
 	if got.Err != nil {
 		t.Fatal(got.Err)
 	}
-	uuid := strings.TrimPrefix(got.Devices[0].CDIDevices[0], dra.CDIKind+"=")
+	uuid := strings.TrimPrefix(got.Devices[0].CDIDevices[0], devicemodel.CDIKind+"=")
 	if err := node.FailCalls(0, "GpuInstanceDestroy", nvml.ERROR_IN_USE, -1); err != nil {
 		t.Fatal(err)
 	}
@@ -318,7 +319,7 @@ func TestDRAPreparedClaimCheckedAfterReboot(t *testing.T) {
 		t.Fatal(after.Err)
 	}
 	g := gpuOf(t, h2, 0)
-	if len(g.Instances) != 1 || dra.CDIKind+"="+g.Instances[0].UUID != after.Devices[0].CDIDevices[0] {
+	if len(g.Instances) != 1 || devicemodel.CDIKind+"="+g.Instances[0].UUID != after.Devices[0].CDIDevices[0] {
 		t.Errorf("GPU 0 instances %+v, answer %v", g.Instances, after.Devices[0].CDIDevices)
 	}
 	if names := specNames(t, cdiDir); !slices.Contains(names, g.Instances[0].UUID) {

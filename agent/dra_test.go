@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
@@ -18,16 +19,16 @@ import (
 // draRecorder is the DRA driver as the loop sees it: it keeps the pools.
 type draRecorder struct {
 	mu    sync.Mutex
-	pools []*dra.Pool
+	pools []*devicemodel.Pool
 }
 
-func (r *draRecorder) Publish(p *dra.Pool) {
+func (r *draRecorder) Publish(p *devicemodel.Pool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.pools = append(r.pools, p)
 }
 
-func (r *draRecorder) last() *dra.Pool {
+func (r *draRecorder) last() *devicemodel.Pool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if len(r.pools) == 0 {
@@ -75,7 +76,7 @@ func claim(uid, name string, devices ...string) dra.Claim {
 	return c
 }
 
-func poolNames(p *dra.Pool) []string {
+func poolNames(p *devicemodel.Pool) []string {
 	var out []string
 	for _, d := range p.Devices {
 		out = append(out, d.Name)
@@ -90,7 +91,7 @@ func TestDRAClaimsTable(t *testing.T) {
 	rec := &draRecorder{}
 	h := newHarness(t, simNode(t, "dgx-a100"), withDRA(rec))
 	h.config(wholeGPUs)
-	if p := rec.last(); p == nil || len(p.Devices) != 8 || p.Devices[0].Name != "gpu-0" || p.Devices[0].Type != dra.TypeGPU {
+	if p := rec.last(); p == nil || len(p.Devices) != 8 || p.Devices[0].Name != "gpu-0" || p.Devices[0].Type != devicemodel.TypeGPU {
 		t.Fatalf("pool after the first config: %v", rec.last())
 	}
 	uuid := func(i int) string { return findGPU(h, i).ID }
@@ -234,9 +235,9 @@ func TestDRAClaimedMIGDeviceSurvivesLayoutEdit(t *testing.T) {
 	rec := &draRecorder{}
 	h := newHarness(t, simNode(t, "dgx-h100", sim.WithMIGEnabled()), withMIG(), withDRA(rec))
 	h.config(mixedLayout(`{"1g.10gb": 2, "3g.40gb": 1}`))
-	var target dra.Device
+	var target devicemodel.Device
 	for _, d := range rec.last().Devices {
-		if d.Type == dra.TypeMIG && d.ParentIndex == 0 && d.Profile == "1g.10gb" {
+		if d.Type == devicemodel.TypeMIG && d.ParentIndex == 0 && d.Profile == "1g.10gb" {
 			target = d
 			break
 		}
@@ -334,10 +335,10 @@ func TestDevicePluginOffNeedsDRA(t *testing.T) {
 	}
 }
 
-func partitionsOf(p *dra.Pool, gpuIndex int) (whole bool, parts []string) {
+func partitionsOf(p *devicemodel.Pool, gpuIndex int) (whole bool, parts []string) {
 	for _, d := range p.Devices {
 		switch {
-		case d.Type == dra.TypeGPU && d.Index == gpuIndex:
+		case d.Type == devicemodel.TypeGPU && d.Index == gpuIndex:
 			whole = true
 		case d.Partition && d.ParentIndex == gpuIndex:
 			parts = append(parts, d.Name)
@@ -362,7 +363,7 @@ func TestDRADynamicMIG(t *testing.T) {
 		t.Fatalf("GPU 0: whole %v, %d partitions %v, %d counter sets; want whole, 25 (7+7+4+3+2+1+1), 8", whole, len(parts), parts, len(rec.last().CounterSets))
 	}
 	// The counters that keep placements apart, less those the others imply
-	// (dra.pruneCounters): on an H100 memory slices 0-6 and the one OFA.
+	// (devicemodel.pruneCounters): on an H100 memory slices 0-6 and the one OFA.
 	set := rec.last().CounterSets[0].Counters
 	if len(set) != 8 || set["memory-slice-0"] != 1 || set["ofa-engines"] != 1 || hasKey(set, "memory-slice-7") || hasKey(set, "compute-slices") {
 		t.Errorf("GPU 0's counters %v", set)
@@ -449,7 +450,7 @@ func TestDRADynamicMIGResetRule(t *testing.T) {
 	}
 	var static int
 	for _, d := range rec2.last().Devices {
-		if d.Type == dra.TypeMIG && !d.Partition {
+		if d.Type == devicemodel.TypeMIG && !d.Partition {
 			static++
 		}
 	}

@@ -3,9 +3,10 @@ package agent
 import (
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
-	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/podresources"
+	"github.com/gpu-agent/gpu-agent/telemetry"
 )
 
 // draHeld maps each device of each prepared claim to the node's device, so
@@ -14,7 +15,7 @@ import (
 // the loop builds a new one at the end of each Step.
 type draHeld struct {
 	pool    string
-	devices map[draHeldKey]health.DRADevice
+	devices map[draHeldKey]telemetry.DRADevice
 }
 
 type draHeldKey struct{ namespace, claim, device string }
@@ -23,7 +24,7 @@ type draHeldKey struct{ namespace, claim, device string }
 // profile is the inventory's: a MIG device made for a claim has none in
 // the pool until it exists.
 func newDRAHeld(pool string, claims map[types.UID]PreparedClaim, inv *gpu.Inventory) *draHeld {
-	h := &draHeld{pool: pool, devices: map[draHeldKey]health.DRADevice{}}
+	h := &draHeld{pool: pool, devices: map[draHeldKey]telemetry.DRADevice{}}
 	profiles := map[string]string{}
 	if inv != nil {
 		for _, g := range inv.GPUs {
@@ -37,18 +38,18 @@ func newDRAHeld(pool string, claims map[types.UID]PreparedClaim, inv *gpu.Invent
 			if d.UUID == "" {
 				continue
 			}
-			h.devices[draHeldKey{pc.Namespace, pc.Name, d.Device}] = health.DRADevice{UUID: d.UUID, MIGProfile: profiles[d.UUID]}
+			h.devices[draHeldKey{pc.Namespace, pc.Name, d.Device}] = telemetry.DRADevice{UUID: d.UUID, MIGProfile: profiles[d.UUID]}
 		}
 	}
 	return h
 }
 
-// DRADevice implements [health.DRASource]: the device a prepared claim
+// DRADevice implements [telemetry.DRASource]: the device a prepared claim
 // holds, from the claims as the loop last published them.
-func (a *Agent) DRADevice(h health.DRAHold) (health.DRADevice, bool) {
+func (a *Agent) DRADevice(h podresources.DRAHold) (telemetry.DRADevice, bool) {
 	held := a.draHeld.Load()
-	if held == nil || h.Driver != dra.DriverName || h.Pool != held.pool {
-		return health.DRADevice{}, false
+	if held == nil || h.Driver != devicemodel.DriverName || h.Pool != held.pool {
+		return telemetry.DRADevice{}, false
 	}
 	d, ok := held.devices[draHeldKey{h.ClaimNamespace, h.ClaimName, h.Device}]
 	return d, ok

@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
@@ -44,7 +45,7 @@ func (a *Agent) applyAndRead(plan mig.Plan, why string) error {
 // placement with one compute instance spanning it, journaled by the MIG
 // applier like any layout change. The intent is in the ledger, and
 // checkpointed, before anything changes, so a crash orphans nothing.
-func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice, error) {
+func (a *Agent) createPartition(c dra.Claim, d devicemodel.Device) (PreparedClaimDevice, error) {
 	if a.opts.MIG == nil {
 		return PreparedClaimDevice{}, errors.New("this agent does not manage MIG")
 	}
@@ -114,7 +115,7 @@ func (a *Agent) createPartition(c dra.Claim, d dra.Device) (PreparedClaimDevice,
 		// device (claimsStep).
 		a.log.Info("DRA: MIG device created", "claim", c.String(), "gpu", g.Index, "profile", d.Profile, "placement", d.Placement.Start, "uuid", m.UUID)
 		dev := intent
-		dev.UUID, dev.CDIDevices = m.UUID, []string{dra.CDIKind + "=" + m.UUID}
+		dev.UUID, dev.CDIDevices = m.UUID, []string{devicemodel.CDIKind + "=" + m.UUID}
 		return dev, nil
 	}
 	if err == nil {

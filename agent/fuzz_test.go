@@ -18,6 +18,8 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 		`{"version":4,"node":"n","written":"2026-11-23T00:00:00Z","cordon":["1","GPU-0",""]}`,
 		`{"version":4,"node":"n","written":"2026-11-23T00:00:00Z","gpus":[{"index":0,"uuid":"GPU-0","migCapable":true}],"migTouched":["GPU-0","GPU-gone"]}`,
 		`{"version":3}{}`,
+		`{"version":4,"minor":1,"node":"n","written":"2026-11-23T00:00:00Z","future":{"a":[1]}}`,
+		`{"version":5,"written":"2026-11-23T00:00:00Z"}`,
 	} {
 		f.Add([]byte(s))
 	}

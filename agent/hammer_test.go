@@ -26,10 +26,10 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
-	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/plugin"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 var hammerFlips = flag.Int("hammer.flips", 20, "layout changes TestAllocateHammer makes while it allocates")
@@ -54,7 +54,7 @@ type kubeletModel struct {
 	epoch        int
 }
 
-func (k *kubeletModel) Refresh(context.Context) (*health.Attribution, error) {
+func (k *kubeletModel) Refresh(context.Context) (*podresources.Attribution, error) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	var ctrs []*podresourcesv1.ContainerResources
@@ -62,7 +62,7 @@ func (k *kubeletModel) Refresh(context.Context) (*health.Attribution, error) {
 		ctrs = append(ctrs, &podresourcesv1.ContainerResources{Name: "c-" + uuid,
 			Devices: []*podresourcesv1.ContainerDevices{{ResourceName: k.held[uuid], DeviceIds: []string{uuid}}}})
 	}
-	return health.NewAttribution([]*podresourcesv1.PodResources{{Name: "hammer", Namespace: "ml", Containers: ctrs}}, nil), nil
+	return podresources.NewAttribution([]*podresourcesv1.PodResources{{Name: "hammer", Namespace: "ml", Containers: ctrs}}, nil), nil
 }
 
 // checkingApplier runs the real applier and, around each GPU's plan, reads

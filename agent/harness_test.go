@@ -19,6 +19,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // recorder is a Publisher that keeps every catalog it was given.
@@ -79,12 +80,12 @@ func (c *clock) Advance(d time.Duration) {
 // error (unreachable, hanging).
 type holdings struct {
 	mu    sync.Mutex
-	att   *health.Attribution
+	att   *podresources.Attribution
 	err   error
 	calls int
 }
 
-func (h *holdings) Refresh(context.Context) (*health.Attribution, error) {
+func (h *holdings) Refresh(context.Context) (*podresources.Attribution, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.calls++
@@ -92,19 +93,19 @@ func (h *holdings) Refresh(context.Context) (*health.Attribution, error) {
 		return nil, h.err
 	}
 	if h.att == nil {
-		return health.NewAttribution(nil, nil), nil
+		return podresources.NewAttribution(nil, nil), nil
 	}
 	return h.att, nil
 }
 
 // hold makes ml/trainer (main) hold ids of resource (none: nothing held).
-func (h *holdings) hold(resource string, ids ...string) *health.Attribution {
+func (h *holdings) hold(resource string, ids ...string) *podresources.Attribution {
 	var pods []*podresourcesv1.PodResources
 	if len(ids) > 0 {
 		pods = []*podresourcesv1.PodResources{{Name: "trainer", Namespace: "ml", Containers: []*podresourcesv1.ContainerResources{{
 			Name: "main", Devices: []*podresourcesv1.ContainerDevices{{ResourceName: resource, DeviceIds: ids}}}}}}
 	}
-	att := health.NewAttribution(pods, nil)
+	att := podresources.NewAttribution(pods, nil)
 	h.mu.Lock()
 	h.att, h.err = att, nil
 	h.mu.Unlock()
@@ -154,6 +155,14 @@ type harnessOption func(*harness)
 // withMIG gives the agent a MIG applier journaling under the harness's dir.
 func withMIG() harnessOption {
 	return func(h *harness) { h.opts.MIG = mig.NewApplier(h.node, h.dir, nil) }
+}
+
+// withReset lets the agent reset the simulated node's GPUs.
+func withReset() harnessOption {
+	return func(h *harness) {
+		node := h.node
+		h.opts.Reset = mig.NewResetter(node, func(_ context.Context, g gpu.GPU) error { return node.Reset(g.Index) })
+	}
 }
 
 // withQuietLog drops the agent's log (benchmarks).

@@ -6,6 +6,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Event is one input of the loop. Every producer (config watcher, node
@@ -55,7 +56,7 @@ type Allocated struct {
 // never authorises destroying anything: only an answer the loop asked for
 // itself does.
 type HoldingsChanged struct {
-	Attribution *health.Attribution
+	Attribution *podresources.Attribution
 	// Answered is when the kubelet's answer came back (zero: unknown). An
 	// allocation made recentSettle before it is accounted for by it.
 	Answered time.Time
@@ -66,7 +67,7 @@ type HoldingsChanged struct {
 // settles the allocations made recentSettle before, and lets the pass of
 // its batch destroy MIG devices it does not list.
 type HoldingsAnswer struct {
-	Attribution *health.Attribution
+	Attribution *podresources.Attribution
 	Err         error
 	Asked       time.Time
 }

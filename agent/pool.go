@@ -11,7 +11,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
@@ -84,7 +84,7 @@ func unsettled(sets ...map[types.UID]PreparedClaim) []PreparedClaimDevice {
 // every free placement, drawing on the GPU's counters (dynamicGPUs). GPUs
 // are published best set first (dra.PublishOrder), so that a plain count
 // claim tends to get an NVLink-connected set.
-func planDRA(s Snapshot) *dra.Pool {
+func planDRA(s Snapshot) *devicemodel.Pool {
 	if !s.DRA {
 		return nil
 	}
@@ -104,8 +104,8 @@ func planDRA(s Snapshot) *dra.Pool {
 		}
 		return false
 	}
-	p := &dra.Pool{}
-	for _, d := range dra.Devices(s.Inventory, s.Profiles, unhealthy) {
+	p := &devicemodel.Pool{}
+	for _, d := range devicemodel.Devices(s.Inventory, s.Profiles, unhealthy) {
 		if dyn, ok := dynamic[d.ParentIndexOrSelf()]; ok && !dynamicKeepsStatic(dyn, d) {
 			continue // the GPU's dynamic devices stand for it
 		}
@@ -117,8 +117,8 @@ func planDRA(s Snapshot) *dra.Pool {
 		}
 		p.Devices = append(p.Devices, d)
 	}
-	bases := map[string]dra.Device{}
-	for i, b := range dra.GPUBases(s.Inventory) {
+	bases := map[string]devicemodel.Device{}
+	for i, b := range devicemodel.GPUBases(s.Inventory) {
 		bases[s.Inventory.GPUs[i].UUID] = b
 	}
 	for _, idx := range slices.Sorted(maps.Keys(dynamic)) {
@@ -129,22 +129,22 @@ func planDRA(s Snapshot) *dra.Pool {
 		}
 		base := bases[g.UUID]
 		base.Unhealthy = unhealthy[g.UUID]
-		devs, set := dra.Partitions(dyn, base)
+		devs, set := devicemodel.Partitions(dyn, base)
 		p.Devices = append(p.Devices, devs...)
 		if len(set.Counters) > 0 { // none when no two devices left could clash
 			p.CounterSets = append(p.CounterSets, set)
 		}
 	}
-	slices.SortFunc(p.Devices, func(a, b dra.Device) int { return strings.Compare(a.Name, b.Name) })
-	p.GPUOrder = dra.PublishOrder(s.Inventory)
+	slices.SortFunc(p.Devices, func(a, b devicemodel.Device) int { return strings.Compare(a.Name, b.Name) })
+	p.GPUOrder = devicemodel.PublishOrder(s.Inventory)
 	return p
 }
 
 // dynamicKeepsStatic reports whether d, a device of a dynamic GPU, stays in
 // the pool as it is: a MIG device no claim created, which blocks its
 // placement.
-func dynamicKeepsStatic(dyn dra.Dynamic, d dra.Device) bool {
-	return d.Type == dra.TypeMIG && slices.Contains(dyn.Blocked, d.Placement)
+func dynamicKeepsStatic(dyn devicemodel.Dynamic, d devicemodel.Device) bool {
+	return d.Type == devicemodel.TypeMIG && slices.Contains(dyn.Blocked, d.Placement)
 }
 
 // dynamicGPUs are the GPUs whose MIG devices are created on demand, by
@@ -161,7 +161,7 @@ func dynamicKeepsStatic(dyn dra.Dynamic, d dra.Device) bool {
 // devices made on it, offering only those (the claims' allocations name
 // them, and the scheduler must keep counting them as taken), and goes back
 // to a whole or static MIG GPU once they are released.
-func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
+func dynamicGPUs(s Snapshot) map[int]devicemodel.Dynamic {
 	if !s.DRA || !s.MIGApplies || s.Inventory == nil {
 		return nil
 	}
@@ -181,19 +181,19 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 	}
 	created := map[string]bool{} // parent UUID + placement of claim-created devices
 	// madeFor: per GPU UUID, the partitions claims made or are making there.
-	madeFor := map[string][]dra.ProfileAt{}
+	madeFor := map[string][]devicemodel.ProfileAt{}
 	for _, pc := range s.Holdings.Claims {
 		for _, d := range pc.Devices {
 			if d.Created {
 				created[fmt.Sprintf("%s/%d+%d", d.Parent, d.Placement.Start, d.Placement.Size)] = true
-				madeFor[d.Parent] = append(madeFor[d.Parent], dra.ProfileAt{Profile: d.Profile, Placement: d.Placement})
+				madeFor[d.Parent] = append(madeFor[d.Parent], devicemodel.ProfileAt{Profile: d.Profile, Placement: d.Placement})
 			}
 		}
 	}
 	for _, d := range s.Holdings.Unsettled {
-		madeFor[d.Parent] = append(madeFor[d.Parent], dra.ProfileAt{Profile: d.Profile, Placement: d.Placement})
+		madeFor[d.Parent] = append(madeFor[d.Parent], devicemodel.ProfileAt{Profile: d.Profile, Placement: d.Placement})
 	}
-	out := map[int]dra.Dynamic{}
+	out := map[int]devicemodel.Dynamic{}
 	for _, g := range s.Inventory.GPUs {
 		profiles, ok := s.Profiles[g.Name]
 		if laid[g.Index] || !g.MIGCapable || g.MIGUnknown() || g.MIG.Current != g.MIG.Pending || !ok || len(profiles) == 0 {
@@ -209,7 +209,7 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 		}
 		// Not whole while a release or intent on it waits: MIG may be on,
 		// with a device left, whatever the last read said.
-		dyn := dra.Dynamic{GPU: g, Profiles: profiles, Whole: chosen && !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID)}
+		dyn := devicemodel.Dynamic{GPU: g, Profiles: profiles, Whole: chosen && !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID)}
 		if chosen {
 			dyn.Offered = onDemand.Profiles
 			for _, m := range made {
@@ -246,14 +246,14 @@ func dynamicGPUs(s Snapshot) map[int]dra.Dynamic {
 }
 
 // allowedPartitions lists every placement of the allowed profiles.
-func allowedPartitions(ps mig.Profiles, allowed []string) []dra.ProfileAt {
-	var out []dra.ProfileAt
+func allowedPartitions(ps mig.Profiles, allowed []string) []devicemodel.ProfileAt {
+	var out []devicemodel.ProfileAt
 	for _, p := range ps {
 		if !slices.Contains(allowed, p.Name) {
 			continue
 		}
 		for _, pl := range p.Placements {
-			out = append(out, dra.ProfileAt{Profile: p.Name, Placement: pl})
+			out = append(out, devicemodel.ProfileAt{Profile: p.Name, Placement: pl})
 		}
 	}
 	return out
@@ -282,7 +282,7 @@ func migModeWithoutReset(g gpu.GPU) bool { return g.ComputeCapability.AtLeast(9,
 // shareDevices marks the pool's devices that the config shares, by
 // time-slicing or MPS: each may be shared by as many claims as the catalog
 // has replicas of it.
-func shareDevices(p *dra.Pool, cat *catalog.Catalog, sel config.Selected) {
+func shareDevices(p *devicemodel.Pool, cat *catalog.Catalog, sel config.Selected) {
 	if p == nil || cat == nil || sel.Config == nil {
 		return
 	}
@@ -327,7 +327,7 @@ func shareDevices(p *dra.Pool, cat *catalog.Catalog, sel config.Selected) {
 
 // evictOnUnhealthy gives unhealthy devices the NoExecute taint when the
 // config asks for it (health.draTaintEffect).
-func evictOnUnhealthy(p *dra.Pool, sel config.Selected) {
+func evictOnUnhealthy(p *devicemodel.Pool, sel config.Selected) {
 	if p == nil || sel.Config == nil || sel.Config.Health.DRATaintEffect != config.DRATaintNoExecute {
 		return
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/cdi"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 )
 
@@ -29,7 +30,7 @@ import (
 func (a *Agent) prepareClaims(e ClaimsPrepare) (map[types.UID]dra.Prepared, []types.UID) {
 	out := make(map[types.UID]dra.Prepared, len(e.Claims))
 	var added []types.UID
-	var pool *dra.Pool
+	var pool *devicemodel.Pool
 	var planned *gpu.Inventory
 	for _, c := range e.Claims {
 		if a.file == nil {
@@ -113,9 +114,9 @@ func (n *nodeState) failedHas(uuid string) bool {
 // then records it in the ledger, which refuses it if a device is taken
 // meanwhile or twice within the claim. On any error what was made so far
 // (MIG devices, the claim's CDI spec) is undone (release).
-func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (pc PreparedClaim, err error) {
+func (a *Agent) prepareClaim(c dra.Claim, pool *devicemodel.Pool) (pc PreparedClaim, err error) {
 	if len(c.Devices) == 0 {
-		return PreparedClaim{}, fmt.Errorf("claim %s: no device of driver %s on this node is allocated to it", c, dra.DriverName)
+		return PreparedClaim{}, fmt.Errorf("claim %s: no device of driver %s on this node is allocated to it", c, devicemodel.DriverName)
 	}
 	pc = PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now()}
 	defer func() {
@@ -172,7 +173,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *dra.Pool) (pc PreparedClaim, err
 // claim's own spec, numbered after the n it has. pc is what the claim got
 // so far: one claim cannot hold a GPU and one of its MIG devices. cs is
 // the sharing the claim's config asks of the device (nil: none).
-func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, pool *dra.Pool, pc PreparedClaim, n int) (PreparedClaimDevice, *cdi.ClaimDevice, error) {
+func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, pool *devicemodel.Pool, pc PreparedClaim, n int) (PreparedClaimDevice, *cdi.ClaimDevice, error) {
 	d, ok := pool.Device(r.Device)
 	if !ok {
 		return PreparedClaimDevice{}, nil, fmt.Errorf("device %q is not offered on this node (any more)", r.Device)
@@ -184,14 +185,14 @@ func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, po
 		// The scheduler honours the taint; this catches a claim allocated
 		// before the cordon, or by one that ignores taints.
 		name, idx, uuid := r.Device, d.Index, d.UUID
-		if d.Type == dra.TypeMIG {
+		if d.Type == devicemodel.TypeMIG {
 			idx, uuid = d.ParentIndex, d.ParentUUID
 			if d.UUID != "" { // "": a MIG device not made yet
 				name += " (" + d.UUID + ")"
 			}
 		}
 		return PreparedClaimDevice{}, nil, fmt.Errorf("device %s is on GPU %d (%s), cordoned by the Node's %s annotation: only a request that tolerates the %s taint gets it",
-			name, idx, uuid, cordonAnnotation, dra.TaintCordoned)
+			name, idx, uuid, cordonAnnotation, devicemodel.TaintCordoned)
 	}
 	if r.AdminAccess {
 		// Monitoring: the device as it is, shared with whoever holds it;
@@ -246,13 +247,13 @@ func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, po
 // adminDevice is what a claim with admin access to d gets: d itself, or
 // for an on-demand MIG device the instance a claim made at its placement
 // (admin access makes none).
-func (n *nodeState) adminDevice(d dra.Device) (PreparedClaimDevice, error) {
+func (n *nodeState) adminDevice(d devicemodel.Device) (PreparedClaimDevice, error) {
 	if !d.Partition {
 		return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{d.CDIDevice()}}, UUID: d.UUID, AdminAccess: true}, nil
 	}
 	if g, ok := n.inv.GPUByUUID(d.ParentUUID); ok {
 		if m, ok := instanceAt(g, d.Profile, d.Placement); ok {
-			return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{dra.CDIKind + "=" + m.UUID}}, UUID: m.UUID, AdminAccess: true}, nil
+			return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{devicemodel.CDIKind + "=" + m.UUID}}, UUID: m.UUID, AdminAccess: true}, nil
 		}
 	}
 	return PreparedClaimDevice{}, fmt.Errorf("device %s: no %s exists at placement %d of GPU %s, and admin access creates none", d.Name, d.Profile, d.Placement.Start, d.ParentUUID)
@@ -264,7 +265,7 @@ func (n *nodeState) adminDevice(d dra.Device) (PreparedClaimDevice, error) {
 // the device's capacity: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is its shares'
 // part of the threads, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT the memory it
 // consumes (by default an equal part).
-func (p *publishedState) mpsClient(d dra.Device, r dra.Allocated) (map[string]string, []catalog.Mount, error) {
+func (p *publishedState) mpsClient(d devicemodel.Device, r dra.Allocated) (map[string]string, []catalog.Mount, error) {
 	var spec *catalog.AllocateSpec
 	if p.cat != nil {
 	find:
@@ -303,7 +304,7 @@ const mpsPipeEnv = "CUDA_MPS_PIPE_DIRECTORY"
 // nobody does): anyone at all for a device that is not shared; for a
 // shared one (Shares above 1), a container of the device plugin, or other
 // claims whose shares and the want this claim takes exceed its shares.
-func (a *Agent) whyTaken(d dra.Device, uid types.UID, want int64) string {
+func (a *Agent) whyTaken(d devicemodel.Device, uid types.UID, want int64) string {
 	if d.Shares <= 1 {
 		return a.ledger.Holder(d.UUID, uid)
 	}

@@ -26,11 +26,13 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // A deterministic simulation of the node, in the spirit of FoundationDB's:
@@ -918,7 +920,7 @@ func (s *simRun) prepareClaim(c *simClaim) {
 	c.prepared, c.held = true, nil
 	var got []string
 	for i, pd := range p.Devices {
-		u := strings.TrimPrefix(pd.CDIDevices[0], dra.CDIKind+"=")
+		u := strings.TrimPrefix(pd.CDIDevices[0], devicemodel.CDIKind+"=")
 		id, ok := truth.ident(u)
 		if !ok {
 			s.violate("vanished: prepared what NVML does not have", fmt.Sprintf("%s got %s (%s)", c.name, pd.Device, short(u)))
@@ -1264,7 +1266,7 @@ func (k *simKubelet) allocatedIDs(res string) map[string]bool {
 
 // attribution is the kubelet's pod-resources answer now: the containers
 // it has admitted.
-func (k *simKubelet) attribution() *health.Attribution {
+func (k *simKubelet) attribution() *podresources.Attribution {
 	var pods []*podresourcesv1.PodResources
 	now := k.s.clock.Now()
 	for _, c := range k.containers {
@@ -1274,11 +1276,11 @@ func (k *simKubelet) attribution() *health.Attribution {
 		pods = append(pods, &podresourcesv1.PodResources{Name: c.name, Namespace: "sim", Containers: []*podresourcesv1.ContainerResources{{
 			Name: "main", Devices: []*podresourcesv1.ContainerDevices{{ResourceName: c.resource, DeviceIds: c.ids}}}}})
 	}
-	return health.NewAttribution(pods, nil)
+	return podresources.NewAttribution(pods, nil)
 }
 
 // Refresh implements HoldingsSource.
-func (k *simKubelet) Refresh(context.Context) (*health.Attribution, error) {
+func (k *simKubelet) Refresh(context.Context) (*podresources.Attribution, error) {
 	if k.down {
 		return nil, errUnreachable
 	}
@@ -1288,7 +1290,7 @@ func (k *simKubelet) Refresh(context.Context) (*health.Attribution, error) {
 // schedule picks a device of pool for a new claim that already has devs,
 // as the scheduler would: healthy, not allocated to another claim (a
 // shared device while its shares last), its counters not exhausted.
-func (k *simKubelet) schedule(pool *dra.Pool, devs []dra.Allocated) (dra.Allocated, bool) {
+func (k *simKubelet) schedule(pool *devicemodel.Pool, devs []dra.Allocated) (dra.Allocated, bool) {
 	allocated := map[string]int64{} // device name → shares taken (exclusive: -1)
 	var all []dra.Allocated
 	for _, c := range append(slices.Clone(k.claims), k.unpreparing...) {
@@ -1316,7 +1318,7 @@ func (k *simKubelet) schedule(pool *dra.Pool, devs []dra.Allocated) (dra.Allocat
 	for _, cs := range pool.CounterSets {
 		limits[cs.GPU] = cs.Counters
 	}
-	fits := func(d dra.Device) bool {
+	fits := func(d devicemodel.Device) bool {
 		g := d.ParentIndexOrSelf()
 		for c, v := range d.Consumes {
 			if used[g][c]+v > limits[g][c] {

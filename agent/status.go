@@ -11,6 +11,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Status is what /status serves and `gpu-agent status` prints.
@@ -35,6 +36,10 @@ type Status struct {
 	Sharing []SharingState `json:"sharing,omitempty"`
 	// MIG is each GPU's repartitioning state when the config has a layout.
 	MIG []MIGState `json:"mig,omitempty"`
+	// Conflicts are NVIDIA's components seen acting on this node (another
+	// device plugin, mig-manager, GFD) and what the agent does about each
+	// (docs/migrating.md).
+	Conflicts []string `json:"conflicts,omitempty"`
 	// Cordon lists the GPUs taken out of service by the Node's
 	// gpu-agent.io/cordon annotation, and entries of it that name no GPU.
 	Cordon *CordonStatus `json:"cordon,omitempty"`
@@ -190,6 +195,10 @@ type MIGState struct {
 	Want   string `json:"want"`
 	Phase  string `json:"phase"`
 	Reason string `json:"reason,omitempty"`
+	// ResetBlockers, on a GPU whose MIG mode change waits for a reset the
+	// agent would do (mig.resetPolicy whenIdle), is what keeps it from the
+	// reset: the pods and claims holding it, the processes on it.
+	ResetBlockers []string `json:"resetBlockers,omitempty"`
 }
 
 func (a *Agent) publishStatus() {
@@ -245,6 +254,7 @@ func (a *Agent) publishStatus() {
 		s.Config.Error, s.Config.ErrorSince = a.migErr.err.Error(), a.migErr.since
 	}
 	s.MIG = a.migStatus()
+	s.Conflicts = a.conflicts.Messages()
 	if c := a.cordonStatus; len(c.GPUs) > 0 || len(c.Unknown) > 0 {
 		s.Cordon = &c
 	}
@@ -276,7 +286,7 @@ func (a *Agent) publishStatus() {
 	a.publishClaimStatus()
 }
 
-func resourceState(r *catalog.Resource, held map[string]health.Holder) ResourceState {
+func resourceState(r *catalog.Resource, held map[string]podresources.Holder) ResourceState {
 	rs := ResourceState{Name: r.Name, Devices: make([]DeviceState, 0, len(r.Devices))}
 	for _, d := range r.Devices {
 		ds := DeviceState{ID: d.ID, Healthy: d.Healthy, Reason: d.Reason, GPU: d.GPU, NUMANode: d.NUMANode}
@@ -291,7 +301,7 @@ func resourceState(r *catalog.Resource, held map[string]health.Holder) ResourceS
 }
 
 // sharingState groups a resource's replicas by the device they share.
-func sharingState(r *catalog.Resource, held map[string]health.Holder) []SharingState {
+func sharingState(r *catalog.Resource, held map[string]podresources.Holder) []SharingState {
 	by := map[string]*SharingState{}
 	var order []string
 	for _, d := range r.Devices {

@@ -233,7 +233,12 @@ func (a *Agent) setLabels(labels map[string]string) bool {
 	if maps.Equal(a.labels, labels) {
 		return false
 	}
+	mm, gfd := nodeConflicts(a.labels)
+	mm2, gfd2 := nodeConflicts(labels)
 	a.labels = maps.Clone(labels)
+	if mm != mm2 || gfd != gfd2 {
+		return true // mig-manager or GFD came or went: plan and label again
+	}
 	if a.file == nil {
 		return false
 	}
@@ -286,6 +291,8 @@ func (a *Agent) snapshot() Snapshot {
 		Profiles: a.profiles, ProfileErrs: a.profileErrs,
 		Selected: a.selected, LastGood: a.lastGood,
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
+		MIGResets:  a.opts.Reset != nil,
+		MIGManager: a.labels[LabelDeployMIGManager] == "true",
 		Holdings: Holdings{Attribution: l.Holders(), Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.Allocations(),
 			Claimed: claimed, Claims: claims, Releasing: releasingUUIDs(releases, intents, a.inv, claimed),
 			Unsettled: unsettled(intents, releases)},
@@ -309,6 +316,7 @@ func (a *Agent) pass(why string) {
 	}
 	start := a.now()
 	d := a.plan()
+	a.noteConflicts(a.conflictsWith(d.Catalog))
 	a.laid = map[int]bool{}
 	for _, gm := range d.MIG {
 		a.laid[gm.GPU] = true
@@ -320,7 +328,16 @@ func (a *Agent) pass(why string) {
 		// so the loop asks.
 		a.askHoldings()
 	}
-	changed := a.applyMIG(d)
+	changed, reset := a.applyMIG(d)
+	if reset {
+		// A GPU reset made a pending MIG mode current: its layout is made
+		// in this pass, from a fresh read.
+		a.observe("GPU reset for a MIG mode change")
+		a.ledger.UndoomAll()
+		d = a.plan()
+		a.applyMIG(d)
+		changed = true
+	}
 	if changed {
 		a.observe("MIG layout applied")
 	}
@@ -397,7 +414,7 @@ func (a *Agent) publish(cat *catalog.Catalog, why string) {
 	changed := a.cat == nil || !sameCatalog(a.cat, cat)
 	a.cat = cat
 	a.catalog.Store(cat)
-	a.opts.Publisher.Update(cat)
+	a.opts.Publisher.Update(withoutResources(cat, a.conflicts.Plugins))
 	a.metrics.devices.Reset()
 	for _, r := range cat.Resources {
 		healthy := 0
@@ -453,8 +470,10 @@ func (a *Agent) holdingsAnswer(e HoldingsAnswer) bool {
 	return true
 }
 
-// applyMIG runs each GPU's MIG plan; it reports whether any GPU changed.
-func (a *Agent) applyMIG(d Desired) (changed bool) {
+// applyMIG runs each GPU's MIG plan, and resets the GPUs whose mode
+// change waits for a reset where the policy allows (resetForMIG); it
+// reports whether any GPU changed, and whether one was reset.
+func (a *Agent) applyMIG(d Desired) (changed, reset bool) {
 	if d.MIG == nil {
 		if a.migStates != nil {
 			a.metrics.migPhases.Reset()
@@ -462,7 +481,7 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 		a.migStates = nil
 		a.noteMIGErr(d.MIGErr)
 		clear(a.migSaid)
-		return false
+		return false, false
 	}
 	if a.migSaid == nil {
 		a.migSaid = map[int]MIGState{}
@@ -496,6 +515,11 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 				st.Phase, st.Reason = mig.PhasePending, gm.Waiting
 			}
 		}
+		if a.opts.MIG != nil {
+			var done bool
+			st, done = a.resetForMIG(gm, st, gm.ResetPolicy)
+			reset = reset || done
+		}
 		// Waiting for the answer the loop just asked for is a moment, not
 		// news: it is in /status, but logged and sent as an Event only if
 		// the answer does not come (it fails, or the pass after it waits).
@@ -516,7 +540,7 @@ func (a *Agent) applyMIG(d Desired) (changed bool) {
 	for _, st := range states {
 		a.metrics.migPhases.WithLabelValues(fmt.Sprint(st.GPU), st.UUID, st.Phase).Set(1)
 	}
-	return changed
+	return changed, reset
 }
 
 // noteMIGErr keeps why the layout is not applied, logging it when it is

@@ -15,6 +15,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/mig"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 const (
@@ -482,11 +483,11 @@ type hangingHoldings struct {
 	asked   chan struct{}
 }
 
-func (h hangingHoldings) Refresh(ctx context.Context) (*health.Attribution, error) {
+func (h hangingHoldings) Refresh(ctx context.Context) (*podresources.Attribution, error) {
 	h.asked <- struct{}{}
 	select {
 	case <-h.release:
-		return health.NewAttribution(nil, nil), nil
+		return podresources.NewAttribution(nil, nil), nil
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}

@@ -160,3 +160,17 @@ func Kind(m os.FileMode) string {
 	}
 	return "mode " + m.Type().String()
 }
+
+// SetAside moves path, a file of state that cannot be trusted for the
+// reason why, out of the way of the next start: renamed to
+// path+".unreadable" in its directory (replacing one set aside before), so
+// that the next start does not trip over it again and a person can look at
+// it. The error names the file, why, and where it went; aside is "" when
+// it could not be moved, and the error says that too.
+func SetAside(path string, why error) (aside string, err error) {
+	aside = path + ".unreadable"
+	if rerr := os.Rename(path, aside); rerr != nil {
+		return "", fmt.Errorf("%s: %w (and setting it aside: %w)", path, why, rerr)
+	}
+	return aside, fmt.Errorf("%s: %w; set aside as %s", path, why, aside)
+}

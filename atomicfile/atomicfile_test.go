@@ -97,3 +97,31 @@ func TestReadFileRefuses(t *testing.T) {
 		t.Fatalf("ReadFile at the limit = %q, %v", b, err)
 	}
 }
+
+// A file set aside keeps its bytes under the new name, replacing one set
+// aside before, and the error says why and where; one that cannot be moved
+// is left where it is, and the error says so.
+func TestSetAside(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "checkpoint.json")
+	why := errors.New("torn")
+	for _, content := range []string{"first", "second"} {
+		if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		aside, err := SetAside(path, why)
+		if aside != path+".unreadable" || !errors.Is(err, why) || err.Error() != path+": torn; set aside as "+aside {
+			t.Fatalf("SetAside = %q, %v", aside, err)
+		}
+		if b, err := os.ReadFile(aside); err != nil || string(b) != content {
+			t.Fatalf("set aside: %q, %v; want %q", b, err, content)
+		}
+		if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("%s still there: %v", path, err)
+		}
+	}
+	aside, err := SetAside(filepath.Join(dir, "gone"), why)
+	if aside != "" || !errors.Is(err, why) || !errors.Is(err, os.ErrNotExist) || !strings.Contains(err.Error(), "and setting it aside: rename ") {
+		t.Fatalf("SetAside of a missing file = %q, %v", aside, err)
+	}
+}

@@ -185,6 +185,17 @@ configs:
 			},
 		},
 		{
+			name: "MIG reset policy",
+			in: `version: v1
+configs:
+  default:
+    mig:
+      strategy: mixed
+      resetPolicy: always
+`,
+			want: []wantErr{{"configs.default.mig.resetPolicy", 6, `unknown policy "always": must be whenIdle or never`}},
+		},
+		{
 			name: "replicas, names, limits",
 			in: `version: v1
 configs:

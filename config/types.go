@@ -252,7 +252,27 @@ type MIG struct {
 	Devices MigLayout `yaml:"devices,omitempty"`
 	// MigPartedConfig names an entry of File.MigConfigs.
 	MigPartedConfig string `yaml:"migPartedConfig,omitempty"`
+	// ResetPolicy says whether the agent resets a GPU whose MIG mode change
+	// waits for a reset (an A100's MIG enable, on most hosts): whenIdle
+	// (the default; "" reads as it) resets it once no container, claim or
+	// process has it, as NVIDIA's mig-manager does after stopping the GPU's
+	// clients; never leaves the reset to a person, the GPU reporting
+	// reset-required with what would have blocked it.
+	ResetPolicy ResetPolicy `yaml:"resetPolicy,omitempty"`
 }
+
+// ResetPolicy is when the agent resets a GPU for a pending MIG mode change.
+type ResetPolicy string
+
+// Reset policies.
+const (
+	ResetWhenIdle ResetPolicy = "whenIdle"
+	ResetNever    ResetPolicy = "never"
+)
+
+// ResetsWhenIdle reports whether p lets the agent reset an idle GPU ("" is
+// the default, whenIdle).
+func (p ResetPolicy) ResetsWhenIdle() bool { return p == "" || p == ResetWhenIdle }
 
 // MigLayout is mig-parted's per-device layout list; the first entry that
 // matches a GPU (by index and device filter) applies to it.

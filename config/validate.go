@@ -183,6 +183,13 @@ func (v *validator) config(p string, c *Config) {
 // so it is checked with the references (checkRefs).
 func (v *validator) mig(p string, m *MIG) {
 	local, refs := v.what&checkLocal != 0, v.what&checkRefs != 0
+	if local {
+		switch m.ResetPolicy {
+		case "", ResetWhenIdle, ResetNever:
+		default:
+			v.errorf(p+".resetPolicy", "unknown policy %q: must be %s or %s", m.ResetPolicy, ResetWhenIdle, ResetNever)
+		}
+	}
 	layout, layoutPath := m.Devices, p+".devices"
 	switch {
 	case m.Devices != nil && m.MigPartedConfig != "":

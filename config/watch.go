@@ -259,6 +259,7 @@ func (w *Watcher) check(ctx context.Context, out chan<- Update, st *watchState, 
 		}
 		if !initial && now.Sub(st.errSince) < w.ErrorGrace {
 			// Probably mid-update: look again before reporting.
+			w.logger.Debug("config file unreadable; looking again before reporting", "err", err)
 			retry.Reset(min(w.Debounce, w.ErrorGrace-now.Sub(st.errSince)))
 			return true
 		}

@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // configMapDir lays a directory out the way the kubelet mounts a ConfigMap:
@@ -73,7 +75,27 @@ func (c *configMapDir) publish(content string) {
 // absence not being reported, on a machine that may be loaded.
 func startWatcher(t *testing.T, path string, grace time.Duration) <-chan Update {
 	t.Helper()
-	w, err := NewWatcher(path, slog.New(slog.DiscardHandler))
+	return startLoggedWatcher(t, path, grace, slog.New(slog.DiscardHandler))
+}
+
+// logMessages is a slog.Handler that hands each record's message, at any
+// level, to a channel: a test waits there for what the watcher did.
+type logMessages chan string
+
+func (l logMessages) Enabled(context.Context, slog.Level) bool { return true }
+func (l logMessages) Handle(_ context.Context, r slog.Record) error {
+	select {
+	case l <- r.Message:
+	default: // nobody waits for it
+	}
+	return nil
+}
+func (l logMessages) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l logMessages) WithGroup(string) slog.Handler      { return l }
+
+func startLoggedWatcher(t *testing.T, path string, grace time.Duration, logger *slog.Logger) <-chan Update {
+	t.Helper()
+	w, err := NewWatcher(path, logger)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,14 +175,18 @@ func TestWatcherFileAbsent(t *testing.T) {
 	if err := os.WriteFile(path, []byte("a"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	ch := startWatcher(t, path, time.Second)
+	logs := make(logMessages, 64)
+	ch := startLoggedWatcher(t, path, time.Second, slog.New(logs))
 	expectData(t, ch, "a")
 
-	// Gone for a moment and back unchanged: nothing to report.
+	// Gone for a moment (the watcher read it gone) and back unchanged:
+	// nothing to report.
 	if err := os.Remove(path); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(50 * time.Millisecond)
+	testwait.Receive(t, "the watcher finding the file gone", logs, func(m string) bool {
+		return m == "config file unreadable; looking again before reporting"
+	})
 	if err := os.WriteFile(path, []byte("a"), 0o644); err != nil {
 		t.Fatal(err)
 	}

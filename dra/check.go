@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -55,7 +56,7 @@ func (d *Driver) CheckSlices(ctx context.Context) error {
 	if running == nil {
 		return nil // starting: the controller reads the API server as it starts
 	}
-	sel := fields.Set{resourceapi.ResourceSliceSelectorDriver: DriverName, resourceapi.ResourceSliceSelectorNodeName: d.opts.NodeName}
+	sel := fields.Set{resourceapi.ResourceSliceSelectorDriver: devicemodel.DriverName, resourceapi.ResourceSliceSelectorNodeName: d.opts.NodeName}
 	list, err := d.opts.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: sel.String()})
 	if err != nil {
 		return d.checkFailed(fmt.Errorf("list the ResourceSlices of node %s: %w", d.opts.NodeName, err))
@@ -114,7 +115,7 @@ func (d *Driver) checkFailed(err error) error {
 // slices owned by another Node.
 func notOurs(poolName string, pool resourceslice.Pool, api []resourceapi.ResourceSlice, nodeUID types.UID) (why string, foreign []resourceapi.ResourceSlice) {
 	mine := func(s resourceapi.ResourceSlice) bool {
-		return s.Spec.Driver == DriverName && s.Spec.Pool.Name == poolName && s.Spec.NodeName != nil && *s.Spec.NodeName == poolName
+		return s.Spec.Driver == devicemodel.DriverName && s.Spec.Pool.Name == poolName && s.Spec.NodeName != nil && *s.Spec.NodeName == poolName
 	}
 	var gen int64
 	for _, s := range api {

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -29,7 +30,7 @@ import (
 func apiSlice(name string, gen int64, owner types.UID, devices []string, sets ...string) resourceapi.ResourceSlice {
 	s := resourceapi.ResourceSlice{
 		ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID(name)},
-		Spec: resourceapi.ResourceSliceSpec{Driver: DriverName, NodeName: ptr.To("node-a"),
+		Spec: resourceapi.ResourceSliceSpec{Driver: devicemodel.DriverName, NodeName: ptr.To("node-a"),
 			Pool: resourceapi.ResourcePool{Name: "node-a", Generation: gen}},
 	}
 	if owner != "" {
@@ -202,7 +203,7 @@ func TestRepublishWhatTheAPIServerLost(t *testing.T) {
 			d := New(Options{NodeName: "node-a", Client: api, SliceCheck: -1, Now: func() time.Time { return now }})
 			defer d.Stop()
 			pool := mixedPool(t)
-			n := len(Resources("node-a", pool, 1, Dropped{}).Pools["node-a"].Slices)
+			n := len(devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}).Pools["node-a"].Slices)
 			d.Publish(pool)
 			d.startPublishing(ctx)
 			take(t, "created", api.created, n)

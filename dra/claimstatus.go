@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -129,7 +130,9 @@ func NewClaimStatusWriter(opts ClaimStatusOptions) *ClaimStatusWriter {
 // FieldManager is the server-side apply field manager of this node's
 // writes: one per driver and node, as KEP-4817 asks, so that the entries
 // of two nodes (or drivers) of one claim never fight.
-func (w *ClaimStatusWriter) FieldManager() string { return DriverName + "/" + w.opts.NodeName }
+func (w *ClaimStatusWriter) FieldManager() string {
+	return devicemodel.DriverName + "/" + w.opts.NodeName
+}
 
 // Set replaces the statuses wanted: one per prepared claim. A claim left
 // out is no longer written (Unprepare: the claim is going or deallocated,
@@ -286,7 +289,7 @@ func (w *ClaimStatusWriter) applyConfig(c ClaimStatus) (*resourceapply.ResourceC
 			w.since[key] = since
 		}
 		w.mu.Unlock()
-		ds := resourceapply.AllocatedDeviceStatus().WithDriver(DriverName).WithPool(w.opts.NodeName).WithDevice(d.Device).
+		ds := resourceapply.AllocatedDeviceStatus().WithDriver(devicemodel.DriverName).WithPool(w.opts.NodeName).WithDevice(d.Device).
 			WithConditions(metaapply.Condition().WithType(ConditionReady).WithStatus(ready).WithReason(reason).
 				WithMessage(msg).WithLastTransitionTime(since.at))
 		if d.ShareID != "" {

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -73,7 +74,7 @@ func TestClaimStatusWriter(t *testing.T) {
 				continue
 			}
 			d := ds[0]
-			if d.Driver != DriverName || d.Pool != "node-1" || d.Device != wt.device || string(ptrOr(d.ShareID)) != wt.shareID {
+			if d.Driver != devicemodel.DriverName || d.Pool != "node-1" || d.Device != wt.device || string(ptrOr(d.ShareID)) != wt.shareID {
 				t.Errorf("%s: claim %s entry %s/%s/%s share %v", step, wt.claim, d.Driver, d.Pool, d.Device, d.ShareID)
 			}
 			if len(d.Conditions) != 1 || d.Conditions[0].Type != ConditionReady || string(d.Conditions[0].Status) != wt.status ||

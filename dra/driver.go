@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"google.golang.org/grpc"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -33,7 +34,7 @@ type Claim struct {
 	Devices []Allocated
 	// Configs are the driver's opaque configs of the allocation, in
 	// precedence order (ConfigsOf); ConfigFor picks a result's.
-	Configs []DeviceConfig
+	Configs []devicemodel.DeviceConfig
 }
 
 // Allocated is one allocation result: which device serves which request.
@@ -142,9 +143,9 @@ type Driver struct {
 	// pool is the last one published, gen its generation; dropped is what
 	// the API server has dropped from a slice so far (one-way: a feature
 	// gate the API server starts with does not change under it).
-	pool    *Pool
+	pool    *devicemodel.Pool
 	gen     int64
-	dropped Dropped
+	dropped devicemodel.Dropped
 	// slices is where publishing stands, for /status.
 	slices Slices
 	// handed is the pool as last handed to the controller, what CheckSlices
@@ -194,13 +195,7 @@ type Slices struct {
 	// there, as on Kubernetes 1.34 and 1.35 by default), with the devices
 	// left out of the slices for it; the warning logged once, kept here
 	// so that one look at /status explains a device missing from them.
-	LeftOut []LeftOut `json:"leftOut,omitempty"`
-}
-
-// LeftOut is one feature off on the API server and what it leaves out.
-type LeftOut struct {
-	Feature string `json:"feature"`
-	Devices string `json:"devices"`
+	LeftOut []devicemodel.LeftOut `json:"leftOut,omitempty"`
 }
 
 // Slices returns where ResourceSlice publishing stands.
@@ -208,7 +203,7 @@ func (d *Driver) Slices() Slices {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	s := d.slices
-	s.LeftOut = d.dropped.leftOut()
+	s.LeftOut = d.dropped.LeftOut()
 	return s
 }
 
@@ -249,7 +244,7 @@ func (d *Driver) Start(ctx context.Context) error {
 	// The helper logs through klog's contextual logger: route it to ours.
 	ctx = klog.NewContext(ctx, logr.FromSlogHandler(opts.Logger.With("component", "dra").Handler()))
 	kopts := []kubeletplugin.Option{
-		kubeletplugin.DriverName(DriverName),
+		kubeletplugin.DriverName(devicemodel.DriverName),
 		kubeletplugin.NodeName(opts.NodeName),
 		// The helper reads claims through its client. It writes no
 		// ResourceSlices: PublishResources is never called, the driver runs
@@ -268,7 +263,7 @@ func (d *Driver) Start(ctx context.Context) error {
 	}
 	h, err := kubeletplugin.Start(ctx, d, kopts...)
 	if err != nil {
-		return fmt.Errorf("dra: start the kubelet plugin %s: %w", DriverName, err)
+		return fmt.Errorf("dra: start the kubelet plugin %s: %w", devicemodel.DriverName, err)
 	}
 	d.mu.Lock()
 	d.helper = h
@@ -295,7 +290,7 @@ func (d *Driver) Stop() {
 // Publish sets what the node offers through DRA; the ResourceSlice controller
 // writes the ResourceSlices in the background. It never blocks on the API.
 // Until the first publish is through it only keeps the pool.
-func (d *Driver) Publish(p *Pool) {
+func (d *Driver) Publish(p *devicemodel.Pool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.pool == nil || !d.pool.Equal(p) {
@@ -357,14 +352,14 @@ func ClaimOf(c *resourceapi.ResourceClaim, pool string) Claim {
 	if c.Status.Allocation == nil {
 		return out
 	}
-	out.Configs = ConfigsOf(c.Status.Allocation.Devices.Config)
+	out.Configs = devicemodel.ConfigsOf(c.Status.Allocation.Devices.Config)
 	for _, r := range c.Status.Allocation.Devices.Results {
-		if r.Driver == DriverName && r.Pool == pool {
+		if r.Driver == devicemodel.DriverName && r.Pool == pool {
 			a := Allocated{Request: r.Request, Device: r.Device}
 			if r.ShareID != nil {
 				a.ShareID = *r.ShareID
 			}
-			if q, ok := r.ConsumedCapacity[CapacityShares]; ok {
+			if q, ok := r.ConsumedCapacity[devicemodel.CapacityShares]; ok {
 				a.SharesTaken = q.Value()
 			}
 			if q, ok := r.ConsumedCapacity["memory"]; ok && q.Sign() > 0 {
@@ -373,13 +368,13 @@ func ClaimOf(c *resourceapi.ResourceClaim, pool string) Claim {
 			a.AdminAccess = r.AdminAccess != nil && *r.AdminAccess
 			for _, t := range r.Tolerations {
 				for _, effect := range []resourceapi.DeviceTaintEffect{resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute} {
-					if resourceclaim.ToleratesTaint(t, resourceapi.DeviceTaint{Key: TaintUnhealthy, Effect: effect}) {
+					if resourceclaim.ToleratesTaint(t, resourceapi.DeviceTaint{Key: devicemodel.TaintUnhealthy, Effect: effect}) {
 						a.ToleratesUnhealthy = true
 					}
 				}
 				// The cordon's taint is only ever NoSchedule: a toleration of
 				// NoExecute alone does not match it, for the scheduler either.
-				if resourceclaim.ToleratesTaint(t, resourceapi.DeviceTaint{Key: TaintCordoned, Effect: resourceapi.DeviceTaintEffectNoSchedule}) {
+				if resourceclaim.ToleratesTaint(t, resourceapi.DeviceTaint{Key: devicemodel.TaintCordoned, Effect: resourceapi.DeviceTaintEffectNoSchedule}) {
 					a.ToleratesCordon = true
 				}
 			}
@@ -422,7 +417,7 @@ func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 	changed := false
 	var unknown []string
 	for _, f := range features {
-		flag, leftOut := d.dropped.flag(f)
+		flag, leftOut := d.dropped.Flag(f)
 		switch {
 		case flag == nil:
 			unknown = append(unknown, f)
@@ -444,37 +439,6 @@ func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 		d.stale = true
 		d.publishLocked()
 	}
-}
-
-// droppedFeatures are the features whose fields Dropped latches, in the
-// order /status lists them.
-var droppedFeatures = []string{"DRADeviceTaints", "DRAPartitionableDevices", "DRAConsumableCapacity"}
-
-// leftOut lists the latched features with what each leaves out (nil when
-// none is).
-func (x Dropped) leftOut() []LeftOut {
-	var out []LeftOut
-	for _, f := range droppedFeatures {
-		if flag, what := x.flag(f); *flag {
-			out = append(out, LeftOut{Feature: f, Devices: what})
-		}
-	}
-	return out
-}
-
-// flag is the field of x that the dropped fields of feature (as
-// DroppedFieldsError.DisabledFeatures names it) set, and what that leaves
-// out; nil for a feature whose fields the driver does not publish.
-func (x *Dropped) flag(feature string) (*bool, string) {
-	switch feature {
-	case "DRADeviceTaints":
-		return &x.Taints, "unhealthy and cordoned devices, which cannot carry their taint"
-	case "DRAPartitionableDevices":
-		return &x.Partitions, "the counter sets and every MIG device made on demand, which without counters could be given out overlapping"
-	case "DRAConsumableCapacity":
-		return &x.Sharing, "devices shared by time-slicing or MPS, which cannot be shared by several claims"
-	}
-	return nil, ""
 }
 
 // NodeWatchResources implements the kubelet's DRA health service: the

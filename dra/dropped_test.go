@@ -17,6 +17,7 @@ import (
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
 
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
 
@@ -24,11 +25,11 @@ import (
 // be needed for: gpu-0 shared (MPS, 4 shares), gpu-1 unhealthy, gpu-2
 // plain, and GPU 3 with MIG devices on demand (gpu-3 whole, drawing on its
 // counter set, and its partitions).
-func mixedPool(t *testing.T) *Pool {
+func mixedPool(t *testing.T) *devicemodel.Pool {
 	t.Helper()
 	n, inv := simInventory(t, "dgx-h100")
-	pool := &Pool{}
-	for _, d := range Devices(inv, nil, map[string]string{inv.GPUs[1].UUID: "XID 79"}) {
+	pool := &devicemodel.Pool{}
+	for _, d := range devicemodel.Devices(inv, nil, map[string]string{inv.GPUs[1].UUID: "XID 79"}) {
 		switch d.Index {
 		case 0:
 			d.Shares, d.MPS = 4, true
@@ -46,10 +47,10 @@ func mixedPool(t *testing.T) *Pool {
 	if err != nil {
 		t.Fatal(err)
 	}
-	devs, set := Partitions(Dynamic{GPU: inv.GPUs[3], Profiles: profiles, Whole: true}, Device{ProductName: inv.GPUs[3].Name})
+	devs, set := devicemodel.Partitions(devicemodel.Dynamic{GPU: inv.GPUs[3], Profiles: profiles, Whole: true}, devicemodel.Device{ProductName: inv.GPUs[3].Name})
 	pool.Devices = append(pool.Devices, devs...)
-	pool.CounterSets = []CounterSet{set}
-	slices.SortFunc(pool.Devices, func(a, b Device) int { return strings.Compare(a.Name, b.Name) })
+	pool.CounterSets = []devicemodel.CounterSet{set}
+	slices.SortFunc(pool.Devices, func(a, b devicemodel.Device) int { return strings.Compare(a.Name, b.Name) })
 	return pool
 }
 
@@ -86,47 +87,6 @@ func summarize(res resourceslice.DriverResources) published {
 }
 
 func (p published) has(name string) bool { _, ok := slices.BinarySearch(p.devices, name); return ok }
-
-// Each feature the API server lacks leaves out what needs it, and only that.
-func TestResourcesDropped(t *testing.T) {
-	pool := mixedPool(t)
-	partitions := len(pool.Devices) - 4
-	if partitions < 20 {
-		t.Fatalf("GPU 3 has %d partitions", partitions)
-	}
-	tests := []struct {
-		name    string
-		dropped Dropped
-		// absent: devices left out; the rest of the pool is published.
-		absent                                              []string
-		partitions, counterSets, consuming, shared, tainted int
-	}{
-		{name: "nothing", partitions: partitions, counterSets: 1, consuming: partitions + 1, shared: 1, tainted: 1},
-		{name: "taints", dropped: Dropped{Taints: true}, absent: []string{"gpu-1"},
-			partitions: partitions, counterSets: 1, consuming: partitions + 1, shared: 1},
-		{name: "partitions", dropped: Dropped{Partitions: true}, shared: 1, tainted: 1},
-		{name: "sharing", dropped: Dropped{Sharing: true}, absent: []string{"gpu-0"},
-			partitions: partitions, counterSets: 1, consuming: partitions + 1, tainted: 1},
-		{name: "all three", dropped: Dropped{Taints: true, Partitions: true, Sharing: true}, absent: []string{"gpu-0", "gpu-1"}},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			got := summarize(Resources("node-a", pool, 1, tt.dropped))
-			for _, d := range pool.Devices {
-				want := !slices.Contains(tt.absent, d.Name) && !(d.Partition && tt.dropped.Partitions)
-				if got.has(d.Name) != want {
-					t.Errorf("%s published: %v, want %v", d.Name, got.has(d.Name), want)
-				}
-			}
-			if got.partitions != tt.partitions || got.counterSets != tt.counterSets || got.consuming != tt.consuming ||
-				got.shared != tt.shared || got.tainted != tt.tainted {
-				t.Errorf("%d partitions, %d counter sets, %d consuming, %d shared, %d tainted; want %d, %d, %d, %d, %d",
-					got.partitions, got.counterSets, got.consuming, got.shared, got.tainted,
-					tt.partitions, tt.counterSets, tt.consuming, tt.shared, tt.tainted)
-			}
-		})
-	}
-}
 
 // fakeSlices records what the driver hands the ResourceSlice controller.
 type fakeSlices struct {
@@ -196,20 +156,20 @@ func TestHandleDroppedFields(t *testing.T) {
 		// server dropped (a feature this driver never uses).
 		bindingConditions bool
 		wrap              bool
-		want              Dropped
+		want              devicemodel.Dropped
 		// warned: the features named in Warn records; failed: an Error record.
 		warned []string
 		failed bool
 	}{
-		{name: "taints", strip: []func(*resourceapi.ResourceSliceSpec){noTaints}, want: Dropped{Taints: true}, warned: []string{"DRADeviceTaints"}},
+		{name: "taints", strip: []func(*resourceapi.ResourceSliceSpec){noTaints}, want: devicemodel.Dropped{Taints: true}, warned: []string{"DRADeviceTaints"}},
 		{name: "shared counters", counters: true, strip: []func(*resourceapi.ResourceSliceSpec){noCounters},
-			want: Dropped{Partitions: true}, warned: []string{"DRAPartitionableDevices"}},
+			want: devicemodel.Dropped{Partitions: true}, warned: []string{"DRAPartitionableDevices"}},
 		{name: "consumed counters", strip: []func(*resourceapi.ResourceSliceSpec){noConsumption},
-			want: Dropped{Partitions: true}, warned: []string{"DRAPartitionableDevices"}},
+			want: devicemodel.Dropped{Partitions: true}, warned: []string{"DRAPartitionableDevices"}},
 		{name: "multiple allocations", strip: []func(*resourceapi.ResourceSliceSpec){noSharing},
-			want: Dropped{Sharing: true}, warned: []string{"DRAConsumableCapacity"}},
+			want: devicemodel.Dropped{Sharing: true}, warned: []string{"DRAConsumableCapacity"}},
 		{name: "taints and sharing at once, wrapped", strip: []func(*resourceapi.ResourceSliceSpec){noTaints, noSharing}, wrap: true,
-			want: Dropped{Taints: true, Sharing: true}, warned: []string{"DRADeviceTaints", "DRAConsumableCapacity"}},
+			want: devicemodel.Dropped{Taints: true, Sharing: true}, warned: []string{"DRADeviceTaints", "DRAConsumableCapacity"}},
 		{name: "a feature the driver does not know", bindingConditions: true, failed: true},
 		{name: "no feature found", failed: true},
 	}
@@ -227,7 +187,7 @@ func TestHandleDroppedFields(t *testing.T) {
 				return (len(s.SharedCounters) > 0) == tt.counters
 			})
 			s := fake.res[0].Pools["node-a"].Slices[i]
-			desired := (&resourceapi.ResourceSlice{Spec: resourceapi.ResourceSliceSpec{Driver: DriverName, Devices: s.Devices, SharedCounters: s.SharedCounters}}).DeepCopy()
+			desired := (&resourceapi.ResourceSlice{Spec: resourceapi.ResourceSliceSpec{Driver: devicemodel.DriverName, Devices: s.Devices, SharedCounters: s.SharedCounters}}).DeepCopy()
 			actual := desired.DeepCopy()
 			if tt.bindingConditions {
 				desired.Spec.Devices[0].BindingConditions = []string{"example.com/ready"}
@@ -248,17 +208,17 @@ func TestHandleDroppedFields(t *testing.T) {
 				t.Errorf("dropped %+v, want %+v", latched, tt.want)
 			}
 			wantPublishes := 1
-			if tt.want != (Dropped{}) {
+			if tt.want != (devicemodel.Dropped{}) {
 				wantPublishes = 2
 			}
 			if len(fake.res) != wantPublishes {
 				t.Fatalf("%d publishes, want %d", len(fake.res), wantPublishes)
 			}
-			check := func(when string, pool *Pool, res resourceslice.DriverResources) {
+			check := func(when string, pool *devicemodel.Pool, res resourceslice.DriverResources) {
 				t.Helper()
 				got := summarize(res)
 				for _, dev := range pool.Devices {
-					if want := !tt.want.withholds(dev); got.has(dev.Name) != want {
+					if want := !tt.want.Withholds(dev); got.has(dev.Name) != want {
 						t.Errorf("%s: %s published %v, want %v", when, dev.Name, got.has(dev.Name), want)
 					}
 				}
@@ -296,8 +256,8 @@ func TestHandleDroppedFields(t *testing.T) {
 			if len(fake.res) != wantPublishes {
 				t.Errorf("the same report again: %d publishes, want %d", len(fake.res), wantPublishes)
 			}
-			next := &Pool{Devices: slices.Clone(pool.Devices), CounterSets: pool.CounterSets}
-			next.Devices[slices.IndexFunc(next.Devices, func(d Device) bool { return d.Name == "gpu-2" })].Unhealthy = "XID 48"
+			next := &devicemodel.Pool{Devices: slices.Clone(pool.Devices), CounterSets: pool.CounterSets}
+			next.Devices[slices.IndexFunc(next.Devices, func(d devicemodel.Device) bool { return d.Name == "gpu-2" })].Unhealthy = "XID 48"
 			d.Publish(next)
 			if len(fake.res) != wantPublishes+1 {
 				t.Fatalf("a later pool: %d publishes, want %d", len(fake.res), wantPublishes+1)
@@ -313,7 +273,7 @@ func TestHandleOtherError(t *testing.T) {
 	fake := &fakeSlices{}
 	d := New(Options{NodeName: "node-a", Logger: slog.New(logs)})
 	d.controller = fake
-	d.Publish(&Pool{Devices: []Device{{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Unhealthy: "XID 79"}}})
+	d.Publish(&devicemodel.Pool{Devices: []devicemodel.Device{{Name: "gpu-0", Type: devicemodel.TypeGPU, UUID: "GPU-0", Unhealthy: "XID 79"}}})
 	d.HandleError(context.Background(), errors.New("conflict"), "update ResourceSlice")
 	if len(fake.res) != 1 || summarize(fake.res[0]).tainted != 1 {
 		t.Errorf("publishes %d, want the first only, with its taint", len(fake.res))
@@ -376,8 +336,8 @@ func TestFirstPublishWaitsAlone(t *testing.T) {
 		t.Fatalf("first publish has %d devices, want the pool's %d", len(first.devices), len(pool.Devices))
 	}
 
-	next := &Pool{Devices: slices.Clone(pool.Devices), CounterSets: pool.CounterSets}
-	next.Devices[slices.IndexFunc(next.Devices, func(d Device) bool { return d.Name == "gpu-2" })].Unhealthy = "XID 48"
+	next := &devicemodel.Pool{Devices: slices.Clone(pool.Devices), CounterSets: pool.CounterSets}
+	next.Devices[slices.IndexFunc(next.Devices, func(d devicemodel.Device) bool { return d.Name == "gpu-2" })].Unhealthy = "XID 48"
 	returns(t, "Publish", func() { d.Publish(next) })
 	returns(t, "HandleError", func() { d.HandleError(ctx, errors.New("conflict"), "update ResourceSlice") })
 	var health *drahealth.NodeWatchResourcesResponse
@@ -391,7 +351,7 @@ func TestFirstPublishWaitsAlone(t *testing.T) {
 	}
 
 	close(w.release)
-	if got, want := summarize(<-w.calls).tainted, summarize(Resources("node-a", next, 0, Dropped{})).tainted; got != want {
+	if got, want := summarize(<-w.calls).tainted, summarize(devicemodel.Resources("node-a", next, 0, devicemodel.Dropped{})).tainted; got != want {
 		t.Errorf("after the first publish: %d devices tainted, want the newer pool's %d", got, want)
 	}
 	if got := d.Slices(); !reflect.DeepEqual(got, Slices{Generation: 2, At: now}) {

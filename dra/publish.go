@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -22,7 +23,7 @@ type sliceController interface {
 // informer has synced with the API server, or ctx ends.
 func (d *Driver) startSlices(ctx context.Context, res resourceslice.DriverResources) (sliceController, error) {
 	return resourceslice.StartController(ctx, resourceslice.Options{
-		DriverName:   DriverName,
+		DriverName:   devicemodel.DriverName,
 		KubeClient:   d.opts.Client,
 		Owner:        &resourceslice.Owner{APIVersion: "v1", Kind: "Node", Name: d.opts.NodeName},
 		Resources:    &res,
@@ -145,7 +146,7 @@ func (d *Driver) publishLocked() {
 func (d *Driver) nextLocked() resourceslice.DriverResources {
 	d.gen++
 	d.stale = false
-	return Resources(d.opts.NodeName, d.pool, d.gen, d.dropped)
+	return devicemodel.Resources(d.opts.NodeName, d.pool, d.gen, d.dropped)
 }
 
 // tookLocked records that the controller took res.

@@ -81,9 +81,3 @@ func (c *fakeClock) sleep(d time.Duration) {
 	c.slept = append(c.slept, d)
 	c.add(d)
 }
-
-// newSampler is a sampler on clk (which the node should share, so that
-// GPM's averages see the time pass).
-func newSampler(lib nvml.Interface, clk *fakeClock) *Sampler {
-	return NewSampler(lib, SamplerOptions{Now: clk.now, Sleep: clk.sleep})
-}

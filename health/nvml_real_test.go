@@ -3,16 +3,15 @@ package health
 import (
 	"context"
 	"os"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 )
 
-// TestRealNVML is the read-only check of the watcher and the sampler on a
-// machine with a GPU: events register, probes find every GPU reachable and
-// the metrics carry values. Run it with GPU_AGENT_REAL_NVML=1.
+// TestRealNVML is the read-only check of the watcher on a machine with a
+// GPU: events register and probes find every GPU reachable (package
+// telemetry checks the metrics there). Run it with GPU_AGENT_REAL_NVML=1.
 func TestRealNVML(t *testing.T) {
 	if os.Getenv("GPU_AGENT_REAL_NVML") != "1" {
 		t.Skip("set GPU_AGENT_REAL_NVML=1 on a machine with an NVIDIA GPU")
@@ -40,29 +39,4 @@ func TestRealNVML(t *testing.T) {
 	if s := w.State(); len(s.Causes) > 0 {
 		t.Errorf("healthy machine has causes: %+v", s.Causes)
 	}
-
-	s := NewSampler(lib, SamplerOptions{})
-	defer s.release()
-	s.SetInventory(inv)
-	s.Sample()
-	out := scrape(t, NewCollector(CollectorOptions{Samples: s, Health: w, Hostname: "real"}), nil)
-	want := []string{"DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_SM_CLOCK",
-		"DCGM_FI_DEV_PCIE_REPLAY_COUNTER"}
-	// GPM from Hopper on: its first pass must already have profiling series.
-	for _, g := range inv.GPUs {
-		dev, ret := lib.DeviceGetHandleByUUID(g.UUID)
-		if ret != nvml.SUCCESS {
-			continue
-		}
-		if arch, ret := dev.GetArchitecture(); ret == nvml.SUCCESS && arch >= nvml.DEVICE_ARCH_HOPPER && arch != nvml.DEVICE_ARCH_UNKNOWN {
-			want = append(want, "DCGM_FI_PROF_GR_ENGINE_ACTIVE", "DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_PROF_DRAM_ACTIVE")
-			break
-		}
-	}
-	for _, name := range want {
-		if !strings.Contains(out, name+"{") {
-			t.Errorf("no %s on a real GPU", name)
-		}
-	}
-	t.Logf("\n%s", out)
 }

@@ -3,9 +3,6 @@ package health
 import (
 	"context"
 	"log/slog"
-	"net"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -13,8 +10,7 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
-	"google.golang.org/grpc"
-	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // Defect: every resync planned twice because setInventory marked the state
@@ -63,7 +59,7 @@ func TestWatcherRestoresCheckpointedCauses(t *testing.T) {
 	saved := []SavedCause{{Cause: Cause{GPU: uuid, Index: 3, GI: AllInstances, CI: AllInstances, Kind: CauseXID, XID: 48,
 		Class: ClassReset, Count: 1, Reason: "XID 48 (double-bit ECC error), needs GPU reset"}, DBEMax: 1, DBEKnown: true}}
 	w, states := runFresh(t, n, WatcherOptions{Restore: saved})
-	s := waitFor(t, states, "restored cause", func(s *State) bool { return bad(s, uuid) })
+	s := testwait.Receive(t, "restored cause", states, func(s *State) bool { return bad(s, uuid) })
 	if len(s.Causes) != 1 || s.Causes[0].XID != 48 {
 		t.Errorf("causes after restore %+v, want just the XID 48 (the DBE count it explains adds none)", s.Causes)
 	}
@@ -72,7 +68,7 @@ func TestWatcherRestoresCheckpointedCauses(t *testing.T) {
 	}
 	// A reset while we watch clears it by the usual evidence.
 	n.Reset(3)
-	waitFor(t, states, "cleared by reset", func(s *State) bool { return !bad(s, uuid) })
+	testwait.Receive(t, "cleared by reset", states, func(s *State) bool { return !bad(s, uuid) })
 	_ = w
 }
 
@@ -91,7 +87,7 @@ func TestWatcherReadsTracesOfEarlierFaults(t *testing.T) {
 	}
 	_, states := runFresh(t, n, WatcherOptions{})
 	want := map[int]CauseKind{1: CauseDoubleBitECC, 2: CauseRecoveryAction, 5: CauseRemapPending}
-	s := waitFor(t, states, "causes from NVML's counters", func(s *State) bool { return len(s.Causes) == len(want) })
+	s := testwait.Receive(t, "causes from NVML's counters", states, func(s *State) bool { return len(s.Causes) == len(want) })
 	for _, c := range s.Causes {
 		if want[c.Index] != c.Kind {
 			t.Errorf("cause %+v, want kind %s on GPU %d", c, want[c.Index], c.Index)
@@ -115,81 +111,9 @@ func TestWatcherSeesEventsBeforeFirstInventory(t *testing.T) {
 	n := newNode(t, "pcie-4gpu")
 	uuid := gpuUUID(t, n, 2)
 	w, states := runFresh(t, n, WatcherOptions{})
-	eventually(t, "registered without an inventory", func() bool { return len(w.Watched()) == 4 })
+	testwait.For(t, "registered without an inventory", func() bool { return len(w.Watched()) == 4 })
 	n.InjectXID(2, 79)
-	waitFor(t, states, "XID 79 on GPU 2", func(s *State) bool { return bad(s, uuid) })
-}
-
-// Defect: a relative --pod-resources-socket failed with "invalid
-// (non-empty) authority".
-func TestPodResourcesRelativeSocket(t *testing.T) {
-	kubelet, sock, _ := startKubelet(t)
-	kubelet.set(pod("ns", "p1", "c", "nvidia.com/gpu", "GPU-a"))
-	wd, _ := os.Getwd()
-	t.Chdir(filepath.Dir(sock))
-	defer os.Chdir(wd)
-	p := runPodResources(t, PodResourcesOptions{Socket: filepath.Base(sock), MaxAge: time.Hour})
-	a, err := p.Refresh(context.Background())
-	if err != nil || len(a.Holders("GPU-a")) != 1 {
-		t.Fatalf("Refresh through a relative socket path: %v", err)
-	}
-}
-
-// A kubelet that accepts and then never answers: Refresh fails within its
-// timeout (the loop then destroys nothing) instead of hanging.
-func TestPodResourcesRefreshHangingKubelet(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "kubelet.sock")
-	lis, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	release := make(chan struct{})
-	srv := grpc.NewServer()
-	podresourcesv1.RegisterPodResourcesListerServer(srv, hangingKubelet{release: release})
-	go func() { _ = srv.Serve(lis) }()
-	t.Cleanup(func() { close(release); srv.Stop() })
-
-	p := runPodResources(t, PodResourcesOptions{Socket: sock, Timeout: 100 * time.Millisecond, MaxAge: time.Hour})
-	_, err = p.Refresh(context.Background())
-	if err == nil || !strings.Contains(err.Error(), "DeadlineExceeded") {
-		t.Errorf("Refresh against a hanging kubelet: %v, want a deadline error", err)
-	}
-}
-
-type hangingKubelet struct {
-	podresourcesv1.UnimplementedPodResourcesListerServer
-	release chan struct{}
-}
-
-func (h hangingKubelet) List(ctx context.Context, _ *podresourcesv1.ListPodResourcesRequest) (*podresourcesv1.ListPodResourcesResponse, error) {
-	select {
-	case <-ctx.Done():
-	case <-h.release:
-	}
-	return nil, ctx.Err()
-}
-
-// Refresh is served by Run's goroutine, the cache's only writer; without Run
-// it fails rather than racing it.
-func TestPodResourcesRefreshNeedsRun(t *testing.T) {
-	_, sock, _ := startKubelet(t)
-	p := NewPodResources(PodResourcesOptions{Socket: sock, Timeout: 50 * time.Millisecond})
-	if _, err := p.Refresh(context.Background()); err == nil {
-		t.Error("Refresh answered without Run")
-	}
-}
-
-// Defect: /metrics lacked the DCGM series for a whole sampling interval
-// after start (the first pass ran before the inventory arrived).
-func TestSamplerSamplesAsSoonAsInventoryArrives(t *testing.T) {
-	n := newNode(t, "pcie-4gpu")
-	s := NewSampler(n, SamplerOptions{Interval: time.Hour})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = s.Run(ctx) }()
-	defer func() { cancel(); <-done }()
-	s.SetInventory(inventory(t, n))
-	eventually(t, "a sample of every GPU", func() bool { return len(s.Snapshot().GPUs) == 4 })
+	testwait.Receive(t, "XID 79 on GPU 2", states, func(s *State) bool { return bad(s, uuid) })
 }
 
 // A reboot under a running watcher (a simulated node's /sim/reboot) clears
@@ -199,10 +123,10 @@ func TestWatcherRebootClearsCauses(t *testing.T) {
 	n := newNode(t, "dgx-a100")
 	uuid2, uuid5 := gpuUUID(t, n, 2), gpuUUID(t, n, 5)
 	w, states := runFresh(t, n, WatcherOptions{BootID: n.BootID})
-	eventually(t, "registered", func() bool { return len(w.Watched()) == 8 })
+	testwait.For(t, "registered", func() bool { return len(w.Watched()) == 8 })
 	n.InjectXID(2, 79)
 	n.InjectXID(5, 48)
-	waitFor(t, states, "XID 79 on GPU 2 and 48 on GPU 5", func(s *State) bool { return bad(s, uuid2) && bad(s, uuid5) })
+	testwait.Receive(t, "XID 79 on GPU 2 and 48 on GPU 5", states, func(s *State) bool { return bad(s, uuid2) && bad(s, uuid5) })
 	// Set while the watcher runs: no event says so, only the reboot's
 	// fresh read of NVML finds it.
 	if err := n.SetRemappedRows(5, 0, 1, false, true); err != nil {
@@ -211,7 +135,7 @@ func TestWatcherRebootClearsCauses(t *testing.T) {
 	if err := n.Reboot(); err != nil {
 		t.Fatal(err)
 	}
-	s := waitFor(t, states, "the XIDs cleared by the reboot", func(s *State) bool {
+	s := testwait.Receive(t, "the XIDs cleared by the reboot", states, func(s *State) bool {
 		return !bad(s, uuid2) && len(s.Causes) == 1 && s.Causes[0].Kind == CauseRemapFailure
 	})
 	if s.Causes[0].GPU != uuid5 {
@@ -250,7 +174,7 @@ func TestWatcherRestoresOnlyThisBoot(t *testing.T) {
 		{"RestoredState", RestoredState(saved, boot)},
 		{"watcher", func() *State {
 			_, states := runFresh(t, n, WatcherOptions{Restore: saved, BootID: n.BootID})
-			return waitFor(t, states, "restored", func(s *State) bool { return bad(s, gpuUUID(t, n, 1)) && bad(s, gpuUUID(t, n, 2)) })
+			return testwait.Receive(t, "restored", states, func(s *State) bool { return bad(s, gpuUUID(t, n, 1)) && bad(s, gpuUUID(t, n, 2)) })
 		}()},
 	} {
 		if bad(tt.got, gpuUUID(t, n, 0)) || !bad(tt.got, gpuUUID(t, n, 1)) || !bad(tt.got, gpuUUID(t, n, 2)) {
@@ -258,7 +182,7 @@ func TestWatcherRestoresOnlyThisBoot(t *testing.T) {
 		}
 	}
 	_, states := runFresh(t, n, WatcherOptions{Restore: saved, BootID: n.BootID})
-	s := waitFor(t, states, "restored", func(s *State) bool { return bad(s, gpuUUID(t, n, 2)) })
+	s := testwait.Receive(t, "restored", states, func(s *State) bool { return bad(s, gpuUUID(t, n, 2)) })
 	for _, c := range s.Saved() {
 		if c.Boot != boot {
 			t.Errorf("saved %+v: want it of this boot %s", c, boot)

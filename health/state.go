@@ -148,6 +148,14 @@ func (s *State) UnhealthyDevices() map[string]string {
 	return out
 }
 
+// CausesOf returns the active causes of a GPU by UUID, most severe first.
+func (s *State) CausesOf(gpuUUID string) []Cause {
+	if s == nil {
+		return nil
+	}
+	return s.byGPU[gpuUUID]
+}
+
 // Stats returns the event counts of a GPU by UUID.
 func (s *State) Stats(gpuUUID string) (GPUStats, bool) {
 	if s == nil {

@@ -2,6 +2,8 @@ package health
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -10,6 +12,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // runWatcher starts w on lib until the test ends; states receives each State.
@@ -34,45 +37,15 @@ func runWatcher(t *testing.T, lib nvml.Interface, p Policy) (*Watcher, <-chan *S
 	return w, states
 }
 
-// waitFor returns the first state that satisfies ok, failing after 5 s.
-func waitFor(t *testing.T, states <-chan *State, what string, ok func(*State) bool) *State {
-	t.Helper()
-	deadline := time.After(5 * time.Second)
-	for {
-		select {
-		case s := <-states:
-			if ok(s) {
-				return s
-			}
-		case <-deadline:
-			t.Fatalf("timed out waiting for: %s", what)
-		}
-	}
-}
-
 func bad(s *State, id string) bool { _, b := s.Unhealthy(id); return b }
 
 // waitRegistered waits until every GPU is registered for XIDs, so injected
 // events are not lost (the sim delivers only to registered sets).
 func waitRegistered(t *testing.T, w *Watcher, n *sim.Node, gpus int) {
 	t.Helper()
-	// Probe the registration through the sim: an ignored XID shows up in the
-	// stats only once the GPU's registration is in place.
-	deadline := time.Now().Add(5 * time.Second)
 	for i := range gpus {
 		uuid := gpuUUID(t, n, i)
-		for {
-			if err := n.InjectXID(i, 13); err != nil {
-				t.Fatal(err)
-			}
-			time.Sleep(10 * time.Millisecond)
-			if st, ok := w.State().Stats(uuid); ok && st.XIDs[13] > 0 {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("gpu %d never registered for events", i)
-			}
-		}
+		testwait.For(t, fmt.Sprintf("gpu %d registered for events", i), func() bool { return slices.Contains(w.Watched(), uuid) })
 	}
 }
 
@@ -102,7 +75,7 @@ func TestWatcherMIGEventMarksMatchingInstances(t *testing.T) {
 		GI: uint32(target.GI), CI: sim.NoInstance}); err != nil {
 		t.Fatal(err)
 	}
-	s := waitFor(t, states, "MIG device marked", func(s *State) bool { return bad(s, target.UUID) })
+	s := testwait.Receive(t, "MIG device marked", states, func(s *State) bool { return bad(s, target.UUID) })
 	for _, in := range g.Instances {
 		if in.UUID != target.UUID && bad(s, in.UUID) {
 			t.Errorf("sibling %s (GI %d) marked by an event on GI %d", in.UUID, in.GI, target.GI)
@@ -121,7 +94,7 @@ func TestWatcherMIGEventMarksMatchingInstances(t *testing.T) {
 	if err := n.InjectXID(5, 79); err != nil {
 		t.Fatal(err)
 	}
-	s = waitFor(t, states, "GPU 5 marked", func(s *State) bool { return bad(s, inv.GPUs[5].UUID) })
+	s = testwait.Receive(t, "GPU 5 marked", states, func(s *State) bool { return bad(s, inv.GPUs[5].UUID) })
 	for _, in := range inv.GPUs[5].Instances {
 		if !bad(s, in.UUID) {
 			t.Errorf("MIG device %s of GPU 5 not marked by a GPU-wide XID", in.UUID)
@@ -142,16 +115,19 @@ func TestWatcherResetRecovery(t *testing.T) {
 	if err := n.InjectEvent(sim.Event{GPU: 1, Type: nvml.EventTypeDoubleBitEccError, GI: sim.NoInstance, CI: sim.NoInstance}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, states, "double-bit ECC marks GPU 1", func(s *State) bool { return bad(s, uuid) })
-	// Let a few probes record the counter before the reset.
-	time.Sleep(50 * time.Millisecond)
+	testwait.Receive(t, "double-bit ECC marks GPU 1", states, func(s *State) bool { return bad(s, uuid) })
+	// A probe records the counter before the reset: recovery is judged
+	// by it dropping.
+	testwait.For(t, "a probe recording GPU 1's double-bit count", func() bool {
+		return slices.ContainsFunc(w.State().Saved(), func(c SavedCause) bool { return c.GPU == uuid && c.DBEKnown && c.DBEMax == 3 })
+	})
 	if !bad(w.State(), uuid) {
 		t.Fatal("GPU recovered before any reset")
 	}
 	if err := n.Reset(1); err != nil {
 		t.Fatal(err)
 	}
-	s := waitFor(t, states, "GPU 1 healthy after reset", func(s *State) bool { return !bad(s, uuid) })
+	s := testwait.Receive(t, "GPU 1 healthy after reset", states, func(s *State) bool { return !bad(s, uuid) })
 	if last := s.Log[len(s.Log)-1]; !strings.Contains(last.Message, "was reset") {
 		t.Errorf("recovery log %q does not say why", last.Message)
 	}
@@ -171,7 +147,7 @@ func TestWatcherLostProbeWithoutEvents(t *testing.T) {
 	if err := n.SetLost(3, true); err != nil {
 		t.Fatal(err)
 	}
-	s := waitFor(t, states, "lost GPU found by the probe", func(s *State) bool { return bad(s, uuid) })
+	s := testwait.Receive(t, "lost GPU found by the probe", states, func(s *State) bool { return bad(s, uuid) })
 	if len(s.Causes) != 1 || s.Causes[0].Kind != CauseLost {
 		t.Errorf("causes = %+v, want one %s", s.Causes, CauseLost)
 	}
@@ -183,7 +159,7 @@ func TestWatcherLostProbeWithoutEvents(t *testing.T) {
 	if err := n.SetLost(3, false); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, states, "GPU healthy once it answers", func(s *State) bool { return !bad(s, uuid) })
+	testwait.Receive(t, "GPU healthy once it answers", states, func(s *State) bool { return !bad(s, uuid) })
 }
 
 // partialEvents wraps one GPU so that it reports no supported-event mask and
@@ -221,11 +197,11 @@ func TestWatcherSkipsUnsupportedEventTypesPerGPU(t *testing.T) {
 	if err := n.InjectXID(0, 48); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, states, "XID on the partial GPU still marks it", func(s *State) bool { return bad(s, inv.GPUs[0].UUID) })
+	testwait.Receive(t, "XID on the partial GPU still marks it", states, func(s *State) bool { return bad(s, inv.GPUs[0].UUID) })
 	if err := n.InjectEvent(sim.Event{GPU: 1, Type: nvml.EventTypeSingleBitEccError, GI: sim.NoInstance, CI: sim.NoInstance}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, states, "single-bit ECC counted on a full GPU", func(s *State) bool {
+	testwait.Receive(t, "single-bit ECC counted on a full GPU", states, func(s *State) bool {
 		st, _ := s.Stats(inv.GPUs[1].UUID)
 		return st.SingleBitEvents == 1
 	})
@@ -242,7 +218,7 @@ func TestWatcherChangesSignal(t *testing.T) {
 	if err := n.InjectXID(2, 48); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, states, "XID 48 marks GPU 2", func(s *State) bool { return bad(s, inv.GPUs[2].UUID) })
+	testwait.Receive(t, "XID 48 marks GPU 2", states, func(s *State) bool { return bad(s, inv.GPUs[2].UUID) })
 	select {
 	case <-w.Changes():
 	case <-time.After(5 * time.Second):

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -107,26 +108,15 @@ func nodeLabels(t *testing.T, client *fake.Clientset) map[string]string {
 	return n.Labels
 }
 
-func eventually(t *testing.T, what string, ok func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !ok() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not seen: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // The agent owns its labels: it sets them, removes them when they no longer
 // apply, and never touches labels it did not set.
 func TestPublisherOwnsItsLabels(t *testing.T) {
 	client := fake.NewClientset(newNode(map[string]string{"team": "ml", "nvidia.com/gpu.machine": "DGX-A100"}))
 	p := runPublisher(t, client)
 	p.SetLabels(map[string]string{"nvidia.com/gpu.count": "8", "nvidia.com/mig-1g.5gb.count": "56"})
-	eventually(t, "labels set", func() bool { return nodeLabels(t, client)["nvidia.com/mig-1g.5gb.count"] == "56" })
+	testwait.For(t, "labels set", func() bool { return nodeLabels(t, client)["nvidia.com/mig-1g.5gb.count"] == "56" })
 	p.SetLabels(map[string]string{"nvidia.com/gpu.count": "8"})
-	eventually(t, "stale label removed", func() bool { _, ok := nodeLabels(t, client)["nvidia.com/mig-1g.5gb.count"]; return !ok })
+	testwait.For(t, "stale label removed", func() bool { _, ok := nodeLabels(t, client)["nvidia.com/mig-1g.5gb.count"]; return !ok })
 	want := map[string]string{"team": "ml", "nvidia.com/gpu.machine": "DGX-A100", "nvidia.com/gpu.count": "8"}
 	if got := nodeLabels(t, client); !maps.Equal(got, want) {
 		t.Errorf("labels %v, want %v", got, want)
@@ -157,7 +147,7 @@ func TestPublisherDeniedThenAllowed(t *testing.T) {
 	})
 	p := runPublisher(t, client)
 	p.SetLabels(map[string]string{"nvidia.com/gpu.present": "true"})
-	eventually(t, "denial reported", func() bool { return strings.Contains(p.State().Labels.Error, "forbidden") })
+	testwait.For(t, "denial reported", func() bool { return strings.Contains(p.State().Labels.Error, "forbidden") })
 	// A denial is an answer: the API is reachable, the labels are not written.
 	if st := p.State(); st.API != APIReachable || len(st.Errors) != 1 || !strings.HasPrefix(st.Errors[0], "node gpu-1: label node: ") || !st.Labels.Pending {
 		t.Errorf("denied: state %+v, labels %+v; want reachable, the denial listed, labels pending", st, st.Labels)
@@ -165,8 +155,8 @@ func TestPublisherDeniedThenAllowed(t *testing.T) {
 	mu.Lock()
 	deny = false
 	mu.Unlock()
-	eventually(t, "applied after the denial ends", func() bool { return nodeLabels(t, client)["nvidia.com/gpu.present"] == "true" })
-	eventually(t, "state recovers", func() bool {
+	testwait.For(t, "applied after the denial ends", func() bool { return nodeLabels(t, client)["nvidia.com/gpu.present"] == "true" })
+	testwait.For(t, "state recovers", func() bool {
 		l := p.State().Labels
 		return l.Owned == 1 && !l.Pending && l.Error == "" && !l.Written.IsZero()
 	})

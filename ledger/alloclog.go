@@ -10,9 +10,11 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/gpu-agent/gpu-agent/atomicfile"
+	"github.com/gpu-agent/gpu-agent/stateformat"
 )
 
 // AllocLogFile is the allocation log's name in --state-dir: one line per
@@ -67,6 +69,22 @@ type allocLog struct {
 // writeFunc is atomicfile.Write's signature.
 type writeFunc func(path string, data []byte, opts ...atomicfile.Options) error
 
+// allocLogFormat is the records' format. A record names its version only
+// when it is not 1.0, the format of the agents before records carried one,
+// so that such an agent, rolled back to, still reads what this one wrote
+// while nothing was added.
+var allocLogFormat = stateformat.Format{Reads: []stateformat.Version{{Major: 1, Minor: 0}}, Unversioned: stateformat.Version{Major: 1}}
+
+// allocRecordVersion is the version of the records this build writes,
+// as they name it (0, 0: unnamed, 1.0).
+func allocRecordVersion() (major, minor int) {
+	v := allocLogFormat.Current()
+	if v == allocLogFormat.Unversioned {
+		return 0, 0
+	}
+	return v.Major, v.Minor
+}
+
 // appendRecord appends one record and its newline to b: the JSON that
 // json.Marshal makes of rec, written by hand for the IDs the catalog has
 // (UUIDs: no character JSON escapes), which keeps Allocate's cost down;
@@ -78,6 +96,14 @@ func appendRecord(b []byte, rec allocRecord) ([]byte, error) {
 	b, err := appendStrings(b, rec.IDs)
 	if err != nil {
 		return nil, err
+	}
+	if rec.Version != 0 {
+		b = append(b, `,"version":`...)
+		b = strconv.AppendInt(b, int64(rec.Version), 10)
+	}
+	if rec.Minor != 0 {
+		b = append(b, `,"minor":`...)
+		b = strconv.AppendInt(b, int64(rec.Minor), 10)
 	}
 	if rec.Resource != "" {
 		b = append(b, `,"resource":`...)
@@ -135,11 +161,14 @@ func plainID(id string) bool {
 
 // allocRecord is one line of the log: the devices (GPU or MIG UUIDs) one
 // Allocate handed out, when, under which resource, and which of them as
-// replicas of a shared device. Resource and Replicas came later: a record
-// without them (an older agent's) is read as devices whose name is unknown.
+// replicas of a shared device, in format Version.Minor (allocLogFormat;
+// both 0: 1.0). Resource and Replicas came later: a record without them
+// (an older agent's) is read as devices whose name is unknown.
 type allocRecord struct {
 	At       time.Time `json:"at"`
 	IDs      []string  `json:"ids"`
+	Version  int       `json:"version,omitempty"`
+	Minor    int       `json:"minor,omitempty"`
 	Resource string    `json:"resource,omitempty"`
 	Replicas []string  `json:"replicas,omitempty"`
 }
@@ -162,20 +191,25 @@ func newAllocLog(dir string, log *slog.Logger, write writeFunc) *allocLog {
 // readBack reads what the log holds. A log that cannot be read (not a
 // regular file, too large) is set aside, and setAside says so; lines that
 // cannot be decoded (the torn last line of a crash) are skipped with a
-// warning. err says the log could be neither read nor set aside.
+// warning. err says the log could be neither read nor set aside, or that
+// it holds a record of a newer major format (a *stateformat.NewerError):
+// then it is left as it is, for the newer agent that wrote it.
 func (l *allocLog) readBack() (entries map[string]AllocEntry, setAside, err error) {
 	b, err := atomicfile.ReadFile(l.path, maxAllocLogBytes)
 	switch {
 	case errors.Is(err, os.ErrNotExist):
 		return map[string]AllocEntry{}, nil, nil
 	case err != nil:
-		aside := l.path + ".unreadable"
-		if rerr := os.Rename(l.path, aside); rerr != nil {
-			return nil, nil, fmt.Errorf("allocation log %s: %w (and setting it aside: %w)", l.path, err, rerr)
+		aside, err := atomicfile.SetAside(l.path, err)
+		if aside == "" {
+			return nil, nil, fmt.Errorf("allocation log %w", err)
 		}
-		return map[string]AllocEntry{}, fmt.Errorf("allocation log %s: %w; set aside as %s, allocations made before this start are known only from the kubelet", l.path, err, aside), nil
+		return map[string]AllocEntry{}, fmt.Errorf("allocation log %w, allocations made before this start are known only from the kubelet", err), nil
 	}
-	entries, bad := DecodeAllocLog(b)
+	entries, bad, err := DecodeAllocLog(b)
+	if err != nil {
+		return nil, nil, fmt.Errorf("allocation log %s: %w; left as it is for the agent that wrote it (roll forward to it, or remove the file to start without the allocations it records)", l.path, err)
+	}
 	for _, e := range bad {
 		l.log.Warn("allocation log: record skipped", "path", l.path, "error", e)
 	}
@@ -187,15 +221,18 @@ func (l *allocLog) isOpen() bool { return l.f != nil }
 
 // DecodeAllocLog reads an allocation log: for each device, when and how it
 // was last handed out. A line that is not a whole record is skipped and
-// reported.
-func DecodeAllocLog(b []byte) (map[string]AllocEntry, []error) {
+// reported in bad. A record of a newer major format stops the reading:
+// err (a *stateformat.NewerError) says which line.
+func DecodeAllocLog(b []byte) (entries map[string]AllocEntry, bad []error, err error) {
 	out := map[string]AllocEntry{}
-	var bad []error
 	for i, line := range bytes.Split(b, []byte{'\n'}) {
 		if len(bytes.TrimSpace(line)) == 0 {
 			continue
 		}
 		rec, err := decodeAllocRecord(line)
+		if newer := (*stateformat.NewerError)(nil); errors.As(err, &newer) {
+			return nil, nil, fmt.Errorf("line %d: %w", i+1, err)
+		}
 		if err != nil {
 			if len(bad) < 10 {
 				bad = append(bad, fmt.Errorf("line %d: %w", i+1, err))
@@ -208,18 +245,15 @@ func DecodeAllocLog(b []byte) (map[string]AllocEntry, []error) {
 			}
 		}
 	}
-	return out, bad
+	return out, bad, nil
 }
 
+// decodeAllocRecord reads one line of the log: strictly in a format this
+// build knows, without the fields a newer minor format added.
 func decodeAllocRecord(line []byte) (allocRecord, error) {
 	var rec allocRecord
-	dec := json.NewDecoder(bytes.NewReader(line))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&rec); err != nil {
+	if _, err := allocLogFormat.Decode(line, &rec); err != nil {
 		return rec, err
-	}
-	if dec.More() {
-		return rec, errors.New("data after the record")
 	}
 	switch {
 	case rec.At.IsZero():
@@ -246,6 +280,7 @@ func decodeAllocRecord(line []byte) (allocRecord, error) {
 // append writes one record. On a failed or short write the file is cut back
 // to its whole records.
 func (l *allocLog) append(rec allocRecord) error {
+	rec.Version, rec.Minor = allocRecordVersion()
 	line, err := appendRecord(l.buf[:0], rec)
 	if err != nil {
 		return err
@@ -281,6 +316,7 @@ func (l *allocLog) rewrite(entries map[string]AllocEntry) error {
 	for _, id := range slices.Sorted(maps.Keys(entries)) {
 		e := entries[id]
 		rec := allocRecord{At: e.At, IDs: []string{id}, Resource: e.Resource}
+		rec.Version, rec.Minor = allocRecordVersion()
 		if e.Replica {
 			rec.Replicas = rec.IDs
 		}

@@ -21,11 +21,16 @@ func FuzzDecodeAllocLog(f *testing.F) {
 		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"x\"],\"extra\":1}\n",
 		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"GPU-a\",\"GPU-b\"],\"resource\":\"nvidia.com/gpu\",\"replicas\":[\"GPU-b\"]}\n",
 		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"GPU-a\"],\"replicas\":[\"GPU-z\"]}\n",
+		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"GPU-a\"],\"version\":1,\"minor\":2,\"new\":[1]}\n",
+		"{\"at\":\"2026-11-23T12:00:00Z\",\"ids\":[\"GPU-a\"]}\n{\"version\":2,\"devices\":[]}\n",
 	} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
-		got, bad := DecodeAllocLog(b)
+		got, bad, newer := DecodeAllocLog(b)
+		if newer != nil {
+			return
+		}
 		if len(bad) > 10 {
 			t.Fatalf("%d errors reported, want at most 10", len(bad))
 		}
@@ -40,7 +45,10 @@ func FuzzDecodeAllocLog(f *testing.F) {
 			t.Fatal(err)
 		}
 		defer l.close()
-		again, bad := DecodeAllocLog(readFile(t, l.path))
+		again, bad, err := DecodeAllocLog(readFile(t, l.path))
+		if err != nil {
+			t.Fatal(err)
+		}
 		if len(bad) != 0 || !maps.EqualFunc(got, again, func(x, y AllocEntry) bool {
 			return x.At.Equal(y.At) && x.Resource == y.Resource && x.Replica == y.Replica
 		}) {

@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/mps"
 )
@@ -42,7 +43,7 @@ type ClaimDevice struct {
 	// claim holds the device.
 	MPSDaemon *mps.Daemon `json:"mpsDaemon,omitempty"`
 	// Interval is the time slice the claim's config set on the GPU.
-	Interval dra.Interval `json:"interval,omitempty"`
+	Interval devicemodel.Interval `json:"interval,omitempty"`
 	// Shares is how many shares of a shared device the claim took.
 	Shares int64 `json:"shares,omitempty"`
 	// AdminAccess: given for administrative access; it holds nothing.

@@ -20,7 +20,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/gpu"
-	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
 // Ledger is the node's one record of who has each device, and the one place
@@ -59,7 +59,7 @@ type Ledger struct {
 	ids    []string              // Admit's scratch, under mu
 
 	places     map[string]place // MIG device UUID → where it is (from the last inventory)
-	holders    *health.Attribution
+	holders    *podresources.Attribution
 	claims     map[types.UID]Claim
 	intents    map[types.UID]Claim
 	releases   map[types.UID]Claim
@@ -537,7 +537,7 @@ func (l *Ledger) restoreAllocationsLocked(allocs map[string]AllocEntry) (future 
 // SettleAfter before asked are accounted for by it: those it does not
 // list are forgotten (their containers are gone), those it lists stay (the
 // allocation log keeps them for a restart). It reports how many went.
-func (l *Ledger) Settle(att *health.Attribution, asked time.Time) int {
+func (l *Ledger) Settle(att *podresources.Attribution, asked time.Time) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.holders = att
@@ -558,7 +558,7 @@ func (l *Ledger) Settle(att *health.Attribution, asked time.Time) int {
 
 // SetHolders takes who holds what from an answer whose time is unknown: it
 // settles nothing.
-func (l *Ledger) SetHolders(att *health.Attribution) {
+func (l *Ledger) SetHolders(att *podresources.Attribution) {
 	l.mu.Lock()
 	l.holders = att
 	l.mu.Unlock()
@@ -851,7 +851,7 @@ func (l *Ledger) Overlaps(a, b string) bool {
 
 // Holders is the kubelet's last answer on who holds what (nil before the
 // first).
-func (l *Ledger) Holders() *health.Attribution {
+func (l *Ledger) Holders() *podresources.Attribution {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.holders

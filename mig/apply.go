@@ -11,6 +11,7 @@ import (
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/gpu-agent/gpu-agent/atomicfile"
+	"github.com/gpu-agent/gpu-agent/stateformat"
 )
 
 // Library is the part of nvml.Interface the applier uses.
@@ -52,8 +53,19 @@ func NewApplier(lib Library, stateDir string, log *slog.Logger) *Applier {
 	return &Applier{lib: lib, dir: filepath.Join(stateDir, "mig"), log: log}
 }
 
+// journalFormat is the journal's format: "version" the major (absent: 1),
+// "minor" the minor (absent: 0). A journal names its version only when it
+// is not 1.0, the format of the agents before journals carried one, so
+// that such an agent, rolled back to mid-plan, still resumes what this one
+// wrote while nothing was added.
+var journalFormat = stateformat.Format{Reads: []stateformat.Version{{Major: 1, Minor: 0}}, Unversioned: stateformat.Version{Major: 1}}
+
 type journal struct {
-	Plan Plan `json:"plan"`
+	// Version and Minor are the format's version (journalFormat; both 0:
+	// 1.0).
+	Version int  `json:"version,omitempty"`
+	Minor   int  `json:"minor,omitempty"`
+	Plan    Plan `json:"plan"`
 	// Next is the first step not known to be done. Steps are idempotent, so
 	// the one at Next is run again on resume whether or not it had finished.
 	Next int `json:"next"`
@@ -385,7 +397,9 @@ const maxJournalBytes = 1 << 20
 // is there cannot be trusted: a torn, foreign or inconsistent journal (or
 // not a regular file) is set aside with a warning, and planning starts
 // from NVML, which is safe because every step is idempotent and creates
-// are whole.
+// are whole. A journal of a newer major format is an error, and left in
+// place: the plan in flight is the newer agent's to finish, and this
+// build cannot tell what its steps mean.
 func (a *Applier) load(uuid string) (*journal, error) {
 	path := a.path(uuid)
 	b, err := atomicfile.ReadFile(path, maxJournalBytes)
@@ -396,10 +410,14 @@ func (a *Applier) load(uuid string) (*journal, error) {
 	if err == nil {
 		j, err = decodeJournal(b, uuid)
 	}
-	if err != nil {
-		aside := path + ".unreadable"
-		if rerr := os.Rename(path, aside); rerr != nil {
-			return nil, fmt.Errorf("MIG journal %s: %w (and setting it aside: %w)", path, err, rerr)
+	var newer *stateformat.NewerError
+	switch {
+	case errors.As(err, &newer):
+		return nil, fmt.Errorf("MIG journal %s: %w; the GPU is left as it is until the agent that wrote it finishes its plan (or the file is removed)", path, err)
+	case err != nil:
+		aside, err := atomicfile.SetAside(path, err)
+		if aside == "" {
+			return nil, fmt.Errorf("MIG journal %w", err)
 		}
 		a.log.Warn("MIG journal not trusted; set aside, planning from what NVML shows", "path", path, "aside", aside, "error", err)
 		return nil, nil
@@ -412,7 +430,7 @@ func (a *Applier) load(uuid string) (*journal, error) {
 // last).
 func decodeJournal(b []byte, uuid string) (*journal, error) {
 	var j journal
-	if err := json.Unmarshal(b, &j); err != nil {
+	if _, err := journalFormat.Decode(b, &j); err != nil {
 		return nil, err
 	}
 	switch {
@@ -434,6 +452,12 @@ func decodeJournal(b []byte, uuid string) (*journal, error) {
 func (a *Applier) save(j *journal) error {
 	if err := os.MkdirAll(a.dir, 0o755); err != nil {
 		return fmt.Errorf("MIG journal dir: %w", err)
+	}
+	// In this build's format, whatever the one resumed was in: a newer
+	// minor's fields were not kept.
+	j.Version, j.Minor = 0, 0
+	if v := journalFormat.Current(); v != journalFormat.Unversioned {
+		j.Version, j.Minor = v.Major, v.Minor
 	}
 	b, err := json.Marshal(j)
 	if err != nil {

@@ -93,6 +93,8 @@ func FuzzJournal(f *testing.F) {
 		`{"plan":{"gpu":0,"uuid":"` + uuid + `","want":{"migEnabled":true,"counts":{"7g.40gb":1}},"steps":[{"op":"destroy","profile":"1g.5gb","profileIndex":0,"placement":{"start":0,"size":1},"gi":1,"reason":"x"},{"op":"create","profile":"7g.40gb","profileIndex":4,"placement":{"start":0,"size":8},"reason":"x"}]},"next":1}`,
 		`{"plan":{"gpu":0,"uuid":"` + uuid + `","want":{"migEnabled":false},"steps":[{"op":"set-mig-mode","placement":{"start":0,"size":0},"reason":"x"}]},"next":-1}`,
 		`{"plan":{"gpu":0,"uuid":"GPU-other","steps":[]},"next":0}`,
+		`{"version":1,"minor":3,"plan":{"gpu":0,"uuid":"` + uuid + `","want":{"migEnabled":true},"steps":[],"later":1},"next":0}`,
+		`{"version":2,"plan":{"gpu":0,"uuid":"` + uuid + `"},"next":0}`,
 	} {
 		f.Add([]byte(s))
 	}

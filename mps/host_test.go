@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/gpu-agent/gpu-agent/atomicfile"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // hostRun is a Host running in the background over a root; cleanup stops it.
@@ -149,7 +150,7 @@ func TestRemoteAndHostRoundTrip(t *testing.T) {
 		t.Errorf("daemon env %q (%v): want it pinned to GPU-rt", env, err)
 	}
 	hc := &harness{root: root}
-	waitFor(t, "limits applied and reported as generation 1", func() bool {
+	testwait.For(t, "limits applied and reported as generation 1", func() bool {
 		return readHealth(t, root).Devices[d.Device].Generation == 1
 	})
 	if n := count(hc.commands(t, d.Device), "set_default_active_thread_percentage 50"); n != 1 {
@@ -187,7 +188,7 @@ func TestRemoteAndHostRoundTrip(t *testing.T) {
 	// A limit change is a new generation, applied live.
 	d.ActiveThreadPercentage = 25
 	next.set(t, d)
-	waitFor(t, "generation 2 carried", func() bool {
+	testwait.For(t, "generation 2 carried", func() bool {
 		return readHealth(t, root).Devices[d.Device].Generation == 2
 	})
 	if got := pidOf(t, root, d.Device); got != pid {
@@ -199,7 +200,7 @@ func TestRemoteAndHostRoundTrip(t *testing.T) {
 
 	// Dropping the device quits its daemon.
 	next.set(t)
-	waitFor(t, "dropped daemon gone", func() bool { return !alive(pid) })
+	testwait.For(t, "dropped daemon gone", func() bool { return !alive(pid) })
 	if ok, why := next.Healthy(d.Device); ok || !strings.Contains(why, "no mps daemon") {
 		t.Errorf("Healthy(dropped) = %v, %q", ok, why)
 	}
@@ -318,7 +319,7 @@ func TestHostKeepsLastGoodDesiredFile(t *testing.T) {
 	} {
 		t.Run(bad.name, func(t *testing.T) {
 			writeRaw(t, root, bad.content)
-			waitFor(t, "health.json reports the rejection", func() bool {
+			testwait.For(t, "health.json reports the rejection", func() bool {
 				return strings.Contains(readHealth(t, root).Rejected, bad.want)
 			})
 			h := readHealth(t, root)
@@ -338,7 +339,7 @@ func TestHostKeepsLastGoodDesiredFile(t *testing.T) {
 	writeRaw(t, root, `garbage`)
 	r.set(t, b)
 	r.wait(t, b.Device, true, "")
-	waitFor(t, "dropped daemon quit", func() bool { return !alive(pid) })
+	testwait.For(t, "dropped daemon quit", func() bool { return !alive(pid) })
 	if h := readHealth(t, root); h.Rejected != "" || h.Generation != 2 {
 		t.Errorf("health.json %+v after a valid desired.json: want generation 2, nothing rejected", h)
 	}
@@ -388,7 +389,7 @@ func TestHostWithoutDesiredFileTouchesNothing(t *testing.T) {
 
 	clk := &clock{now: time.Unix(1000, 0)}
 	runHost(t, root, clk)
-	waitFor(t, "a first heartbeat", func() bool {
+	testwait.For(t, "a first heartbeat", func() bool {
 		_, err := ReadHealthFile(filepath.Join(root, HealthFileName))
 		return err == nil
 	})
@@ -398,7 +399,7 @@ func TestHostWithoutDesiredFileTouchesNothing(t *testing.T) {
 	}
 	// Let more intervals pass: the rule is "never", not "not yet".
 	clk.Advance(time.Second)
-	waitFor(t, "a later heartbeat", func() bool { return readHealth(t, root).Written.After(h0.Written) })
+	testwait.For(t, "a later heartbeat", func() bool { return readHealth(t, root).Written.After(h0.Written) })
 	if !alive(pid) || count((&harness{root: root}).commands(t, d.Device), "quit") != 0 {
 		t.Fatalf("daemon (pid %d) stopped by an mps-host that was never asked for daemons", pid)
 	}

@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // fakeBinary is the stand-in control program built by TestMain.
@@ -192,21 +194,10 @@ func (h *harness) answers(d Daemon) error {
 	return s.ping(context.Background(), s.daemonTarget(d))
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func (h *harness) waitHealthy(t *testing.T, dev string, want bool) string {
 	t.Helper()
 	var reason string
-	waitFor(t, fmt.Sprintf("%s healthy=%v", dev, want), func() bool {
+	testwait.For(t, fmt.Sprintf("%s healthy=%v", dev, want), func() bool {
 		var ok bool
 		ok, reason = h.sup.Healthy(dev)
 		return ok == want
@@ -299,7 +290,7 @@ func TestKilledDaemonRestartsAfterBackoffWithLimits(t *testing.T) {
 	// A check that asks while the kill lands says "not answering" first
 	// (a kill is not instant); the next finds the daemon gone.
 	var reason string
-	waitFor(t, "the daemon reported as exited", func() bool {
+	testwait.For(t, "the daemon reported as exited", func() bool {
 		_, reason = h.sup.Healthy(d.Device)
 		return strings.Contains(reason, "exited")
 	})
@@ -325,7 +316,7 @@ func TestHungDaemonIsKilledAndRestarted(t *testing.T) {
 	h := startWith(t, fakeBinary, 200*time.Millisecond, d)
 	// On a loaded machine a launch can outlast so short a timeout: let the
 	// restarts that follow happen.
-	waitFor(t, "daemon healthy", func() bool {
+	testwait.For(t, "daemon healthy", func() bool {
 		h.clock.Advance(time.Minute)
 		ok, _ := h.sup.Healthy(d.Device)
 		return ok
@@ -338,10 +329,10 @@ func TestHungDaemonIsKilledAndRestarted(t *testing.T) {
 	if !strings.Contains(reason, "not answering") {
 		t.Errorf("reason %q, want not answering", reason)
 	}
-	waitFor(t, "hung daemon killed", func() bool { return !alive(old) })
+	testwait.For(t, "hung daemon killed", func() bool { return !alive(old) })
 	// The supervisor dates the restart after the kill; keep time moving
 	// until it happens rather than guess when the backoff starts.
-	waitFor(t, "replacement healthy", func() bool {
+	testwait.For(t, "replacement healthy", func() bool {
 		h.clock.Advance(time.Minute)
 		ok, _ := h.sup.Healthy(d.Device)
 		return ok
@@ -368,7 +359,7 @@ func TestLimitsChangeLiveWithoutRestart(t *testing.T) {
 		"set_active_thread_percentage 4242 20",
 		"set_device_pinned_mem_limit 4242 0 4096M",
 	}
-	waitFor(t, "new limits applied", func() bool {
+	testwait.For(t, "new limits applied", func() bool {
 		cmds := h.commands(t, d.Device)
 		return !slices.ContainsFunc(want, func(w string) bool { return count(cmds, w) != 1 })
 	})
@@ -391,7 +382,7 @@ func TestRemovedDeviceIsQuit(t *testing.T) {
 	if err := h.sup.Set([]Daemon{a}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "removed daemon gone", func() bool { return !alive(pidB) })
+	testwait.For(t, "removed daemon gone", func() bool { return !alive(pidB) })
 	if cmds := h.commands(t, b.Device); count(cmds, "quit") != 1 || cmds[len(cmds)-1] != "quit" {
 		t.Errorf("removed daemon's commands %v: want quit last", cmds)
 	}
@@ -456,7 +447,7 @@ func TestNextSupervisorAdoptsDaemon(t *testing.T) {
 	}
 
 	next.set(t)
-	waitFor(t, "dropped daemon gone", func() bool { return !alive(pid) })
+	testwait.For(t, "dropped daemon gone", func() bool { return !alive(pid) })
 	if cmds := next.commands(t, d.Device); count(cmds, "quit") != 1 || cmds[len(cmds)-1] != "quit" {
 		t.Errorf("commands %v: want quit last", cmds)
 	}
@@ -532,7 +523,7 @@ func TestAdoptedDaemonHealthyOnceItAnswers(t *testing.T) {
 	next := newHarness(t, h.root, fakeBinary, 3*time.Second)
 	next.set(t, d)
 	next.run(t)
-	waitFor(t, "adopted daemon reported not answering", func() bool {
+	testwait.For(t, "adopted daemon reported not answering", func() bool {
 		ok, reason := next.sup.Healthy(d.Device)
 		return !ok && strings.Contains(reason, "not answering")
 	})
@@ -585,7 +576,7 @@ func TestFirstSetQuitsLeftoverDaemons(t *testing.T) {
 		t.Fatal("leftover daemon quit before the first Set")
 	}
 	next.set(t, keep)
-	waitFor(t, "leftover daemon gone", func() bool { return !alive(pidDrop) })
+	testwait.For(t, "leftover daemon gone", func() bool { return !alive(pidDrop) })
 	if cmds := next.commands(t, drop.Device); count(cmds, "quit") != 1 || cmds[len(cmds)-1] != "quit" {
 		t.Errorf("leftover's commands %v: want quit last", cmds)
 	}
@@ -645,7 +636,7 @@ func TestStopAllQuitsEveryDaemonUnderRoot(t *testing.T) {
 func TestMissingBinaryIsUnhealthyWithReason(t *testing.T) {
 	h := start(t, filepath.Join(t.TempDir(), "nope"), Daemon{Device: "GPU-x"})
 	reason := h.waitHealthy(t, "GPU-x", false)
-	waitFor(t, "start failure reported", func() bool {
+	testwait.For(t, "start failure reported", func() bool {
 		_, reason = h.sup.Healthy("GPU-x")
 		return strings.Contains(reason, " -d: ")
 	})

@@ -18,6 +18,7 @@ import (
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // fakeKubelet is the kubelet side of the device plugin protocol, as far as
@@ -173,7 +174,7 @@ func startManagerWith(t testing.TB, cat *catalog.Catalog, opts Options) (*Manage
 		// The socket file appears at bind, before listen: until then a
 		// connection is refused, and a fail-fast RPC fails.
 		p := filepath.Join(opts.Dir, DefaultSocketName(name))
-		eventually(t, 2*time.Second, "socket "+p+" served", func() bool {
+		testwait.For(t, "socket "+p+" served", func() bool {
 			c, err := net.Dial("unix", p)
 			if err != nil {
 				return false
@@ -214,18 +215,6 @@ func runManager(t testing.TB, cat *catalog.Catalog, opts Options) (*Manager, con
 	}
 	t.Cleanup(stop)
 	return m, stop
-}
-
-// eventually polls cond until it holds, failing after d.
-func eventually(t testing.TB, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within %v: %s", d, what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
 }
 
 func isNotExist(err error) bool { return errors.Is(err, fs.ErrNotExist) }

@@ -17,6 +17,7 @@ import (
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 // logRecorder keeps every record logged through its handlers.
@@ -275,7 +276,7 @@ func TestInvalidResourceNamesNotServed(t *testing.T) {
 	}
 	m, _ := runManager(t, cat, Options{Dir: dir})
 	k.waitRegistered(t, 2*time.Second, resGPU)
-	eventually(t, time.Second, "every bad name rejected in Status", func() bool {
+	testwait.For(t, "every bad name rejected in Status", func() bool {
 		for _, st := range m.Status() {
 			if want, isBad := bad[st.Name]; isBad && !strings.Contains(st.LastError, want) {
 				return false
@@ -309,7 +310,7 @@ func TestServedAgainAfterServeFailed(t *testing.T) {
 	}
 	cat := &catalog.Catalog{Resources: map[string]*catalog.Resource{resGPU: testCatalog().Resources[resGPU]}}
 	m, _ := runManager(t, cat, Options{Dir: dir})
-	eventually(t, time.Second, "serve failure in Status", func() bool {
+	testwait.For(t, "serve failure in Status", func() bool {
 		st := m.Status()
 		return len(st) == 1 && strings.Contains(st[0].LastError, "remove old socket")
 	})

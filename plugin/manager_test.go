@@ -16,6 +16,7 @@ import (
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 var (
@@ -43,7 +44,7 @@ func TestRegistration(t *testing.T) {
 			t.Errorf("%s: mode %v, want socket 0600", sock, fi.Mode())
 		}
 	}
-	eventually(t, time.Second, "Ready", m.Ready)
+	testwait.For(t, "Ready", m.Ready)
 	st := m.Status()
 	if len(st) != 2 || st[0].Name != resGPU || st[1].Name != resShared {
 		t.Fatalf("Status = %+v", st)
@@ -157,7 +158,7 @@ func TestListAndWatch(t *testing.T) {
 	})
 	m.Update(cat)
 	c := dialPlugin(t, filepath.Join(dir, sockGPU))
-	eventually(t, time.Second, "new Preferrer in use", func() bool {
+	testwait.For(t, "new Preferrer in use", func() bool {
 		r, err := c.GetPreferredAllocation(context.Background(), &pluginapi.PreferredAllocationRequest{
 			ContainerRequests: []*pluginapi.ContainerPreferredAllocationRequest{prefReq([]string{"GPU-a", "GPU-d"}, nil, 1)},
 		})
@@ -191,7 +192,7 @@ func TestAllocateOverSocket(t *testing.T) {
 
 	// Allocate answers from the catalog current at call time.
 	m.Update(withHealth(testCatalog(), resShared, "GPU-b::0", false, "GPU lost"))
-	eventually(t, time.Second, "unhealthy device refused", func() bool {
+	testwait.For(t, "unhealthy device refused", func() bool {
 		_, err := c.Allocate(ctx, allocReq([]string{"GPU-b::0"}))
 		return status.Code(err) == codes.FailedPrecondition && strings.Contains(err.Error(), "GPU lost")
 	})
@@ -242,14 +243,14 @@ func TestResourceAddedAndRemoved(t *testing.T) {
 	if req.GetResourceName() != resMIG || req.GetEndpoint() != DefaultSocketName(resMIG) {
 		t.Errorf("registration after adding %s: %v", resMIG, req)
 	}
-	eventually(t, time.Second, "removed resource's socket gone", func() bool {
+	testwait.For(t, "removed resource's socket gone", func() bool {
 		_, err := os.Stat(filepath.Join(dir, sockShared))
 		return isNotExist(err)
 	})
 	if _, err := next(time.Second); err == nil {
 		t.Error("ListAndWatch stream of the removed resource still open")
 	}
-	eventually(t, time.Second, "Ready with the new catalog", m.Ready)
+	testwait.For(t, "Ready with the new catalog", m.Ready)
 	var names []string
 	for _, st := range m.Status() {
 		names = append(names, st.Name)
@@ -264,7 +265,7 @@ func TestKubeletRestart(t *testing.T) {
 	k := startKubelet(t, dir)
 	m, _ := startManager(t, dir, testCatalog())
 	k.waitRegistered(t, 2*time.Second, resGPU, resShared)
-	eventually(t, time.Second, "Ready", m.Ready)
+	testwait.For(t, "Ready", m.Ready)
 
 	k.stop()
 	// startKubelet deletes every socket, ours too, before creating kubelet.sock.
@@ -279,7 +280,7 @@ func TestKubeletRestart(t *testing.T) {
 	if err != nil || len(resp.GetDevices()) != 4 {
 		t.Fatalf("ListAndWatch on the new socket: %v, %v", resp, err)
 	}
-	eventually(t, time.Second, "Ready after restart", m.Ready)
+	testwait.For(t, "Ready after restart", m.Ready)
 	// The restart must not set off a loop of re-serving: once settled, no
 	// further registrations arrive.
 	select {
@@ -292,7 +293,7 @@ func TestKubeletRestart(t *testing.T) {
 func TestKubeletStartsAfterManager(t *testing.T) {
 	dir := shortDir(t)
 	m, _ := startManager(t, dir, testCatalog())
-	eventually(t, time.Second, "waiting for the kubelet in Status", func() bool {
+	testwait.For(t, "waiting for the kubelet in Status", func() bool {
 		st := m.Status()
 		return len(st) == 2 && !st[0].Registered && strings.Contains(st[0].LastError, "waiting for the kubelet")
 	})
@@ -301,7 +302,7 @@ func TestKubeletStartsAfterManager(t *testing.T) {
 	}
 	k := startKubelet(t, dir)
 	k.waitRegistered(t, time.Second, resGPU, resShared)
-	eventually(t, time.Second, "Ready", m.Ready)
+	testwait.For(t, "Ready", m.Ready)
 }
 
 func TestOwnSocketRemoved(t *testing.T) {
@@ -328,12 +329,12 @@ func TestRegistrationRetry(t *testing.T) {
 	k := startKubelet(t, dir)
 	k.failNext(3)
 	m, _ := startManager(t, dir, &catalog.Catalog{Resources: map[string]*catalog.Resource{resGPU: testCatalog().Resources[resGPU]}})
-	eventually(t, time.Second, "registration error in Status", func() bool {
+	testwait.For(t, "registration error in Status", func() bool {
 		st := m.Status()
 		return len(st) == 1 && strings.Contains(st[0].LastError, "injected registration failure")
 	})
 	k.waitRegister(t, 2*time.Second)
-	eventually(t, time.Second, "Registered and error cleared", func() bool {
+	testwait.For(t, "Registered and error cleared", func() bool {
 		st := m.Status()
 		return st[0].Registered && st[0].LastError == "" && !st[0].RegisteredAt.IsZero()
 	})
@@ -381,7 +382,7 @@ func TestRunStopsAndCleansUp(t *testing.T) {
 func TestRunTwice(t *testing.T) {
 	dir := shortDir(t)
 	m, _ := startManager(t, dir, testCatalog())
-	eventually(t, time.Second, "socket served", func() bool {
+	testwait.For(t, "socket served", func() bool {
 		_, err := os.Stat(filepath.Join(dir, sockGPU))
 		return err == nil
 	})
@@ -409,7 +410,7 @@ func TestSocketNameCollision(t *testing.T) {
 			t.Error(err)
 		}
 	}()
-	eventually(t, time.Second, "collision reported", func() bool {
+	testwait.For(t, "collision reported", func() bool {
 		st := m.Status()
 		return len(st) == 2 && strings.Contains(st[1].LastError, "taken")
 	})

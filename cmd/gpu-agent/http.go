@@ -11,8 +11,8 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/dra"
-	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/plugin"
+	"github.com/gpu-agent/gpu-agent/telemetry"
 )
 
 // statusSource is what the HTTP endpoints read from the agent.
@@ -31,7 +31,7 @@ type registrations interface {
 type eventWatch interface{ Watched() []string }
 
 // sampled is what /readyz reads from the metrics sampler.
-type sampled interface{ Snapshot() *health.Snapshot }
+type sampled interface{ Snapshot() *telemetry.Snapshot }
 
 // newHTTPHandler serves /metrics, /healthz, /readyz, /status and, on a
 // simulated node only, the /sim/ fault injection endpoints. draSlices is
@@ -116,4 +116,4 @@ func fewAtATime(n int, h http.Handler) http.Handler {
 	})
 }
 
-func hasSamples(s *health.Snapshot) bool { return s != nil && len(s.GPUs) > 0 }
+func hasSamples(s *telemetry.Snapshot) bool { return s != nil && len(s.GPUs) > 0 }

@@ -12,8 +12,8 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/gpu"
-	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/plugin"
+	"github.com/gpu-agent/gpu-agent/telemetry"
 )
 
 type fixedStatus struct{ st *agent.Status }
@@ -32,8 +32,8 @@ func (noEvents) Watched() []string { return nil }
 
 type sampledGPU struct{}
 
-func (sampledGPU) Snapshot() *health.Snapshot {
-	return &health.Snapshot{GPUs: []health.GPUSample{{}}}
+func (sampledGPU) Snapshot() *telemetry.Snapshot {
+	return &telemetry.Snapshot{GPUs: []telemetry.GPUSample{{}}}
 }
 
 // /readyz answers 503 while what must survive a restart cannot be written

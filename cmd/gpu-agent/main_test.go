@@ -457,7 +457,7 @@ func TestReadmeDocumentsOwnMetrics(t *testing.T) {
 	}
 	name := regexp.MustCompile(`"(gpu_agent_[a-z_]+)"`)
 	seen := 0
-	for _, dir := range []string{"../../agent", "../../health", "../../plugin", "../../dra", "../../kube", "../../mps", "."} {
+	for _, dir := range []string{"../../agent", "../../health", "../../telemetry", "../../podresources", "../../plugin", "../../dra", "../../kube", "../../mps", "."} {
 		files, err := filepath.Glob(filepath.Join(dir, "*.go"))
 		if err != nil {
 			t.Fatal(err)

@@ -19,7 +19,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -397,8 +397,8 @@ func validate(ctx context.Context, file string, nf *nodeFlags, s *selection, fs 
 // writeDRAFootprint says what the node's ResourceSlices would hold with the
 // DRA driver on: their cost is paid by the scheduler for every node at each
 // scheduling attempt, so a config's author sees it before a fleet does.
-func writeDRAFootprint(w io.Writer, pool *dra.Pool) error {
-	f, err := dra.FootprintOf("node", pool)
+func writeDRAFootprint(w io.Writer, pool *devicemodel.Pool) error {
+	f, err := devicemodel.FootprintOf("node", pool)
 	if err != nil {
 		return err
 	}

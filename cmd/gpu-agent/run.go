@@ -21,6 +21,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/cdi"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
@@ -28,6 +29,9 @@ import (
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
+	"github.com/gpu-agent/gpu-agent/podresources"
+	"github.com/gpu-agent/gpu-agent/stateformat"
+	"github.com/gpu-agent/gpu-agent/telemetry"
 	"github.com/gpu-agent/gpu-agent/timeslice"
 )
 
@@ -59,14 +63,14 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.stateDir, "state-dir", "GPU_AGENT_STATE_DIR", "/var/lib/gpu-agent", "directory for state that must survive restarts")
 	fsAdd(&f.mpsRoot, "mps-root", "GPU_AGENT_MPS_ROOT", "/run/gpu-agent/mps", "root of the MPS pipe and log directories")
 	fsAdd(&f.mpsBinary, "mps-binary", "GPU_AGENT_MPS_BINARY", mps.DefaultBinary, "MPS control program, by path or found on PATH")
-	fsAdd(&f.nvidiaSMI, "nvidia-smi", "GPU_AGENT_NVIDIA_SMI", timeslice.DefaultSMI, "nvidia-smi, by path or found on PATH, to set the time slice DRA claims' TimeSlicing config asks for (empty, or a simulated node: only the Default interval is honoured)")
+	fsAdd(&f.nvidiaSMI, "nvidia-smi", "GPU_AGENT_NVIDIA_SMI", timeslice.DefaultSMI, "nvidia-smi, by path or found on PATH, to set the time slice DRA claims' TimeSlicing config asks for (empty, or a simulated node: only the Default interval is honoured) and to reset an idle GPU whose MIG mode change waits for a reset (mig.resetPolicy; empty: never)")
 	fsAdd(&f.mpsShmDir, "mps-shm-dir", "GPU_AGENT_MPS_SHM_DIR", "/dev/shm", "host directory MPS daemons and their clients share as /dev/shm")
 	fsAdd(&f.kubeconfig, "kubeconfig", "KUBECONFIG", "", "kubeconfig for the Kubernetes API (empty: in-cluster config when in a pod, else standalone)")
 	fsAdd(&f.configMap, "configmap", "GPU_AGENT_CONFIGMAP", "", "NAMESPACE/NAME of the ConfigMap to read the config from through the API (wins over --config, which stays the fallback)")
 	fsAdd(&f.defaultConfig, "default-config", "GPU_AGENT_DEFAULT_CONFIG", "", "config (a key of a multi-key ConfigMap) for nodes no entry or label selects, before \"default\" (NVIDIA's config.default)")
 	// NVIDIA's variable name, so a device plugin DaemonSet's env carries over.
 	fsAdd(&f.migStrategy, "mig-strategy", "MIG_STRATEGY", "", "none, single or mixed: MIG strategy of configs that set none, mig-parted entries and the implicit default (empty: none for configs, mixed for the others; the GPU Operator sets single)")
-	fsAdd(&f.draPluginDir, "dra-plugin-dir", "GPU_AGENT_DRA_PLUGIN_DIR", "/var/lib/kubelet/plugins/"+dra.DriverName, "where the DRA driver's socket goes (with --dra)")
+	fsAdd(&f.draPluginDir, "dra-plugin-dir", "GPU_AGENT_DRA_PLUGIN_DIR", "/var/lib/kubelet/plugins/"+devicemodel.DriverName, "where the DRA driver's socket goes (with --dra)")
 	fsAdd(&f.kubeletRegistryDir, "kubelet-registry-dir", "GPU_AGENT_KUBELET_REGISTRY_DIR", "/var/lib/kubelet/plugins_registry", "the kubelet's plugin registration directory (with --dra)")
 	fsAdd(&f.cdiSpecDir, "cdi-spec-dir", "GPU_AGENT_CDI_SPEC_DIR", cdi.DefaultDir, "where the node's CDI spec goes, written while the DRA driver or a CDI device list strategy needs it (empty: never)")
 	// NVIDIA's variable name, as for MIG_STRATEGY.
@@ -99,7 +103,7 @@ func runFlagSet(f *runFlags, stderr io.Writer) (*flag.FlagSet, error) {
 		return nil, err
 	}
 	if err := registerBoolFlag(fs, &f.dra, "dra", "GPU_AGENT_DRA",
-		"also offer the GPUs through Dynamic Resource Allocation, as driver "+dra.DriverName+" (needs the Kubernetes API)"); err != nil {
+		"also offer the GPUs through Dynamic Resource Allocation, as driver "+devicemodel.DriverName+" (needs the Kubernetes API)"); err != nil {
 		return nil, err
 	}
 	return fs, nil
@@ -146,67 +150,143 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 	return nil, fmt.Errorf("--log-format %q: want text or json", format)
 }
 
+// runAgent is `gpu-agent run`: it wires the agent's parts in the order they
+// depend on each other, runs them until ctx ends, and stops them.
 func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	be, err := openBackend(f.backend, f.nvmlLib, log)
 	if err != nil {
 		return err
 	}
 	defer be.Close()
-	if err := os.MkdirAll(f.stateDir, 0o755); err != nil {
-		return fmt.Errorf("--state-dir: %w", err)
-	}
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		newBuildInfoMetric(buildInfo()))
-
-	// Everything that must survive a restart: allocations not yet accounted
-	// for, health causes, the GPUs last seen. A bad checkpoint is set aside
-	// and the agent starts from what NVML shows.
-	restored, err := agent.LoadCheckpoint(f.stateDir)
-	if err != nil {
-		log.Error("checkpoint not restored; starting from what NVML shows", "error", err)
-	}
-	var savedHealth []health.SavedCause
-	if restored != nil {
-		savedHealth = restored.Health
-	}
-
-	// Every producer posts to the agent's one inbox.
-	inbox := agent.NewInbox()
-
-	// Health and metrics: the watcher marks devices, the sampler caches
-	// telemetry for scrapes, pod-resources attributes devices to pods.
-	watcher := health.NewWatcher(be.Lib, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
-		Logger:   log.With("component", "health"),
-		Restore:  savedHealth,
-		BootID:   be.BootID,
-		OnChange: func(s *health.State) { inbox.Post(agent.HealthChanged{State: s}) },
-	})
-	sampler := health.NewSampler(be.Lib, health.SamplerOptions{Logger: log.With("component", "metrics")})
-	podres := health.NewPodResources(health.PodResourcesOptions{
-		Socket: f.podResources, Logger: log.With("component", "pod-resources"),
-		OnChange: func(a *health.Attribution) { inbox.Post(agent.HoldingsChanged{Attribution: a, Answered: time.Now()}) },
-	})
-	// The MPS daemons' supervisor, or with --mps-host the agent's side of
-	// mps-host, which runs them outside this container (mpshost.go).
-	mpsSup, err := newMPSControl(f, be.Sim != nil, log)
+	restored, err := openState(f.stateDir, log)
 	if err != nil {
 		return err
 	}
-
+	w := &wiring{f: f, log: log, be: be, inbox: agent.NewInbox(), reg: newRegistry()}
+	w.observers(restored)
+	// The MPS daemons' supervisor, or with --mps-host the agent's side of
+	// mps-host, which runs them outside this container (mpshost.go).
+	if w.mps, err = newMPSControl(f, be.Sim != nil, log); err != nil {
+		return err
+	}
 	// The ledger: Allocate, DRA Prepare and the MIG applier all pass
 	// through it, so no device is handed out and destroyed at once.
 	held, err := ledger.New(ledger.Options{StateDir: f.stateDir, Logger: log.With("component", "ledger")})
+	if newer := (*stateformat.NewerError)(nil); errors.As(err, &newer) {
+		held.Close()
+		return err
+	}
 	if err != nil {
 		log.Error("allocation log", "error", err)
 	}
 	defer held.Close()
+	if err := w.devicePlugin(held); err != nil {
+		return err
+	}
+	if err := w.configSources(); err != nil {
+		return err
+	}
+	w.draDriver()
+	cdiSpecs, err := cdiKeeper(f, be)
+	if err != nil {
+		return err
+	}
+	ag := w.newAgent(restored, held, cdiSpecs)
+	return w.serve(ctx, ag)
+}
 
+// wiring holds the agent's parts while runAgent builds them, step by step.
+type wiring struct {
+	f   runFlags
+	log *slog.Logger
+	be  *backend
+	// inbox is the agent's one inbox; every producer posts to it.
+	inbox *agent.Inbox
+	reg   *prometheus.Registry
+
+	watcher *health.Watcher
+	sampler *telemetry.Sampler
+	podres  *podresources.Client
+	mps     mpsControl
+	mgr     *plugin.Manager
+
+	cfgWatcher *config.Watcher // nil without --config
+	// The Kubernetes API's parts: all nil and empty when standalone.
+	clients   *kube.Clients
+	client    kubernetes.Interface
+	cluster   agent.Cluster
+	configMap string // read through the API, for /status
+	kubeRuns  []func(context.Context) error
+
+	dra         *dra.Driver // nil without --dra or without the API
+	draPub      agent.DRAPublisher
+	claimStatus agent.ClaimStatusPublisher
+}
+
+// newRegistry is the Prometheus registry of /metrics, with the process's
+// own series and the build's.
+func newRegistry() *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		newBuildInfoMetric(buildInfo()))
+	return reg
+}
+
+// openState makes the state directory and reads what must survive a
+// restart: allocations not yet accounted for, health causes, the GPUs last
+// seen. A bad checkpoint is set aside and the agent starts from what NVML
+// shows (nil).
+func openState(dir string, log *slog.Logger) (*agent.Checkpoint, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("--state-dir: %w", err)
+	}
+	// A bad checkpoint is set aside and the agent starts from what NVML
+	// shows. One a newer agent wrote in a format this build cannot read is
+	// not: starting without what it records would destroy what it protects
+	// (docs/upgrade.md).
+	restored, err := agent.LoadCheckpoint(dir)
+	if newer := (*stateformat.NewerError)(nil); errors.As(err, &newer) {
+		return nil, err
+	}
+	if err != nil {
+		log.Error("checkpoint not restored; starting from what NVML shows", "error", err)
+	}
+	return restored, nil
+}
+
+// observers builds what watches the node for the loop and for metrics: the
+// health watcher marks devices, the sampler caches telemetry for scrapes,
+// pod-resources attributes devices to pods.
+func (w *wiring) observers(restored *agent.Checkpoint) {
+	var savedHealth []health.SavedCause
+	if restored != nil {
+		savedHealth = restored.Health
+	}
+	inbox, log := w.inbox, w.log
+	w.watcher = health.NewWatcher(w.be.Lib, health.PolicyFromConfig(config.Health{}), health.WatcherOptions{
+		Logger:   log.With("component", "health"),
+		Restore:  savedHealth,
+		BootID:   w.be.BootID,
+		OnChange: func(s *health.State) { inbox.Post(agent.HealthChanged{State: s}) },
+	})
+	w.sampler = telemetry.NewSampler(w.be.Lib, telemetry.SamplerOptions{Logger: log.With("component", "metrics")})
+	w.podres = podresources.NewClient(podresources.Options{
+		Socket: w.f.podResources, Logger: log.With("component", "pod-resources"),
+		OnChange: func(a *podresources.Attribution) {
+			inbox.Post(agent.HoldingsChanged{Attribution: a, Answered: time.Now()})
+		},
+	})
+}
+
+// devicePlugin builds the device plugin's servers, which check each
+// Allocate against the ledger.
+func (w *wiring) devicePlugin(held *ledger.Ledger) error {
+	inbox, podres, useDRA := w.inbox, w.podres, w.f.dra
 	mgr, err := plugin.NewManager(plugin.Options{
-		Dir: f.pluginDir, Logger: log.With("component", "plugin"),
+		Dir: w.f.pluginDir, Logger: w.log.With("component", "plugin"),
 		Admit: agent.Admit(held),
 		OnAllocate: func(resource string, ids []string) {
-			if f.dra {
+			if useDRA {
 				// The device leaves the DRA pool at once; without DRA
 				// the loop has nothing to do (the ledger has it).
 				inbox.Post(agent.Allocated{Resource: resource, IDs: ids})
@@ -214,26 +294,25 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 			podres.Invalidate()
 		},
 	})
-	if err != nil {
-		return err
-	}
+	w.mgr = mgr
+	return err
+}
 
-	var cfgWatcher *config.Watcher
+// configSources sets up where the config comes from: the file (--config),
+// and the Kubernetes API, when there is one: the Node's labels pick the
+// config, the ConfigMap is read directly (faster than a mounted volume),
+// and labels and Events go back. Trouble with the API never stops the
+// agent: it serves standalone.
+func (w *wiring) configSources() error {
+	f, log, inbox := w.f, w.log, w.inbox
 	if f.config != "" {
-		cfgWatcher, err = config.NewWatcher(f.config, log.With("component", "config"))
+		cw, err := config.NewWatcher(f.config, log.With("component", "config"))
 		if err != nil {
 			return fmt.Errorf("--config %s: %w", f.config, err)
 		}
+		w.cfgWatcher = cw
 	}
-	// The Kubernetes API, when there is one: the Node's labels pick the
-	// config, the ConfigMap is read directly (faster than a mounted
-	// volume), and labels and Events go back. Trouble with it never stops
-	// the agent: it serves standalone.
-	var cluster agent.Cluster
-	var configMap string // read through the API, for /status
-	var kubeRuns []func(context.Context) error
 	clients, how, err := kube.Connect(f.kubeconfig, "gpu-agent")
-	var client kubernetes.Interface
 	switch {
 	case err != nil:
 		log.Error("kubernetes API not usable; running standalone", "error", err)
@@ -241,137 +320,166 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		log.Info("no kubeconfig and not in a pod: running standalone, without the Kubernetes API")
 	default:
 		log.Info("kubernetes API", "via", how, "node", f.nodeName)
-		client = clients.Agent
-		pub := kube.NewPublisher(client, f.nodeName, log.With("component", "kube"))
-		cluster = pub
-		nodes := kube.NewNodeWatcher(client, f.nodeName, func(n kube.NodeInfo) {
+		w.clients, w.client = clients, clients.Agent
+		pub := kube.NewPublisher(w.client, f.nodeName, log.With("component", "kube"))
+		w.cluster = pub
+		nodes := kube.NewNodeWatcher(w.client, f.nodeName, func(n kube.NodeInfo) {
 			inbox.Post(agent.LabelsChanged{Labels: n.Labels})
 			inbox.Post(agent.CordonChanged{GPUs: kube.SplitCordon(n.Cordon)})
 		}, log.With("component", "kube"))
-		kubeRuns = append(kubeRuns, pub.Run, nodes.Run)
+		w.kubeRuns = append(w.kubeRuns, pub.Run, nodes.Run)
 		pub.Track(nodes)
 		if f.configMap != "" {
 			ns, name, err := kube.ParseConfigMapRef(f.configMap)
 			if err != nil {
 				return usageError{"--configmap " + err.Error()}
 			}
-			cms := kube.NewConfigMapWatcher(client, ns, name, func(data map[string]string, deleted bool) {
+			cms := kube.NewConfigMapWatcher(w.client, ns, name, func(data map[string]string, deleted bool) {
 				inbox.Post(agent.ConfigChanged{Update: configMapUpdate(data, deleted), Source: agent.SourceAPI})
 			}, log.With("component", "kube"))
-			kubeRuns = append(kubeRuns, cms.Run)
+			w.kubeRuns = append(w.kubeRuns, cms.Run)
 			pub.Track(cms)
-			configMap = ns + "/" + name
+			w.configMap = ns + "/" + name
 		}
 	}
-	if f.configMap != "" && client == nil {
+	if f.configMap != "" && w.client == nil {
 		log.Warn("--configmap needs the Kubernetes API; using --config only", "configmap", f.configMap)
 	}
-	if client == nil {
+	if w.client == nil {
 		// No Node watch will answer: a cordon restored from the checkpoint
 		// could never be lifted, so none stands without the API.
 		inbox.Post(agent.CordonChanged{})
 	}
-	// DRA: the driver publishes what the loop plans and asks the loop to
-	// prepare claims; it starts once the loop exists.
-	var draDriver *dra.Driver
-	var draPub agent.DRAPublisher
-	var claimStatus agent.ClaimStatusPublisher
+	return nil
+}
+
+// draDriver builds the DRA driver (--dra, with the API): it publishes what
+// the loop plans and asks the loop to prepare claims; it starts once the
+// loop exists (serve).
+func (w *wiring) draDriver() {
+	f, log := w.f, w.log
 	switch {
-	case f.dra && client == nil:
+	case f.dra && w.client == nil:
 		log.Error("--dra needs the Kubernetes API (ResourceSlices); DRA is off, the device plugin serves alone")
 	case f.dra:
-		draDriver = dra.New(dra.Options{NodeName: f.nodeName, Client: client, ClaimReader: clients.Claims, PluginDir: f.draPluginDir,
+		w.dra = dra.New(dra.Options{NodeName: f.nodeName, Client: w.client, ClaimReader: w.clients.Claims, PluginDir: f.draPluginDir,
 			RegistryDir: f.kubeletRegistryDir, Logger: log.With("component", "dra")})
-		draPub = draDriver
+		w.draPub = w.dra
 		// Each prepared claim's devices, written into its status in the
 		// background (kubectl describe resourceclaim shows them).
-		w := dra.NewClaimStatusWriter(dra.ClaimStatusOptions{Client: client, NodeName: f.nodeName, Logger: log.With("component", "dra")})
-		claimStatus = w
-		kubeRuns = append(kubeRuns, w.Run)
+		sw := dra.NewClaimStatusWriter(dra.ClaimStatusOptions{Client: w.client, NodeName: f.nodeName, Logger: log.With("component", "dra")})
+		w.claimStatus = sw
+		w.kubeRuns = append(w.kubeRuns, sw.Run)
 	}
+}
 
-	var cdiSpecs agent.CDISpecs
-	if f.cdiSpecDir != "" {
-		w, err := cdi.NewWriter(f.cdiSpecDir)
-		if err != nil {
-			return usageError{"--cdi-spec-dir: " + err.Error()}
-		}
-		k := &cdi.Keeper{W: w, DevRoot: f.devRoot, Exists: func(p string) bool { _, err := os.Stat(p); return err == nil }}
-		if be.Sim == nil {
-			k.Caps = func() (cdi.CapMinors, error) { return cdi.ReadMigMinors(f.migMinors) }
-		}
-		cdiSpecs = k
+// cdiKeeper is the node's CDI spec writer (--cdi-spec-dir; nil without).
+func cdiKeeper(f runFlags, be *backend) (agent.CDISpecs, error) {
+	if f.cdiSpecDir == "" {
+		return nil, nil
 	}
+	cw, err := cdi.NewWriter(f.cdiSpecDir)
+	if err != nil {
+		return nil, usageError{"--cdi-spec-dir: " + err.Error()}
+	}
+	k := &cdi.Keeper{W: cw, DevRoot: f.devRoot, Exists: func(p string) bool { _, err := os.Stat(p); return err == nil }}
+	if be.Sim == nil {
+		k.Caps = func() (cdi.CapMinors, error) { return cdi.ReadMigMinors(f.migMinors) }
+	}
+	return k, nil
+}
 
+// newAgent builds the loop over every part, and registers the metrics
+// collector that reads it.
+func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSpecs agent.CDISpecs) *agent.Agent {
+	f, be := w.f, w.be
 	var slicer agent.TimeSlicer
 	if be.Sim == nil && f.nvidiaSMI != "" {
 		slicer = timeslice.Interval{Binary: f.nvidiaSMI}
+	}
+	// A MIG mode change that waits for a reset is applied by resetting the
+	// GPU (mig.resetPolicy): through nvidia-smi on a real node, as NVIDIA's
+	// mig-manager does, and through the sim's own reset on a simulated one.
+	var resetter agent.GPUResetter
+	switch {
+	case be.Sim != nil:
+		node := be.Sim
+		resetter = mig.NewResetter(be.Lib, func(_ context.Context, g gpu.GPU) error { return node.Reset(g.Index) })
+	case f.nvidiaSMI != "":
+		resetter = mig.NewResetter(be.Lib, mig.SMIReset(f.nvidiaSMI))
 	}
 
 	ag := agent.New(agent.Options{
 		Observer:           mig.NewObserver(be.Lib, be.InventoryOptions),
 		NodeName:           f.nodeName,
 		ConfigSource:       f.config,
-		ConfigMap:          configMap,
-		WaitForConfig:      cfgWatcher != nil || (client != nil && f.configMap != ""),
+		ConfigMap:          w.configMap,
+		WaitForConfig:      w.cfgWatcher != nil || (w.client != nil && f.configMap != ""),
 		DefaultConfig:      f.defaultConfig,
 		MIGStrategy:        config.MIGStrategy(f.migStrategy),
-		Cluster:            cluster,
-		DRA:                draPub,
-		ClaimStatus:        claimStatus,
+		Cluster:            w.cluster,
+		DRA:                w.draPub,
+		ClaimStatus:        w.claimStatus,
 		CDI:                cdiSpecs,
-		Inbox:              inbox,
-		Publisher:          mgr,
-		Health:             watcher,
-		Holdings:           podres,
-		MIG:                mig.NewApplier(be.Lib, f.stateDir, log.With("component", "mig")),
-		MPS:                mpsSup,
+		Inbox:              w.inbox,
+		Publisher:          w.mgr,
+		Health:             w.watcher,
+		Holdings:           w.podres,
+		MIG:                mig.NewApplier(be.Lib, f.stateDir, w.log.With("component", "mig")),
+		Reset:              resetter,
+		ForeignPlugins:     func() map[string]string { return plugin.ForeignSockets(f.pluginDir) },
+		MPS:                w.mps,
 		MPSRoot:            f.mpsRoot,
 		MPSShmDir:          f.mpsShmDir,
 		TimeSlice:          slicer,
-		InventoryObservers: []func(*gpu.Inventory){sampler.SetInventory},
+		InventoryObservers: []func(*gpu.Inventory){w.sampler.SetInventory},
 		StateDir:           f.stateDir,
 		Restored:           restored,
 		BootID:             be.BootID(),
 		Ledger:             held,
 		ResyncInterval:     f.resync,
 		ForgetGoneAfter:    f.forgetGone,
-		Logger:             log.With("component", "agent"),
-		Registerer:         reg,
+		Logger:             w.log.With("component", "agent"),
+		Registerer:         w.reg,
 	})
-
-	reg.MustRegister(health.NewCollector(health.CollectorOptions{
-		Samples: sampler, Health: watcher, Attribution: podres, Catalog: ag, DRA: ag, Hostname: f.nodeName,
+	w.reg.MustRegister(telemetry.NewCollector(telemetry.CollectorOptions{
+		Samples: w.sampler, Health: w.watcher, Attribution: w.podres, Catalog: ag, DRA: ag, Hostname: f.nodeName,
 	}))
+	return ag
+}
 
+// serve starts the HTTP server and every goroutine, then the DRA driver;
+// it returns once ctx ends (or one of them failed) and all have stopped.
+func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
+	f, log, inbox := w.f, w.log, w.inbox
 	var draSlices func() dra.Slices
-	if draDriver != nil {
-		draSlices = draDriver.Slices
+	if w.dra != nil {
+		draSlices = w.dra.Slices
 	}
-	srv, ln, err := newHTTPServer(f.listen, newHTTPHandler(ag, mgr, watcher, sampler, draSlices, reg, be), defaultHTTPServerConfig(), log.With("component", "http"))
+	srv, ln, err := newHTTPServer(f.listen, newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), defaultHTTPServerConfig(), log.With("component", "http"))
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
 	b := buildInfo()
-	log.Info("gpu-agent starting", "version", b.Version, "commit", b.Commit, "backend", be.Name, "node", f.nodeName, "listen", ln.Addr().String(),
+	log.Info("gpu-agent starting", "version", b.Version, "commit", b.Commit, "backend", w.be.Name, "node", f.nodeName, "listen", ln.Addr().String(),
 		"device-plugin-dir", f.pluginDir, "config", f.config)
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	g := &group{cancel: cancel}
 	goRun := g.Go
-	goRun("plugin manager", func() error { return mgr.Run(ctx) })
+	goRun("plugin manager", func() error { return w.mgr.Run(ctx) })
 	goRun("agent", func() error { return ag.Run(ctx) })
-	goRun("health watcher", func() error { return watcher.Run(ctx) })
-	goRun("metrics sampler", func() error { return sampler.Run(ctx) })
-	goRun("pod-resources", func() error { return podres.Run(ctx) })
-	goRun("mps supervisor", func() error { return mpsSup.Run(ctx) })
+	goRun("health watcher", func() error { return w.watcher.Run(ctx) })
+	goRun("metrics sampler", func() error { return w.sampler.Run(ctx) })
+	goRun("pod-resources", func() error { return w.podres.Run(ctx) })
+	goRun("mps supervisor", func() error { return w.mps.Run(ctx) })
 	goRun("mps events", func() error {
-		return forward(ctx, mpsSup.Changes(), inbox, func(struct{}) agent.Event { return agent.MPSChanged{} })
+		return forward(ctx, w.mps.Changes(), inbox, func(struct{}) agent.Event { return agent.MPSChanged{} })
 	})
-	if cfgWatcher != nil {
+	if w.cfgWatcher != nil {
 		updates := make(chan config.Update)
-		goRun("config watcher", func() error { return cfgWatcher.Run(ctx, updates) })
+		goRun("config watcher", func() error { return w.cfgWatcher.Run(ctx, updates) })
 		goRun("config events", func() error {
 			return forward(ctx, updates, inbox, func(u config.Update) agent.Event { return agent.ConfigChanged{Update: u} })
 		})
@@ -384,18 +492,18 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 		}
 		return nil
 	})
-	if draDriver != nil {
-		draDriver.SetClaims(claimsThenList{ag, podres})
+	if w.dra != nil {
+		w.dra.SetClaims(claimsThenList{ag, w.podres})
 		// A driver that cannot register leaves the device plugin serving:
 		// the node loses DRA, not its GPUs.
-		if err := draDriver.Start(ctx); err != nil {
+		if err := w.dra.Start(ctx); err != nil {
 			log.Error("DRA driver not started; the device plugin serves alone", "error", err)
 		} else {
-			defer draDriver.Stop()
-			log.Info("DRA driver registered", "driver", dra.DriverName, "plugin-dir", f.draPluginDir)
+			defer w.dra.Stop()
+			log.Info("DRA driver registered", "driver", devicemodel.DriverName, "plugin-dir", f.draPluginDir)
 		}
 	}
-	for i, run := range kubeRuns {
+	for i, run := range w.kubeRuns {
 		goRun(fmt.Sprintf("kubernetes API %d", i), func() error { return run(ctx) })
 	}
 

@@ -538,23 +538,6 @@ func (d *device) GetFieldValues(values []nvml.FieldValue) nvml.Return {
 	return nvml.SUCCESS
 }
 
-// GetComputeRunningProcesses returns what SetProcesses set; a MIG device
-// sees the processes of its GPU and compute instance.
-func (d *device) GetComputeRunningProcesses() ([]nvml.ProcessInfo, nvml.Return) {
-	r := d.lock("GetComputeRunningProcesses", true)
-	defer d.n.mu.Unlock()
-	if r != nvml.SUCCESS {
-		return nil, r
-	}
-	out := []nvml.ProcessInfo{}
-	for _, p := range d.g.procs {
-		if d.ci == nil || (p.GpuInstanceId == uint32(d.ci.gi.id) && p.ComputeInstanceId == uint32(d.ci.id)) {
-			out = append(out, p)
-		}
-	}
-	return out, nvml.SUCCESS
-}
-
 // supportedEvents are the event types a data-center GPU reports on Linux.
 const supportedEvents = nvml.EventTypeSingleBitEccError | nvml.EventTypeDoubleBitEccError |
 	nvml.EventTypePState | nvml.EventTypeXidCriticalError | nvml.EventTypeClock

@@ -58,10 +58,25 @@
 // driver reserves, which GetMemoryInfo counts as used. GPMSamplesAllocated
 // lets tests check that GPM sample buffers are freed.
 //
+// # Processes
+//
+// StartProcess runs a simulated compute process on a GPU or, with its GI
+// and CI, on a MIG device: its framebuffer bytes and its load (SM, memory,
+// encoder, decoder utilization); StopProcess ends it, and so does a reset.
+// GetComputeRunningProcesses lists them, MPS clients (Process.MPS) apart in
+// GetMPSComputeRunningProcesses; a MIG device handle lists its own.
+// GetProcessUtilization returns one sample per busy process and second of
+// the WithClock clock, newer than the timestamp it is given, from a
+// buffer of the last minute (NVML documents neither period nor buffer),
+// ERROR_NOT_FOUND when there is none, and ERROR_NOT_SUPPORTED with MIG on,
+// as NVML does. A process at 0% on every engine has no samples. The load
+// of the GPU (SetUtilization) is set apart and does not follow from it.
+//
 // # State that outlives the process
 //
 // Real GPUs keep their MIG mode, instances, ECC counters, recovery action,
-// remapped rows and lost state when the agent restarts. WithStateFile gives
+// remapped rows and lost state when the agent restarts, and processes keep
+// running. WithStateFile gives
 // a node the same: it loads the file if it exists (instead of the profile's
 // initial layout) and writes it, atomically, before every call that changes
 // that state returns, so even a process killed with SIGKILL right after a
@@ -82,7 +97,13 @@
 //	  "ecc": {"corrected_volatile": 0, "corrected_aggregate": 0,
 //	    "uncorrected_volatile": 0, "uncorrected_aggregate": 0},
 //	  "recovery_action": 0,
-//	  "remapped_rows": {"corrected": 0, "uncorrected": 0, "pending": false, "failure": false}}]}
+//	  "remapped_rows": {"corrected": 0, "uncorrected": 0, "pending": false, "failure": false},
+//	  "processes": [{"pid": 4242, "gi": 1, "ci": 0, "mps": true, "memory_bytes": 1073741824,
+//	    "sm_util": 40, "mem_util": 10, "enc_util": 0, "dec_util": 0}]}]}
+//
+// "processes" is left out when there are none; on a whole GPU "gi" and
+// "ci" are 4294967295; "mps" and the utilizations are left out when false
+// or 0.
 //
 // # Failing calls
 //
@@ -109,6 +130,11 @@
 //	                       "ERROR_UNKNOWN"; any ERROR_* name); "count" -1 fails until cleared, 0 clears,
 //	                       below -1 is refused; "call" as FailCalls names it
 //	POST /sim/flaky        {"rate":0.02,"seed":1}       "rate" 0 turns it off; "seed" defaults to 0
+//	POST /sim/process      {"gpu":0,"pid":4242,"sm_util":40}  starts or changes a process; the device is
+//	                       "gpu" (with "gi" and "ci" for a MIG device) or "uuid" (GPU or MIG); optional
+//	                       "mps", "mem_used_bytes", "sm_util", "mem_util", "enc_util", "dec_util"; fields
+//	                       left out keep their value (a new process: 0, not MPS)
+//	POST /sim/process/stop {"pid":4242}                 optional "gpu" or "uuid"; without, on every GPU
 //
 // GET /sim/state, read-only, answers the node's State: what its state file
 // holds, from which WithState builds a copy.

@@ -15,12 +15,15 @@ const maxQueuedEvents = 1024
 // Node.mu; notify wakes a waiter without holding the lock.
 type eventSet struct {
 	mockEventSet
-	n      *Node
-	reg    map[int]uint64 // GPU index → registered event types
-	queue  []nvml.EventData
-	freed  bool
-	notify chan struct{} // capacity 1
-	done   chan struct{} // closed by Free
+	n     *Node
+	reg   map[int]uint64 // GPU index → registered event types
+	queue []nvml.EventData
+	freed bool
+	// blocked counts the Waits asleep on notify, so that a test can wake
+	// one it knows is blocked rather than sleep and hope.
+	blocked int
+	notify  chan struct{} // capacity 1
+	done    chan struct{} // closed by Free
 }
 
 type mockEventSet struct{ *mock.EventSet }
@@ -56,21 +59,38 @@ func (s *eventSet) Wait(timeoutMs uint32) (nvml.EventData, nvml.Return) {
 			s.n.mu.Unlock()
 			return e, nvml.SUCCESS
 		}
-		s.n.mu.Unlock()
 		if r != nvml.SUCCESS {
+			s.n.mu.Unlock()
 			return nvml.EventData{}, r
 		}
+		s.blocked++
+		s.n.mu.Unlock()
 		if timer == nil {
 			timer = time.NewTimer(time.Duration(timeoutMs) * time.Millisecond)
 			defer timer.Stop()
 		}
+		timedOut := false
 		select {
 		case <-s.notify:
 		case <-s.done:
 		case <-timer.C:
+			timedOut = true
+		}
+		s.n.mu.Lock()
+		s.blocked--
+		s.n.mu.Unlock()
+		if timedOut {
 			return nvml.EventData{}, nvml.ERROR_TIMEOUT
 		}
 	}
+}
+
+// blockedWaits is how many Waits are asleep until an event, Free or their
+// timeout wakes them.
+func (s *eventSet) blockedWaits() int {
+	s.n.mu.Lock()
+	defer s.n.mu.Unlock()
+	return s.blocked
 }
 
 // Free releases the set; further calls on it are invalid.

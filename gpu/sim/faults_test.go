@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
 func TestTelemetrySetters(t *testing.T) {
@@ -241,7 +242,7 @@ func TestXIDEventRoundTrip(t *testing.T) {
 	// A waiter blocked in Wait is woken by an injected event.
 	got := make(chan nvml.EventData, 1)
 	go func() { e, _ := s.Wait(5000); got <- e }()
-	time.Sleep(10 * time.Millisecond)
+	testwait.For(t, "Wait blocked", func() bool { return s.(*eventSet).blockedWaits() == 1 })
 	n.InjectXID(1, 13)
 	select {
 	case e := <-got:
@@ -281,7 +282,7 @@ func TestEventSetRules(t *testing.T) {
 	// Free wakes a blocked Wait, and the set is unusable afterwards.
 	done := make(chan nvml.Return, 1)
 	go func() { _, r := s.Wait(10_000); done <- r }()
-	time.Sleep(10 * time.Millisecond)
+	testwait.For(t, "Wait blocked", func() bool { return s.(*eventSet).blockedWaits() == 1 })
 	wantRet(t, "Free", n.EventSetFree(s), nvml.SUCCESS)
 	select {
 	case r := <-done:

@@ -276,6 +276,9 @@ func inIDOrder(st stateFile) stateFile {
 	}
 	for i := range st.GPUs {
 		g := &st.GPUs[i]
+		if len(g.Processes) == 0 {
+			g.Processes = nil // left out when there are none
+		}
 		g.GPUInstances = slices.Clone(g.GPUInstances)
 		if g.GPUInstances == nil {
 			g.GPUInstances = []giRecord{}
@@ -346,6 +349,14 @@ func stateSeed(profile string, busy bool) ([]byte, error) {
 			return nil, err
 		}
 		_ = n.SetRemappedRows(0, 3, 1, true, false) // Volta has none
+		// A process on a MIG device where GPU 0 has one, else on the GPU.
+		p := Process{PID: 77, GI: 2, CI: 0, MPS: true, MemoryBytes: 1 << 20, SM: 10, Dec: 3}
+		if n.StartProcess(0, p) != nil {
+			p.GI, p.CI, p.MPS = NoInstance, NoInstance, false
+			if err := n.StartProcess(0, p); err != nil {
+				return nil, err
+			}
+		}
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()

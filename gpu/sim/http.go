@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -45,6 +46,10 @@ func (n *Node) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		route = serveFail
 	case "/flaky":
 		route = serveFlaky
+	case "/process":
+		route = serveProcess
+	case "/process/stop":
+		route = serveProcessStop
 	default:
 		writeJSON(w, http.StatusNotFound, map[string]string{"error": fmt.Sprintf("no such endpoint %q", r.URL.Path)})
 		return
@@ -349,4 +354,145 @@ func serveFlaky(n *Node, dec *json.Decoder) error {
 		return errors.New(`missing "rate" (0 to 1; 0 turns it off)`)
 	}
 	return n.SetFlaky(*req.Rate, req.Seed)
+}
+
+// serveProcess starts a process or changes a running one: fields left out
+// keep their value (on a new process, 0). The device is "gpu" (with "gi"
+// and "ci" for a MIG device) or its "uuid", which a workload finds in its
+// environment. One PID may run on several GPUs, as a process using two
+// GPUs does; each is set on its own.
+func serveProcess(n *Node, dec *json.Decoder) error {
+	var req struct {
+		GPU     *int    `json:"gpu"`
+		UUID    *string `json:"uuid"`
+		GI      *uint32 `json:"gi"`
+		CI      *uint32 `json:"ci"`
+		PID     *uint32 `json:"pid"`
+		MPS     *bool   `json:"mps"`
+		MemUsed *uint64 `json:"mem_used_bytes"`
+		SM      *uint32 `json:"sm_util"`
+		Mem     *uint32 `json:"mem_util"`
+		Enc     *uint32 `json:"enc_util"`
+		Dec     *uint32 `json:"dec_util"`
+	}
+	if err := decode(dec, &req); err != nil {
+		return err
+	}
+	if req.PID == nil {
+		return errors.New(`missing "pid"`)
+	}
+	gpu, gi, ci, err := n.processDevice(req.GPU, req.UUID, req.GI, req.CI)
+	if err != nil {
+		return err
+	}
+	return n.update(gpu, func(g *gpuState) error {
+		p := Process{PID: *req.PID, GI: gi, CI: ci}
+		if i := slices.IndexFunc(g.procs, func(q process) bool { return q.Pid == *req.PID }); i >= 0 {
+			p = g.procs[i].export()
+			if req.GPU != nil || req.UUID != nil {
+				p.GI, p.CI = gi, ci
+			}
+		}
+		for _, f := range []struct {
+			from *uint32
+			to   *uint32
+		}{{req.SM, &p.SM}, {req.Mem, &p.Mem}, {req.Enc, &p.Enc}, {req.Dec, &p.Dec}} {
+			if f.from != nil {
+				*f.to = *f.from
+			}
+		}
+		if req.MPS != nil {
+			p.MPS = *req.MPS
+		}
+		if req.MemUsed != nil {
+			p.MemoryBytes = *req.MemUsed
+		}
+		return n.startProcess(g, p)
+	})
+}
+
+// serveProcessStop ends a process: on the GPU "gpu" or "uuid" names, or
+// without either on every GPU it runs on.
+func serveProcessStop(n *Node, dec *json.Decoder) error {
+	var req struct {
+		GPU  *int    `json:"gpu"`
+		UUID *string `json:"uuid"`
+		PID  *uint32 `json:"pid"`
+	}
+	if err := decode(dec, &req); err != nil {
+		return err
+	}
+	if req.PID == nil {
+		return errors.New(`missing "pid"`)
+	}
+	if req.GPU == nil && req.UUID == nil {
+		gpus := n.processGPUs(*req.PID)
+		if len(gpus) == 0 {
+			return fmt.Errorf("no process %d on any GPU", *req.PID)
+		}
+		for _, gpu := range gpus {
+			if err := n.StopProcess(gpu, *req.PID); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	gpu, _, _, err := n.processDevice(req.GPU, req.UUID, nil, nil)
+	if err != nil {
+		return err
+	}
+	return n.StopProcess(gpu, *req.PID)
+}
+
+// processDevice resolves where a /sim/process request puts its process:
+// a GPU index, and the MIG device's GI and CI or NoInstance.
+func (n *Node) processDevice(gpu *int, uuid *string, gi, ci *uint32) (int, uint32, uint32, error) {
+	switch {
+	case gpu != nil && uuid != nil:
+		return 0, 0, 0, errors.New(`give "gpu" or "uuid", not both`)
+	case uuid != nil && (gi != nil || ci != nil):
+		return 0, 0, 0, errors.New(`"gi" and "ci" come with "gpu"; a MIG device's "uuid" names them`)
+	case (gi == nil) != (ci == nil):
+		return 0, 0, 0, errors.New(`a MIG device needs both "gi" and "ci"`)
+	case uuid != nil:
+		return n.deviceOf(*uuid)
+	case gpu != nil:
+		if gi == nil {
+			return *gpu, NoInstance, NoInstance, nil
+		}
+		return *gpu, *gi, *ci, nil
+	}
+	return 0, 0, 0, errors.New(`missing "gpu" or "uuid"`)
+}
+
+// deviceOf finds the GPU and MIG device of a GPU or MIG device UUID.
+func (n *Node) deviceOf(uuid string) (int, uint32, uint32, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, g := range n.gpus {
+		if g.uuid == uuid {
+			return g.index, NoInstance, NoInstance, nil
+		}
+		for _, gi := range g.gis {
+			for _, ci := range gi.cis {
+				if ci.dev.uuid == uuid {
+					return g.index, uint32(gi.id), uint32(ci.id), nil
+				}
+			}
+		}
+	}
+	return 0, 0, 0, fmt.Errorf("no GPU or MIG device %q", uuid)
+}
+
+// processGPUs lists the GPUs pid runs on.
+func (n *Node) processGPUs(pid uint32) []int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var out []int
+	for _, g := range n.gpus {
+		if slices.ContainsFunc(g.procs, func(p process) bool { return p.Pid == pid }) {
+			out = append(out, g.index)
+		}
+	}
+	return out
 }

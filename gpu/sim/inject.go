@@ -2,7 +2,6 @@ package sim
 
 import (
 	"fmt"
-	"slices"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/google/uuid"
@@ -268,15 +267,6 @@ func (n *Node) SetRemappedRows(gpu int, corrected, uncorrected int, pending, fai
 			return fmt.Errorf("negative remapped rows %d/%d", corrected, uncorrected)
 		}
 		g.remapCorr, g.remapUnc, g.remapPending, g.remapFailure = corrected, uncorrected, pending, failure
-		return nil
-	})
-}
-
-// SetProcesses sets the compute processes on the GPU. MIG processes carry
-// their GpuInstanceId and ComputeInstanceId; whole-GPU ones NoInstance.
-func (n *Node) SetProcesses(gpu int, procs []nvml.ProcessInfo) error {
-	return n.update(gpu, func(g *gpuState) error {
-		g.procs = slices.Clone(procs)
 		return nil
 	})
 }

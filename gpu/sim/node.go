@@ -134,7 +134,7 @@ type gpuState struct {
 	remapUnc     int
 	remapPending bool
 	remapFailure bool
-	procs        []nvml.ProcessInfo
+	procs        []process
 }
 
 // New builds the simulated node named profile (see Profiles).

@@ -20,22 +20,25 @@ import (
 const stateVersion = 1
 
 // maxStateBytes bounds what a state file may hold: a profile with every GPU
-// split into 1-slice instances writes about 31 KB, and a path that names
+// split into 1-slice instances writes about 31 KB, 16 GPUs with
+// maxProcsPerGPU busy processes each about 560 KB, and a path that names
 // something else (a log, a device) must not fill memory.
 const maxStateBytes = 1 << 20
 
 // maxStructurePerGPU bounds the JSON values a state file may hold per GPU,
 // counted as the ',', '{' and '[' that separate or open them: a GPU split
-// into seven instances, each with its compute instance, takes 123. The count
+// into seven instances, each with its compute instance, takes 123, and each
+// process 8 more (maxProcsPerGPU of them). The count
 // is checked before decoding, as encoding/json makes a record of every list
 // item, even after a type error: some 200 bytes for each 2 bytes of "{},".
-const maxStructurePerGPU = 1024
+const maxStructurePerGPU = 2048
 
 // WithStateFile keeps the node's GPU state in the file at path, so that it
 // outlives the process as a real GPU's does across an agent restart: MIG
 // modes, GPU and compute instances (with their ids, placements and hence
 // MIG device UUIDs), lost GPUs, ECC counters, recovery actions and remapped
-// rows. Telemetry and processes are not kept.
+// rows, and the compute processes running (StartProcess), which outlive the
+// agent as real ones do, with their load. Other telemetry is not kept.
 //
 // When the file exists New loads it instead of the profile's initial layout
 // (WithMIGEnabled then changes nothing); when it does not, New starts from
@@ -105,6 +108,23 @@ type gpuRecord struct {
 	// RecoveryAction is an nvml.DeviceGpuRecoveryAction.
 	RecoveryAction int32       `json:"recovery_action"`
 	RemappedRows   remapRecord `json:"remapped_rows"`
+	// Processes are left out when there are none, so files written
+	// before processes were kept read the same.
+	Processes []procRecord `json:"processes,omitempty"`
+}
+
+// procRecord is a Process.
+type procRecord struct {
+	PID uint32 `json:"pid"`
+	// GI and CI are 4294967295 (NoInstance) on a whole GPU.
+	GI          uint32 `json:"gi"`
+	CI          uint32 `json:"ci"`
+	MPS         bool   `json:"mps,omitempty"`
+	MemoryBytes uint64 `json:"memory_bytes"`
+	SM          uint32 `json:"sm_util,omitempty"`
+	Mem         uint32 `json:"mem_util,omitempty"`
+	Enc         uint32 `json:"enc_util,omitempty"`
+	Dec         uint32 `json:"dec_util,omitempty"`
 }
 
 type giRecord struct {
@@ -276,6 +296,11 @@ func (n *Node) record() stateFile {
 			}
 			rec.GPUInstances = append(rec.GPUInstances, gr)
 		}
+		for i := range g.procs {
+			p := g.procs[i].export()
+			rec.Processes = append(rec.Processes, procRecord{PID: p.PID, GI: p.GI, CI: p.CI, MPS: p.MPS,
+				MemoryBytes: p.MemoryBytes, SM: p.SM, Mem: p.Mem, Enc: p.Enc, Dec: p.Dec})
+		}
 		st.GPUs = append(st.GPUs, rec)
 	}
 	return st
@@ -371,6 +396,18 @@ func (n *Node) loadGPU(g *gpuState, rec gpuRecord) error {
 			return fmt.Errorf("gpu instance %d: %w", gr.ID, err)
 		}
 	}
+	// Processes last: they run on the instances just loaded. Their
+	// samples start afresh, as the load in force until now is unknown.
+	procs := make([]process, 0, len(rec.Processes))
+	for _, p := range rec.Processes {
+		procs = append(procs, process{ProcessInfo: nvml.ProcessInfo{Pid: p.PID, UsedGpuMemory: p.MemoryBytes,
+			GpuInstanceId: p.GI, ComputeInstanceId: p.CI}, mps: p.MPS, sm: p.SM, mem: p.Mem, enc: p.Enc, dec: p.Dec,
+			since: n.opts.now()})
+	}
+	if err := n.checkProcesses(g, procs); err != nil {
+		return fmt.Errorf("processes: %w", err)
+	}
+	g.procs = procs
 	return nil
 }
 

@@ -1,9 +1,10 @@
 package topology
 
 import (
-	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"reflect"
 	"testing"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"

@@ -14,7 +14,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/dra/schedsim"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
@@ -59,7 +59,7 @@ type draNode struct {
 	name            string
 	inv             *gpu.Inventory
 	scorer          *topology.Scorer
-	byIndex, ranked *dra.Pool
+	byIndex, ranked *devicemodel.Pool
 }
 
 func loadDRA(t *testing.T, profile string) draNode {
@@ -74,11 +74,11 @@ func loadDRA(t *testing.T, profile string) draNode {
 	if err != nil {
 		t.Fatal(err)
 	}
-	devs := dra.Devices(inv, nil, nil)
+	devs := devicemodel.Devices(inv, nil, nil)
 	return draNode{
 		name: profile, inv: inv, scorer: topology.FromInventory(inv, topology.PolicyTopology),
-		byIndex: &dra.Pool{Devices: devs},
-		ranked:  &dra.Pool{Devices: devs, GPUOrder: dra.PublishOrder(inv)},
+		byIndex: &devicemodel.Pool{Devices: devs},
+		ranked:  &devicemodel.Pool{Devices: devs, GPUOrder: devicemodel.PublishOrder(inv)},
 	}
 }
 
@@ -119,12 +119,12 @@ func (n draNode) optimal(set []int, bestLanes int, bestScore int64) string {
 
 // schedule allocates claim on pool with the GPUs outside avail held, and
 // returns the positions it got (nil: unsatisfiable).
-func schedule(t *testing.T, n draNode, pool *dra.Pool, avail uint64, claim *resourceapi.ResourceClaim) []int {
+func schedule(t *testing.T, n draNode, pool *devicemodel.Pool, avail uint64, claim *resourceapi.ResourceClaim) []int {
 	t.Helper()
-	node := schedsim.New("node-a", dra.DriverName, dra.Resources("node-a", pool, 1, dra.Dropped{}), []*resourceapi.DeviceClass{gpuClass})
+	node := schedsim.New("node-a", devicemodel.DriverName, devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}), []*resourceapi.DeviceClass{gpuClass})
 	for i, g := range n.inv.GPUs {
 		if avail&(1<<i) == 0 {
-			node.Hold(dra.DriverName, "node-a", dra.GPUName(g.Index))
+			node.Hold(devicemodel.DriverName, "node-a", devicemodel.GPUName(g.Index))
 		}
 	}
 	results, err := node.Allocate(context.Background(), claim)

@@ -19,6 +19,7 @@ import (
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 
 	"github.com/gpu-agent/gpu-agent/dra"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/kube"
 )
 
@@ -37,7 +38,7 @@ func claimServer(b *testing.B) *httptest.Server {
 			TypeMeta:   metav1.TypeMeta{APIVersion: "resource.k8s.io/v1", Kind: "ResourceClaim"},
 			ObjectMeta: metav1.ObjectMeta{Namespace: "bench", Name: name, UID: types.UID("uid-" + name)},
 			Status: resourceapi.ResourceClaimStatus{Allocation: &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{
-				Results: []resourceapi.DeviceRequestAllocationResult{{Request: "gpu", Driver: dra.DriverName, Pool: "node-a", Device: "gpu-0"}},
+				Results: []resourceapi.DeviceRequestAllocationResult{{Request: "gpu", Driver: devicemodel.DriverName, Pool: "node-a", Device: "gpu-0"}},
 			}}},
 		}
 		w.Header().Set("Content-Type", "application/json")

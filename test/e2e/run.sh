@@ -52,7 +52,19 @@ k8s_mod="$here"
 case "${E2E_K8S:-}" in
 "") ;;
 1.34) k8s_mod="$here/k8s134" ;;
-*) die "E2E_K8S=$E2E_K8S: only 1.34 is known (empty: the version in go.mod)" ;;
+1.37)
+	# Only the fleet benchmark's API server and scheduler (make fleet-bench FLEET_K8S=1.37): k8s137/ builds no
+	# kubelet, and the suite's tests are not written for 1.37.
+	k8s_mod="$here/k8s137"
+	[ -n "$build_only" ] && [ "$build_only" != 1 ] || die "E2E_K8S=1.37 serves only E2E_BUILD_ONLY='etcd kube-apiserver kube-scheduler' (make fleet-bench FLEET_K8S=1.37)"
+	for name in $build_only; do
+		case "$name" in
+		etcd | kube-apiserver | kube-scheduler) ;;
+		*) die "E2E_K8S=1.37: $name is not built for 1.37 (only etcd kube-apiserver kube-scheduler)" ;;
+		esac
+	done
+	;;
+*) die "E2E_K8S=$E2E_K8S: only 1.34 and 1.37 are known (empty: the version in go.mod)" ;;
 esac
 version="$(cd "$k8s_mod" && go list -m -f '{{.Version}}' k8s.io/kubernetes)" || die "cannot read the kubelet version from $k8s_mod/go.mod"
 etcd_version="$(cd "$here" && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)" || die "cannot read the etcd version from go.mod"

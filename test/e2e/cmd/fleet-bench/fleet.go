@@ -125,14 +125,14 @@ loop:
 	return context.Cause(ctx)
 }
 
-// createFleet creates n Nodes, each with a copy of the template's slices.
-func createFleet(ctx context.Context, cs kubernetes.Interface, t template, n int) error {
+// createFleet creates n Nodes, each with a copy of the slices of the template of its index.
+func createFleet(ctx context.Context, cs kubernetes.Interface, n int, tmplOf func(int) template) error {
 	return parallel(ctx, n, 16, func(ctx context.Context, i int) error {
 		node, err := createNode(ctx, cs, fleetNodeName(i))
 		if err != nil {
 			return err
 		}
-		for _, s := range cloneSlices(t, node) {
+		for _, s := range cloneSlices(tmplOf(i), node) {
 			if _, err := cs.ResourceV1().ResourceSlices().Create(ctx, s, metav1.CreateOptions{}); err != nil {
 				return fmt.Errorf("create ResourceSlice %s (%d devices, %d counter sets): %w", s.Name,
 					len(s.Spec.Devices), len(s.Spec.SharedCounters), err)

@@ -49,6 +49,8 @@ type options struct {
 	settle      time.Duration
 	out, work   string
 	keep        bool
+	// mix, when above 0, also measures each model on that share of the nodes, the default model on the rest.
+	mix float64
 }
 
 func main() {
@@ -96,6 +98,7 @@ func parseFlags(args []string) (options, error) {
 	fl.StringVar(&o.out, "out", "", "also write the table to this file")
 	fl.StringVar(&o.work, "work", "", "directory for the control planes and agents (default: a new temp dir, removed at the end)")
 	fl.BoolVar(&o.keep, "keep", false, "keep the work directory (logs) at the end")
+	fl.Float64Var(&o.mix, "mix", 0, "also measure each model on this share of the nodes (0 < mix < 1), the default model on the rest")
 	if err := fl.Parse(args); err != nil {
 		return o, err
 	}
@@ -131,6 +134,8 @@ func parseFlags(args []string) (options, error) {
 		}
 	}
 	switch {
+	case o.mix < 0 || o.mix >= 1:
+		return o, fmt.Errorf("-mix: %v is not a share of the nodes (0 < mix < 1; 0: off)", o.mix)
 	case len(o.nodes) == 0:
 		return o, errors.New("-nodes: none given")
 	case o.pods < 1:
@@ -231,23 +236,30 @@ func run(ctx context.Context, o options) (err error) {
 	}
 
 	var results []result
-	k := 0
+	var runs []*fleetRun
 	for _, n := range o.nodes {
 		for _, t := range order {
-			k++
-			f := &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s", n, t.Model)), repo: o.repo,
-				tmpl: t, nodes: n, pods: o.pods, limit: o.limit, logf: log.Printf}
-			rs, err := f.run(ctx, claims)
-			if err != nil && len(rs) < len(claims) {
-				log.Printf("%s, %d nodes: %v", t.Model, n, err)
-				for _, c := range claims[len(rs):] {
-					rs = append(rs, result{Model: t.Model, Nodes: n, Claim: c.Name, Asked: o.pods, Err: err.Error()})
-				}
+			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s", n, t.Model)), repo: o.repo,
+				tmpl: t, nodes: n, pods: o.pods, limit: o.limit, logf: log.Printf})
+			if o.mix == 0 || t.Model == baselineModel || t.Model == "default" {
+				continue
 			}
-			results = append(results, rs...)
-			if ctx.Err() != nil {
-				return ctx.Err()
+			mixed := max(1, int(o.mix*float64(n)+0.5))
+			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s-mixed", n, t.Model)), repo: o.repo,
+				tmpl: t, others: templates["default"], mixed: mixed, nodes: n, pods: o.pods, limit: o.limit, logf: log.Printf})
+		}
+	}
+	for _, f := range runs {
+		rs, err := f.run(ctx, claims)
+		if err != nil && len(rs) < len(claims) {
+			log.Printf("%s, %d nodes: %v", f.model(), f.nodes, err)
+			for _, c := range claims[len(rs):] {
+				rs = append(rs, result{Model: f.model(), Nodes: f.nodes, Claim: c.Name, Asked: o.pods, Err: err.Error()})
 			}
+		}
+		results = append(results, rs...)
+		if ctx.Err() != nil {
+			return ctx.Err()
 		}
 	}
 	header := []string{

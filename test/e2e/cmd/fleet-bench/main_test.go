@@ -186,3 +186,27 @@ func TestConfigFromExamples(t *testing.T) {
 		}
 	}
 }
+
+// A mixed fleet gives the model's slices to its first nodes only, and its rows say so.
+func TestMixedFleet(t *testing.T) {
+	mig := template{Model: "mig-on-demand"}
+	def := template{Model: "default"}
+	f := &fleetRun{tmpl: mig, others: def, mixed: 10, nodes: 100}
+	for i, want := range map[int]string{0: "mig-on-demand", 9: "mig-on-demand", 10: "default", 99: "default"} {
+		if got := f.tmplOf(i).Model; got != want {
+			t.Errorf("node %d gets %s, want %s", i, got, want)
+		}
+	}
+	if got, want := f.model(), "mig-on-demand on 10% (rest default)"; got != want {
+		t.Errorf("model() = %q, want %q", got, want)
+	}
+	whole := &fleetRun{tmpl: mig, nodes: 100}
+	if got := whole.tmplOf(99).Model; got != "mig-on-demand" {
+		t.Errorf("unmixed fleet: node 99 gets %s", got)
+	}
+	for _, bad := range []string{"-1", "1", "1.5"} {
+		if _, err := parseFlags([]string{"-mix", bad, "-nodes", "10"}); err == nil || !strings.Contains(err.Error(), "-mix") {
+			t.Errorf("-mix %s: error %v, want one naming -mix", bad, err)
+		}
+	}
+}

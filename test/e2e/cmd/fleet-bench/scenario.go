@@ -50,11 +50,15 @@ type result struct {
 // fleetRun is one control plane with N nodes of one model; its scenarios run one after another on it, each
 // with a fresh scheduler.
 type fleetRun struct {
-	bins      binaries
-	dir       string
-	repo      string
-	tmpl      template
-	nodes     int
+	bins  binaries
+	dir   string
+	repo  string
+	tmpl  template
+	nodes int
+	// others, when mixed > 0, is the template of every node but the first mixed ones, which get tmpl: a
+	// fleet where only some nodes publish tmpl's model (MIG on demand on the nodes that serve MIG claims).
+	others    template
+	mixed     int
 	pods      int
 	limit     time.Duration
 	logf      func(string, ...any)
@@ -86,13 +90,13 @@ func (f *fleetRun) run(ctx context.Context, claims []claimSpec) ([]result, error
 	}
 	var out []result
 	for _, c := range claims {
-		r := result{Model: f.tmpl.Model, Claim: c.Name, Nodes: f.nodes, Asked: f.pods, SliceBytes: sb, Stats: st}
+		r := result{Model: f.model(), Claim: c.Name, Nodes: f.nodes, Asked: f.pods, SliceBytes: sb, Stats: st}
 		if ok, why := c.Fits(f.tmpl); !ok {
 			r.Skip = why
 			out = append(out, r)
 			continue
 		}
-		f.logf("measuring %s, %d nodes, %d pods of claim %s (at most %s)", f.tmpl.Model, f.nodes, f.pods, c.Name, f.limit)
+		f.logf("measuring %s, %d nodes, %d pods of claim %s (at most %s)", f.model(), f.nodes, f.pods, c.Name, f.limit)
 		if err := f.measure(ctx, cp, cs, c, &r); err != nil {
 			r.Err = err.Error()
 			f.logf("%s/%d/%s: %v", r.Model, r.Nodes, r.Claim, err)
@@ -104,6 +108,22 @@ func (f *fleetRun) run(ctx context.Context, claims []claimSpec) ([]result, error
 		}
 	}
 	return out, nil
+}
+
+// tmplOf is the template of node i.
+func (f *fleetRun) tmplOf(i int) template {
+	if f.mixed > 0 && i >= f.mixed {
+		return f.others
+	}
+	return f.tmpl
+}
+
+// model is the row's name for the fleet's model: tmpl's, with the share of nodes that publish it when mixed.
+func (f *fleetRun) model() string {
+	if f.mixed > 0 {
+		return fmt.Sprintf("%s on %d%% (rest %s)", f.tmpl.Model, (100*f.mixed+f.nodes/2)/f.nodes, f.others.Model)
+	}
+	return f.tmpl.Model
 }
 
 // start brings up etcd and the API server, creates the DeviceClasses, the namespace and the fleet. The
@@ -135,10 +155,10 @@ func (f *fleetRun) start(ctx context.Context) (*harness.ControlPlane, error) {
 	// same, so that the program ends by itself.
 	cctx, cancel := context.WithTimeout(ctx, 20*time.Minute)
 	defer cancel()
-	if err := createFleet(cctx, cs, f.tmpl, f.nodes); err != nil {
-		return cp, fmt.Errorf("%s: %d nodes: %w", f.tmpl.Model, f.nodes, err)
+	if err := createFleet(cctx, cs, f.nodes, f.tmplOf); err != nil {
+		return cp, fmt.Errorf("%s: %d nodes: %w", f.model(), f.nodes, err)
 	}
-	f.logf("%s: control plane up in %s, %d nodes with %d slices each created in %s", f.tmpl.Model,
+	f.logf("%s: control plane up in %s, %d nodes with %d slices each created in %s", f.model(),
 		t1.Sub(t0).Round(100*time.Millisecond), f.nodes, len(f.tmpl.Slices), time.Since(t1).Round(100*time.Millisecond))
 	return cp, nil
 }

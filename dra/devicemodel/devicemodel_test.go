@@ -1,0 +1,430 @@
+package devicemodel
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/mig"
+)
+
+func inventory(t *testing.T, profile string, opts ...sim.Option) *gpu.Inventory {
+	t.Helper()
+	_, inv := simInventory(t, profile, opts...)
+	return inv
+}
+
+func simInventory(t *testing.T, profile string, opts ...sim.Option) (*sim.Node, *gpu.Inventory) {
+	t.Helper()
+	n, err := sim.New(profile, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.Init()
+	inv, err := gpu.New(n, gpu.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n, inv
+}
+
+func TestDevicesFromInventory(t *testing.T) {
+	whole := inventory(t, "dgx-a100")
+	migged := inventory(t, "dgx-h100-mig")
+	switching := inventory(t, "pcie-4gpu")
+	switching.GPUs[1].MIG.Pending = true // a mode change waiting for a reset
+	unknown := inventory(t, "pcie-4gpu")
+	unknown.GPUs[2].Unread = []gpu.Fact{gpu.FactMIGMode}
+
+	tests := []struct {
+		name      string
+		inv       *gpu.Inventory
+		unhealthy map[string]string
+		want      int
+		check     func(t *testing.T, ds []Device)
+	}{
+		{name: "whole GPUs", inv: whole, want: 8, check: func(t *testing.T, ds []Device) {
+			d := ds[0]
+			if d.Name != "gpu-0" || d.Type != TypeGPU || d.UUID != whole.GPUs[0].UUID || d.Architecture != "Ampere" ||
+				d.CC != (gpu.ComputeCapability{Major: 8}) || d.MemoryBytes != whole.GPUs[0].MemoryBytes || d.DriverVersion == "" {
+				t.Errorf("gpu-0: %+v", d)
+			}
+			if d.CDIDevice() != "nvidia.com/gpu="+whole.GPUs[0].UUID {
+				t.Errorf("CDI device %q", d.CDIDevice())
+			}
+		}},
+		{name: "MIG devices, not their GPUs", inv: migged, want: 56, check: func(t *testing.T, ds []Device) {
+			for _, d := range ds {
+				if d.Type != TypeMIG || d.Profile != "1g.10gb" || d.ParentUUID == "" || !strings.HasPrefix(d.UUID, "MIG-") ||
+					!strings.HasPrefix(d.Name, fmt.Sprintf("gpu-%d-mig-", d.ParentIndex)) {
+					t.Fatalf("MIG device %+v", d)
+				}
+			}
+		}},
+		{name: "unhealthy marked, a MIG device by its GPU", inv: migged, unhealthy: map[string]string{migged.GPUs[3].UUID: "XID 79"}, want: 56,
+			check: func(t *testing.T, ds []Device) {
+				bad := 0
+				for _, d := range ds {
+					if d.Unhealthy != "" {
+						bad++
+						if d.ParentIndex != 3 || d.Unhealthy != "XID 79" {
+							t.Errorf("unhealthy %+v", d)
+						}
+					}
+				}
+				if bad != 7 {
+					t.Errorf("%d unhealthy, want GPU 3's 7", bad)
+				}
+			}},
+		{name: "a GPU changing MIG mode is neither", inv: switching, want: 3, check: func(t *testing.T, ds []Device) {
+			if slices.ContainsFunc(ds, func(d Device) bool { return d.Name == "gpu-1" }) {
+				t.Errorf("gpu-1 offered while its MIG mode changes")
+			}
+		}},
+		{name: "a GPU whose MIG mode is unread is neither", inv: unknown, want: 3},
+		{name: "no inventory", inv: nil, want: 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ds := Devices(tt.inv, nil, tt.unhealthy)
+			if len(ds) != tt.want {
+				t.Fatalf("%d devices, want %d", len(ds), tt.want)
+			}
+			if !slices.IsSortedFunc(ds, func(a, b Device) int { return strings.Compare(a.Name, b.Name) }) {
+				t.Errorf("not sorted by name")
+			}
+			if tt.check != nil {
+				tt.check(t, ds)
+			}
+		})
+	}
+}
+
+func TestResources(t *testing.T) {
+	inv := inventory(t, "dgx-h100-mig")
+	pool := &Pool{Devices: Devices(inv, nil, map[string]string{inv.GPUs[0].Instances[0].UUID: "XID 48"})}
+	for _, taints := range []bool{true, false} {
+		res := Resources("node-a", pool, 3, Dropped{Taints: !taints})
+		p, ok := res.Pools["node-a"]
+		if !ok || p.Generation != 3 || len(p.Slices) != 1 {
+			t.Fatalf("pools %+v", res.Pools)
+		}
+		devs := p.Slices[0].Devices
+		want := 56
+		if !taints {
+			want = 55
+		}
+		if len(devs) != want {
+			t.Errorf("taints=%v: %d devices, want %d", taints, len(devs), want)
+		}
+		tainted := 0
+		for _, d := range devs {
+			if len(d.Taints) > 0 {
+				tainted++
+				if d.Taints[0].Key != TaintUnhealthy || d.Taints[0].Effect != resourceapi.DeviceTaintEffectNoSchedule {
+					t.Errorf("taint %+v", d.Taints)
+				}
+			}
+		}
+		if tainted != want-55 {
+			t.Errorf("taints=%v: %d tainted devices", taints, tainted)
+		}
+	}
+	d := apiDevice(pool.Devices[1])
+	attr := func(name string) resourceapi.DeviceAttribute { return d.Attributes[resourceapi.QualifiedName(name)] }
+	if *attr("type").StringValue != "mig" || *attr("profile").StringValue != "1g.10gb" || *attr("parentUUID").StringValue != inv.GPUs[0].UUID ||
+		*attr("productName").StringValue != inv.GPUs[0].Name || *attr("cudaComputeCapability").VersionValue != "9.0.0" ||
+		*attr("architecture").StringValue != "Hopper" || attr("driverVersion").VersionValue == nil || *attr(string(AttrPCIBusID)).StringValue != inv.GPUs[0].PCIBusID {
+		t.Errorf("attributes %+v", d.Attributes)
+	}
+	if q := d.Capacity["memory"].Value; q.Value() != int64(pool.Devices[1].MemoryBytes) {
+		t.Errorf("memory capacity %s", q.String())
+	}
+}
+
+// A device on a cordoned GPU carries a taint of its own, TaintCordoned,
+// always NoSchedule (a cordon never evicts), not the unhealthy one; a
+// device both unhealthy and cordoned carries both; where the API server
+// drops taints it is left out; the health stream says it is cordoned
+// (issue 29, defect 4b).
+func TestResourcesCordoned(t *testing.T) {
+	ns, nx := resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute
+	for _, tt := range []struct {
+		name      string
+		unhealthy string
+		evict     bool
+		cordoned  string
+		want      []resourceapi.DeviceTaint
+	}{
+		{name: "healthy"},
+		{name: "unhealthy", unhealthy: "XID 48", want: []resourceapi.DeviceTaint{{Key: TaintUnhealthy, Effect: ns}}},
+		{name: "cordoned", cordoned: "cordoned", want: []resourceapi.DeviceTaint{{Key: TaintCordoned, Effect: ns}}},
+		{name: "unhealthy, evicting, and cordoned", unhealthy: "XID 48", evict: true, cordoned: "cordoned",
+			want: []resourceapi.DeviceTaint{{Key: TaintUnhealthy, Effect: nx}, {Key: TaintCordoned, Effect: ns}}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d := apiDevice(Device{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Unhealthy: tt.unhealthy, Evict: tt.evict, Cordoned: tt.cordoned})
+			if !slices.Equal(d.Taints, tt.want) {
+				t.Errorf("taints %+v, want %+v", d.Taints, tt.want)
+			}
+		})
+	}
+
+	pool := &Pool{Devices: []Device{{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0"}, {Name: "gpu-1", Type: TypeGPU, UUID: "GPU-1", Index: 1, Cordoned: "cordoned"}}}
+	if got := summarize(Resources("node-a", pool, 1, Dropped{Taints: true})); !got.has("gpu-0") || got.has("gpu-1") {
+		t.Errorf("without taints the API server is given %v, want gpu-0 only", got.devices)
+	}
+}
+
+// A shared device: allowMultipleAllocations, and a "shares" capacity a
+// claim takes one of by default, up to all of them.
+func TestResourcesSharedDevice(t *testing.T) {
+	d := apiDevice(Device{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Shares: 4, MemoryBytes: 1 << 30})
+	c, ok := d.Capacity[CapacityShares]
+	if d.AllowMultipleAllocations == nil || !*d.AllowMultipleAllocations || !ok || c.Value.Value() != 4 || c.RequestPolicy == nil ||
+		c.RequestPolicy.Default.Value() != 1 || c.RequestPolicy.ValidRange.Min.Value() != 1 || c.RequestPolicy.ValidRange.Max.Value() != 4 {
+		t.Errorf("shared device: %+v", d)
+	}
+	// Memory is shared too: a claim takes none of it unless it asks (else the first would take it all).
+	if m := d.Capacity["memory"]; m.RequestPolicy == nil || m.RequestPolicy.Default.Value() != 0 {
+		t.Errorf("shared device's memory policy: %+v", m)
+	}
+	// MPS: the memory is pinned per client, an equal part by default, in whole MiB.
+	mpsDev := apiDevice(Device{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Shares: 3, MPS: true, MemoryBytes: 1 << 30})
+	if m := mpsDev.Capacity["memory"]; m.RequestPolicy == nil || m.RequestPolicy.Default.Value() != 341<<20 ||
+		m.RequestPolicy.ValidRange.Min.Value() != 1<<20 || m.RequestPolicy.ValidRange.Step.Value() != 1<<20 {
+		t.Errorf("MPS device's memory policy: %+v", m.RequestPolicy)
+	}
+	if e := apiDevice(Device{Name: "gpu-2", Type: TypeGPU, UUID: "GPU-2", Unhealthy: "XID 79", Evict: true}); len(e.Taints) != 1 || e.Taints[0].Effect != resourceapi.DeviceTaintEffectNoExecute {
+		t.Errorf("evicting taint: %+v", e.Taints)
+	}
+	if e := apiDevice(Device{Name: "gpu-1", Type: TypeGPU, UUID: "GPU-1"}); e.AllowMultipleAllocations != nil || len(e.Capacity) != 1 {
+		t.Errorf("exclusive device: %+v", e)
+	}
+}
+
+// An MPS device's memory policy is one the API server accepts, or none: a
+// policy it rejects takes the whole ResourceSlice with it.
+func TestMPSMemoryPolicy(t *testing.T) {
+	const mib = 1 << 20
+	tests := []struct {
+		name   string
+		memory uint64
+		shares int
+		// want is the default part per claim; 0: no policy (a claim takes all
+		// of the memory unless it asks for less).
+		want int64
+	}{
+		{name: "1 GiB in 3", memory: 1 << 30, shares: 3, want: 341 * mib},
+		{name: "80 GiB in 7", memory: 80 << 30, shares: 7, want: 11702 * mib},
+		{name: "exactly 1 MiB each", memory: 2 * mib, shares: 2, want: mib},
+		{name: "a part rounded down to 1 MiB", memory: 3*mib - 1, shares: 2, want: mib},
+		{name: "a part just under 1 MiB", memory: 2*mib - 1, shares: 2},
+		{name: "less than 1 MiB in all", memory: 512 << 10, shares: 2},
+		{name: "more shares than MiB", memory: 100 * mib, shares: 101},
+		{name: "no memory known", memory: 0, shares: 4},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := apiDevice(Device{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0", Shares: tt.shares, MPS: true, MemoryBytes: tt.memory})
+			mem, ok := d.Capacity["memory"]
+			if !ok || mem.Value.Value() != int64(tt.memory) {
+				t.Fatalf("memory capacity %+v, want %d", mem, tt.memory)
+			}
+			if tt.want == 0 {
+				if mem.RequestPolicy != nil {
+					t.Errorf("policy %+v, want none", mem.RequestPolicy)
+				}
+				return
+			}
+			if mem.RequestPolicy == nil || mem.RequestPolicy.Default.Value() != tt.want {
+				t.Fatalf("policy %+v, want default %d", mem.RequestPolicy, tt.want)
+			}
+			if err := validRangePolicy(mem); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+}
+
+// validRangePolicy checks a capacity's range policy as the API server does
+// (k8s.io/api resource/v1 CapacityRequestPolicyRange).
+func validRangePolicy(c resourceapi.DeviceCapacity) error {
+	p := c.RequestPolicy
+	if p.Default == nil || p.ValidRange == nil || p.ValidRange.Min == nil {
+		return fmt.Errorf("policy %+v: default and min are required", p)
+	}
+	capacity, def, lo := c.Value.Value(), p.Default.Value(), p.ValidRange.Min.Value()
+	switch {
+	case lo < 0 || lo > capacity:
+		return fmt.Errorf("min %d outside 0..capacity %d", lo, capacity)
+	case def < lo:
+		return fmt.Errorf("default %d below min %d", def, lo)
+	case p.ValidRange.Max != nil && (def > p.ValidRange.Max.Value() || p.ValidRange.Max.Value() > capacity):
+		return fmt.Errorf("default %d or capacity %d against max %d", def, capacity, p.ValidRange.Max.Value())
+	}
+	if p.ValidRange.Step != nil {
+		step := p.ValidRange.Step.Value()
+		if step <= 0 || lo+step > capacity || (def-lo)%step != 0 {
+			return fmt.Errorf("step %d: min %d + step beyond capacity %d, or default %d not min plus steps", step, lo, capacity, def)
+		}
+	}
+	return nil
+}
+
+func TestSemver(t *testing.T) {
+	for in, want := range map[string]string{"550.54.15": "550.54.15", "535.104": "535.104.0", "": "", "abc": "", "570": ""} {
+		got, ok := semver(in)
+		if got != want || ok != (want != "") {
+			t.Errorf("semver(%q) = %q, %v; want %q", in, got, ok, want)
+		}
+	}
+}
+
+// A node whose GPUs all make MIG devices on demand: counter sets in slices
+// of their own, at most 8 each; counting devices at most 64 per slice; every
+// device's consumption names its own GPU's set.
+func TestResourcesPartitionable(t *testing.T) {
+	n, inv := simInventory(t, "dgx-h100")
+	dev, ret := n.DeviceGetHandleByIndex(0)
+	if ret != nvml.SUCCESS {
+		t.Fatal(ret)
+	}
+	profiles, err := mig.QueryProfiles(dev, inv.GPUs[0].MemoryBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := &Pool{}
+	for _, g := range append(slices.Clone(inv.GPUs), inv.GPUs...) { // 16 GPUs' worth
+		devs, set := Partitions(Dynamic{GPU: g, Profiles: profiles, Whole: true}, Device{ProductName: g.Name})
+		pool.Devices = append(pool.Devices, devs...)
+		pool.CounterSets = append(pool.CounterSets, set)
+	}
+	res := Resources("node-a", pool, 1, Dropped{}).Pools["node-a"].Slices
+	var counterSlices, devices int
+	for i, s := range res {
+		if len(s.SharedCounters) > 0 && len(s.Devices) > 0 {
+			t.Errorf("slice %d has both counters and devices", i)
+		}
+		if len(s.SharedCounters) > 8 || len(s.Devices) > 64 {
+			t.Errorf("slice %d: %d counter sets, %d devices", i, len(s.SharedCounters), len(s.Devices))
+		}
+		if len(s.SharedCounters) > 0 {
+			counterSlices++
+		}
+		for _, d := range s.Devices {
+			devices++
+			if len(d.ConsumesCounters) != 1 || !strings.HasPrefix(d.ConsumesCounters[0].CounterSet, "gpu-") {
+				t.Errorf("device %s consumes %+v", d.Name, d.ConsumesCounters)
+			}
+		}
+	}
+	// Each GPU's devices in one slice; a profile's placements from the top down (the scheduler takes the
+	// first that fits).
+	where := map[string][2]int{}
+	for i, s := range res {
+		for j, d := range s.Devices {
+			where[d.Name] = [2]int{i, j}
+		}
+	}
+	for idx := range 8 {
+		first := where[fmt.Sprintf("gpu-%d", idx)][0]
+		for name, at := range where {
+			if strings.HasPrefix(name, fmt.Sprintf("gpu-%d-", idx)) && at[0] != first {
+				t.Errorf("GPU %d's devices span slices %d and %d", idx, first, at[0])
+			}
+		}
+	}
+	if hi, lo := where["gpu-0-mig-1g10gb-6"], where["gpu-0-mig-1g10gb-0"]; hi[1] >= lo[1] {
+		t.Errorf("1g.10gb at 6 is published at %d, after the one at 0 (%d)", hi[1], lo[1])
+	}
+	if counterSlices != 2 || devices != 16*26 {
+		t.Errorf("%d counter slices, %d devices; want 2 and %d", counterSlices, devices, 16*26)
+	}
+	whole := pool.Devices[slices.IndexFunc(pool.Devices, func(d Device) bool { return d.Type == TypeGPU })]
+	if len(whole.Consumes) != len(pool.CounterSets[0].Counters) {
+		t.Errorf("the whole GPU consumes %v, not every counter of %v", whole.Consumes, pool.CounterSets[0].Counters)
+	}
+}
+
+// Partition names are DNS labels, one per profile and placement: a +me
+// profile and a -me one (Blackwell has both) must not share a name.
+func TestPartitionName(t *testing.T) {
+	tests := []struct {
+		gpu     int
+		profile string
+		start   int
+		want    string
+	}{
+		{0, "3g.40gb", 4, "gpu-0-mig-3g40gb-4"},
+		{0, "1g.24gb", 6, "gpu-0-mig-1g24gb-6"},
+		{0, "1g.24gb+me", 6, "gpu-0-mig-1g24gb-plus-me-6"},
+		{0, "1g.24gb-me", 6, "gpu-0-mig-1g24gb-me-6"},
+		{0, "1g.24gb+me.all", 6, "gpu-0-mig-1g24gb-plus-me-all-6"},
+		{0, "1g.24gb+gfx", 6, "gpu-0-mig-1g24gb-plus-gfx-6"},
+		{0, "2g.48gb-me", 4, "gpu-0-mig-2g48gb-me-4"},
+		{31, "7g.180gb", 0, "gpu-31-mig-7g180gb-0"},
+	}
+	seen := map[string]string{}
+	for _, tt := range tests {
+		got := PartitionName(tt.gpu, tt.profile, tt.start)
+		if got != tt.want {
+			t.Errorf("PartitionName(%d, %q, %d) = %q, want %q", tt.gpu, tt.profile, tt.start, got, tt.want)
+		}
+		if errs := validation.IsDNS1123Label(got); len(errs) > 0 {
+			t.Errorf("%s: not a DNS label: %v", got, errs)
+		}
+		key := fmt.Sprintf("%d %s %d", tt.gpu, tt.profile, tt.start)
+		if other, dup := seen[got]; dup {
+			t.Errorf("%s and %s are both named %s", other, key, got)
+		}
+		seen[got] = key
+	}
+}
+
+// Every simulated MIG model: each GPU's devices on demand (the whole GPU,
+// every profile at every placement) have distinct names that are DNS labels.
+func TestPartitionNamesOfEveryModel(t *testing.T) {
+	models := map[string]bool{}
+	for _, node := range sim.Profiles() {
+		n, inv := simInventory(t, node.Name)
+		for _, g := range inv.GPUs {
+			dev, ret := n.DeviceGetHandleByIndex(g.Index)
+			if ret != nvml.SUCCESS {
+				t.Fatal(ret)
+			}
+			profiles, err := mig.QueryProfiles(dev, g.MemoryBytes)
+			if err != nil {
+				t.Fatalf("%s GPU %d: %v", node.Name, g.Index, err)
+			}
+			if len(profiles) == 0 {
+				continue
+			}
+			models[g.Name] = true
+			devs, _ := Partitions(Dynamic{GPU: g, Profiles: profiles, Whole: true}, Device{})
+			seen := map[string]string{}
+			for _, d := range devs {
+				if errs := validation.IsDNS1123Label(d.Name); len(errs) > 0 {
+					t.Errorf("%s GPU %d: %q is not a DNS label: %v", node.Name, g.Index, d.Name, errs)
+				}
+				what := fmt.Sprintf("%s at %d", d.Profile, d.Placement.Start)
+				if other, dup := seen[d.Name]; dup {
+					t.Errorf("%s GPU %d: %s and %s are both named %s", node.Name, g.Index, other, what, d.Name)
+				}
+				seen[d.Name] = what
+			}
+		}
+	}
+	// A100 40 and 80 GB, A30, H100, H100 NVL, H200, both GH200s, B200.
+	if len(models) < 9 {
+		t.Errorf("only %d MIG models simulated: %v", len(models), slices.Sorted(maps.Keys(models)))
+	}
+}
