@@ -25,6 +25,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
@@ -170,16 +171,16 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	}
 	// The ledger: Allocate, DRA Prepare and the MIG applier all pass
 	// through it, so no device is handed out and destroyed at once.
-	ledger, err := agent.NewLedger(f.stateDir, nil, log.With("component", "ledger"))
+	held, err := ledger.New(ledger.Options{StateDir: f.stateDir, Logger: log.With("component", "ledger")})
 	if newer := (*stateformat.NewerError)(nil); errors.As(err, &newer) {
-		ledger.Close()
+		held.Close()
 		return err
 	}
 	if err != nil {
 		log.Error("allocation log", "error", err)
 	}
-	defer ledger.Close()
-	if err := w.devicePlugin(ledger); err != nil {
+	defer held.Close()
+	if err := w.devicePlugin(held); err != nil {
 		return err
 	}
 	if err := w.configSources(); err != nil {
@@ -190,7 +191,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	ag := w.newAgent(restored, ledger, cdiSpecs)
+	ag := w.newAgent(restored, held, cdiSpecs)
 	return w.serve(ctx, ag)
 }
 
@@ -279,11 +280,11 @@ func (w *wiring) observers(restored *agent.Checkpoint) {
 
 // devicePlugin builds the device plugin's servers, which check each
 // Allocate against the ledger.
-func (w *wiring) devicePlugin(ledger *agent.Ledger) error {
+func (w *wiring) devicePlugin(held *ledger.Ledger) error {
 	inbox, podres, useDRA := w.inbox, w.podres, w.f.dra
 	mgr, err := plugin.NewManager(plugin.Options{
 		Dir: w.f.pluginDir, Logger: w.log.With("component", "plugin"),
-		Admit: ledger.Admit,
+		Admit: agent.Admit(held),
 		OnAllocate: func(resource string, ids []string) {
 			if useDRA {
 				// The device leaves the DRA pool at once; without DRA
@@ -390,7 +391,7 @@ func cdiKeeper(f runFlags, be *backend) (agent.CDISpecs, error) {
 
 // newAgent builds the loop over every part, and registers the metrics
 // collector that reads it.
-func (w *wiring) newAgent(restored *agent.Checkpoint, ledger *agent.Ledger, cdiSpecs agent.CDISpecs) *agent.Agent {
+func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSpecs agent.CDISpecs) *agent.Agent {
 	f, be := w.f, w.be
 	var slicer agent.TimeSlicer
 	if be.Sim == nil && f.nvidiaSMI != "" {
@@ -435,7 +436,7 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, ledger *agent.Ledger, cdiS
 		StateDir:           f.stateDir,
 		Restored:           restored,
 		BootID:             be.BootID(),
-		Ledger:             ledger,
+		Ledger:             held,
 		ResyncInterval:     f.resync,
 		ForgetGoneAfter:    f.forgetGone,
 		Logger:             w.log.With("component", "agent"),
