@@ -138,6 +138,9 @@ type Options struct {
 	TimeSlice TimeSlicer
 	// InventoryObservers get every new inventory (the metrics sampler).
 	InventoryObservers []func(*gpu.Inventory)
+	// ConfigObservers get the config once it is in force, after each
+	// change (the holder tracker's idle Events); they must not block.
+	ConfigObservers []func(*config.Config)
 	// StateDir holds the checkpoint ("": nothing is checkpointed).
 	StateDir string
 	// Restored is the checkpoint read at start (nil: none).
@@ -217,6 +220,8 @@ type Agent struct {
 	sources   map[ConfigSource]config.Update
 	source    ConfigSource
 	policySet *config.Config
+	// observedConfig is the config ConfigObservers were last given.
+	observedConfig *config.Config
 
 	// Observed: the inventory believed, GPUs that could not be read, how
 	// many reads in a row missed each GPU, MIG profiles by model.
