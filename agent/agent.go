@@ -141,6 +141,9 @@ type Options struct {
 	TimeSlice TimeSlicer
 	// InventoryObservers get every new inventory (the metrics sampler).
 	InventoryObservers []func(*gpu.Inventory)
+	// ConfigObservers get the config once it is in force, after each
+	// change (the holder tracker's idle Events); they must not block.
+	ConfigObservers []func(*config.Config)
 	// StateDir holds the checkpoint ("": nothing is checkpointed).
 	StateDir string
 	// Restored is the checkpoint read at start (nil: none).
@@ -222,6 +225,8 @@ type configState struct {
 	cdiPlugin bool
 	// cordoned is the Node's cordon annotation (CordonChanged).
 	cordoned []string
+	// observedConfig is the config ConfigObservers were last given.
+	observedConfig *config.Config
 }
 
 // nodeState is what the loop believes of the node: the inventory, GPUs

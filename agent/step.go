@@ -363,6 +363,12 @@ func (a *Agent) pass(why string) {
 		a.opts.Health.SetPolicy(d.HealthPolicy)
 		a.policySet = d.Config.Config
 	}
+	if a.observedConfig != d.Config.Config {
+		for _, f := range a.opts.ConfigObservers {
+			f(d.Config.Config)
+		}
+		a.observedConfig = d.Config.Config
+	}
 	if a.opts.MPS != nil {
 		// Apply before publishing: replicas whose daemon does not answer yet
 		// are unhealthy in this catalog and turn healthy on its signal.

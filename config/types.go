@@ -95,7 +95,26 @@ type Config struct {
 	// DRA is what the DRA driver (the agent's --dra) offers beyond the
 	// node's devices as they are.
 	DRA DRA `yaml:"dra,omitempty"`
+	// Usage is what the agent does about how the holders of its devices use
+	// them: the idle Event (the gpu_agent_holder_* metrics are always on).
+	Usage Usage `yaml:"usage,omitempty"`
 }
+
+// Usage is what the agent does about how the holders of its devices use
+// them (the gpu_agent_holder_* metrics measure it whatever this says).
+type Usage struct {
+	// IdleEventAfter, when set, sends a Kubernetes Event (reason
+	// GPUAllocationIdle) to a pod once one of its containers or DRA claims
+	// has held a GPU or MIG device this long without using it, naming the
+	// device and the figures; once per idle spell. The agent never evicts
+	// a pod for it. Off when unset; at least 1m.
+	IdleEventAfter Duration `yaml:"idleEventAfter,omitempty"`
+}
+
+// MinIdleEventAfter is the shortest Usage.IdleEventAfter: a holder's use is
+// read every 10 s, and an Event for every pause of a few seconds would be
+// noise, not news.
+const MinIdleEventAfter = time.Minute
 
 // DRA is what the DRA driver (--dra) publishes beyond the node's devices as
 // they are.

@@ -23,6 +23,7 @@ Usage:
   gpu-agent mps-host [flags]               run the MPS control daemons the agent (run --mps-host)
                                            asks for, outside the agent's container
   gpu-agent status [--addr URL]            show a running agent's state
+  gpu-agent top [--addr URL] [--watch D]   who holds each GPU and how much they use it
   gpu-agent config validate FILE [flags]   check a config (file, ConfigMap manifest or directory)
                                            offline: what the node would offer with it
   gpu-agent inventory [--backend B | --addr URL] [-o table|json]
@@ -80,6 +81,8 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = cmdIMEXCtlSim(ctx, args[1:], stdout, stderr)
 	case "status":
 		err = cmdStatus(ctx, args[1:], stdout, stderr)
+	case "top":
+		err = cmdTop(ctx, args[1:], stdout, stderr)
 	case "config":
 		err = cmdConfig(ctx, args[1:], stdout, stderr)
 	case "inventory":

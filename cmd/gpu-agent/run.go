@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -45,6 +46,7 @@ type runFlags struct {
 	migStrategy                                        string
 	draPluginDir, kubeletRegistryDir                   string
 	cdiSpecDir, devRoot, migMinors                     string
+	hostProc                                           string
 	resync, forgetGone                                 time.Duration
 	mpsHost, dra                                       bool
 	// mpsBinarySet: --mps-binary or its variable was given, so even a
@@ -76,6 +78,7 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	// NVIDIA's variable name, as for MIG_STRATEGY.
 	fsAdd(&f.devRoot, "nvidia-dev-root", "NVIDIA_DEV_ROOT", "/", "host root under which the driver's /dev/nvidia* nodes are (the driver container's root under the GPU Operator)")
 	fsAdd(&f.migMinors, "mig-minors", "GPU_AGENT_MIG_MINORS", cdi.MigMinorsPath, "the driver's MIG capability table, for the CDI spec of MIG devices (sim backends number them as the driver does)")
+	fsAdd(&f.hostProc, "host-proc", "GPU_AGENT_HOST_PROC", "/proc", "the host's /proc, to find the pod of each GPU process NVML reports (the chart mounts it at /host/proc; /proc is right with hostPID or outside a container; empty: processes are not attributed, and on a simulated node only those whose cgroup the sim was given are)")
 	fsAdd(&f.nvmlLib, "nvml-lib", "GPU_AGENT_NVML_LIB", "", "path of libnvidia-ml.so.1 for the nvml backend (empty: the loader's search path)")
 	fsAdd(&f.logLevel, "log-level", "GPU_AGENT_LOG_LEVEL", "info", "debug, info, warn or error")
 	fsAdd(&f.logFormat, "log-format", "GPU_AGENT_LOG_FORMAT", "text", "text or json")
@@ -207,6 +210,7 @@ type wiring struct {
 	watcher *health.Watcher
 	sampler *telemetry.Sampler
 	podres  *podresources.Client
+	holders *telemetry.HolderTracker
 	mps     mpsControl
 	mgr     *plugin.Manager
 
@@ -215,7 +219,9 @@ type wiring struct {
 	clients   *kube.Clients
 	client    kubernetes.Interface
 	cluster   agent.Cluster
-	configMap string // read through the API, for /status
+	pub       *kube.Publisher
+	pods      *kube.PodWatcher // the node's Pods, for per-process attribution
+	configMap string           // read through the API, for /status
 	kubeRuns  []func(context.Context) error
 
 	dra         *dra.Driver // nil without --dra or without the API
@@ -327,8 +333,12 @@ func (w *wiring) configSources() error {
 			inbox.Post(agent.LabelsChanged{Labels: n.Labels})
 			inbox.Post(agent.CordonChanged{GPUs: kube.SplitCordon(n.Cordon)})
 		}, log.With("component", "kube"))
-		w.kubeRuns = append(w.kubeRuns, pub.Run, nodes.Run)
-		pub.Track(nodes)
+		w.pub = pub
+		// The node's Pods name the pod UIDs and container IDs the cgroups
+		// of GPU processes give (telemetry.HolderTracker).
+		w.pods = kube.NewPodWatcher(w.client, f.nodeName, log.With("component", "kube"))
+		w.kubeRuns = append(w.kubeRuns, pub.Run, nodes.Run, w.pods.Run)
+		pub.Track(nodes, w.pods)
 		if f.configMap != "" {
 			ns, name, err := kube.ParseConfigMapRef(f.configMap)
 			if err != nil {
@@ -408,6 +418,11 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSp
 	case f.nvidiaSMI != "":
 		resetter = mig.NewResetter(be.Lib, mig.SMIReset(f.nvidiaSMI))
 	}
+	// The tracker reads the agent's DRA claims and the agent feeds it
+	// inventories and the config: it is made once the agent is, before
+	// either runs.
+	var holders *telemetry.HolderTracker
+	var idleAfter atomic.Int64
 
 	ag := agent.New(agent.Options{
 		Observer:           mig.NewObserver(be.Lib, be.InventoryOptions),
@@ -432,7 +447,8 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSp
 		MPSRoot:            f.mpsRoot,
 		MPSShmDir:          f.mpsShmDir,
 		TimeSlice:          slicer,
-		InventoryObservers: []func(*gpu.Inventory){w.sampler.SetInventory},
+		InventoryObservers: []func(*gpu.Inventory){w.sampler.SetInventory, func(inv *gpu.Inventory) { holders.SetInventory(inv) }},
+		ConfigObservers:    []func(*config.Config){idleAfterFrom(&idleAfter)},
 		StateDir:           f.stateDir,
 		Restored:           restored,
 		BootID:             be.BootID(),
@@ -442,8 +458,11 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSp
 		Logger:             w.log.With("component", "agent"),
 		Registerer:         w.reg,
 	})
+	holders = w.holderTracker(ag, &idleAfter)
+	w.holders = holders
 	w.reg.MustRegister(telemetry.NewCollector(telemetry.CollectorOptions{
 		Samples: w.sampler, Health: w.watcher, Attribution: w.podres, Catalog: ag, DRA: ag, Hostname: f.nodeName,
+		Holders: holders,
 	}))
 	return ag
 }
@@ -456,7 +475,8 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 	if w.dra != nil {
 		draSlices = w.dra.Slices
 	}
-	srv, ln, err := newHTTPServer(f.listen, newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), defaultHTTPServerConfig(), log.With("component", "http"))
+	handler := withHolders(newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), w.holders)
+	srv, ln, err := newHTTPServer(f.listen, handler, defaultHTTPServerConfig(), log.With("component", "http"))
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
@@ -472,6 +492,7 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 	goRun("agent", func() error { return ag.Run(ctx) })
 	goRun("health watcher", func() error { return w.watcher.Run(ctx) })
 	goRun("metrics sampler", func() error { return w.sampler.Run(ctx) })
+	goRun("holders", func() error { return w.holders.Run(ctx) })
 	goRun("pod-resources", func() error { return w.podres.Run(ctx) })
 	goRun("mps supervisor", func() error { return w.mps.Run(ctx) })
 	goRun("mps events", func() error {
