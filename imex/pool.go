@@ -61,8 +61,8 @@ func channelID(name string) (int, bool) {
 
 // Fault is why the channels are tainted, and how.
 type Fault struct {
-	Key    string                       `json:"key"`
-	Why    string                       `json:"why"`
+	Key    string                        `json:"key"`
+	Why    string                        `json:"why"`
 	Effect resourceapi.DeviceTaintEffect `json:"effect"`
 }
 

@@ -8,8 +8,8 @@ import (
 	"path/filepath"
 	"slices"
 
-	"github.com/gpu-agent/gpu-agent/atomicfile"
 	cdv1 "github.com/gpu-agent/gpu-agent/api/computedomain/v1beta1"
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/stateformat"
 	"k8s.io/apimachinery/pkg/types"
 )
