@@ -24,6 +24,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/imex"
 	"github.com/gpu-agent/gpu-agent/kube"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
@@ -220,6 +221,9 @@ type wiring struct {
 	dra         *dra.Driver // nil without --dra or without the API
 	draPub      agent.DRAPublisher
 	claimStatus agent.ClaimStatusPublisher
+	// cd is the compute-domain.nvidia.com driver: with dra, on nodes
+	// whose GPUs are fabric-attached (computedomains.go).
+	cd *computeDomains
 }
 
 // newRegistry is the Prometheus registry of /metrics, with the process's
@@ -369,6 +373,11 @@ func (w *wiring) draDriver() {
 		sw := dra.NewClaimStatusWriter(dra.ClaimStatusOptions{Client: w.client, NodeName: f.nodeName, Logger: log.With("component", "dra")})
 		w.claimStatus = sw
 		w.kubeRuns = append(w.kubeRuns, sw.Run)
+		cd, err := w.newComputeDomains()
+		if err != nil {
+			log.Error("compute-domain.nvidia.com not served", "error", err)
+		}
+		w.cd = cd
 	}
 }
 
@@ -431,7 +440,7 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, ledger *agent.Ledger, cdiS
 		MPSRoot:            f.mpsRoot,
 		MPSShmDir:          f.mpsShmDir,
 		TimeSlice:          slicer,
-		InventoryObservers: []func(*gpu.Inventory){w.sampler.SetInventory},
+		InventoryObservers: w.inventoryObservers(),
 		StateDir:           f.stateDir,
 		Restored:           restored,
 		BootID:             be.BootID(),
@@ -447,6 +456,15 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, ledger *agent.Ledger, cdiS
 	return ag
 }
 
+// inventoryObservers are told each inventory the loop reads.
+func (w *wiring) inventoryObservers() []func(*gpu.Inventory) {
+	obs := []func(*gpu.Inventory){w.sampler.SetInventory}
+	if w.cd != nil {
+		obs = append(obs, w.cd.driver.SetInventory)
+	}
+	return obs
+}
+
 // serve starts the HTTP server and every goroutine, then the DRA driver;
 // it returns once ctx ends (or one of them failed) and all have stopped.
 func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
@@ -455,7 +473,7 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 	if w.dra != nil {
 		draSlices = w.dra.Slices
 	}
-	srv, ln, err := newHTTPServer(f.listen, newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), defaultHTTPServerConfig(), log.With("component", "http"))
+	srv, ln, err := newHTTPServer(f.listen, withComputeDomains(newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), w.cd), defaultHTTPServerConfig(), log.With("component", "http"))
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
@@ -500,6 +518,14 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 		} else {
 			defer w.dra.Stop()
 			log.Info("DRA driver registered", "driver", devicemodel.DriverName, "plugin-dir", f.draPluginDir)
+		}
+	}
+	if w.cd != nil {
+		if err := w.cd.start(ctx, goRun); err != nil {
+			log.Error("compute-domain.nvidia.com not started", "error", err)
+		} else {
+			defer w.cd.driver.Stop()
+			log.Info("DRA driver registered", "driver", imex.DriverName)
 		}
 	}
 	for i, run := range w.kubeRuns {
