@@ -25,6 +25,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/imex"
 	"github.com/gpu-agent/gpu-agent/kube"
 	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -227,6 +228,9 @@ type wiring struct {
 	dra         *dra.Driver // nil without --dra or without the API
 	draPub      agent.DRAPublisher
 	claimStatus agent.ClaimStatusPublisher
+	// cd is the compute-domain.nvidia.com driver: with dra, on nodes
+	// whose GPUs are fabric-attached (computedomains.go).
+	cd *computeDomains
 }
 
 // newRegistry is the Prometheus registry of /metrics, with the process's
@@ -380,6 +384,11 @@ func (w *wiring) draDriver() {
 		sw := dra.NewClaimStatusWriter(dra.ClaimStatusOptions{Client: w.client, NodeName: f.nodeName, Logger: log.With("component", "dra")})
 		w.claimStatus = sw
 		w.kubeRuns = append(w.kubeRuns, sw.Run)
+		cd, err := w.newComputeDomains()
+		if err != nil {
+			log.Error("compute-domain.nvidia.com not served", "error", err)
+		}
+		w.cd = cd
 	}
 }
 
@@ -447,7 +456,7 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSp
 		MPSRoot:            f.mpsRoot,
 		MPSShmDir:          f.mpsShmDir,
 		TimeSlice:          slicer,
-		InventoryObservers: []func(*gpu.Inventory){w.sampler.SetInventory, func(inv *gpu.Inventory) { holders.SetInventory(inv) }},
+		InventoryObservers: append(w.inventoryObservers(), func(inv *gpu.Inventory) { holders.SetInventory(inv) }),
 		ConfigObservers:    []func(*config.Config){idleAfterFrom(&idleAfter)},
 		StateDir:           f.stateDir,
 		Restored:           restored,
@@ -467,6 +476,15 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSp
 	return ag
 }
 
+// inventoryObservers are told each inventory the loop reads.
+func (w *wiring) inventoryObservers() []func(*gpu.Inventory) {
+	obs := []func(*gpu.Inventory){w.sampler.SetInventory}
+	if w.cd != nil {
+		obs = append(obs, w.cd.driver.SetInventory)
+	}
+	return obs
+}
+
 // serve starts the HTTP server and every goroutine, then the DRA driver;
 // it returns once ctx ends (or one of them failed) and all have stopped.
 func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
@@ -475,7 +493,7 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 	if w.dra != nil {
 		draSlices = w.dra.Slices
 	}
-	handler := withHolders(newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), w.holders)
+	handler := withComputeDomains(withHolders(newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), w.holders), w.cd)
 	srv, ln, err := newHTTPServer(f.listen, handler, defaultHTTPServerConfig(), log.With("component", "http"))
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
@@ -522,6 +540,14 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 		} else {
 			defer w.dra.Stop()
 			log.Info("DRA driver registered", "driver", devicemodel.DriverName, "plugin-dir", f.draPluginDir)
+		}
+	}
+	if w.cd != nil {
+		if err := w.cd.start(ctx, goRun); err != nil {
+			log.Error("compute-domain.nvidia.com not started", "error", err)
+		} else {
+			defer w.cd.driver.Stop()
+			log.Info("DRA driver registered", "driver", imex.DriverName)
 		}
 	}
 	for i, run := range w.kubeRuns {
