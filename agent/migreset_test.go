@@ -95,6 +95,38 @@ func TestMIGResetWaitsForHolder(t *testing.T) {
 	}
 }
 
+// A GPU a pod holds when the layout arrives, its MIG mode not yet pending
+// (the A100 a user meets first): its mode change is not tried under the
+// pod, /status names the pod as what the reset waits for, and once the
+// pod ends the mode change, the reset and the layout happen in one pass.
+func TestMIGModeChangeWaitsForHolder(t *testing.T) {
+	node := simNode(t, "dgx-a100")
+	h := newHarness(t, node, withMIG(), withReset())
+	h.config(wholeGPUs)
+	held := findGPU(h, 0).ID
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU, held)})
+	h.config(a100Layout(""))
+	st := h.migState(0)
+	if st.Phase != mig.PhasePending || !slices.Contains(st.ResetBlockers, "pod ml/trainer (main)") || !strings.Contains(st.Reason, "the MIG mode change waits") {
+		t.Fatalf("GPU 0 held: %+v, want pending, its reset waiting for pod ml/trainer", st)
+	}
+	if cur, pending := migMode(t, node, 0); cur != nvml.DEVICE_MIG_DISABLE || pending != nvml.DEVICE_MIG_DISABLE {
+		t.Fatalf("GPU 0 held: MIG mode %d, pending %d; want the change not tried", cur, pending)
+	}
+	for i := 1; i < 8; i++ {
+		if st := h.migState(i); st.Phase != mig.PhaseApplied {
+			t.Errorf("GPU %d: %+v; only GPU 0 is held", i, st)
+		}
+	}
+	h.step(HoldingsChanged{Attribution: h.hold.hold(ResourceGPU)})
+	if st := h.migState(0); st.Phase != mig.PhaseApplied || len(st.ResetBlockers) != 0 {
+		t.Fatalf("released: %+v, want applied", st)
+	}
+	if got := h.count("nvidia.com/mig-3g.20gb"); got != 16 {
+		t.Errorf("%d 3g.20gb devices, want 16", got)
+	}
+}
+
 // A process NVML lists on the GPU blocks the reset as a holder does, even
 // with no pod known to hold it (a process outside Kubernetes).
 func TestMIGResetWaitsForProcess(t *testing.T) {

@@ -25,7 +25,8 @@ type Status struct {
 	// "standalone" without one).
 	Cluster ClusterStatus `json:"cluster"`
 	Config  ConfigStatus  `json:"config"`
-	GPUs    []gpu.GPU     `json:"gpus"`
+	// GPUs are shown with the PCI device id in hex, as configs write it.
+	GPUs []gpu.Shown `json:"gpus"`
 	// Unread are the GPUs known earlier that cannot be read now, offered
 	// unhealthy: why, since when, and when one NVML no longer enumerates
 	// is forgotten.
@@ -264,7 +265,7 @@ func (a *Agent) publishStatus() {
 	}
 	slices.SortStableFunc(s.Unread, func(x, y UnreadGPU) int { return x.Index - y.Index })
 	if a.inv != nil {
-		s.GPUs = a.inv.GPUs
+		s.GPUs = gpu.Show(a.inv.GPUs)
 		for _, e := range a.inv.Errors {
 			s.Errors = append(s.Errors, e.Error())
 		}

@@ -504,7 +504,11 @@ func (a *Agent) applyMIG(d Desired) (changed, reset bool) {
 	for _, gm := range d.MIG {
 		st := MIGState{GPU: gm.GPU, UUID: gm.UUID, Want: gm.Want, Phase: gm.State.Phase, Reason: gm.State.Reason}
 		if why, ok := refused[gm.GPU]; ok {
-			st.Phase, st.Reason = mig.PhasePending, why
+			// A mode change is not even tried under a holder; where it
+			// will need a reset (an A100's), its holders are what the
+			// reset waits for, and /status says so as it does once the
+			// change is pending.
+			st.Phase, st.Reason, st.ResetBlockers = mig.PhasePending, why, gm.ResetBlockers
 		} else if gm.Apply() && a.opts.MIG != nil {
 			// Apply even an empty plan: it finishes one that crashed after
 			// its last step.
@@ -590,7 +594,11 @@ func (a *Agent) doom(plans []GPUMIG) map[int]string {
 			continue
 		}
 		if err := a.ledger.Doom(uuids, fmt.Sprintf("MIG layout %s on GPU %d", gm.Want, gm.GPU)); err != nil {
-			refused[gm.GPU] = "destroying waits: " + err.Error()
+			what := "destroying waits: "
+			if setsMode(gm.Plan) {
+				what = "the MIG mode change waits: "
+			}
+			refused[gm.GPU] = what + err.Error()
 		}
 	}
 	if doomed := a.ledger.Doomed(); len(doomed) > 0 && a.cat != nil {

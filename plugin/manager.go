@@ -268,8 +268,10 @@ func (m *Manager) Run(ctx context.Context) error {
 				// and registering again is harmless, missing it is not.
 				// kubelet.sock's own events may be among those lost.
 				m.kubeletGone = !exists(m.kubeletPath)
-				for _, r := range m.served {
-					m.restart(ctx, r, "watch overflow")
+				for _, name := range sortedKeys(m.served) {
+					if r := m.served[name]; !r.yielded {
+						m.restart(ctx, r, "watch overflow")
+					}
 				}
 			}
 		}
@@ -307,6 +309,11 @@ func (m *Manager) handleEvent(ctx context.Context, ev fsnotify.Event) {
 		m.kubeletGone = false
 		m.log.Info("kubelet socket created: serving and registering again", "path", ev.Name)
 		for _, name := range sortedKeys(m.served) {
+			if r := m.served[name]; r.yielded {
+				// The new kubelet has no stream of ours to keep.
+				m.remove(r)
+				continue
+			}
 			m.restart(ctx, m.served[name], reasonKubeletRestart)
 		}
 	case base == kubeletSocket && gone:
@@ -327,6 +334,10 @@ func (m *Manager) handleEvent(ctx context.Context, ev fsnotify.Event) {
 			// A resource whose serve failed (srv nil) is served again too:
 			// the socket may have been deleted between our listen and
 			// chmod, and this removal is the only event that follows.
+			if r.socket == base && !exists(r.path) && r.yielded {
+				m.remove(r) // not ours to serve while the other plugin has it
+				continue
+			}
 			if r.socket == base && !exists(r.path) {
 				m.log.Warn("socket removed: serving again", "path", r.path, "wasServing", r.srv != nil)
 				m.restart(ctx, r, "socket removed")
@@ -346,10 +357,19 @@ func (m *Manager) apply(ctx context.Context) {
 	if cat != nil {
 		want = cat.Resources
 	}
+	var foreign map[string]string
 	for _, name := range sortedKeys(m.served) {
-		if want[name] == nil {
-			m.remove(m.served[name])
+		if want[name] != nil {
+			continue
 		}
+		if foreign == nil {
+			foreign = ForeignSockets(m.opts.Dir)
+		}
+		if r := m.served[name]; foreign[name] != "" && (r.yielded || r.srv != nil && r.isRegistered()) {
+			m.yield(r, foreign[name])
+			continue
+		}
+		m.remove(m.served[name])
 	}
 	m.mu.Lock()
 	clear(m.rejected)
@@ -366,6 +386,12 @@ func (m *Manager) apply(ctx context.Context) {
 			res = &c
 		}
 		if r, ok := m.served[name]; ok {
+			if r.yielded {
+				r.update(res)
+				r.yielded = false
+				m.restart(ctx, r, "the other plugin is gone")
+				continue
+			}
 			if r.update(res) {
 				d, h := countDevices(res)
 				r.log.Info("devices changed", "devices", d, "healthy", h)
@@ -403,6 +429,28 @@ func (m *Manager) add(ctx context.Context, name string, res *catalog.Resource) {
 	m.served[name] = r
 	m.mu.Unlock()
 	m.restart(ctx, r, "new resource")
+}
+
+// yield leaves resource r to the other device plugin that registered it
+// after us (its socket: other), without ending our ListAndWatch stream. The
+// kubelet keeps one plugin per resource, the latest to register, but still
+// reads the streams of those it replaced, and when one of them ends it
+// drops whichever plugin is registered then (kubelet 1.36:
+// devicemanager/plugin/v1beta1 runClient): stopping our server would take
+// the resource from the other plugin too, and the node would offer none.
+// So the server stays and the stream is held open but silent (the catalog
+// stops reaching it), leaving the kubelet the other plugin's devices. The
+// stream ends when the other plugin has gone (apply serves the resource
+// again), when the kubelet restarts, or when gpu-agent stops: in that last
+// case the kubelet drops the other plugin as well, and it must register
+// again (restart it).
+func (m *Manager) yield(r *resource, other string) {
+	if r.yielded {
+		return
+	}
+	r.yielded = true
+	m.stopRegistration(r)
+	r.log.Warn("another device plugin registered this resource after us: it is left to that plugin; our stream to the kubelet stays open and silent, as ending it would make the kubelet drop that plugin too", "other", other)
 }
 
 func (m *Manager) remove(r *resource) {

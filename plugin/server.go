@@ -48,6 +48,10 @@ type resource struct {
 	srv       *grpc.Server
 	done      chan struct{} // closed when srv stops; ends its ListAndWatch streams
 	cancelReg context.CancelFunc
+	// yielded: another plugin registered this resource after us and the
+	// catalog no longer has it; the server and the kubelet's stream stay
+	// open, and silent (Manager.yield).
+	yielded bool
 }
 
 func newResource(name, socket, path string, res *catalog.Resource, log *slog.Logger, now func() time.Time) *resource {

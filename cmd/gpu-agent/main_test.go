@@ -121,7 +121,7 @@ func TestWriteStatus(t *testing.T) {
 	st := &agent.Status{
 		Node: "n1", Backend: "sim:x",
 		Config: agent.ConfigStatus{Source: "c.yaml", Name: "default", SelectedBy: "default", Error: "configs.default.x: unknown field (line 3)"},
-		GPUs:   []gpu.GPU{{Index: 0, UUID: "GPU-1", Name: "A100", MemoryBytes: 40 << 30, NUMANode: 3, MIGCapable: true}},
+		GPUs:   gpu.Show([]gpu.GPU{{Index: 0, UUID: "GPU-1", Name: "A100", MemoryBytes: 40 << 30, NUMANode: 3, MIGCapable: true}}),
 		Resource: []agent.ResourceState{{Name: "nvidia.com/gpu", Devices: []agent.DeviceState{
 			{ID: "GPU-1", Healthy: false, Reason: "XID 79", NUMANode: 3, HeldBy: "ml/trainer (main)"}}}},
 		Registrations: []agent.Registration{{Resource: "nvidia.com/gpu", LastError: "kubelet.sock absent"}},

@@ -9,6 +9,8 @@ import (
 	"log/slog"
 	"net/http"
 	"os"
+	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -60,11 +62,11 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	fsAdd(&f.backend, "backend", "GPU_AGENT_BACKEND", "nvml", "GPU backend: nvml, or sim:<profile> for a simulated node")
 	fsAdd(&f.config, "config", "GPU_AGENT_CONFIG", "", "config file (the mounted ConfigMap key); empty: built-in default (whole GPUs)")
 	fsAdd(&f.nodeName, "node-name", "NODE_NAME", host, "this node's name, for per-node config selection")
-	fsAdd(&f.pluginDir, "device-plugin-dir", "GPU_AGENT_DEVICE_PLUGIN_DIR", "/var/lib/kubelet/device-plugins", "kubelet device plugin directory (holds kubelet.sock)")
-	fsAdd(&f.podResources, "pod-resources-socket", "GPU_AGENT_POD_RESOURCES_SOCKET", "/var/lib/kubelet/pod-resources/kubelet.sock", "kubelet pod-resources API socket")
-	fsAdd(&f.listen, "listen", "GPU_AGENT_LISTEN", ":9400", "HTTP address for /metrics, /healthz, /readyz, /status")
-	fsAdd(&f.stateDir, "state-dir", "GPU_AGENT_STATE_DIR", "/var/lib/gpu-agent", "directory for state that must survive restarts")
-	fsAdd(&f.mpsRoot, "mps-root", "GPU_AGENT_MPS_ROOT", "/run/gpu-agent/mps", "root of the MPS pipe and log directories")
+	fsAdd(&f.pluginDir, "device-plugin-dir", "GPU_AGENT_DEVICE_PLUGIN_DIR", "/var/lib/kubelet/device-plugins", "kubelet device plugin directory (holds kubelet.sock); a sim: backend without it: ./.run/device-plugins")
+	fsAdd(&f.podResources, "pod-resources-socket", "GPU_AGENT_POD_RESOURCES_SOCKET", "/var/lib/kubelet/pod-resources/kubelet.sock", "kubelet pod-resources API socket; a sim: backend without it: ./.run/pod-resources.sock")
+	fsAdd(&f.listen, "listen", "GPU_AGENT_LISTEN", ":9400", "HTTP address for /metrics, /healthz, /readyz, /status; a sim: backend without it: "+simListen)
+	fsAdd(&f.stateDir, "state-dir", "GPU_AGENT_STATE_DIR", "/var/lib/gpu-agent", "directory for state that must survive restarts; a sim: backend without it: ./.run/state")
+	fsAdd(&f.mpsRoot, "mps-root", "GPU_AGENT_MPS_ROOT", "/run/gpu-agent/mps", "root of the MPS pipe and log directories; a sim: backend without it: ./.run/mps")
 	fsAdd(&f.mpsBinary, "mps-binary", "GPU_AGENT_MPS_BINARY", mps.DefaultBinary, "MPS control program, by path or found on PATH")
 	fsAdd(&f.nvidiaSMI, "nvidia-smi", "GPU_AGENT_NVIDIA_SMI", timeslice.DefaultSMI, "nvidia-smi, by path or found on PATH, to set the time slice DRA claims' TimeSlicing config asks for (empty, or a simulated node: only the Default interval is honoured) and to reset an idle GPU whose MIG mode change waits for a reset (mig.resetPolicy; empty: never)")
 	fsAdd(&f.mpsShmDir, "mps-shm-dir", "GPU_AGENT_MPS_SHM_DIR", "/dev/shm", "host directory MPS daemons and their clients share as /dev/shm")
@@ -114,29 +116,91 @@ func runFlagSet(f *runFlags, stderr io.Writer) (*flag.FlagSet, error) {
 }
 
 func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	var f runFlags
-	fs, err := runFlagSet(&f, stderr)
+	f, simMoved, err := parseRun(args, stderr)
 	if err != nil {
 		return err
-	}
-	if err := parseNoArgs(fs, args); err != nil {
-		return err
-	}
-	f.mpsBinarySet = envDefault("GPU_AGENT_MPS_BINARY", "") != ""
-	fs.Visit(func(fl *flag.Flag) { f.mpsBinarySet = f.mpsBinarySet || fl.Name == "mps-binary" })
-	if err := (config.ParseOptions{MIGStrategy: config.MIGStrategy(f.migStrategy)}).Check(); err != nil {
-		return usageError{"--mig-strategy: " + err.Error()}
-	}
-	if f.dra && f.cdiSpecDir == "" {
-		// Its answers are CDI names: without the spec the runtime fails
-		// every container given one.
-		return usageError{"--dra needs --cdi-spec-dir: the DRA driver hands out CDI device names, resolved through the spec written there"}
 	}
 	logger, err := newLogger(stderr, f.logLevel, f.logFormat)
 	if err != nil {
 		return usageError{err.Error()}
 	}
+	if len(simMoved) > 0 {
+		logger.Info("simulated node: flags not given keep it off the host (give them to use the host's)", "set", simMoved)
+	}
 	return runAgent(ctx, f, logger)
+}
+
+// parseRun reads `gpu-agent run`'s flags and variables and checks them; on
+// a simulated node it applies simDefaults, whose settings it returns.
+func parseRun(args []string, stderr io.Writer) (runFlags, []string, error) {
+	var f runFlags
+	fs, err := runFlagSet(&f, stderr)
+	if err != nil {
+		return f, nil, err
+	}
+	if err := parseNoArgs(fs, args); err != nil {
+		return f, nil, err
+	}
+	// given: set on the command line or by the flag's variable.
+	given := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { given[fl.Name] = true })
+	f.register(func(_ *string, name, env, _, _ string) { given[name] = given[name] || envDefault(env, "") != "" })
+	f.mpsBinarySet = given["mps-binary"]
+	var simMoved []string
+	if strings.HasPrefix(f.backend, "sim:") {
+		dir, err := filepath.Abs(simRunDir)
+		if err != nil {
+			return f, nil, fmt.Errorf("simulated node: %s: %w", simRunDir, err)
+		}
+		simMoved = f.simDefaults(dir, given)
+	}
+	if err := (config.ParseOptions{MIGStrategy: config.MIGStrategy(f.migStrategy)}).Check(); err != nil {
+		return f, nil, usageError{"--mig-strategy: " + err.Error()}
+	}
+	if f.dra && f.cdiSpecDir == "" {
+		// Its answers are CDI names: without the spec the runtime fails
+		// every container given one.
+		return f, nil, usageError{"--dra needs --cdi-spec-dir: the DRA driver hands out CDI device names, resolved through the spec written there"}
+	}
+	return f, simMoved, nil
+}
+
+// simRunDir is where a simulated node keeps, unless told otherwise, what a
+// real node keeps in the kubelet's and the system's directories: `make run`'s
+// directory, under the working directory.
+const simRunDir = ".run"
+
+// simListen is a simulated node's --listen unless told otherwise.
+const simListen = "127.0.0.1:9400"
+
+// simDefaults keeps a simulated node off the host: each flag below that was
+// not given (given: on the command line or by its variable) is set to what
+// `make run` passes, loopback and dir. Their defaults are a real node's, so
+// `gpu-agent run --backend sim:X` as root would otherwise create
+// /var/lib/kubelet/device-plugins and /var/lib/gpu-agent, register made-up
+// GPUs with a kubelet running there, and serve the unauthenticated /sim
+// fault injection on every interface. The DaemonSet and the chart pass every
+// one of these flags, so a simulated node in a cluster runs as before. It
+// returns what it set, as --name=value.
+func (f *runFlags) simDefaults(dir string, given map[string]bool) []string {
+	var set []string
+	for _, d := range []struct {
+		name  string
+		p     *string
+		value string
+	}{
+		{"listen", &f.listen, simListen},
+		{"device-plugin-dir", &f.pluginDir, filepath.Join(dir, "device-plugins")},
+		{"pod-resources-socket", &f.podResources, filepath.Join(dir, "pod-resources.sock")},
+		{"state-dir", &f.stateDir, filepath.Join(dir, "state")},
+		{"mps-root", &f.mpsRoot, filepath.Join(dir, "mps")},
+	} {
+		if !given[d.name] {
+			*d.p = d.value
+			set = append(set, "--"+d.name+"="+d.value)
+		}
+	}
+	return set
 }
 
 func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {

@@ -80,7 +80,7 @@ func TestBuildInfoServed(t *testing.T) {
 	b := buildInfo()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(newBuildInfoMetric(b))
-	st := &agent.Status{LastPass: time.Now(), GPUs: []gpu.GPU{{UUID: "GPU-0"}}}
+	st := &agent.Status{LastPass: time.Now(), GPUs: gpu.Show([]gpu.GPU{{UUID: "GPU-0"}})}
 	h := newHTTPHandler(fixedStatus{st}, allRegistered{}, noEvents{}, sampledGPU{}, nil, reg, &backend{Name: "sim:x"})
 
 	rec := httptest.NewRecorder()

@@ -737,9 +737,14 @@ type AgentStatus struct {
 	// MIG is each GPU's repartitioning state.
 	MIG []struct {
 		GPU    int    `json:"gpu"`
+		UUID   string `json:"uuid"`
 		Phase  string `json:"phase"`
 		Reason string `json:"reason"`
+		// ResetBlockers is what keeps a GPU whose MIG mode change waits for a reset from it.
+		ResetBlockers []string `json:"resetBlockers"`
 	} `json:"mig"`
+	// Conflicts are the other GPU components the agent sees acting on its node, one sentence each.
+	Conflicts []string `json:"conflicts"`
 	// HealthEvents are the GPUs the agent receives NVML health events for.
 	HealthEvents []string `json:"healthEvents"`
 	// HealthCauses are the health faults in force, as /status shows them.
