@@ -1,16 +1,17 @@
 // Package controller is the cluster side of compute domains: `gpu-agent
 // controller` reconciles NVIDIA's ComputeDomain resources
 // (resource.nvidia.com/v1beta1). For each domain it makes the workload's
-// ResourceClaimTemplate and the daemons' one, places the domain on the
-// nodes its workload's claims are allocated to (a Node label the node side
-// acts on), aggregates what the node sides report into status.nodes and
+// ResourceClaimTemplate and the daemons' one, lists in status.nodes the
+// nodes its workload's claims are allocated to (the node sides run the
+// domain's IMEX daemon where their node is listed, with the listed nodes
+// of their clique as peers), aggregates what the node sides report into
 // status.status, tells the scheduler through DRA binding conditions when a
-// node's daemon is ready, and cleans all of it up behind a finalizer.
+// node's daemon is ready, and cleans up behind a finalizer.
 //
-// The contract with the node side (the compute-domain.nvidia.com kubelet
-// plugin) is this file: the names below, and NodeReports, which is how
-// the controller reads what nodes report. docs/compute-domains.md, "Node
-// side ↔ controller contract", describes it for people.
+// The contract with the node side (package imex, the compute-domain.nvidia.com
+// kubelet plugin) is this file: the names below, and NodeReports, which is
+// how the controller reads what nodes report. docs/compute-domains.md,
+// "Node side ↔ controller contract", describes it for people.
 package controller
 
 import (
@@ -30,10 +31,10 @@ const (
 	// Finalizer holds a deleted domain until its labels, daemons and
 	// templates are gone.
 	Finalizer = "resource.nvidia.com/computeDomain"
-	// LabelDomain carries a domain's UID: on a Node, it places the
-	// domain's IMEX daemon there (one domain per node, as on NVIDIA's
-	// driver); on the templates and on the claims made from them, it says
-	// whose they are.
+	// LabelDomain carries a domain's UID on its templates and on the
+	// claims made from them. (NVIDIA's driver also puts it on Nodes, to
+	// pull a daemon pod in, one domain per node; gpu-agent's node side runs
+	// daemons itself, one per domain, so no Node is labelled.)
 	LabelDomain = "resource.nvidia.com/computeDomain"
 	// LabelTarget tells the two templates apart: TargetWorkload or
 	// TargetDaemon.
@@ -58,9 +59,9 @@ const (
 	// Ready, and only then does the scheduler bind the pod.
 	ConditionDaemonReady = "compute-domain.nvidia.com/DaemonReady"
 	// ConditionDaemonFailed is the binding failure condition: the
-	// controller sets it True when the node cannot join the domain (it is
-	// placed in another domain, or its clique has no free index), and the
-	// scheduler then allocates the claim elsewhere.
+	// controller sets it True when the node cannot join the domain (its
+	// clique has no free index), and the scheduler then allocates the
+	// claim elsewhere.
 	ConditionDaemonFailed = "compute-domain.nvidia.com/DaemonFailed"
 	// FieldManager is the controller's server-side apply field manager
 	// (claims' status.devices conditions).
@@ -74,17 +75,19 @@ const (
 	MaxNodesPerClique = 18
 )
 
-// NodeReport is what one node side says of its part of a domain.
+// NodeReport is what one node side says of its part of a domain: whether
+// its daemon for the domain is ready. (Its address is the Node's, which
+// the controller reads itself.)
 type NodeReport struct {
-	IPAddress string
-	Status    cdv1.Status
+	Status cdv1.Status
 }
 
 // NodeReports reads what the node sides reported for a domain, by node
 // name. The default, StatusReports, reads the domain's own status.nodes
-// entries, where each node side applies its ipAddress and status; a node
-// side that reports elsewhere (an object of its own per node) plugs in
-// here without touching the rest of the controller.
+// entries, where each node side applies the status field of its entry; a
+// node side that reports elsewhere (an object of its own per node, or the
+// claims' device status) plugs in here without touching the rest of the
+// controller.
 type NodeReports interface {
 	Reports(cd *cdv1.ComputeDomain) map[string]NodeReport
 }
@@ -92,11 +95,11 @@ type NodeReports interface {
 // StatusReports reads the reports from status.nodes.
 type StatusReports struct{}
 
-// Reports returns each entry's ipAddress and status.
+// Reports returns each entry's status.
 func (StatusReports) Reports(cd *cdv1.ComputeDomain) map[string]NodeReport {
 	out := make(map[string]NodeReport, len(cd.Status.Nodes))
 	for _, n := range cd.Status.Nodes {
-		out[n.Name] = NodeReport{IPAddress: n.IPAddress, Status: n.Status}
+		out[n.Name] = NodeReport{Status: n.Status}
 	}
 	return out
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	cdv1 "github.com/gpu-agent/gpu-agent/api/computedomain/v1beta1"
+	resourcev1 "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -71,8 +72,8 @@ type Controller struct {
 // Index names.
 const (
 	byUID    = "uid"    // domains by UID
-	byNode   = "node"   // domains by the names of their status.nodes
-	byDomain = "domain" // templates, claims and Nodes by LabelDomain
+	byNode   = "node"   // domains by the names of their status.nodes; claims by their allocation's node
+	byDomain = "domain" // templates and claims by LabelDomain
 )
 
 // sweepKey is the queue's key for the sweep of objects whose domain is gone.
@@ -121,10 +122,11 @@ func New(opts Options) (*Controller, error) {
 	if err := c.cdInformer.AddIndexers(cache.Indexers{byUID: domainUIDIndex, byNode: domainNodesIndex}); err != nil {
 		return nil, err
 	}
-	for _, inf := range []cache.SharedIndexInformer{c.rctInformer, c.claimInformer, c.nodeInformer} {
-		if err := inf.AddIndexers(cache.Indexers{byDomain: labelIndex}); err != nil {
-			return nil, err
-		}
+	if err := c.rctInformer.AddIndexers(cache.Indexers{byDomain: labelIndex}); err != nil {
+		return nil, err
+	}
+	if err := c.claimInformer.AddIndexers(cache.Indexers{byDomain: labelIndex, byNode: claimNodeIndex}); err != nil {
+		return nil, err
 	}
 	if err := c.addHandlers(); err != nil {
 		return nil, err
@@ -155,6 +157,15 @@ func domainNodesIndex(obj any) ([]string, error) {
 		}
 	}
 	return names, nil
+}
+
+func claimNodeIndex(obj any) ([]string, error) {
+	if claim, ok := obj.(*resourcev1.ResourceClaim); ok {
+		if node := allocatedNode(claim); node != "" {
+			return []string{node}, nil
+		}
+	}
+	return nil, nil
 }
 
 func labelIndex(obj any) ([]string, error) {
@@ -195,7 +206,7 @@ func (c *Controller) addHandlers() error {
 	if _, err := c.cdInformer.AddEventHandler(onDomain); err != nil {
 		return err
 	}
-	// A template, claim or Node names its domain by UID.
+	// A template or claim names its domain by UID.
 	byLabel := func(objs ...any) {
 		for _, obj := range objs {
 			if m, err := meta(obj); err == nil {
@@ -215,19 +226,22 @@ func (c *Controller) addHandlers() error {
 			return err
 		}
 	}
-	// A Node matters to the domain it is labelled for and to those that
-	// list it in status.nodes (its readiness, address or clique changed,
-	// or it is gone). Kubelet heartbeats do not update the Node object
-	// (they renew a Lease), so this handler runs on real changes.
+	// A Node matters to the domains that list it in status.nodes and to
+	// those whose claims are allocated on it (its readiness, address or
+	// clique changed, it came or went). Kubelet heartbeats renew a Lease,
+	// not the Node, so this handler runs on real changes.
 	onNode := func(objs ...any) {
-		byLabel(objs...)
 		for _, obj := range objs {
-			if m, err := meta(obj); err == nil {
-				keys, _ := c.cdInformer.GetIndexer().IndexKeys(byNode, m.GetName())
-				for _, k := range keys {
-					c.queue.Add(k)
-				}
+			m, err := meta(obj)
+			if err != nil {
+				continue
 			}
+			keys, _ := c.cdInformer.GetIndexer().IndexKeys(byNode, m.GetName())
+			for _, k := range keys {
+				c.queue.Add(k)
+			}
+			claims, _ := c.claimInformer.GetIndexer().ByIndex(byNode, m.GetName())
+			byLabel(claims...)
 		}
 	}
 	_, err := c.nodeInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{

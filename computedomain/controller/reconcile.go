@@ -2,7 +2,6 @@ package controller
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -18,7 +17,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	metaapply "k8s.io/client-go/applyconfigurations/meta/v1"
 	resourceapply "k8s.io/client-go/applyconfigurations/resource/v1"
-	"k8s.io/client-go/tools/cache"
 )
 
 func (c *Controller) sync(ctx context.Context, key string) error {
@@ -55,10 +53,7 @@ func (c *Controller) sync(ctx context.Context, key string) error {
 		errs = append(errs, err)
 	}
 	claims := c.workloadClaims(string(cd.UID))
-	refused, err := c.place(ctx, cd, claims)
-	if err != nil {
-		errs = append(errs, err)
-	}
+	refused := map[string]refusal{}
 	status := c.desiredStatus(cd, claims, refused)
 	if !apiequality.Semantic.DeepEqual(status, cd.Status) {
 		next := cd.DeepCopy()
@@ -174,35 +169,6 @@ func allocatedNode(claim *resourcev1.ResourceClaim) string {
 // refusal is why a node the workload landed on cannot join the domain.
 type refusal string
 
-// place labels the nodes the workload landed on and unlabels the others
-// it labelled before. It returns the nodes that cannot join: placed in
-// another domain already (one domain per node: a node runs one IMEX
-// daemon).
-func (c *Controller) place(ctx context.Context, cd *cdv1.ComputeDomain, claims map[string][]*resourcev1.ResourceClaim) (map[string]refusal, error) {
-	uid := string(cd.UID)
-	refused := map[string]refusal{}
-	var errs []error
-	for _, name := range slices.Sorted(maps.Keys(claims)) {
-		node, ok := c.node(name)
-		if !ok {
-			continue
-		}
-		switch have, labelled := node.Labels[LabelDomain]; {
-		case have == uid:
-		case labelled:
-			refused[name] = refusal("node is in compute domain " + have)
-		default:
-			errs = append(errs, c.labelNode(ctx, node, uid))
-		}
-	}
-	for _, node := range listByDomain[*corev1.Node](c.nodeInformer, uid) {
-		if _, ok := claims[node.Name]; !ok {
-			errs = append(errs, c.unlabelNode(ctx, node.Name, uid))
-		}
-	}
-	return refused, errors.Join(errs...)
-}
-
 func (c *Controller) node(name string) (*corev1.Node, bool) {
 	obj, exists, _ := c.nodeInformer.GetIndexer().GetByKey(name)
 	if !exists {
@@ -212,64 +178,35 @@ func (c *Controller) node(name string) (*corev1.Node, bool) {
 	return n, ok
 }
 
-// labelNode adds the domain's label, provided the Node is as the cache
-// saw it unlabelled: two domains placed on one node at once must not
-// both believe they have it.
-func (c *Controller) labelNode(ctx context.Context, node *corev1.Node, uid string) error {
-	ops := []map[string]any{{"op": "test", "path": "/metadata/resourceVersion", "value": node.ResourceVersion}}
-	if node.Labels == nil {
-		ops = append(ops, map[string]any{"op": "add", "path": "/metadata/labels", "value": map[string]string{LabelDomain: uid}})
-	} else {
-		ops = append(ops, map[string]any{"op": "add", "path": "/metadata/labels/" + jsonPointerEscape(LabelDomain), "value": uid})
+// nodeIP is the address a node's IMEX daemon binds and its peers reach:
+// the daemons run in the agent, on the host network, so the Node's
+// InternalIP (its ExternalIP where it has none).
+func nodeIP(n *corev1.Node) string {
+	for _, t := range []corev1.NodeAddressType{corev1.NodeInternalIP, corev1.NodeExternalIP} {
+		for _, a := range n.Status.Addresses {
+			if a.Type == t {
+				return a.Address
+			}
+		}
 	}
-	return c.patchNode(ctx, node.Name, ops)
+	return ""
 }
 
-// unlabelNode removes the domain's label where it still names the domain.
-func (c *Controller) unlabelNode(ctx context.Context, name, uid string) error {
-	path := "/metadata/labels/" + jsonPointerEscape(LabelDomain)
-	err := c.patchNode(ctx, name, []map[string]any{
-		{"op": "test", "path": path, "value": uid},
-		{"op": "remove", "path": path},
-	})
-	if err == nil || apierrors.IsNotFound(err) {
-		return nil
-	}
-	// The test failed (the cache was behind: the label is gone or
-	// another domain's now), or the API failed: look.
-	node, gerr := c.opts.Kube.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(gerr) || (gerr == nil && node.Labels[LabelDomain] != uid) {
-		return nil
-	}
-	return err
-}
-
-func (c *Controller) patchNode(ctx context.Context, name string, ops []map[string]any) error {
-	patch, err := json.Marshal(ops)
-	if err != nil {
-		return err
-	}
-	if _, err := c.opts.Kube.CoreV1().Nodes().Patch(ctx, name, types.JSONPatchType, patch, metav1.PatchOptions{}); err != nil {
-		return fmt.Errorf("node %s: label %s: %w", name, LabelDomain, err)
-	}
-	return nil
-}
-
-func jsonPointerEscape(s string) string {
-	return strings.ReplaceAll(strings.ReplaceAll(s, "~", "~0"), "/", "~1")
-}
-
-// desiredStatus is the domain's status from its placement and the node
-// sides' reports. A node's entry is there while the workload is allocated
-// on it, the Node exists and is Ready, and it can join; its index, once
-// given, stays while the entry does, so a node leaving never renumbers
-// the others (NVIDIA's #1418). A new entry takes its clique's smallest free
-// index, the one a node that left gave up included.
+// desiredStatus is the domain's status from where its workload is and the
+// node sides' reports. The entries are the domain's placement: a node side
+// runs the domain's daemon once its node's entry is there, with the
+// entries of its clique as peers. A node's entry is there while the
+// workload is allocated on it, the Node exists and is Ready, and its
+// clique has room; its index, once given, stays while the entry does, so
+// a node leaving never renumbers the others (NVIDIA's #1418). A new entry
+// takes its clique's smallest free index, the one a node that left gave
+// up included. Several domains may share a node: the node side runs a
+// daemon per domain, on ports of its own.
 func (c *Controller) desiredStatus(cd *cdv1.ComputeDomain, claims map[string][]*resourcev1.ResourceClaim, refused map[string]refusal) cdv1.ComputeDomainStatus {
 	reports := c.opts.Reports.Reports(cd)
 	members := map[string]*corev1.Node{}
 	for name := range claims {
-		if node, ok := c.node(name); ok && nodeReady(node) && refused[name] == "" {
+		if node, ok := c.node(name); ok && nodeReady(node) {
 			members[name] = node
 		}
 	}
@@ -306,8 +243,8 @@ func (c *Controller) desiredStatus(cd *cdv1.ComputeDomain, claims map[string][]*
 		nodes = append(nodes, cdv1.ComputeDomainNode{Name: name, CliqueID: clique, Index: index, Status: cdv1.StatusNotReady})
 	}
 	for i := range nodes {
-		if r, ok := reports[nodes[i].Name]; ok {
-			nodes[i].IPAddress = r.IPAddress
+		nodes[i].IPAddress = nodeIP(members[nodes[i].Name])
+		if r, ok := reports[nodes[i].Name]; ok && r.Status != "" {
 			nodes[i].Status = r.Status
 		}
 		if nodes[i].Status == "" {
@@ -424,10 +361,21 @@ func hasTrue(claim *resourcev1.ResourceClaim, r resourcev1.DeviceRequestAllocati
 	return false
 }
 
-// finalize cleans up a deleted domain: its label on every Node (the node
-// sides stop its daemons), its templates, then the finalizer.
+// finalize cleans up a deleted domain: it empties status.nodes (each node
+// side, no longer finding its entry, stops the domain's daemon), deletes
+// the templates, then removes the finalizer.
 func (c *Controller) finalize(ctx context.Context, cd *cdv1.ComputeDomain) error {
 	if !slices.Contains(cd.Finalizers, Finalizer) || c.wasFinalized(cd.UID) {
+		return nil
+	}
+	if len(cd.Status.Nodes) > 0 || cd.Status.Status != cdv1.StatusNotReady {
+		next := cd.DeepCopy()
+		next.Status = cdv1.ComputeDomainStatus{Status: cdv1.StatusNotReady}
+		if err := c.writeStatus(ctx, next); err != nil {
+			return err
+		}
+		// The finalizer goes at the pass the status write's event brings,
+		// from the object as written.
 		return nil
 	}
 	if err := c.cleanup(ctx, string(cd.UID)); err != nil {
@@ -452,12 +400,9 @@ func (c *Controller) wasFinalized(uid types.UID) bool {
 	return c.finalized.Has(uid)
 }
 
-// cleanup removes what a domain placed: node labels and templates.
+// cleanup deletes a domain's templates.
 func (c *Controller) cleanup(ctx context.Context, uid string) error {
 	var errs []error
-	for _, node := range listByDomain[*corev1.Node](c.nodeInformer, uid) {
-		errs = append(errs, c.unlabelNode(ctx, node.Name, uid))
-	}
 	for _, t := range listByDomain[*resourcev1.ResourceClaimTemplate](c.rctInformer, uid) {
 		err := c.opts.Kube.ResourceV1().ResourceClaimTemplates(t.Namespace).Delete(ctx, t.Name,
 			metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &t.UID}})
@@ -485,14 +430,14 @@ func (c *Controller) setFinalizers(ctx context.Context, cd *cdv1.ComputeDomain, 
 // sweep cleans up after domains that are gone without their finalizer
 // having run: deleted while no controller ran (the feature turned off,
 // the finalizer removed by hand). It runs at start and whenever a
-// labelled object names a domain the cache does not have.
+// labelled object names a domain the cache does not have. The workload
+// templates are the garbage collector's too (the domain owns them); the
+// daemon templates, in another namespace, only the sweep's.
 func (c *Controller) sweep(ctx context.Context) error {
 	orphans := map[string]bool{}
-	for _, inf := range []cache.SharedIndexInformer{c.nodeInformer, c.rctInformer} {
-		for _, uid := range inf.GetIndexer().ListIndexFuncValues(byDomain) {
-			if objs, _ := c.cdInformer.GetIndexer().ByIndex(byUID, uid); len(objs) == 0 {
-				orphans[uid] = true
-			}
+	for _, uid := range c.rctInformer.GetIndexer().ListIndexFuncValues(byDomain) {
+		if objs, _ := c.cdInformer.GetIndexer().ByIndex(byUID, uid); len(objs) == 0 {
+			orphans[uid] = true
 		}
 	}
 	var errs []error

@@ -12,13 +12,10 @@ import (
 
 	cdv1 "github.com/gpu-agent/gpu-agent/api/computedomain/v1beta1"
 	"github.com/gpu-agent/gpu-agent/computedomain/controller"
-	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	resourcev1 "k8s.io/api/resource/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
-	"k8s.io/apiserver/pkg/admission"
-	"k8s.io/apiserver/pkg/authentication/user"
 	"sigs.k8s.io/yaml"
 )
 
@@ -152,7 +149,7 @@ func checkControllerRBAC(t *testing.T, name string, o *objects) {
 		"resourceclaims":         "list,watch",
 		"resourceclaims/status":  "patch",
 		"resourceclaims/driver":  "arbitrary-node:patch",
-		"nodes":                  "get,list,patch,watch",
+		"nodes":                  "list,watch",
 	}
 	got := map[string]string{}
 	for _, r := range ctl.Rules {
@@ -352,65 +349,5 @@ func compareSchema(t *testing.T, path string, typ reflect.Type, p apiextensionsv
 		default:
 			t.Errorf("%s.%s: Go kind %s not compared", path, name, ft.Kind())
 		}
-	}
-}
-
-// TestControllerNodePolicy: the controller's service account may change one label of a Node,
-// resource.nvidia.com/computeDomain, and nothing else; the policy does not touch other users.
-func TestControllerNodePolicy(t *testing.T) {
-	chart, err := renderChart(t, "computeDomains: {enabled: true}\n")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, in := range []struct {
-		name, ns string
-		o        *objects
-	}{
-		{"manifests", "gpu-agent", loadComputeDomainsComponent(t)},
-		{"chart", chart.Deployments[0].Namespace, chart},
-	} {
-		t.Run(in.name, func(t *testing.T) {
-			var policy *admissionregistrationv1.ValidatingAdmissionPolicy
-			for _, p := range in.o.Policies {
-				if strings.HasSuffix(p.Name, "controller-node") {
-					policy = p
-				}
-			}
-			if policy == nil || !slices.ContainsFunc(in.o.PolicyBindings, func(b *admissionregistrationv1.ValidatingAdmissionPolicyBinding) bool {
-				return b.Spec.PolicyName == policy.Name && slices.Equal(b.Spec.ValidationActions, []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny})
-			}) {
-				t.Fatal("no controller Node policy bound with Deny")
-			}
-			sa := in.o.Deployments[0].Spec.Template.Spec.ServiceAccountName
-			ctl := saUser(in.ns, sa, "")
-			p := compilePolicy(t, policy)
-			base := gpuNode("gb200-1", map[string]string{controller.LabelClique: "c.1"}, nil)
-			with := func(f func(n *corev1.Node)) *corev1.Node {
-				n := base.DeepCopy()
-				f(n)
-				return n
-			}
-			placed := with(func(n *corev1.Node) { n.Labels[controller.LabelDomain] = "uid-1" })
-			for _, tc := range []struct {
-				name     string
-				old, new *corev1.Node
-				who      user.Info
-				want     string
-			}{
-				{"place a domain", base, placed, ctl, ""},
-				{"unplace it", placed, base, ctl, ""},
-				{"change the clique label", base, with(func(n *corev1.Node) { n.Labels[controller.LabelClique] = "c.2" }), ctl,
-					"Forbidden: the compute domain controller may not change the label(s) nvidia.com/gpu.clique of Node gb200-1: only resource.nvidia.com/computeDomain"},
-				{"add an annotation", base, with(func(n *corev1.Node) { n.Annotations["x"] = "y" }), ctl,
-					"Forbidden: the compute domain controller may change only the resource.nvidia.com/computeDomain label of Node gb200-1, not its spec, annotations, finalizers or owner references"},
-				{"cordon the node", base, with(func(n *corev1.Node) { n.Spec.Unschedulable = true }), ctl,
-					"Forbidden: the compute domain controller may change only the resource.nvidia.com/computeDomain label of Node gb200-1, not its spec, annotations, finalizers or owner references"},
-				{"another user", base, with(func(n *corev1.Node) { n.Spec.Unschedulable = true }), saUser(in.ns, "gpu-agent", "gb200-1"), ""},
-			} {
-				if got := p.admit(t, admission.Update, nodesGVR, nodeGVK, tc.new, tc.old, tc.who); got != tc.want {
-					t.Errorf("%s:\n got %q\nwant %q", tc.name, got, tc.want)
-				}
-			}
-		})
 	}
 }
