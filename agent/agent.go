@@ -22,6 +22,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/kube"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin/topology"
@@ -53,9 +54,11 @@ type HoldingsSource interface {
 	Refresh(ctx context.Context) (*podresources.Attribution, error)
 }
 
-// MIGApplier executes MIG plans (mig.Applier).
+// MIGApplier executes MIG plans (mig.Applier), asking g (the agent's
+// ledger) before each step that destroys a MIG device or changes a GPU's
+// MIG mode.
 type MIGApplier interface {
-	Apply(ctx context.Context, p mig.Plan) (mig.State, error)
+	Apply(ctx context.Context, p mig.Plan, g mig.Guard) (mig.State, error)
 }
 
 // MPSControl runs the MPS control daemons the loop asks for: mps.Supervisor
@@ -138,6 +141,9 @@ type Options struct {
 	TimeSlice TimeSlicer
 	// InventoryObservers get every new inventory (the metrics sampler).
 	InventoryObservers []func(*gpu.Inventory)
+	// ConfigObservers get the config once it is in force, after each
+	// change (the holder tracker's idle Events); they must not block.
+	ConfigObservers []func(*config.Config)
 	// StateDir holds the checkpoint ("": nothing is checkpointed).
 	StateDir string
 	// Restored is the checkpoint read at start (nil: none).
@@ -149,7 +155,7 @@ type Options struct {
 	// Ledger is the node's record of who has each device (nil: a new one,
 	// with its allocation log in StateDir). The device plugin's Allocate
 	// and the MIG applier must pass through the same ledger (see Ledger).
-	Ledger *Ledger
+	Ledger *ledger.Ledger
 	// ForgetGoneAfter is how long a GPU NVML no longer enumerates is still
 	// offered, unhealthy, before it is forgotten (0: never). A GPU swapped
 	// for another is never enumerated again; one a container or claim
@@ -169,6 +175,8 @@ type Options struct {
 }
 
 // Agent owns the node state. Create with New, then Run (or, in tests, Step).
+// The loop's state is grouped by what it holds: the config in force, the
+// node as observed, who holds what, and what was published.
 type Agent struct {
 	opts    Options
 	log     *slog.Logger
@@ -181,23 +189,21 @@ type Agent struct {
 	passes  atomic.Int64
 
 	// Everything below is owned by the loop (Run or Step), one goroutine.
-	ctx context.Context
+	ctx    context.Context
+	scorer scorerCache
 
-	cdiStatus CDIStatus
-	// cdiPlugin: the config in force gives the device plugin a CDI device
-	// list strategy.
-	cdiPlugin bool
+	configState
+	nodeState
+	holdState
+	publishedState
+}
 
-	// cordoned is the Node's cordon annotation (CordonChanged), and
-	// cordonStatus what the last pass resolved it to.
-	cordoned     []string
-	cordonStatus CordonStatus
-
-	// conflicts: NVIDIA's components seen acting on this node.
-	conflicts Conflicts
-
-	// Config: the file's content, the config selected for this node, the
-	// last one that planned here, and why the latest was rejected.
+// configState is what the admin asks of the node: the config file and
+// where it came from, the selection for this node, the last config that
+// planned here, and the Node's cordon list.
+type configState struct {
+	// The file's content, the config selected for this node, the last one
+	// that planned here, and why the latest was rejected.
 	file     *config.File
 	labels   map[string]string
 	selected config.Selected
@@ -208,59 +214,95 @@ type Agent struct {
 	// selection stays).
 	selErr   standingError
 	warnings []string
-	// planWarnings are the last plan's (Desired.Warnings), shown with the
-	// file's own warnings.
-	planWarnings []string
-	gen          int
+	gen      int
 	// sources holds each config source's latest content; source is the
 	// one in force.
 	sources   map[ConfigSource]config.Update
 	source    ConfigSource
 	policySet *config.Config
+	// cdiPlugin: the config in force gives the device plugin a CDI device
+	// list strategy.
+	cdiPlugin bool
+	// cordoned is the Node's cordon annotation (CordonChanged).
+	cordoned []string
+	// observedConfig is the config ConfigObservers were last given.
+	observedConfig *config.Config
+}
 
-	// Observed: the inventory believed, GPUs that could not be read, how
-	// many reads in a row missed each GPU, MIG profiles by model.
+// nodeState is what the loop believes of the node: the inventory, GPUs
+// that could not be read, MIG profiles by model, and health.
+type nodeState struct {
 	inv    *gpu.Inventory
 	failed map[string]FailedGPU
 	// failedSince: when each GPU the checkpoint lists as failed first was.
 	failedSince map[string]time.Time
-	misses      map[string]int
+	// misses: how many reads in a row missed each GPU.
+	misses map[string]int
 	// readNow: the GPUs (UUIDs) the last observe read afresh; nil when it
-	// kept the last inventory (or none ran yet: a.inv is the checkpoint's).
+	// kept the last inventory (or none ran yet: inv is the checkpoint's).
 	readNow map[string]bool
 	// migTouched: the GPUs (UUIDs) MIG plans ran on since each was last
 	// read completely; no earlier record of them is believed.
 	migTouched map[string]bool
 	// bareSince: when each GPU instance without a compute instance was
 	// first seen (bareKey), for removeBare.
-	bareSince map[string]time.Time
-	// laid: the GPUs (by index) the MIG layout in force governs, as the
-	// last pass planned it (Plan serves the last config that fitted when
-	// the selected one's layout does not); nil before the first pass.
-	laid        map[int]bool
+	bareSince   map[string]time.Time
 	profiles    map[string]mig.Profiles
 	profileErrs map[string]error
+	health      *health.State
+	// conflicts: NVIDIA's components seen acting on this node.
+	conflicts Conflicts
+}
 
-	// Told: health, and whether the kubelet's last pod-resources answer
-	// was asked for in this pass (fresh) or why none came.
-	health *health.State
-	fresh  bool
-	// holdErr: why the kubelet gave no answer; holdAsked: when the last
-	// request went out (after a failure, the next waits refreshRetry);
-	// asking: a request is out.
+// read reports whether GPU uuid's record comes from the last read, which
+// succeeded: only such a record may say that a MIG device is gone.
+func (n *nodeState) read(uuid string) bool { return n.readNow[uuid] }
+
+// isFailed reports whether GPU uuid could not be read.
+func (n *nodeState) isFailed(uuid string) bool {
+	_, ok := n.failed[uuid]
+	return ok
+}
+
+// holdState is who holds what: the ledger, the kubelet's last answer and
+// how the loop asks for the next, and the MPS daemons claims wait on.
+type holdState struct {
+	// ledger is shared with the device plugin's Allocate (see Ledger).
+	ledger *ledger.Ledger
+	// fresh: the kubelet's last pod-resources answer was asked for in
+	// this pass. holdErr: why the kubelet gave no answer; holdAsked: when
+	// the last request went out (after a failure, the next waits
+	// refreshRetry); asking: a request is out.
+	fresh     bool
 	holdErr   standingError
 	holdAsked time.Time
 	asking    bool
+	// mpsPending: the daemons DRA claims asked for that are not up yet, by
+	// device UUID (claimconfig.go).
+	mpsPending map[string]pendingMPS
+}
 
-	// Published.
+// publishedState is what the last passes decided and told: the catalog,
+// the DRA pool and claim status, MIG states and Events, the MPS daemons
+// handed over, the checkpoint written, and what /status shows of them.
+type publishedState struct {
 	cat     *catalog.Catalog
 	draPool *devicemodel.Pool
 	// claimStatus is what was last handed to opts.ClaimStatus.
 	claimStatus map[types.UID]dra.ClaimStatus
 	migStates   map[int]MIGState
 	// migSaid is each GPU's MIG state as last logged and sent as an Event.
-	migSaid  map[int]MIGState
-	migErr   standingError
+	migSaid map[int]MIGState
+	migErr  standingError
+	// laid: the GPUs (by index) the MIG layout in force governs, as the
+	// last pass planned it (Plan serves the last config that fitted when
+	// the selected one's layout does not); nil before the first pass.
+	laid map[int]bool
+	// planWarnings are the last plan's (Desired.Warnings), shown with the
+	// file's own warnings.
+	planWarnings []string
+	// mpsSet are the MPS daemons last handed to Options.MPS.
+	mpsSet   []mps.Daemon
 	lastPass time.Time
 	lastLoop time.Time
 	saved    []byte
@@ -270,17 +312,9 @@ type Agent struct {
 	ckptWritten time.Time
 	// unhealthyGPUs: GPU UUID → reason, as last reported in Events.
 	unhealthyGPUs map[string]string
-
-	scorer scorerCache
-
-	// ledger is shared with the device plugin's Allocate (see Ledger).
-	ledger *Ledger
-
-	// mpsSet are the MPS daemons last handed to Options.MPS; mpsPending the
-	// daemons DRA claims asked for that are not up yet, by device UUID
-	// (claimconfig.go).
-	mpsSet     []mps.Daemon
-	mpsPending map[string]pendingMPS
+	cdiStatus     CDIStatus
+	// cordonStatus: what the last pass resolved the cordon list to.
+	cordonStatus CordonStatus
 }
 
 // New returns an agent; it does nothing until Run.
@@ -308,21 +342,17 @@ func New(opts Options) *Agent {
 		var err error
 		// Usable whatever the error: a log it could not open refuses
 		// Allocate until it opens, keeping what it read.
-		if a.ledger, err = NewLedger(opts.StateDir, opts.Now, opts.Logger); err != nil {
+		if a.ledger, err = ledger.New(ledger.Options{StateDir: opts.StateDir, Now: opts.Now, Logger: opts.Logger}); err != nil {
 			a.log.Error("allocation log", "error", err)
 		}
 	}
 	if opts.Registerer != nil {
 		opts.Registerer.MustRegister(newStateFailures(&a.metrics.ckptFailures, a.ledger))
 	}
-	if g, ok := opts.MIG.(interface{ SetGuard(mig.Guard) }); ok {
-		// Every MIG change checks the ledger before it destroys a device.
-		g.SetGuard(a.ledger)
-	}
 	a.restore(opts.Restored)
 	if opts.CDI != nil {
 		// A claim unprepared while no agent ran leaves its spec behind.
-		removed, err := opts.CDI.RemoveStaleClaims(func(uid string) bool { return hasKey(a.ledger.claims, types.UID(uid)) })
+		removed, err := opts.CDI.RemoveStaleClaims(func(uid string) bool { return a.ledger.HasClaim(types.UID(uid)) })
 		if err != nil {
 			a.log.Warn("stale CDI claim specs not all removed", "error", err)
 		}
@@ -346,7 +376,7 @@ func New(opts Options) *Agent {
 
 // Ledger is the agent's record of who has each device; the device
 // plugin's Allocate goes through it (Ledger.Allocate).
-func (a *Agent) Ledger() *Ledger { return a.ledger }
+func (a *Agent) Ledger() *ledger.Ledger { return a.ledger }
 
 // Inbox is where producers post events for this agent.
 func (a *Agent) Inbox() *Inbox { return a.inbox }

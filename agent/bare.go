@@ -2,12 +2,8 @@ package agent
 
 import (
 	"fmt"
-	"maps"
-	"slices"
 	"strings"
 	"time"
-
-	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -110,18 +106,8 @@ func (a *Agent) destroyBare(g gpu.GPU, bare []gpu.GPUInstance) error {
 // claimedAt names the claim whose MIG device (prepared, being made, or to
 // be destroyed) is recorded at a placement overlapping pl on GPU uuid (""
 // when none).
-func (a *Agent) claimedAt(uuid string, pl gpu.Placement) string {
-	l := a.ledger
-	for _, set := range []map[types.UID]PreparedClaim{l.claims, l.intents, l.releases} {
-		for _, uid := range slices.Sorted(maps.Keys(set)) {
-			for _, d := range set[uid].Devices {
-				if d.Created && d.Parent == uuid && d.Placement.Overlaps(pl) {
-					return set[uid].String()
-				}
-			}
-		}
-	}
-	return ""
+func (h *holdState) claimedAt(uuid string, pl gpu.Placement) string {
+	return h.ledger.ClaimedAt(uuid, pl)
 }
 
 // bareKey names a GPU instance without a compute instance across reads.

@@ -17,6 +17,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/stateformat"
 )
 
@@ -134,26 +135,10 @@ func (a *Agent) restore(cp *Checkpoint) {
 		a.log.Warn("checkpoint is from another node; ignoring it", "checkpoint-node", cp.Node, "node", a.opts.NodeName)
 		return
 	}
-	allocs := make(map[string]AllocEntry, len(cp.Allocated))
-	for u, at := range cp.Allocated {
-		allocs[u] = AllocEntry{At: at} // under a name the checkpoint does not keep
-	}
-	if future := a.ledger.restoreAllocations(allocs); future > 0 {
+	future := a.ledger.Restore(ledger.Snapshot{Claims: cp.Claims, Releasing: cp.Releasing, Intents: cp.Intents,
+		DynamicMIG: cp.DynamicMIG, Allocated: cp.Allocated})
+	if future > 0 {
 		a.log.Warn("allocations dated after now (the clock stepped back since they were made) count from now", "allocations", future)
-	}
-	maps.Copy(a.ledger.claims, cp.Claims)
-	maps.Copy(a.ledger.releases, cp.Releasing)
-	// An intent found after a crash is undone like a release: the kubelet
-	// never heard of its device and asks again. One its claim was
-	// checkpointed with holds nothing a claim holds (destroyPartition).
-	for uid, pc := range cp.Intents {
-		rel := a.ledger.releases[uid]
-		rel.Namespace, rel.Name, rel.At = pc.Namespace, pc.Name, pc.At
-		rel.Devices = append(rel.Devices, pc.Devices...)
-		a.ledger.releases[uid] = rel
-	}
-	for _, uuid := range cp.DynamicMIG {
-		a.ledger.dynamicMIG[uuid] = true
 	}
 	a.failedSince = maps.Clone(cp.FailedSince)
 	// The Node watch's first answer replaces it (CordonChanged), as any
@@ -174,7 +159,7 @@ func (a *Agent) restore(cp *Checkpoint) {
 		// against: a GPU that cannot be read now is then offered unhealthy
 		// instead of vanishing from the kubelet.
 		a.inv = &gpu.Inventory{GPUs: cp.GPUs, Topology: gpu.EmptyTopology(len(cp.GPUs))}
-		a.ledger.setInventory(cp.GPUs)
+		a.ledger.SetInventory(cp.GPUs)
 	}
 	if len(cp.Health) > 0 {
 		// Until the watcher reports, plan with the causes that were in
@@ -191,8 +176,9 @@ func (a *Agent) checkpoint() error {
 	if a.opts.StateDir == "" {
 		return nil
 	}
-	cp := Checkpoint{Version: CheckpointVersion, Minor: checkpointFormat.Current().Minor, Node: a.opts.NodeName, Claims: a.ledger.claims,
-		Releasing: a.ledger.releases, Intents: a.ledger.intents, DynamicMIG: slices.Sorted(maps.Keys(a.ledger.dynamicMIG)),
+	held := a.ledger.Snapshot()
+	cp := Checkpoint{Version: CheckpointVersion, Minor: checkpointFormat.Current().Minor, Node: a.opts.NodeName, Claims: held.Claims,
+		Releasing: held.Releasing, Intents: held.Intents, DynamicMIG: held.DynamicMIG,
 		Cordon: a.cordoned, MIGTouched: slices.Sorted(maps.Keys(a.migTouched))}
 	if a.inv != nil {
 		cp.GPUs = a.inv.GPUs
@@ -247,7 +233,7 @@ func (a *Agent) stateStatus() *StateStatus {
 		errs = append(errs, "checkpoint: "+a.ckptErr.err.Error())
 		st.ErrorSince = a.ckptErr.since
 	}
-	if err, since := a.ledger.logError(); err != nil {
+	if err, since := a.ledger.LogError(); err != nil {
 		errs = append(errs, "allocation log: "+err.Error())
 		if st.ErrorSince.IsZero() || since.Before(st.ErrorSince) {
 			st.ErrorSince = since

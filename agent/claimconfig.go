@@ -141,7 +141,7 @@ func (a *Agent) checkSharing(d devicemodel.Device, cs *claimSharing, uid types.U
 		if a.opts.TimeSlice == nil {
 			return fmt.Errorf("%s: sharing.timeSlicingConfig.interval %s: this agent cannot set a GPU's time slice (only Default is honoured)", cs.field, iv)
 		}
-		for other, pc := range a.ledger.claims {
+		for other, pc := range a.ledger.Claims() {
 			for _, x := range pc.Devices {
 				if other != uid && x.UUID == d.UUID && x.Interval != "" && x.Interval != iv {
 					return fmt.Errorf("%s: sharing.timeSlicingConfig.interval %s: %s shares the GPU with interval %s", cs.field, iv, pc, x.Interval)
@@ -237,8 +237,9 @@ func (a *Agent) mpsUp(uid types.UID, dm mps.Daemon) error {
 // claims, and those started for claims whose Prepare waits on them.
 func (a *Agent) claimDaemons() []mps.Daemon {
 	var out []mps.Daemon
-	for _, uid := range slices.Sorted(maps.Keys(a.ledger.claims)) {
-		for _, d := range a.ledger.claims[uid].Devices {
+	claims := a.ledger.Claims()
+	for _, uid := range slices.Sorted(maps.Keys(claims)) {
+		for _, d := range claims[uid].Devices {
 			if d.MPSDaemon != nil {
 				out = append(out, *d.MPSDaemon)
 			}
@@ -247,7 +248,7 @@ func (a *Agent) claimDaemons() []mps.Daemon {
 	now := a.now()
 	for _, dev := range slices.Sorted(maps.Keys(a.mpsPending)) {
 		p := a.mpsPending[dev]
-		if now.Sub(p.since) > mpsPendingFor || hasKey(a.ledger.claims, p.claim) {
+		if now.Sub(p.since) > mpsPendingFor || a.ledger.HasClaim(p.claim) {
 			delete(a.mpsPending, dev)
 			continue
 		}

@@ -273,7 +273,7 @@ func TestDRAClaimConfigRefused(t *testing.T) {
 			if got.Err == nil || !strings.Contains(got.Err.Error(), tt.want) {
 				t.Fatalf("Prepare: %+v, want an error containing %q", got, tt.want)
 			}
-			if len(h.a.ledger.claims) != 0 {
+			if len(h.a.ledger.Claims()) != 0 {
 				t.Errorf("a refused claim is in the ledger")
 			}
 		})

@@ -7,14 +7,12 @@ import (
 	"maps"
 	"slices"
 	"strings"
-	"time"
 
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
-	"github.com/gpu-agent/gpu-agent/gpu"
-	"github.com/gpu-agent/gpu-agent/mps"
+	"github.com/gpu-agent/gpu-agent/ledger"
 )
 
 // The DRA driver's requests as loop events, the claim records of the
@@ -45,56 +43,12 @@ type ClaimsUnprepare struct {
 func (ClaimsPrepare) kind() string   { return "dra-prepare" }
 func (ClaimsUnprepare) kind() string { return "dra-unprepare" }
 
-// PreparedClaim is a claim prepared on this node: the allocation ledger's
-// DRA side, checkpointed.
-type PreparedClaim struct {
-	Namespace string                `json:"namespace"`
-	Name      string                `json:"name"`
-	Devices   []PreparedClaimDevice `json:"devices"`
-	At        time.Time             `json:"at"`
-}
-
-// PreparedClaimDevice is one device of a prepared claim.
-type PreparedClaimDevice struct {
-	dra.PreparedDevice
-	UUID string `json:"uuid"`
-	// Created: the MIG device was created for this claim (dynamic MIG) on
-	// GPU Parent, profile Profile at Placement; Unprepare destroys it.
-	Created      bool          `json:"created,omitempty"`
-	Parent       string        `json:"parent,omitempty"`
-	Profile      string        `json:"profile,omitempty"`
-	ProfileIndex int           `json:"profileIndex,omitempty"`
-	Placement    gpu.Placement `json:"placement,omitzero"`
-	// MPSEnv is the MPS client environment the claim's spec gives its
-	// containers (a shared device under MPS).
-	MPSEnv map[string]string `json:"mpsEnv,omitempty"`
-	// MPSDaemon is the daemon the claim's opaque config asked for on a
-	// device the node's config does not share by MPS: it runs while the
-	// claim holds the device.
-	MPSDaemon *mps.Daemon `json:"mpsDaemon,omitempty"`
-	// Interval is the time slice the claim's config set on the GPU.
-	Interval devicemodel.Interval `json:"interval,omitempty"`
-	// Shares is how many shares of a shared device the claim took.
-	Shares int64 `json:"shares,omitempty"`
-	// AdminAccess: given for administrative access; it holds nothing.
-	AdminAccess bool `json:"adminAccess,omitempty"`
-}
-
-// samePlace reports whether d and o are the MIG device of one profile at
-// one placement of one GPU (an intent and the device made for it).
-func (d PreparedClaimDevice) samePlace(o PreparedClaimDevice) bool {
-	return d.Parent == o.Parent && d.Placement == o.Placement && d.Profile == o.Profile
-}
-
-func (c PreparedClaim) String() string { return "ResourceClaim " + c.Namespace + "/" + c.Name }
-
-func (c PreparedClaim) prepared() dra.Prepared {
-	out := dra.Prepared{Devices: make([]dra.PreparedDevice, 0, len(c.Devices))}
-	for _, d := range c.Devices {
-		out.Devices = append(out.Devices, d.PreparedDevice)
-	}
-	return out
-}
+// PreparedClaim and PreparedClaimDevice are the ledger's record of a
+// prepared claim, under the names the agent's checkpoint and tests use.
+type (
+	PreparedClaim       = ledger.Claim
+	PreparedClaimDevice = ledger.ClaimDevice
+)
 
 // PrepareClaims implements dra.Claims: it hands the claims to the loop and
 // waits for its answer.
@@ -181,13 +135,13 @@ func (a *Agent) claimsStep(events []Event) claimReplies {
 	r.changed = true
 	if err := a.checkpoint(); err == nil {
 		for _, uid := range added {
-			if hasKey(a.ledger.claims, uid) {
-				a.ledger.dropIntents(uid)
+			if a.ledger.HasClaim(uid) {
+				a.ledger.DropIntents(uid)
 			}
 		}
 	} else {
 		for _, uid := range added {
-			pc, ok := a.ledger.claims[uid]
+			pc, ok := a.ledger.Claim(uid)
 			if !ok {
 				continue
 			}
@@ -220,13 +174,14 @@ func (a *Agent) draStatus() *DRAStatus {
 			}
 		}
 	}
-	for _, uid := range slices.Sorted(maps.Keys(a.ledger.claims)) {
-		pc := a.ledger.claims[uid]
-		st.Claims = append(st.Claims, pc.Namespace+"/"+pc.Name+": "+strings.Join(deviceNames(pc), ", "))
+	claims := a.ledger.Claims()
+	for _, uid := range slices.Sorted(maps.Keys(claims)) {
+		pc := claims[uid]
+		st.Claims = append(st.Claims, pc.Namespace+"/"+pc.Name+": "+strings.Join(pc.DeviceNames(), ", "))
 	}
-	for _, set := range []map[types.UID]PreparedClaim{a.ledger.releases, a.ledger.intents} {
+	for _, set := range []map[types.UID]PreparedClaim{a.ledger.Releases(), a.ledger.Intents()} {
 		for _, uid := range slices.Sorted(maps.Keys(set)) {
-			st.Releasing = append(st.Releasing, describe(set[uid]))
+			st.Releasing = append(st.Releasing, set[uid].Describe())
 		}
 	}
 	return st
@@ -235,5 +190,5 @@ func (a *Agent) draStatus() *DRAStatus {
 // releasingNow maps what released claims left, and intents, to the claim
 // (releasingUUIDs of the ledger now).
 func (a *Agent) releasingNow() map[string]string {
-	return releasingUUIDs(a.ledger.releases, a.ledger.intents, a.inv, claimedUUIDs(a.ledger.claims))
+	return releasingUUIDs(a.ledger.Releases(), a.ledger.Intents(), a.inv, claimedUUIDs(a.ledger.Claims()))
 }

@@ -36,8 +36,9 @@ func (a *Agent) publishClaimStatus() {
 // which the ResourceSlice's taints give too, or the health watcher's for a device the pool does not
 // list as it is), and what the device is.
 func (a *Agent) claimStatuses() map[types.UID]dra.ClaimStatus {
-	out := make(map[types.UID]dra.ClaimStatus, len(a.ledger.claims))
-	for uid, pc := range a.ledger.claims {
+	claims := a.ledger.Claims()
+	out := make(map[types.UID]dra.ClaimStatus, len(claims))
+	for uid, pc := range claims {
 		cs := dra.ClaimStatus{UID: uid, Namespace: pc.Namespace, Name: pc.Name}
 		for _, d := range pc.Devices {
 			if slices.ContainsFunc(cs.Devices, func(o dra.DeviceStatus) bool { return o.Device == d.Device && o.ShareID == d.ShareID }) {

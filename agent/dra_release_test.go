@@ -518,7 +518,7 @@ func TestDoomRefusesDevicesOfIntents(t *testing.T) {
 		t.Fatal(err)
 	}
 	g := inv.GPUs[0]
-	h.a.ledger.setInventory(inv.GPUs)
+	h.a.ledger.SetInventory(inv.GPUs)
 	if err := h.a.ledger.Doom([]string{g.UUID}, "a layout's mode change"); err == nil || !strings.Contains(err.Error(), "ResourceClaim default/one") {
 		t.Errorf("Doom of GPU 0 with an intent on it: %v, want refused naming the claim", err)
 	}
@@ -529,7 +529,7 @@ func TestDoomRefusesDevicesOfIntents(t *testing.T) {
 	if err := h.a.ledger.Doom([]string{m.UUID}, "a layout's destroy"); err == nil {
 		t.Errorf("Doom of the intent's device %s: nil, want refused", m.UUID)
 	}
-	if d := h.a.ledger.doomedNow(); len(d) != 0 {
+	if d := h.a.ledger.Doomed(); len(d) != 0 {
 		t.Errorf("doomed %v after refusals", d)
 	}
 	held := Holdings{Releasing: map[string]string{m.UUID: "claim default/one"}}.heldMIG(inv)

@@ -28,14 +28,14 @@ import (
 func (a *Agent) applyAndRead(plan mig.Plan, why string) error {
 	plan.Exact = true
 	a.touchMIG(plan.UUID)
-	a.ledger.settlingClaims(true)
-	st, err := a.opts.MIG.Apply(a.ctx, plan)
-	a.ledger.settlingClaims(false)
+	a.ledger.SettlingClaims(true)
+	st, err := a.opts.MIG.Apply(a.ctx, plan, a.ledger)
+	a.ledger.SettlingClaims(false)
 	if err == nil && st.Phase != mig.PhaseApplied {
 		err = fmt.Errorf("%s: %s", st.Phase, st.Reason)
 	}
 	a.observe("dynamic MIG: " + why)
-	a.ledger.undoomAll()
+	a.ledger.UndoomAll()
 	return err
 }
 
@@ -71,20 +71,20 @@ func (a *Agent) createPartition(c dra.Claim, d devicemodel.Device) (PreparedClai
 	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpCreate, Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement, Reason: why})
 	intent := PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name}, Created: true, Parent: g.UUID,
 		Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement}
-	wasDynamic := a.ledger.dynamicMIG[g.UUID]
+	wasDynamic := a.ledger.Dynamic(g.UUID)
 	if !g.MIG.Current {
 		// Turned on for claims: this GPU changes MIG mode without a reset,
 		// so it goes back to MIG off when its last on-demand device goes.
 		// Recorded with the intent, before the mode changes.
-		a.ledger.setDynamic(g.UUID, true)
+		a.ledger.SetDynamic(g.UUID, true)
 	}
 	undo := func() {
-		a.ledger.dropIntent(c.UID, intent)
+		a.ledger.DropIntent(c.UID, intent)
 		if !wasDynamic {
-			a.ledger.setDynamic(g.UUID, false)
+			a.ledger.SetDynamic(g.UUID, false)
 		}
 	}
-	if err := a.ledger.intend(c.UID, PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now()}, intent); err != nil {
+	if err := a.ledger.Intend(c.UID, PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now()}, intent); err != nil {
 		undo()
 		return PreparedClaimDevice{}, fmt.Errorf("GPU %d (%s) is %w", g.Index, g.UUID, err)
 	}
@@ -108,7 +108,7 @@ func (a *Agent) createPartition(c dra.Claim, d devicemodel.Device) (PreparedClai
 	}
 	now, ok := a.inv.GPUByUUID(g.UUID)
 	if ok && !now.MIG.Current && !now.MIG.Pending {
-		a.ledger.setDynamic(g.UUID, false) // the mode did not change, not even pending a reset
+		a.ledger.SetDynamic(g.UUID, false) // the mode did not change, not even pending a reset
 	}
 	if m, made := instanceAt(now, d.Profile, d.Placement); ok && made && err == nil {
 		// The intent stays until the claim is checkpointed with the
@@ -136,12 +136,12 @@ func (a *Agent) createPartition(c dra.Claim, d devicemodel.Device) (PreparedClai
 // checkpointed, and is tried again after every read of the GPUs
 // (retryReleases): nothing a claim made is forgotten.
 func (a *Agent) release(uid types.UID, pc PreparedClaim, unclaim bool) {
-	_, again := a.ledger.releases[uid]
+	again := a.ledger.HasRelease(uid)
 	rest := pc
 	rest.Devices = nil
-	devs := a.ledger.beginRelease(uid, pc, unclaim)
+	devs := a.ledger.BeginRelease(uid, pc, unclaim)
 	var failed []string
-	if a.opts.CDI != nil && !hasKey(a.ledger.claims, uid) { // a claim prepared again keeps its spec
+	if a.opts.CDI != nil && !a.ledger.HasClaim(uid) { // a claim prepared again keeps its spec
 		if err := a.opts.CDI.RemoveClaim(string(uid)); err != nil {
 			failed = append(failed, "CDI spec: "+err.Error())
 		}
@@ -162,22 +162,23 @@ func (a *Agent) release(uid types.UID, pc PreparedClaim, unclaim bool) {
 		}
 	}
 	if len(failed) == 0 {
-		a.ledger.dropRelease(uid)
+		a.ledger.DropRelease(uid)
 		return
 	}
 	if !again {
 		a.log.Error("DRA: what a claim left on the node is not undone yet; trying again after every read of the GPUs",
 			"claim", pc.String(), "uid", uid, "left", strings.Join(failed, "; "))
 	}
-	a.ledger.setRelease(uid, rest)
+	a.ledger.SetRelease(uid, rest)
 }
 
 // retryReleases tries again to undo what released claims left.
 func (a *Agent) retryReleases() {
-	for _, uid := range slices.Sorted(maps.Keys(a.ledger.releases)) {
-		pc := a.ledger.releases[uid]
+	releases := a.ledger.Releases()
+	for _, uid := range slices.Sorted(maps.Keys(releases)) {
+		pc := releases[uid]
 		a.release(uid, pc, false)
-		if _, left := a.ledger.releases[uid]; !left {
+		if !a.ledger.HasRelease(uid) {
 			a.log.Info("DRA: what a released claim left on the node is undone", "claim", pc.String(), "uid", uid)
 		}
 	}
@@ -202,7 +203,7 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 	case !ok:
 		return nil // the GPU is gone, and its MIG devices with it
 	}
-	claimed := claimedUUIDs(a.ledger.claims)
+	claimed := claimedUUIDs(a.ledger.Claims())
 	var m gpu.MIGInstance
 	found := false
 	if d.UUID != "" {
@@ -223,7 +224,7 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 			a.log.Warn("DRA: MIG device of a released claim is prepared for another claim; left as it is", "claim", pc.String(), "uuid", m.UUID, "holder", by)
 			return nil
 		}
-		if by := a.ledger.pluginHolder(m.UUID); by != "" {
+		if by := a.ledger.PluginHolder(m.UUID); by != "" {
 			return fmt.Errorf("MIG device %s is held by %s; destroyed once released", m.UUID, by)
 		}
 	case bare >= 0:
@@ -249,7 +250,7 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 	// MIG goes back off only where a claim turned it on (and so it switched
 	// without a reset): one an admin turned on stays on.
 	last := len(counts) == 0 && bares == 0
-	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: !(last && a.ledger.dynamicMIG[g.UUID]), Counts: counts}}
+	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: !(last && a.ledger.Dynamic(g.UUID)), Counts: counts}}
 	why := pc.String() + " released"
 	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpDestroy, Profile: m.Profile, ProfileIndex: m.GIProfileID, Placement: m.Placement,
 		GI: m.GI, UUIDs: uuids, Reason: why})
@@ -260,7 +261,7 @@ func (a *Agent) destroyPartition(pc PreparedClaim, d PreparedClaimDevice) error 
 		return fmt.Errorf("GPU %d: MIG device %s (%s at %d) not destroyed: %w", g.Index, d.UUID, m.Profile, m.Placement.Start, err)
 	}
 	if !plan.Want.MIGEnabled {
-		a.ledger.setDynamic(g.UUID, false)
+		a.ledger.SetDynamic(g.UUID, false)
 	}
 	a.log.Info("DRA: MIG device destroyed", "claim", pc.String(), "gpu", g.Index, "uuid", d.UUID, "gi", m.GI, "mig-off", !plan.Want.MIGEnabled)
 	return nil
@@ -283,9 +284,9 @@ func instanceAt(g gpu.GPU, profile string, pl gpu.Placement) (gpu.MIGInstance, b
 // too, or the next reset would turn MIG on with no claim behind it.
 func (a *Agent) turnMIGOffIfUnused(g gpu.GPU, why string) error {
 	if !g.MIG.Current && !g.MIG.Pending && a.read(g.UUID) {
-		a.ledger.setDynamic(g.UUID, false) // off already (it never went on)
+		a.ledger.SetDynamic(g.UUID, false) // off already (it never went on)
 	}
-	if !a.ledger.dynamicMIG[g.UUID] || (!g.MIG.Current && !g.MIG.Pending) || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0 {
+	if !a.ledger.Dynamic(g.UUID) || (!g.MIG.Current && !g.MIG.Pending) || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0 {
 		return nil
 	}
 	reason := why + ": no MIG device left, the GPU is offered whole again"
@@ -297,6 +298,6 @@ func (a *Agent) turnMIGOffIfUnused(g gpu.GPU, why string) error {
 	if err := a.applyAndRead(plan, why); err != nil {
 		return fmt.Errorf("GPU %d: MIG mode not turned back off: %w", g.Index, err)
 	}
-	a.ledger.setDynamic(g.UUID, false)
+	a.ledger.SetDynamic(g.UUID, false)
 	return nil
 }

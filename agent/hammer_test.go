@@ -26,6 +26,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/plugin"
 	"github.com/gpu-agent/gpu-agent/podresources"
@@ -90,16 +91,14 @@ func (p turns) Update(c *catalog.Catalog) {
 	}
 }
 
-func (c *checkingApplier) SetGuard(g mig.Guard) { c.next.SetGuard(g) }
-
-func (c *checkingApplier) Apply(ctx context.Context, p mig.Plan) (mig.State, error) {
+func (c *checkingApplier) Apply(ctx context.Context, p mig.Plan, g mig.Guard) (mig.State, error) {
 	before := c.devices(p.GPU)
 	c.k.mu.Lock()
 	c.k.epoch++
 	start := c.k.epoch
 	heldAtStart := maps.Clone(c.k.held)
 	c.k.mu.Unlock()
-	st, err := c.next.Apply(ctx, p)
+	st, err := c.next.Apply(ctx, p, g)
 	after := c.devices(p.GPU)
 	c.k.mu.Lock()
 	defer c.k.mu.Unlock()
@@ -182,16 +181,16 @@ func TestAllocateHammer(t *testing.T) {
 
 	clock := &safeClock{now: time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)}
 	k := &kubeletModel{held: map[string]string{}, since: map[string]int{}, ended: map[string]int{}}
-	ledger, err := NewLedger(filepath.Join(dir, "state"), clock.Now, nil)
+	held, err := ledger.New(ledger.Options{StateDir: filepath.Join(dir, "state"), Now: clock.Now})
 	if err != nil {
 		os.MkdirAll(filepath.Join(dir, "state"), 0o755)
-		if ledger, err = NewLedger(filepath.Join(dir, "state"), clock.Now, nil); err != nil {
+		if held, err = ledger.New(ledger.Options{StateDir: filepath.Join(dir, "state"), Now: clock.Now}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	inbox := NewInbox()
 	mgr, err := plugin.NewManager(plugin.Options{Dir: pluginDir, RetryBackoff: 10 * time.Millisecond,
-		Admit:      ledger.Admit,
+		Admit:      Admit(held),
 		OnAllocate: func(res string, ids []string) { inbox.Post(Allocated{Resource: res, IDs: ids}) }})
 	if err != nil {
 		t.Fatal(err)
@@ -199,7 +198,7 @@ func TestAllocateHammer(t *testing.T) {
 	ap := &checkingApplier{next: mig.NewApplier(node, filepath.Join(dir, "state"), nil), node: node, k: k}
 	pub := turns{Publisher: mgr, ch: make(chan struct{}, 1)}
 	a := New(Options{Observer: mig.NewObserver(node, gpu.Options{}), NodeName: "n", WaitForConfig: true,
-		Inbox: inbox, Publisher: pub, Holdings: k, MIG: ap, Ledger: ledger, StateDir: filepath.Join(dir, "state"),
+		Inbox: inbox, Publisher: pub, Holdings: k, MIG: ap, Ledger: held, StateDir: filepath.Join(dir, "state"),
 		Now: clock.Now, ResyncInterval: time.Hour, Logger: slog.New(slog.DiscardHandler)})
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup

@@ -17,8 +17,8 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
-	"github.com/gpu-agent/gpu-agent/plugin"
 	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
@@ -291,11 +291,11 @@ var errUnreachable = errors.New("dial unix /var/lib/kubelet/pod-resources/kubele
 
 // handoutsOf is what the device plugin hands the ledger for device IDs of
 // the uuid strategy: each device once, "<uuid>::<n>" a replica of <uuid>.
-func handoutsOf(ids []string) []plugin.Handout {
-	var out []plugin.Handout
+func handoutsOf(ids []string) []ledger.Handout {
+	var out []ledger.Handout
 	for _, id := range ids {
 		uuid, _, replica := strings.Cut(id, "::")
-		if h := (plugin.Handout{UUID: uuid, Replica: replica}); !slices.Contains(out, h) {
+		if h := (ledger.Handout{UUID: uuid, Replica: replica}); !slices.Contains(out, h) {
 			out = append(out, h)
 		}
 	}

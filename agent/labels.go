@@ -34,6 +34,10 @@ const (
 	labelDriverFull     = "nvidia.com/cuda.driver-version.full"
 )
 
+// LabelClique is the NVLink clique of a fabric-attached node's GPUs
+// ("<cluster UUID>.<clique id>"), as NVIDIA's DRA driver sets it.
+const LabelClique = "nvidia.com/gpu.clique"
+
 // mig.config.state values, as mig-manager sets them.
 const (
 	MIGConfigPending = "pending"
@@ -136,7 +140,23 @@ func NodeLabels(inv *gpu.Inventory, cfg config.Selected, migStates []MIGState) m
 	if st := migConfigState(migStates); st != "" {
 		l[LabelMIGConfigState] = st
 	}
+	if c := clique(inv.GPUs); c != "" {
+		l[LabelClique] = c
+	}
 	return l
+}
+
+// clique is the GPUs' NVLink clique when all are in the same complete
+// one; "" otherwise (no fabric, a registration not complete, or GPUs that
+// disagree: a node in two cliques is labelled in neither).
+func clique(gpus []gpu.GPU) string {
+	c := gpus[0].Fabric.Clique()
+	for _, g := range gpus[1:] {
+		if g.Fabric.Clique() != c {
+			return ""
+		}
+	}
+	return c
 }
 
 // migConfigState is mig-manager's summary: failed if any GPU failed,

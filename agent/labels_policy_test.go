@@ -87,7 +87,7 @@ func TestNodeLabelsOwnedByPolicy(t *testing.T) {
 	}
 	// The cases above must keep giving every kind of label.
 	for _, k := range []string{LabelMIGConfigState, LabelMIGStrategy, LabelReplicas, "nvidia.com/gpu.slices.gi",
-		"nvidia.com/mig-1g.10gb.count", "nvidia.com/mig-1g.10gb.slices.ci", "nvidia.com/cuda.driver.rev"} {
+		"nvidia.com/mig-1g.10gb.count", "nvidia.com/mig-1g.10gb.slices.ci", "nvidia.com/cuda.driver.rev", LabelClique} {
 		if !all[k] {
 			t.Errorf("no simulated node gave label %s (got %v)", k, slices.Sorted(maps.Keys(all)))
 		}

@@ -3,6 +3,7 @@ package agent
 import (
 	"sync/atomic"
 
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -30,10 +31,10 @@ type metrics struct {
 type stateFailures struct {
 	desc   *prometheus.Desc
 	ckpt   *atomic.Int64
-	ledger *Ledger
+	ledger *ledger.Ledger
 }
 
-func newStateFailures(ckpt *atomic.Int64, l *Ledger) *stateFailures {
+func newStateFailures(ckpt *atomic.Int64, l *ledger.Ledger) *stateFailures {
 	return &stateFailures{ckpt: ckpt, ledger: l, desc: prometheus.NewDesc("gpu_agent_state_write_failures_total",
 		"Writes of what must survive a restart that failed, by file in --state-dir: the checkpoint (retried at every pass; a DRA Prepare it cannot record is refused) and the allocation log (an Allocate it cannot record is refused).",
 		[]string{"file"}, nil)}
@@ -43,7 +44,7 @@ func (c *stateFailures) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 
 func (c *stateFailures) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, float64(c.ckpt.Load()), CheckpointFile)
-	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, float64(c.ledger.LogFailures()), AllocLogFile)
+	ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, float64(c.ledger.LogFailures()), ledger.AllocLogFile)
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {

@@ -113,7 +113,7 @@ func (a *Agent) resetForMIG(gm GPUMIG, st MIGState, policy config.ResetPolicy) (
 		} else if a.cat != nil {
 			// Allocate refuses the GPU from here on; the kubelet stops
 			// offering it before the reset takes it.
-			a.publish(a.withdraw(a.cat, a.ledger.doomedNow()), why)
+			a.publish(a.withdraw(a.cat, a.ledger.Doomed()), why)
 		}
 	}
 	procs, err := a.opts.Reset.Processes(g.UUID)

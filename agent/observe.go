@@ -63,7 +63,7 @@ func (a *Agent) observe(why string) {
 	for _, uuid := range slices.Sorted(maps.Keys(a.failed)) {
 		gpus = append(gpus, a.failed[uuid].GPU)
 	}
-	a.ledger.setInventory(gpus)
+	a.ledger.SetInventory(gpus)
 	a.readProfiles()
 	if a.opts.Health != nil {
 		a.opts.Health.SetInventory(a.inv)
@@ -282,7 +282,7 @@ func (a *Agent) forgetGone(failed map[string]FailedGPU) {
 		if at.IsZero() || now.Before(at) {
 			continue
 		}
-		if by := a.ledger.holder(uuid, ""); by != "" {
+		if by := a.ledger.Holder(uuid, ""); by != "" {
 			continue // forgotten once released
 		}
 		delete(failed, uuid)
@@ -299,15 +299,6 @@ func (a *Agent) forgetGone(failed map[string]FailedGPU) {
 // is offered as (MIG mode and instances) or how it may be shared.
 func unsure(g gpu.GPU) bool {
 	return g.Unknown(gpu.FactMIGMode, gpu.FactInstances, gpu.FactGIsWithoutCI, gpu.FactComputeCapability, gpu.FactBrand)
-}
-
-// read reports whether GPU uuid's record comes from the last read, which
-// succeeded: only such a record may say that a MIG device is gone.
-func (a *Agent) read(uuid string) bool { return a.readNow[uuid] }
-
-func (a *Agent) isFailed(uuid string) bool {
-	_, ok := a.failed[uuid]
-	return ok
 }
 
 // errorFor finds the inventory error that names g, by UUID or else index.

@@ -40,10 +40,10 @@ func (a *Agent) prepareClaims(e ClaimsPrepare) (map[types.UID]dra.Prepared, []ty
 			out[c.UID] = dra.Prepared{Err: fmt.Errorf("claim %s: the agent has no config in force yet, so it prepares no claim", c)}
 			continue
 		}
-		if pc, ok := a.ledger.claims[c.UID]; ok {
+		if pc, ok := a.ledger.Claim(c.UID); ok {
 			gone := a.notOnNode(c.UID, pc)
 			if gone == "" {
-				out[c.UID] = pc.prepared()
+				out[c.UID] = pc.Prepared()
 				continue
 			}
 			// The node rebooted, or its CDI specs were wiped: the answer
@@ -65,8 +65,8 @@ func (a *Agent) prepareClaims(e ClaimsPrepare) (map[types.UID]dra.Prepared, []ty
 			continue
 		}
 		added = append(added, c.UID)
-		out[c.UID] = pc.prepared()
-		a.log.Info("DRA claim prepared", "claim", c.String(), "uid", c.UID, "devices", deviceNames(pc))
+		out[c.UID] = pc.Prepared()
+		a.log.Info("DRA claim prepared", "claim", c.String(), "uid", c.UID, "devices", pc.DeviceNames())
 	}
 	return out, added
 }
@@ -101,8 +101,8 @@ func (a *Agent) notOnNode(uid types.UID, pc PreparedClaim) string {
 
 // failedHas reports whether uuid is a GPU that cannot be read now, or one
 // of the MIG devices it had.
-func (a *Agent) failedHas(uuid string) bool {
-	for _, f := range a.failed {
+func (n *nodeState) failedHas(uuid string) bool {
+	for _, f := range n.failed {
 		if f.GPU.HasDevice(uuid) {
 			return true
 		}
@@ -161,7 +161,7 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *devicemodel.Pool) (pc PreparedCl
 			return pc, fmt.Errorf("claim %s: %w", c, err)
 		}
 	}
-	if err := a.ledger.claim(c.UID, pc); err != nil {
+	if err := a.ledger.AddClaim(c.UID, pc); err != nil {
 		return pc, fmt.Errorf("claim %s: %w", c, err)
 	}
 	return pc, nil
@@ -204,7 +204,7 @@ func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, po
 		return pd, nil, nil
 	}
 	for _, o := range pc.Devices {
-		if !o.AdminAccess && (o.UUID == d.ParentUUID || (o.Parent != "" && o.Parent == d.UUID) || (o.UUID != d.UUID && a.ledger.overlaps(o.UUID, d.UUID))) {
+		if !o.AdminAccess && (o.UUID == d.ParentUUID || (o.Parent != "" && o.Parent == d.UUID) || (o.UUID != d.UUID && a.ledger.Overlaps(o.UUID, d.UUID))) {
 			return PreparedClaimDevice{}, nil, fmt.Errorf("device %s and device %s of the same claim are the same GPU", o.Device, r.Device)
 		}
 	}
@@ -247,11 +247,11 @@ func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, po
 // adminDevice is what a claim with admin access to d gets: d itself, or
 // for an on-demand MIG device the instance a claim made at its placement
 // (admin access makes none).
-func (a *Agent) adminDevice(d devicemodel.Device) (PreparedClaimDevice, error) {
+func (n *nodeState) adminDevice(d devicemodel.Device) (PreparedClaimDevice, error) {
 	if !d.Partition {
 		return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{d.CDIDevice()}}, UUID: d.UUID, AdminAccess: true}, nil
 	}
-	if g, ok := a.inv.GPUByUUID(d.ParentUUID); ok {
+	if g, ok := n.inv.GPUByUUID(d.ParentUUID); ok {
 		if m, ok := instanceAt(g, d.Profile, d.Placement); ok {
 			return PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name, CDIDevices: []string{devicemodel.CDIKind + "=" + m.UUID}}, UUID: m.UUID, AdminAccess: true}, nil
 		}
@@ -265,11 +265,11 @@ func (a *Agent) adminDevice(d devicemodel.Device) (PreparedClaimDevice, error) {
 // the device's capacity: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is its shares'
 // part of the threads, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT the memory it
 // consumes (by default an equal part).
-func (a *Agent) mpsClient(d devicemodel.Device, r dra.Allocated) (map[string]string, []catalog.Mount, error) {
+func (p *publishedState) mpsClient(d devicemodel.Device, r dra.Allocated) (map[string]string, []catalog.Mount, error) {
 	var spec *catalog.AllocateSpec
-	if a.cat != nil {
+	if p.cat != nil {
 	find:
-		for _, res := range a.cat.Resources {
+		for _, res := range p.cat.Resources {
 			for i := range res.Devices {
 				dev := &res.Devices[i]
 				if dev.Replica && dev.Spec.VisibleID == d.UUID && dev.Spec.Env[mpsPipeEnv] != "" {
@@ -306,14 +306,14 @@ const mpsPipeEnv = "CUDA_MPS_PIPE_DIRECTORY"
 // claims whose shares and the want this claim takes exceed its shares.
 func (a *Agent) whyTaken(d devicemodel.Device, uid types.UID, want int64) string {
 	if d.Shares <= 1 {
-		return a.ledger.holder(d.UUID, uid)
+		return a.ledger.Holder(d.UUID, uid)
 	}
-	if by := a.ledger.pluginHolder(d.UUID); by != "" {
+	if by := a.ledger.PluginHolder(d.UUID); by != "" {
 		return by
 	}
 	var sharing []string
 	taken := int64(0)
-	for other, pc := range a.ledger.claims {
+	for other, pc := range a.ledger.Claims() {
 		if other == uid {
 			continue
 		}
@@ -339,9 +339,9 @@ func (a *Agent) unprepareClaims(e ClaimsUnprepare) (map[types.UID]error, []Prepa
 	var removed []PreparedClaim
 	for _, c := range e.Claims {
 		out[c.UID] = nil
-		pc, ok := a.ledger.claims[c.UID]
+		pc, ok := a.ledger.Claim(c.UID)
 		if !ok {
-			if a.opts.CDI != nil && !hasKey(a.ledger.releases, c.UID) {
+			if a.opts.CDI != nil && !a.ledger.HasRelease(c.UID) {
 				if err := a.opts.CDI.RemoveClaim(string(c.UID)); err != nil {
 					a.log.Warn("DRA: CDI spec of an unknown claim not removed", "claim", c.String(), "error", err)
 				}
@@ -350,7 +350,7 @@ func (a *Agent) unprepareClaims(e ClaimsUnprepare) (map[types.UID]error, []Prepa
 		}
 		removed = append(removed, pc)
 		a.release(c.UID, pc, true)
-		a.log.Info("DRA claim unprepared", "claim", c.String(), "uid", c.UID, "devices", deviceNames(pc))
+		a.log.Info("DRA claim unprepared", "claim", c.String(), "uid", c.UID, "devices", pc.DeviceNames())
 	}
 	return out, removed
 }

@@ -224,7 +224,7 @@ func (s *simRun) sections() []section {
 	for _, set := range []struct {
 		what string
 		m    map[types.UID]PreparedClaim
-	}{{"claim", l.claims}, {"intent", l.intents}, {"release", l.releases}} {
+	}{{"claim", l.Claims()}, {"intent", l.Intents()}, {"release", l.Releases()}} {
 		for _, uid := range slices.Sorted(maps.Keys(set.m)) {
 			pc := set.m[uid]
 			var ds []string
@@ -234,7 +234,7 @@ func (s *simRun) sections() []section {
 			ledger = append(ledger, fmt.Sprintf("%s %s: %s", set.what, pc.Name, strings.Join(ds, ", ")))
 		}
 	}
-	doomed := l.doomedNow()
+	doomed := l.Doomed()
 	for _, u := range slices.Sorted(maps.Keys(doomed)) {
 		ledger = append(ledger, fmt.Sprintf("doomed %s: %.80s", short(u), doomed[u]))
 	}

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -11,12 +12,11 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
 
@@ -166,12 +166,19 @@ func TestSimRegressRestartForgetsListedHolders(t *testing.T) {
 			// A long-running node: the log is compacted (rewritten with
 			// only what it must keep) after the kubelet listed the
 			// container's allocation.
+			logSize := func() int64 {
+				fi, err := os.Stat(filepath.Join(dir, ledger.AllocLogFile))
+				if err != nil {
+					t.Fatal(err)
+				}
+				return fi.Size()
+			}
 			for compacted := false; !compacted; {
-				before := h.a.ledger.log.size
+				before := logSize()
 				if err := h.a.Ledger().Allocate([]string{"GPU-long-gone"}); err != nil {
 					t.Fatal(err)
 				}
-				compacted = h.a.ledger.log.size < before
+				compacted = logSize() < before
 			}
 
 			// The agent restarts; pod-resources has not answered it yet.
@@ -187,19 +194,17 @@ func TestSimRegressRestartForgetsListedHolders(t *testing.T) {
 // own goroutine: Allocate, here GPU gpu whole.
 type releaseAllocator struct {
 	next    *mig.Applier
-	l       *Ledger
+	l       *ledger.Ledger
 	gpu     string
 	allowed []string // what Allocate handed out
 }
 
-func (ap *releaseAllocator) Apply(ctx context.Context, p mig.Plan) (mig.State, error) {
+func (ap *releaseAllocator) Apply(ctx context.Context, p mig.Plan, g mig.Guard) (mig.State, error) {
 	if slices.ContainsFunc(p.Steps, func(s mig.Step) bool { return s.Op == mig.OpDestroy }) && ap.l.Allocate([]string{ap.gpu}) == nil {
 		ap.allowed = append(ap.allowed, ap.gpu)
 	}
-	return ap.next.Apply(ctx, p)
+	return ap.next.Apply(ctx, p, g)
 }
-
-func (ap *releaseAllocator) SetGuard(g mig.Guard) { ap.next.SetGuard(g) }
 
 // Simulation, seed 166 (dgx-h100): a claim whose first device, a MIG
 // device made on demand on idle GPU 3, is made and whose second fails is
@@ -490,8 +495,8 @@ func TestSimRegressUnlistedHandoutUnderTwoNames(t *testing.T) {
 			switch {
 			case tc.refused == "" && err != nil:
 				t.Errorf("Allocate of %s %s after %s %s: %v, want it accepted", second.res, second.id, first.res, first.id, err)
-			case tc.refused != "" && (status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), tc.refused)):
-				t.Errorf("Allocate of %s %s while %s %s is not yet listed: %v, want FailedPrecondition saying %q",
+			case tc.refused != "" && (!errors.Is(err, ledger.ErrHeld) || !strings.Contains(err.Error(), tc.refused)):
+				t.Errorf("Allocate of %s %s while %s %s is not yet listed: %v, want ErrHeld saying %q",
 					second.res, second.id, first.res, first.id, err, tc.refused)
 			}
 		})

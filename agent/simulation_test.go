@@ -30,6 +30,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/podresources"
 )
@@ -84,7 +85,7 @@ type simIssue struct {
 
 // noAnswerYet: the agent has had no answer from pod-resources since it
 // started, so it knows only the allocations its log still has.
-func noAnswerYet(s *simRun) bool { return s.h.a.ledger.holders == nil }
+func noAnswerYet(s *simRun) bool { return s.h.a.ledger.Holders() == nil }
 
 // simKnownEnd ends a seed at a known issue (simIssue.during).
 type simKnownEnd string
@@ -618,7 +619,7 @@ func (s *simRun) restart() {
 // compacts it, as happens after some hundreds of allocations. A compacted
 // log no longer has the allocations the kubelet already listed.
 func (s *simRun) history() {
-	f, err := os.OpenFile(filepath.Join(s.dir, AllocLogFile), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+	f, err := os.OpenFile(filepath.Join(s.dir, ledger.AllocLogFile), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
 	if err != nil {
 		s.tb.Fatal(err)
 	}
@@ -629,8 +630,8 @@ func (s *simRun) history() {
 	}
 	at := s.clock.Now().Add(-30 * 24 * time.Hour)
 	n := 0
-	for size := fi.Size(); size < compactAbove; n++ {
-		line, _ := json.Marshal(allocRecord{At: at, IDs: []string{fmt.Sprintf("GPU-long-gone-%d", n)}})
+	for size := fi.Size(); size < ledger.CompactAbove; n++ {
+		line := fmt.Appendf(nil, `{"at":%q,"ids":["GPU-long-gone-%d"]}`, at.Format(time.RFC3339Nano), n)
 		if _, err := f.Write(append(line, '\n')); err != nil {
 			s.tb.Fatal(err)
 		}
@@ -1513,7 +1514,8 @@ func (s *simRun) parentOf(t *simTruth, u string) string {
 	if d, ok := t.mig[u]; ok {
 		return d.parent
 	}
-	return s.h.a.ledger.places[u].parent
+	p, _ := s.h.a.ledger.Where(u)
+	return p.GPU
 }
 
 // overlap reports whether devices a and b (with their GPUs, "" for a GPU)
@@ -1553,13 +1555,13 @@ func (s *simRun) holders(truth *simTruth) []holder {
 		}
 	}
 	l := s.h.a.ledger
-	for _, uid := range slices.Sorted(maps.Keys(l.claims)) {
+	for _, uid := range slices.Sorted(maps.Keys(l.Claims())) {
 		if known[uid] {
 			continue
 		}
-		h := holder{name: l.claims[uid].Name + " (in the ledger)", claim: true,
+		h := holder{name: l.Claims()[uid].Name + " (in the ledger)", claim: true,
 			leaving: slices.ContainsFunc(s.kube.unpreparing, func(c *simClaim) bool { return c.uid == uid })}
-		for _, d := range l.claims[uid].Devices {
+		for _, d := range l.Claims()[uid].Devices {
 			if d.AdminAccess {
 				continue
 			}
@@ -1567,11 +1569,11 @@ func (s *simRun) holders(truth *simTruth) []holder {
 			if !ok {
 				// Gone from NVML: where the ledger last saw it, or where
 				// the claim's record says it made it.
-				p := l.places[d.UUID]
-				if p.parent == "" {
-					p = place{parent: d.Parent, profile: d.Profile, placement: d.Placement}
+				p, ok := l.Where(d.UUID)
+				if !ok {
+					p = ledger.Place{GPU: d.Parent, Profile: d.Profile, Placement: d.Placement}
 				}
-				id = ident{gpu: truth.index(p.parent), parent: p.parent, profile: p.profile, start: p.placement.Start, size: p.placement.Size}
+				id = ident{gpu: truth.index(p.GPU), parent: p.GPU, profile: p.Profile, start: p.Placement.Start, size: p.Placement.Size}
 			}
 			h.devs = append(h.devs, heldDevice{uuid: d.UUID, id: id, shares: d.Shares})
 		}
@@ -1609,28 +1611,28 @@ type taken struct {
 func (s *simRun) ledgerTaken(truth *simTruth) map[string]taken {
 	l := s.h.a.ledger
 	out := map[string]taken{}
-	for _, uid := range slices.Sorted(maps.Keys(l.claims)) {
-		for _, d := range l.claims[uid].Devices {
+	for _, uid := range slices.Sorted(maps.Keys(l.Claims())) {
+		for _, d := range l.Claims()[uid].Devices {
 			if !d.AdminAccess {
-				out[d.UUID] = taken{why: "prepared for " + l.claims[uid].Name}
+				out[d.UUID] = taken{why: "prepared for " + l.Claims()[uid].Name}
 			}
 		}
 	}
-	for _, uid := range slices.Sorted(maps.Keys(l.claims)) {
-		for _, d := range l.claims[uid].Devices {
+	for _, uid := range slices.Sorted(maps.Keys(l.Claims())) {
+		for _, d := range l.Claims()[uid].Devices {
 			// A MIG device made for the claim: its record names its GPU,
 			// whether or not the inventory still shows the device.
 			if !d.AdminAccess && d.Parent != "" && !hasKey(out, d.Parent) {
-				out[d.Parent] = taken{why: "the GPU of a MIG device prepared for " + l.claims[uid].Name, exact: true}
+				out[d.Parent] = taken{why: "the GPU of a MIG device prepared for " + l.Claims()[uid].Name, exact: true}
 			}
 		}
 	}
-	for u, by := range releasingUUIDs(l.releases, l.intents, s.h.a.inv, claimedUUIDs(l.claims)) {
+	for u, by := range releasingUUIDs(l.Releases(), l.Intents(), s.h.a.inv, claimedUUIDs(l.Claims())) {
 		if _, ok := out[u]; !ok {
 			out[u] = taken{why: "made or destroyed for " + by, exact: s.parentOf(truth, u) == ""}
 		}
 	}
-	for u, why := range l.doomedNow() {
+	for u, why := range l.Doomed() {
 		out[u] = taken{why: "doomed: " + why}
 	}
 	return out
@@ -1839,8 +1841,8 @@ func (s *simRun) poolAgrees(truth *simTruth, hs []holder, report reporter) {
 	}
 	var gone []left
 	l := s.h.a.ledger
-	claimed := claimedUUIDs(l.claims)
-	for _, set := range []map[types.UID]PreparedClaim{l.releases, l.intents} {
+	claimed := claimedUUIDs(l.Claims())
+	for _, set := range []map[types.UID]PreparedClaim{l.Releases(), l.Intents()} {
 		for _, uid := range slices.Sorted(maps.Keys(set)) {
 			for _, d := range set[uid].Devices {
 				if !d.Created {
@@ -1857,7 +1859,7 @@ func (s *simRun) poolAgrees(truth *simTruth, hs []holder, report reporter) {
 			}
 		}
 	}
-	doomed := l.doomedNow()
+	doomed := l.Doomed()
 	for _, d := range pool.Devices {
 		for _, h := range hs {
 			if h.claim {
@@ -1962,12 +1964,12 @@ func (s *simRun) governed() map[int]bool {
 // left in MIG mode that a claim turned it on for.
 func (s *simRun) orphans() *simViolation {
 	l := s.h.a.ledger
-	for _, set := range []map[types.UID]PreparedClaim{l.releases, l.intents} {
+	for _, set := range []map[types.UID]PreparedClaim{l.Releases(), l.Intents()} {
 		for _, uid := range slices.Sorted(maps.Keys(set)) {
-			return &simViolation{kind: "orphan: left in the ledger to undo", detail: describe(set[uid])}
+			return &simViolation{kind: "orphan: left in the ledger to undo", detail: set[uid].Describe()}
 		}
 	}
-	if d := l.doomedNow(); len(d) > 0 {
+	if d := l.Doomed(); len(d) > 0 {
 		return &simViolation{kind: "orphan: still doomed", detail: fmt.Sprint(d)}
 	}
 	truth := s.truth()
@@ -1979,7 +1981,7 @@ func (s *simRun) orphans() *simViolation {
 			return &simViolation{kind: "orphan: a GPU instance without a compute instance", detail: fmt.Sprintf("GPU %d: %s (MIG %s)", i, g.bare[0], s.migPhase(i))}
 		}
 	}
-	claimed := claimedUUIDs(l.claims)
+	claimed := claimedUUIDs(l.Claims())
 	held := map[string]bool{}
 	for _, c := range s.kube.containers {
 		for _, d := range c.held {
@@ -2023,18 +2025,15 @@ type watchingApplier struct {
 	next *mig.Applier
 }
 
-// SetGuard implements the agent's hook for mig.Applier.SetGuard.
-func (w *watchingApplier) SetGuard(g mig.Guard) { w.next.SetGuard(g) }
-
 // Apply implements MIGApplier.
-func (w *watchingApplier) Apply(ctx context.Context, p mig.Plan) (mig.State, error) {
+func (w *watchingApplier) Apply(ctx context.Context, p mig.Plan, g mig.Guard) (mig.State, error) {
 	if len(p.Steps) > 0 && w.s.rng.IntN(4) == 0 {
 		w.s.meanwhile()
 	}
 	before := w.s.truth()
 	// Deferred: a simulated crash mid-plan unwinds through here.
 	defer func() { w.s.applied(p, before, w.s.truth()) }()
-	return w.next.Apply(ctx, p)
+	return w.next.Apply(ctx, p, g)
 }
 
 // applied compares the GPUs before and after one apply.

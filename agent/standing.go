@@ -33,3 +33,6 @@ func (s standingError) get() error { return s.err }
 
 // stands reports whether an error stands.
 func (s standingError) stands() bool { return s.err != nil }
+
+// stamp is a time for messages, with its date: a checkpoint may be days old.
+func stamp(t time.Time) string { return t.UTC().Format(time.RFC3339) }

@@ -275,14 +275,14 @@ func (a *Agent) publishStatus() {
 		s.HealthLog = hs.Log[max(0, len(hs.Log)-20):]
 	}
 	if a.cat != nil {
-		att := a.ledger.holders
+		att := a.ledger.Holders()
 		for _, name := range a.cat.Names() {
 			s.Resource = append(s.Resource, resourceState(a.cat.Resources[name], att.HeldIDs(name)))
 			s.Sharing = append(s.Sharing, sharingState(a.cat.Resources[name], att.HeldIDs(name))...)
 		}
 	}
 	a.status.Store(s)
-	a.draHeld.Store(newDRAHeld(a.opts.NodeName, a.ledger.claims, a.inv))
+	a.draHeld.Store(newDRAHeld(a.opts.NodeName, a.ledger.Claims(), a.inv))
 	a.publishClaimStatus()
 }
 

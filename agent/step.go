@@ -10,14 +10,13 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 // recentSettle is how long after an Allocate the kubelet's pod-resources
-// answer is trusted to list it. The kubelet records a container's devices
-// as it admits the pod, right after Allocate returns; the margin covers a
-// slow admission.
-const recentSettle = 5 * time.Second
+// answer is trusted to list it (the ledger's rule).
+const recentSettle = ledger.SettleAfter
 
 // refreshRetry is the least time between two pod-resources requests after one
 // failed, so a hung kubelet socket (each request waits out its timeout)
@@ -82,11 +81,11 @@ func (a *Agent) Step(batch []Event) {
 		case HoldingsChanged:
 			// The background refresh answers every few seconds, mostly
 			// the same: only news is planned from.
-			news := !e.Attribution.Same(a.ledger.holders)
+			news := !e.Attribution.Same(a.ledger.Holders())
 			if !e.Answered.IsZero() {
-				news = a.ledger.settle(e.Attribution, e.Answered) > 0 || news
+				news = a.ledger.Settle(e.Attribution, e.Answered) > 0 || news
 			} else {
-				a.ledger.setHolders(e.Attribution)
+				a.ledger.SetHolders(e.Attribution)
 			}
 			plan = plan || news
 		case HoldingsAnswer:
@@ -102,7 +101,7 @@ func (a *Agent) Step(batch []Event) {
 	reason := strings.Join(slices.Compact(why), "+")
 	if observe && a.file != nil {
 		a.observe(reason)
-		if len(a.ledger.releases) > 0 {
+		if len(a.ledger.Releases()) > 0 {
 			// On GPUs just read, before anything is planned from them.
 			a.retryReleases()
 		}
@@ -125,7 +124,7 @@ func (a *Agent) Step(batch []Event) {
 		// Nothing the checkpoint holds changes otherwise (an allocation
 		// alone is in the allocation log already). An allocation log
 		// that could not be opened is tried again as often.
-		a.ledger.retryLog()
+		a.ledger.RetryLog()
 		a.checkpoint()
 	}
 	a.publishStatus()
@@ -153,14 +152,14 @@ func (a *Agent) configFrom(e ConfigChanged) (config.Update, bool) {
 	return u, src != beforeSrc || !sameUpdate(before, u)
 }
 
-func (a *Agent) inForce() (config.Update, ConfigSource) {
-	if u, ok := a.sources[SourceAPI]; ok && u.Err == nil {
+func (c *configState) inForce() (config.Update, ConfigSource) {
+	if u, ok := c.sources[SourceAPI]; ok && u.Err == nil {
 		return u, SourceAPI
 	}
-	if u, ok := a.sources[SourceFile]; ok {
+	if u, ok := c.sources[SourceFile]; ok {
 		return u, SourceFile
 	}
-	if u, ok := a.sources[SourceAPI]; ok {
+	if u, ok := c.sources[SourceAPI]; ok {
 		return u, SourceAPI // only the API, and it fails: say why
 	}
 	return config.Update{}, ""
@@ -285,7 +284,8 @@ func (a *Agent) snapshot() Snapshot {
 		mpsIn.Healthy = a.opts.MPS.Healthy
 	}
 	l := a.ledger
-	claimed := claimedUUIDs(l.claims)
+	claims, intents, releases := l.Claims(), l.Intents(), l.Releases()
+	claimed := claimedUUIDs(claims)
 	return Snapshot{
 		Inventory: a.inv, Failed: a.failed,
 		Profiles: a.profiles, ProfileErrs: a.profileErrs,
@@ -293,9 +293,9 @@ func (a *Agent) snapshot() Snapshot {
 		Health: a.health, MPS: mpsIn, MPSSupervised: a.opts.MPS != nil, MIGApplies: a.opts.MIG != nil,
 		MIGResets:  a.opts.Reset != nil,
 		MIGManager: a.labels[LabelDeployMIGManager] == "true",
-		Holdings: Holdings{Attribution: l.holders, Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.allocations(),
-			Claimed: claimed, Claims: l.claims, Releasing: releasingUUIDs(l.releases, l.intents, a.inv, claimed),
-			Unsettled: unsettled(l.intents, l.releases)},
+		Holdings: Holdings{Attribution: l.Holders(), Fresh: a.fresh, Err: a.holdErr.get(), Allocated: l.Allocations(),
+			Claimed: claimed, Claims: claims, Releasing: releasingUUIDs(releases, intents, a.inv, claimed),
+			Unsettled: unsettled(intents, releases)},
 		DRA:       a.opts.DRA != nil,
 		ClaimMPS:  a.claimDaemons(),
 		Cordoned:  a.cordoned,
@@ -321,7 +321,7 @@ func (a *Agent) pass(why string) {
 	for _, gm := range d.MIG {
 		a.laid[gm.GPU] = true
 	}
-	if d.NeedFreshHoldings || a.ledger.settleable(start) {
+	if d.NeedFreshHoldings || a.ledger.Settleable(start) {
 		// An allocation the kubelet had time to list holds its device
 		// (and the device's GPU: no MIG mode change) until an answer
 		// accounts for it; the background refresh tells only changes,
@@ -333,7 +333,7 @@ func (a *Agent) pass(why string) {
 		// A GPU reset made a pending MIG mode current: its layout is made
 		// in this pass, from a fresh read.
 		a.observe("GPU reset for a MIG mode change")
-		a.ledger.undoomAll()
+		a.ledger.UndoomAll()
 		d = a.plan()
 		a.applyMIG(d)
 		changed = true
@@ -343,7 +343,7 @@ func (a *Agent) pass(why string) {
 	}
 	// The devices the plans destroyed are gone from this read, those they
 	// did not destroy are free again: the catalog planned now says which.
-	a.ledger.undoomAll()
+	a.ledger.UndoomAll()
 	if changed {
 		d = a.plan()
 	}
@@ -362,6 +362,12 @@ func (a *Agent) pass(why string) {
 		// the config is in force.
 		a.opts.Health.SetPolicy(d.HealthPolicy)
 		a.policySet = d.Config.Config
+	}
+	if a.observedConfig != d.Config.Config {
+		for _, f := range a.opts.ConfigObservers {
+			f(d.Config.Config)
+		}
+		a.observedConfig = d.Config.Config
 	}
 	if a.opts.MPS != nil {
 		// Apply before publishing: replicas whose daemon does not answer yet
@@ -466,7 +472,7 @@ func (a *Agent) holdingsAnswer(e HoldingsAnswer) bool {
 	if a.holdErr.clear() {
 		a.log.Info("pod-resources answers again")
 	}
-	a.ledger.settle(e.Attribution, e.Asked)
+	a.ledger.Settle(e.Attribution, e.Asked)
 	return true
 }
 
@@ -505,7 +511,7 @@ func (a *Agent) applyMIG(d Desired) (changed, reset bool) {
 			if len(gm.Plan.Steps) > 0 {
 				a.touchMIG(gm.UUID)
 			}
-			s, err := a.opts.MIG.Apply(a.ctx, gm.Plan)
+			s, err := a.opts.MIG.Apply(a.ctx, gm.Plan, a.ledger)
 			if err != nil {
 				errs = append(errs, layoutOf.MIGError(gm.Plan.Want.Entry, "", err))
 			}
@@ -587,7 +593,7 @@ func (a *Agent) doom(plans []GPUMIG) map[int]string {
 			refused[gm.GPU] = "destroying waits: " + err.Error()
 		}
 	}
-	if doomed := a.ledger.doomedNow(); len(doomed) > 0 && a.cat != nil {
+	if doomed := a.ledger.Doomed(); len(doomed) > 0 && a.cat != nil {
 		a.publish(a.withdraw(a.cat, doomed), "MIG layout: withdrawing the devices it destroys before the first destroy")
 	}
 	return refused
@@ -595,13 +601,13 @@ func (a *Agent) doom(plans []GPUMIG) map[int]string {
 
 // withdraw is cat with every device that overlaps a doomed one unhealthy,
 // saying why (cat itself is immutable: it may be served right now).
-func (a *Agent) withdraw(cat *catalog.Catalog, doomed map[string]string) *catalog.Catalog {
+func (h *holdState) withdraw(cat *catalog.Catalog, doomed map[string]string) *catalog.Catalog {
 	out := &catalog.Catalog{Resources: make(map[string]*catalog.Resource, len(cat.Resources))}
 	for name, r := range cat.Resources {
 		var devs []catalog.Device
 		for i, d := range r.Devices {
 			for _, u := range slices.Sorted(maps.Keys(doomed)) {
-				if !a.ledger.overlaps(d.Spec.VisibleID, u) {
+				if !h.ledger.Overlaps(d.Spec.VisibleID, u) {
 					continue
 				}
 				if devs == nil {
@@ -644,8 +650,8 @@ func resourceSummary(c *catalog.Catalog) map[string]int {
 }
 
 // migStatus lists the GPUs' MIG states in GPU order.
-func (a *Agent) migStatus() []MIGState {
-	out := slices.Collect(maps.Values(a.migStates))
+func (p *publishedState) migStatus() []MIGState {
+	out := slices.Collect(maps.Values(p.migStates))
 	slices.SortFunc(out, func(x, y MIGState) int { return x.GPU - y.GPU })
 	return out
 }

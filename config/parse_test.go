@@ -385,6 +385,26 @@ configs:
 			},
 		},
 		{
+			name: "usage",
+			in: `version: v1
+configs:
+  default:
+    usage:
+      idleEventAfter: 30s
+  negative:
+    usage:
+      idleEventAfter: -2h
+  bare:
+    usage:
+      idleEventAfter: 7200
+`,
+			want: []wantErr{
+				{"configs.default.usage.idleEventAfter", 5, "30s is shorter than 1m0s"},
+				{"configs.negative.usage.idleEventAfter", 8, "-2h0m0s: must not be negative"},
+				{"configs.bare.usage.idleEventAfter", 11, "duration string"},
+			},
+		},
+		{
 			name: "quantity",
 			in: `version: v1
 configs:

@@ -36,13 +36,23 @@ const (
 // Files read in NVIDIA's device-plugin or mig-parted format are converted to
 // this shape, so consumers handle one type.
 type File struct {
+	// Version is the schema version, required at the top of every file.
+	// Values: `v1`.
 	Version string `yaml:"version"`
-	// Nodes maps a node name to a config name.
+	// Nodes maps a node name to the name of its config. A node listed here
+	// gets that config whatever its labels say; other nodes pick one by the
+	// node label gpu-agent.io/config, then NVIDIA's
+	// nvidia.com/device-plugin.config, then the agent's --default-config,
+	// then the config named default.
 	Nodes map[string]string `yaml:"nodes,omitempty"`
-	// Configs by name; DefaultConfigName is used when nothing else selects one.
+	// Configs are the named configs; each node is served one of them (see
+	// nodes). Without one that applies, a node serves the built-in default:
+	// whole GPUs and the MIG devices that exist, no sharing.
 	Configs map[string]*Config `yaml:"configs"`
-	// MigConfigs is mig-parted's own table of named layouts, referenced by
-	// MIG.MigPartedConfig.
+	// MigConfigs is mig-parted's table of named MIG layouts, each a list of
+	// entries as in mig.devices. A config's mig.migPartedConfig names one,
+	// and so does the node label nvidia.com/mig.config=<entry>, as
+	// NVIDIA's mig-manager reads it.
 	MigConfigs map[string]MigLayout `yaml:"mig-configs,omitempty"`
 	// Format the file was read in (not part of the schema).
 	Format Format `yaml:"-"`
@@ -69,19 +79,48 @@ type File struct {
 
 // Config is one named configuration of a node.
 type Config struct {
+	// DevicePlugin is what the device plugin offers the kubelet and how a
+	// container given a device gets it.
 	DevicePlugin DevicePlugin `yaml:"devicePlugin"`
-	Allocation   Allocation   `yaml:"allocation"`
-	MIG          MIG          `yaml:"mig"`
-	Sharing      Sharing      `yaml:"sharing"`
-	Health       Health       `yaml:"health"`
-	DRA          DRA          `yaml:"dra,omitempty"`
+	// Allocation is how GetPreferredAllocation chooses among free devices.
+	Allocation Allocation `yaml:"allocation"`
+	// MIG is how MIG devices are offered and, optionally, the MIG layout the
+	// agent makes on the GPUs.
+	MIG MIG `yaml:"mig"`
+	// Sharing offers devices as several replicas, by time-slicing or MPS.
+	Sharing Sharing `yaml:"sharing"`
+	// Health is which faults mark a device unhealthy and how devices are
+	// probed and brought back.
+	Health Health `yaml:"health"`
+	// DRA is what the DRA driver (the agent's --dra) offers beyond the
+	// node's devices as they are.
+	DRA DRA `yaml:"dra,omitempty"`
+	// Usage is what the agent does about how the holders of its devices use
+	// them: the idle Event (the gpu_agent_holder_* metrics are always on).
+	Usage Usage `yaml:"usage,omitempty"`
 }
+
+// Usage is what the agent does about how the holders of its devices use
+// them (the gpu_agent_holder_* metrics measure it whatever this says).
+type Usage struct {
+	// IdleEventAfter, when set, sends a Kubernetes Event (reason
+	// GPUAllocationIdle) to a pod once one of its containers or DRA claims
+	// has held a GPU or MIG device this long without using it, naming the
+	// device and the figures; once per idle spell. The agent never evicts
+	// a pod for it. Off when unset; at least 1m.
+	IdleEventAfter Duration `yaml:"idleEventAfter,omitempty"`
+}
+
+// MinIdleEventAfter is the shortest Usage.IdleEventAfter: a holder's use is
+// read every 10 s, and an Event for every pause of a few seconds would be
+// noise, not news.
+const MinIdleEventAfter = time.Minute
 
 // DRA is what the DRA driver (--dra) publishes beyond the node's devices as
 // they are.
 type DRA struct {
 	// MIGOnDemand offers MIG devices that do not exist yet, made when a
-	// claim is prepared. Off unless set: every profile at every placement
+	// claim is prepared and destroyed when it is released. Off unless set: every profile at every placement
 	// is a device of its own drawing on its GPU's counters (26 devices per
 	// H100 instead of 1), and the scheduler pays for them on every node at
 	// every scheduling attempt, whatever the claim asks for
@@ -94,15 +133,18 @@ type DRA struct {
 // governs, that have MIG on or change MIG mode without a reset (Hopper and
 // newer).
 type MIGOnDemand struct {
-	// Enabled turns MIG on demand on.
+	// Enabled turns MIG on demand on; profiles and device-filter without it
+	// offer nothing (a warning says so).
 	Enabled bool `yaml:"enabled"`
 	// Profiles, when set, are the only profiles offered ("1g.10gb",
-	// "3g.40gb"); each profile costs the scheduler one device per
-	// placement. Empty: every profile the GPU has.
+	// "3g.40gb"), each listed once; each profile costs the scheduler one
+	// device per placement.
+	// Default: every profile the GPU has.
 	Profiles []string `yaml:"profiles,omitempty,flow"`
 	// DeviceFilter restricts it to GPUs with these PCI device IDs
-	// ("0x233010DE"), as a MIG layout's device-filter does; empty: every
-	// model.
+	// ("0x233010DE": 0x and 8 hex digits), as a MIG layout's device-filter
+	// does.
+	// Default: every model.
 	DeviceFilter StringList `yaml:"device-filter,omitempty,flow"`
 }
 
@@ -113,10 +155,11 @@ func (m *MIGOnDemand) Offers(profile string) bool {
 
 // DevicePlugin holds what the kubelet-facing servers do in Allocate.
 type DevicePlugin struct {
-	// PassDeviceSpecs adds /dev/nvidia* device specs to Allocate responses.
+	// PassDeviceSpecs adds the /dev/nvidia* device nodes of the devices to
+	// every Allocate response, as NVIDIA's flag of that name does.
 	PassDeviceSpecs bool `yaml:"passDeviceSpecs"`
-	// DeviceListStrategy is how the allocated devices reach the container,
-	// NVIDIA's strategies, one or several comma-separated: "envvar"
+	// DeviceListStrategy is how the allocated devices reach the container:
+	// NVIDIA's strategies, one or several, comma-separated: "envvar"
 	// (NVIDIA_VISIBLE_DEVICES, the default), "volume-mounts" (one /dev/null
 	// mount per device under /var/run/nvidia-container-devices),
 	// "cdi-annotations" (a cdi.k8s.io/ annotation naming the CDI devices)
@@ -124,26 +167,34 @@ type DevicePlugin struct {
 	// strategies the container gets its devices from the agent's CDI spec
 	// alone: no NVIDIA_VISIBLE_DEVICES and no device specs.
 	DeviceListStrategy string `yaml:"deviceListStrategy"`
-	// CDIAnnotationPrefix is the key prefix of the cdi-annotations strategy
-	// (default "cdi.k8s.io/"), NVIDIA's flags.plugin.cdiAnnotationPrefix.
+	// CDIAnnotationPrefix is the key prefix of the cdi-annotations strategy,
+	// NVIDIA's flags.plugin.cdiAnnotationPrefix: a DNS subdomain ending in
+	// "/".
 	CDIAnnotationPrefix string `yaml:"cdiAnnotationPrefix"`
 	// DeviceIDStrategy is how a device is named in NVIDIA_VISIBLE_DEVICES:
 	// "uuid" (the default) or "index" (the GPU index, "<gpu>:<mig>" for a
 	// MIG device), NVIDIA's flags.plugin.deviceIDStrategy. The IDs the
 	// kubelet sees stay UUIDs either way, as in NVIDIA's plugin.
 	DeviceIDStrategy string `yaml:"deviceIDStrategy"`
-	// GDSEnabled, MOFEDEnabled and GDRCopyEnabled add NVIDIA_GDS,
-	// NVIDIA_MOFED and NVIDIA_GDRCOPY=enabled to every container given a
-	// device, as NVIDIA's flags of those names do: the NVIDIA container
-	// runtime then adds GPUDirect Storage, MOFED and GDRCopy support.
-	GDSEnabled     bool `yaml:"gdsEnabled"`
-	MOFEDEnabled   bool `yaml:"mofedEnabled"`
+	// GDSEnabled adds NVIDIA_GDS=enabled to every container given a device,
+	// as NVIDIA's flag of that name does: the NVIDIA container runtime then
+	// adds GPUDirect Storage support.
+	GDSEnabled bool `yaml:"gdsEnabled"`
+	// MOFEDEnabled adds NVIDIA_MOFED=enabled to every container given a
+	// device, as NVIDIA's flag of that name does: the NVIDIA container
+	// runtime then adds MOFED support.
+	MOFEDEnabled bool `yaml:"mofedEnabled"`
+	// GDRCopyEnabled adds NVIDIA_GDRCOPY=enabled to every container given a
+	// device, as NVIDIA's flag of that name does: the NVIDIA container
+	// runtime then adds GDRCopy support.
 	GDRCopyEnabled bool `yaml:"gdrcopyEnabled"`
-	// Enabled: false withdraws the device plugin's resources on the nodes
-	// this config selects; with the agent's DRA driver on (--dra), their GPUs
+	// Enabled, when false, withdraws the device plugin's resources on the
+	// nodes this config selects; with the agent's DRA driver on (--dra), their GPUs
 	// are then offered through DRA only, and pods asking for nvidia.com/gpu
 	// are served through a DeviceClass's extendedResourceName. Containers
-	// that hold devices keep them. Unset: true.
+	// that hold devices keep them. Without --dra such a config does not fit
+	// the node.
+	// Default: `true`.
 	Enabled *bool `yaml:"enabled"`
 }
 
@@ -227,7 +278,8 @@ type Allocation struct {
 	// Policy decides for shared devices (replicas, several MIG devices of
 	// one GPU); whole GPUs always get the best-connected set. packed and
 	// distributed are NVIDIA's sharedDevicesAllocationPolicy values, with
-	// their meaning (fill the most used GPU first, or the least used).
+	// their meaning (fill the most used GPU first, or the least used); a file
+	// in NVIDIA's format gets distributed, NVIDIA's default.
 	Policy AllocationPolicy `yaml:"policy"`
 }
 
@@ -246,18 +298,27 @@ const (
 // MIG is the MIG part of a config: how instances are exposed and, optionally,
 // the layout the agent should create.
 type MIG struct {
+	// Strategy is how MIG devices are offered to the kubelet, NVIDIA's
+	// strategies: none offers every GPU whole, MIG-enabled ones included;
+	// single offers the MIG devices as nvidia.com/gpu (every GPU must have
+	// one profile); mixed offers nvidia.com/mig-<profile> per profile. A
+	// layout that enables MIG needs single or mixed.
 	Strategy MIGStrategy `yaml:"strategy"`
-	// Devices is a layout in mig-parted's list form. At most one of Devices
-	// and MigPartedConfig is set; with neither the agent leaves MIG alone.
+	// Devices is the MIG layout the agent makes, in mig-parted's list form:
+	// the first entry that matches a GPU (by devices and device-filter)
+	// applies to it. At most one of devices and migPartedConfig is set; with
+	// neither, and no nvidia.com/mig.config label, the agent leaves MIG as
+	// it is.
 	Devices MigLayout `yaml:"devices,omitempty"`
-	// MigPartedConfig names an entry of File.MigConfigs.
+	// MigPartedConfig names the entry of mig-configs that is the layout.
 	MigPartedConfig string `yaml:"migPartedConfig,omitempty"`
 	// ResetPolicy says whether the agent resets a GPU whose MIG mode change
 	// waits for a reset (an A100's MIG enable, on most hosts): whenIdle
-	// (the default; "" reads as it) resets it once no container, claim or
+	// (the default) resets it once no container, claim or
 	// process has it, as NVIDIA's mig-manager does after stopping the GPU's
 	// clients; never leaves the reset to a person, the GPU reporting
 	// reset-required with what would have blocked it.
+	// Default: `whenIdle`.
 	ResetPolicy ResetPolicy `yaml:"resetPolicy,omitempty"`
 }
 
@@ -281,41 +342,62 @@ type MigLayout []MigDeviceConfig
 // MigDeviceConfig is one entry of a MigLayout, field names as in mig-parted.
 type MigDeviceConfig struct {
 	// DeviceFilter restricts the entry to GPUs with these PCI device ids
-	// (e.g. "0x20B010DE"); empty means any model.
+	// (e.g. "0x20B010DE": 0x and 8 hex digits).
+	// Default: every model.
 	DeviceFilter StringList `yaml:"device-filter,omitempty,flow"`
-	// Devices are the GPU indices the entry applies to.
-	Devices    DeviceIndices `yaml:"devices,flow"`
-	MigEnabled bool          `yaml:"mig-enabled"`
-	// MigDevices maps a profile ("1g.10gb") to how many instances to create.
+	// Devices are the GPU indices the entry applies to, or all.
+	Devices DeviceIndices `yaml:"devices,flow"`
+	// MigEnabled is the GPUs' MIG mode: true turns MIG on (an A100 then
+	// needs a reset, see mig.resetPolicy), false turns it off and serves the
+	// GPUs whole.
+	MigEnabled bool `yaml:"mig-enabled"`
+	// MigDevices maps a profile ("1g.10gb") to how many instances of it to
+	// make on each GPU. A layout the GPU cannot hold (a profile it lacks,
+	// too many of one, no placement that fits) is refused before anything
+	// changes.
 	MigDevices map[string]int `yaml:"mig-devices"`
 }
 
 // Sharing is the replica-based sharing of devices, NVIDIA's field names.
 type Sharing struct {
+	// TimeSlicing advertises each selected device several times; CUDA's
+	// time slicer takes turns between the containers given its replicas,
+	// with no limit on any one.
 	TimeSlicing *TimeSlicing `yaml:"timeSlicing,omitempty"`
-	MPS         *MPS         `yaml:"mps,omitempty"`
+	// MPS advertises each selected device several times and runs an MPS
+	// control daemon for it; each container given a replica is an MPS
+	// client with compute and memory limits. A device can be in one sharing
+	// policy only.
+	MPS *MPS `yaml:"mps,omitempty"`
 }
 
 // TimeSlicing advertises each selected device several times; the CUDA time
 // slicer shares it between the containers.
 type TimeSlicing struct {
-	// RenameByDefault renames every resource without an explicit rename to
-	// <name>.shared.
+	// RenameByDefault advertises the replicas of every resource without a
+	// rename of its own under <name>.shared.
 	RenameByDefault bool `yaml:"renameByDefault"`
-	// FailRequestsGreaterThanOne rejects requests for more than one replica,
-	// which would not give a container more GPU. Defaults to false.
-	FailRequestsGreaterThanOne *bool                `yaml:"failRequestsGreaterThanOne,omitempty"`
-	Resources                  []ReplicatedResource `yaml:"resources"`
+	// FailRequestsGreaterThanOne rejects a container's request for more
+	// than one replica, which would not give it more GPU.
+	FailRequestsGreaterThanOne *bool `yaml:"failRequestsGreaterThanOne,omitempty"`
+	// Resources are the resources whose devices are shared, at least one,
+	// each resource once.
+	Resources []ReplicatedResource `yaml:"resources"`
 }
 
 // MPS shares devices through an MPS control daemon per GPU, with per-client
 // limits.
 type MPS struct {
+	// RenameByDefault advertises the replicas of every resource without a
+	// rename of its own under <name>.shared.
 	RenameByDefault bool `yaml:"renameByDefault"`
-	// FailRequestsGreaterThanOne defaults to true for MPS, as in NVIDIA's
-	// plugin: a container given two replicas of one GPU gets one MPS client.
-	FailRequestsGreaterThanOne *bool         `yaml:"failRequestsGreaterThanOne,omitempty"`
-	Resources                  []MPSResource `yaml:"resources"`
+	// FailRequestsGreaterThanOne rejects a container's request for more
+	// than one replica; on by default for MPS, as in NVIDIA's plugin, since
+	// a container given two replicas of one GPU gets one MPS client.
+	FailRequestsGreaterThanOne *bool `yaml:"failRequestsGreaterThanOne,omitempty"`
+	// Resources are the resources whose devices are shared, at least one,
+	// each resource once, with each client's limits.
+	Resources []MPSResource `yaml:"resources"`
 	// RefuseMIGDevices makes sharing a MIG device with MPS an error when
 	// the config is planned, as NVIDIA's plugin refuses it. Set for files in
 	// NVIDIA's format, so that one fails here as it fails there; gpu-agent's
@@ -330,42 +412,59 @@ type ReplicatedResource struct {
 	// Name is the resource whose devices are shared: nvidia.com/gpu or
 	// nvidia.com/mig-<profile>.
 	Name string `yaml:"name"`
-	// Rename is the resource the replicas are advertised under; empty keeps Name.
-	Rename  string         `yaml:"rename,omitempty"`
+	// Rename is the resource the replicas are advertised under, a valid
+	// extended resource name; no two entries may advertise one name.
+	// Default: name, or <name>.shared with renameByDefault.
+	Rename string `yaml:"rename,omitempty"`
+	// Devices are the devices of the resource to share: all, the first N,
+	// or a list of GPU indices ("0"), MIG indices ("0:1"), GPU UUIDs or MIG
+	// UUIDs. The others stay whole.
 	Devices ReplicaDevices `yaml:"devices,flow"`
-	// Replicas per device, at least 2.
+	// Replicas is how many replicas each device is advertised as.
+	// Values: 2 to 1024.
 	Replicas int `yaml:"replicas"`
 }
 
 // MPSResource is a ReplicatedResource with the MPS client limits.
 type MPSResource struct {
 	ReplicatedResource `yaml:",inline"`
-	// ActiveThreadPercentage is CUDA_MPS_ACTIVE_THREAD_PERCENTAGE per client;
-	// nil means 100/replicas, computed by the mps package.
+	// ActiveThreadPercentage is each client's share of the device's
+	// compute, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE.
+	// Default: 100 / replicas.
+	// Values: 1 to 100.
 	ActiveThreadPercentage *int `yaml:"activeThreadPercentage,omitempty"`
-	// PinnedDeviceMemoryLimit is CUDA_MPS_PINNED_DEVICE_MEM_LIMIT per client;
-	// nil means the GPU's memory divided by replicas, computed later.
+	// PinnedDeviceMemoryLimit is each client's device memory,
+	// CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; above 0.
+	// Default: the device's memory / replicas.
 	PinnedDeviceMemoryLimit *Quantity `yaml:"pinnedDeviceMemoryLimit,omitempty"`
 }
 
 // Health is the XID policy and health probing.
 type Health struct {
-	// IgnoredXids are added to DefaultIgnoredXids (application errors that do
-	// not mean the GPU is broken).
+	// IgnoredXids are XIDs that do not mark a device unhealthy, added to
+	// NVIDIA's default list of application errors (13, 31, 43, 45, 68, 109:
+	// the program failed, not the GPU). Every other XID is fatal.
 	IgnoredXids []int `yaml:"ignoredXids,omitempty,flow"`
-	// FatalXids are fatal even when listed as ignored by default.
+	// FatalXids are XIDs that mark a device unhealthy even when on the
+	// default list; an XID cannot be both here and in ignoredXids.
 	FatalXids []int `yaml:"fatalXids,omitempty,flow"`
-	// DisableDefaultIgnored drops DefaultIgnoredXids, so only IgnoredXids are ignored.
+	// DisableDefaultIgnored drops NVIDIA's default list, so only
+	// ignoredXids are ignored.
 	DisableDefaultIgnored bool `yaml:"disableDefaultIgnored"`
-	// RecoveryQuietPeriod is how long a GPU must be free of fatal XIDs before
-	// it is offered again.
+	// RecoveryQuietPeriod is how long a device marked for an application
+	// error's XID (one that needs no reset) must see no new one before it
+	// is offered again. Faults that need a reset or a reboot clear on
+	// evidence of one, not after a time.
 	RecoveryQuietPeriod Duration `yaml:"recoveryQuietPeriod"`
-	// ProbeInterval is how often health is probed besides NVML events.
+	// ProbeInterval is how often every GPU is probed, besides NVML's
+	// events: whether NVML still reaches it, whether it needs a reset, and
+	// the evidence that a reset happened.
 	ProbeInterval Duration `yaml:"probeInterval"`
 	// DRATaintEffect is the effect of the device taint an unhealthy device
 	// carries in the DRA driver's ResourceSlice: NoSchedule (the default)
 	// keeps new claims off it, NoExecute also evicts the pods whose claims
 	// hold it (those that do not tolerate the taint).
+	// Default: `NoSchedule`.
 	DRATaintEffect string `yaml:"draTaintEffect,omitempty"`
 }
 

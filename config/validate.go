@@ -174,6 +174,13 @@ func (v *validator) config(p string, c *Config) {
 		v.sharing(p+".sharing", &c.Sharing, c.MIG.Strategy)
 		v.health(p+".health", &c.Health)
 		v.dra(p+".dra", &c.DRA)
+		switch d := c.Usage.IdleEventAfter; {
+		case d < 0:
+			v.errorf(p+".usage.idleEventAfter", "%s: must not be negative (leave it out to send no Events)", d.D())
+		case d != 0 && d.D() < MinIdleEventAfter:
+			v.errorf(p+".usage.idleEventAfter", "%s is shorter than %s: idle time is measured every 10 s, so give it in minutes or hours (such as \"2h\"), or leave it out to send no Events",
+				d.D(), MinIdleEventAfter)
+		}
 	}
 	v.mig(p+".mig", &c.MIG)
 }

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -32,6 +33,9 @@ type Clients struct {
 	// prepare, one GET per claim while the kubelet waits (ClaimQPS,
 	// ClaimBurst).
 	Claims kubernetes.Interface
+	// Dynamic reads custom resources (ComputeDomains, for the node side
+	// of compute domains), at the agent's own rate limit.
+	Dynamic dynamic.Interface
 }
 
 // The claim reads' rate limit. Their number is the kubelet's work, not the
@@ -112,6 +116,9 @@ func newClients(cfg *rest.Config, userAgent string) (*Clients, error) {
 		return nil, err
 	}
 	if clients.Claims, err = kubernetes.NewForConfig(claims); err != nil {
+		return nil, err
+	}
+	if clients.Dynamic, err = dynamic.NewForConfig(agent); err != nil {
 		return nil, err
 	}
 	return clients, nil

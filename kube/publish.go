@@ -143,6 +143,16 @@ func (p *Publisher) Event(warning bool, reason, message string) {
 	p.recorder.Event(&ref, typ, reason, message)
 }
 
+// ObjectEvent records an Event about another object of the node (a pod),
+// through the same recorder and spam filter as the Node's.
+func (p *Publisher) ObjectEvent(ref *corev1.ObjectReference, warning bool, reason, message string) {
+	typ := corev1.EventTypeNormal
+	if warning {
+		typ = corev1.EventTypeWarning
+	}
+	p.recorder.Event(ref, typ, reason, message)
+}
+
 // Track adds watchers whose API failures State reports.
 func (p *Publisher) Track(users ...APIUser) {
 	p.mu.Lock()

@@ -40,11 +40,7 @@ type Applier struct {
 	// compute instances gone, its GPU instance not yet) and a create (its
 	// GPU instance made, its compute instance not yet).
 	crash func(point string, step int) bool
-	guard Guard
 }
-
-// SetGuard makes every destroy and mode change ask g first (nil: none).
-func (a *Applier) SetGuard(g Guard) { a.guard = g }
 
 // errCrashed is what Apply returns when the test hook stops it.
 var errCrashed = errors.New("simulated crash")
@@ -81,7 +77,9 @@ type journal struct {
 // unfinished plan for another layout is abandoned (an instance it
 // was half-way through creating is removed first). On a failed step the GPU
 // is left with whole instances only and the state says which step failed.
-func (a *Applier) Apply(ctx context.Context, p Plan) (State, error) {
+// Every destroy and mode change, a resumed plan's included, asks g first
+// (nil: nothing to ask, for a node nothing runs on: the offline tools').
+func (a *Applier) Apply(ctx context.Context, p Plan, g Guard) (State, error) {
 	dev, err := a.device(p)
 	if err != nil {
 		return State{Phase: PhaseFailed, Reason: err.Error()}, err
@@ -119,7 +117,7 @@ func (a *Applier) Apply(ctx context.Context, p Plan) (State, error) {
 		if a.crashAt("before", j.Next) {
 			return State{}, errCrashed
 		}
-		st, err := a.guarded(j.Plan, s)
+		st, err := guarded(g, j.Plan, s)
 		if err == nil && st.Phase == "" {
 			st, err = a.step(dev, j.Plan, j.Next, s)
 		}
@@ -183,12 +181,12 @@ func (a *Applier) device(p Plan) (nvml.Device, error) {
 	return dev, nil
 }
 
-// guarded asks the guard about a step that destroys MIG devices (their
-// UUIDs) or changes the GPU's mode (the GPU's UUID); a refusal is pending.
-func (a *Applier) guarded(p Plan, s Step) (State, error) {
+// guarded asks g about a step that destroys MIG devices (their UUIDs) or
+// changes the GPU's mode (the GPU's UUID); a refusal is pending.
+func guarded(g Guard, p Plan, s Step) (State, error) {
 	var uuids []string
 	switch {
-	case a.guard == nil:
+	case g == nil:
 		return State{}, nil
 	case s.Op == OpDestroy:
 		uuids = s.UUIDs
@@ -198,7 +196,7 @@ func (a *Applier) guarded(p Plan, s Step) (State, error) {
 	if len(uuids) == 0 {
 		return State{}, nil
 	}
-	if err := a.guard.Doom(uuids, fmt.Sprintf("GPU %d: %s (%s)", p.GPU, s, s.Reason)); err != nil {
+	if err := g.Doom(uuids, fmt.Sprintf("GPU %d: %s (%s)", p.GPU, s, s.Reason)); err != nil {
 		return State{Phase: PhasePending, Reason: fmt.Sprintf("%s waits: %v", s, err)}, nil
 	}
 	return State{}, nil

@@ -39,7 +39,7 @@ func TestCrashAtEveryStepThenResume(t *testing.T) {
 				r.converge(0, from, nil)
 				r.ap.crash = func(pt string, step int) bool { return pt == point && step == k }
 				plan, _, _ := MakePlan(r.gpu(0), r.profiles(0), to, nil)
-				if _, err := r.ap.Apply(context.Background(), plan); !errors.Is(err, errCrashed) {
+				if _, err := r.ap.Apply(context.Background(), plan, nil); !errors.Is(err, errCrashed) {
 					t.Fatalf("apply did not crash: %v", err)
 				}
 				if _, err := os.Stat(filepath.Join(r.dir, "mig", plan.UUID+".json")); err != nil {
@@ -65,7 +65,7 @@ func TestCrashThenNewLayoutRemovesHalfCreatedInstance(t *testing.T) {
 	r := newRig(t, "dgx-a100", sim.WithMIGEnabled())
 	r.ap.crash = func(pt string, step int) bool { return pt == "mid" && step == 0 }
 	plan, _, _ := MakePlan(r.gpu(0), r.profiles(0), want("1x7g.40gb"), nil)
-	if _, err := r.ap.Apply(context.Background(), plan); !errors.Is(err, errCrashed) {
+	if _, err := r.ap.Apply(context.Background(), plan, nil); !errors.Is(err, errCrashed) {
 		t.Fatalf("apply did not crash: %v", err)
 	}
 	r.ap = NewApplier(r.node, r.dir, slog.New(slog.DiscardHandler))
@@ -102,11 +102,11 @@ func TestExactPlanResumesOnlyItsOwnJournal(t *testing.T) {
 		t.Run(fmt.Sprintf("%s, then at %d", tc.point, tc.next), func(t *testing.T) {
 			r := newRig(t, "dgx-a100", sim.WithMIGEnabled())
 			r.ap.crash = func(pt string, step int) bool { return pt == tc.point && step == 0 }
-			if _, err := r.ap.Apply(context.Background(), create(r, 0)); !errors.Is(err, errCrashed) {
+			if _, err := r.ap.Apply(context.Background(), create(r, 0), nil); !errors.Is(err, errCrashed) {
 				t.Fatalf("apply did not crash: %v", err)
 			}
 			r.ap = NewApplier(r.node, r.dir, slog.New(slog.DiscardHandler))
-			if st, err := r.ap.Apply(context.Background(), create(r, tc.next)); err != nil || st.Phase != PhaseApplied {
+			if st, err := r.ap.Apply(context.Background(), create(r, tc.next), nil); err != nil || st.Phase != PhaseApplied {
 				t.Fatalf("the next plan: %+v, %v", st, err)
 			}
 			g := r.gpu(0)
@@ -132,7 +132,7 @@ func TestFailedStepLeavesReportedValidState(t *testing.T) {
 	if err := r.node.SetProcesses(0, []nvml.ProcessInfo{{Pid: 7, GpuInstanceId: uint32(gi), ComputeInstanceId: uint32(ci)}}); err != nil {
 		t.Fatal(err)
 	}
-	st, err := r.ap.Apply(context.Background(), p)
+	st, err := r.ap.Apply(context.Background(), p, nil)
 	if err == nil || st.Phase != PhaseFailed || st.Reason == "" {
 		t.Fatalf("state %+v err %v, want failed", st, err)
 	}
@@ -173,7 +173,7 @@ func TestFailedStepNamesChartValue(t *testing.T) {
 			if err := r.node.FailCalls(0, tt.call, tt.ret, -1); err != nil {
 				t.Fatal(err)
 			}
-			st, err := r.ap.Apply(context.Background(), p)
+			st, err := r.ap.Apply(context.Background(), p, nil)
 			if err == nil || st.Phase != PhaseFailed || !errors.Is(err, tt.ret) {
 				t.Fatalf("state %+v err %v, want failed with %v", st, err, tt.ret)
 			}

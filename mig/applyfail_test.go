@@ -97,7 +97,7 @@ func TestCreateFailureIsNotAnAnswer(t *testing.T) {
 				t.Fatal(err)
 			}
 			ap := NewApplier(&failingLib{Library: r.node, fail: tc.fail}, r.dir, slog.New(slog.DiscardHandler))
-			st, err := ap.Apply(context.Background(), p)
+			st, err := ap.Apply(context.Background(), p, nil)
 			if !errors.Is(err, nvml.ERROR_UNKNOWN) || st.Phase != PhaseFailed {
 				t.Fatalf("apply: %+v %v, want the NVML failure", st, err)
 			}

@@ -112,7 +112,7 @@ func crashThenEdit(t *testing.T, node string, from, to, edited Want, point strin
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := r.ap.Apply(context.Background(), plan); !errors.Is(err, errCrashed) {
+		if _, err := r.ap.Apply(context.Background(), plan, nil); !errors.Is(err, errCrashed) {
 			t.Fatalf("apply did not crash: %v", err)
 		}
 		leftBare = len(r.bareGIs(0)) > 0
@@ -184,7 +184,7 @@ func TestPlanDestroysBareGI(t *testing.T) {
 			if destroys != 1 {
 				t.Fatalf("plan %v destroys the bare instance %d times", p.Steps, destroys)
 			}
-			if st, err := r.ap.Apply(context.Background(), p); err != nil || st.Phase != PhaseApplied {
+			if st, err := r.ap.Apply(context.Background(), p, nil); err != nil || st.Phase != PhaseApplied {
 				t.Fatalf("apply: %+v %v", st, err)
 			}
 			if b := r.bareGIs(0); len(b) > 0 {
@@ -274,7 +274,7 @@ func TestBareDestroyLeavesWholeInstance(t *testing.T) {
 			}
 			p := Plan{GPU: 0, UUID: g.UUID, Want: Want{MIGEnabled: true, Counts: map[string]int{}},
 				Steps: []Step{{Op: OpDestroy, Profile: "3g.20gb", ProfileIndex: nvml.GPU_INSTANCE_PROFILE_3_SLICE, Placement: pl, Bare: true, Reason: "test"}}}
-			if st, err := r.ap.Apply(context.Background(), p); err != nil || st.Phase != PhaseApplied {
+			if st, err := r.ap.Apply(context.Background(), p, nil); err != nil || st.Phase != PhaseApplied {
 				t.Fatalf("apply: %+v %v", st, err)
 			}
 			g = r.gpu(0)

@@ -81,7 +81,7 @@ func (r *rig) converge(i int, want Want, held map[string]string) (Plan, State) {
 		}
 		// Apply runs for empty plans too: it finishes a journaled plan a
 		// crash interrupted after its last NVML call.
-		if st, err = r.ap.Apply(context.Background(), p); err != nil {
+		if st, err = r.ap.Apply(context.Background(), p, nil); err != nil {
 			r.t.Fatalf("apply %v: %v", p.Steps, err)
 		}
 		if st.Phase != PhaseApplied || len(p.Steps) == 0 {

@@ -65,7 +65,7 @@ func TestUntrustedJournalSetAside(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			st, err := r.ap.Apply(context.Background(), plan)
+			st, err := r.ap.Apply(context.Background(), plan, nil)
 			if err != nil || st.Phase != PhaseApplied {
 				t.Fatalf("Apply = %+v, %v; want the plan applied from NVML", st, err)
 			}
@@ -122,6 +122,6 @@ func FuzzJournal(f *testing.F) {
 		}
 		plan := j.Plan
 		plan.GPU = 0
-		ap.Apply(context.Background(), plan) // errors are NVML's to give; a panic is ours
+		ap.Apply(context.Background(), plan, nil) // errors are NVML's to give; a panic is ours
 	})
 }

@@ -67,7 +67,7 @@ func TestJournalNewerFormat(t *testing.T) {
 				t.Fatal(err)
 			}
 			before := layout(r.gpu(0))
-			st, err := r.ap.Apply(context.Background(), plan)
+			st, err := r.ap.Apply(context.Background(), plan, nil)
 			if tc.err == "" {
 				if err != nil || st.Phase != PhaseApplied {
 					t.Fatalf("Apply = %+v, %v; want the journal resumed", st, err)

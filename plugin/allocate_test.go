@@ -3,6 +3,7 @@ package plugin
 import (
 	"context"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -14,6 +15,7 @@ import (
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/ledger"
 )
 
 const (
@@ -496,7 +498,8 @@ func TestCDIAnnotationKeysDistinct(t *testing.T) {
 
 // Admit sees each device behind a request once (replicas name their GPU),
 // only for a request the catalog allows, and its refusal is the answer,
-// with its code kept or FailedPrecondition.
+// with its message: Unavailable for an allocation the ledger could not
+// record, FailedPrecondition for any other.
 func TestAdmit(t *testing.T) {
 	dir := shortDir(t)
 	var got [][]string
@@ -528,11 +531,12 @@ func TestAdmit(t *testing.T) {
 		code   codes.Code
 	}{
 		{errors.New("device GPU-a is being repartitioned"), codes.FailedPrecondition},
-		{status.Error(codes.Unavailable, "not recorded"), codes.Unavailable},
+		{&ledger.RefusedError{Device: "GPU-a", Reason: ledger.ErrPrepared, Detail: "prepared for ResourceClaim ml/c through DRA"}, codes.FailedPrecondition},
+		{fmt.Errorf("not recorded: %w", ledger.ErrLogUnavailable), codes.Unavailable},
 	} {
 		refuse = tc.refuse
 		resp, err := shared.Allocate(ctx, allocReq([]string{"GPU-a::0"}))
-		if status.Code(err) != tc.code || !strings.Contains(err.Error(), status.Convert(tc.refuse).Message()) || resp != nil {
+		if status.Code(err) != tc.code || status.Convert(err).Message() != tc.refuse.Error() || resp != nil {
 			t.Errorf("refused by %v: answer %v, %v; want %v with its message", tc.refuse, resp, err, tc.code)
 		}
 	}

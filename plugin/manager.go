@@ -58,8 +58,9 @@ type Options struct {
 	// refuses the call. It is the agent's ledger, which refuses devices
 	// taken another way since the catalog was published (the same silicon
 	// handed out under another name included) and records the rest
-	// durably. A gRPC status error keeps its code; any other is
-	// FailedPrecondition. From the gRPC goroutine: it must be quick.
+	// durably. An error that is ledger.ErrLogUnavailable answers
+	// Unavailable; any other FailedPrecondition, with its message. From the
+	// gRPC goroutine: it must be quick.
 	Admit func(resource string, devices []Handout) error
 	// OnAllocate, when set, is called after every successful Allocate (from
 	// the gRPC goroutine; it must not block): pod attribution refreshes then

@@ -2,6 +2,7 @@ package plugin
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -14,6 +15,7 @@ import (
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
+	"github.com/gpu-agent/gpu-agent/ledger"
 )
 
 // resource is one served resource name: the catalog entry it currently
@@ -304,15 +306,19 @@ func handouts(res *catalog.Resource, req *pluginapi.AllocateRequest) []Handout {
 	return out
 }
 
-// admitted turns Admit's error into the status Allocate answers.
+// admitted turns Admit's error into the status Allocate answers: an
+// allocation the ledger could not record may succeed when the kubelet tries
+// again (Unavailable); any other refusal holds until the catalog changes
+// (FailedPrecondition). The message, naming the device and why, is kept.
 func admitted(err error) error {
-	if err == nil {
+	switch {
+	case err == nil:
 		return nil
+	case errors.Is(err, ledger.ErrLogUnavailable):
+		return status.Error(codes.Unavailable, err.Error())
+	default:
+		return status.Error(codes.FailedPrecondition, err.Error())
 	}
-	if st, ok := status.FromError(err); ok {
-		return st.Err()
-	}
-	return status.Error(codes.FailedPrecondition, err.Error())
 }
 
 func (e *endpoint) PreStartContainer(context.Context, *pluginapi.PreStartContainerRequest) (*pluginapi.PreStartContainerResponse, error) {

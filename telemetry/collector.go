@@ -54,6 +54,9 @@ type CollectorOptions struct {
 	DRA DRASource
 	// Hostname fills dcgm-exporter's Hostname label (the node name).
 	Hostname string
+	// Holders is each holder's own use of its devices (nil: no per-holder
+	// series, and every holder of a device carries the device's figures).
+	Holders HolderSource
 }
 
 // dcgmLabels are dcgm-exporter's labels, in its order. One metric family
@@ -222,6 +225,10 @@ type Collector struct {
 	migMode, migDevices                 *prometheus.Desc
 	holders, held, replicas, allocs     *prometheus.Desc
 	sampleTime                          *prometheus.Desc
+
+	holderSM, holderMem, holderEnc, holderDec *prometheus.Desc
+	holderFB, holderProcs, holderIdle         *prometheus.Desc
+	holderAvg, holderTime                     *prometheus.Desc
 }
 
 // NewCollector returns a collector reading opts' sources.
@@ -247,6 +254,16 @@ func NewCollector(opts CollectorOptions) *Collector {
 	c.replicas = prometheus.NewDesc("gpu_agent_replicas", "Replicas offered of a device under a shared resource.", []string{"resource", "UUID"}, nil)
 	c.allocs = prometheus.NewDesc("gpu_agent_allocated_devices", "Device IDs of a resource a container holds.", []string{"resource", "namespace", "pod", "container"}, nil)
 	c.sampleTime = prometheus.NewDesc("gpu_agent_metrics_sample_timestamp_seconds", "When the GPU metrics were last sampled from NVML.", nil, nil)
+	hl := append(slices.Clone(dev), holderLabelNames...)
+	c.holderSM = prometheus.NewDesc("gpu_agent_holder_sm_util_percent", "SM utilization (%) of the holder's processes on the device since the previous sample (NVML's per-process samples; on a device with one holder and no per-process figures, the device's).", hl, nil)
+	c.holderMem = prometheus.NewDesc("gpu_agent_holder_mem_util_percent", "Memory bandwidth utilization (%) of the holder's processes on the device since the previous sample.", hl, nil)
+	c.holderEnc = prometheus.NewDesc("gpu_agent_holder_enc_util_percent", "Video encoder utilization (%) of the holder's processes on the device since the previous sample.", hl, nil)
+	c.holderDec = prometheus.NewDesc("gpu_agent_holder_dec_util_percent", "Video decoder utilization (%) of the holder's processes on the device since the previous sample.", hl, nil)
+	c.holderFB = prometheus.NewDesc("gpu_agent_holder_fb_used_bytes", "Framebuffer memory the holder's processes hold on the device, in bytes.", hl, nil)
+	c.holderProcs = prometheus.NewDesc("gpu_agent_holder_processes", "Processes of the holder running on the device.", hl, nil)
+	c.holderIdle = prometheus.NewDesc("gpu_agent_holder_idle_seconds", "Seconds since the holder last used the device (or since the agent first saw it hold the device, if never), across agent restarts.", hl, nil)
+	c.holderAvg = prometheus.NewDesc("gpu_agent_holder_sm_util_avg_percent", "Mean SM utilization (%) of the holder on the device over the time it held it within the window (1h, 24h; to within 5 minutes), across agent restarts.", append(slices.Clone(hl), "window"), nil)
+	c.holderTime = prometheus.NewDesc("gpu_agent_holder_sample_timestamp_seconds", "When the holders' processes were last sampled.", nil, nil)
 	return c
 }
 
@@ -256,7 +273,8 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 		ch <- d.desc
 	}
 	for _, d := range []*prometheus.Desc{c.xid, c.healthy, c.causes, c.xids, c.gpuXIDs, c.ecc, c.migMode, c.migDevices,
-		c.holders, c.held, c.replicas, c.allocs, c.sampleTime} {
+		c.holders, c.held, c.replicas, c.allocs, c.sampleTime,
+		c.holderSM, c.holderMem, c.holderEnc, c.holderDec, c.holderFB, c.holderProcs, c.holderIdle, c.holderAvg, c.holderTime} {
 		ch <- d
 	}
 }
@@ -277,6 +295,11 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	served := c.servedHealth()
 	holders := newHoldersOf(attr, c.opts.DRA)
+	var uses *HolderSnapshot
+	if c.opts.Holders != nil {
+		uses = c.opts.Holders.Holders()
+	}
+	split := newHolderSplit(uses)
 	lv := make([]string, len(dcgmLabels))
 	for i := range snap.GPUs {
 		g := &snap.GPUs[i]
@@ -295,14 +318,14 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		for j := range c.defs {
 			d := &c.defs[j]
 			if v, ok := g.Values.Get(d.field); ok {
-				emit(ch, d.desc, d.typ, v, lv, hs)
+				emit(ch, d.desc, d.typ, v, lv, hs, split.of(d.field, hs, g.UUID))
 			}
 		}
 		var last uint64
 		if s, ok := st.Stats(g.UUID); ok {
 			last = s.LastXID
 		}
-		emit(ch, c.xid, prometheus.GaugeValue, float64(last), lv, hs)
+		emit(ch, c.xid, prometheus.GaugeValue, float64(last), lv, hs, nil)
 		for k := range g.Instances {
 			in := &g.Instances[k]
 			// Framebuffer and GPM belong to the GPU instance, which the
@@ -325,16 +348,18 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 					continue
 				}
 				if v, ok := in.Values.Get(d.field); ok {
-					emit(ch, d.desc, d.typ, v, lv, hs)
+					emit(ch, d.desc, d.typ, v, lv, hs, split.of(d.field, hs, uuids...))
 				}
 			}
 		}
 	}
 	c.sharing(ch, attr)
+	c.holderUse(ch, uses)
 }
 
 // emit sends one series per holder, or one without holder labels when none.
-func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueType, v float64, lv []string, hs []seriesHolder) {
+// own, when not nil, gives a holder's own value in place of the device's.
+func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueType, v float64, lv []string, hs []seriesHolder, own func(seriesHolder) (float64, bool)) {
 	tail := lv[len(lv)-len(holderLabelNames):]
 	if len(hs) == 0 {
 		seriesHolder{}.values(tail)
@@ -343,7 +368,13 @@ func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueT
 	}
 	for _, h := range hs {
 		h.values(tail)
-		ch <- prometheus.MustNewConstMetric(d, typ, v, lv...)
+		x := v
+		if own != nil {
+			if hv, ok := own(h); ok {
+				x = hv
+			}
+		}
+		ch <- prometheus.MustNewConstMetric(d, typ, x, lv...)
 	}
 }
 

@@ -132,3 +132,36 @@ func ParseStartTime(stat []byte) (uint64, error) {
 	}
 	return v, nil
 }
+
+// CgroupSource gives the cgroup of processes /proc does not have: a
+// simulated node's (sim.Node.ProcessCgroup), whose PIDs are made up.
+type CgroupSource interface {
+	ProcessCgroup(pid uint32) (string, bool)
+}
+
+// SimResolver resolves a PID from the cgroup Src sets for it, and
+// otherwise through Next (the host's /proc; nil: the process is ErrGone).
+// A simulated node runs both kinds: made-up PIDs with a cgroup, and the
+// real PIDs of workloads that register themselves (e2e).
+type SimResolver struct {
+	Src  CgroupSource
+	Next *Resolver
+}
+
+// Resolve returns the owner of pid, as Resolver.Resolve.
+func (r SimResolver) Resolve(pid uint32) (Owner, error) {
+	if cg, ok := r.Src.ProcessCgroup(pid); ok {
+		return ParseCgroup(cg), nil
+	}
+	if r.Next == nil {
+		return Owner{}, fmt.Errorf("pid %d: %w", pid, ErrGone)
+	}
+	return r.Next.Resolve(pid)
+}
+
+// Retain is Resolver.Retain of Next.
+func (r SimResolver) Retain(live func(pid uint32) bool) {
+	if r.Next != nil {
+		r.Next.Retain(live)
+	}
+}

@@ -202,3 +202,30 @@ func TestResolveSelf(t *testing.T) {
 		t.Errorf("second read %+v, %v", again, err)
 	}
 }
+
+type cgroups map[uint32]string
+
+func (c cgroups) ProcessCgroup(pid uint32) (string, bool) { s, ok := c[pid]; return s, ok }
+
+// TestSimResolver: a simulated process's own cgroup wins; other PIDs are
+// read from /proc, or are gone without one.
+func TestSimResolver(t *testing.T) {
+	const uid = "0b9e4a8c-1d2f-4e3a-9b8c-7d6e5f4a3b2c"
+	ctr := strings.Repeat("ab", 32)
+	src := cgroups{7: "0::/kubepods/besteffort/pod" + uid + "/" + ctr + "\n"}
+	proc := fakeProc{t, t.TempDir()}
+	proc.set(8, "python3", 1234, "0::/kubepods/pod"+uid+"/"+strings.Repeat("cd", 32)+"\n")
+	r := SimResolver{Src: src, Next: NewResolver(proc.root)}
+	if o, err := r.Resolve(7); err != nil || o.PodUID != uid || o.ContainerID != ctr {
+		t.Errorf("sim PID: %+v, %v", o, err)
+	}
+	if o, err := r.Resolve(8); err != nil || o.ContainerID != strings.Repeat("cd", 32) {
+		t.Errorf("real PID: %+v, %v", o, err)
+	}
+	if _, err := r.Resolve(9); !errors.Is(err, ErrGone) {
+		t.Errorf("unknown PID: %v, want ErrGone", err)
+	}
+	if _, err := (SimResolver{Src: src}).Resolve(9); !errors.Is(err, ErrGone) {
+		t.Errorf("unknown PID without /proc: %v, want ErrGone", err)
+	}
+}

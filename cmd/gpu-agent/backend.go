@@ -23,7 +23,11 @@ type backend struct {
 	// BootID reads the node's boot id, which a reboot changes ("" when it
 	// cannot be read): the kernel's, or a simulated node's own.
 	BootID func() string
-	close  func()
+	// DriverRoot is where the driver's files (/proc/devices, its params)
+	// and IMEX channel nodes are: "/" on a real node, a simulated node's
+	// root= ("" when it has none).
+	DriverRoot string
+	close      func()
 }
 
 // kernelBootID is the path of Linux's boot id; a container sees the host's.
@@ -64,6 +68,7 @@ func openBackend(spec, nvmlLib string, log *slog.Logger) (*backend, error) {
 			Lib:              lib,
 			InventoryOptions: gpu.Options{NUMANode: gpu.SysfsNUMA("/sys"), PCIeRoot: gpu.SysfsPCIeRoot("/sys"), FabricInfo: gpu.NVMLFabricInfo},
 			BootID:           func() string { return readBootID(kernelBootID) },
+			DriverRoot:       "/",
 			close:            func() { lib.Shutdown() },
 		}, nil
 	case strings.HasPrefix(spec, "sim:"):
@@ -90,7 +95,7 @@ func openBackend(spec, nvmlLib string, log *slog.Logger) (*backend, error) {
 			}
 		}
 		return &backend{
-			Name: spec, Lib: node, Sim: node, BootID: node.BootID,
+			Name: spec, Lib: node, Sim: node, BootID: node.BootID, DriverRoot: ss.driverRoot,
 			// Releases the state file at once, so a restart in the same
 			// process (tests) or right after this one can open it.
 			close: func() { node.Close() },

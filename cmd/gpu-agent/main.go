@@ -25,6 +25,7 @@ Usage:
   gpu-agent controller [flags]             reconcile ComputeDomains (the cluster side of compute
                                            domains; a Deployment, leader-elected)
   gpu-agent status [--addr URL]            show a running agent's state
+  gpu-agent top [--addr URL] [--watch D]   who holds each GPU and how much they use it
   gpu-agent config validate FILE [flags]   check a config (file, ConfigMap manifest or directory)
                                            offline: what the node would offer with it
   gpu-agent inventory [--backend B | --addr URL] [-o table|json]
@@ -84,6 +85,8 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = cmdController(ctx, args[1:], stdout, stderr)
 	case "status":
 		err = cmdStatus(ctx, args[1:], stdout, stderr)
+	case "top":
+		err = cmdTop(ctx, args[1:], stdout, stderr)
 	case "config":
 		err = cmdConfig(ctx, args[1:], stdout, stderr)
 	case "inventory":

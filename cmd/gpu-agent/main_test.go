@@ -344,31 +344,27 @@ func grepLines(s, substr string) string {
 	return fmt.Sprint(strings.Join(out, "\n"))
 }
 
-// TestReadmeConfigExample keeps the README's config example valid and
-// doing what the README says it does.
-func TestReadmeConfigExample(t *testing.T) {
-	readme, err := os.ReadFile("../../README.md")
+// TestConfigDocExample keeps the config example of docs/config.md valid
+// and doing what the page says it does.
+func TestConfigDocExample(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/config.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, rest, ok := strings.Cut(string(readme), "## Configuration")
-	if !ok {
-		t.Fatal("README has no Configuration section")
-	}
-	_, rest, ok = strings.Cut(rest, "```yaml\n")
+	_, rest, ok := strings.Cut(string(doc), "```yaml\n")
 	example, _, ok2 := strings.Cut(rest, "```")
 	if !ok || !ok2 {
-		t.Fatal("README's Configuration section has no yaml example")
+		t.Fatal("docs/config.md has no yaml example")
 	}
 	file := filepath.Join(t.TempDir(), "example.yaml")
 	os.WriteFile(file, []byte(example), 0o644)
 	code, out, stderr := run(t, "config", "validate", file, "--backend", "sim:dgx-a100")
 	if code != 0 {
-		t.Fatalf("README example: exit %d: %s", code, stderr)
+		t.Fatalf("docs/config.md example: exit %d: %s", code, stderr)
 	}
 	for _, want := range []string{"nvidia.com/gpu         4", "nvidia.com/gpu.shared  16"} {
 		if !strings.Contains(out, want) {
-			t.Errorf("README example output lacks %q:\n%s", want, out)
+			t.Errorf("docs/config.md example output lacks %q:\n%s", want, out)
 		}
 	}
 }
@@ -443,18 +439,14 @@ func TestWriteStatusConfigError(t *testing.T) {
 	}
 }
 
-// TestReadmeDocumentsOwnMetrics keeps README's metrics section naming every
+// TestMetricsDocNamesOwnMetrics keeps docs/metrics.md naming every
 // gpu_agent_* series the agent's packages declare.
-func TestReadmeDocumentsOwnMetrics(t *testing.T) {
-	readme, err := os.ReadFile("../../README.md")
+func TestMetricsDocNamesOwnMetrics(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/metrics.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, section, ok := strings.Cut(string(readme), "\n## Metrics\n")
-	section, _, _ = strings.Cut(section, "\n## ")
-	if !ok {
-		t.Fatal("README has no Metrics section")
-	}
+	section := string(doc)
 	name := regexp.MustCompile(`"(gpu_agent_[a-z_]+)"`)
 	seen := 0
 	for _, dir := range []string{"../../agent", "../../health", "../../telemetry", "../../podresources", "../../plugin", "../../dra", "../../kube", "../../mps", "."} {
@@ -473,7 +465,7 @@ func TestReadmeDocumentsOwnMetrics(t *testing.T) {
 			for _, m := range name.FindAllStringSubmatch(string(src), -1) {
 				seen++
 				if !strings.Contains(section, "`"+m[1]) {
-					t.Errorf("%s (declared in %s) is not in README's Metrics section", m[1], f)
+					t.Errorf("%s (declared in %s) is not in docs/metrics.md", m[1], f)
 				}
 			}
 		}

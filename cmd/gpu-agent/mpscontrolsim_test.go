@@ -30,7 +30,7 @@ func TestMain(m *testing.M) {
 }
 
 // On a simulated node, with no --mps-binary, the agent runs its own
-// stand-in daemons: with README's example the MPS replicas are healthy, and
+// stand-in daemons: with docs/simulator.md's example the MPS replicas are healthy, and
 // each daemon holds the limits every client of its GPU gets (half the SMs,
 // 20 GiB). The daemons outlive the agent, as real ones do.
 func TestRunSimMPSStandIn(t *testing.T) {
@@ -55,7 +55,7 @@ func TestRunSimMPSStandIn(t *testing.T) {
 		t.Fatal(err)
 	}
 	startFakeKubelet(t, pluginDir)
-	cfg := readmeMPSExample(t)
+	cfg := simMPSExample(t)
 	addr := freeAddr(t)
 	t.Setenv("GPU_AGENT_MPS_BINARY", "") // unset: the stand-in
 	ag := startCommand(t, "run", "--backend", "sim:pcie-4gpu", "--device-plugin-dir", pluginDir,
@@ -83,7 +83,7 @@ func TestRunSimMPSStandIn(t *testing.T) {
 	for _, g := range st.GPUs {
 		env := simdaemon.Env{PipeDir: mps.PipeDir(root, g.UUID), LogDir: mps.LogDir(root, g.UUID)}
 		out, err := simdaemon.Control(env, "get_default_active_thread_percentage", "get_default_device_pinned_mem_limit 0")
-		want := "50.0\n20480M\n" // as README says
+		want := "50.0\n20480M\n" // as docs/simulator.md says
 		if err != nil || out != want {
 			t.Errorf("gpu %d daemon: %q, %v; want %q", g.Index, out, err, want)
 		}
@@ -161,11 +161,11 @@ func TestMPSControlLogsComponentOnce(t *testing.T) {
 	}
 }
 
-// readmeMPSExample is the config of README's MPS-on-a-simulated-node
-// example, as a file.
-func readmeMPSExample(t *testing.T) string {
+// simMPSExample is the config of docs/simulator.md's MPS example, as a
+// file.
+func simMPSExample(t *testing.T) string {
 	t.Helper()
-	readme, err := os.ReadFile("../../README.md")
+	readme, err := os.ReadFile("../../docs/simulator.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -173,7 +173,7 @@ func readmeMPSExample(t *testing.T) string {
 	_, rest, ok2 := strings.Cut(rest, "\n")
 	example, _, ok3 := strings.Cut(rest, "\nEOF\n")
 	if !ok || !ok2 || !ok3 {
-		t.Fatal("README has no MPS example for the simulated node")
+		t.Fatal("docs/simulator.md has no MPS example")
 	}
 	file := filepath.Join(t.TempDir(), "mps.yaml")
 	if err := os.WriteFile(file, []byte(example), 0o644); err != nil {
@@ -182,12 +182,12 @@ func readmeMPSExample(t *testing.T) string {
 	return file
 }
 
-// README's example gives the 16 replicas it says on make run's node; the
+// docs/simulator.md's example gives the 16 replicas it says on make run's node; the
 // limits it says are checked on a running agent (TestRunSimMPSStandIn).
-func TestReadmeMPSSimExample(t *testing.T) {
-	code, out, stderr := run(t, "config", "validate", readmeMPSExample(t), "--backend", "sim:dgx-a100")
+func TestSimDocMPSExample(t *testing.T) {
+	code, out, stderr := run(t, "config", "validate", simMPSExample(t), "--backend", "sim:dgx-a100")
 	if code != 0 || !regexp.MustCompile(`(?m)^nvidia\.com/gpu\.mps +16 `).MatchString(out) {
-		t.Errorf("README's MPS example: exit %d, want 16 replicas of nvidia.com/gpu.mps:\n%s%s", code, out, stderr)
+		t.Errorf("docs/simulator.md's MPS example: exit %d, want 16 replicas of nvidia.com/gpu.mps:\n%s%s", code, out, stderr)
 	}
 }
 

@@ -467,7 +467,7 @@ func simulateLayout(ctx context.Context, be *backend, sel config.Selected, d age
 			if gm.State.Phase != mig.PhasePlanned {
 				continue
 			}
-			st, err := applier.Apply(ctx, gm.Plan)
+			st, err := applier.Apply(ctx, gm.Plan, nil)
 			if err != nil {
 				return agent.Desired{}, fmt.Errorf("gpu %d (%s): applying %s to a copy of %s: %w", gm.GPU, gm.UUID, gm.Want, be.Name, err)
 			}

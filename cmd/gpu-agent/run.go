@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -24,7 +25,9 @@ import (
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/health"
+	"github.com/gpu-agent/gpu-agent/imex"
 	"github.com/gpu-agent/gpu-agent/kube"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/mig"
 	"github.com/gpu-agent/gpu-agent/mps"
 	"github.com/gpu-agent/gpu-agent/plugin"
@@ -44,6 +47,7 @@ type runFlags struct {
 	migStrategy                                        string
 	draPluginDir, kubeletRegistryDir                   string
 	cdiSpecDir, devRoot, migMinors                     string
+	hostProc                                           string
 	resync, forgetGone                                 time.Duration
 	mpsHost, dra                                       bool
 	// mpsBinarySet: --mps-binary or its variable was given, so even a
@@ -75,6 +79,7 @@ func (f *runFlags) register(fsAdd func(p *string, name, env, def, help string)) 
 	// NVIDIA's variable name, as for MIG_STRATEGY.
 	fsAdd(&f.devRoot, "nvidia-dev-root", "NVIDIA_DEV_ROOT", "/", "host root under which the driver's /dev/nvidia* nodes are (the driver container's root under the GPU Operator)")
 	fsAdd(&f.migMinors, "mig-minors", "GPU_AGENT_MIG_MINORS", cdi.MigMinorsPath, "the driver's MIG capability table, for the CDI spec of MIG devices (sim backends number them as the driver does)")
+	fsAdd(&f.hostProc, "host-proc", "GPU_AGENT_HOST_PROC", "/proc", "the host's /proc, to find the pod of each GPU process NVML reports (the chart mounts it at /host/proc; /proc is right with hostPID or outside a container; empty: processes are not attributed, and on a simulated node only those whose cgroup the sim was given are)")
 	fsAdd(&f.nvmlLib, "nvml-lib", "GPU_AGENT_NVML_LIB", "", "path of libnvidia-ml.so.1 for the nvml backend (empty: the loader's search path)")
 	fsAdd(&f.logLevel, "log-level", "GPU_AGENT_LOG_LEVEL", "info", "debug, info, warn or error")
 	fsAdd(&f.logFormat, "log-format", "GPU_AGENT_LOG_FORMAT", "text", "text or json")
@@ -170,16 +175,16 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	}
 	// The ledger: Allocate, DRA Prepare and the MIG applier all pass
 	// through it, so no device is handed out and destroyed at once.
-	ledger, err := agent.NewLedger(f.stateDir, nil, log.With("component", "ledger"))
+	held, err := ledger.New(ledger.Options{StateDir: f.stateDir, Logger: log.With("component", "ledger")})
 	if newer := (*stateformat.NewerError)(nil); errors.As(err, &newer) {
-		ledger.Close()
+		held.Close()
 		return err
 	}
 	if err != nil {
 		log.Error("allocation log", "error", err)
 	}
-	defer ledger.Close()
-	if err := w.devicePlugin(ledger); err != nil {
+	defer held.Close()
+	if err := w.devicePlugin(held); err != nil {
 		return err
 	}
 	if err := w.configSources(); err != nil {
@@ -190,7 +195,7 @@ func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	ag := w.newAgent(restored, ledger, cdiSpecs)
+	ag := w.newAgent(restored, held, cdiSpecs)
 	return w.serve(ctx, ag)
 }
 
@@ -206,6 +211,7 @@ type wiring struct {
 	watcher *health.Watcher
 	sampler *telemetry.Sampler
 	podres  *podresources.Client
+	holders *telemetry.HolderTracker
 	mps     mpsControl
 	mgr     *plugin.Manager
 
@@ -214,12 +220,17 @@ type wiring struct {
 	clients   *kube.Clients
 	client    kubernetes.Interface
 	cluster   agent.Cluster
-	configMap string // read through the API, for /status
+	pub       *kube.Publisher
+	pods      *kube.PodWatcher // the node's Pods, for per-process attribution
+	configMap string           // read through the API, for /status
 	kubeRuns  []func(context.Context) error
 
 	dra         *dra.Driver // nil without --dra or without the API
 	draPub      agent.DRAPublisher
 	claimStatus agent.ClaimStatusPublisher
+	// cd is the compute-domain.nvidia.com driver: with dra, on nodes
+	// whose GPUs are fabric-attached (computedomains.go).
+	cd *computeDomains
 }
 
 // newRegistry is the Prometheus registry of /metrics, with the process's
@@ -279,11 +290,11 @@ func (w *wiring) observers(restored *agent.Checkpoint) {
 
 // devicePlugin builds the device plugin's servers, which check each
 // Allocate against the ledger.
-func (w *wiring) devicePlugin(ledger *agent.Ledger) error {
+func (w *wiring) devicePlugin(held *ledger.Ledger) error {
 	inbox, podres, useDRA := w.inbox, w.podres, w.f.dra
 	mgr, err := plugin.NewManager(plugin.Options{
 		Dir: w.f.pluginDir, Logger: w.log.With("component", "plugin"),
-		Admit: ledger.Admit,
+		Admit: agent.Admit(held),
 		OnAllocate: func(resource string, ids []string) {
 			if useDRA {
 				// The device leaves the DRA pool at once; without DRA
@@ -326,8 +337,12 @@ func (w *wiring) configSources() error {
 			inbox.Post(agent.LabelsChanged{Labels: n.Labels})
 			inbox.Post(agent.CordonChanged{GPUs: kube.SplitCordon(n.Cordon)})
 		}, log.With("component", "kube"))
-		w.kubeRuns = append(w.kubeRuns, pub.Run, nodes.Run)
-		pub.Track(nodes)
+		w.pub = pub
+		// The node's Pods name the pod UIDs and container IDs the cgroups
+		// of GPU processes give (telemetry.HolderTracker).
+		w.pods = kube.NewPodWatcher(w.client, f.nodeName, log.With("component", "kube"))
+		w.kubeRuns = append(w.kubeRuns, pub.Run, nodes.Run, w.pods.Run)
+		pub.Track(nodes, w.pods)
 		if f.configMap != "" {
 			ns, name, err := kube.ParseConfigMapRef(f.configMap)
 			if err != nil {
@@ -369,6 +384,11 @@ func (w *wiring) draDriver() {
 		sw := dra.NewClaimStatusWriter(dra.ClaimStatusOptions{Client: w.client, NodeName: f.nodeName, Logger: log.With("component", "dra")})
 		w.claimStatus = sw
 		w.kubeRuns = append(w.kubeRuns, sw.Run)
+		cd, err := w.newComputeDomains()
+		if err != nil {
+			log.Error("compute-domain.nvidia.com not served", "error", err)
+		}
+		w.cd = cd
 	}
 }
 
@@ -390,7 +410,7 @@ func cdiKeeper(f runFlags, be *backend) (agent.CDISpecs, error) {
 
 // newAgent builds the loop over every part, and registers the metrics
 // collector that reads it.
-func (w *wiring) newAgent(restored *agent.Checkpoint, ledger *agent.Ledger, cdiSpecs agent.CDISpecs) *agent.Agent {
+func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSpecs agent.CDISpecs) *agent.Agent {
 	f, be := w.f, w.be
 	var slicer agent.TimeSlicer
 	if be.Sim == nil && f.nvidiaSMI != "" {
@@ -407,6 +427,11 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, ledger *agent.Ledger, cdiS
 	case f.nvidiaSMI != "":
 		resetter = mig.NewResetter(be.Lib, mig.SMIReset(f.nvidiaSMI))
 	}
+	// The tracker reads the agent's DRA claims and the agent feeds it
+	// inventories and the config: it is made once the agent is, before
+	// either runs.
+	var holders *telemetry.HolderTracker
+	var idleAfter atomic.Int64
 
 	ag := agent.New(agent.Options{
 		Observer:           mig.NewObserver(be.Lib, be.InventoryOptions),
@@ -431,20 +456,33 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, ledger *agent.Ledger, cdiS
 		MPSRoot:            f.mpsRoot,
 		MPSShmDir:          f.mpsShmDir,
 		TimeSlice:          slicer,
-		InventoryObservers: []func(*gpu.Inventory){w.sampler.SetInventory},
+		InventoryObservers: append(w.inventoryObservers(), func(inv *gpu.Inventory) { holders.SetInventory(inv) }),
+		ConfigObservers:    []func(*config.Config){idleAfterFrom(&idleAfter)},
 		StateDir:           f.stateDir,
 		Restored:           restored,
 		BootID:             be.BootID(),
-		Ledger:             ledger,
+		Ledger:             held,
 		ResyncInterval:     f.resync,
 		ForgetGoneAfter:    f.forgetGone,
 		Logger:             w.log.With("component", "agent"),
 		Registerer:         w.reg,
 	})
+	holders = w.holderTracker(ag, &idleAfter)
+	w.holders = holders
 	w.reg.MustRegister(telemetry.NewCollector(telemetry.CollectorOptions{
 		Samples: w.sampler, Health: w.watcher, Attribution: w.podres, Catalog: ag, DRA: ag, Hostname: f.nodeName,
+		Holders: holders,
 	}))
 	return ag
+}
+
+// inventoryObservers are told each inventory the loop reads.
+func (w *wiring) inventoryObservers() []func(*gpu.Inventory) {
+	obs := []func(*gpu.Inventory){w.sampler.SetInventory}
+	if w.cd != nil {
+		obs = append(obs, w.cd.driver.SetInventory)
+	}
+	return obs
 }
 
 // serve starts the HTTP server and every goroutine, then the DRA driver;
@@ -455,7 +493,8 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 	if w.dra != nil {
 		draSlices = w.dra.Slices
 	}
-	srv, ln, err := newHTTPServer(f.listen, newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), defaultHTTPServerConfig(), log.With("component", "http"))
+	handler := withComputeDomains(withHolders(newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), w.holders), w.cd)
+	srv, ln, err := newHTTPServer(f.listen, handler, defaultHTTPServerConfig(), log.With("component", "http"))
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
@@ -471,6 +510,7 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 	goRun("agent", func() error { return ag.Run(ctx) })
 	goRun("health watcher", func() error { return w.watcher.Run(ctx) })
 	goRun("metrics sampler", func() error { return w.sampler.Run(ctx) })
+	goRun("holders", func() error { return w.holders.Run(ctx) })
 	goRun("pod-resources", func() error { return w.podres.Run(ctx) })
 	goRun("mps supervisor", func() error { return w.mps.Run(ctx) })
 	goRun("mps events", func() error {
@@ -500,6 +540,14 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 		} else {
 			defer w.dra.Stop()
 			log.Info("DRA driver registered", "driver", devicemodel.DriverName, "plugin-dir", f.draPluginDir)
+		}
+	}
+	if w.cd != nil {
+		if err := w.cd.start(ctx, goRun); err != nil {
+			log.Error("compute-domain.nvidia.com not started", "error", err)
+		} else {
+			defer w.cd.driver.Stop()
+			log.Info("DRA driver registered", "driver", imex.DriverName)
 		}
 	}
 	for i, run := range w.kubeRuns {

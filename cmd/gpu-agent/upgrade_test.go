@@ -22,6 +22,7 @@ import (
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/gpu-agent/gpu-agent/agent"
+	"github.com/gpu-agent/gpu-agent/ledger"
 	"github.com/gpu-agent/gpu-agent/plugin"
 )
 
@@ -35,7 +36,7 @@ func TestRunRefusesNewerMajorFormat(t *testing.T) {
 		file, content, says string
 	}{
 		{agent.CheckpointFile, `{"version":9,"minor":1,"written":"2026-11-23T00:00:00Z"}`, "format 9.1, written by a newer gpu-agent; this build reads 1.0 to 4."},
-		{agent.AllocLogFile, `{"version":3,"at":"2026-11-23T00:00:00Z","devices":[]}` + "\n", "line 1: format 3.0, written by a newer gpu-agent; this build reads 1."},
+		{ledger.AllocLogFile, `{"version":3,"at":"2026-11-23T00:00:00Z","devices":[]}` + "\n", "line 1: format 3.0, written by a newer gpu-agent; this build reads 1."},
 	} {
 		t.Run(tc.file, func(t *testing.T) {
 			dir := t.TempDir()
@@ -195,7 +196,7 @@ func TestUpgradeAndRollback(t *testing.T) {
 	rewrite(t, filepath.Join(state, agent.CheckpointFile), func(b []byte) []byte {
 		return append([]byte(`{"minor":7,"fromNewer":{"x":[1]},`), bytes.TrimPrefix(b, []byte("{"))...)
 	})
-	rewrite(t, filepath.Join(state, agent.AllocLogFile), func(b []byte) []byte {
+	rewrite(t, filepath.Join(state, ledger.AllocLogFile), func(b []byte) []byte {
 		return bytes.ReplaceAll(b, []byte("{\"at\""), []byte(`{"version":1,"minor":7,"fromNewer":1,"at"`))
 	})
 	upgraded = start(newBin)

@@ -376,6 +376,7 @@ func serveProcess(n *Node, dec *json.Decoder) error {
 		Mem     *uint32 `json:"mem_util"`
 		Enc     *uint32 `json:"enc_util"`
 		Dec     *uint32 `json:"dec_util"`
+		Cgroup  *string `json:"cgroup"`
 	}
 	if err := decode(dec, &req); err != nil {
 		return err
@@ -408,6 +409,9 @@ func serveProcess(n *Node, dec *json.Decoder) error {
 		}
 		if req.MemUsed != nil {
 			p.MemoryBytes = *req.MemUsed
+		}
+		if req.Cgroup != nil {
+			p.Cgroup = *req.Cgroup
 		}
 		return n.startProcess(g, p)
 	})

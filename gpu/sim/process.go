@@ -23,6 +23,13 @@ const (
 // allows 48 clients per GPU (60 on Volta's successors' newer drivers).
 const maxProcsPerGPU = 128
 
+// maxCgroupBytes bounds Process.Cgroup, so that a node full of processes
+// still fits its state file: a pod's container under cgroup v2 and the
+// systemd driver is "0::/kubepods.slice/kubepods-burstable.slice/
+// kubepods-burstable-pod<uid>.slice/cri-containerd-<id>.scope", 170 bytes
+// (16 GPUs of 128 such processes add 420 KB to the file).
+const maxCgroupBytes = 200
+
 // Process is a simulated compute process on a GPU or one of its MIG
 // devices.
 type Process struct {
@@ -40,6 +47,12 @@ type Process struct {
 	// process at 0 on all four has no samples, as NVML reports only
 	// processes busy in a sample period.
 	SM, Mem, Enc, Dec uint32
+	// Cgroup, when set, is what /proc/<pid>/cgroup would hold for the
+	// process ("0::/kubepods.slice/…"): a simulated process with a PID
+	// no real process has still names its pod and container this way.
+	// Empty: the PID is a real process's (as in e2e, where a workload
+	// registers its own PID), to be read from the host's /proc.
+	Cgroup string
 }
 
 // process is a Process with the time its load took effect: its samples in
@@ -48,12 +61,13 @@ type process struct {
 	nvml.ProcessInfo
 	mps               bool
 	sm, mem, enc, dec uint32
+	cgroup            string
 	since             time.Time
 }
 
 func (p *process) export() Process {
 	return Process{PID: p.Pid, GI: p.GpuInstanceId, CI: p.ComputeInstanceId, MPS: p.mps, MemoryBytes: p.UsedGpuMemory,
-		SM: p.sm, Mem: p.mem, Enc: p.enc, Dec: p.dec}
+		SM: p.sm, Mem: p.mem, Enc: p.enc, Dec: p.dec, Cgroup: p.cgroup}
 }
 
 func (p *process) busy() bool { return p.sm|p.mem|p.enc|p.dec != 0 }
@@ -69,7 +83,7 @@ func (n *Node) startProcess(g *gpuState, p Process) error {
 	procs := slices.Clone(g.procs)
 	next := process{ProcessInfo: nvml.ProcessInfo{Pid: p.PID, UsedGpuMemory: p.MemoryBytes,
 		GpuInstanceId: p.GI, ComputeInstanceId: p.CI}, mps: p.MPS, sm: p.SM, mem: p.Mem, enc: p.Enc, dec: p.Dec,
-		since: n.opts.now()}
+		cgroup: p.Cgroup, since: n.opts.now()}
 	if i := slices.IndexFunc(procs, func(q process) bool { return q.Pid == p.PID }); i >= 0 {
 		if procs[i].export() == p {
 			return nil // unchanged: its samples go on
@@ -95,6 +109,21 @@ func (n *Node) StopProcess(gpu int, pid uint32) error {
 		g.procs = slices.Delete(slices.Clone(g.procs), i, i+1)
 		return nil
 	})
+}
+
+// ProcessCgroup returns the cgroup set for a simulated process (Process.Cgroup)
+// on any GPU, and whether one is.
+func (n *Node) ProcessCgroup(pid uint32) (string, bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, g := range n.gpus {
+		for i := range g.procs {
+			if p := &g.procs[i]; p.Pid == pid && p.cgroup != "" {
+				return p.cgroup, true
+			}
+		}
+	}
+	return "", false
 }
 
 // Processes returns the processes on GPU gpu, in the order they started.
@@ -159,6 +188,9 @@ func (n *Node) checkProcess(g *gpuState, p *process, enc, dec bool) error {
 	switch {
 	case p.Pid == 0:
 		return errors.New("pid 0")
+	case len(p.cgroup) > maxCgroupBytes:
+		// The state file holds it, within maxStateBytes.
+		return fmt.Errorf("cgroup of %d bytes, more than %d", len(p.cgroup), maxCgroupBytes)
 	case p.sm > 100 || p.mem > 100 || p.enc > 100 || p.dec > 100:
 		return fmt.Errorf("utilization %d%%/%d%% (encoder %d%%, decoder %d%%) above 100%%", p.sm, p.mem, p.enc, p.dec)
 	case p.enc > 0 && !enc:

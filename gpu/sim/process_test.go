@@ -142,6 +142,7 @@ func TestProcessRefused(t *testing.T) {
 	}{
 		{"pid 0", "pcie-8gpu", whole(Process{}), "pid 0"},
 		{"over 100%", "pcie-8gpu", whole(Process{PID: 1, SM: 101}), "above 100%"},
+		{"cgroup too long", "pcie-8gpu", whole(Process{PID: 1, Cgroup: strings.Repeat("x", maxCgroupBytes+1)}), "cgroup of 201 bytes"},
 		{"encoder on H100", "dgx-h100", whole(Process{PID: 1, Enc: 1}), "has no encoder"},
 		{"whole GPU with MIG devices", "dgx-h100-mig", whole(Process{PID: 1}), "give its gi and ci"},
 		{"MIG device with MIG off", "dgx-h100", Process{PID: 1, GI: 1, CI: 0}, "MIG is off"},
@@ -178,7 +179,8 @@ func TestProcessesKept(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "state.json")
 	clk := newTestClock()
 	n := newNode(t, "dgx-h100-mig", WithStateFile(path), WithClock(clk.now))
-	p := Process{PID: 4242, GI: 3, CI: 0, MPS: true, MemoryBytes: 5 << 30, SM: 30, Mem: 20}
+	p := Process{PID: 4242, GI: 3, CI: 0, MPS: true, MemoryBytes: 5 << 30, SM: 30, Mem: 20,
+		Cgroup: "0::/kubepods.slice/kubepods-pod0b9e4a8c_1d2f_4e3a_9b8c_7d6e5f4a3b2c.slice/cri-containerd-" + strings.Repeat("ab", 32) + ".scope\n"}
 	if err := n.StartProcess(2, p); err != nil {
 		t.Fatal(err)
 	}
@@ -204,7 +206,7 @@ func TestProcessesFullStateFile(t *testing.T) {
 	for g := range 16 {
 		for i := range maxProcsPerGPU {
 			p := Process{PID: uint32(4_000_000 + g*1000 + i), GI: NoInstance, CI: NoInstance, MemoryBytes: 123 << 20,
-				SM: 100, Mem: 100, Enc: 100, Dec: 100}
+				SM: 100, Mem: 100, Enc: 100, Dec: 100, Cgroup: "0::/" + strings.Repeat("x", maxCgroupBytes-4)}
 			if err := n.StartProcess(g, p); err != nil {
 				t.Fatal(err)
 			}
@@ -278,5 +280,31 @@ func TestProcessHTTP(t *testing.T) {
 		if procs, _ := n.Processes(g); len(procs) != 0 {
 			t.Errorf("GPU %d still runs %+v", g, procs)
 		}
+	}
+}
+
+// TestProcessCgroup: a cgroup set over /sim/process names the process's pod
+// for ProcessCgroup, kept when later requests leave it out; a process
+// without one is a real PID's, for the host's /proc.
+func TestProcessCgroup(t *testing.T) {
+	n := newNode(t, "pcie-8gpu")
+	h := n.Handler()
+	post := func(body string) {
+		t.Helper()
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/sim/process", strings.NewReader(body)))
+		if rec.Code != http.StatusOK {
+			t.Fatalf("%s: %d %s", body, rec.Code, rec.Body)
+		}
+	}
+	const cg = "0::/kubepods/besteffort/pod0b9e4a8c-1d2f-4e3a-9b8c-7d6e5f4a3b2c/abc\n"
+	post(`{"gpu":3,"pid":700,"cgroup":"0::/kubepods/besteffort/pod0b9e4a8c-1d2f-4e3a-9b8c-7d6e5f4a3b2c/abc\n"}`)
+	post(`{"gpu":3,"pid":700,"sm_util":20}`)
+	post(`{"gpu":4,"pid":701}`)
+	if got, ok := n.ProcessCgroup(700); !ok || got != cg {
+		t.Errorf("ProcessCgroup(700) = %q, %v; want %q", got, ok, cg)
+	}
+	if got, ok := n.ProcessCgroup(701); ok {
+		t.Errorf("ProcessCgroup(701) = %q, want none", got)
 	}
 }

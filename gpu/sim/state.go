@@ -126,6 +126,7 @@ type procRecord struct {
 	MemoryBytes uint64 `json:"memory_bytes"`
 	SM          uint32 `json:"sm_util,omitempty"`
 	Mem         uint32 `json:"mem_util,omitempty"`
+	Cgroup      string `json:"cgroup,omitempty"`
 	Enc         uint32 `json:"enc_util,omitempty"`
 	Dec         uint32 `json:"dec_util,omitempty"`
 }
@@ -303,7 +304,7 @@ func (n *Node) record() stateFile {
 		for i := range g.procs {
 			p := g.procs[i].export()
 			rec.Processes = append(rec.Processes, procRecord{PID: p.PID, GI: p.GI, CI: p.CI, MPS: p.MPS,
-				MemoryBytes: p.MemoryBytes, SM: p.SM, Mem: p.Mem, Enc: p.Enc, Dec: p.Dec})
+				MemoryBytes: p.MemoryBytes, SM: p.SM, Mem: p.Mem, Enc: p.Enc, Dec: p.Dec, Cgroup: p.Cgroup})
 		}
 		st.GPUs = append(st.GPUs, rec)
 	}
@@ -416,7 +417,7 @@ func (n *Node) loadGPU(g *gpuState, rec gpuRecord) error {
 	for _, p := range rec.Processes {
 		procs = append(procs, process{ProcessInfo: nvml.ProcessInfo{Pid: p.PID, UsedGpuMemory: p.MemoryBytes,
 			GpuInstanceId: p.GI, ComputeInstanceId: p.CI}, mps: p.MPS, sm: p.SM, mem: p.Mem, enc: p.Enc, dec: p.Dec,
-			since: n.opts.now()})
+			cgroup: p.Cgroup, since: n.opts.now()})
 	}
 	if err := n.checkProcesses(g, procs); err != nil {
 		return fmt.Errorf("processes: %w", err)

@@ -348,6 +348,17 @@ cdi: {specDir: /marker/cdi, nvidiaDevRoot: /marker/driver, migMinors: /marker/mi
 			}
 			continue
 		}
+		if flag == "host-proc" {
+			// Not a value: the host's /proc is mounted read-only at one
+			// fixed path in the container, and the flag names it.
+			if got := flagValue(c.Args, "--host-proc"); got != "/host/proc" {
+				t.Errorf("--host-proc = %q, want /host/proc, where the chart mounts the host's /proc", got)
+			}
+			if !slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool { return m.MountPath == "/host/proc" && m.ReadOnly }) {
+				t.Errorf("--host-proc: nothing is mounted read-only at /host/proc (%+v)", c.VolumeMounts)
+			}
+			continue
+		}
 		w, ok := want[flag]
 		if !ok {
 			t.Errorf("--%s [%s] has no chart value (add one to values.yaml and this test)", flag, env)

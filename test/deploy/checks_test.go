@@ -234,7 +234,9 @@ func checkRBAC(t *testing.T, o *objects, sa, ns string) {
 		t.Fatalf("got %d ClusterRoles, %d bindings, %d Roles, %d bindings; want 1 each",
 			len(o.ClusterRoles), len(o.ClusterRoleBindings), len(o.Roles), len(o.RoleBindings))
 	}
-	allowed := map[string][]string{"nodes": {"get", "list", "watch", "patch"}, "events": {"create", "patch"}}
+	// pods: read only, for the pod UIDs and container IDs of GPU processes
+	// (never get one by name, never write).
+	allowed := map[string][]string{"nodes": {"get", "list", "watch", "patch"}, "events": {"create", "patch"}, "pods": {"list", "watch"}}
 	for _, r := range o.ClusterRoles[0].Rules {
 		for _, res := range r.Resources {
 			for _, verb := range r.Verbs {

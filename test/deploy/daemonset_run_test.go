@@ -304,7 +304,7 @@ func checkDashboard(t *testing.T, metrics string) {
 func agentSource(t *testing.T) string {
 	t.Helper()
 	var b strings.Builder
-	for _, dir := range []string{"agent", "health", "plugin", "cmd/gpu-agent"} {
+	for _, dir := range []string{"agent", "health", "telemetry", "podresources", "plugin", "cmd/gpu-agent"} {
 		files, _ := filepath.Glob(repoPath(dir, "*.go"))
 		for _, f := range files {
 			if strings.HasSuffix(f, "_test.go") {

@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"maps"
 	"reflect"
+	"regexp"
 	"slices"
+	"strings"
 	"testing"
 
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
@@ -343,7 +345,9 @@ func TestNodePolicy(t *testing.T) {
 				if tt.old != nil {
 					old = tt.old
 				}
-				if got := c.admit(t, tt.op, nodesGVR, nodeGVK, obj, old, who); got != tt.want {
+				// CEL filters a map in Go's map order, so a message that
+				// lists several labels lists them in any order.
+				if got := c.admit(t, tt.op, nodesGVR, nodeGVK, obj, old, who); sortedLists(got) != sortedLists(tt.want) {
 					t.Errorf("%s %s:\n got %q\nwant %q", tt.op, c.name, got, tt.want)
 				}
 			})
@@ -388,7 +392,9 @@ func TestResourceSlicePolicy(t *testing.T) {
 		{name: "a slice for all nodes", op: admission.Create, node: agentNode, obj: slice("fabric", "", draDriver),
 			want: "Forbidden: " + on + " may not create ResourceSlice fabric of no single node: only its own node's"},
 		{name: "another driver on its node", op: admission.Create, node: agentNode, obj: slice("nic", agentNode, "nic.example.com"),
-			want: "Forbidden: " + on + " may not create ResourceSlice nic of driver nic.example.com: only gpu.nvidia.com's"},
+			want: "Forbidden: " + on + " may not create ResourceSlice nic of driver nic.example.com: only gpu.nvidia.com's and compute-domain.nvidia.com's"},
+		// The compute-domain.nvidia.com driver it serves on fabric-attached nodes.
+		{name: "its compute domain slice", op: admission.Create, node: agentNode, obj: slice("imex", agentNode, "compute-domain.nvidia.com")},
 		{name: "a token without the node claim", op: admission.Create, node: "", obj: mine,
 			want: "Forbidden: gpu-agent's service account may write ResourceSlices only with a token bound to a pod on a node: this request's token has no " + nodeNameKey},
 	}
@@ -590,5 +596,31 @@ func TestPolicyChartMatchesManifests(t *testing.T) {
 	}
 	if len(off.Policies) != 0 || len(off.PolicyBindings) != 0 {
 		t.Errorf("admissionPolicy.enabled false: %d policies, %d bindings rendered", len(off.Policies), len(off.PolicyBindings))
+	}
+}
+
+// listInMessage is the comma-separated list a policy message names after
+// "label(s) " or "annotation(s) ".
+var listInMessage = regexp.MustCompile(`((?:label|annotation)\(s\) )([^ ,]+(?:, [^ ,]+)*)`)
+
+// sortedLists is msg with each list of labels or annotations it names sorted.
+func sortedLists(msg string) string {
+	return listInMessage.ReplaceAllStringFunc(msg, func(m string) string {
+		sub := listInMessage.FindStringSubmatch(m)
+		items := strings.Split(sub[2], ", ")
+		slices.Sort(items)
+		return sub[1] + strings.Join(items, ", ")
+	})
+}
+
+func TestSortedLists(t *testing.T) {
+	for in, want := range map[string]string{
+		"may not change the label(s) b.io/x, a.io/y of its Node":  "may not change the label(s) a.io/y, b.io/x of its Node",
+		"may not change the annotation(s) z, y of its Node: only": "may not change the annotation(s) y, z of its Node: only",
+		"may not change Node other: only the Node it runs on":     "may not change Node other: only the Node it runs on",
+	} {
+		if got := sortedLists(in); got != want {
+			t.Errorf("sortedLists(%q) = %q, want %q", in, got, want)
+		}
 	}
 }

@@ -91,8 +91,8 @@ func TestReadmeQuickStart(t *testing.T) {
 	q.stop()
 	q.cleanRun()
 
-	// `make run CONFIG=FILE` with the MPS example's config, as README's
-	// Simulated nodes section writes it out.
+	// `make run CONFIG=FILE` with the MPS example's config, as
+	// docs/simulator.md writes it out.
 	mpsConfig := filepath.Join(root, "mps.yaml")
 	if err := os.WriteFile(mpsConfig, loadExample(t, repoPath("deploy", "examples", "mps-x2.yaml")), 0o644); err != nil {
 		t.Fatal(err)

@@ -1,11 +1,10 @@
-package agent
+package ledger
 
 import (
 	"fmt"
 	"testing"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
-	"github.com/gpu-agent/gpu-agent/plugin"
 )
 
 // BenchmarkLedgerAllocate is the ledger's share of one device plugin
@@ -17,10 +16,10 @@ import (
 //	go test -run '^$' -bench LedgerAllocate -benchmem ./agent
 func BenchmarkLedgerAllocate(b *testing.B) {
 	var inventory []gpu.GPU
-	var devs []plugin.Handout
+	var devs []Handout
 	for i := range 8 {
 		u := fmt.Sprintf("GPU-%08x-0000-0000-0000-%012x", i, i)
-		devs = append(devs, plugin.Handout{UUID: u})
+		devs = append(devs, Handout{UUID: u})
 		inventory = append(inventory, gpu.GPU{UUID: u})
 	}
 	for _, bc := range []struct {
@@ -32,19 +31,19 @@ func BenchmarkLedgerAllocate(b *testing.B) {
 			if bc.logged {
 				dir = b.TempDir()
 			}
-			l, err := NewLedger(dir, nil, nil)
+			l, err := New(Options{StateDir: dir})
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer l.Close()
-			l.setInventory(inventory)
+			l.SetInventory(inventory)
 			if bc.logged != (l.log != nil) {
 				b.Fatalf("allocation log open: %v, want %v", l.log != nil, bc.logged)
 			}
 			b.ReportAllocs()
 			i := 0
 			for b.Loop() {
-				if err := l.Admit(ResourceGPU, devs[i%len(devs):i%len(devs)+1]); err != nil {
+				if err := l.Admit("nvidia.com/gpu", devs[i%len(devs):i%len(devs)+1]); err != nil {
 					b.Fatal(err)
 				}
 				i++

@@ -1,4 +1,4 @@
-package agent
+package ledger
 
 import (
 	"bytes"
@@ -9,9 +9,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/gpu-agent/gpu-agent/stateformat"
 )
@@ -61,11 +58,11 @@ func TestAllocLogReadsNewerMinor(t *testing.T) {
 	if err := os.WriteFile(path, append(allocLogFixture(t), newer...), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	l, err := NewLedger(dir, newClock().Now, nil)
+	l, err := New(Options{StateDir: dir, Now: newClock().Now})
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := l.allocations()
+	got := l.Allocations()
 	if _, ok := got["GPU-new"]; !ok || len(got) != 5 {
 		t.Fatalf("restored %v, want the fixture's 4 and GPU-new", got)
 	}
@@ -85,7 +82,7 @@ func TestAllocLogWritesUnversioned(t *testing.T) {
 	if err := os.WriteFile(path, allocLogFixture(t), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	l, err := NewLedger(dir, newClock().Now, nil)
+	l, err := New(Options{StateDir: dir, Now: newClock().Now})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,18 +106,18 @@ func TestAllocLogRefusesNewerMajor(t *testing.T) {
 	if err := os.WriteFile(path, content, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	l, err := NewLedger(dir, newClock().Now, nil)
+	l, err := New(Options{StateDir: dir, Now: newClock().Now})
 	var newer *stateformat.NewerError
 	if !errors.As(err, &newer) || newer.Found != (stateformat.Version{Major: 2}) {
-		t.Fatalf("NewLedger: %v, want a newer format refused", err)
+		t.Fatalf("New: %v, want a newer format refused", err)
 	}
 	for _, want := range []string{path, "line 4", "format 2.0, written by a newer gpu-agent; this build reads 1.0, and any newer 1.x"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not say %q", err, want)
 		}
 	}
-	if err := l.Allocate([]string{"GPU-other"}); status.Code(err) != codes.Unavailable {
-		t.Fatalf("Allocate = %v, want Unavailable", err)
+	if err := l.Allocate([]string{"GPU-other"}); !errors.Is(err, ErrLogUnavailable) {
+		t.Fatalf("Allocate = %v, want ErrLogUnavailable", err)
 	}
 	if got := readFile(t, path); !bytes.Equal(got, content) {
 		t.Fatalf("log now\n%s\nwant it left as it was", got)

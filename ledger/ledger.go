@@ -1,4 +1,9 @@
-package agent
+// Package ledger is the node's one record of who has each device: what
+// the device plugin handed out (kept in an allocation log), the DRA claims
+// prepared, the MIG devices made or destroyed for them, and the devices a
+// MIG plan is about to destroy. Every hand-out and every destroy asks it
+// first, and it answers and records under one lock.
+package ledger
 
 import (
 	"errors"
@@ -7,18 +12,14 @@ import (
 	"maps"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/gpu"
-	"github.com/gpu-agent/gpu-agent/plugin"
 	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
@@ -59,9 +60,9 @@ type Ledger struct {
 
 	places     map[string]place // MIG device UUID → where it is (from the last inventory)
 	holders    *podresources.Attribution
-	claims     map[types.UID]PreparedClaim
-	intents    map[types.UID]PreparedClaim
-	releases   map[types.UID]PreparedClaim
+	claims     map[types.UID]Claim
+	intents    map[types.UID]Claim
+	releases   map[types.UID]Claim
 	dynamicMIG map[string]bool
 	doomed     map[string]string // device UUID → why
 	// settling: the MIG plan running is a claim's own (making or undoing
@@ -72,7 +73,7 @@ type Ledger struct {
 	// allocation could not be recorded (cleared once the log opens, or by
 	// the next allocation recorded); logFailures counts the allocations
 	// refused for either.
-	logErr      standingError
+	logErr      standing
 	logFailures atomic.Int64
 }
 
@@ -83,31 +84,43 @@ type place struct {
 	placement gpu.Placement
 }
 
-// NewLedger returns the node's ledger with the allocations its allocation
-// log in stateDir holds ("": none, and none recorded). The ledger is usable
-// whatever the error. An error says that an unreadable log was set aside,
-// or that the log could not be opened: then the ledger keeps what it read,
-// Admit refuses every allocation (Unavailable) until the log opens, and
-// the log is tried again at each Admit and at each pass of the loop
-// (retryLog), the error standing on /status meanwhile.
-func NewLedger(stateDir string, now func() time.Time, log *slog.Logger) (*Ledger, error) {
-	return newLedgerAt(stateDir, now, log, atomicfile.Write)
+// Options are what New needs beyond the state directory.
+type Options struct {
+	// StateDir holds the allocation log ("": none, and nothing recorded:
+	// tests and offline tools).
+	StateDir string
+	// Now is the clock allocations are dated by (default time.Now).
+	Now    func() time.Time
+	Logger *slog.Logger
+	// Write replaces a file atomically (default atomicfile.Write); tests
+	// fail it as a full or read-only state dir would.
+	Write func(path string, data []byte, opts ...atomicfile.Options) error
 }
 
-// newLedgerAt is NewLedger writing the allocation log's rewrites through
-// write (tests fail it).
-func newLedgerAt(stateDir string, now func() time.Time, log *slog.Logger, write writeFunc) (*Ledger, error) {
+// New returns the node's ledger with the allocations its allocation log
+// holds. The ledger is usable whatever the error. An error says that an
+// unreadable log was set aside, or that the log could not be opened: then
+// the ledger keeps what it read, Admit refuses every allocation
+// (ErrLogUnavailable) until the log opens, and the log is tried again at
+// each Admit and at each pass of the loop (RetryLog), the error standing
+// on /status meanwhile (LogError).
+func New(opts Options) (*Ledger, error) {
+	now, log := opts.Now, opts.Logger
 	if now == nil {
 		now = time.Now
 	}
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	write := opts.Write
+	if write == nil {
+		write = atomicfile.Write
+	}
 	l := newLedger(now)
-	if stateDir == "" {
+	if opts.StateDir == "" {
 		return l, nil
 	}
-	l.log = newAllocLog(stateDir, log, write)
+	l.log = newAllocLog(opts.StateDir, log, write)
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	setAside, err := l.openLogLocked()
@@ -122,7 +135,7 @@ func newLedgerAt(stateDir string, now func() time.Time, log *slog.Logger, write 
 // the file holds into the ledger (the first time only), then rewrites the
 // file with every allocation the ledger holds and opens it for appending.
 // setAside says an unreadable file was set aside; err, that the log is
-// still not open. Called by NewLedger, then by reopenLocked until it
+// still not open. Called by New, then by reopenLocked until it
 // succeeds.
 func (l *Ledger) openLogLocked() (setAside, err error) {
 	al := l.log
@@ -167,10 +180,10 @@ func (l *Ledger) reopenLocked(now time.Time) error {
 	return nil
 }
 
-// retryLog opens the allocation log if it could not be opened yet. The loop
+// RetryLog opens the allocation log if it could not be opened yet. The loop
 // calls it at every pass, so the error leaves /status once the state dir
 // can be written, without waiting for an Allocate.
-func (l *Ledger) retryLog() {
+func (l *Ledger) RetryLog() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.log == nil || l.log.isOpen() || l.log.closed {
@@ -191,14 +204,14 @@ func (l *Ledger) Close() {
 func newLedger(now func() time.Time) *Ledger {
 	return &Ledger{
 		now: now, plugin: map[string]AllocEntry{}, places: map[string]place{},
-		claims: map[types.UID]PreparedClaim{}, intents: map[types.UID]PreparedClaim{},
-		releases: map[types.UID]PreparedClaim{}, dynamicMIG: map[string]bool{}, doomed: map[string]string{},
+		claims: map[types.UID]Claim{}, intents: map[types.UID]Claim{},
+		releases: map[types.UID]Claim{}, dynamicMIG: map[string]bool{}, doomed: map[string]string{},
 	}
 }
 
-// setInventory learns where each MIG device sits, from the GPUs believed
+// SetInventory learns where each MIG device sits, from the GPUs believed
 // now (those that cannot be read included, with their last records).
-func (l *Ledger) setInventory(gpus []gpu.GPU) {
+func (l *Ledger) SetInventory(gpus []gpu.GPU) {
 	places := map[string]place{}
 	for _, g := range gpus {
 		for _, m := range g.Instances {
@@ -228,16 +241,16 @@ func (l *Ledger) overlaps(a, b string) bool {
 // status: FailedPrecondition naming the device and why, Unavailable when
 // the record could not be written, or the log is not open (it could not be
 // at start, and opening it again failed). Implements plugin.Options.Admit.
-func (l *Ledger) Admit(resource string, devs []plugin.Handout) error {
+func (l *Ledger) Admit(resource string, devs []Handout) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, d := range devs {
-		why := l.takenLocked(d.UUID)
+		reason, why := l.takenLocked(d.UUID)
 		if why == "" {
-			why = l.handedLocked(resource, d)
+			reason, why = ErrHeld, l.handedLocked(resource, d)
 		}
 		if why != "" {
-			return status.Errorf(codes.FailedPrecondition, "device %s is %s", d.UUID, why)
+			return refused(d.UUID, reason, why)
 		}
 	}
 	now := l.now()
@@ -245,7 +258,7 @@ func (l *Ledger) Admit(resource string, devs []plugin.Handout) error {
 		if !l.log.isOpen() {
 			if err := l.reopenLocked(now); err != nil {
 				l.logFailures.Add(1)
-				return status.Errorf(codes.Unavailable, "the allocation could not be recorded (the allocation log in %s is not open), so a restart could destroy the device under its container: %v", filepath.Dir(l.log.path), err)
+				return logUnavailable{fmt.Errorf("the allocation could not be recorded (the allocation log in %s is not open), so a restart could destroy the device under its container: %w", filepath.Dir(l.log.path), err)}
 			}
 		}
 		// The record's lists reuse one array: Allocate is on the
@@ -264,7 +277,7 @@ func (l *Ledger) Admit(resource string, devs []plugin.Handout) error {
 		if err := l.log.append(rec); err != nil {
 			l.logErr.set(err, now)
 			l.logFailures.Add(1)
-			return status.Errorf(codes.Unavailable, "the allocation could not be recorded, so a restart could destroy the device under its container: %v", err)
+			return logUnavailable{fmt.Errorf("the allocation could not be recorded, so a restart could destroy the device under its container: %w", err)}
 		}
 		l.logErr.clear()
 	}
@@ -283,9 +296,9 @@ func (l *Ledger) Admit(resource string, devs []plugin.Handout) error {
 // it does not name: another allocation of the same device is then no
 // conflict, one of its GPU or of a MIG device of it still is.
 func (l *Ledger) Allocate(uuids []string) error {
-	devs := make([]plugin.Handout, len(uuids))
+	devs := make([]Handout, len(uuids))
 	for i, u := range uuids {
-		devs[i] = plugin.Handout{UUID: u}
+		devs[i] = Handout{UUID: u}
 	}
 	return l.Admit("", devs)
 }
@@ -300,7 +313,7 @@ func (l *Ledger) Allocate(uuids []string) error {
 // an ID only when its container is gone), nor are two replicas of one
 // shared device; nor the same device where either name is unknown (an
 // older log's, or Allocate's).
-func (l *Ledger) handedLocked(resource string, d plugin.Handout) string {
+func (l *Ledger) handedLocked(resource string, d Handout) string {
 	unsettled := func(e AllocEntry) string {
 		return fmt.Sprintf("at %s (not yet shown gone by the kubelet)", stamp(e.At))
 	}
@@ -341,33 +354,36 @@ func under(e AllocEntry) string {
 }
 
 // takenLocked says why device u may not go to the device plugin ("" when
-// it may).
-func (l *Ledger) takenLocked(u string) string {
+// it may), and the reason it wraps.
+func (l *Ledger) takenLocked(u string) (reason error, why string) {
 	for _, x := range slices.Sorted(maps.Keys(l.doomed)) {
 		if l.overlaps(u, x) {
-			return "being repartitioned: " + l.doomed[x]
+			return ErrDoomed, "being repartitioned: " + l.doomed[x]
 		}
 	}
 	if by := l.claimHolder(u, ""); by != "" {
-		return "prepared for " + by + " through DRA"
+		return ErrPrepared, "prepared for " + by + " through DRA"
 	}
-	for _, set := range []map[types.UID]PreparedClaim{l.intents, l.releases} {
-		for _, pc := range set {
+	for _, set := range []struct {
+		reason error
+		m      map[types.UID]Claim
+	}{{ErrIntended, l.intents}, {ErrReleasing, l.releases}} {
+		for _, pc := range set.m {
 			for _, d := range pc.Devices {
 				if !d.Created {
 					continue
 				}
 				if u == d.Parent || (d.UUID != "" && l.overlaps(u, d.UUID)) || (d.UUID == "" && l.at(u, d)) {
-					return "a MIG device made for " + pc.String() + " through DRA, or its GPU, while it is made or destroyed"
+					return set.reason, "a MIG device made for " + pc.String() + " through DRA, or its GPU, while it is made or destroyed"
 				}
 			}
 		}
 	}
-	return ""
+	return nil, ""
 }
 
 // at reports whether MIG device u sits where intent d will make one.
-func (l *Ledger) at(u string, d PreparedClaimDevice) bool {
+func (l *Ledger) at(u string, d ClaimDevice) bool {
 	p, ok := l.places[u]
 	return ok && p.parent == d.Parent && p.profile == d.Profile && p.placement == d.Placement
 }
@@ -390,13 +406,13 @@ func (l *Ledger) claimHolder(u string, except types.UID) string {
 
 // holds reports whether claim device d holds silicon device u shares: u
 // itself, u's GPU or a MIG device of u's; and for a MIG device made for the
-// claim, its GPU and its placement as the claim recorded them. The claim's
+// AddClaim, its GPU and its placement as the claim recorded them. The claim's
 // record stands even where the inventory no longer shows the device: an
 // agent killed mid-Unprepare, after NVML destroyed the device and before
 // the claim was forgotten, restores a claim whose device is gone, and its
 // GPU is still the claim's until the release is done (MIG back off).
 // Admin access holds nothing.
-func (l *Ledger) holds(d PreparedClaimDevice, u string) bool {
+func (l *Ledger) holds(d ClaimDevice, u string) bool {
 	if d.AdminAccess || u == "" {
 		return false
 	}
@@ -442,8 +458,8 @@ func (l *Ledger) pluginHolderLocked(u string) string {
 	return ""
 }
 
-// pluginHolder is pluginHolderLocked for the loop.
-func (l *Ledger) pluginHolder(u string) string {
+// PluginHolder is pluginHolderLocked for the loop.
+func (l *Ledger) PluginHolder(u string) string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.pluginHolderLocked(u)
@@ -452,9 +468,9 @@ func (l *Ledger) pluginHolder(u string) string {
 // stamp is a time for messages, with its date: a checkpoint may be days old.
 func stamp(t time.Time) string { return t.UTC().Format(time.RFC3339) }
 
-// holder names whoever other than claim except holds a device overlapping
+// Holder names whoever other than claim except holds a device overlapping
 // u: a container of the device plugin or another claim ("" when none).
-func (l *Ledger) holder(u string, except types.UID) string {
+func (l *Ledger) Holder(u string, except types.UID) string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if by := l.pluginHolderLocked(u); by != "" {
@@ -463,9 +479,9 @@ func (l *Ledger) holder(u string, except types.UID) string {
 	return l.claimHolder(u, except)
 }
 
-// logError is why the allocation log is not open, or why the last
+// LogError is why the allocation log is not open, or why the last
 // allocation could not be recorded, and since when (nil when neither).
-func (l *Ledger) logError() (error, time.Time) {
+func (l *Ledger) LogError() (error, time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.logErr.err, l.logErr.since
@@ -475,8 +491,8 @@ func (l *Ledger) logError() (error, time.Time) {
 // recorded.
 func (l *Ledger) LogFailures() int64 { return l.logFailures.Load() }
 
-// allocations copies the device plugin's allocations not yet accounted for.
-func (l *Ledger) allocations() map[string]time.Time {
+// Allocations copies the device plugin's allocations not yet accounted for.
+func (l *Ledger) Allocations() map[string]time.Time {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	out := make(map[string]time.Time, len(l.plugin))
@@ -486,29 +502,23 @@ func (l *Ledger) allocations() map[string]time.Time {
 	return out
 }
 
-// settleable reports whether an allocation the last answer did not list is
+// Settleable reports whether an allocation the last answer did not list is
 // old enough for a kubelet answer asked now to account for it.
-func (l *Ledger) settleable(now time.Time) bool {
+func (l *Ledger) Settleable(now time.Time) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for u, e := range l.plugin {
-		if now.Sub(e.At) >= recentSettle && len(l.holders.Holders(u)) == 0 {
+		if now.Sub(e.At) >= SettleAfter && len(l.holders.Holders(u)) == 0 {
 			return true
 		}
 	}
 	return false
 }
 
-// restoreAllocations takes allocations an earlier agent recorded. One
-// dated after now (the clock stepped back across the restart) counts from
-// now: otherwise no answer could ever be late enough to settle it, and its
-// GPU would stay blocked for good.
-func (l *Ledger) restoreAllocations(allocs map[string]AllocEntry) (future int) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.restoreAllocationsLocked(allocs)
-}
-
+// restoreAllocationsLocked takes allocations an earlier agent recorded.
+// One dated after now (the clock stepped back across the restart) counts
+// from now: otherwise no answer could ever be late enough to settle it,
+// and its GPU would stay blocked for good.
 func (l *Ledger) restoreAllocationsLocked(allocs map[string]AllocEntry) (future int) {
 	now := l.now()
 	for u, e := range allocs {
@@ -522,12 +532,12 @@ func (l *Ledger) restoreAllocationsLocked(allocs map[string]AllocEntry) (future 
 	return future
 }
 
-// settle takes a successful pod-resources answer the kubelet gave to a
+// Settle takes a successful pod-resources answer the kubelet gave to a
 // request made at asked: who holds what, and the allocations made
-// recentSettle before asked are accounted for by it: those it does not
+// SettleAfter before asked are accounted for by it: those it does not
 // list are forgotten (their containers are gone), those it lists stay (the
 // allocation log keeps them for a restart). It reports how many went.
-func (l *Ledger) settle(att *podresources.Attribution, asked time.Time) int {
+func (l *Ledger) Settle(att *podresources.Attribution, asked time.Time) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.holders = att
@@ -535,7 +545,7 @@ func (l *Ledger) settle(att *podresources.Attribution, asked time.Time) int {
 	for u, e := range l.plugin {
 		// One the answer lists stays: the log then tells a restarted
 		// agent who holds what before the kubelet first answers it.
-		if asked.Sub(e.At) >= recentSettle && len(att.Holders(u)) == 0 {
+		if asked.Sub(e.At) >= SettleAfter && len(att.Holders(u)) == 0 {
 			delete(l.plugin, u)
 			n++
 		}
@@ -546,20 +556,20 @@ func (l *Ledger) settle(att *podresources.Attribution, asked time.Time) int {
 	return n
 }
 
-// setHolders takes who holds what from an answer whose time is unknown: it
+// SetHolders takes who holds what from an answer whose time is unknown: it
 // settles nothing.
-func (l *Ledger) setHolders(att *podresources.Attribution) {
+func (l *Ledger) SetHolders(att *podresources.Attribution) {
 	l.mu.Lock()
 	l.holders = att
 	l.mu.Unlock()
 }
 
-// claim records prepared claim pc as uid's, unless one of its devices is
+// AddClaim records prepared claim pc as uid's, unless one of its devices is
 // taken: by a container of the device plugin, by a MIG plan, by another
 // claim (a shared device excepted: its shares are counted by the caller),
 // or twice within pc (a GPU and one of its MIG devices). Checked and
 // recorded under one lock, so Allocate cannot slip in between.
-func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
+func (l *Ledger) AddClaim(uid types.UID, pc Claim) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for i, d := range pc.Devices {
@@ -567,11 +577,11 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 			continue
 		}
 		if by := l.pluginHolderLocked(d.UUID); by != "" {
-			return fmt.Errorf("device %s (%s) is in use by %s", d.Device, d.UUID, by)
+			return refused(d.Device+" ("+d.UUID+")", ErrHeld, "in use by "+by)
 		}
 		for _, x := range slices.Sorted(maps.Keys(l.doomed)) {
 			if l.overlaps(d.UUID, x) {
-				return fmt.Errorf("device %s (%s) is being repartitioned: %s", d.Device, d.UUID, l.doomed[x])
+				return refused(d.Device+" ("+d.UUID+")", ErrDoomed, "being repartitioned: "+l.doomed[x])
 			}
 		}
 		for _, o := range pc.Devices[:i] {
@@ -588,7 +598,7 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 					continue
 				}
 				if l.holds(o, d.UUID) || l.holds(d, o.UUID) {
-					return fmt.Errorf("device %s (%s) is in use by %s", d.Device, d.UUID, l.claims[other])
+					return refused(d.Device+" ("+d.UUID+")", ErrPrepared, "in use by "+l.claims[other].String())
 				}
 			}
 		}
@@ -597,23 +607,23 @@ func (l *Ledger) claim(uid types.UID, pc PreparedClaim) error {
 	return nil
 }
 
-// intend records that MIG device d is about to be made for claim c, unless
+// Intend records that MIG device d is about to be made for claim c, unless
 // its GPU is taken by someone else (a container of the device plugin, a
 // MIG plan, another claim holding the GPU whole or, by its record, a MIG
 // device over d's placement).
-func (l *Ledger) intend(uid types.UID, c PreparedClaim, d PreparedClaimDevice) error {
+func (l *Ledger) Intend(uid types.UID, c Claim, d ClaimDevice) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if by := l.pluginHolderLocked(d.Parent); by != "" {
-		return fmt.Errorf("in use by %s", by)
+		return refused("", ErrHeld, "in use by "+by)
 	}
 	if why, ok := l.doomed[d.Parent]; ok {
-		return fmt.Errorf("being repartitioned: %s", why)
+		return refused("", ErrDoomed, "being repartitioned: "+why)
 	}
 	for _, other := range slices.Sorted(maps.Keys(l.claims)) {
 		for _, o := range l.claims[other].Devices {
 			if !o.AdminAccess && (o.UUID == d.Parent || (o.Created && o.Parent == d.Parent && o.Placement.Overlaps(d.Placement))) {
-				return fmt.Errorf("in use by %s", l.claims[other])
+				return refused("", ErrPrepared, "in use by "+l.claims[other].String())
 			}
 		}
 	}
@@ -624,10 +634,10 @@ func (l *Ledger) intend(uid types.UID, c PreparedClaim, d PreparedClaimDevice) e
 	return nil
 }
 
-// dropIntent forgets the last intent of claim uid if it is d (the device
+// DropIntent forgets the last intent of claim uid if it is d (the device
 // is made and in the claim, or known not to exist). An identical earlier
 // intent (a failed attempt whose device may exist) still stands.
-func (l *Ledger) dropIntent(uid types.UID, d PreparedClaimDevice) {
+func (l *Ledger) DropIntent(uid types.UID, d ClaimDevice) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	pc, ok := l.intents[uid]
@@ -640,9 +650,9 @@ func (l *Ledger) dropIntent(uid types.UID, d PreparedClaimDevice) {
 	l.setLocked(l.intents, uid, pc)
 }
 
-// dropIntents forgets the intents of claim uid that its checkpointed
+// DropIntents forgets the intents of claim uid that its checkpointed
 // devices stand for.
-func (l *Ledger) dropIntents(uid types.UID) {
+func (l *Ledger) DropIntents(uid types.UID) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	pc, ok := l.intents[uid]
@@ -650,19 +660,19 @@ func (l *Ledger) dropIntents(uid types.UID) {
 		return
 	}
 	claim := l.claims[uid]
-	pc.Devices = slices.DeleteFunc(pc.Devices, func(x PreparedClaimDevice) bool {
-		return slices.ContainsFunc(claim.Devices, func(d PreparedClaimDevice) bool { return d.Created && d.samePlace(x) })
+	pc.Devices = slices.DeleteFunc(pc.Devices, func(x ClaimDevice) bool {
+		return slices.ContainsFunc(claim.Devices, func(d ClaimDevice) bool { return d.Created && d.samePlace(x) })
 	})
 	l.setLocked(l.intents, uid, pc)
 }
 
-// beginRelease records, in one step, that everything claim uid made is to
+// BeginRelease records, in one step, that everything claim uid made is to
 // be undone: pc's devices, its intents and what an earlier release left
 // (the MIG devices created, and its CDI spec: a record with no device),
 // unclaiming uid first when asked. It returns the devices to undo. Done
 // under one lock, no Allocate finds the claim's devices or their GPUs free
 // between the claim (or intent) going and the release being recorded.
-func (l *Ledger) beginRelease(uid types.UID, pc PreparedClaim, unclaim bool) []PreparedClaimDevice {
+func (l *Ledger) BeginRelease(uid types.UID, pc Claim, unclaim bool) []ClaimDevice {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if unclaim {
@@ -675,7 +685,7 @@ func (l *Ledger) beginRelease(uid types.UID, pc PreparedClaim, unclaim bool) []P
 	rel.Namespace, rel.Name, rel.At = pc.Namespace, pc.Name, pc.At
 	rel.Devices = nil
 	for _, d := range devs {
-		if d.Created && !slices.ContainsFunc(rel.Devices, func(x PreparedClaimDevice) bool { return x.UUID == d.UUID && x.samePlace(d) }) {
+		if d.Created && !slices.ContainsFunc(rel.Devices, func(x ClaimDevice) bool { return x.UUID == d.UUID && x.samePlace(d) }) {
 			rel.Devices = append(rel.Devices, d)
 		}
 	}
@@ -683,23 +693,23 @@ func (l *Ledger) beginRelease(uid types.UID, pc PreparedClaim, unclaim bool) []P
 	return devs
 }
 
-// setRelease records what claim uid left to undo: MIG devices, or only
+// SetRelease records what claim uid left to undo: MIG devices, or only
 // its CDI spec (a record without devices).
-func (l *Ledger) setRelease(uid types.UID, pc PreparedClaim) {
+func (l *Ledger) SetRelease(uid types.UID, pc Claim) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.releases[uid] = pc
 }
 
-// dropRelease forgets claim uid's release: all it left is undone.
-func (l *Ledger) dropRelease(uid types.UID) {
+// DropRelease forgets claim uid's release: all it left is undone.
+func (l *Ledger) DropRelease(uid types.UID) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	delete(l.releases, uid)
 }
 
 // setLocked stores pc under uid in m, or deletes it when it has no device.
-func (l *Ledger) setLocked(m map[types.UID]PreparedClaim, uid types.UID, pc PreparedClaim) {
+func (l *Ledger) setLocked(m map[types.UID]Claim, uid types.UID, pc Claim) {
 	if len(pc.Devices) == 0 {
 		delete(m, uid)
 		return
@@ -707,8 +717,8 @@ func (l *Ledger) setLocked(m map[types.UID]PreparedClaim, uid types.UID, pc Prep
 	m[uid] = pc
 }
 
-// setDynamic records whether a claim turned GPU uuid's MIG mode on.
-func (l *Ledger) setDynamic(uuid string, on bool) {
+// SetDynamic records whether a claim turned GPU uuid's MIG mode on.
+func (l *Ledger) SetDynamic(uuid string, on bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if on {
@@ -730,13 +740,13 @@ func (l *Ledger) Doom(uuids []string, why string) error {
 	defer l.mu.Unlock()
 	for _, u := range uuids {
 		if by := l.pluginHolderLocked(u); by != "" {
-			return fmt.Errorf("%s is held by %s", u, by)
+			return refused(u, ErrHeld, "held by "+by)
 		}
 		if by := l.claimHolder(u, ""); by != "" {
-			return fmt.Errorf("%s is prepared for %s through DRA", u, by)
+			return refused(u, ErrPrepared, "prepared for "+by+" through DRA")
 		}
-		if by := l.unsettledHolderLocked(u); by != "" && !l.settling {
-			return fmt.Errorf("%s is %s", u, by)
+		if reason, by := l.unsettledHolderLocked(u); by != "" && !l.settling {
+			return refused(u, reason, by)
 		}
 	}
 	for _, u := range uuids {
@@ -747,72 +757,127 @@ func (l *Ledger) Doom(uuids []string, why string) error {
 	return nil
 }
 
-// settlingClaims marks the MIG plans applied from now on (until called
+// SettlingClaims marks the MIG plans applied from now on (until called
 // with false) as a claim's own: they make and undo the devices of intents
 // and releases, which layouts' plans must leave alone.
-func (l *Ledger) settlingClaims(on bool) {
+func (l *Ledger) SettlingClaims(on bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.settling = on
 }
 
 // unsettledHolderLocked says which claim's intent or release u belongs to
-// ("" if none): a MIG device being made or destroyed for a claim (by its
-// UUID, or by its placement for one whose UUID is not known yet), or the
-// GPU such a device is on, whose mode must not change under it.
-func (l *Ledger) unsettledHolderLocked(u string) string {
+// ("" if none), and the reason it wraps: a MIG device being made or
+// destroyed for a claim (by its UUID, or by its placement for one whose
+// UUID is not known yet), or the GPU such a device is on, whose mode must
+// not change under it.
+func (l *Ledger) unsettledHolderLocked(u string) (reason error, why string) {
 	at, known := l.places[u]
-	for what, set := range map[string]map[types.UID]PreparedClaim{"being made for": l.intents, "being released by": l.releases} {
-		for _, uid := range slices.Sorted(maps.Keys(set)) {
-			for _, d := range set[uid].Devices {
+	for _, set := range []struct {
+		reason error
+		what   string
+		m      map[types.UID]Claim
+	}{{ErrIntended, "being made for", l.intents}, {ErrReleasing, "being released by", l.releases}} {
+		for _, uid := range slices.Sorted(maps.Keys(set.m)) {
+			for _, d := range set.m[uid].Devices {
 				switch {
 				case d.UUID != "" && d.UUID == u, d.Parent != "" && d.Parent == u,
 					known && d.Created && d.Parent == at.parent && d.Placement.Overlaps(at.placement):
-					return what + " " + set[uid].String()
+					return set.reason, set.what + " " + set.m[uid].String()
 				}
 			}
 		}
 	}
-	return ""
+	return nil, ""
 }
 
-// undoomAll clears every doom: the plans ran, and what they destroyed is
+// UndoomAll clears every doom: the plans ran, and what they destroyed is
 // gone from the catalog published since.
-func (l *Ledger) undoomAll() {
+func (l *Ledger) UndoomAll() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	clear(l.doomed)
 }
 
-// doomedNow copies the doomed devices with why.
-func (l *Ledger) doomedNow() map[string]string {
+// Doomed copies the doomed devices with why.
+func (l *Ledger) Doomed() map[string]string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return maps.Clone(l.doomed)
 }
 
-// names lists the devices of pc, for logs.
-func deviceNames(pc PreparedClaim) []string {
-	out := make([]string, 0, len(pc.Devices))
-	for _, d := range pc.Devices {
-		out = append(out, d.Device)
-	}
-	return out
+// SettleAfter is how long after an Allocate the kubelet's pod-resources
+// answer is trusted to list it. The kubelet records a container's devices
+// as it admits the pod, right after Allocate returns; the margin covers a
+// slow admission.
+const SettleAfter = 5 * time.Second
+
+// CompactAbove is the allocation log's size from which settling
+// allocations rewrites it with only those still unsettled.
+const CompactAbove = compactAbove
+
+// Handout is a device the device plugin hands out: a GPU or MIG UUID,
+// whole or as a replica of a shared device (time-slicing, MPS). The
+// kubelet counts device IDs, so one silicon offered under two names could
+// go to two containers; Admit tells them apart by this.
+type Handout struct {
+	UUID    string
+	Replica bool
 }
 
-// describe lists what a release or intent record still has to undo.
-func describe(pc PreparedClaim) string {
-	left := []string{}
-	for _, d := range pc.Devices {
-		switch {
-		case d.UUID != "":
-			left = append(left, d.UUID)
-		default:
-			left = append(left, fmt.Sprintf("%s at %d on %s (to be made)", d.Profile, d.Placement.Start, d.Parent))
-		}
+// Place is where a MIG device sits.
+type Place struct {
+	GPU       string
+	Profile   string
+	Placement gpu.Placement
+}
+
+// Where is where MIG device u sat at the last inventory (false for a GPU,
+// or a device no inventory showed).
+func (l *Ledger) Where(u string) (Place, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	p, ok := l.places[u]
+	return Place{GPU: p.parent, Profile: p.profile, Placement: p.placement}, ok
+}
+
+// Overlaps reports whether devices a and b share silicon: the same device,
+// or a MIG device and its GPU (by the last inventory).
+func (l *Ledger) Overlaps(a, b string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.overlaps(a, b)
+}
+
+// Holders is the kubelet's last answer on who holds what (nil before the
+// first).
+func (l *Ledger) Holders() *podresources.Attribution {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.holders
+}
+
+// standing is an error and since when it stands. Set again with the same
+// message it keeps its first time, so the log says it once, however often
+// the cause repeats.
+type standing struct {
+	err   error
+	since time.Time
+}
+
+// set records err as of now and reports whether it is news.
+func (s *standing) set(err error, now time.Time) bool {
+	news := s.err == nil || s.err.Error() != err.Error()
+	if news {
+		s.since = now
 	}
-	if len(left) == 0 {
-		left = append(left, "CDI spec")
-	}
-	return pc.Namespace + "/" + pc.Name + ": " + strings.Join(left, ", ")
+	s.err = err
+	return news
+}
+
+// clear forgets the error and reports whether there was one.
+func (s *standing) clear() bool {
+	was := s.err != nil
+	s.err, s.since = nil, time.Time{}
+	return was
 }

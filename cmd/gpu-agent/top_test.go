@@ -1,0 +1,118 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
+
+	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/podresources"
+	"github.com/gpu-agent/gpu-agent/telemetry"
+	procusage "github.com/gpu-agent/gpu-agent/usage"
+)
+
+type topPods struct{ x *procusage.PodIndex }
+
+func (p topPods) PodIndex() *procusage.PodIndex { return p.x }
+
+type topAttr struct{ a *podresources.Attribution }
+
+func (t topAttr) Attribution() *podresources.Attribution { return t.a }
+
+// TestTop: processes started over the sim's HTTP API with their pods'
+// cgroups show in `gpu-agent top` under their pods, through /holders: the
+// busy one with its SM %, the one that does nothing idle.
+func TestTop(t *testing.T) {
+	now := time.Date(2026, 5, 6, 7, 8, 9, 0, time.UTC)
+	clock := func() time.Time { return now }
+	n, err := sim.New("dgx-h100", sim.WithClock(clock))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := n.Init(); r != nvml.SUCCESS {
+		t.Fatal(r)
+	}
+	t.Cleanup(func() { n.Shutdown() })
+	inv, err := gpu.New(n, gpu.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := inv.GPUs[3].UUID
+	var pods []*corev1.Pod
+	var held []*podresourcesv1.PodResources
+	for i, name := range []string{"trainer", "notebook"} {
+		uid, ctr := fmt.Sprintf("%08x-0000-4000-8000-000000000000", i+1), strings.Repeat(fmt.Sprint(i+1), 64)
+		pods = append(pods, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ml", Name: name, UID: types.UID(uid)},
+			Status: corev1.PodStatus{ContainerStatuses: []corev1.ContainerStatus{{Name: "main", ContainerID: "containerd://" + ctr}}}})
+		held = append(held, &podresourcesv1.PodResources{Namespace: "ml", Name: name, Containers: []*podresourcesv1.ContainerResources{{
+			Name: "main", Devices: []*podresourcesv1.ContainerDevices{{ResourceName: "nvidia.com/gpu.shared", DeviceIds: []string{fmt.Sprintf("%s::%d", g, i)}}}}}})
+		body := fmt.Sprintf(`{"gpu": 3, "pid": %d, "mem_used_bytes": %d, "sm_util": %d, "cgroup": "0::/kubepods/besteffort/pod%s/%s\n"}`,
+			4000+i, (i+1)<<30, 45*(1-i), uid, ctr)
+		rec := httptest.NewRecorder()
+		n.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/sim/process", strings.NewReader(body)))
+		if rec.Code != http.StatusOK {
+			t.Fatalf("/sim/process: %d %s", rec.Code, rec.Body)
+		}
+	}
+	tr := telemetry.NewHolderTracker(n, telemetry.HolderOptions{Owners: procusage.SimResolver{Src: n}, Pods: topPods{procusage.NewPodIndex(pods)},
+		Attribution: topAttr{podresources.NewAttribution(held, nil)}, Now: clock})
+	tr.SetInventory(inv)
+	for range 19 {
+		now = now.Add(10 * time.Second)
+		tr.Pass()
+	}
+	srv := httptest.NewServer(withHolders(http.NotFoundHandler(), tr))
+	defer srv.Close()
+
+	var out bytes.Buffer
+	if err := cmdTop(context.Background(), []string{"--addr", srv.URL}, &out, &out); err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(out.String(), "\n")
+	if !strings.HasPrefix(lines[0], "NAMESPACE") {
+		t.Fatalf("no header:\n%s", out.String())
+	}
+	want := map[string][]string{
+		"trainer":  {"1/2", " 45 ", "1.0 GiB", "active"},
+		"notebook": {"1/2", " 0 ", "2.0 GiB", "3m0s"},
+	}
+	for pod, parts := range want {
+		line := ""
+		for _, l := range lines {
+			if strings.Contains(l, " "+pod+" ") {
+				line = l
+			}
+		}
+		for _, p := range parts {
+			if !strings.Contains(line, p) {
+				t.Errorf("%s: %q lacks %q\n%s", pod, line, p, out.String())
+			}
+		}
+	}
+	out.Reset()
+	if err := cmdTop(context.Background(), []string{"--addr", srv.URL, "--idle-only"}, &out, &out); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(out.String(), "trainer") || !strings.Contains(out.String(), "notebook") {
+		t.Errorf("--idle-only:\n%s", out.String())
+	}
+
+	// An agent without /holders is told apart from a broken one.
+	old := httptest.NewServer(http.NotFoundHandler())
+	defer old.Close()
+	if err := cmdTop(context.Background(), []string{"--addr", old.URL}, &out, &out); err == nil || !strings.Contains(err.Error(), "older than gpu-agent top") {
+		t.Errorf("an agent without /holders: %v", err)
+	}
+}

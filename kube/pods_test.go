@@ -1,0 +1,59 @@
+package kube
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/gpu-agent/gpu-agent/internal/testwait"
+	"github.com/gpu-agent/gpu-agent/usage"
+)
+
+func gpuPod(name, uid, ctr string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "ml", Name: name, UID: types.UID("0000000" + uid + "-0000-4000-8000-000000000000"),
+			Labels: map[string]string{"big": strings.Repeat("x", 60)}},
+		Spec: corev1.PodSpec{NodeName: "node-1", Containers: []corev1.Container{{Name: "main", Image: "cuda"}}},
+		Status: corev1.PodStatus{ContainerStatuses: []corev1.ContainerStatus{{Name: "main", Image: "cuda",
+			ContainerID: "containerd://" + strings.Repeat(ctr, 64)}}},
+	}
+}
+
+// TestPodWatcher: the index names a process's pod and container from its
+// cgroup's UID and container ID, follows pods that come, and keeps nothing
+// else of a Pod.
+func TestPodWatcher(t *testing.T) {
+	client := fake.NewClientset(gpuPod("a", "1", "a"))
+	w := NewPodWatcher(client, "node-1", nil)
+	if w.PodIndex() != nil {
+		t.Fatal("an index before the watch listed the pods")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = w.Run(ctx) }()
+	owner := func(uid, ctr string) usage.Owner {
+		return usage.Owner{PodUID: "0000000" + uid + "-0000-4000-8000-000000000000", ContainerID: strings.Repeat(ctr, 64)}
+	}
+	testwait.For(t, "pod a indexed", func() bool { _, ok := w.PodIndex().Lookup(owner("1", "a")); return ok })
+	if got, _ := w.PodIndex().Lookup(owner("1", "a")); got.Pod != "a" || got.Container != "main" || got.Namespace != "ml" {
+		t.Errorf("pod a: %+v", got)
+	}
+	if _, err := client.CoreV1().Pods("ml").Create(ctx, gpuPod("b", "2", "b"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.For(t, "pod b indexed", func() bool { _, ok := w.PodIndex().Lookup(owner("2", "b")); return ok })
+	ref, ok := w.Ref("ml", "b")
+	if !ok || ref.Kind != "Pod" || ref.UID != "00000002-0000-4000-8000-000000000000" {
+		t.Errorf("Ref: %+v, %v", ref, ok)
+	}
+	for _, p := range w.pods() {
+		if len(p.Labels) != 0 || len(p.Spec.Containers) != 0 || p.Status.ContainerStatuses[0].Image != "" {
+			t.Errorf("pod %s kept more than it needs: %+v", p.Name, p)
+		}
+	}
+}
