@@ -584,18 +584,28 @@ func TestAllocatedNode(t *testing.T) {
 // the controller's writes from creation through all nodes ready to
 // deletion, and its watches, which do not grow with domains or nodes.
 func TestAPICost(t *testing.T) {
-	for _, nodes := range []int{2, 18} {
-		t.Run(fmt.Sprint(nodes), func(t *testing.T) {
-			calls := measure(t, nodes, 1)
-			t.Logf("1 domain on %d nodes: %d writes; %v", nodes, writes(calls), calls)
+	for _, tc := range []struct {
+		nodes int
+		// bc: the channels carry binding conditions (KEP-5007 served).
+		bc bool
+	}{{2, false}, {18, false}, {18, true}} {
+		t.Run(fmt.Sprintf("%d nodes, binding conditions %v", tc.nodes, tc.bc), func(t *testing.T) {
+			calls := measure(t, tc.nodes, 1, tc.bc)
+			t.Logf("1 domain on %d nodes, binding conditions %v: %d writes; %v", tc.nodes, tc.bc, writes(calls), calls)
 			// Per domain: two templates made and deleted, the finalizer
 			// added and removed, and status writes, which coalesce: the
 			// entries placed, Ready, emptied at deletion, and a few more
-			// where events split a change. Nothing per node: the claims'
-			// conditions are absent here (no binding conditions).
+			// where events split a change. Per claim, where binding
+			// conditions are served: one apply of its condition.
 			limit := 4 + 2 + 6
+			if tc.bc {
+				limit += tc.nodes
+				if n := calls["patch resourceclaims/status"]; n != tc.nodes {
+					t.Errorf("%d claim status applies, want one per claim (%d)", n, tc.nodes)
+				}
+			}
 			if w := writes(calls); w > limit {
-				t.Errorf("%d writes for one domain on %d nodes, want at most %d: %v", w, nodes, limit, calls)
+				t.Errorf("%d writes for one domain on %d nodes, want at most %d: %v", w, tc.nodes, limit, calls)
 			}
 			if w := calls["watch computedomains"] + calls["watch nodes"] + calls["watch resourceclaims"] + calls["watch resourceclaimtemplates"]; w != 4 {
 				t.Errorf("%d watches, want 4 (one per kind)", w)
@@ -606,7 +616,7 @@ func TestAPICost(t *testing.T) {
 
 // measure runs domains domains of nodes nodes each through their life and
 // returns the controller's calls (the node sides' reports excluded).
-func measure(t *testing.T, nodes, domains int) map[string]int {
+func measure(t *testing.T, nodes, domains int, bc bool) map[string]int {
 	var objs []runtime.Object
 	var cds []*cdv1.ComputeDomain
 	for d := range domains {
@@ -614,7 +624,7 @@ func measure(t *testing.T, nodes, domains int) map[string]int {
 		cds = append(cds, cd)
 		for i := range nodes {
 			name := fmt.Sprintf("d%d-n%02d", d, i)
-			objs = append(objs, node(name, "cu.1"), claim(cd, name, name, false))
+			objs = append(objs, node(name, "cu.1"), claim(cd, name, name, bc))
 		}
 	}
 	h := newHarness(t, objs...)
@@ -657,7 +667,7 @@ func measure(t *testing.T, nodes, domains int) map[string]int {
 }
 
 func TestAPICostFlatPerDomain(t *testing.T) {
-	one, three := measure(t, 18, 1), measure(t, 18, 3)
+	one, three := measure(t, 18, 1, false), measure(t, 18, 3, false)
 	// Status writes coalesce more or less depending on timing: a few
 	// writes per domain of slack.
 	if w1, w3 := writes(one), writes(three); w3 > 3*(w1+3) {
