@@ -22,6 +22,8 @@ Usage:
   gpu-agent run [flags]                    serve the node's GPUs to the kubelet
   gpu-agent mps-host [flags]               run the MPS control daemons the agent (run --mps-host)
                                            asks for, outside the agent's container
+  gpu-agent controller [flags]             reconcile ComputeDomains (the cluster side of compute
+                                           domains; a Deployment, leader-elected)
   gpu-agent status [--addr URL]            show a running agent's state
   gpu-agent top [--addr URL] [--watch D]   who holds each GPU and how much they use it
   gpu-agent config validate FILE [flags]   check a config (file, ConfigMap manifest or directory)
@@ -79,6 +81,8 @@ func runMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = cmdIMEXSim(ctx, args[1:], stderr)
 	case imexCtlSimCommand: // hidden: the stand-in nvidia-imex-ctl
 		err = cmdIMEXCtlSim(ctx, args[1:], stdout, stderr)
+	case "controller":
+		err = cmdController(ctx, args[1:], stdout, stderr)
 	case "status":
 		err = cmdStatus(ctx, args[1:], stdout, stderr)
 	case "top":

@@ -14,6 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	resourcev1 "k8s.io/api/resource/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
 )
@@ -61,6 +62,8 @@ type objects struct {
 	DeviceClasses       []*resourcev1.DeviceClass
 	Policies            []*admissionregistrationv1.ValidatingAdmissionPolicy
 	PolicyBindings      []*admissionregistrationv1.ValidatingAdmissionPolicyBinding
+	Deployments         []*appsv1.Deployment
+	CRDs                []*apiextensionsv1.CustomResourceDefinition
 }
 
 // decodeStrict decodes every YAML document of data into its Kubernetes API type;
@@ -100,6 +103,12 @@ func decodeStrict(name string, data []byte, into *objects) error {
 		case "v1/Service":
 			o := &corev1.Service{}
 			into.Services, obj = append(into.Services, o), o
+		case "apps/v1/Deployment":
+			o := &appsv1.Deployment{}
+			into.Deployments, obj = append(into.Deployments, o), o
+		case "apiextensions.k8s.io/v1/CustomResourceDefinition":
+			o := &apiextensionsv1.CustomResourceDefinition{}
+			into.CRDs, obj = append(into.CRDs, o), o
 		case "apps/v1/DaemonSet":
 			o := &appsv1.DaemonSet{}
 			into.DaemonSets, obj = append(into.DaemonSets, o), o
@@ -157,6 +166,7 @@ func TestDecodeStrictRejects(t *testing.T) {
 		{"wrong type", "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec:\n  ports: [{port: nine}]\n", "port"},
 		{"unknown kind", "apiVersion: v1\nkind: Pod\nmetadata: {name: x}\n", "unexpected kind"},
 		{"policy field", "apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingAdmissionPolicy\nmetadata: {name: x}\nspec:\n  validations: [{expresion: 'true'}]\n", "expresion"},
+		{"CRD schema field", "apiVersion: apiextensions.k8s.io/v1\nkind: CustomResourceDefinition\nmetadata: {name: x}\nspec:\n  versions: [{name: v1, schema: {openAPIV3Schema: {type: object, propertes: {}}}}]\n", "propertes"},
 		{"service monitor field", "apiVersion: monitoring.coreos.com/v1\nkind: ServiceMonitor\nmetadata: {name: x}\nspec:\n  endpoint: []\n", "unknown field"},
 	}
 	for _, tt := range tests {

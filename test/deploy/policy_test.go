@@ -392,7 +392,9 @@ func TestResourceSlicePolicy(t *testing.T) {
 		{name: "a slice for all nodes", op: admission.Create, node: agentNode, obj: slice("fabric", "", draDriver),
 			want: "Forbidden: " + on + " may not create ResourceSlice fabric of no single node: only its own node's"},
 		{name: "another driver on its node", op: admission.Create, node: agentNode, obj: slice("nic", agentNode, "nic.example.com"),
-			want: "Forbidden: " + on + " may not create ResourceSlice nic of driver nic.example.com: only gpu.nvidia.com's"},
+			want: "Forbidden: " + on + " may not create ResourceSlice nic of driver nic.example.com: only gpu.nvidia.com's and compute-domain.nvidia.com's"},
+		// The compute-domain.nvidia.com driver it serves on fabric-attached nodes.
+		{name: "its compute domain slice", op: admission.Create, node: agentNode, obj: slice("imex", agentNode, "compute-domain.nvidia.com")},
 		{name: "a token without the node claim", op: admission.Create, node: "", obj: mine,
 			want: "Forbidden: gpu-agent's service account may write ResourceSlices only with a token bound to a pod on a node: this request's token has no " + nodeNameKey},
 	}

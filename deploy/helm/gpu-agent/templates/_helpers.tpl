@@ -58,3 +58,28 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
+
+{{/* The ComputeDomain controller's Deployment, service account and Lease. */}}
+{{- define "gpu-agent.controllerName" -}}
+{{- printf "%s-controller" (include "gpu-agent.fullname" . | trunc 52 | trimSuffix "-") -}}
+{{- end -}}
+
+{{- define "gpu-agent.controllerSelectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-controller
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "gpu-agent.controllerLabels" -}}
+{{ include "gpu-agent.controllerSelectorLabels" . }}
+app.kubernetes.io/component: controller
+app.kubernetes.io/part-of: {{ .Chart.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* The agent serves DRA with dra.enabled, and for compute domains, whose node side is its DRA driver
+compute-domain.nvidia.com: computeDomains.enabled alone turns the whole feature on. */}}
+{{- define "gpu-agent.dra" -}}
+{{- if or .Values.dra.enabled .Values.computeDomains.enabled -}}true{{- end -}}
+{{- end -}}
