@@ -43,7 +43,7 @@ type Options struct {
 	Domains Domains
 	// Status writes the node's readiness into its domains' status.nodes
 	// (Reporter); nil: nothing is reported.
-	Status StatusApplier
+	Status  StatusApplier
 	Daemons Daemons
 	// StateDir holds the checkpoint (StateFile).
 	StateDir string
@@ -79,7 +79,7 @@ type Driver struct {
 	// watch shows a newer object.
 	reported map[string]report
 	// retry is signalled when a report failed, to refresh again soon.
-	retry chan struct{}
+	retry   chan struct{}
 	ctrl    sliceController
 	helper  *kubeletplugin.Helper
 	saveErr string
