@@ -36,7 +36,10 @@ type Effects struct {
 	// AskHoldings: ask the kubelet who holds what, in the background, before
 	// any MIG plan runs. A MIG plan would destroy devices without an answer
 	// asked for it, or the ledger holds allocations the kubelet has had time
-	// to list; the answer comes back as a later batch's HoldingsAnswer.
+	// to list: each holds its device (and the device's GPU: no MIG mode
+	// change) until an answer accounts for it, and the background refresh
+	// tells only changes. The answer comes back as a later batch's
+	// HoldingsAnswer.
 	AskHoldings bool
 	// Laid are the GPUs (by index) the MIG layout in force governs.
 	Laid map[int]bool

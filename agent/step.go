@@ -343,14 +343,14 @@ func (a *Agent) pass(why string) {
 }
 
 // noteFit records whether the selected config fits this node.
-func (a *Agent) noteFit(d Effects) {
-	if d.FitErr != nil {
+func (a *Agent) noteFit(e Effects) {
+	if e.FitErr != nil {
 		a.metrics.configValid.Set(0)
-		if a.fitErr.set(d.FitErr, a.now()) {
+		if a.fitErr.set(e.FitErr, a.now()) {
 			a.metrics.configErrors.Inc()
 			a.log.Error("config cannot be applied to this node; serving the last config that could",
-				"config", a.selected.Name, "serving", d.Serving.Name, "error", d.FitErr)
-			a.event(true, ReasonConfigNotFitting, "config %q does not fit this node, serving %q: %v", a.selected.Name, d.Serving.Name, d.FitErr)
+				"config", a.selected.Name, "serving", e.Serving.Name, "error", e.FitErr)
+			a.event(true, ReasonConfigNotFitting, "config %q does not fit this node, serving %q: %v", a.selected.Name, e.Serving.Name, e.FitErr)
 		}
 		return
 	}
@@ -428,13 +428,13 @@ func (a *Agent) holdingsAnswer(e HoldingsAnswer) bool {
 // the GPUs whose mode change waits for a reset where the policy allows
 // (resetForMIG), in the order Effects.MIG states; it reports whether any
 // GPU changed, and whether one was reset.
-func (a *Agent) applyMIG(d Effects) (changed, reset bool) {
-	if d.MIG == nil {
+func (a *Agent) applyMIG(e Effects) (changed, reset bool) {
+	if e.MIG == nil {
 		if a.migStates != nil {
 			a.metrics.migPhases.Reset()
 		}
 		a.migStates = nil
-		a.noteMIGErr(d.MIGErr)
+		a.noteMIGErr(e.MIGErr)
 		clear(a.migSaid)
 		return false, false
 	}
@@ -442,9 +442,9 @@ func (a *Agent) applyMIG(d Effects) (changed, reset bool) {
 		a.migSaid = map[int]MIGState{}
 	}
 	states := map[int]MIGState{}
-	errs := []error{d.MIGErr}
-	refused := a.doom(d.MIG)
-	for _, gm := range d.MIG {
+	errs := []error{e.MIGErr}
+	refused := a.doom(e.MIG)
+	for _, gm := range e.MIG {
 		st := MIGState{GPU: gm.GPU, UUID: gm.UUID, Want: gm.Want, Phase: gm.State.Phase, Reason: gm.State.Reason}
 		if why, ok := refused[gm.GPU]; ok {
 			st.Phase, st.Reason = mig.PhasePending, why
@@ -456,7 +456,7 @@ func (a *Agent) applyMIG(d Effects) (changed, reset bool) {
 			}
 			s, err := a.opts.MIG.Apply(a.ctx, gm.Plan, a.ledger)
 			if err != nil {
-				errs = append(errs, d.MIGLayout.MIGError(gm.Plan.Want.Entry, "", err))
+				errs = append(errs, e.MIGLayout.MIGError(gm.Plan.Want.Entry, "", err))
 			}
 			changed = changed || len(gm.Plan.Steps) > 0
 			st.Phase, st.Reason = s.Phase, s.Reason
