@@ -488,7 +488,8 @@ func (m *Manager) restart(ctx context.Context, r *resource, why string) {
 // whose stack grows anew each time: a tenth of an Allocate's CPU in the
 // agent (issue 29). The kubelet keeps one of them in ListAndWatch and makes
 // its other calls one at a time; a call that finds every worker busy gets a
-// goroutine of its own, as without workers.
+// goroutine of its own, as without workers. grpc-go marks the option
+// experimental: a release that drops it breaks the build here, not calls.
 const streamWorkers = 4
 
 func (m *Manager) serve(r *resource) error {
