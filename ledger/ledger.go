@@ -375,9 +375,14 @@ func under(e AllocEntry) string {
 // takenLocked says why device u may not go to the device plugin ("" when
 // it may), and the reason it wraps.
 func (l *Ledger) takenLocked(u string) (reason error, why string) {
-	for _, x := range slices.Sorted(maps.Keys(l.doomed)) {
-		if l.overlaps(u, x) {
-			return ErrDoomed, "being repartitioned: " + l.doomed[x]
+	// Sorted for a message that is the same each time; only when there is
+	// something to sort, as sorting the keys of no map still allocates,
+	// and Admit is on the container start path.
+	if len(l.doomed) > 0 {
+		for _, x := range slices.Sorted(maps.Keys(l.doomed)) {
+			if l.overlaps(u, x) {
+				return ErrDoomed, "being repartitioned: " + l.doomed[x]
+			}
 		}
 	}
 	if by := l.claimHolder(u, ""); by != "" {
@@ -410,6 +415,9 @@ func (l *Ledger) at(u string, d ClaimDevice) bool {
 // claimHolder names the claim other than except that holds a device
 // overlapping u ("" when none); admin access holds nothing.
 func (l *Ledger) claimHolder(u string, except types.UID) string {
+	if len(l.claims) == 0 {
+		return "" // and no keys to sort (see takenLocked)
+	}
 	for _, uid := range slices.Sorted(maps.Keys(l.claims)) {
 		if uid == except {
 			continue
