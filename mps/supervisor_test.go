@@ -359,7 +359,10 @@ func TestHungDaemonIsKilledAndRestarted(t *testing.T) {
 	d := Daemon{Device: "GPU-hung"}
 	// A stopped process still accepts connections (the kernel queues them)
 	// but never answers, like a hung daemon.
-	h := startWith(t, fakeBinary, 200*time.Millisecond, d)
+	// The timeout is what a hang is told by: short, so the test is quick,
+	// but well above what the stand-in (this test binary run again, slow
+	// to start under -race on busy cores) takes to answer.
+	h := startWith(t, fakeBinary, 2*time.Second, d)
 	// On a loaded machine a launch can outlast so short a timeout: let the
 	// restarts that follow happen.
 	testwait.For(t, "daemon healthy", func() bool {
