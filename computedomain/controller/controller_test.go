@@ -600,7 +600,7 @@ func TestAPICost(t *testing.T) {
 			limit := 4 + 2 + 6
 			if tc.bc {
 				limit += tc.nodes
-				if n := calls["patch resourceclaims/status"]; n != tc.nodes {
+				if n := calls["update resourceclaims/status"]; n != tc.nodes {
 					t.Errorf("%d claim status applies, want one per claim (%d)", n, tc.nodes)
 				}
 			}
