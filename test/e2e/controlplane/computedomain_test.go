@@ -211,8 +211,8 @@ func TestComputeDomainControlPlane(t *testing.T) {
 	// Watch the chain, pods before the domain in each round: a pod seen bound while its node's entry is
 	// read NotReady afterwards was bound before its daemon was ready.
 	type progress struct {
-		claimSeen, allocated, entryReady, bound time.Time
-		claim                                   *resourceapi.ResourceClaim
+		claimSeen, allocated, entryReady, conditioned, bound time.Time
+		claim                                                *resourceapi.ResourceClaim
 	}
 	prog := map[string]*progress{} // by node
 	for _, n := range workers {
@@ -256,6 +256,11 @@ func TestComputeDomainControlPlane(t *testing.T) {
 				}
 				if c.Status.Allocation != nil && p.allocated.IsZero() {
 					p.allocated = now
+				}
+				if p.conditioned.IsZero() && slices.ContainsFunc(c.Status.Devices, func(d resourceapi.AllocatedDeviceStatus) bool {
+					return meta(d.Conditions, daemonReadyCond)
+				}) {
+					p.conditioned = now
 				}
 				p.claim = c.DeepCopy()
 			}
@@ -328,11 +333,9 @@ func TestComputeDomainControlPlane(t *testing.T) {
 		templateSeen.Round(time.Millisecond), allReady.Sub(domainCreated).Round(time.Millisecond))
 	for _, n := range workers {
 		p := prog[n.name]
-		t.Logf("figures: %s: pod created → claim seen %s → allocated %s → entry Ready %s → pod bound %s (claim → bound %s)", n.name,
-			p.claimSeen.Sub(podCreated[podOf(p.claim)]).Round(time.Millisecond),
-			p.allocated.Sub(podCreated[podOf(p.claim)]).Round(time.Millisecond),
-			p.entryReady.Sub(podCreated[podOf(p.claim)]).Round(time.Millisecond),
-			p.bound.Sub(podCreated[podOf(p.claim)]).Round(time.Millisecond),
+		since := func(at time.Time) time.Duration { return at.Sub(podCreated[podOf(p.claim)]).Round(time.Millisecond) }
+		t.Logf("figures: %s: pod created → claim seen %s → allocated %s → entry Ready %s → %s set %s → pod bound %s (claim → bound %s)", n.name,
+			since(p.claimSeen), since(p.allocated), since(p.entryReady), daemonReadyCond, since(p.conditioned), since(p.bound),
 			p.bound.Sub(p.claimSeen).Round(time.Millisecond))
 	}
 
