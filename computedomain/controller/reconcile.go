@@ -311,6 +311,9 @@ func (c *Controller) bindingConditions(ctx context.Context, status cdv1.ComputeD
 // (keys sorted), which reads as a change of the immutable allocation when
 // the claim's config was written in another order.
 func (c *Controller) claimConditions(ctx context.Context, claim *resourcev1.ResourceClaim, ready bool, refused refusal) error {
+	if c.conditionsInFlight(claim) {
+		return nil // the informer's event of the write brings the domain back
+	}
 	next := claim.DeepCopy()
 	changed := false
 	for _, r := range claim.Status.Allocation.Devices.Results {
@@ -337,7 +340,23 @@ func (c *Controller) claimConditions(ctx context.Context, claim *resourcev1.Reso
 	if err != nil {
 		return fmt.Errorf("claim %s/%s: binding conditions: %w", claim.Namespace, claim.Name, err)
 	}
+	c.mu.Lock()
+	c.conditioned[claim.UID] = claim.ResourceVersion
+	c.mu.Unlock()
 	return nil
+}
+
+// conditionsInFlight: this controller wrote claim's conditions at the
+// version the informer still shows.
+func (c *Controller) conditionsInFlight(claim *resourcev1.ResourceClaim) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	rv, ok := c.conditioned[claim.UID]
+	if ok && rv != claim.ResourceVersion {
+		delete(c.conditioned, claim.UID)
+		return false
+	}
+	return ok
 }
 
 // deviceStatus is claim's status.devices entry of r, added if absent.
