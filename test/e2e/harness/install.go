@@ -82,6 +82,8 @@ func (c *Cluster) NodeLayer() (NodeLayer, error) {
 			// plugins directory stays the real one, like the device plugin directory.
 			"/var/lib/kubelet/plugins_registry": filepath.Join(c.d.kubeletRoot, "plugins_registry"),
 			DRAPluginsDir:                       DRAPluginsDir,
+			// The holder tracker reads the host's /proc: the e2e node is this host.
+			"/proc": "/proc",
 		},
 		APIHost: "127.0.0.1",
 		APIPort: c.APIPort,
@@ -371,7 +373,8 @@ func (c *Cluster) buildChecked(dir string, layer NodeLayer) ([]*unstructured.Uns
 			if v.HostPath == nil {
 				continue
 			}
-			if p := v.HostPath.Path; p != DevicePluginDir && p != DRAPluginsDir && !strings.HasPrefix(p, c.d.run+"/") {
+			// The host's /proc is the holder tracker's, mounted read-only: it reads processes, nothing more.
+			if p := v.HostPath.Path; p != DevicePluginDir && p != DRAPluginsDir && p != "/proc" && !strings.HasPrefix(p, c.d.run+"/") {
 				return nil, fmt.Errorf("%s: DaemonSet %s: volume %s would mount the host's %s", dir, ds.Name, v.Name, p)
 			}
 		}
