@@ -60,7 +60,13 @@ type SupervisorOptions struct {
 	Dir string
 	// Interval is how often daemons are checked (default 2s).
 	Interval time.Duration
-	Logger   *slog.Logger
+	// CmdOnBindIP puts a daemon's command port on its node's own address
+	// rather than 127.0.0.1. Simulated nodes sharing one host each have a
+	// loopback address of their own; on 127.0.0.1 the daemons of one
+	// domain on two such nodes would take the same port. A real node
+	// keeps the command port local.
+	CmdOnBindIP bool
+	Logger      *slog.Logger
 }
 
 // Supervisor keeps one IMEX daemon per domain running, as a process of its
@@ -279,13 +285,22 @@ func (s *Supervisor) setState(d string, st DaemonState, drop bool) {
 	}
 }
 
-// configText is a domain's IMEX config, in nvidia-imex's format.
-func configText(spec DaemonSpec, nodesPath string) []byte {
+// configText is a domain's IMEX config, in nvidia-imex's format, its
+// command port on cmdIP.
+func configText(spec DaemonSpec, nodesPath, cmdIP string) []byte {
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "# IMEX daemon of ComputeDomain %s (%s), written by gpu-agent.\n", spec.Name, spec.Domain)
 	fmt.Fprintf(&b, "DAEMONIZE=0\nSERVER_PORT=%d\nBIND_INTERFACE_IP=%s\nIMEX_NODE_CONFIG_FILE=%s\n", spec.ServerPort, spec.BindIP, nodesPath)
-	fmt.Fprintf(&b, "IMEX_CMD_PORT=%d\nIMEX_CMD_BIND_INTERFACE_IP=127.0.0.1\nIMEX_CMD_ENABLED=1\nIMEX_WAIT_FOR_QUORUM=RECOVERY\n", spec.CmdPort)
+	fmt.Fprintf(&b, "IMEX_CMD_PORT=%d\nIMEX_CMD_BIND_INTERFACE_IP=%s\nIMEX_CMD_ENABLED=1\nIMEX_WAIT_FOR_QUORUM=RECOVERY\n", spec.CmdPort, cmdIP)
 	return b.Bytes()
+}
+
+// cmdIP is where spec's daemon takes commands (CmdOnBindIP).
+func (s *Supervisor) cmdIP(spec DaemonSpec) string {
+	if s.opts.CmdOnBindIP && spec.BindIP != "" {
+		return spec.BindIP
+	}
+	return "127.0.0.1"
 }
 
 func (s *Supervisor) writeFiles(spec DaemonSpec) error {
@@ -296,7 +311,7 @@ func (s *Supervisor) writeFiles(spec DaemonSpec) error {
 	nodesPath := filepath.Join(dir, "nodes.cfg")
 	files := map[string][]byte{
 		nodesPath:                        []byte(strings.Join(spec.Nodes, "\n") + "\n"),
-		filepath.Join(dir, "imexd.cfg"):  configText(spec, nodesPath),
+		filepath.Join(dir, "imexd.cfg"):  configText(spec, nodesPath, s.cmdIP(spec)),
 		filepath.Join(dir, "domain.txt"): []byte(spec.Name + "\n"),
 	}
 	for path, data := range files {

@@ -60,3 +60,28 @@ func TestSupervisor(t *testing.T) {
 		t.Errorf("domain folder left: %v", err)
 	}
 }
+
+// The command port is local on a real node; with CmdOnBindIP (several sim
+// nodes on one host, each at a loopback address of its own) it is on the
+// node's own address, so two nodes' daemons of one domain do not collide.
+func TestConfigCommandAddress(t *testing.T) {
+	spec := DaemonSpec{Domain: "cd-1", Name: "team/job", BindIP: "127.0.1.2", ServerPort: 40002, CmdPort: 40003}
+	for _, tc := range []struct {
+		name        string
+		cmdOnBindIP bool
+		spec        DaemonSpec
+		want        string
+	}{
+		{"real node", false, spec, "IMEX_CMD_BIND_INTERFACE_IP=127.0.0.1\n"},
+		{"sim node", true, spec, "IMEX_CMD_BIND_INTERFACE_IP=127.0.1.2\n"},
+		{"sim node without an address", true, DaemonSpec{Domain: "cd-1", CmdPort: 40003}, "IMEX_CMD_BIND_INTERFACE_IP=127.0.0.1\n"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewSupervisor(SupervisorOptions{Dir: t.TempDir(), CmdOnBindIP: tc.cmdOnBindIP})
+			cfg := string(configText(tc.spec, "/nodes.cfg", s.cmdIP(tc.spec)))
+			if !strings.Contains(cfg, tc.want) || strings.Count(cfg, "IMEX_CMD_BIND_INTERFACE_IP=") != 1 {
+				t.Errorf("config:\n%s\nwant one line %q", cfg, tc.want)
+			}
+		})
+	}
+}

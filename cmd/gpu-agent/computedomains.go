@@ -52,6 +52,9 @@ func (w *wiring) newComputeDomains() (*computeDomains, error) {
 			return nil, fmt.Errorf("compute domains: the IMEX stand-in: %w", err)
 		}
 		sup.Binary, sup.Args, sup.CtlBinary, sup.CtlArgs = self, []string{imexSimCommand}, self, []string{imexCtlSimCommand}
+		// Several sim nodes may share a host, each at a loopback address of
+		// its own (the e2e control-plane test runs three).
+		sup.CmdOnBindIP = true
 	} else {
 		// A node without the programs gets no daemon, and the channels
 		// are tainted (TaintIMEX) once starts fail: the log says why.

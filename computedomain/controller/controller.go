@@ -67,6 +67,11 @@ type Controller struct {
 	// finalized are the domains whose finalizer this controller removed;
 	// forgotten once the informer no longer has them.
 	finalized sets.Set[types.UID]
+	// conditioned is, per claim, the resourceVersion its binding
+	// conditions were last written at: while the informer still shows
+	// that version, the write has not reached it, and writing again would
+	// only conflict. Forgotten once the informer shows a newer one.
+	conditioned map[types.UID]string
 }
 
 // Index names.
@@ -97,9 +102,10 @@ func New(opts Options) (*Controller, error) {
 		opts.Log = slog.Default()
 	}
 	c := &Controller{
-		opts:      opts,
-		domains:   opts.Dynamic.Resource(Resource),
-		finalized: sets.New[types.UID](),
+		opts:        opts,
+		domains:     opts.Dynamic.Resource(Resource),
+		finalized:   sets.New[types.UID](),
+		conditioned: map[types.UID]string{},
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.DefaultTypedControllerRateLimiter[string](),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "computedomains"}),
@@ -219,7 +225,14 @@ func (c *Controller) addHandlers() error {
 	labelled := cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { byLabel(obj) },
 		UpdateFunc: func(old, obj any) { byLabel(old, obj) },
-		DeleteFunc: func(obj any) { byLabel(obj) },
+		DeleteFunc: func(obj any) {
+			if m, err := meta(obj); err == nil {
+				c.mu.Lock()
+				delete(c.conditioned, m.GetUID()) // a claim's; a template has none
+				c.mu.Unlock()
+			}
+			byLabel(obj)
+		},
 	}
 	for _, inf := range []cache.SharedIndexInformer{c.rctInformer, c.claimInformer} {
 		if _, err := inf.AddEventHandler(labelled); err != nil {

@@ -13,10 +13,9 @@ import (
 	resourcev1 "k8s.io/api/resource/v1"
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	metaapply "k8s.io/client-go/applyconfigurations/meta/v1"
-	resourceapply "k8s.io/client-go/applyconfigurations/resource/v1"
 )
 
 func (c *Controller) sync(ctx context.Context, key string) error {
@@ -304,47 +303,92 @@ func (c *Controller) bindingConditions(ctx context.Context, status cdv1.ComputeD
 	return errors.Join(errs...)
 }
 
+// claimConditions writes the claim's binding conditions with an update
+// of its status at the resourceVersion read (a conflict is retried by the
+// domain's requeue). Not server-side apply: the API server compares
+// status.allocation of the applied object with the stored one, and an
+// apply turns the allocation's opaque parameters into the JSON of a map
+// (keys sorted), which reads as a change of the immutable allocation when
+// the claim's config was written in another order.
 func (c *Controller) claimConditions(ctx context.Context, claim *resourcev1.ResourceClaim, ready bool, refused refusal) error {
-	cfg := resourceapply.ResourceClaim(claim.Name, claim.Namespace).WithUID(claim.UID).WithStatus(resourceapply.ResourceClaimStatus())
+	if c.conditionsInFlight(claim) {
+		return nil // the informer's event of the write brings the domain back
+	}
+	next := claim.DeepCopy()
 	changed := false
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		if r.Driver != DriverName {
 			continue
 		}
-		var conds []*metaapply.ConditionApplyConfiguration
+		var cond *metav1.Condition
 		if refused != "" && slices.Contains(r.BindingFailureConditions, ConditionDaemonFailed) {
-			conds = append(conds, condition(ConditionDaemonFailed, "NodeRefused", string(refused), claim.Generation))
+			cond = condition(ConditionDaemonFailed, "NodeRefused", string(refused), claim.Generation)
 		} else if ready && slices.Contains(r.BindingConditions, ConditionDaemonReady) {
-			conds = append(conds, condition(ConditionDaemonReady, "DaemonReady", "the domain's IMEX daemon on the node is ready", claim.Generation))
+			cond = condition(ConditionDaemonReady, "DaemonReady", "the domain's IMEX daemon on the node is ready", claim.Generation)
 		}
-		if len(conds) == 0 {
+		if cond == nil || hasTrue(claim, r, cond.Type) {
 			continue
 		}
-		dev := resourceapply.AllocatedDeviceStatus().WithDriver(r.Driver).WithPool(r.Pool).WithDevice(r.Device)
-		if r.ShareID != nil {
-			dev.WithShareID(string(*r.ShareID))
-		}
-		for _, cond := range conds {
-			if !hasTrue(claim, r, *cond.Type) {
-				changed = true
-			}
-		}
-		cfg.Status.WithDevices(dev.WithConditions(conds...))
+		dev := deviceStatus(next, r)
+		apimeta.SetStatusCondition(&dev.Conditions, *cond)
+		changed = true
 	}
 	if !changed {
 		return nil
 	}
-	_, err := c.opts.Kube.ResourceV1().ResourceClaims(claim.Namespace).ApplyStatus(ctx, cfg,
-		metav1.ApplyOptions{FieldManager: FieldManager, Force: true})
+	_, err := c.opts.Kube.ResourceV1().ResourceClaims(claim.Namespace).UpdateStatus(ctx, next, metav1.UpdateOptions{FieldManager: FieldManager})
 	if err != nil {
 		return fmt.Errorf("claim %s/%s: binding conditions: %w", claim.Namespace, claim.Name, err)
 	}
+	c.mu.Lock()
+	c.conditioned[claim.UID] = claim.ResourceVersion
+	c.mu.Unlock()
 	return nil
 }
 
-func condition(typ, reason, msg string, generation int64) *metaapply.ConditionApplyConfiguration {
-	return metaapply.Condition().WithType(typ).WithStatus(metav1.ConditionTrue).WithReason(reason).
-		WithMessage(msg).WithObservedGeneration(generation).WithLastTransitionTime(metav1.Now())
+// conditionsInFlight: this controller wrote claim's conditions at the
+// version the informer still shows.
+func (c *Controller) conditionsInFlight(claim *resourcev1.ResourceClaim) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	rv, ok := c.conditioned[claim.UID]
+	if ok && rv != claim.ResourceVersion {
+		delete(c.conditioned, claim.UID)
+		return false
+	}
+	return ok
+}
+
+// deviceStatus is claim's status.devices entry of r, added if absent.
+func deviceStatus(claim *resourcev1.ResourceClaim, r resourcev1.DeviceRequestAllocationResult) *resourcev1.AllocatedDeviceStatus {
+	for i := range claim.Status.Devices {
+		d := &claim.Status.Devices[i]
+		if d.Driver == r.Driver && d.Pool == r.Pool && d.Device == r.Device && ptrEqual(d.ShareID, r.ShareID) {
+			return d
+		}
+	}
+	claim.Status.Devices = append(claim.Status.Devices, resourcev1.AllocatedDeviceStatus{Driver: r.Driver, Pool: r.Pool, Device: r.Device, ShareID: shareID(r.ShareID)})
+	return &claim.Status.Devices[len(claim.Status.Devices)-1]
+}
+
+func shareID(id *types.UID) *string {
+	if id == nil {
+		return nil
+	}
+	s := string(*id)
+	return &s
+}
+
+func ptrEqual(a *string, b *types.UID) bool {
+	if a == nil || b == nil {
+		return a == nil && b == nil
+	}
+	return *a == string(*b)
+}
+
+func condition(typ, reason, msg string, generation int64) *metav1.Condition {
+	return &metav1.Condition{Type: typ, Status: metav1.ConditionTrue, Reason: reason, Message: msg,
+		ObservedGeneration: generation, LastTransitionTime: metav1.Now()}
 }
 
 func hasTrue(claim *resourcev1.ResourceClaim, r resourcev1.DeviceRequestAllocationResult, typ string) bool {

@@ -33,6 +33,10 @@ type ControlPlaneConfig struct {
 	// APIServerFeatureGates is the API server's --feature-gates ("": its defaults), e.g. to turn off a
 	// beta check the API server has and older ones lack.
 	APIServerFeatureGates string
+	// ControllerManagerControllers is kube-controller-manager's --controllers ("": "*", every default
+	// controller). A control plane whose Nodes have no kubelet turns the node lifecycle controller off
+	// ("*,-node-lifecycle-controller"): with no heartbeat, it would mark them NotReady and taint them.
+	ControllerManagerControllers string
 
 	ledger *ledger // the Env's, when a Cluster starts it; nil: PIDs are not recorded
 }
@@ -217,6 +221,10 @@ func (cp *ControlPlane) start(ctx context.Context) error {
 	}
 	var waits []component
 	if cfg.ControllerManager != "" {
+		controllers := cfg.ControllerManagerControllers
+		if controllers == "" {
+			controllers = "*"
+		}
 		if cp.ControllerManager, err = cp.startComponent("kube-controller-manager", cfg.ControllerManager,
 			"--kubeconfig", cp.kubeconfigs["kube-controller-manager"],
 			"--authentication-kubeconfig", cp.kubeconfigs["kube-controller-manager"],
@@ -227,7 +235,7 @@ func (cp *ControlPlane) start(ctx context.Context) error {
 			// Every controller the default set runs (daemonset, deployment, replicaset, serviceaccount,
 			// serviceaccount-token, namespace, garbage collector, node lifecycle, root CA publisher, ...), each
 			// with its own service account, as kubeadm sets it up.
-			"--controllers", "*",
+			"--controllers", controllers,
 			"--use-service-account-credentials=true",
 			"--service-account-private-key-file", saKey,
 			"--root-ca-file", cp.pki.caFile(),
