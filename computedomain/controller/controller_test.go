@@ -597,7 +597,11 @@ func TestAPICost(t *testing.T) {
 			// entries placed, Ready, emptied at deletion, and a few more
 			// where events split a change. Per claim, where binding
 			// conditions are served: one update of its condition.
-			limit := 4 + 2 + 6
+			// A reconcile that runs before its informer shows its own
+			// last write (a template made, a status written) repeats it and
+			// is refused (AlreadyExists, Conflict): on busy cores under
+			// -race that happens about once in ten runs; allow two.
+			limit := 4 + 2 + 6 + 2
 			if tc.bc {
 				limit += tc.nodes + 2
 				// A write of a condition that conflicted (the claim read
