@@ -10,6 +10,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -29,6 +30,9 @@ const holderPass = 10 * time.Second
 // holderUse is the part of GET /holders the scenarios read.
 type holderUse struct {
 	GPU         int     `json:"gpu"`
+	Device      string  `json:"device"`
+	MIGProfile  string  `json:"migProfile"`
+	MPS         bool    `json:"mps"`
 	Namespace   string  `json:"namespace"`
 	Pod         string  `json:"pod"`
 	Container   string  `json:"container"`
@@ -78,6 +82,13 @@ type holderLoad struct {
 // host PID, with the load l, and returns the PID.
 func registerProcess(t *testing.T, c *harness.Cluster, agent string, gpu int, l holderLoad) int {
 	t.Helper()
+	return registerProcessOn(t, c, agent, fmt.Sprintf(`"gpu":%d`, gpu), l, "")
+}
+
+// registerProcessOn is registerProcess on the device that the JSON fields device name (`"gpu":0`, or
+// `"uuid":"MIG-..."` for a MIG device), with the fields extra (`,"mps":true`) added.
+func registerProcessOn(t *testing.T, c *harness.Cluster, agent, device string, l holderLoad, extra string) int {
+	t.Helper()
 	ctx := clusterCtx(t)
 	p, err := c.Client.CoreV1().Pods("default").Get(ctx, l.pod, metav1.GetOptions{})
 	if err != nil {
@@ -91,9 +102,20 @@ func registerProcess(t *testing.T, c *harness.Cluster, agent string, gpu int, l 
 	if err != nil {
 		t.Fatal(err)
 	}
-	agentPost(t, agent, "/sim/process", fmt.Sprintf(`{"gpu":%d,"pid":%d,"sm_util":%d,"mem_used_bytes":%d}`, gpu, pid, l.sm, l.fb))
-	t.Logf("pod %s: host PID %d registered on GPU %d (SM %d%%, %d MiB)", l.pod, pid, gpu, l.sm, l.fb>>20)
+	agentPost(t, agent, "/sim/process", fmt.Sprintf(`{%s,"pid":%d,"sm_util":%d,"mem_used_bytes":%d%s}`, device, pid, l.sm, l.fb, extra))
+	t.Logf("pod %s: host PID %d registered on %s%s (SM %d%%, %d MiB)", l.pod, pid, device, extra, l.sm, l.fb>>20)
 	return pid
+}
+
+// holderOf returns pod's entry on /holders, and whether it has one.
+func holderOf(t *testing.T, agent, pod string) (holderUse, bool) {
+	t.Helper()
+	for _, h := range agentHolders(t, agent) {
+		if h.Pod == pod {
+			return h, true
+		}
+	}
+	return holderUse{}, false
 }
 
 // holderSeriesOwn reports whether pod's series on GPU gpu carry its own load: the holder series and, the
@@ -260,6 +282,178 @@ func holderTimeSliced(t *testing.T, containerd2 string) {
 	for _, h := range agentHolders(t, agent) {
 		if h.Sharers != 3 {
 			t.Errorf("/holders after holder-d ended: %+v; want 3 sharers", h)
+		}
+	}
+}
+
+// draHolderLabels are the labels of a claim's holder series on /metrics: dcgm-exporter's dra_* labels.
+func draHolderLabels(c *harness.Cluster, claim string) []string {
+	return []string{`dra_claim_name="` + claim + `"`, `dra_claim_namespace="default"`, `dra_driver_name="` + draDriver + `"`,
+		`dra_pool_name="` + c.NodeName() + `"`, `dra_device_name="gpu-0"`}
+}
+
+// sharedClaimsOnGPU0 creates a claim per load for a share of GPU 0 (the class's default share, or memory where
+// asked) and its pod, named as the claim, and waits until both hold it on /holders.
+func sharedClaimsOnGPU0(t *testing.T, c *harness.Cluster, agent string, loads []holderLoad) {
+	t.Helper()
+	for _, l := range loads {
+		cl := wholeGPUClaim(l.pod)
+		cl.Spec.Devices.Requests[0].Exactly.Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
+			Expression: "device.attributes['gpu.nvidia.com'].index == 0",
+		}}}
+		took := claimAndRun(t, c, cl)
+		t.Logf("MEASURED DRA claim (a share of GPU 0) created -> container running: %s", took.Round(10*time.Millisecond))
+	}
+	eventually(t, "the claims' holders on /holders", func() bool {
+		for _, l := range loads {
+			h, ok := holderOf(t, agent, l.pod)
+			if !ok || h.Claim == nil || h.Claim.Name != l.pod || h.GPU != 0 || h.Sharers != len(loads) {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// checkClaimSeries registers each load's process on GPU 0 (fields extra added) and waits until each claim's
+// series, with its dra_* labels, carry its own numbers.
+func checkClaimSeries(t *testing.T, c *harness.Cluster, agent string, loads []holderLoad, extra string) {
+	t.Helper()
+	for _, l := range loads {
+		registerProcessOn(t, c, agent, `"gpu":0`, l, extra)
+	}
+	registered := time.Now()
+	eventually(t, "each claim's series carry its own load", func() bool {
+		for _, l := range loads {
+			if why := holderSeriesOwn(t, agent, 0, l, draHolderLabels(c, l.pod)...); why != "" {
+				if time.Since(registered) > 4*holderPass {
+					t.Logf("not yet: %s", why)
+				}
+				return false
+			}
+		}
+		return true
+	})
+	t.Logf("MEASURED %d processes registered -> each claim's own series: %s", len(loads), time.Since(registered).Round(10*time.Millisecond))
+}
+
+// TestHolderDRASharedClaim: two DRA claims share GPU 0 (time-slicing ×4 through the DRA driver's shares); each
+// claim's pod runs a process with its own load. Each claim's series, labelled with its dra_* labels, carry its
+// own numbers; the claim whose pod ends loses its series, the other keeps them.
+func TestHolderDRASharedClaim(t *testing.T) {
+	c, agent := installDRA(t)
+	setConfigMap(t, c, map[string]string{"config.yaml": timeSliced4})
+	eventually(t, "gpu-0 shared 4 ways in the ResourceSlice", func() bool {
+		q, ok := nodeSlice(t, c)["gpu-0"].Capacity["shares"]
+		return ok && q.Value.Value() == 4
+	})
+	loads := []holderLoad{{"share-a", 15, 1 << 30}, {"share-b", 40, 3 << 30}}
+	sharedClaimsOnGPU0(t, c, agent, loads)
+	checkClaimSeries(t, c, agent, loads, "")
+
+	if err := c.Client.CoreV1().Pods("default").Delete(clusterCtx(t), "share-b", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	deleted := time.Now()
+	eventually(t, "share-b's series gone, share-a's kept", func() bool {
+		return draSeries(t, agent, "gpu_agent_holder_sm_util_percent", `dra_claim_name="share-b"`) == "" &&
+			draSeries(t, agent, "gpu_agent_holder_fb_used_bytes", `dra_claim_name="share-b"`) == "" &&
+			draSeries(t, agent, "gpu_agent_holder_sm_util_percent", `dra_claim_name="share-a"`) != ""
+	})
+	t.Logf("MEASURED claim's pod deleted -> its holder series gone: %s", time.Since(deleted).Round(10*time.Millisecond))
+}
+
+// TestHolderMPSContainerd2: GPU 0 shared by MPS between 2 clients (DRA claims on a containerd 2.x node, the
+// stand-in control daemon): each client's process is an MPS one in NVML's lists; each claim's series carry its
+// own numbers.
+func TestHolderMPSContainerd2(t *testing.T) {
+	c, agent := installDRAWithFakeMPS(t)
+	setConfigMap(t, c, map[string]string{"config.yaml": `version: v1
+configs:
+  default:
+    sharing:
+      mps:
+        resources:
+        - name: nvidia.com/gpu
+          devices: [0]
+          replicas: 2
+`})
+	eventually(t, "gpu-0 shared 2 ways by MPS in the ResourceSlice", func() bool {
+		q, ok := nodeSlice(t, c)["gpu-0"].Capacity["shares"]
+		return ok && q.Value.Value() == 2
+	})
+	loads := []holderLoad{{"mps-a", 25, 2 << 30}, {"mps-b", 60, 4 << 30}}
+	sharedClaimsOnGPU0(t, c, agent, loads)
+	checkClaimSeries(t, c, agent, loads, `,"mps":true`)
+	for _, l := range loads {
+		if h, _ := holderOf(t, agent, l.pod); !h.MPS || h.Processes != 1 {
+			t.Errorf("/holders: %+v; want its one process, an MPS client", h)
+		}
+	}
+}
+
+// TestHolderMIG: GPU 0 laid out as two 3g.20gb MIG devices on an A100, each held by a pod running a process.
+// NVML has no per-process utilization on MIG and an A100 MIG device no figure of its own, so each holder's
+// series are its own memory and process count, and no SM or idle series: unknown is not idle.
+func TestHolderMIG(t *testing.T) {
+	c, agent := installMIGCapable(t)
+	const res = "nvidia.com/mig-3g.20gb"
+	edited := setConfigMap(t, c, map[string]string{"config.yaml": migLayoutConfig(`{"3g.20gb": 2}`)})
+	waitOfferedQ(t, c, res, 2*nodeGPUs, edited)
+	ctx := clusterCtx(t)
+	loads := []holderLoad{{"mig-a", 0, 5 << 30}, {"mig-b", 0, 7 << 30}}
+	for _, l := range loads {
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: l.pod, Namespace: "default", Labels: map[string]string{"app": "mig-holders"}},
+			Spec:       harness.GPUPodTemplate(nil, res, 1).Spec,
+		}
+		if _, err := c.Client.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := c.WaitPodsRunning(ctx, "default", "app=mig-holders", len(loads)); err != nil {
+		dumpPods(t, c, "default")
+		t.Fatal(err)
+	}
+	devices := map[string]holderUse{}
+	eventually(t, "the MIG holders on /holders", func() bool {
+		for _, l := range loads {
+			h, ok := holderOf(t, agent, l.pod)
+			if !ok {
+				return false
+			}
+			devices[l.pod] = h
+		}
+		return true
+	})
+	if devices["mig-a"].Device == devices["mig-b"].Device {
+		t.Fatalf("both pods hold %s", devices["mig-a"].Device)
+	}
+	for _, l := range loads {
+		h := devices[l.pod]
+		if h.MIGProfile != "3g.20gb" || h.Sharers != 1 || !strings.HasPrefix(h.Device, "MIG-") {
+			t.Fatalf("/holders: %+v; want a 3g.20gb MIG device of its own", h)
+		}
+		registerProcessOn(t, c, agent, `"uuid":"`+h.Device+`"`, l, "")
+	}
+	registered := time.Now()
+	eventually(t, "each MIG holder's memory and process", func() bool {
+		for _, l := range loads {
+			labels := []string{fmt.Sprintf(`gpu="%d"`, devices[l.pod].GPU), `pod="` + l.pod + `"`, `GPU_I_PROFILE="3g.20gb"`}
+			fb, ok1 := seriesValue(t, agent, "gpu_agent_holder_fb_used_bytes", labels...)
+			n, ok2 := seriesValue(t, agent, "gpu_agent_holder_processes", labels...)
+			if !ok1 || !ok2 || fb != float64(l.fb) || n != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	t.Logf("MEASURED 2 MIG processes registered -> each holder's own memory: %s", time.Since(registered).Round(10*time.Millisecond))
+	for _, l := range loads {
+		for _, m := range []string{"gpu_agent_holder_sm_util_percent", "gpu_agent_holder_idle_seconds"} {
+			if s := draSeries(t, agent, m, `pod="`+l.pod+`"`); s != "" {
+				t.Errorf("%s on an A100 MIG device with a process: %s; want none (unknown)", l.pod, s)
+			}
 		}
 	}
 }
