@@ -162,9 +162,9 @@ func holderTimeSliced(t *testing.T, containerd2 string) {
 	if containerd2 != "" {
 		want = "2."
 	}
-	v, err := c.ContainerdVersion(ctx)
-	if err != nil || !strings.HasPrefix(v, want) {
-		t.Fatalf("containerd %q (%v), want %s", v, err, want)
+	v := containerdVersion(t, c)
+	if !strings.HasPrefix(v, want) {
+		t.Fatalf("containerd %s, want %s", v, want)
 	}
 	t.Logf("containerd %s", v)
 	edited := setConfigMap(t, c, map[string]string{"config.yaml": packedSharedConfig(4)})
@@ -286,6 +286,16 @@ func holderTimeSliced(t *testing.T, containerd2 string) {
 	}
 }
 
+// containerdVersion is the version of the node's containerd.
+func containerdVersion(t *testing.T, c *harness.Cluster) string {
+	t.Helper()
+	v, err := c.ContainerdVersion(clusterCtx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
 // draHolderLabels are the labels of a claim's holder series on /metrics: dcgm-exporter's dra_* labels.
 func draHolderLabels(c *harness.Cluster, claim string) []string {
 	return []string{`dra_claim_name="` + claim + `"`, `dra_claim_namespace="default"`, `dra_driver_name="` + draDriver + `"`,
@@ -342,6 +352,17 @@ func checkClaimSeries(t *testing.T, c *harness.Cluster, agent string, loads []ho
 // own numbers; the claim whose pod ends loses its series, the other keeps them.
 func TestHolderDRASharedClaim(t *testing.T) {
 	c, agent := installDRA(t)
+	holderDRASharedClaim(t, c, agent)
+}
+
+// TestHolderDRASharedClaimContainerd2: the same on containerd 2.x, where the claims' devices come through CDI.
+func TestHolderDRASharedClaimContainerd2(t *testing.T) {
+	c, agent := installOverlayOn(t, "sim-dra-overlay", inputs.containerd2)
+	holderDRASharedClaim(t, c, agent)
+}
+
+func holderDRASharedClaim(t *testing.T, c *harness.Cluster, agent string) {
+	t.Logf("containerd %s", containerdVersion(t, c))
 	setConfigMap(t, c, map[string]string{"config.yaml": timeSliced4})
 	eventually(t, "gpu-0 shared 4 ways in the ResourceSlice", func() bool {
 		q, ok := nodeSlice(t, c)["gpu-0"].Capacity["shares"]
@@ -368,6 +389,7 @@ func TestHolderDRASharedClaim(t *testing.T) {
 // own numbers.
 func TestHolderMPSContainerd2(t *testing.T) {
 	c, agent := installDRAWithFakeMPS(t)
+	t.Logf("containerd %s", containerdVersion(t, c))
 	setConfigMap(t, c, map[string]string{"config.yaml": `version: v1
 configs:
   default:
@@ -395,8 +417,14 @@ configs:
 // TestHolderMIG: GPU 0 laid out as two 3g.20gb MIG devices on an A100, each held by a pod running a process.
 // NVML has no per-process utilization on MIG and an A100 MIG device no figure of its own, so each holder's
 // series are its own memory and process count, and no SM or idle series: unknown is not idle.
-func TestHolderMIG(t *testing.T) {
-	c, agent := installMIGCapable(t)
+func TestHolderMIG(t *testing.T) { holderMIG(t, "") }
+
+// TestHolderMIGContainerd2: the same on containerd 2.x.
+func TestHolderMIGContainerd2(t *testing.T) { holderMIG(t, inputs.containerd2) }
+
+func holderMIG(t *testing.T, containerd2 string) {
+	c, agent := installOverlayOn(t, "sim-mig-overlay", containerd2)
+	t.Logf("containerd %s", containerdVersion(t, c))
 	const res = "nvidia.com/mig-3g.20gb"
 	edited := setConfigMap(t, c, map[string]string{"config.yaml": migLayoutConfig(`{"3g.20gb": 2}`)})
 	waitOfferedQ(t, c, res, 2*nodeGPUs, edited)

@@ -43,8 +43,9 @@ func daemonSetArgs(e *Env) (args, env []string, err error) {
 		"/run/gpu-agent/mps":             e.d.agentMPS,
 		"/etc/gpu-agent":                 e.d.agentConfigDir,
 		"/var/run/cdi":                   e.d.cdiSpecs,
-		// The host's /proc (--host-proc): the agent runs on the host here, so it is /proc itself.
-		"/host/proc": hostProc,
+		// The host's /proc, read-only, for the holder tracker: the agent
+		// runs on the host here, so it is /proc itself.
+		"/host/proc": "/proc",
 	}
 	for _, m := range c.VolumeMounts {
 		if _, ok := volumes[m.MountPath]; !ok {

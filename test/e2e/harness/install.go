@@ -82,9 +82,8 @@ func (c *Cluster) NodeLayer() (NodeLayer, error) {
 			// plugins directory stays the real one, like the device plugin directory.
 			"/var/lib/kubelet/plugins_registry": filepath.Join(c.d.kubeletRoot, "plugins_registry"),
 			DRAPluginsDir:                       DRAPluginsDir,
-			// The host's /proc (--host-proc, read-only): the process table is the node's own, so that the
-			// agent finds the containerd cgroup of each GPU process the suite registers by its host PID.
-			hostProc: hostProc,
+			// The holder tracker reads the host's /proc: the e2e node is this host.
+			"/proc": "/proc",
 		},
 		APIHost: "127.0.0.1",
 		APIPort: c.APIPort,
@@ -348,12 +347,8 @@ func nodeKustomization(resources []string, agent string, layer NodeLayer, volume
 	return append([]byte("# The e2e node layer (test/e2e/harness/install.go), generated for this run.\n"), body...), nil
 }
 
-// hostProc is the host's /proc, which the DaemonSet mounts read-only for --host-proc: the one host path
-// outside the run besides the kubelet's plugin directories that the e2e node gives it as it is.
-const hostProc = "/proc"
-
 // buildChecked builds the node layer's kustomization and checks that the DaemonSet touches no host
-// directory outside the run but the kubelet's plugin directories and the host's /proc.
+// directory outside the run but the kubelet's device plugin directory.
 func (c *Cluster) buildChecked(dir string, layer NodeLayer) ([]*unstructured.Unstructured, error) {
 	out, err := Kustomize(dir)
 	if err != nil {
@@ -378,7 +373,8 @@ func (c *Cluster) buildChecked(dir string, layer NodeLayer) ([]*unstructured.Uns
 			if v.HostPath == nil {
 				continue
 			}
-			if p := v.HostPath.Path; p != DevicePluginDir && p != DRAPluginsDir && p != hostProc && !strings.HasPrefix(p, c.d.run+"/") {
+			// The host's /proc is the holder tracker's, mounted read-only: it reads processes, nothing more.
+			if p := v.HostPath.Path; p != DevicePluginDir && p != DRAPluginsDir && p != "/proc" && !strings.HasPrefix(p, c.d.run+"/") {
 				return nil, fmt.Errorf("%s: DaemonSet %s: volume %s would mount the host's %s", dir, ds.Name, v.Name, p)
 			}
 		}
