@@ -153,8 +153,8 @@ func TestHolderTimeSlicedContainerd2(t *testing.T) { holderTimeSliced(t, inputs.
 
 // holderTimeSliced: 4 pods on replicas of one GPU (packed), each running a process with its own load. Each
 // pod's series carry its own numbers; the pod whose process stops using the GPU shows its idle time growing
-// while the others stay active; a pod that ends loses its series within one pass of the tracker after the
-// kubelet stops listing it.
+// while the others stay active; a pod that ends loses its series within one pass of the tracker after it is
+// gone from the API.
 func holderTimeSliced(t *testing.T, containerd2 string) {
 	c, agent := installOverlayOn(t, "sim-overlay", containerd2)
 	ctx := clusterCtx(t)
@@ -250,9 +250,15 @@ func holderTimeSliced(t *testing.T, containerd2 string) {
 	if first > time.Since(idleSince).Seconds()+holderPass.Seconds() {
 		t.Errorf("holder-a idle %gs, %s after its process stopped", first, time.Since(idleSince))
 	}
-	eventually(t, "holder-a's idle time growing", func() bool { return idle("holder-a") > first })
+	var later float64
+	eventually(t, "holder-a's idle time growing", func() bool {
+		later = idle("holder-a")
+		return later > first
+	})
+	t.Logf("holder-a idle %gs, then %gs; holder-b %gs", first, later, idle("holder-b"))
 
-	// holder-d ends: once the kubelet no longer lists it, its series go within one pass.
+	// holder-d ends: once its pod is gone from the API (the kubelet has stopped it, and pod-resources no longer
+	// lists it), its series go within one pass.
 	if err := c.Client.CoreV1().Pods("default").Delete(ctx, "holder-d", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
