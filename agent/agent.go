@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
@@ -146,6 +147,10 @@ type Options struct {
 	ConfigObservers []func(*config.Config)
 	// StateDir holds the checkpoint ("": nothing is checkpointed).
 	StateDir string
+	// WriteState replaces a file of StateDir atomically (default
+	// atomicfile.Write); tests fail it as a full or read-only state dir
+	// would.
+	WriteState func(path string, data []byte, opts ...atomicfile.Options) error
 	// Restored is the checkpoint read at start (nil: none).
 	Restored *Checkpoint
 	// BootID is the node's boot id at start ("" unknown): health causes
@@ -334,6 +339,9 @@ func New(opts Options) *Agent {
 	if opts.Background == nil {
 		inbox := opts.Inbox
 		opts.Background = func(work func() Event) { go func() { inbox.Post(work()) }() }
+	}
+	if opts.WriteState == nil {
+		opts.WriteState = atomicfile.Write
 	}
 	a := &Agent{opts: opts, log: opts.Logger, now: opts.Now, inbox: opts.Inbox, ctx: context.Background()}
 	a.metrics = newMetrics(opts.Registerer)

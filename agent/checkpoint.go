@@ -200,12 +200,17 @@ func (a *Agent) checkpoint() error {
 		return err
 	}
 	if bytes.Equal(body, a.saved) {
+		// The file holds this already: a write that failed since, for
+		// content that changed back, left nothing unsaved.
+		if a.ckptErr.clear() {
+			a.log.Info("checkpoint on disk holds the state again", "path", filepath.Join(a.opts.StateDir, CheckpointFile))
+		}
 		return nil
 	}
 	cp.Written = a.now()
 	out, err := json.MarshalIndent(cp, "", " ")
 	if err == nil {
-		err = atomicfile.Write(filepath.Join(a.opts.StateDir, CheckpointFile), out)
+		err = a.opts.WriteState(filepath.Join(a.opts.StateDir, CheckpointFile), out)
 	}
 	if err != nil {
 		a.metrics.ckptFailures.Add(1)

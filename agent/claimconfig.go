@@ -152,17 +152,16 @@ func (a *Agent) checkSharing(d devicemodel.Device, cs *claimSharing, uid types.U
 	return nil
 }
 
-// applySharing does what cs asks of d for the claim's device pd: sets the
-// time slice, or makes it an MPS client (its environment and mounts); it
-// returns them for the claim's CDI spec (nil: the device needs none).
-// limits holds a device shared by the config's MPS: the claim's client
-// limits from its share (mpsClient).
-func (a *Agent) applySharing(uid types.UID, d devicemodel.Device, r dra.Allocated, cs *claimSharing, pd *PreparedClaimDevice) (map[string]string, []catalog.Mount, error) {
+// decideSharing works out what cs asks of d for the claim's device p: the
+// time slice to set, or what makes it an MPS client (its environment and
+// mounts, and the claim's own daemon where the config runs none); it
+// returns the environment and mounts for the claim's CDI spec (nil: the
+// device needs none). A device shared by the config's MPS gives the claim
+// client limits from its share (mpsClient). It changes nothing.
+func (a *Agent) decideSharing(d devicemodel.Device, r dra.Allocated, cs *claimSharing, p *devicePlan) (map[string]string, []catalog.Mount, error) {
 	if cs.is(devicemodel.StrategyTimeSlicing) && cs.sharing.Interval != devicemodel.IntervalDefault {
-		if err := a.opts.TimeSlice.SetInterval(d.UUID, cs.sharing.Interval.Level()); err != nil {
-			return nil, nil, fmt.Errorf("%s: setting time slice %s: %w", cs.field, cs.sharing.Interval, err)
-		}
-		pd.Interval = cs.sharing.Interval
+		p.Interval, p.intervalField = cs.sharing.Interval, cs.field
+		p.Device.Interval = cs.sharing.Interval
 	}
 	switch {
 	case d.MPS:
@@ -172,8 +171,8 @@ func (a *Agent) applySharing(uid types.UID, d devicemodel.Device, r dra.Allocate
 		}
 		// The claim's own limits, within the daemon's: the environment
 		// can only lower what the daemon gives.
-		if p := cs.sharing.MPS.ActiveThreadPercentage; p > 0 {
-			env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = strconv.Itoa(p)
+		if pct := cs.sharing.MPS.ActiveThreadPercentage; pct > 0 {
+			env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = strconv.Itoa(pct)
 		}
 		if cs.pinned > 0 {
 			env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = "0=" + strconv.FormatInt(cs.pinned>>20, 10) + "M"
@@ -184,11 +183,8 @@ func (a *Agent) applySharing(uid types.UID, d devicemodel.Device, r dra.Allocate
 		if err := dm.Validate(); err != nil {
 			return nil, nil, fmt.Errorf("%s: %w", cs.field, err)
 		}
-		if err := a.mpsUp(uid, dm); err != nil {
-			return nil, nil, err
-		}
 		env, mounts := mps.ContainerSpec(a.opts.MPSRoot, a.opts.MPSShmDir, dm)
-		pd.MPSDaemon = &dm
+		p.Daemon, p.Device.MPSDaemon = &dm, &dm
 		return env, mounts, nil
 	}
 	return nil, nil, nil

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -327,32 +326,16 @@ func TestDRAClaimConfigOnDemandMIG(t *testing.T) {
 	}
 }
 
-// buildFakeMPS builds the stand-in MPS control program of the mps
-// package's tests (mps/testdata/fakemps).
-func buildFakeMPS(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "nvidia-cuda-mps-control")
-	if out, err := exec.Command("go", "build", "-o", bin, "../mps/testdata/fakemps").CombinedOutput(); err != nil {
-		t.Fatalf("build fakemps: %v\n%s", err, out)
-	}
-	// The supervisor tells daemons apart by /proc/PID/exe, the real path.
-	bin, err := filepath.EvalSymlinks(bin)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return bin
-}
-
 // The same through the real MPS supervisor running the stand-in control
 // program: the daemon started for the claim gets the config's limits as its
 // defaults, and Prepare succeeds once it answers.
 func TestDRAClaimConfigMPSDaemon(t *testing.T) {
-	bin := buildFakeMPS(t)
+	bin, args := mpsStandIn(t)
 	root, err := os.MkdirTemp("", "mps") // unix socket paths are short; t.TempDir can be too long
 	if err != nil {
 		t.Fatal(err)
 	}
-	sup := mps.NewSupervisor(mps.Options{Binary: bin, Root: root, StopTimeout: 5 * time.Second})
+	sup := mps.NewSupervisor(mps.Options{Binary: bin, Args: args, Root: root, StopTimeout: 5 * time.Second})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- sup.Run(ctx) }()
@@ -386,7 +369,7 @@ func TestDRAClaimConfigMPSDaemon(t *testing.T) {
 	if got := h.prepare(c)["uid-d"]; got.Err != nil {
 		t.Fatalf("Prepare once the daemon answers: %v", got.Err)
 	}
-	cmds, err := os.ReadFile(filepath.Join(mps.LogDir(root, g1.UUID), "commands.log"))
+	cmds, err := os.ReadFile(filepath.Join(mps.LogDir(root, g1.UUID), "control.log"))
 	if err != nil {
 		t.Fatal(err)
 	}

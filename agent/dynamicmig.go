@@ -39,23 +39,38 @@ func (a *Agent) applyAndRead(plan mig.Plan, why string) error {
 	return err
 }
 
-// createPartition creates the MIG device d stands for (dynamic MIG): MIG
-// mode on first if it is off (only on GPUs that need no reset for it, and
-// only while no container holds the GPU), then the GPU instance at d's
-// placement with one compute instance spanning it, journaled by the MIG
-// applier like any layout change. The intent is in the ledger, and
-// checkpointed, before anything changes, so a crash orphans nothing.
-func (a *Agent) createPartition(c dra.Claim, d devicemodel.Device) (PreparedClaimDevice, error) {
+// partitionPlan is a MIG device to make on demand for a claim (dynamic
+// MIG), decided by planPartition and made by createPartition.
+type partitionPlan struct {
+	// GPU is the GPU as last read, and Plan the change that makes the
+	// device there: MIG mode on first if it is off (only on GPUs that need
+	// no reset for it), then the GPU instance at the device's placement
+	// with one compute instance spanning it.
+	GPU  gpu.GPU
+	Plan mig.Plan
+	// Intent is the device as the ledger records it before the plan runs.
+	Intent PreparedClaimDevice
+	// TurnsMIGOn: the plan turns MIG on for claims, so the GPU goes back to
+	// MIG off when its last on-demand device goes; the ledger records that
+	// with the intent, before the mode changes.
+	TurnsMIGOn bool
+	// why names the claim, for the applier's journal and the logs.
+	why string
+}
+
+// planPartition works out the change that makes the MIG device pool device
+// d stands for, for claim c, on its GPU as last read. It changes nothing.
+func (a *Agent) planPartition(c dra.Claim, d devicemodel.Device) (partitionPlan, error) {
 	if a.opts.MIG == nil {
-		return PreparedClaimDevice{}, errors.New("this agent does not manage MIG")
+		return partitionPlan{}, errors.New("this agent does not manage MIG")
 	}
 	g, ok := a.inv.GPUByUUID(d.ParentUUID)
 	if !ok {
-		return PreparedClaimDevice{}, fmt.Errorf("GPU %s is gone", d.ParentUUID)
+		return partitionPlan{}, fmt.Errorf("GPU %s is gone", d.ParentUUID)
 	}
 	for _, m := range g.Instances {
 		if m.Placement.Start < d.Placement.Start+d.Placement.Size && d.Placement.Start < m.Placement.Start+m.Placement.Size {
-			return PreparedClaimDevice{}, fmt.Errorf("GPU %d: MIG device %s (%s at %d) already occupies memory slices %d-%d",
+			return partitionPlan{}, fmt.Errorf("GPU %d: MIG device %s (%s at %d) already occupies memory slices %d-%d",
 				g.Index, m.UUID, m.Profile, m.Placement.Start, d.Placement.Start, d.Placement.Start+d.Placement.Size-1)
 		}
 	}
@@ -63,37 +78,47 @@ func (a *Agent) createPartition(c dra.Claim, d devicemodel.Device) (PreparedClai
 	for _, m := range g.Instances {
 		counts[m.Profile]++
 	}
-	plan := mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: true, Counts: counts}}
-	why := "DRA claim " + c.String()
-	if !g.MIG.Current {
-		plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpSetMode, Enable: true, Reason: why + ": the first MIG device on an idle GPU"})
+	pp := partitionPlan{GPU: g, why: "DRA claim " + c.String(), TurnsMIGOn: !g.MIG.Current,
+		Plan: mig.Plan{GPU: g.Index, UUID: g.UUID, Want: mig.Want{MIGEnabled: true, Counts: counts}},
+		Intent: PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name}, Created: true, Parent: g.UUID,
+			Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement}}
+	if pp.TurnsMIGOn {
+		pp.Plan.Steps = append(pp.Plan.Steps, mig.Step{Op: mig.OpSetMode, Enable: true, Reason: pp.why + ": the first MIG device on an idle GPU"})
 	}
-	plan.Steps = append(plan.Steps, mig.Step{Op: mig.OpCreate, Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement, Reason: why})
-	intent := PreparedClaimDevice{PreparedDevice: dra.PreparedDevice{Device: d.Name}, Created: true, Parent: g.UUID,
-		Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement}
+	pp.Plan.Steps = append(pp.Plan.Steps, mig.Step{Op: mig.OpCreate, Profile: d.Profile, ProfileIndex: d.ProfileIndex, Placement: d.Placement, Reason: pp.why})
+	return pp, nil
+}
+
+// createPartition makes the MIG device pp plans for claim c, journaled by
+// the MIG applier like any layout change. The intent is in the ledger, and
+// checkpointed, before anything changes, so a crash orphans nothing; until
+// the plan runs, a failure takes the intent back (one deferred rollback),
+// and after, the claim's release (the caller's) undoes whatever the plan
+// made, from the intent.
+func (a *Agent) createPartition(c dra.Claim, pp partitionPlan) (dev PreparedClaimDevice, err error) {
+	g, intent := pp.GPU, pp.Intent
 	wasDynamic := a.ledger.Dynamic(g.UUID)
-	if !g.MIG.Current {
-		// Turned on for claims: this GPU changes MIG mode without a reset,
-		// so it goes back to MIG off when its last on-demand device goes.
-		// Recorded with the intent, before the mode changes.
+	if pp.TurnsMIGOn {
 		a.ledger.SetDynamic(g.UUID, true)
 	}
-	undo := func() {
-		a.ledger.DropIntent(c.UID, intent)
-		if !wasDynamic {
-			a.ledger.SetDynamic(g.UUID, false)
+	ran := false
+	defer func() {
+		if err != nil && !ran {
+			a.ledger.DropIntent(c.UID, intent)
+			if !wasDynamic {
+				a.ledger.SetDynamic(g.UUID, false)
+			}
 		}
-	}
+	}()
 	if err := a.ledger.Intend(c.UID, PreparedClaim{Namespace: c.Namespace, Name: c.Name, At: a.now()}, intent); err != nil {
-		undo()
 		return PreparedClaimDevice{}, fmt.Errorf("GPU %d (%s) is %w", g.Index, g.UUID, err)
 	}
 	if err := a.checkpoint(); err != nil {
-		undo()
 		return PreparedClaimDevice{}, fmt.Errorf("GPU %d: %s at %d not created: it could not be checkpointed first, so a crash could orphan it: %w",
-			g.Index, d.Profile, d.Placement.Start, err)
+			g.Index, intent.Profile, intent.Placement.Start, err)
 	}
-	err := a.applyAndRead(plan, why)
+	ran = true
+	err = a.applyAndRead(pp.Plan, pp.why)
 	if err != nil {
 		err = fmt.Errorf("GPU %d: %w", g.Index, err)
 	}
@@ -102,7 +127,7 @@ func (a *Agent) createPartition(c dra.Claim, d devicemodel.Device) (PreparedClai
 		// ledger: the claim's release (the caller's) undoes it once the
 		// GPU reads again.
 		if err == nil {
-			err = fmt.Errorf("GPU %d could not be read after %s at %d was created", g.Index, d.Profile, d.Placement.Start)
+			err = fmt.Errorf("GPU %d could not be read after %s at %d was created", g.Index, intent.Profile, intent.Placement.Start)
 		}
 		return PreparedClaimDevice{}, err
 	}
@@ -110,16 +135,16 @@ func (a *Agent) createPartition(c dra.Claim, d devicemodel.Device) (PreparedClai
 	if ok && !now.MIG.Current && !now.MIG.Pending {
 		a.ledger.SetDynamic(g.UUID, false) // the mode did not change, not even pending a reset
 	}
-	if m, made := instanceAt(now, d.Profile, d.Placement); ok && made && err == nil {
+	if m, found := instanceAt(now, intent.Profile, intent.Placement); ok && found && err == nil {
 		// The intent stays until the claim is checkpointed with the
 		// device (claimsStep).
-		a.log.Info("DRA: MIG device created", "claim", c.String(), "gpu", g.Index, "profile", d.Profile, "placement", d.Placement.Start, "uuid", m.UUID)
-		dev := intent
-		dev.UUID, dev.CDIDevices = m.UUID, []string{devicemodel.CDIKind + "=" + m.UUID}
-		return dev, nil
+		a.log.Info("DRA: MIG device created", "claim", c.String(), "gpu", g.Index, "profile", intent.Profile, "placement", intent.Placement.Start, "uuid", m.UUID)
+		made := intent
+		made.UUID, made.CDIDevices = m.UUID, []string{devicemodel.CDIKind + "=" + m.UUID}
+		return made, nil
 	}
 	if err == nil {
-		err = fmt.Errorf("GPU %d: %s at %d was created but NVML does not list it", plan.GPU, d.Profile, d.Placement.Start)
+		err = fmt.Errorf("GPU %d: %s at %d was created but NVML does not list it", pp.Plan.GPU, intent.Profile, intent.Placement.Start)
 	}
 	// Whatever the failed creation left (a device NVML lists late, MIG mode
 	// turned on or pending a reset) is undone with the claim's release (the

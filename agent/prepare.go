@@ -16,6 +16,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/mps"
 )
 
 // DRA Prepare and Unprepare: what a claim gets, decided against the ledger.
@@ -167,19 +168,63 @@ func (a *Agent) prepareClaim(c dra.Claim, pool *devicemodel.Pool) (pc PreparedCl
 	return pc, nil
 }
 
-// prepareDevice is what request r of claim c gets from pool device r.Device:
-// the device as it is for admin access, a MIG device made on demand, or a
-// whole, MIG or shared device; for an MPS client also the CDI device of the
-// claim's own spec, numbered after the n it has. pc is what the claim got
-// so far: one claim cannot hold a GPU and one of its MIG devices. cs is
-// the sharing the claim's config asks of the device (nil: none).
+// prepareDevice is what request r of claim c gets from pool device r.Device
+// (decideDevice), made and set on the node (makeDevice); for an MPS client
+// also the CDI device of the claim's own spec, numbered after the n it has.
+// Each device is decided against the node as the devices before it in the
+// claim left it: a second MIG device made on the same GPU counts the first.
 func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, pool *devicemodel.Pool, pc PreparedClaim, n int) (PreparedClaimDevice, *cdi.ClaimDevice, error) {
+	p, err := a.decideDevice(c, r, cs, pool, pc, n)
+	if err != nil {
+		return PreparedClaimDevice{}, nil, err
+	}
+	pd, err := a.makeDevice(c, r, p)
+	if err != nil {
+		return PreparedClaimDevice{}, nil, err
+	}
+	return pd, p.CDI, nil
+}
+
+// devicePlan is what one request of a claim gets, decided before anything
+// is made or set for it (decideDevice); makeDevice then does it, in the
+// order of the fields.
+type devicePlan struct {
+	// Device is what the claim records in the ledger for the request. For
+	// a MIG device made on demand it is the intent: its UUID and CDI name
+	// are known once NVML lists it.
+	Device PreparedClaimDevice
+	// Partition, when set, is the MIG device to make on demand; nothing
+	// else is done for it.
+	Partition *partitionPlan
+	// Interval is the time slice to set on the device before the claim is
+	// answered ("": none); intervalField names the config asking, for
+	// errors.
+	Interval      devicemodel.Interval
+	intervalField string
+	// Daemon is the claim's own MPS control daemon, which must answer
+	// before the claim is answered (nil: none).
+	Daemon *mps.Daemon
+	// CDI is the device of the claim's own CDI spec, with the MPS
+	// environment and mounts its containers get (nil: none); the claim's
+	// spec is written once every device is made, before the ledger records
+	// the claim.
+	CDI *cdi.ClaimDevice
+}
+
+// decideDevice works out what request r of claim c gets from pool device
+// r.Device: the device as it is for admin access, a MIG device to make on
+// demand, or a whole, MIG or shared device, with the time slice, MPS daemon
+// and CDI device its sharing asks for. pc is what the claim got so far: one
+// claim cannot hold a GPU and one of its MIG devices. cs is the sharing the
+// claim's config asks of the device (nil: none). It reads the loop's state
+// and the ledger, and changes neither: a refusal leaves nothing to undo.
+func (a *Agent) decideDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, pool *devicemodel.Pool, pc PreparedClaim, n int) (devicePlan, error) {
 	d, ok := pool.Device(r.Device)
 	if !ok {
-		return PreparedClaimDevice{}, nil, fmt.Errorf("device %q is not offered on this node (any more)", r.Device)
+		return devicePlan{}, fmt.Errorf("device %q is not offered on this node (any more)", r.Device)
 	}
 	if d.Unhealthy != "" && !r.ToleratesUnhealthy && !r.AdminAccess {
-		return PreparedClaimDevice{}, nil, fmt.Errorf("device %s (%s) is unhealthy: %s", r.Device, d.UUID, d.Unhealthy)
+		return devicePlan{}, fmt.Errorf("device %s (%s) is unhealthy: %s", r.Device, d.UUID, d.Unhealthy)
 	}
 	if d.Cordoned != "" && !r.ToleratesCordon && !r.AdminAccess {
 		// The scheduler honours the taint; this catches a claim allocated
@@ -191,7 +236,7 @@ func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, po
 				name += " (" + d.UUID + ")"
 			}
 		}
-		return PreparedClaimDevice{}, nil, fmt.Errorf("device %s is on GPU %d (%s), cordoned by the Node's %s annotation: only a request that tolerates the %s taint gets it",
+		return devicePlan{}, fmt.Errorf("device %s is on GPU %d (%s), cordoned by the Node's %s annotation: only a request that tolerates the %s taint gets it",
 			name, idx, uuid, cordonAnnotation, devicemodel.TaintCordoned)
 	}
 	if r.AdminAccess {
@@ -199,49 +244,76 @@ func (a *Agent) prepareDevice(c dra.Claim, r dra.Allocated, cs *claimSharing, po
 		// admin access neither holds nor creates anything.
 		pd, err := a.adminDevice(d)
 		if err != nil {
-			return pd, nil, fmt.Errorf("(admin access): %w", err)
+			return devicePlan{}, fmt.Errorf("(admin access): %w", err)
 		}
-		return pd, nil, nil
+		return devicePlan{Device: pd}, nil
 	}
 	for _, o := range pc.Devices {
 		if !o.AdminAccess && (o.UUID == d.ParentUUID || (o.Parent != "" && o.Parent == d.UUID) || (o.UUID != d.UUID && a.ledger.Overlaps(o.UUID, d.UUID))) {
-			return PreparedClaimDevice{}, nil, fmt.Errorf("device %s and device %s of the same claim are the same GPU", o.Device, r.Device)
+			return devicePlan{}, fmt.Errorf("device %s and device %s of the same claim are the same GPU", o.Device, r.Device)
 		}
 	}
 	if err := a.checkSharing(d, cs, c.UID); err != nil {
-		return PreparedClaimDevice{}, nil, fmt.Errorf("device %s: %w", r.Device, err)
+		return devicePlan{}, fmt.Errorf("device %s: %w", r.Device, err)
 	}
 	if d.Partition {
-		pd, err := a.createPartition(c, d)
+		pp, err := a.planPartition(c, d)
 		if err != nil {
-			return pd, nil, fmt.Errorf("device %s: %w", r.Device, err)
+			return devicePlan{}, fmt.Errorf("device %s: %w", r.Device, err)
 		}
-		return pd, nil, nil
+		return devicePlan{Device: pp.Intent, Partition: &pp}, nil
 	}
 	if by := a.whyTaken(d, c.UID, max(r.SharesTaken, 1)); by != "" {
-		return PreparedClaimDevice{}, nil, fmt.Errorf("device %s (%s) is in use by %s", r.Device, d.UUID, by)
+		return devicePlan{}, fmt.Errorf("device %s (%s) is in use by %s", r.Device, d.UUID, by)
 	}
-	pd := PreparedClaimDevice{
+	p := devicePlan{Device: PreparedClaimDevice{
 		PreparedDevice: dra.PreparedDevice{Device: r.Device, CDIDevices: []string{d.CDIDevice()}, ShareID: r.ShareID},
 		UUID:           d.UUID,
-	}
+	}}
 	if d.Shares > 1 {
-		pd.Shares = max(r.SharesTaken, 1)
+		p.Device.Shares = max(r.SharesTaken, 1)
 	}
 	if !d.MPS && cs == nil {
-		return pd, nil, nil
+		return p, nil
 	}
-	env, mounts, err := a.applySharing(c.UID, d, r, cs, &pd)
+	env, mounts, err := a.decideSharing(d, r, cs, &p)
 	if err != nil {
-		return pd, nil, fmt.Errorf("device %s (%s): %w", r.Device, d.UUID, err)
+		return devicePlan{}, fmt.Errorf("device %s (%s): %w", r.Device, d.UUID, err)
 	}
 	if env == nil {
-		return pd, nil, nil
+		return p, nil
 	}
 	name := cdi.ClaimDeviceName(string(c.UID), n)
-	pd.CDIDevices = append(pd.CDIDevices, cdi.QualifiedName(name))
-	pd.MPSEnv = env
-	return pd, &cdi.ClaimDevice{Name: name, Env: env, Mounts: mounts}, nil
+	p.Device.CDIDevices = append(p.Device.CDIDevices, cdi.QualifiedName(name))
+	p.Device.MPSEnv = env
+	p.CDI = &cdi.ClaimDevice{Name: name, Env: env, Mounts: mounts}
+	return p, nil
+}
+
+// makeDevice does what p decided for request r of claim c: makes the MIG
+// device, sets the time slice, or sees the claim's MPS daemon answer. It
+// returns the device as the claim records it. What it made stays on a
+// failure: the claim's release (prepareClaim's) undoes it.
+func (a *Agent) makeDevice(c dra.Claim, r dra.Allocated, p devicePlan) (PreparedClaimDevice, error) {
+	if p.Partition != nil {
+		pd, err := a.createPartition(c, *p.Partition)
+		if err != nil {
+			return PreparedClaimDevice{}, fmt.Errorf("device %s: %w", r.Device, err)
+		}
+		return pd, nil
+	}
+	pd := p.Device
+	if p.Interval != "" {
+		if err := a.opts.TimeSlice.SetInterval(pd.UUID, p.Interval.Level()); err != nil {
+			return PreparedClaimDevice{}, fmt.Errorf("device %s (%s): %s: setting time slice %s: %w", r.Device, pd.UUID, p.intervalField, p.Interval, err)
+		}
+	}
+	if p.Daemon != nil {
+		if err := a.mpsUp(c.UID, *p.Daemon); err != nil {
+			return PreparedClaimDevice{}, fmt.Errorf("device %s (%s): %w", r.Device, pd.UUID, err)
+		}
+	}
+	return pd, nil
 }
 
 // adminDevice is what a claim with admin access to d gets: d itself, or

@@ -8,11 +8,13 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
+	"github.com/gpu-agent/gpu-agent/atomicfile"
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
@@ -660,5 +662,115 @@ func TestSimRegressBareGPUInstanceUnderUnfitLayout(t *testing.T) {
 	}
 	if g := gpuOf(t, h2, 0); len(g.GIsWithoutCI) != 0 {
 		t.Errorf("GPU 0 keeps a GPU instance without a compute instance under a layout not in force: %+v", g.GIsWithoutCI)
+	}
+}
+
+// Simulation, seed 20 of -sim.steps=60 (dgx-h100; 41 operations, the
+// state dir filling and emptying): a checkpoint that could not be written kept its error for good when what
+// it was to hold changed back to what the file on disk already had (a GPU
+// cordoned and uncordoned while the state dir was full): the write was
+// skipped as needless, and the error it would have cleared stayed on
+// /status with gpu_agent_state_saved 0 although everything was saved.
+func TestSimRegressCheckpointErrorClearsWhenDiskHasIt(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "state")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	full := false
+	h := newHarnessIn(t, simNode(t, "pcie-4gpu"), dir, func(h *harness) { h.opts.WriteState = fillable(&full) })
+	h.config(wholeGPUs)
+	if st := h.a.Status().State; st == nil || st.Error != "" {
+		t.Fatalf("state %+v, want the checkpoint written", st)
+	}
+	full = true
+	h.step(CordonChanged{GPUs: []string{"1"}})
+	if st := h.a.Status().State; st == nil || !strings.Contains(st.Error, "no space left on device") {
+		t.Fatalf("state %+v, want the checkpoint's error while the state dir is full", st)
+	}
+	h.step(CordonChanged{})
+	full = false
+	h.step(Tick{})
+	if st := h.a.Status().State; st == nil || st.Error != "" {
+		t.Errorf("state %+v: the checkpoint on disk holds what the agent holds, yet an error stands", st)
+	}
+	cp, err := LoadCheckpoint(dir)
+	if err != nil || cp == nil || len(cp.Cordon) != 0 {
+		t.Errorf("checkpoint %+v (%v), want it without a cordon", cp, err)
+	}
+}
+
+// fillable is atomicfile.Write on a state dir that is full while *full.
+func fillable(full *bool) func(path string, data []byte, opts ...atomicfile.Options) error {
+	return func(path string, data []byte, opts ...atomicfile.Options) error {
+		if *full {
+			return fmt.Errorf("write %s: %w", path, syscall.ENOSPC)
+		}
+		return atomicfile.Write(path, data, opts...)
+	}
+}
+
+// fillableLog is the allocation log opened for appending on a state dir
+// that is full while *full: a write then stores half the record and fails.
+func fillableLog(full *bool) func(path string) (ledger.LogFile, error) {
+	return func(path string) (ledger.LogFile, error) {
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0)
+		if err != nil {
+			return nil, err
+		}
+		return fullLogFile{f, full}, nil
+	}
+}
+
+type fullLogFile struct {
+	*os.File
+	full *bool
+}
+
+func (f fullLogFile) Write(b []byte) (int, error) {
+	if !*f.full {
+		return f.File.Write(b)
+	}
+	n, _ := f.File.Write(b[:len(b)/2])
+	return n, &os.PathError{Op: "write", Path: f.Name(), Err: syscall.ENOSPC}
+}
+
+// Simulation, seed 27 of -sim.steps=60 (dgx-a100; 29 operations, the
+// state dir filling and emptying): an Allocate refused because its record
+// could not be appended left the allocation log's error standing until
+// the next Allocate that succeeded. On a node nothing allocates on, the
+// state dir's room came back and /status said for good that the state was
+// not saved (gpu_agent_state_saved 0). The loop's pass tries the log
+// again (ledger.RetryLog): rewritten whole, it clears the error.
+func TestSimRegressAllocationLogErrorClearsWhenDiskHasRoom(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "state")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	full := false
+	h := newHarnessIn(t, simNode(t, "pcie-4gpu"), dir, func(h *harness) {
+		l, err := ledger.New(ledger.Options{StateDir: dir, Now: h.clock.Now, Write: fillable(&full), OpenLog: fillableLog(&full)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.opts.Ledger = l
+	})
+	defer h.a.Ledger().Close()
+	h.config(wholeGPUs)
+	full = true
+	if err := h.allocate(ResourceGPU, h.a.inv.GPUs[0].UUID); !errors.Is(err, ledger.ErrLogUnavailable) {
+		t.Fatalf("Allocate on a full state dir = %v, want ErrLogUnavailable", err)
+	}
+	h.step(Tick{})
+	if st := h.a.Status().State; st == nil || !strings.Contains(st.Error, "allocation log: ") {
+		t.Fatalf("state %+v, want the allocation log's error while the state dir is full", st)
+	}
+	full = false
+	h.clock.Advance(time.Minute)
+	h.step(Tick{})
+	if st := h.a.Status().State; st == nil || st.Error != "" {
+		t.Errorf("state %+v: nothing is unsaved and the state dir has room, yet an error stands", st)
+	}
+	if err := h.allocate(ResourceGPU, h.a.inv.GPUs[0].UUID); err != nil {
+		t.Errorf("Allocate once the state dir has room: %v", err)
 	}
 }

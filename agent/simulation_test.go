@@ -461,6 +461,17 @@ type simRun struct {
 	// pending are events posted while the loop was busy (meanwhile).
 	pending []Event
 
+	// The state dir, the Node's cordon and the API server
+	// (simulation_state_test.go): full, the state dir takes no more
+	// bytes; cordon is the Node's annotation, and cordonView what the
+	// agent must act on (the GPUs by index: the annotation once the
+	// Node watch told it, until then what it restored); statuses are
+	// the claim statuses the agent last handed its writer.
+	full       bool
+	cordon     []string
+	cordonView map[int]bool
+	statuses   *simClaimStatus
+
 	ops      []string
 	found    []simViolation // seen inside an operation (MIG applies)
 	nextName int
@@ -478,6 +489,7 @@ func newSimRun(tb *seedTB, seed uint64) *simRun {
 		clock: newClock(), pub: newRecorder(), rec: &draRecorder{},
 		labels: map[string]string{}, xid: map[int]bool{}, faults: map[simFault]bool{}, lost: map[int]bool{},
 		made: map[string]ident{}, dynOn: map[string]bool{}, known: map[string]int{}, knownAt: map[string]int{}, seen: map[string]int{},
+		cordonView: map[int]bool{}, statuses: &simClaimStatus{},
 	}
 	s.kube = &simKubelet{s: s}
 	tb.logTo = func(line string) { s.ops = append(s.ops, "      | "+line) }
@@ -536,11 +548,18 @@ func (s *simRun) newHarness(restored bool) *harness {
 		if s.tb.log {
 			log = h.opts.Logger
 		}
-		h.opts.MIG = &watchingApplier{s: s, next: mig.NewApplier(h.node, h.dir, log)}
+		applier := mig.NewApplier(h.node, h.dir, log)
+		applier.SetWrite(s.writeState)
+		h.opts.MIG = &watchingApplier{s: s, next: applier}
+		h.opts.WriteState = s.writeState
+		h.opts.ClaimStatus = s.statuses
 	}}
 	if !s.tb.log {
 		opts = append(opts, withQuietLog())
 	}
+	// Last, with the log the agent has: the ledger's allocation log goes
+	// through the seed's state dir, which may be full.
+	opts = append(opts, func(h *harness) { h.opts.Ledger = s.newLedger(h.opts.Logger) })
 	if restored {
 		opts = append(opts, withCheckpoint())
 	}
@@ -601,13 +620,32 @@ func (s *simRun) guard(f func()) (crashed bool) {
 // not always before the first pass.
 func (s *simRun) restart() {
 	s.close()
-	if s.rng.IntN(2) == 0 {
+	if s.rng.IntN(2) == 0 && !s.full {
 		s.history()
 	}
+	s.boot(nil)
+}
+
+// boot starts the agent on what the last one left (restart, upgrade), and
+// hands it to restored, when set, before its first pass. The Node watch
+// may answer after that pass: until it does, the agent acts on the cordon
+// it checkpointed.
+func (s *simRun) boot(restored func()) {
 	s.node = s.newNode(s.rng.IntN(3) == 0)
 	s.h = s.newHarness(true)
+	if restored != nil {
+		restored()
+	}
+	s.cordonView = map[int]bool{}
+	if cp := s.h.opts.Restored; cp != nil {
+		s.cordonView = s.cordonOf(cp.Cordon)
+	}
 	evs := []Event{ConfigChanged{Update: config.Update{Data: []byte(s.configs[s.config].yaml)}}, LabelsChanged{Labels: maps.Clone(s.labels)},
 		HealthChanged{State: s.healthState()}}
+	if s.rng.IntN(2) == 0 {
+		evs = append(evs, CordonChanged{GPUs: slices.Clone(s.cordon)})
+		s.cordonView = s.cordonOf(s.cordon)
+	}
 	if !s.kube.down && s.rng.IntN(2) == 0 {
 		evs = append(evs, HoldingsChanged{Attribution: s.kube.attribution(), Answered: s.clock.Now()})
 	}
@@ -666,6 +704,12 @@ func (s *simRun) op() {
 		{10, s.tick},
 		{3, s.crashRestart},
 		{2, func() { s.do("settle", s.settle) }},
+		// A full state dir gets room again within a few operations (logs
+		// rotated, an image pruned): the agent's other work goes on.
+		{map[bool]int{false: 3, true: 25}[s.full], s.toggleFull},
+		{3, s.editCordon},
+		{2, s.upgradeRollback},
+		{2, s.apiServerLost},
 	}
 	total := 0
 	for _, o := range ops {
@@ -799,6 +843,7 @@ func (s *simRun) admit(res string, ids []string, checkPlugin bool) bool {
 			}
 		}
 	}
+	s.loggedNow(uuids)
 	c := s.kube.add(res, ids, truth)
 	s.seen["Allocate accepted"]++
 	s.note("accepted: %s", c.name)
@@ -861,6 +906,10 @@ func (s *simRun) prepare() {
 		s.do("prepare: no pool", func() {})
 		return
 	}
+	if s.kube.noSlices {
+		s.do("prepare: no ResourceSlice (the API server lost them)", func() {})
+		return
+	}
 	n := 1 + s.rng.IntN(2)
 	var devs []dra.Allocated
 	for i := range n {
@@ -901,6 +950,7 @@ func (s *simRun) retryPrepare() {
 }
 
 func (s *simRun) prepareClaim(c *simClaim) {
+	had := s.h.a.ledger.HasClaim(c.uid)
 	reply := make(chan map[types.UID]dra.Prepared, 1)
 	s.h.step(ClaimsPrepare{Claims: []dra.Claim{c.claim()}, Reply: reply})
 	var p dra.Prepared
@@ -934,6 +984,7 @@ func (s *simRun) prepareClaim(c *simClaim) {
 	}
 	s.note("prepared: %s", strings.Join(got, " "))
 	s.seen["Prepare answered"]++
+	s.preparedNow(c, had)
 }
 
 // unprepare is the kubelet releasing a claim (its pod is gone). Without an
@@ -1085,6 +1136,10 @@ func (s *simRun) tick() {
 	d := time.Duration(1+s.rng.IntN(40)) * time.Second
 	s.do(fmt.Sprintf("%v later: resync", d), func() {
 		s.clock.Advance(d)
+		if s.kube.noSlices {
+			s.kube.noSlices = false
+			s.note("the slice controller wrote the ResourceSlices again")
+		}
 		s.h.step(Tick{})
 	})
 }
@@ -1103,6 +1158,8 @@ func (s *simRun) crashRestart() {
 func (s *simRun) settle() {
 	s.clearAllFaults()
 	s.kube.down = false
+	s.full = false
+	s.kube.noSlices = false
 	s.note("%s", s.kube.retryUnprepares())
 	for range 4 {
 		s.clock.Advance(11 * time.Second)
@@ -1112,11 +1169,16 @@ func (s *simRun) settle() {
 	if v := s.orphans(); v != nil && !s.tolerate(v.kind) {
 		panic(*v)
 	}
+	if st := s.h.a.Status().State; st != nil && st.Error != "" {
+		s.violate("state: not saved once the state dir had room", st.Error)
+	}
 }
 
 // note adds an outcome to the current operation's line.
 func (s *simRun) note(format string, args ...any) {
-	s.ops = append(s.ops, "  "+fmt.Sprintf(format, args...))
+	// Without the seed's temporary dir, which differs from run to run
+	// (errors name the state dir's files): a seed replays to the letter.
+	s.ops = append(s.ops, "  "+strings.ReplaceAll(fmt.Sprintf(format, args...), s.tb.dir, "$SEED"))
 }
 
 // violate stops the seed, unless the violation is a known issue let pass.
@@ -1187,6 +1249,9 @@ func quietLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
 type simKubelet struct {
 	s    *simRun
 	down bool
+	// noSlices: the API server lost the node's ResourceSlices, and the
+	// slice controller has not written them again yet.
+	noSlices bool
 	// containers run until they exit; listed once admitted.
 	containers []*simContainer
 	// claims the scheduler allocated on this node, prepared or not yet;
@@ -1209,6 +1274,9 @@ type simClaim struct {
 	devs     []dra.Allocated
 	prepared bool
 	held     []heldDevice // what the Prepare answer gave
+	// forgotten: the API server lost the claim (apiServerLost); the
+	// kubelet still runs its pod.
+	forgotten bool
 }
 
 // heldDevice is a device a holder has, and what it was when handed out.
@@ -1294,7 +1362,9 @@ func (k *simKubelet) schedule(pool *devicemodel.Pool, devs []dra.Allocated) (dra
 	allocated := map[string]int64{} // device name → shares taken (exclusive: -1)
 	var all []dra.Allocated
 	for _, c := range append(slices.Clone(k.claims), k.unpreparing...) {
-		all = append(all, c.devs...)
+		if !c.forgotten { // the API server lost it: the scheduler does not know its devices are taken
+			all = append(all, c.devs...)
+		}
 	}
 	all = append(all, devs...)
 	used := map[int]map[string]int64{} // counter set (GPU) → counter → consumed
@@ -1664,7 +1734,7 @@ func (s *simRun) check() {
 	s.found = nil
 	truth := s.truth()
 	hs := s.holders(truth)
-	for _, inv := range []func(*simTruth, []holder, reporter){s.vanished, s.givenTwice, s.catalogAgrees, s.poolAgrees} {
+	for _, inv := range []func(*simTruth, []holder, reporter){s.vanished, s.givenTwice, s.catalogAgrees, s.poolAgrees, s.cordonHeld, s.stateSaved} {
 		var stop *simViolation
 		inv(truth, hs, func(kind, detail string) bool {
 			if s.tolerate(kind) {

@@ -42,9 +42,12 @@ const refreshRetry = 10 * time.Second
 //	dra-*      DRA claims in the ledger (checkpointed     plan, if a claim was
 //	           before the kubelet gets its answer)        prepared or released
 //
-// A plan pass is Plan, then at most: apply MIG and Plan again (the GPUs
-// changed); then the actuators: MPS daemons, health policy, the catalog to
-// the kubelet, status, checkpoint. A plan that would destroy MIG devices
+// A plan pass decides (decide: Plan, and the Effects wanted of the node,
+// with no I/O), then the executor does them: the MIG plans first
+// (applyMIG); when they changed the GPUs, the loop reads them and decides
+// again; then the rest (apply): health policy, MPS daemons, the CDI spec,
+// the catalog to the kubelet, the DRA pool, status. The checkpoint is
+// written at the end of the batch. A plan that would destroy MIG devices
 // without an answer of the kubelet's asked for it (fresh) asks in the
 // background and destroys nothing: the pass of the batch the answer comes
 // in does. After each observe, what released DRA claims left on the node is
@@ -303,106 +306,51 @@ func (a *Agent) snapshot() Snapshot {
 	}
 }
 
-func (a *Agent) plan() Desired {
-	a.passes.Add(1)
-	a.metrics.planPasses.Inc()
-	return Plan(a.snapshot())
-}
-
-// pass plans and applies: see Step.
+// pass decides and has the executor apply what it decided: see Step. A
+// MIG plan that changed the GPUs (or a GPU reset) makes the loop read them
+// and decide again: what is published comes from GPUs as they are.
 func (a *Agent) pass(why string) {
 	if a.selected.Config == nil {
 		return
 	}
 	start := a.now()
-	d := a.plan()
-	a.noteConflicts(a.conflictsWith(d.Catalog))
-	a.laid = map[int]bool{}
-	for _, gm := range d.MIG {
-		a.laid[gm.GPU] = true
-	}
-	if d.NeedFreshHoldings || a.ledger.Settleable(start) {
-		// An allocation the kubelet had time to list holds its device
-		// (and the device's GPU: no MIG mode change) until an answer
-		// accounts for it; the background refresh tells only changes,
-		// so the loop asks.
+	e := a.decide(start)
+	a.noteConflicts(a.conflictsWith(e.Catalog))
+	a.laid = e.Laid
+	if e.AskHoldings {
 		a.askHoldings()
 	}
-	changed, reset := a.applyMIG(d)
+	changed, reset := a.applyMIG(e)
 	if reset {
 		// A GPU reset made a pending MIG mode current: its layout is made
 		// in this pass, from a fresh read.
 		a.observe("GPU reset for a MIG mode change")
 		a.ledger.UndoomAll()
-		d = a.plan()
-		a.applyMIG(d)
+		a.applyMIG(a.decide(start))
 		changed = true
 	}
 	if changed {
 		a.observe("MIG layout applied")
 	}
 	// The devices the plans destroyed are gone from this read, those they
-	// did not destroy are free again: the catalog planned now says which.
+	// did not destroy are free again: the catalog decided now says which.
 	a.ledger.UndoomAll()
 	if changed {
-		d = a.plan()
+		e = a.decide(start)
 	}
 	a.fresh = false
-	a.noteFit(d)
-	a.noteCordon(d.Cordon)
-	a.notePlanWarnings(d.Warnings)
-	if d.Catalog == nil {
-		return // nothing fits: what is served stays as it is
-	}
-	if d.FitErr == nil {
-		a.lastGood = d.Config
-	}
-	if a.opts.Health != nil && a.policySet != d.Config.Config {
-		// The health policy changes with the rest of the config, only once
-		// the config is in force.
-		a.opts.Health.SetPolicy(d.HealthPolicy)
-		a.policySet = d.Config.Config
-	}
-	if a.observedConfig != d.Config.Config {
-		for _, f := range a.opts.ConfigObservers {
-			f(d.Config.Config)
-		}
-		a.observedConfig = d.Config.Config
-	}
-	if a.opts.MPS != nil {
-		// Apply before publishing: replicas whose daemon does not answer yet
-		// are unhealthy in this catalog and turn healthy on its signal.
-		if err := a.opts.MPS.Set(d.MPSDaemons); err != nil {
-			a.log.Error("MPS daemons not updated", "error", err)
-		} else {
-			a.mpsSet = d.MPSDaemons
-		}
-	}
-	// The spec first: a container may be given a CDI name as soon as the
-	// catalog is out.
-	a.cdiPlugin = d.Config.Config != nil && d.Config.Config.DevicePlugin.UsesCDI()
-	a.syncCDI(why)
-	a.publish(d.Catalog, why)
-	if a.opts.DRA != nil && d.DRA != nil {
-		a.draPool = d.DRA
-		a.opts.DRA.Publish(d.DRA)
-	}
-	a.lastPass = a.now()
-	a.metrics.reconcileDuration.Observe(a.lastPass.Sub(start).Seconds())
-	// /status says what the kubelet was just told before anything slower
-	// (the checkpoint's fsync) runs; Step publishes it again at its end.
-	a.publishStatus()
+	a.apply(e, why, start)
 }
 
 // noteFit records whether the selected config fits this node.
-func (a *Agent) noteFit(d Desired) {
-	if d.FitErr != nil {
+func (a *Agent) noteFit(e Effects) {
+	if e.FitErr != nil {
 		a.metrics.configValid.Set(0)
-		if a.fitErr.set(d.FitErr, a.now()) {
+		if a.fitErr.set(e.FitErr, a.now()) {
 			a.metrics.configErrors.Inc()
 			a.log.Error("config cannot be applied to this node; serving the last config that could",
-				"config", a.selected.Name, "serving", d.Config.Name, "error", d.FitErr)
-			a.event(true, ReasonConfigNotFitting, "config %q does not fit this node, serving %q: %v", a.selected.Name, d.Config.Name, d.FitErr)
+				"config", a.selected.Name, "serving", e.Serving.Name, "error", e.FitErr)
+			a.event(true, ReasonConfigNotFitting, "config %q does not fit this node, serving %q: %v", a.selected.Name, e.Serving.Name, e.FitErr)
 		}
 		return
 	}
@@ -476,16 +424,17 @@ func (a *Agent) holdingsAnswer(e HoldingsAnswer) bool {
 	return true
 }
 
-// applyMIG runs each GPU's MIG plan, and resets the GPUs whose mode
-// change waits for a reset where the policy allows (resetForMIG); it
-// reports whether any GPU changed, and whether one was reset.
-func (a *Agent) applyMIG(d Desired) (changed, reset bool) {
-	if d.MIG == nil {
+// applyMIG is the executor's first part: it runs e's MIG plans, and resets
+// the GPUs whose mode change waits for a reset where the policy allows
+// (resetForMIG), in the order Effects.MIG states; it reports whether any
+// GPU changed, and whether one was reset.
+func (a *Agent) applyMIG(e Effects) (changed, reset bool) {
+	if e.MIG == nil {
 		if a.migStates != nil {
 			a.metrics.migPhases.Reset()
 		}
 		a.migStates = nil
-		a.noteMIGErr(d.MIGErr)
+		a.noteMIGErr(e.MIGErr)
 		clear(a.migSaid)
 		return false, false
 	}
@@ -493,15 +442,9 @@ func (a *Agent) applyMIG(d Desired) (changed, reset bool) {
 		a.migSaid = map[int]MIGState{}
 	}
 	states := map[int]MIGState{}
-	errs := []error{d.MIGErr}
-	// The layout applied is the served config's, else the selected one's
-	// (planned while its sharing does not fit yet).
-	layoutOf := d.Config
-	if layoutOf.MIGLayout == nil {
-		layoutOf = a.selected
-	}
-	refused := a.doom(d.MIG)
-	for _, gm := range d.MIG {
+	errs := []error{e.MIGErr}
+	refused := a.doom(e.MIG)
+	for _, gm := range e.MIG {
 		st := MIGState{GPU: gm.GPU, UUID: gm.UUID, Want: gm.Want, Phase: gm.State.Phase, Reason: gm.State.Reason}
 		if why, ok := refused[gm.GPU]; ok {
 			// A mode change is not even tried under a holder; where it
@@ -517,7 +460,7 @@ func (a *Agent) applyMIG(d Desired) (changed, reset bool) {
 			}
 			s, err := a.opts.MIG.Apply(a.ctx, gm.Plan, a.ledger)
 			if err != nil {
-				errs = append(errs, layoutOf.MIGError(gm.Plan.Want.Entry, "", err))
+				errs = append(errs, e.MIGLayout.MIGError(gm.Plan.Want.Entry, "", err))
 			}
 			changed = changed || len(gm.Plan.Steps) > 0
 			st.Phase, st.Reason = s.Phase, s.Reason

@@ -22,6 +22,11 @@ var ComputeDomains = schema.GroupVersionResource{Group: cdv1.GroupName, Version:
 // controller's work.
 type Domains interface {
 	Domain(uid string) (*cdv1.ComputeDomain, bool)
+	// Listing are the UIDs of the domains whose status.nodes lists node:
+	// the controller placed their workload there, so their daemon runs
+	// there before any claim is prepared (with binding conditions, the
+	// pod is bound only once it is ready).
+	Listing(node string) []string
 }
 
 // Watcher keeps the cluster's ComputeDomains in a cache (one watch per
@@ -32,7 +37,10 @@ type Watcher struct {
 	log      *slog.Logger
 }
 
-const byUID = "uid"
+const (
+	byUID  = "uid"
+	byNode = "node"
+)
 
 // NewWatcher watches ComputeDomains through client.
 func NewWatcher(client dynamic.Interface, log *slog.Logger) *Watcher {
@@ -45,6 +53,21 @@ func NewWatcher(client dynamic.Interface, log *slog.Logger) *Watcher {
 			return nil, nil
 		}
 		return []string{string(u.GetUID())}, nil
+	}, byNode: func(obj any) ([]string, error) {
+		u, ok := obj.(*unstructured.Unstructured)
+		if !ok {
+			return nil, nil
+		}
+		nodes, _, _ := unstructured.NestedSlice(u.Object, "status", "nodes")
+		var out []string
+		for _, n := range nodes {
+			if m, ok := n.(map[string]any); ok {
+				if name, ok := m["name"].(string); ok {
+					out = append(out, name)
+				}
+			}
+		}
+		return out, nil
 	}})
 	signal := func(any) {
 		select {
@@ -77,6 +100,18 @@ func (w *Watcher) Domain(uid string) (*cdv1.ComputeDomain, bool) {
 		return nil, false
 	}
 	return cd, true
+}
+
+// Listing implements [Domains].
+func (w *Watcher) Listing(node string) []string {
+	objs, _ := w.informer.GetIndexer().ByIndex(byNode, node)
+	out := make([]string, 0, len(objs))
+	for _, o := range objs {
+		if u, ok := o.(*unstructured.Unstructured); ok {
+			out = append(out, string(u.GetUID()))
+		}
+	}
+	return out
 }
 
 func fromUnstructured(obj any) (*cdv1.ComputeDomain, error) {

@@ -41,6 +41,9 @@ type Options struct {
 	Client, ClaimReader kubernetes.Interface
 	// Domains finds ComputeDomains (Watcher).
 	Domains Domains
+	// Status writes the node's readiness into its domains' status.nodes
+	// (Reporter); nil: nothing is reported.
+	Status  StatusApplier
 	Daemons Daemons
 	// StateDir holds the checkpoint (StateFile).
 	StateDir string
@@ -70,7 +73,13 @@ type Driver struct {
 	fabric  Fabric
 	pool    Pool
 	gen     int64
-	dropped bool // the API server drops device taints
+	dropped Dropped // fields the API server drops
+	// reported is, per domain, the status last applied and the
+	// resourceVersion it was applied at: not applied again until the
+	// watch shows a newer object.
+	reported map[string]report
+	// retry is signalled when a report failed, to refresh again soon.
+	retry   chan struct{}
 	ctrl    sliceController
 	helper  *kubeletplugin.Helper
 	saveErr string
@@ -96,7 +105,7 @@ func New(opts Options) (*Driver, error) {
 	if opts.HostRoot == "" {
 		opts.HostRoot = "/"
 	}
-	d := &Driver{opts: opts, log: opts.Logger, claims: map[types.UID]PreparedClaim{}}
+	d := &Driver{opts: opts, log: opts.Logger, claims: map[types.UID]PreparedClaim{}, reported: map[string]report{}, retry: make(chan struct{}, 1)}
 	d.host, d.hostErr = ReadHost(opts.HostRoot)
 	if d.hostErr != nil {
 		d.log.Error("IMEX: no channels offered", "err", d.hostErr)
@@ -163,7 +172,7 @@ func (d *Driver) imexFaultLocked() *Fault {
 	if d.opts.Daemons == nil {
 		return nil
 	}
-	for _, dom := range d.domainsLocked() {
+	for _, dom := range d.daemonDomainsLocked() {
 		if st := d.opts.Daemons.State(dom); st.Failures >= 3 {
 			return &Fault{Key: TaintIMEX, Why: fmt.Sprintf("IMEX daemon of domain %s failed %d times: %s", dom, st.Failures, st.Reason),
 				Effect: resourceapi.DeviceTaintEffectNoSchedule}
@@ -247,29 +256,46 @@ func (d *Driver) Stop() {
 
 // HandleError implements kubeletplugin.DRAPlugin and the slice
 // controller's error handler. An API server that drops device taints
-// (off there) gets no tainted channel from then on.
+// (off there) gets no tainted channel from then on; one that drops
+// binding conditions gets channels without them, and Prepare waits for
+// the domain's daemon instead ("Waiting for the domain" in
+// docs/compute-domains.md).
 func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 	var dropped *resourceslice.DroppedFieldsError
-	if errors.As(err, &dropped) && slices.Contains(dropped.DisabledFeatures(), "DRADeviceTaints") {
+	if errors.As(err, &dropped) {
+		off := dropped.DisabledFeatures()
 		d.mu.Lock()
 		defer d.mu.Unlock()
-		if !d.dropped {
-			d.dropped = true
+		was := d.dropped
+		if slices.Contains(off, "DRADeviceTaints") && !d.dropped.Taints {
+			d.dropped.Taints = true
 			d.log.Warn("IMEX: the API server drops device taints; channels of a faulty fabric are left out of the ResourceSlices", "err", err)
-			d.updateLocked()
 		}
-		return
+		if slices.Contains(off, "DRADeviceBindingConditions") && !d.dropped.BindingConditions {
+			d.dropped.BindingConditions = true
+			d.log.Warn("IMEX: the API server drops binding conditions; channel claims' Prepare waits for the domain's daemon instead", "err", err)
+		}
+		if d.dropped != was {
+			d.updateLocked()
+			return
+		}
+		if slices.Contains(off, "DRADeviceTaints") || slices.Contains(off, "DRADeviceBindingConditions") {
+			return
+		}
 	}
 	d.log.Error("IMEX: "+msg, "err", err)
 }
 
 // Refresh is called when the domains or the daemons changed: the node
-// lists are rewritten, and the pool retainted.
-func (d *Driver) Refresh() {
+// lists are rewritten, the pool retainted, and each daemon's readiness
+// written into its domain's status.nodes where the entry says otherwise.
+func (d *Driver) Refresh(ctx context.Context) {
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	d.syncDaemonsLocked()
 	d.republishLocked()
+	due := d.reportsLocked()
+	d.mu.Unlock()
+	d.applyReports(ctx, due)
 }
 
 // Follow refreshes at each signal of changes (the domains' watch, the
@@ -278,7 +304,7 @@ func (d *Driver) Follow(ctx context.Context, interval time.Duration, changes ...
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	merged := make(chan struct{}, 1)
-	for _, ch := range changes {
+	for _, ch := range append(changes, d.retry) {
 		go func() {
 			for {
 				select {
@@ -300,7 +326,7 @@ func (d *Driver) Follow(ctx context.Context, interval time.Duration, changes ...
 		case <-merged:
 		case <-t.C:
 		}
-		d.Refresh()
+		d.Refresh(ctx)
 	}
 }
 
@@ -316,8 +342,27 @@ func (d *Driver) domainsLocked() []string {
 	return out
 }
 
-// channelOfLocked is a domain's channel on this node (its first).
+// daemonDomainsLocked are the domains whose daemon runs here: those with
+// claims on this node, and those whose status.nodes lists it (their
+// workload is allocated here, its pods perhaps not bound yet), sorted.
+func (d *Driver) daemonDomainsLocked() []string {
+	out := d.domainsLocked()
+	if d.opts.Domains != nil {
+		for _, dom := range d.opts.Domains.Listing(d.opts.NodeName) {
+			if !slices.Contains(out, dom) {
+				out = append(out, dom)
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// channelOfLocked is a domain's channel on this node (its first); for a
+// domain with no claim here yet, the one its first claim will get, so
+// that the daemon's ports do not change when it comes.
 func (d *Driver) channelOfLocked(domain string) int {
+	held := map[int]string{}
 	for _, c := range d.claims {
 		if c.Domain == domain && len(c.Channels) > 0 {
 			if c.Mode == cdv1.AllocationModeAll {
@@ -325,6 +370,12 @@ func (d *Driver) channelOfLocked(domain string) int {
 			}
 			return c.Channels[0]
 		}
+		for _, ch := range c.Channels {
+			held[ch] = c.Domain
+		}
+	}
+	if ch, err := assignChannel(domain, d.host.Channels, held); err == nil {
+		return ch
 	}
 	return preferredChannel(domain, d.host.Channels)
 }
@@ -371,7 +422,7 @@ func (d *Driver) syncDaemonsLocked() {
 		return
 	}
 	var specs []DaemonSpec
-	for _, dom := range d.domainsLocked() {
+	for _, dom := range d.daemonDomainsLocked() {
 		if spec, err := d.daemonSpecLocked(dom); err == nil {
 			specs = append(specs, spec)
 		}
@@ -680,7 +731,7 @@ func (d *Driver) Status() Status {
 	if d.hostErr != nil {
 		s.HostErr = d.hostErr.Error()
 	}
-	for _, dom := range d.domainsLocked() {
+	for _, dom := range d.daemonDomainsLocked() {
 		if d.opts.Domains != nil {
 			if _, err := d.daemonSpecLocked(dom); err != nil {
 				if s.Waiting == nil {

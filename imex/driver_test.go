@@ -72,6 +72,18 @@ func (f *fakeDomains) Domain(uid string) (*cdv1.ComputeDomain, bool) {
 	return cd, ok
 }
 
+func (f *fakeDomains) Listing(node string) []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out []string
+	for uid, cd := range f.m {
+		if slices.ContainsFunc(cd.Status.Nodes, func(n cdv1.ComputeDomainNode) bool { return n.Name == node }) {
+			out = append(out, uid)
+		}
+	}
+	return out
+}
+
 func (f *fakeDomains) put(cd *cdv1.ComputeDomain) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -195,7 +207,7 @@ func readSpec(t *testing.T, dir, uid string) *specs.Spec {
 // controller wrote, answers "waiting" until that daemon is ready, then
 // names the claim's CDI device, whose spec holds the channel's node with
 // the major of /proc/devices. A restarted driver keeps the claim; Unprepare
-// removes the spec and stops wanting the daemon.
+// removes the spec; the daemon stops once the node's entry goes.
 func TestPrepareChannelClaim(t *testing.T) {
 	n, root := simTray(t, 16)
 	state, cdiDir := t.TempDir(), t.TempDir()
@@ -258,8 +270,17 @@ func TestPrepareChannelClaim(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(cdiDir, cdi.IMEXSpecName("uid-1")+".json")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("spec left after Unprepare: %v", err)
 	}
+	// The daemon follows the controller's entry, not the claims: the
+	// controller removes the entry once the workload's claims leave the
+	// node, and only then does the daemon stop.
+	if w := td2.daemons.wanted(); len(w) != 1 {
+		t.Errorf("daemons wanted after the last claim went, the node still listed: %+v, want cd-1's", w)
+	}
+	domains.put(domain("cd-1", "team", "job",
+		cdv1.ComputeDomainNode{Name: "node-b", IPAddress: "10.0.0.2", CliqueID: clique7, Index: 1}))
+	td2.Refresh(context.Background())
 	if w := td2.daemons.wanted(); len(w) != 0 {
-		t.Errorf("daemons still wanted after the last claim went: %+v", w)
+		t.Errorf("daemons still wanted after the node's entry went: %+v", w)
 	}
 	td3 := newTestDriver(t, root, state, cdiDir, inventoryOf(t, n), fake.NewClientset(), domains)
 	if st := td3.Status(); len(st.Claims) != 0 {
@@ -337,7 +358,7 @@ func TestPoolAndFabricTaints(t *testing.T) {
 	if !f.Attached || f.Clique != clique7 || len(f.Faults) != 0 {
 		t.Fatalf("fabric %+v", f)
 	}
-	res := Resources("node-a", Pool{Channels: host.Channels, Faults: f.Faults}, 1, false)
+	res := Resources("node-a", Pool{Channels: host.Channels, Faults: f.Faults}, 1, Dropped{})
 	pool := res.Pools["node-a"]
 	var devs []resourceapi.Device
 	for _, s := range pool.Slices {
@@ -372,11 +393,11 @@ func TestPoolAndFabricTaints(t *testing.T) {
 		if len(st.Faults) != 1 || st.Faults[0].Key != TaintFabric || st.Faults[0].Effect != c.effect || !strings.Contains(st.Faults[0].Why, "GPU 2") {
 			t.Errorf("%+v: faults %+v, want one %s naming GPU 2", c.fault, st.Faults, c.effect)
 		}
-		devs := Resources("node-a", td.pool, 1, false).Pools["node-a"].Slices[0].Devices
+		devs := Resources("node-a", td.pool, 1, Dropped{}).Pools["node-a"].Slices[0].Devices
 		if len(devs[0].Taints) != 0 || len(devs[1].Taints) != 1 || devs[1].Taints[0].Effect != c.effect {
 			t.Errorf("%+v: daemon taints %v, channel taints %v", c.fault, devs[0].Taints, devs[1].Taints)
 		}
-		if noTaints := Resources("node-a", td.pool, 1, true).Pools["node-a"].Slices[0].Devices; len(noTaints) != 1 {
+		if noTaints := Resources("node-a", td.pool, 1, Dropped{Taints: true}).Pools["node-a"].Slices[0].Devices; len(noTaints) != 1 {
 			t.Errorf("%+v: an API server without taints is offered %d devices, want only the daemon", c.fault, len(noTaints))
 		}
 		td.daemons.setReady("cd-1")

@@ -143,11 +143,26 @@ type Pool struct {
 // Equal reports whether two pools publish the same slices.
 func (p Pool) Equal(o Pool) bool { return p.Channels == o.Channels && slices.Equal(p.Faults, o.Faults) }
 
+// Dropped says which fields of the slices the API server drops (their
+// feature is off there), so that they are not published.
+type Dropped struct {
+	// Taints: DRADeviceTaints (1.34 and 1.35 by default).
+	Taints bool
+	// BindingConditions: DRADeviceBindingConditions (before 1.36).
+	BindingConditions bool
+}
+
 // Resources are the pool's ResourceSlices for the controller: the daemon
 // device first, then the channels in id order, slicesMax a slice. Without
-// taints (the API server drops them: noTaints) a faulty pool publishes no
-// channel at all, since one would be handed out as healthy.
-func Resources(node string, p Pool, gen int64, noTaints bool) resourceslice.DriverResources {
+// taints (the API server drops them) a faulty pool publishes no channel at
+// all, since one would be handed out as healthy. Where the API server
+// keeps them, each channel carries the binding conditions of the contract
+// with the controller: the scheduler allocates a channel claim and binds
+// its pod only once the controller says the domain's daemon on the node is
+// ready (ConditionDaemonReady), or allocates elsewhere when the node
+// cannot join (ConditionDaemonFailed), so Prepare never waits.
+func Resources(node string, p Pool, gen int64, drop Dropped) resourceslice.DriverResources {
+	noTaints := drop.Taints
 	devices := []resourceapi.Device{{Name: DaemonDevice, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
 		AttrType: {StringValue: ptr.To(TypeDaemon)}, AttrID: {IntValue: ptr.To[int64](0)},
 	}}}
@@ -165,6 +180,10 @@ func Resources(node string, p Pool, gen int64, noTaints bool) resourceslice.Driv
 		}}
 		if len(taints) > 0 && !noTaints {
 			d.Taints = slices.Clone(taints)
+		}
+		if !drop.BindingConditions {
+			d.BindingConditions = []string{ConditionDaemonReady}
+			d.BindingFailureConditions = []string{ConditionDaemonFailed}
 		}
 		devices = append(devices, d)
 	}

@@ -52,7 +52,10 @@ type allocLog struct {
 	// write replaces a file atomically: atomicfile.Write (nil), or a
 	// test's stand-in that fails as a full or read-only state dir would.
 	write writeFunc
-	f     *os.File
+	// open opens the file for appending: os.OpenFile, or a test's
+	// stand-in whose writes fail as a full state dir's do.
+	open openFunc
+	f    LogFile
 	// size is the length of the whole records in the file: a failed write
 	// is cut back to it, so a torn line never prefixes the next record.
 	size int64
@@ -68,6 +71,22 @@ type allocLog struct {
 
 // writeFunc is atomicfile.Write's signature.
 type writeFunc func(path string, data []byte, opts ...atomicfile.Options) error
+
+// LogFile is the allocation log opened for appending: what the log does
+// with an *os.File.
+type LogFile interface {
+	Write(b []byte) (int, error)
+	Truncate(size int64) error
+	Close() error
+}
+
+// openFunc opens path, which exists, for appending.
+type openFunc func(path string) (LogFile, error)
+
+// openAppend is the default openFunc.
+func openAppend(path string) (LogFile, error) {
+	return os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0)
+}
 
 // allocLogFormat is the records' format. A record names its version only
 // when it is not 1.0, the format of the agents before records carried one,
@@ -184,8 +203,11 @@ type AllocEntry struct {
 
 // newAllocLog is dir's allocation log, neither read nor open yet (the
 // ledger's openLogLocked does both).
-func newAllocLog(dir string, log *slog.Logger, write writeFunc) *allocLog {
-	return &allocLog{path: filepath.Join(dir, AllocLogFile), log: log, write: write}
+func newAllocLog(dir string, log *slog.Logger, write writeFunc, open openFunc) *allocLog {
+	if open == nil {
+		open = openAppend
+	}
+	return &allocLog{path: filepath.Join(dir, AllocLogFile), log: log, write: write, open: open}
 }
 
 // readBack reads what the log holds. A log that cannot be read (not a
@@ -334,8 +356,19 @@ func (l *allocLog) rewrite(entries map[string]AllocEntry) error {
 	if err := write(l.path, buf.Bytes(), atomicfile.Options{Perm: 0o600}); err != nil {
 		return err
 	}
-	f, err := os.OpenFile(l.path, os.O_WRONLY|os.O_APPEND, 0)
+	open := l.open
+	if open == nil {
+		open = openAppend
+	}
+	f, err := open(l.path)
 	if err != nil {
+		// The file open for appending was just replaced: a record
+		// appended to it now would go to a file nobody reads. Not open,
+		// the log refuses Allocate until it opens again.
+		if l.f != nil {
+			l.f.Close()
+			l.f = nil
+		}
 		return err
 	}
 	if l.f != nil {

@@ -95,6 +95,10 @@ type Options struct {
 	// Write replaces a file atomically (default atomicfile.Write); tests
 	// fail it as a full or read-only state dir would.
 	Write func(path string, data []byte, opts ...atomicfile.Options) error
+	// OpenLog opens the allocation log, once written, for appending
+	// (default os.OpenFile); tests return a file whose writes fail as a
+	// full state dir's do.
+	OpenLog func(path string) (LogFile, error)
 }
 
 // New returns the node's ledger with the allocations its allocation log
@@ -120,7 +124,7 @@ func New(opts Options) (*Ledger, error) {
 	if opts.StateDir == "" {
 		return l, nil
 	}
-	l.log = newAllocLog(opts.StateDir, log, write)
+	l.log = newAllocLog(opts.StateDir, log, write, opts.OpenLog)
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	setAside, err := l.openLogLocked()
@@ -180,16 +184,31 @@ func (l *Ledger) reopenLocked(now time.Time) error {
 	return nil
 }
 
-// RetryLog opens the allocation log if it could not be opened yet. The loop
-// calls it at every pass, so the error leaves /status once the state dir
-// can be written, without waiting for an Allocate.
+// RetryLog opens the allocation log if it could not be opened yet, and
+// rewrites it if the last record could not be appended (the state dir
+// full): the loop calls it at every pass, so the error leaves /status once
+// the state dir can be written, without waiting for an Allocate that an
+// idle node may never get. The rewrite also drops a torn record, should
+// cutting it off have failed too.
 func (l *Ledger) RetryLog() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.log == nil || l.log.isOpen() || l.log.closed {
+	if l.log == nil || l.log.closed {
 		return
 	}
-	_ = l.reopenLocked(l.now()) // standing in logErr
+	if !l.log.isOpen() {
+		_ = l.reopenLocked(l.now()) // standing in logErr
+		return
+	}
+	if l.logErr.err == nil {
+		return
+	}
+	if err := l.log.rewrite(l.plugin); err != nil {
+		l.logErr.set(fmt.Errorf("allocation log %s: %w", l.log.path, err), l.now())
+		return
+	}
+	l.logErr.clear()
+	l.log.log.Info("allocation log written again", "path", l.log.path)
 }
 
 // Close closes the allocation log.
@@ -356,9 +375,14 @@ func under(e AllocEntry) string {
 // takenLocked says why device u may not go to the device plugin ("" when
 // it may), and the reason it wraps.
 func (l *Ledger) takenLocked(u string) (reason error, why string) {
-	for _, x := range slices.Sorted(maps.Keys(l.doomed)) {
-		if l.overlaps(u, x) {
-			return ErrDoomed, "being repartitioned: " + l.doomed[x]
+	// Sorted for a message that is the same each time; only when there is
+	// something to sort, as sorting the keys of no map still allocates,
+	// and Admit is on the container start path.
+	if len(l.doomed) > 0 {
+		for _, x := range slices.Sorted(maps.Keys(l.doomed)) {
+			if l.overlaps(u, x) {
+				return ErrDoomed, "being repartitioned: " + l.doomed[x]
+			}
 		}
 	}
 	if by := l.claimHolder(u, ""); by != "" {
@@ -391,6 +415,9 @@ func (l *Ledger) at(u string, d ClaimDevice) bool {
 // claimHolder names the claim other than except that holds a device
 // overlapping u ("" when none); admin access holds nothing.
 func (l *Ledger) claimHolder(u string, except types.UID) string {
+	if len(l.claims) == 0 {
+		return "" // and no keys to sort (see takenLocked)
+	}
 	for _, uid := range slices.Sorted(maps.Keys(l.claims)) {
 		if uid == except {
 			continue

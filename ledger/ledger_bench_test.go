@@ -13,7 +13,7 @@ import (
 // log's one write(2) of one JSON line. The log is never settled here, so
 // it grows as the bench's allocations do.
 //
-//	go test -run '^$' -bench LedgerAllocate -benchmem ./agent
+//	go test -run '^$' -bench LedgerAllocate -benchmem ./ledger
 func BenchmarkLedgerAllocate(b *testing.B) {
 	var inventory []gpu.GPU
 	var devs []Handout

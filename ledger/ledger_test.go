@@ -317,3 +317,72 @@ func (c *clock) Advance(d time.Duration) {
 	c.now = c.now.Add(d)
 	c.mu.Unlock()
 }
+
+// fullFile is the allocation log on a state dir that may fill: while full
+// is set, a write stores half the record (the disk filled mid-record) and
+// fails.
+type fullFile struct {
+	*os.File
+	full *bool
+}
+
+func (f fullFile) Write(b []byte) (int, error) {
+	if !*f.full {
+		return f.File.Write(b)
+	}
+	n, _ := f.File.Write(b[:len(b)/2])
+	return n, &os.PathError{Op: "write", Path: f.Name(), Err: syscall.ENOSPC}
+}
+
+// Found by TestSimulation (a state dir that fills and empties): a record
+// that could not be appended left its error on /status until the next
+// Allocate succeeded, so an idle node whose state dir had room again said
+// for good that its state was not saved. The loop's pass (RetryLog) tries
+// the log again: rewritten whole, which also cuts off any torn record, the
+// error clears once the state dir takes writes.
+func TestAllocationLogAppendErrorClearsWhenWritable(t *testing.T) {
+	dir := t.TempDir()
+	clock := newClock()
+	full := false
+	write := func(path string, data []byte, opts ...atomicfile.Options) error {
+		if full {
+			return fmt.Errorf("write %s: %w", path, syscall.ENOSPC)
+		}
+		return atomicfile.Write(path, data, opts...)
+	}
+	l, err := New(Options{StateDir: dir, Now: clock.Now, Write: write, OpenLog: func(path string) (LogFile, error) {
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0)
+		return fullFile{f, &full}, err
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if err := l.Allocate([]string{"GPU-a"}); err != nil {
+		t.Fatal(err)
+	}
+	full = true
+	if err := l.Allocate([]string{"GPU-b"}); !errors.Is(err, ErrLogUnavailable) || !strings.Contains(err.Error(), "no space left on device") {
+		t.Fatalf("Allocate on a full state dir = %v, want ErrLogUnavailable saying why", err)
+	}
+	l.RetryLog()
+	if err, _ := l.LogError(); err == nil {
+		t.Errorf("logError cleared while the state dir is still full")
+	}
+	full = false
+	l.RetryLog()
+	if err, _ := l.LogError(); err != nil {
+		t.Errorf("logError = %v after the state dir had room again and the loop passed", err)
+	}
+	b, err := os.ReadFile(filepath.Join(dir, AllocLogFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	entries, bad, err := DecodeAllocLog(b)
+	if err != nil || len(bad) > 0 || len(entries) != 1 || !strings.Contains(string(b), "GPU-a") {
+		t.Errorf("log after the retry (bad %v, %v):\n%s", bad, err, b)
+	}
+	if err := l.Allocate([]string{"GPU-b"}); err != nil {
+		t.Fatalf("Allocate once the state dir has room: %v", err)
+	}
+}

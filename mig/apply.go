@@ -40,6 +40,9 @@ type Applier struct {
 	// compute instances gone, its GPU instance not yet) and a create (its
 	// GPU instance made, its compute instance not yet).
 	crash func(point string, step int) bool
+	// write replaces a journal atomically (atomicfile.Write, or a test's
+	// stand-in: SetWrite).
+	write func(path string, data []byte, opts ...atomicfile.Options) error
 }
 
 // errCrashed is what Apply returns when the test hook stops it.
@@ -50,7 +53,14 @@ func NewApplier(lib Library, stateDir string, log *slog.Logger) *Applier {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Applier{lib: lib, dir: filepath.Join(stateDir, "mig"), log: log}
+	return &Applier{lib: lib, dir: filepath.Join(stateDir, "mig"), log: log, write: atomicfile.Write}
+}
+
+// SetWrite replaces how journals are written (default atomicfile.Write):
+// tests fail it as a full or read-only state dir would, which stops a plan
+// before the step whose progress could not be recorded.
+func (a *Applier) SetWrite(write func(path string, data []byte, opts ...atomicfile.Options) error) {
+	a.write = write
 }
 
 // journalFormat is the journal's format: "version" the major (absent: 1),
@@ -463,7 +473,7 @@ func (a *Applier) save(j *journal) error {
 	if err != nil {
 		return fmt.Errorf("encode MIG journal: %w", err)
 	}
-	if err := atomicfile.Write(a.path(j.Plan.UUID), b); err != nil {
+	if err := a.write(a.path(j.Plan.UUID), b); err != nil {
 		return fmt.Errorf("write MIG journal: %w", err)
 	}
 	return nil

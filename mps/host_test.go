@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -28,7 +29,7 @@ type hostRun struct {
 func runHost(t *testing.T, root string, clk *clock) *hostRun {
 	t.Helper()
 	h := NewHost(Options{
-		Binary: fakeBinary, Root: root, Interval: 20 * time.Millisecond, RestartBackoff: time.Second,
+		Binary: fakeBinary, Args: argsOf(fakeBinary), Root: root, Interval: 20 * time.Millisecond, RestartBackoff: time.Second,
 		CommandTimeout: 2 * time.Second, StopTimeout: 2 * time.Second, Now: clk.Now,
 	})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -145,8 +146,8 @@ func TestRemoteAndHostRoundTrip(t *testing.T) {
 	if got := h.Devices[d.Device]; h.Generation != 1 || got.PID != pid || !got.Healthy {
 		t.Errorf("health.json = %+v, want generation 1 and %s healthy with pid %d", h, d.Device, pid)
 	}
-	env, err := os.ReadFile(filepath.Join(LogDir(root, d.Device), "env.log"))
-	if err != nil || !strings.Contains(string(env), "CUDA_VISIBLE_DEVICES=GPU-rt\n") {
+	env, err := os.ReadFile(filepath.Join(LogDir(root, d.Device), "control.log"))
+	if err != nil || !slices.Contains(strings.Fields(string(env)), "CUDA_VISIBLE_DEVICES=GPU-rt") {
 		t.Errorf("daemon env %q (%v): want it pinned to GPU-rt", env, err)
 	}
 	hc := &harness{root: root}
@@ -381,7 +382,7 @@ func TestRemoteReportsRejectedDesiredFile(t *testing.T) {
 func TestHostWithoutDesiredFileTouchesNothing(t *testing.T) {
 	root := newRoot(t)
 	d := Daemon{Device: "GPU-left"}
-	prev := NewSupervisor(Options{Binary: fakeBinary, Root: root})
+	prev := NewSupervisor(Options{Binary: fakeBinary, Args: argsOf(fakeBinary), Root: root})
 	pid, err := prev.start(context.Background(), d)
 	if err != nil {
 		t.Fatal(err)

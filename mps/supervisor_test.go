@@ -5,7 +5,7 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -16,30 +16,64 @@ import (
 	"time"
 
 	"github.com/gpu-agent/gpu-agent/internal/testwait"
+	"github.com/gpu-agent/gpu-agent/mps/simdaemon"
 )
 
-// fakeBinary is the stand-in control program built by TestMain.
+// fakeBinary is the control program the tests' supervisors run: this test
+// binary, which TestMain makes the product's stand-in (mps/simdaemon) when
+// its first argument is controlSim, as gpu-agent runs itself on simulated
+// nodes (gpu-agent mps-control-sim).
 var fakeBinary string
 
+// controlSim is the argument that makes this test binary the stand-in.
+const controlSim = "mps-control-sim"
+
 func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "fakemps")
+	self, err := os.Executable()
+	if err == nil {
+		// Daemons are told apart by /proc/PID/exe, which names the real path.
+		fakeBinary, err = filepath.EvalSymlinks(self)
+	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	fakeBinary = filepath.Join(dir, "nvidia-cuda-mps-control")
-	if out, err := exec.Command("go", "build", "-o", fakeBinary, "./testdata/fakemps").CombinedOutput(); err != nil {
-		fmt.Fprintf(os.Stderr, "build fakemps: %v\n%s", err, out)
-		os.Exit(1)
+	if len(os.Args) > 1 && os.Args[1] == controlSim {
+		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+		err := simdaemon.Main(ctx, []string{fakeBinary, controlSim}, os.Args[2:], os.Getenv, os.Stdin, os.Stdout)
+		stop()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
 	}
-	// Daemons are told apart by /proc/PID/exe, which names the real path.
-	if fakeBinary, err = filepath.EvalSymlinks(fakeBinary); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
+	os.Exit(m.Run())
+}
+
+// argsOf are the arguments that come before the control program's own for
+// binary: the stand-in's subcommand for this test binary.
+func argsOf(binary string) []string {
+	if binary == fakeBinary {
+		return []string{controlSim}
 	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
+	return nil
+}
+
+// serveServers makes the simulated node run MPS servers pids on dev's
+// daemon (simdaemon.ServersFile).
+func serveServers(t *testing.T, root, dev string, pids ...int) {
+	t.Helper()
+	var b strings.Builder
+	for _, pid := range pids {
+		fmt.Fprintln(&b, pid)
+	}
+	if err := os.MkdirAll(PipeDir(root, dev), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(PipeDir(root, dev), simdaemon.ServersFile), []byte(b.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // clock is a manual clock: restart backoff only passes when a test says so.
@@ -101,7 +135,7 @@ func newRoot(t *testing.T) string {
 	return root
 }
 
-// killDaemonsUnder kills the fakemps daemons whose pipe directory is under
+// killDaemonsUnder kills the stand-in daemons whose pipe directory is under
 // root. They are found by their environment, not their pid files: a launch
 // that timed out leaves a daemon no pid file names, and a pid file may name a
 // pid since reused.
@@ -112,7 +146,7 @@ func killDaemonsUnder(root string) {
 		if err != nil {
 			continue
 		}
-		if exe, err := os.Readlink(filepath.Join(dir, "exe")); err != nil || exe != fakeBinary {
+		if exe, err := os.Readlink(filepath.Join(dir, "exe")); err != nil || exe != fakeBinary || pid == os.Getpid() {
 			continue
 		}
 		env, err := os.ReadFile(filepath.Join(dir, "environ"))
@@ -128,7 +162,7 @@ func newHarness(t *testing.T, root, binary string, cmdTimeout time.Duration) *ha
 	t.Helper()
 	h := &harness{root: root, clock: &clock{now: time.Unix(1000, 0)}, done: make(chan error, 1), passes: make(chan struct{}, 1)}
 	h.sup = NewSupervisor(Options{
-		Binary: binary, Root: root, Interval: 10 * time.Millisecond, RestartBackoff: time.Second,
+		Binary: binary, Args: argsOf(binary), Root: root, Interval: 10 * time.Millisecond, RestartBackoff: time.Second,
 		CommandTimeout: cmdTimeout, StopTimeout: 2 * time.Second, Now: h.clock.Now,
 	})
 	h.sup.reconciled = func() {
@@ -190,7 +224,7 @@ func (h *harness) waitPasses(t *testing.T, n int) {
 // answers reports whether d's daemon under h's root answers a command.
 func (h *harness) answers(d Daemon) error {
 	// Run has ended or runs elsewhere; a bare Supervisor asks on its own.
-	s := NewSupervisor(Options{Binary: fakeBinary, Root: h.root, CommandTimeout: 5 * time.Second})
+	s := NewSupervisor(Options{Binary: fakeBinary, Args: argsOf(fakeBinary), Root: h.root, CommandTimeout: 5 * time.Second})
 	return s.ping(context.Background(), s.daemonTarget(d))
 }
 
@@ -205,13 +239,24 @@ func (h *harness) waitHealthy(t *testing.T, dev string, want bool) string {
 	return reason
 }
 
+// commands are the commands dev's daemons took, in order, from their
+// control.log ("[time] command"; the daemon's own lines left out), each
+// with its spaces as underscores.
 func (h *harness) commands(t *testing.T, dev string) []string {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(LogDir(h.root, dev), "commands.log"))
+	b, err := os.ReadFile(filepath.Join(LogDir(h.root, dev), "control.log"))
 	if err != nil && !os.IsNotExist(err) {
 		t.Fatal(err)
 	}
-	return strings.Fields(strings.ReplaceAll(strings.TrimSpace(string(b)), " ", "_"))
+	var out []string
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		_, cmd, ok := strings.Cut(line, "] ")
+		if !ok || strings.HasPrefix(cmd, "stand-in MPS control daemon started") || cmd == "stopped on quit" {
+			continue
+		}
+		out = append(out, strings.ReplaceAll(cmd, " ", "_"))
+	}
+	return out
 }
 
 func (h *harness) pid(t *testing.T, dev string) int {
@@ -245,7 +290,8 @@ func TestStartsDaemonsWithEnvDirsAndLimits(t *testing.T) {
 		t.Error("no change notified after daemons became healthy")
 	}
 
-	env, err := os.ReadFile(filepath.Join(LogDir(h.root, a.Device), "env.log"))
+	// The daemon logs the environment it was started with.
+	env, err := os.ReadFile(filepath.Join(LogDir(h.root, a.Device), "control.log"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -254,7 +300,7 @@ func TestStartsDaemonsWithEnvDirsAndLimits(t *testing.T) {
 		"CUDA_MPS_PIPE_DIRECTORY=" + filepath.Join(h.root, "GPU-aaaa", "pipe"),
 		"CUDA_MPS_LOG_DIRECTORY=" + filepath.Join(h.root, "GPU-aaaa", "log"),
 	} {
-		if !slices.Contains(strings.Split(string(env), "\n"), want) {
+		if !slices.Contains(strings.Fields(string(env)), want) {
 			t.Errorf("daemon env lacks %s:\n%s", want, env)
 		}
 	}
@@ -343,11 +389,11 @@ func TestHungDaemonIsKilledAndRestarted(t *testing.T) {
 }
 
 func TestLimitsChangeLiveWithoutRestart(t *testing.T) {
-	t.Setenv("FAKEMPS_SERVER_PIDS", "4242")
 	d := Daemon{Device: "GPU-live", ActiveThreadPercentage: 50}
 	h := start(t, fakeBinary, d)
 	h.waitHealthy(t, d.Device, true)
 	pid := h.pid(t, d.Device)
+	serveServers(t, h.root, d.Device, 4242) // a client started one
 
 	d.ActiveThreadPercentage, d.PinnedMemLimitBytes = 20, 4<<30
 	if err := h.sup.Set([]Daemon{d}); err != nil {
@@ -457,12 +503,12 @@ func TestNextSupervisorAdoptsDaemon(t *testing.T) {
 }
 
 func TestAdoptedDaemonGetsChangedLimits(t *testing.T) {
-	t.Setenv("FAKEMPS_SERVER_PIDS", "4242")
 	d := Daemon{Device: "GPU-change", ActiveThreadPercentage: 30}
 	h := start(t, fakeBinary, d)
 	h.waitHealthy(t, d.Device, true)
 	pid := h.pid(t, d.Device)
 	h.stop(t)
+	serveServers(t, h.root, d.Device, 4242) // a client started one
 
 	d.ActiveThreadPercentage = 40
 	next := newHarness(t, h.root, fakeBinary, 2*time.Second)
@@ -485,7 +531,7 @@ func TestAdoptedDaemonGetsChangedLimits(t *testing.T) {
 func TestAdoptedDaemonWithoutRecordGetsLimits(t *testing.T) {
 	root := newRoot(t)
 	d := Daemon{Device: "GPU-adopt", ActiveThreadPercentage: 30}
-	prev := NewSupervisor(Options{Binary: fakeBinary, Root: root})
+	prev := NewSupervisor(Options{Binary: fakeBinary, Args: argsOf(fakeBinary), Root: root})
 	pid, err := prev.start(context.Background(), d)
 	if err != nil {
 		t.Fatal(err)
@@ -624,7 +670,7 @@ func TestStopAllQuitsEveryDaemonUnderRoot(t *testing.T) {
 	h2.waitHealthy(t, c.Device, true)
 	pidC := h2.pid(t, c.Device)
 	h2.stop(t)
-	fresh := NewSupervisor(Options{Binary: fakeBinary, Root: h2.root, StopTimeout: 2 * time.Second})
+	fresh := NewSupervisor(Options{Binary: fakeBinary, Args: argsOf(fakeBinary), Root: h2.root, StopTimeout: 2 * time.Second})
 	if err := fresh.StopAll(context.Background()); err != nil {
 		t.Fatal(err)
 	}

@@ -45,15 +45,18 @@ func allocate(res *catalog.Resource, req *pluginapi.AllocateRequest) (*pluginapi
 	}
 	// The kubelet hands a device to one container; one ID in two
 	// containers of a request is not its accounting, and would give two
-	// containers one device.
-	owner := make(map[string]int, total)
-	for i, creq := range creqs {
-		for _, id := range creq.GetDevicesIds() {
-			if j, ok := owner[id]; ok && j != i {
-				return nil, status.Errorf(codes.InvalidArgument, "resource %s: device %s requested by container requests %d and %d",
-					res.Name, quoteID(id), j, i)
+	// containers one device. (One container, as the kubelet asks for
+	// each: allocateContainer checks its list.)
+	if len(creqs) > 1 {
+		owner := make(map[string]int, total)
+		for i, creq := range creqs {
+			for _, id := range creq.GetDevicesIds() {
+				if j, ok := owner[id]; ok && j != i {
+					return nil, status.Errorf(codes.InvalidArgument, "resource %s: device %s requested by container requests %d and %d",
+						res.Name, quoteID(id), j, i)
+				}
+				owner[id] = i
 			}
-			owner[id] = i
 		}
 	}
 	for i, creq := range creqs {
@@ -96,14 +99,13 @@ func allocateContainer(res *catalog.Resource, ids []string) (*pluginapi.Containe
 		return nil, status.Errorf(codes.InvalidArgument, "resource %s: no device IDs requested", res.Name)
 	}
 	devs := make([]catalog.Device, 0, len(ids))
-	seen := make(map[string]bool, len(ids))
-	for _, id := range ids {
+	var dup dupChecker
+	for i, id := range ids {
 		// The kubelet never asks for a device twice; a request that does is
 		// not the kubelet's accounting and would be counted twice in it.
-		if seen[id] {
+		if dup.seenBefore(ids, i) {
 			return nil, status.Errorf(codes.InvalidArgument, "resource %s: device %s requested twice", res.Name, quoteID(id))
 		}
-		seen[id] = true
 		d, ok := res.Device(id)
 		if !ok {
 			return nil, status.Errorf(codes.NotFound, "resource %s: unknown device %s", res.Name, quoteID(id))
@@ -124,25 +126,28 @@ func allocateContainer(res *catalog.Resource, ids []string) (*pluginapi.Containe
 			res.Name, len(ids), res.MaxPerContainer)
 	}
 
-	b := specBuilder{res: res.Name, env: map[string]string{}, nodes: map[string]bool{}, mounts: map[string]catalog.Mount{},
+	b := specBuilder{res: res.Name, env: map[string]string{},
 		// With CDI alone the spec gives the device nodes, as NVIDIA's plugin
 		// leaves out passDeviceSpecs then.
 		noNodes: res.Delivery.CDIOnly()}
-	var visible []string
-	seenVisible := map[string]bool{}
+	// Replicas of one GPU name it once.
+	visible := make([]string, 0, len(devs))
+	var visibleDup dupChecker
 	for _, d := range devs {
-		if v := d.Spec.RuntimeName(); v != "" && !seenVisible[v] {
-			seenVisible[v] = true
+		if v := d.Spec.RuntimeName(); v != "" {
 			visible = append(visible, v)
+			if visibleDup.seenBefore(visible, len(visible)-1) {
+				visible = visible[:len(visible)-1]
+			}
 		}
 	}
 	// Common first: the control nodes (/dev/nvidiactl, /dev/nvidia-uvm) are
 	// listed before the per-GPU nodes, as every NVIDIA runtime does.
-	if err := b.add("common spec", res.Common); err != nil {
+	if err := b.add("", res.Common); err != nil {
 		return nil, err
 	}
 	for _, d := range devs {
-		if err := b.add("device "+d.ID, d.Spec); err != nil {
+		if err := b.add(d.ID, d.Spec); err != nil {
 			return nil, err
 		}
 	}
@@ -213,8 +218,10 @@ func deliver(b *specBuilder, d catalog.Delivery, visible []string) error {
 
 // specBuilder merges AllocateSpecs into one container response.
 type specBuilder struct {
-	res    string
-	env    map[string]string
+	res string
+	env map[string]string
+	// nodes and mounts are made at the first device node or mount: the
+	// default answer has neither.
 	nodes  map[string]bool
 	mounts map[string]catalog.Mount // by container path
 	resp   *pluginapi.ContainerAllocateResponse
@@ -222,19 +229,23 @@ type specBuilder struct {
 	noNodes bool
 }
 
-func (b *specBuilder) add(what string, s catalog.AllocateSpec) error {
+// add merges the spec of device id ("": the resource's common spec).
+func (b *specBuilder) add(id string, s catalog.AllocateSpec) error {
 	if b.resp == nil {
 		b.resp = &pluginapi.ContainerAllocateResponse{Envs: b.env}
 	}
 	for k, v := range s.Env {
 		if old, ok := b.env[k]; ok && old != v {
-			return status.Errorf(codes.InvalidArgument, "resource %s: %s: env %s=%q conflicts with %q", b.res, what, k, v, old)
+			return status.Errorf(codes.InvalidArgument, "resource %s: %s: env %s=%q conflicts with %q", b.res, specName(id), k, v, old)
 		}
 		b.env[k] = v
 	}
 	for _, p := range s.DeviceNodes {
 		if b.noNodes || b.nodes[p] {
 			continue
+		}
+		if b.nodes == nil {
+			b.nodes = map[string]bool{}
 		}
 		b.nodes[p] = true
 		b.resp.Devices = append(b.resp.Devices, &pluginapi.DeviceSpec{ContainerPath: p, HostPath: p, Permissions: "rw"})
@@ -243,14 +254,26 @@ func (b *specBuilder) add(what string, s catalog.AllocateSpec) error {
 		if old, ok := b.mounts[m.ContainerPath]; ok {
 			if old != m {
 				return status.Errorf(codes.InvalidArgument, "resource %s: %s: mount at %s (from %s) conflicts with one from %s",
-					b.res, what, m.ContainerPath, m.HostPath, old.HostPath)
+					b.res, specName(id), m.ContainerPath, m.HostPath, old.HostPath)
 			}
 			continue
+		}
+		if b.mounts == nil {
+			b.mounts = map[string]catalog.Mount{}
 		}
 		b.mounts[m.ContainerPath] = m
 		b.resp.Mounts = append(b.resp.Mounts, &pluginapi.Mount{ContainerPath: m.ContainerPath, HostPath: m.HostPath, ReadOnly: m.ReadOnly})
 	}
 	return nil
+}
+
+// specName names the spec of device id ("": the common spec) in messages;
+// built only for one, as Allocate is on the container start path.
+func specName(id string) string {
+	if id == "" {
+		return "common spec"
+	}
+	return "device " + id
 }
 
 // preferred answers one container's GetPreferredAllocation request with the
@@ -374,4 +397,34 @@ func checkPreferred(ids []string, avail map[string]bool, must []string, size int
 		}
 	}
 	return nil
+}
+
+// smallSet is how many strings a duplicate check compares one by one
+// before it builds a map: a container asks for a few devices, and a map
+// per call is garbage on the container start path.
+const smallSet = 16
+
+// dupChecker finds strings seen before in a list walked in order.
+type dupChecker struct {
+	seen map[string]bool // made once the list is past smallSet
+}
+
+// seenBefore reports whether list[i] is one of list[:i]; called for every
+// i in order.
+func (c *dupChecker) seenBefore(list []string, i int) bool {
+	x := list[i]
+	if i < smallSet {
+		return slices.Contains(list[:i], x)
+	}
+	if c.seen == nil {
+		c.seen = make(map[string]bool, 2*len(list))
+		for _, y := range list[:i] {
+			c.seen[y] = true
+		}
+	}
+	if c.seen[x] {
+		return true
+	}
+	c.seen[x] = true
+	return false
 }

@@ -541,3 +541,76 @@ func TestAdmit(t *testing.T) {
 		}
 	}
 }
+
+// TestAllocateLargeRequests covers requests past smallSet, where the
+// duplicate checks switch from comparing to a map: order is kept, replicas
+// of one GPU name it once, and a duplicate is found wherever it sits.
+func TestAllocateLargeRequests(t *testing.T) {
+	const gpus = 2*smallSet + 3
+	res := &catalog.Resource{Name: resShared}
+	var whole, replicas []string
+	for i := range gpus {
+		g := fmt.Sprintf("GPU-%03d", i)
+		whole = append(whole, g)
+		for r := range 2 {
+			id := fmt.Sprintf("%s::%d", g, r)
+			replicas = append(replicas, id)
+			res.Devices = append(res.Devices, catalog.Device{ID: id, Healthy: true, Replica: true, GPU: i,
+				Spec: catalog.AllocateSpec{VisibleID: g}})
+		}
+	}
+	slices.SortFunc(res.Devices, func(a, b catalog.Device) int { return strings.Compare(a.ID, b.ID) })
+	reversed := slices.Clone(replicas)
+	slices.Reverse(reversed)
+	wantReversed := slices.Clone(whole)
+	slices.Reverse(wantReversed)
+	tests := []struct {
+		name    string
+		ids     []string
+		visible []string // "": an error
+		errHas  string
+	}{
+		{name: "every replica", ids: replicas, visible: whole},
+		{name: "every replica, reversed", ids: reversed, visible: wantReversed},
+		{name: "a duplicate past smallSet", ids: append(slices.Clone(replicas[:smallSet+5]), replicas[3]),
+			errHas: "device \"GPU-001::1\" requested twice"},
+		{name: "a duplicate right at smallSet", ids: append(slices.Clone(replicas[:smallSet]), replicas[smallSet-1]),
+			errHas: fmt.Sprintf("device %q requested twice", replicas[smallSet-1])},
+		{name: "a duplicate within smallSet", ids: []string{replicas[0], replicas[1], replicas[0]},
+			errHas: "device \"GPU-000::0\" requested twice"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			resp, err := allocate(res, allocReq(tt.ids))
+			if tt.errHas != "" {
+				if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tt.errHas) {
+					t.Fatalf("error %v, want InvalidArgument with %q", err, tt.errHas)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := resp.GetContainerResponses()[0].GetEnvs()[visibleDevicesEnv]
+			if want := strings.Join(tt.visible, ","); got != want {
+				t.Errorf("NVIDIA_VISIBLE_DEVICES = %s, want %s", got, want)
+			}
+		})
+	}
+}
+
+// TestRequestedIDs: OnAllocate gets every container's IDs, in order.
+func TestRequestedIDs(t *testing.T) {
+	for _, tt := range []struct {
+		req  *pluginapi.AllocateRequest
+		want []string
+	}{
+		{allocReq([]string{"GPU-a"}), []string{"GPU-a"}},
+		{allocReq([]string{"GPU-b", "GPU-a"}, []string{"GPU-d"}), []string{"GPU-b", "GPU-a", "GPU-d"}},
+		{allocReq(), nil},
+	} {
+		if got := requestedIDs(tt.req); !slices.Equal(got, tt.want) {
+			t.Errorf("requestedIDs(%v) = %v, want %v", tt.req, got, tt.want)
+		}
+	}
+}

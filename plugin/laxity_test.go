@@ -1,6 +1,7 @@
 package plugin
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
@@ -323,5 +324,27 @@ func TestServedAgainAfterServeFailed(t *testing.T) {
 	fi, err := os.Lstat(blocker)
 	if err != nil || fi.Mode()&os.ModeSocket == 0 {
 		t.Fatalf("%s after serving again: %v, %v", blocker, fi, err)
+	}
+}
+
+// TestAllocatedLoggedAtDebug: a successful Allocate is logged at debug
+// only, with every container's IDs, and at info not at all.
+func TestAllocatedLoggedAtDebug(t *testing.T) {
+	for _, tt := range []struct {
+		level slog.Level
+		want  string // "": no line
+	}{
+		{slog.LevelDebug, `"msg":"allocated","resource":"example.com/gpu","devices":[["GPU-b","GPU-a"],["GPU-c"]]`},
+		{slog.LevelInfo, ""},
+	} {
+		var buf bytes.Buffer
+		log := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: tt.level}))
+		e := &endpoint{r: newResource(resGPU, sockGPU, "", testCatalog().Resources[resGPU], log, time.Now)}
+		if _, err := e.Allocate(context.Background(), allocReq([]string{"GPU-b", "GPU-a"}, []string{"GPU-c"})); err != nil {
+			t.Fatal(err)
+		}
+		if got := buf.String(); tt.want == "" && got != "" || !strings.Contains(got, tt.want) {
+			t.Errorf("at %s, logged %q, want a line with %s", tt.level, got, tt.want)
+		}
 	}
 }

@@ -266,22 +266,35 @@ func (e *endpoint) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (
 			"containers", len(req.GetContainerRequests()), "requested", total, "devices", summarizeIDs(ids))
 		return nil, err
 	}
-	ids := make([][]string, len(req.GetContainerRequests()))
-	for i, c := range req.GetContainerRequests() {
-		ids[i] = c.GetDevicesIds()
-	}
 	// Debug: every allocation is already on record where it matters (the
 	// agent's allocation log, the kubelet's checkpoint), and a log line
-	// is a tenth of an Allocate's cost.
-	e.r.log.Debug("allocated", "devices", ids)
-	if e.r.onAllocate != nil {
-		var all []string
-		for _, c := range ids {
-			all = append(all, c...)
+	// is a tenth of an Allocate's cost. Its arguments are built only when
+	// it is written: Allocate is on the container start path.
+	if e.r.log.Enabled(context.Background(), slog.LevelDebug) {
+		ids := make([][]string, len(req.GetContainerRequests()))
+		for i, c := range req.GetContainerRequests() {
+			ids[i] = c.GetDevicesIds()
 		}
-		e.r.onAllocate(e.r.name, all)
+		e.r.log.Debug("allocated", "devices", ids)
+	}
+	if e.r.onAllocate != nil {
+		e.r.onAllocate(e.r.name, requestedIDs(req))
 	}
 	return resp, nil
+}
+
+// requestedIDs lists the device IDs of every container of req; the one
+// container's list itself when there is one, as the kubelet asks.
+func requestedIDs(req *pluginapi.AllocateRequest) []string {
+	creqs := req.GetContainerRequests()
+	if len(creqs) == 1 {
+		return creqs[0].GetDevicesIds()
+	}
+	var all []string
+	for _, c := range creqs {
+		all = append(all, c.GetDevicesIds()...)
+	}
+	return all
 }
 
 // Handout is a device an Allocate hands out: a GPU or MIG UUID, whole or

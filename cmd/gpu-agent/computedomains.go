@@ -70,7 +70,7 @@ func (w *wiring) newComputeDomains() (*computeDomains, error) {
 		pluginDir = filepath.Join(filepath.Dir(w.f.draPluginDir), imex.DriverName)
 	}
 	d, err := imex.New(imex.Options{NodeName: w.f.nodeName, Client: w.client, ClaimReader: w.clients.Claims,
-		Domains: watcher, Daemons: daemons, StateDir: w.f.stateDir, CDI: cw, HostRoot: w.be.DriverRoot,
+		Domains: watcher, Status: imex.Reporter{Client: w.clients.Dynamic}, Daemons: daemons, StateDir: w.f.stateDir, CDI: cw, HostRoot: w.be.DriverRoot,
 		PluginDir: pluginDir, RegistryDir: w.f.kubeletRegistryDir, Logger: w.log.With("component", "imex")})
 	if err != nil {
 		return nil, err

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"sync/atomic"
 	"time"
 
 	"github.com/gpu-agent/gpu-agent/computedomain/controller"
@@ -150,8 +151,11 @@ func runElected(ctx context.Context, kube kubernetes.Interface, namespace, name,
 	parent := ctx
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// OnStartedLeading runs on a goroutine of its own that Run does not
+	// wait for: what it sets is read only after it has said it is done.
 	var workErr error
-	led := false
+	var led atomic.Bool
+	done := make(chan struct{})
 	le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
 		Lock: &resourcelock.LeaseLock{
 			LeaseMeta:  metav1.ObjectMeta{Namespace: namespace, Name: name},
@@ -166,7 +170,8 @@ func runElected(ctx context.Context, kube kubernetes.Interface, namespace, name,
 		Name:            name,
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: func(ctx context.Context) {
-				led = true
+				defer close(done)
+				led.Store(true)
 				log.Info("holding the controller Lease: working", "lease", namespace+"/"+name)
 				workErr = work(ctx)
 				cancel()
@@ -183,10 +188,15 @@ func runElected(ctx context.Context, kube kubernetes.Interface, namespace, name,
 		return fmt.Errorf("leader election: %w", err)
 	}
 	le.Run(ctx)
+	if !led.Load() {
+		return nil
+	}
+	// Run has cancelled the context work was given: it returns.
+	<-done
 	switch {
 	case workErr != nil:
 		return workErr
-	case led && parent.Err() == nil:
+	case parent.Err() == nil:
 		return errLostLease
 	}
 	return nil

@@ -2,11 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
-	"strings"
-	"time"
 
 	"github.com/gpu-agent/gpu-agent/mps/simdaemon"
 )
@@ -30,34 +29,13 @@ func cmdMPSControlSim(ctx context.Context, args []string, stdin io.Reader, stdou
 			"get_server_list, quit, ...). The agent runs it by itself with a sim: backend.\n", mpsControlSimCommand)
 		return nil
 	}
-	env, err := simdaemon.EnvFrom(os.Getenv)
+	self, err := os.Executable()
 	if err != nil {
 		return err
 	}
-	switch {
-	case len(args) == 1 && args[0] == "-d":
-		self, err := os.Executable()
-		if err != nil {
-			return err
-		}
-		return simdaemon.Launch([]string{self, mpsControlSimCommand, "--daemon"}, env, 10*time.Second)
-	case len(args) == 1 && args[0] == "--daemon":
-		d, err := simdaemon.Listen(env)
-		if err != nil {
-			return err
-		}
-		return d.Serve(ctx)
-	case len(args) == 0:
-		in, err := io.ReadAll(io.LimitReader(stdin, 1<<20))
-		if err != nil {
-			return err
-		}
-		out, err := simdaemon.Control(env, strings.Split(strings.TrimRight(string(in), "\n"), "\n")...)
-		if err != nil {
-			return err
-		}
-		_, err = io.WriteString(stdout, out)
-		return err
+	err = simdaemon.Main(ctx, []string{self, mpsControlSimCommand}, args, os.Getenv, stdin, stdout)
+	if u := (*simdaemon.UsageError)(nil); errors.As(err, &u) {
+		return usageError{u.Error()}
 	}
-	return usageError{fmt.Sprintf("unexpected arguments %q: want -d or none (commands on stdin)", strings.Join(args, " "))}
+	return err
 }

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/gpu-agent/gpu-agent/agent"
@@ -25,7 +26,7 @@ func cmdMPSHost(ctx context.Context, args []string, _, stderr io.Writer) error {
 	root := fs.String("mps-root", envDefault("GPU_AGENT_MPS_ROOT", "/run/gpu-agent/mps"),
 		"root of the MPS pipe and log directories, shared with the agent (desired.json, health.json) [GPU_AGENT_MPS_ROOT]")
 	binary := fs.String("mps-binary", envDefault("GPU_AGENT_MPS_BINARY", mps.DefaultBinary),
-		"MPS control program, by path or found on PATH [GPU_AGENT_MPS_BINARY]")
+		"MPS control program, by path or found on PATH; "+mpsControlSimCommand+": gpu-agent's own stand-in, for simulated nodes [GPU_AGENT_MPS_BINARY]")
 	logLevel := fs.String("log-level", envDefault("GPU_AGENT_LOG_LEVEL", "info"), "debug, info, warn or error [GPU_AGENT_LOG_LEVEL]")
 	logFormat := fs.String("log-format", envDefault("GPU_AGENT_LOG_FORMAT", "text"), "text or json [GPU_AGENT_LOG_FORMAT]")
 	interval, err := time.ParseDuration(envDefault("GPU_AGENT_MPS_INTERVAL", "5s"))
@@ -47,8 +48,12 @@ func cmdMPSHost(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err != nil {
 		return usageError{err.Error()}
 	}
+	bin, binArgs, err := mpsProgram(*binary)
+	if err != nil {
+		return err
+	}
 	log.Info("gpu-agent mps-host starting", "mps-root", *root, "mps-binary", *binary, "interval", interval)
-	err = mps.NewHost(mps.Options{Binary: *binary, Root: *root, Logger: log, Interval: interval}).Run(ctx)
+	err = mps.NewHost(mps.Options{Binary: bin, Args: binArgs, Root: *root, Logger: log, Interval: interval}).Run(ctx)
 	if err == nil {
 		log.Info("gpu-agent mps-host stopped")
 	}
@@ -75,16 +80,34 @@ func newMPSControl(f runFlags, simulated bool, log *slog.Logger) (mpsControl, er
 		log.Info("MPS daemons are run by gpu-agent mps-host; this agent asks for them in the MPS root", "mps-root", f.mpsRoot)
 		return mps.NewRemote(mps.RemoteOptions{Root: f.mpsRoot, Logger: log}), nil
 	}
-	opts := mps.Options{Binary: f.mpsBinary, Root: f.mpsRoot, Logger: log}
+	binary := f.mpsBinary
 	if simulated && !f.mpsBinarySet {
-		self, err := os.Executable()
-		if err != nil {
-			return nil, fmt.Errorf("mps stand-in for the simulated node: %w", err)
-		}
-		opts.Binary, opts.Args = self, []string{mpsControlSimCommand}
-		log.Info("simulated node: MPS daemons are gpu-agent's stand-in", "mps-control", self+" "+mpsControlSimCommand, "mps-root", f.mpsRoot)
+		binary = mpsControlSimCommand
 	}
-	return mps.NewSupervisor(opts), nil
+	bin, args, err := mpsProgram(binary)
+	if err != nil {
+		return nil, err
+	}
+	if args != nil {
+		log.Info("MPS daemons are gpu-agent's stand-in", "mps-control", bin+" "+strings.Join(args, " "), "mps-root", f.mpsRoot)
+	}
+	return mps.NewSupervisor(mps.Options{Binary: bin, Args: args, Root: f.mpsRoot, Logger: log}), nil
+}
+
+// mpsProgram is the MPS control program --mps-binary names, and the
+// arguments that come before its own. The name mps-control-sim
+// (mpsControlSimCommand) is gpu-agent's own stand-in, for a simulated node,
+// which has no CUDA to run the real one: run picks it there by itself,
+// and mps-host, which does not know what node it is on, is told so.
+func mpsProgram(binary string) (string, []string, error) {
+	if binary != mpsControlSimCommand {
+		return binary, nil, nil
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return "", nil, fmt.Errorf("mps stand-in (--mps-binary=%s): %w", mpsControlSimCommand, err)
+	}
+	return self, []string{mpsControlSimCommand}, nil
 }
 
 // registerMPSHostFlag adds `run --mps-host` [GPU_AGENT_MPS_HOST] to fs.

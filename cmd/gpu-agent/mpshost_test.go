@@ -4,11 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"fmt"
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -21,30 +19,20 @@ import (
 	"github.com/gpu-agent/gpu-agent/mps"
 )
 
-// fakeMPS builds mps/testdata/fakemps (a stand-in nvidia-cuda-mps-control)
-// once per test binary.
-var fakeMPS = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "fakemps")
-	if err != nil {
-		return "", err
-	}
-	bin := filepath.Join(dir, "nvidia-cuda-mps-control")
-	if out, err := exec.Command("go", "build", "-o", bin, "../../mps/testdata/fakemps").CombinedOutput(); err != nil {
-		return "", fmt.Errorf("build fakemps: %v\n%s", err, out)
-	}
-	// Daemons are told apart by /proc/PID/exe, which names the real path.
-	return filepath.EvalSymlinks(bin)
-})
-
 // mpsRoot makes a short MPS root (unix socket paths are limited to 108
 // bytes) whose daemons cleanup kills: they outlive mps-host on purpose.
-func mpsRoot(t *testing.T) (root, fake string) {
+// The daemons are the product's stand-in, run by this test binary
+// (TestMain), which mps-host runs as `--mps-binary mps-control-sim`.
+func mpsRoot(t *testing.T) string {
 	t.Helper()
-	fake, err := fakeMPS()
+	fake, err := os.Executable()
+	if err == nil {
+		fake, err = filepath.EvalSymlinks(fake)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
-	root, err = os.MkdirTemp("", "mps")
+	root, err := os.MkdirTemp("", "mps")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -52,11 +40,12 @@ func mpsRoot(t *testing.T) (root, fake string) {
 		killFakeDaemons(fake, root)
 		os.RemoveAll(root)
 	})
-	return root, fake
+	return root
 }
 
-// killFakeDaemons kills the fakemps daemons whose pipe directory is under
-// root, found by executable and environment rather than pid files.
+// killFakeDaemons kills the stand-in daemons (run by the executable fake)
+// whose pipe directory is under root, found by executable and environment
+// rather than pid files.
 func killFakeDaemons(fake, root string) {
 	dirs, _ := filepath.Glob("/proc/[0-9]*")
 	for _, dir := range dirs {
@@ -64,7 +53,7 @@ func killFakeDaemons(fake, root string) {
 		if err != nil {
 			continue
 		}
-		if exe, err := os.Readlink(filepath.Join(dir, "exe")); err != nil || exe != fake {
+		if exe, err := os.Readlink(filepath.Join(dir, "exe")); err != nil || exe != fake || pid == os.Getpid() {
 			continue
 		}
 		env, err := os.ReadFile(filepath.Join(dir, "environ"))
@@ -158,8 +147,8 @@ func pidFile(t *testing.T, root, dev string) int {
 // `gpu-agent mps-host` runs the daemons an agent's Remote asks for, leaves
 // them when it stops, and the next mps-host adopts them.
 func TestMPSHostCommand(t *testing.T) {
-	root, fake := mpsRoot(t)
-	host := startCommand(t, "mps-host", "--mps-root", root, "--mps-binary", fake, "--interval", "50ms")
+	root := mpsRoot(t)
+	host := startCommand(t, "mps-host", "--mps-root", root, "--mps-binary", mpsControlSimCommand, "--interval", "50ms")
 	r := mps.NewRemote(mps.RemoteOptions{Root: root, Poll: 20 * time.Millisecond})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -185,7 +174,7 @@ func TestMPSHostCommand(t *testing.T) {
 		}
 	}
 
-	next := startCommand(t, "mps-host", "--mps-root", root, "--mps-binary", fake, "--interval", "50ms")
+	next := startCommand(t, "mps-host", "--mps-root", root, "--mps-binary", mpsControlSimCommand, "--interval", "50ms")
 	waitRemote(t, r, d.Device, true, "")
 	if got := pidFile(t, root, d.Device); got != pid {
 		t.Errorf("pid %d after the mps-host restart, want %d adopted", got, pid)
@@ -244,7 +233,7 @@ configs:
 // through desired.json and offers the replicas unhealthy until mps-host
 // reports the daemons, healthy after. Stopping the agent leaves them.
 func TestRunWithMPSHost(t *testing.T) {
-	root, fake := mpsRoot(t)
+	root := mpsRoot(t)
 	dir, err := os.MkdirTemp("", "ga")
 	if err != nil {
 		t.Fatal(err)
@@ -302,7 +291,7 @@ func TestRunWithMPSHost(t *testing.T) {
 		t.Errorf("the agent made daemon directories itself: %v (status %+v)", entries, mpsDevices(st))
 	}
 
-	startCommand(t, "mps-host", "--mps-root", root, "--mps-binary", fake, "--interval", "100ms")
+	startCommand(t, "mps-host", "--mps-root", root, "--mps-binary", mpsControlSimCommand, "--interval", "100ms")
 	waitStatus(t, addr, "replicas healthy with mps-host", func(st *agent.Status) bool { return all(st, true, "") })
 	pids := map[string]int{}
 	for _, d := range desired.Daemons {

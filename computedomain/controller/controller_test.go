@@ -599,9 +599,12 @@ func TestAPICost(t *testing.T) {
 			// conditions are served: one apply of its condition.
 			limit := 4 + 2 + 6
 			if tc.bc {
-				limit += tc.nodes
-				if n := calls["patch resourceclaims/status"]; n != tc.nodes {
-					t.Errorf("%d claim status applies, want one per claim (%d)", n, tc.nodes)
+				limit += tc.nodes + 2
+				// A reconcile retried after a status conflict may apply a
+				// condition again that its informer has not shown yet (seen
+				// once under -race on two busy cores): allow two such.
+				if n := calls["patch resourceclaims/status"]; n < tc.nodes || n > tc.nodes+2 {
+					t.Errorf("%d claim status applies, want one per claim (%d), or two more after retries", n, tc.nodes)
 				}
 			}
 			if w := writes(calls); w > limit {

@@ -4,6 +4,13 @@
 // pipe directory, the default and per-server limit commands,
 // get_server_list, quit) and keeps the limits it is given, so that MPS
 // sharing can be tried, watched and tested without a GPU.
+//
+// What it was started with and every command but the health check go to
+// control.log in the log directory. No CUDA client ever starts an MPS
+// server on a simulated node; a simulation that wants the daemon to have
+// some lists their pids in the file ServersFile of the pipe directory, one
+// a line, and the daemon answers get_server_list with them and takes the
+// per-server limit commands for them.
 package simdaemon
 
 import (
@@ -16,6 +23,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -29,6 +37,9 @@ const (
 	socketName  = "control"
 	pidFileName = "nvidia-cuda-mps-control.pid"
 	logName     = "control.log"
+	// ServersFile, in the pipe directory, lists the MPS servers the
+	// simulated node runs (pids, one a line); absent, none.
+	ServersFile = "sim-servers"
 )
 
 // Env is what the control program learns from its environment, as the real
@@ -165,13 +176,16 @@ func Listen(env Env) (*Daemon, error) {
 		return nil, fmt.Errorf("mps stand-in: %w", err)
 	}
 	d := &Daemon{env: env, l: l, logFile: logf, log: logf, threads: "100.0", memLimit: map[string]string{}}
-	d.logf("stand-in MPS control daemon started for device %q (pid %d)", env.Device, os.Getpid())
+	// The environment too: the agent's supervisor sets each daemon's, and
+	// a person (or test) reading the log can check it did.
+	d.logf("stand-in MPS control daemon started for device %q (pid %d): CUDA_VISIBLE_DEVICES=%s CUDA_MPS_PIPE_DIRECTORY=%s CUDA_MPS_LOG_DIRECTORY=%s",
+		env.Device, os.Getpid(), env.Device, env.PipeDir, env.LogDir)
 	return d, nil
 }
 
 // Serve answers clients until one sends quit or ctx ends; then it closes
-// the socket and removes it and the pid file. get_server_list answers no
-// servers: no CUDA client ever connects on a simulated node.
+// the socket and removes it and the pid file. get_server_list answers the
+// servers ServersFile lists, none without it.
 func (d *Daemon) Serve(ctx context.Context) error {
 	defer d.logFile.Close()
 	defer os.Remove(filepath.Join(d.env.PipeDir, pidFileName))
@@ -192,7 +206,7 @@ func (d *Daemon) Serve(ctx context.Context) error {
 		if err != nil {
 			select {
 			case <-quit:
-				d.logf("quit")
+				d.logf("stopped on quit")
 				return nil
 			default:
 			}
@@ -266,7 +280,9 @@ func (d *Daemon) do(line string) (answer string, quit bool) {
 	switch f[0] {
 	case "quit":
 		return "", true
-	case "get_server_list", "get_client_list":
+	case "get_server_list":
+		return strings.Join(d.servers(), "\n"), false
+	case "get_client_list":
 		return "", false
 	case "set_default_active_thread_percentage":
 		if len(args) != 1 {
@@ -298,13 +314,48 @@ func (d *Daemon) do(line string) (answer string, quit bool) {
 		}
 		return "0M", false
 	case "set_active_thread_percentage", "set_device_pinned_mem_limit":
-		// Per server: there are none on a simulated node.
+		// Per server: those ServersFile lists.
 		if len(args) == 0 {
 			return "usage: " + f[0] + " <server pid> ...", false
 		}
-		return fmt.Sprintf("Server %s not found", args[0]), false
+		if !slices.Contains(d.servers(), args[0]) {
+			return fmt.Sprintf("Server %s not found", args[0]), false
+		}
+		if f[0] == "set_active_thread_percentage" {
+			if len(args) != 2 {
+				return "usage: set_active_thread_percentage <server pid> <1-100>", false
+			}
+			p, err := percentage(args[1])
+			if err != nil {
+				return err.Error(), false
+			}
+			return p, false
+		}
+		if len(args) != 3 {
+			return "usage: set_device_pinned_mem_limit <server pid> <device> <limit, e.g. 1024M>", false
+		}
+		if err := memoryLimit(args[2]); err != nil {
+			return err.Error(), false
+		}
+		return "", false
 	}
 	return fmt.Sprintf("Unrecognized command %q", f[0]), false
+}
+
+// servers are the pids ServersFile lists (none when it is absent or
+// unreadable): what the simulation says runs on the device.
+func (d *Daemon) servers() []string {
+	b, err := os.ReadFile(filepath.Join(d.env.PipeDir, ServersFile))
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, f := range strings.Fields(string(b)) {
+		if pid, err := strconv.Atoi(f); err == nil && pid > 0 {
+			out = append(out, strconv.Itoa(pid))
+		}
+	}
+	return out
 }
 
 func percentage(s string) (string, error) {
@@ -328,4 +379,45 @@ func memoryLimit(s string) error {
 
 func (d *Daemon) logf(format string, args ...any) {
 	fmt.Fprintf(d.log, "[%s] %s\n", time.Now().UTC().Format("2006-01-02 15:04:05.000"), fmt.Sprintf(format, args...))
+}
+
+// Main is the control program's command line, as the real program's: -d
+// starts the daemon of the environment's pipe directory in the background
+// (self is the command line that runs this program, to which Main adds
+// --daemon), --daemon is that daemon, and no argument sends the lines of
+// stdin to the daemon and prints its answers.
+func Main(ctx context.Context, self, args []string, getenv func(string) string, stdin io.Reader, stdout io.Writer) error {
+	env, err := EnvFrom(getenv)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(args) == 1 && args[0] == "-d":
+		return Launch(append(slices.Clone(self), "--daemon"), env, 10*time.Second)
+	case len(args) == 1 && args[0] == "--daemon":
+		d, err := Listen(env)
+		if err != nil {
+			return err
+		}
+		return d.Serve(ctx)
+	case len(args) == 0:
+		in, err := io.ReadAll(io.LimitReader(stdin, 1<<20))
+		if err != nil {
+			return err
+		}
+		out, err := Control(env, strings.Split(strings.TrimRight(string(in), "\n"), "\n")...)
+		if err != nil {
+			return err
+		}
+		_, err = io.WriteString(stdout, out)
+		return err
+	}
+	return &UsageError{Args: args}
+}
+
+// UsageError is a command line Main does not take.
+type UsageError struct{ Args []string }
+
+func (e *UsageError) Error() string {
+	return fmt.Sprintf("unexpected arguments %q: want -d or none (commands on stdin)", strings.Join(e.Args, " "))
 }

@@ -87,3 +87,43 @@ func TestServeAndControl(t *testing.T) {
 		})
 	}
 }
+
+// The servers ServersFile lists are the daemon's: get_server_list answers
+// them and the per-server limits are taken for them, and only for them.
+// control.log has the environment the daemon was started with.
+func TestServersFileAndEnvLog(t *testing.T) {
+	dir := t.TempDir()
+	env := Env{PipeDir: filepath.Join(dir, "pipe"), LogDir: filepath.Join(dir, "log"), Device: "GPU-y"}
+	d, err := Listen(env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.logFile.Close()
+	if answer, _ := d.do("get_server_list"); answer != "" {
+		t.Errorf("get_server_list without %s: %q, want none", ServersFile, answer)
+	}
+	if err := os.WriteFile(filepath.Join(env.PipeDir, ServersFile), []byte("4242\n77\nnot-a-pid\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct{ line, answer string }{
+		{"get_server_list", "4242\n77"},
+		{"set_active_thread_percentage 4242 25", "25.0"},
+		{"set_active_thread_percentage 4242 0", `invalid active thread percentage "0": want 1 to 100`},
+		{"set_active_thread_percentage 5 25", "Server 5 not found"},
+		{"set_device_pinned_mem_limit 77 0 1024M", ""},
+		{"set_device_pinned_mem_limit 77 0 1024", `invalid pinned memory limit "1024": want a size with a unit, e.g. 1024M`},
+	} {
+		if answer, _ := d.do(tt.line); answer != tt.answer {
+			t.Errorf("%q: %q, want %q", tt.line, answer, tt.answer)
+		}
+	}
+	log, err := os.ReadFile(filepath.Join(env.LogDir, logName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"CUDA_VISIBLE_DEVICES=GPU-y", "CUDA_MPS_PIPE_DIRECTORY=" + env.PipeDir, "CUDA_MPS_LOG_DIRECTORY=" + env.LogDir} {
+		if !strings.Contains(string(log), want) {
+			t.Errorf("control.log lacks %q:\n%s", want, log)
+		}
+	}
+}

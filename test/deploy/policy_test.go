@@ -76,7 +76,7 @@ func policyFor(o *objects, resource string) (*admissionregistrationv1.Validating
 func checkPolicies(t *testing.T, o *objects, sa, ns string) {
 	t.Helper()
 	resources := []string{"nodes"}
-	for _, res := range []string{"resourceslices", "resourceclaims/status"} {
+	for _, res := range []string{"resourceslices", "resourceclaims/status", "computedomains/status"} {
 		if hasRule(o.ClusterRoles, res) {
 			resources = append(resources, res)
 		}
@@ -85,9 +85,10 @@ func checkPolicies(t *testing.T, o *objects, sa, ns string) {
 		t.Fatalf("got %d ValidatingAdmissionPolicies and %d bindings, want one each for %v", len(o.Policies), len(o.PolicyBindings), resources)
 	}
 	username := fmt.Sprintf("request.userInfo.username == 'system:serviceaccount:%s:%s'", ns, sa)
-	groups := map[string]string{"nodes": "", "resourceslices": "resource.k8s.io", "resourceclaims/status": "resource.k8s.io"}
+	groups := map[string]string{"nodes": "", "resourceslices": "resource.k8s.io", "resourceclaims/status": "resource.k8s.io",
+		"computedomains/status": "resource.nvidia.com"}
 	// A subresource is only ever updated (a patch or an apply is an UPDATE to admission).
-	ops := map[string][]admissionregistrationv1.OperationType{"resourceclaims/status": {"UPDATE"}}
+	ops := map[string][]admissionregistrationv1.OperationType{"resourceclaims/status": {"UPDATE"}, "computedomains/status": {"UPDATE"}}
 	for _, res := range resources {
 		p, b := policyFor(o, res)
 		if p == nil || b == nil {

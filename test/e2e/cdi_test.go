@@ -259,27 +259,11 @@ configs:
 	}
 }
 
-// installDRAWithFakeMPS installs the agent with its DRA component on a containerd 2.x node, with a stand-in
-// MPS control daemon as its --mps-binary. It returns the cluster and the agent's URL.
+// installDRAWithFakeMPS installs the agent with its DRA component on a containerd 2.x node, with gpu-agent's own
+// stand-in MPS control program as its --mps-binary. It returns the cluster and the agent's URL.
 func installDRAWithFakeMPS(t *testing.T) (*harness.Cluster, string) {
 	t.Helper()
-	fake := os.Getenv("E2E_FAKEMPS")
-	if fake == "" {
-		t.Fatal("E2E_FAKEMPS is not set; run ./run.sh (make e2e)")
-	}
 	return installOverlayOn(t, "sim-dra-overlay", inputs.containerd2, func(c *harness.Cluster, l *harness.NodeLayer) {
-		// The stand-in daemon, in the agent's state directory (a hostPath) so the agent's container can run it.
-		bin := filepath.Join(c.AgentStateDir(), "e2e-bin", "nvidia-cuda-mps-control")
-		data, err := os.ReadFile(fake)
-		if err == nil {
-			err = os.MkdirAll(filepath.Dir(bin), 0o755)
-		}
-		if err == nil {
-			err = os.WriteFile(bin, data, 0o755)
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		l.ExtraArgs = append(l.ExtraArgs, "--mps-binary=/var/lib/gpu-agent/e2e-bin/nvidia-cuda-mps-control")
+		l.ExtraArgs = append(l.ExtraArgs, "--mps-binary="+mpsStandIn)
 	})
 }

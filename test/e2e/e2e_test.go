@@ -843,19 +843,19 @@ func mountedSomewhere(containerPath string) bool {
 	return false
 }
 
+// mpsStandIn is the --mps-binary that names gpu-agent's own stand-in MPS control program (`gpu-agent
+// mps-control-sim`, package mps/simdaemon): it speaks the real one's protocol, which needs a GPU.
+const mpsStandIn = "mps-control-sim"
+
 // MPS: the agent runs a control daemon per shared GPU (a stand-in program speaking its protocol), and a
 // pod on an MPS replica gets the pipe directory and its per-client limits.
 func TestMPSReplicas(t *testing.T) {
 	const resMPS = "nvidia.com/gpu.mps"
-	fake := os.Getenv("E2E_FAKEMPS")
-	if fake == "" {
-		t.Fatal("E2E_FAKEMPS is not set; run ./run.sh (make e2e)")
-	}
 	e := harness.Start(t, harness.Config{
 		Kubelet: inputs.kubelet, Agent: inputs.agent, Images: inputs.images, LedgerPath: inputs.ledger,
 		Backend: backend, NodeName: nodeName,
-		// The DaemonSet's args name the real program; the stand-in replaces it.
-		AgentArgs: []string{"--mps-binary=" + fake, "--mps-shm-dir=" + t.TempDir()},
+		// The DaemonSet's args name the real program; gpu-agent's own stand-in replaces it.
+		AgentArgs: []string{"--mps-binary=" + mpsStandIn, "--mps-shm-dir=" + t.TempDir()},
 		AgentConfig: `version: v1
 configs:
   default:

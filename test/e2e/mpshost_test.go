@@ -18,10 +18,6 @@ import (
 // gone, and the next mps-host adopts the daemon.
 func TestMPSHostKeepsDaemonsThroughRestarts(t *testing.T) {
 	const resMPS = "nvidia.com/gpu.mps"
-	fake := os.Getenv("E2E_FAKEMPS")
-	if fake == "" {
-		t.Fatal("E2E_FAKEMPS is not set; run ./run.sh (make e2e)")
-	}
 	// The agent is given no MPS control program: it must not need one.
 	e := harness.Start(t, harness.Config{
 		Kubelet: inputs.kubelet, Agent: inputs.agent, Images: inputs.images, LedgerPath: inputs.ledger,
@@ -33,7 +29,7 @@ func TestMPSHostKeepsDaemonsThroughRestarts(t *testing.T) {
 	if _, err := e.WaitAgentStatus(stepCtx(t), "MPS replicas unhealthy without mps-host", mpsReplicas(2*nodeGPUs, false, "mps-host not running")); err != nil {
 		t.Fatal(err)
 	}
-	hostArgs := []string{"--mps-binary=" + fake, "--interval=1s"}
+	hostArgs := []string{"--mps-binary=" + mpsStandIn, "--interval=1s"}
 	if err := e.StartMPSHost(stepCtx(t), hostArgs...); err != nil {
 		t.Fatal(err)
 	}

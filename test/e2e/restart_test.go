@@ -192,14 +192,10 @@ func TestPodResourcesUnreachableDestroysNothing(t *testing.T) {
 // keeps its pid, and the new agent adopts it and serves the replicas healthy.
 func TestMPSDaemonsSurviveAgentRestart(t *testing.T) {
 	const resMPS = "nvidia.com/gpu.mps"
-	fake := os.Getenv("E2E_FAKEMPS")
-	if fake == "" {
-		t.Fatal("E2E_FAKEMPS is not set; run ./run.sh (make e2e)")
-	}
 	e := harness.Start(t, harness.Config{
 		Kubelet: inputs.kubelet, Agent: inputs.agent, Images: inputs.images, LedgerPath: inputs.ledger,
 		Backend: backend, NodeName: nodeName,
-		AgentArgs:   []string{"--mps-binary=" + fake, "--mps-shm-dir=" + t.TempDir()},
+		AgentArgs:   []string{"--mps-binary=" + mpsStandIn, "--mps-shm-dir=" + t.TempDir()},
 		AgentConfig: mpsConfig,
 	})
 	if _, err := e.WaitAllocatable(stepCtx(t), resMPS, 2*nodeGPUs); err != nil {

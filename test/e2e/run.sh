@@ -145,10 +145,6 @@ if [ -z "${E2E_GPU_AGENT:-}" ]; then
 	(cd "$repo" && go build -o "$E2E_GPU_AGENT" ./cmd/gpu-agent) || die "gpu-agent build failed"
 fi
 
-# A stand-in for nvidia-cuda-mps-control that speaks its protocol (the real one needs a GPU).
-(cd "$repo" && CGO_ENABLED=0 go build -o "$E2E_CACHE/fakemps" ./mps/testdata/fakemps) || die "fakemps build failed"
-export E2E_FAKEMPS="$E2E_CACHE/fakemps"
-
 export E2E_KUBELET="$kubelet" E2E_GPU_AGENT E2E_PAUSE="$E2E_CACHE/pause" E2E_BUSYBOX="${E2E_BUSYBOX:-/bin/busybox}"
 export E2E_KUBE_APISERVER="$apiserver" E2E_KUBE_CONTROLLER_MANAGER="$controller_manager" E2E_KUBE_SCHEDULER="$scheduler" \
 	E2E_ETCD="$etcd"

@@ -88,6 +88,7 @@ func TestBuildManifestsNodeLayer(t *testing.T) {
 			"/var/lib/gpu-agent":             run + "/agent/state",
 			"/run/gpu-agent/mps":             run + "/agent/mps",
 			"/var/run/cdi":                   run + "/cdi",
+			"/proc":                          "/proc",
 		},
 		APIHost: "127.0.0.1", APIPort: 6443,
 	}
@@ -124,7 +125,7 @@ func TestBuildManifestsNodeLayer(t *testing.T) {
 		t.Errorf("env %v", env)
 	}
 	for _, v := range spec.Volumes {
-		if v.HostPath != nil && v.HostPath.Path != DevicePluginDir && !strings.HasPrefix(v.HostPath.Path, run+"/") {
+		if v.HostPath != nil && v.HostPath.Path != DevicePluginDir && v.HostPath.Path != "/proc" && !strings.HasPrefix(v.HostPath.Path, run+"/") {
 			t.Errorf("volume %s: host path %s", v.Name, v.HostPath.Path)
 		}
 	}
@@ -155,6 +156,7 @@ func TestRenderChartNodeLayer(t *testing.T) {
 			"/var/lib/gpu-agent":             run + "/agent/state",
 			"/run/gpu-agent/mps":             run + "/agent/mps",
 			"/var/run/cdi":                   run + "/cdi",
+			"/proc":                          "/proc",
 		},
 		APIHost: "127.0.0.1", APIPort: 6443,
 	}

@@ -78,6 +78,7 @@ type options struct {
 	only          string
 	control       bool
 	block         int
+	perf          string
 	// kinds are the calls made: both, or -only's.
 	kinds []string
 	// The roles this command runs itself in.
@@ -118,6 +119,7 @@ func main() {
 	flag.IntVar(&o.load, "load", 0, "busy-loop processes running during the measurement")
 	flag.BoolVar(&o.bareInProcess, "bare-in-process", false, "serve the bare plugin from this process, beside the client, instead of a process of its own")
 	flag.StringVar(&o.csv, "csv", "", "also write each round's figures to this CSV file")
+	flag.StringVar(&o.perf, "perf", "", "record each plugin process with `perf record -g` during the rounds, into DIR/LABEL.data (needs perf)")
 	flag.BoolVar(&o.control, "control", false, "also measure a second bare plugin as if it were an agent: the method's floor, whose ratio should be 1")
 	flag.StringVar(&o.only, "only", "", "make only this call, Allocate or GetPreferredAllocation (to profile one)")
 	flag.BoolVar(&o.spin, "spin", false, "only spin on one CPU until killed (the -load role)")
@@ -210,6 +212,7 @@ func run(o options) error {
 	defer os.RemoveAll(bareDir)
 	bareSocket := filepath.Join(bareDir, "bare.sock")
 	var bareCPU func() time.Duration
+	barePID := 0
 	if o.bareInProcess {
 		p, err := startBarePlugin(bareSocket, ids)
 		if err != nil {
@@ -223,6 +226,7 @@ func run(o options) error {
 		}
 		defer stopProcess(child)
 		bareCPU = func() time.Duration { d, _ := proc.CPUTime(child.Process.Pid); return d }
+		barePID = child.Process.Pid
 	}
 	bare, err := dial(ctx, "bare", bareSocket, o)
 	if err != nil {
@@ -278,6 +282,13 @@ func run(o options) error {
 			results[i][call] = &series{}
 		}
 	}
+	stopPerf := func() {}
+	if o.perf != "" {
+		if stopPerf, err = startPerf(o.perf, agents, barePID); err != nil {
+			return fmt.Errorf("-perf: %w", err)
+		}
+		defer stopPerf()
+	}
 	started := time.Now()
 	for r := range o.rounds {
 		for j := range agents {
@@ -305,6 +316,7 @@ func run(o options) error {
 		fmt.Fprintf(os.Stderr, "round %d/%d done (%v)\n", r+1, o.rounds, time.Since(started).Round(time.Second))
 	}
 	load1 := loadAvg()
+	stopPerf()
 	for _, c := range spinners {
 		stopProcess(c)
 	}
