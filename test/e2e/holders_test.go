@@ -390,11 +390,24 @@ func holderDRASharedClaim(t *testing.T, c *harness.Cluster, agent string) {
 	t.Logf("MEASURED claim's pod deleted -> its holder series gone: %s", time.Since(deleted).Round(10*time.Millisecond))
 }
 
-// TestHolderMPSContainerd2: GPU 0 shared by MPS between 2 clients (DRA claims on a containerd 2.x node, the
-// stand-in control daemon): each client's process is an MPS one in NVML's lists; each claim's series carry its
-// own numbers.
+// TestHolderMPS: GPU 0 shared by MPS between 2 clients (DRA claims, gpu-agent's stand-in control daemon) on
+// containerd 1.6: each client's process is an MPS one in NVML's lists, and each claim's series carry its own
+// numbers. containerd 1.6 has no CDI, so the containers do not get the claims' MPS settings: what is checked
+// is the agent's side.
+func TestHolderMPS(t *testing.T) {
+	c, agent := installOverlayOn(t, "sim-dra-overlay", "", func(_ *harness.Cluster, l *harness.NodeLayer) {
+		l.ExtraArgs = append(l.ExtraArgs, "--mps-binary="+mpsStandIn)
+	})
+	holderMPS(t, c, agent)
+}
+
+// TestHolderMPSContainerd2: the same on containerd 2.x, where the containers get them through CDI.
 func TestHolderMPSContainerd2(t *testing.T) {
 	c, agent := installDRAWithFakeMPS(t)
+	holderMPS(t, c, agent)
+}
+
+func holderMPS(t *testing.T, c *harness.Cluster, agent string) {
 	t.Logf("containerd %s", containerdVersion(t, c))
 	setConfigMap(t, c, map[string]string{"config.yaml": `version: v1
 configs:
