@@ -229,6 +229,8 @@ type Collector struct {
 	holderSM, holderMem, holderEnc, holderDec *prometheus.Desc
 	holderFB, holderProcs, holderIdle         *prometheus.Desc
 	holderAvg, holderTime                     *prometheus.Desc
+
+	cache seriesCache
 }
 
 // NewCollector returns a collector reading opts' sources.
@@ -281,6 +283,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect reads the caches and sends the metrics.
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
+	c.cache.rotate()
 	snap := c.opts.Samples.Snapshot()
 	var st *health.State
 	if c.opts.Health != nil {
@@ -291,7 +294,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		attr = c.opts.Attribution.Attribution()
 	}
 	if !snap.Time.IsZero() {
-		ch <- prometheus.MustNewConstMetric(c.sampleTime, prometheus.GaugeValue, float64(snap.Time.UnixNano())/1e9)
+		ch <- c.cache.metric(c.sampleTime, prometheus.GaugeValue, float64(snap.Time.UnixNano())/1e9)
 	}
 	served := c.servedHealth()
 	holders := newHoldersOf(attr, c.opts.DRA)
@@ -318,14 +321,14 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		for j := range c.defs {
 			d := &c.defs[j]
 			if v, ok := g.Values.Get(d.field); ok {
-				emit(ch, d.desc, d.typ, v, lv, hs, split.of(d.field, hs, g.UUID))
+				c.emit(ch, d.desc, d.typ, v, lv, hs, split.of(d.field, hs, g.UUID))
 			}
 		}
 		var last uint64
 		if s, ok := st.Stats(g.UUID); ok {
 			last = s.LastXID
 		}
-		emit(ch, c.xid, prometheus.GaugeValue, float64(last), lv, hs, nil)
+		c.emit(ch, c.xid, prometheus.GaugeValue, float64(last), lv, hs, nil)
 		for k := range g.Instances {
 			in := &g.Instances[k]
 			// Framebuffer and GPM belong to the GPU instance, which the
@@ -348,7 +351,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 					continue
 				}
 				if v, ok := in.Values.Get(d.field); ok {
-					emit(ch, d.desc, d.typ, v, lv, hs, split.of(d.field, hs, uuids...))
+					c.emit(ch, d.desc, d.typ, v, lv, hs, split.of(d.field, hs, uuids...))
 				}
 			}
 		}
@@ -359,11 +362,11 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 
 // emit sends one series per holder, or one without holder labels when none.
 // own, when not nil, gives a holder's own value in place of the device's.
-func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueType, v float64, lv []string, hs []seriesHolder, own func(seriesHolder) (float64, bool)) {
+func (c *Collector) emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueType, v float64, lv []string, hs []seriesHolder, own func(seriesHolder) (float64, bool)) {
 	tail := lv[len(lv)-len(holderLabelNames):]
 	if len(hs) == 0 {
 		seriesHolder{}.values(tail)
-		ch <- prometheus.MustNewConstMetric(d, typ, v, lv...)
+		ch <- c.cache.metric(d, typ, v, lv...)
 		return
 	}
 	for _, h := range hs {
@@ -374,7 +377,7 @@ func emit(ch chan<- prometheus.Metric, d *prometheus.Desc, typ prometheus.ValueT
 				x = hv
 			}
 		}
-		ch <- prometheus.MustNewConstMetric(d, typ, x, lv...)
+		ch <- c.cache.metric(d, typ, x, lv...)
 	}
 }
 
@@ -397,9 +400,9 @@ func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx stri
 			}
 			held += attr.Held(uuid)
 		}
-		ch <- prometheus.MustNewConstMetric(c.healthy, prometheus.GaugeValue, h, idx, g.UUID, profile, gi)
-		ch <- prometheus.MustNewConstMetric(c.holders, prometheus.GaugeValue, float64(holders), idx, g.UUID, profile, gi)
-		ch <- prometheus.MustNewConstMetric(c.held, prometheus.GaugeValue, float64(held), idx, g.UUID, profile, gi)
+		ch <- c.cache.metric(c.healthy, prometheus.GaugeValue, h, idx, g.UUID, profile, gi)
+		ch <- c.cache.metric(c.holders, prometheus.GaugeValue, float64(holders), idx, g.UUID, profile, gi)
+		ch <- c.cache.metric(c.held, prometheus.GaugeValue, float64(held), idx, g.UUID, profile, gi)
 	}
 	device("", "", g.UUID)
 	profiles := map[string]int{}
@@ -417,10 +420,10 @@ func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx stri
 		device(in.Profile, strconv.Itoa(in.GI), uuids...)
 	}
 	for _, p := range slices.Sorted(maps.Keys(profiles)) {
-		ch <- prometheus.MustNewConstMetric(c.migDevices, prometheus.GaugeValue, float64(profiles[p]), idx, g.UUID, p)
+		ch <- c.cache.metric(c.migDevices, prometheus.GaugeValue, float64(profiles[p]), idx, g.UUID, p)
 	}
-	ch <- prometheus.MustNewConstMetric(c.migMode, prometheus.GaugeValue, b2f(g.MIG.Current), idx, g.UUID, "current")
-	ch <- prometheus.MustNewConstMetric(c.migMode, prometheus.GaugeValue, b2f(g.MIG.Pending), idx, g.UUID, "pending")
+	ch <- c.cache.metric(c.migMode, prometheus.GaugeValue, b2f(g.MIG.Current), idx, g.UUID, "current")
+	ch <- c.cache.metric(c.migMode, prometheus.GaugeValue, b2f(g.MIG.Pending), idx, g.UUID, "pending")
 	if st == nil {
 		return
 	}
@@ -432,17 +435,17 @@ func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx stri
 	for _, k := range slices.SortedFunc(maps.Keys(counts), func(a, b kc) int {
 		return cmp.Or(strings.Compare(a.kind, b.kind), strings.Compare(a.class, b.class))
 	}) {
-		ch <- prometheus.MustNewConstMetric(c.causes, prometheus.GaugeValue, float64(counts[k]), idx, g.UUID, k.kind, k.class)
+		ch <- c.cache.metric(c.causes, prometheus.GaugeValue, float64(counts[k]), idx, g.UUID, k.kind, k.class)
 	}
 	if s, ok := st.Stats(g.UUID); ok {
 		var all uint64
 		for _, x := range slices.Sorted(maps.Keys(s.XIDs)) {
-			ch <- prometheus.MustNewConstMetric(c.xids, prometheus.CounterValue, float64(s.XIDs[x]), idx, g.UUID, strconv.FormatUint(x, 10))
+			ch <- c.cache.metric(c.xids, prometheus.CounterValue, float64(s.XIDs[x]), idx, g.UUID, strconv.FormatUint(x, 10))
 			all += s.XIDs[x]
 		}
-		ch <- prometheus.MustNewConstMetric(c.gpuXIDs, prometheus.CounterValue, float64(all), idx, g.UUID)
-		ch <- prometheus.MustNewConstMetric(c.ecc, prometheus.CounterValue, float64(s.SingleBitEvents), idx, g.UUID, "single-bit")
-		ch <- prometheus.MustNewConstMetric(c.ecc, prometheus.CounterValue, float64(s.DoubleBitEvents), idx, g.UUID, "double-bit")
+		ch <- c.cache.metric(c.gpuXIDs, prometheus.CounterValue, float64(all), idx, g.UUID)
+		ch <- c.cache.metric(c.ecc, prometheus.CounterValue, float64(s.SingleBitEvents), idx, g.UUID, "single-bit")
+		ch <- c.cache.metric(c.ecc, prometheus.CounterValue, float64(s.DoubleBitEvents), idx, g.UUID, "double-bit")
 	}
 }
 
@@ -482,12 +485,12 @@ func (c *Collector) sharing(ch chan<- prometheus.Metric, attr *podresources.Attr
 					}
 				}
 				for _, uuid := range slices.Sorted(maps.Keys(counts)) {
-					ch <- prometheus.MustNewConstMetric(c.replicas, prometheus.GaugeValue, float64(counts[uuid]), name, uuid)
+					ch <- c.cache.metric(c.replicas, prometheus.GaugeValue, float64(counts[uuid]), name, uuid)
 				}
 			}
 		}
 	}
 	for _, a := range attr.Allocations() {
-		ch <- prometheus.MustNewConstMetric(c.allocs, prometheus.GaugeValue, float64(a.Devices), a.Resource, a.Holder.Namespace, a.Holder.Pod, a.Holder.Container)
+		ch <- c.cache.metric(c.allocs, prometheus.GaugeValue, float64(a.Devices), a.Resource, a.Holder.Namespace, a.Holder.Pod, a.Holder.Container)
 	}
 }

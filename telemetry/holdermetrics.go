@@ -62,7 +62,7 @@ func (c *Collector) holderUse(ch chan<- prometheus.Metric, s *HolderSnapshot) {
 	if s == nil || s.Time.IsZero() {
 		return
 	}
-	ch <- prometheus.MustNewConstMetric(c.holderTime, prometheus.GaugeValue, float64(s.Time.UnixNano())/1e9)
+	ch <- c.cache.metric(c.holderTime, prometheus.GaugeValue, float64(s.Time.UnixNano())/1e9)
 	lv := make([]string, 4+len(holderLabelNames)+1)
 	for i := range s.Holders {
 		u := &s.Holders[i]
@@ -73,22 +73,22 @@ func (c *Collector) holderUse(ch chan<- prometheus.Metric, s *HolderSnapshot) {
 		u.series.values(lv[4:])
 		l := lv[:len(lv)-1]
 		if u.Attributed {
-			ch <- prometheus.MustNewConstMetric(c.holderFB, prometheus.GaugeValue, float64(u.FBBytes), l...)
-			ch <- prometheus.MustNewConstMetric(c.holderProcs, prometheus.GaugeValue, float64(u.Processes), l...)
+			ch <- c.cache.metric(c.holderFB, prometheus.GaugeValue, float64(u.FBBytes), l...)
+			ch <- c.cache.metric(c.holderProcs, prometheus.GaugeValue, float64(u.Processes), l...)
 		}
 		if u.UtilKnown {
-			ch <- prometheus.MustNewConstMetric(c.holderSM, prometheus.GaugeValue, u.SM, l...)
-			ch <- prometheus.MustNewConstMetric(c.holderIdle, prometheus.GaugeValue, u.IdleSeconds, l...)
+			ch <- c.cache.metric(c.holderSM, prometheus.GaugeValue, u.SM, l...)
+			ch <- c.cache.metric(c.holderIdle, prometheus.GaugeValue, u.IdleSeconds, l...)
 		}
 		if u.PerProcess {
-			ch <- prometheus.MustNewConstMetric(c.holderMem, prometheus.GaugeValue, u.Mem, l...)
-			ch <- prometheus.MustNewConstMetric(c.holderEnc, prometheus.GaugeValue, u.Enc, l...)
-			ch <- prometheus.MustNewConstMetric(c.holderDec, prometheus.GaugeValue, u.Dec, l...)
+			ch <- c.cache.metric(c.holderMem, prometheus.GaugeValue, u.Mem, l...)
+			ch <- c.cache.metric(c.holderEnc, prometheus.GaugeValue, u.Enc, l...)
+			ch <- c.cache.metric(c.holderDec, prometheus.GaugeValue, u.Dec, l...)
 		}
 		for _, w := range holderWindows {
 			if v, ok := u.SMAvg[w.name]; ok {
 				lv[len(lv)-1] = w.name
-				ch <- prometheus.MustNewConstMetric(c.holderAvg, prometheus.GaugeValue, v, lv...)
+				ch <- c.cache.metric(c.holderAvg, prometheus.GaugeValue, v, lv...)
 			}
 		}
 	}

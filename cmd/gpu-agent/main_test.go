@@ -294,6 +294,10 @@ func runBinaryUntilSIGTERM(t *testing.T, bin string, extra func(t *testing.T, di
 	if code != 0 || !regexp.MustCompile(`nvidia.com/gpu +4 +4 +registered 20`).MatchString(out) {
 		t.Errorf("status: exit %d\n%s%s", code, out, stderr)
 	}
+	// The holders section, from the binary's own /holders: no pod holds a GPU here.
+	if !regexp.MustCompile(`(?m)^Holders: (none \(sampled 20|not sampled yet)`).MatchString(out) {
+		t.Errorf("status: no holders section:\n%s", out)
+	}
 	resp, err := http.Get("http://" + addr + "/metrics")
 	if err != nil {
 		t.Fatal(err)

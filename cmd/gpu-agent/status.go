@@ -12,6 +12,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/agent"
 	"github.com/gpu-agent/gpu-agent/kube"
+	"github.com/gpu-agent/gpu-agent/telemetry"
 )
 
 func cmdStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
@@ -55,7 +56,53 @@ func cmdStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err := json.Unmarshal(body, &st); err != nil {
 		return fmt.Errorf("%s/status: not a gpu-agent status: %w", base, err)
 	}
-	return writeStatus(stdout, &st)
+	if err := writeStatus(stdout, &st); err != nil {
+		return err
+	}
+	// The holders come from /holders, as `gpu-agent top` reads them; an
+	// agent that cannot say leaves the rest of the status standing.
+	snap, herr := fetchHolders(ctx, strings.TrimRight(base, "/"))
+	return writeStatusHolders(stdout, snap, herr)
+}
+
+// writeStatusHolders is status's holders section: who holds each GPU and
+// device, how much of it they use and for how long they have not, in
+// fewer columns than `gpu-agent top`.
+func writeStatusHolders(w io.Writer, snap *telemetry.HolderSnapshot, err error) error {
+	if err != nil {
+		_, werr := fmt.Fprintf(w, "\nHolders: not known: %v\n", err)
+		return werr
+	}
+	idle := 0
+	for _, u := range snap.Holders {
+		if u.UtilKnown && u.IdleSeconds >= 60 {
+			idle++
+		}
+	}
+	switch {
+	case snap.Time.IsZero():
+		_, err := fmt.Fprintln(w, "\nHolders: not sampled yet")
+		return err
+	case len(snap.Holders) == 0:
+		_, err := fmt.Fprintf(w, "\nHolders: none (sampled %s)\n", snap.Time.UTC().Format(time.RFC3339))
+		return err
+	}
+	fmt.Fprintf(w, "\nHolders: %d, %d idle for a minute or more (sampled %s; gpu-agent top for more)\n", len(snap.Holders), idle,
+		snap.Time.UTC().Format(time.RFC3339))
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "HOLDER\tGPU\tDEVICE\tSHARE\tSM%\tMEMORY\tIDLE FOR")
+	for _, u := range snap.Holders {
+		who := u.Namespace + "/" + u.Pod + "/" + u.Container
+		if u.Claim != nil {
+			who += " (claim " + u.Claim.Name + ")"
+		}
+		mem := "-"
+		if u.Attributed {
+			mem = bytesIEC(u.FBBytes)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", who, u.GPU, heldDevice(u), holderShare(u), pct(u.SM, u.UtilKnown), mem, idleFor(u))
+	}
+	return tw.Flush()
 }
 
 // writeStatus renders a status as readable tables: everything /status says

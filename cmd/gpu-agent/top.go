@@ -95,19 +95,11 @@ func writeTop(w io.Writer, snap *telemetry.HolderSnapshot, idleOnly bool) error 
 		if u.Claim != nil {
 			claim = u.Claim.Name
 		}
-		device := "whole"
-		if u.MIGProfile != "" {
-			device = u.MIGProfile + " (GI " + strconv.Itoa(u.GI) + ")"
-		}
-		share := "alone"
-		if u.Sharers > 1 {
-			share = "1/" + strconv.Itoa(u.Sharers)
-		}
 		mem, procs := "-", "-"
 		if u.Attributed {
 			mem, procs = bytesIEC(u.FBBytes), strconv.Itoa(u.Processes)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", u.Namespace, u.Pod, u.Container, claim, u.GPU, device, share,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", u.Namespace, u.Pod, u.Container, claim, u.GPU, heldDevice(u), holderShare(u),
 			pct(u.SM, u.UtilKnown), avg(u.SMAvg, "1h"), avg(u.SMAvg, "24h"), mem, procs, idleFor(u))
 	}
 	if err := tw.Flush(); err != nil {
@@ -122,6 +114,23 @@ func writeTop(w io.Writer, snap *telemetry.HolderSnapshot, idleOnly bool) error 
 		return err
 	}
 	return nil
+}
+
+// heldDevice is the device a holder holds on its GPU: the whole GPU or a
+// MIG device.
+func heldDevice(u telemetry.HolderUse) string {
+	if u.MIGProfile == "" {
+		return "whole"
+	}
+	return u.MIGProfile + " (GI " + strconv.Itoa(u.GI) + ")"
+}
+
+// holderShare is how many holders share the device, as a fraction.
+func holderShare(u telemetry.HolderUse) string {
+	if u.Sharers <= 1 {
+		return "alone"
+	}
+	return "1/" + strconv.Itoa(u.Sharers)
 }
 
 func pct(v float64, known bool) string {

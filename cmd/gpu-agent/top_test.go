@@ -6,6 +6,10 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -115,4 +119,54 @@ func TestTop(t *testing.T) {
 	if err := cmdTop(context.Background(), []string{"--addr", old.URL}, &out, &out); err == nil || !strings.Contains(err.Error(), "older than gpu-agent top") {
 		t.Errorf("an agent without /holders: %v", err)
 	}
+
+	// gpu-agent status ends with the same holders, in fewer columns.
+	status, err := os.ReadFile(filepath.Join("testdata", "status", "standalone-xid.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	serveStatus := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/status" {
+			http.NotFound(w, r)
+			return
+		}
+		w.Write(status)
+	})
+	withStatus := httptest.NewServer(withHolders(serveStatus, tr))
+	defer withStatus.Close()
+	out.Reset()
+	if err := cmdStatus(context.Background(), []string{"--addr", withStatus.URL}, &out, &out); err != nil {
+		t.Fatal(err)
+	}
+	statusLines := collapsed(out.String())
+	for _, w := range []string{
+		"Holders: 2, 1 idle for a minute or more (sampled 2026-05-06T07:11:19Z; gpu-agent top for more)",
+		"HOLDER GPU DEVICE SHARE SM% MEMORY IDLE FOR",
+		"ml/trainer/main 3 whole 1/2 45 1.0 GiB active",
+		"ml/notebook/main 3 whole 1/2 0 2.0 GiB 3m0s",
+	} {
+		if !slices.Contains(statusLines, w) {
+			t.Errorf("status: no line %q in:\n%s", w, out.String())
+		}
+	}
+	// An agent without /holders still has its status shown, and says so.
+	withoutHolders := httptest.NewServer(serveStatus)
+	defer withoutHolders.Close()
+	out.Reset()
+	if err := cmdStatus(context.Background(), []string{"--addr", withoutHolders.URL}, &out, &out); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "Node:") || !strings.Contains(out.String(), "Holders: not known:") || strings.Contains(out.String(), "HOLDER ") {
+		t.Errorf("status of an agent without /holders:\n%s", out.String())
+	}
+}
+
+// collapsed is s's lines, trimmed, with each run of spaces made one.
+func collapsed(s string) []string {
+	spaces := regexp.MustCompile(`\s+`)
+	var lines []string
+	for _, l := range strings.Split(s, "\n") {
+		lines = append(lines, strings.TrimSpace(spaces.ReplaceAllString(l, " ")))
+	}
+	return lines
 }

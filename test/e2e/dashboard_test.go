@@ -179,7 +179,9 @@ func TestGrafanaDashboards(t *testing.T) {
 			e := prom.env
 			simPost(t, e, "/sim/xid", `{"gpu":0,"xid":13}`) // in NVIDIA's default application-error list: GPU 0 stays healthy
 			ctx := stepCtx(t)
-			for _, sel := range []string{"gpu_agent_gpu_xid_events_total", "gpu_agent_allocated_devices"} {
+			// The holder series come from the holder tracker's pass, every 10 s: the first after the pod held its
+			// device.
+			for _, sel := range []string{"gpu_agent_gpu_xid_events_total", "gpu_agent_allocated_devices", "gpu_agent_holder_idle_seconds"} {
 				if err := prom.WaitSamples(ctx, sel, 2); err != nil {
 					t.Fatal(err)
 				}
