@@ -236,7 +236,7 @@ func TestClusterAgentTokenPolicy(t *testing.T) {
 		on+" may not delete ResourceSlice "+theirs.Name+" of node "+otherNode+": only its own node's")
 	_, err = slicesAs.Create(ctx, probeSlice("e2e-nic", node, "nic.example.com"), metav1.CreateOptions{})
 	refused(t, "create another driver's ResourceSlice on its node", err, "resourceslices.resource.k8s.io", "e2e-nic", "gpu-agent-resourceslices",
-		on+" may not create ResourceSlice e2e-nic of driver nic.example.com: only gpu.nvidia.com's")
+		on+" may not create ResourceSlice e2e-nic of driver nic.example.com: only gpu.nvidia.com's and compute-domain.nvidia.com's")
 	// Its own node and driver: allowed. The agent's slice controller owns every gpu.nvidia.com slice of the node
 	// and may delete this one first (through the same policy).
 	if _, err := slicesAs.Create(ctx, probeSlice("e2e-own", node, draDriver), metav1.CreateOptions{}); err != nil {
