@@ -33,6 +33,7 @@ func (w *wiring) holderTracker(dra telemetry.DRASource, idleAfter *atomic.Int64)
 		owners = procusage.SimResolver{Src: be.Sim, Next: host}
 	}
 	opts := telemetry.HolderOptions{
+		Interval:    f.sampleInterval,
 		Owners:      owners,
 		Attribution: w.podres,
 		DRA:         dra,
