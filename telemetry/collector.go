@@ -281,27 +281,48 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	}
 }
 
-// Collect reads the caches and sends the metrics.
-func (c *Collector) Collect(ch chan<- prometheus.Metric) {
-	c.cache.rotate()
-	snap := c.opts.Samples.Snapshot()
-	var st *health.State
+// collectInputs are what one Collect reads: the sources' snapshots, each
+// immutable once published, so that the same inputs give the same series
+// (Exposition renders only when one of them changed).
+type collectInputs struct {
+	snap *Snapshot
+	st   *health.State
+	attr *podresources.Attribution
+	cat  *catalog.Catalog
+	uses *HolderSnapshot
+}
+
+// inputs reads the sources now.
+func (c *Collector) inputs() collectInputs {
+	in := collectInputs{snap: c.opts.Samples.Snapshot()}
 	if c.opts.Health != nil {
-		st = c.opts.Health.State()
+		in.st = c.opts.Health.State()
 	}
-	var attr *podresources.Attribution
 	if c.opts.Attribution != nil {
-		attr = c.opts.Attribution.Attribution()
+		in.attr = c.opts.Attribution.Attribution()
 	}
+	if c.opts.Catalog != nil {
+		in.cat = c.opts.Catalog.Catalog()
+	}
+	if c.opts.Holders != nil {
+		in.uses = c.opts.Holders.Holders()
+	}
+	return in
+}
+
+// Collect implements [prometheus.Collector.Collect]: it reads the caches
+// and sends the metrics.
+func (c *Collector) Collect(ch chan<- prometheus.Metric) { c.collect(ch, c.inputs()) }
+
+// collect sends the metrics of in.
+func (c *Collector) collect(ch chan<- prometheus.Metric, in collectInputs) {
+	c.cache.rotate()
+	snap, st, attr, uses := in.snap, in.st, in.attr, in.uses
 	if !snap.Time.IsZero() {
 		ch <- c.cache.metric(c.sampleTime, prometheus.GaugeValue, float64(snap.Time.UnixNano())/1e9)
 	}
-	served := c.servedHealth()
+	served := servedHealth(in.cat)
 	holders := newHoldersOf(attr, c.opts.DRA)
-	var uses *HolderSnapshot
-	if c.opts.Holders != nil {
-		uses = c.opts.Holders.Holders()
-	}
 	split := newHolderSplit(uses)
 	lv := make([]string, len(dcgmLabels))
 	for i := range snap.GPUs {
@@ -356,7 +377,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			}
 		}
 	}
-	c.sharing(ch, attr)
+	c.sharing(ch, in.cat, attr)
 	c.holderUse(ch, uses)
 }
 
@@ -451,12 +472,8 @@ func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx stri
 
 // servedHealth maps each GPU or MIG UUID the published catalog offers (as
 // itself or as replicas) to whether every device it backs is healthy.
-func (c *Collector) servedHealth() map[string]bool {
+func servedHealth(cat *catalog.Catalog) map[string]bool {
 	out := map[string]bool{}
-	if c.opts.Catalog == nil {
-		return out
-	}
-	cat := c.opts.Catalog.Catalog()
 	if cat == nil {
 		return out
 	}
@@ -474,19 +491,17 @@ func (c *Collector) servedHealth() map[string]bool {
 }
 
 // sharing sends replicas per shared device and allocations per container.
-func (c *Collector) sharing(ch chan<- prometheus.Metric, attr *podresources.Attribution) {
-	if c.opts.Catalog != nil {
-		if cat := c.opts.Catalog.Catalog(); cat != nil {
-			for _, name := range cat.Names() {
-				counts := map[string]int{}
-				for _, d := range cat.Resources[name].Devices {
-					if base, _, ok := strings.Cut(d.ID, "::"); ok {
-						counts[base]++
-					}
+func (c *Collector) sharing(ch chan<- prometheus.Metric, cat *catalog.Catalog, attr *podresources.Attribution) {
+	if cat != nil {
+		for _, name := range cat.Names() {
+			counts := map[string]int{}
+			for _, d := range cat.Resources[name].Devices {
+				if base, _, ok := strings.Cut(d.ID, "::"); ok {
+					counts[base]++
 				}
-				for _, uuid := range slices.Sorted(maps.Keys(counts)) {
-					ch <- c.cache.metric(c.replicas, prometheus.GaugeValue, float64(counts[uuid]), name, uuid)
-				}
+			}
+			for _, uuid := range slices.Sorted(maps.Keys(counts)) {
+				ch <- c.cache.metric(c.replicas, prometheus.GaugeValue, float64(counts[uuid]), name, uuid)
 			}
 		}
 	}

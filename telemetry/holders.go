@@ -58,6 +58,9 @@ type HolderOptions struct {
 	// OnIdle is called once per idle spell of a holder on a device, from
 	// the tracker's goroutine: it must not block.
 	OnIdle func(HolderUse)
+	// OnPass is called after each pass is published (an Exposition's
+	// Kick); it must not block.
+	OnPass func()
 }
 
 // HolderSnapshot is one pass of a HolderTracker; immutable once published.
@@ -362,6 +365,9 @@ func (t *HolderTracker) Pass() {
 		return cmp.Or(cmp.Compare(a.GPU, b.GPU), cmp.Compare(a.GI, b.GI), cmp.Compare(a.Device, b.Device), a.series.compare(b.series))
 	})
 	t.snap.Store(&HolderSnapshot{Time: now, Holders: uses})
+	if t.opts.OnPass != nil {
+		t.opts.OnPass()
+	}
 	if t.dirty || now.Sub(t.lastSave) >= holderSaveEvery {
 		t.save(now)
 	}

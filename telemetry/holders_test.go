@@ -3,12 +3,14 @@ package telemetry
 import (
 	"fmt"
 	"math"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -61,6 +63,7 @@ type holderRig struct {
 	tr   *HolderTracker
 	s    *Sampler
 	col  *Collector
+	exp  *Exposition
 }
 
 func newHolderRig(t *testing.T, profile string, opts HolderOptions) *holderRig {
@@ -79,10 +82,19 @@ func newHolderRig(t *testing.T, profile string, opts HolderOptions) *holderRig {
 	return r
 }
 
-// scrape samples the devices and scrapes the collector.
+// scrape samples the devices and scrapes the collector as the agent's
+// /metrics serves it, through an Exposition.
 func (r *holderRig) scrape() string {
+	r.t.Helper()
 	r.s.Sample()
-	return scrape(r.t, r.col, nil)
+	if r.exp == nil {
+		r.exp = NewExposition(r.col)
+	}
+	rec := serve(r.t, MetricsHandler(prometheus.NewRegistry(), r.exp), "/metrics", nil)
+	if rec.Code != http.StatusOK {
+		r.t.Fatalf("scrape: %d %s", rec.Code, rec.Body)
+	}
+	return rec.Body.String()
 }
 
 func (r *holderRig) PodIndex() *usage.PodIndex { return usage.NewPodIndex(r.pods) }

@@ -40,6 +40,7 @@ func (w *wiring) holderTracker(dra telemetry.DRASource, idleAfter *atomic.Int64)
 		StatePath:   filepath.Join(f.stateDir, telemetry.HolderStateFile),
 		Logger:      w.log.With("component", "holders"),
 		IdleAfter:   func() time.Duration { return time.Duration(idleAfter.Load()) },
+		OnPass:      w.metricsChanged,
 	}
 	if w.pods != nil {
 		opts.Pods = w.pods
