@@ -42,6 +42,9 @@ type DRADevice struct {
 	UUID string
 	// MIGProfile is the MIG device's profile ("1g.10gb"); "" for a GPU.
 	MIGProfile string
+	// MPSActiveThreads is the claim's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+	// on a device shared by MPS; 0 otherwise.
+	MPSActiveThreads int
 }
 
 // CollectorOptions wire a Collector; only Samples is required.
@@ -101,11 +104,13 @@ func (s seriesHolder) values(lv []string) {
 type holdersOf struct {
 	attr *podresources.Attribution
 	dra  map[string][]seriesHolder
+	// mpsLimits is the active-thread percentage of a claim's MPS client.
+	mpsLimits map[holderKey]int
 }
 
 // newHoldersOf resolves the DRA holdings of attr through src.
 func newHoldersOf(attr *podresources.Attribution, src DRASource) holdersOf {
-	h := holdersOf{attr: attr, dra: map[string][]seriesHolder{}}
+	h := holdersOf{attr: attr, dra: map[string][]seriesHolder{}, mpsLimits: map[holderKey]int{}}
 	if src == nil {
 		return h
 	}
@@ -119,6 +124,9 @@ func newHoldersOf(attr *podresources.Attribution, src DRASource) holdersOf {
 			s.migProfile, s.migUUID = dev.MIGProfile, dev.UUID
 		}
 		h.dra[dev.UUID] = append(h.dra[dev.UUID], s)
+		if dev.MPSActiveThreads > 0 {
+			h.mpsLimits[holderKey{dev.UUID, s}] = dev.MPSActiveThreads
+		}
 	}
 	return h
 }
@@ -229,6 +237,7 @@ type Collector struct {
 	holderSM, holderMem, holderEnc, holderDec *prometheus.Desc
 	holderFB, holderProcs, holderIdle         *prometheus.Desc
 	holderAvg, holderTime                     *prometheus.Desc
+	holderMPSLimit, holderMPSUsed             *prometheus.Desc
 
 	cache seriesCache
 }
@@ -265,6 +274,8 @@ func NewCollector(opts CollectorOptions) *Collector {
 	c.holderProcs = prometheus.NewDesc("gpu_agent_holder_processes", "Processes of the holder running on the device.", hl, nil)
 	c.holderIdle = prometheus.NewDesc("gpu_agent_holder_idle_seconds", "Seconds since the holder last used the device (or since the agent first saw it hold the device, if never), across agent restarts.", hl, nil)
 	c.holderAvg = prometheus.NewDesc("gpu_agent_holder_sm_util_avg_percent", "Mean SM utilization (%) of the holder on the device over the time it held it within the window (1h, 24h; to within 5 minutes), across agent restarts.", append(slices.Clone(hl), "window"), nil)
+	c.holderMPSLimit = prometheus.NewDesc("gpu_agent_holder_mps_active_thread_limit_percent", "The holder's MPS active-thread limit on the device (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: its replica's, or its claim's share), in %; MPS clients only.", hl, nil)
+	c.holderMPSUsed = prometheus.NewDesc("gpu_agent_holder_mps_limit_used_percent", "The holder's SM utilization as a % of its MPS active-thread limit; not capped: SM % is a part of the time, the limit a part of the SMs, so a client whose kernels run all the time reads over 100.", hl, nil)
 	c.holderTime = prometheus.NewDesc("gpu_agent_holder_sample_timestamp_seconds", "When the holders' processes were last sampled.", nil, nil)
 	return c
 }
@@ -276,7 +287,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	}
 	for _, d := range []*prometheus.Desc{c.xid, c.healthy, c.causes, c.xids, c.gpuXIDs, c.ecc, c.migMode, c.migDevices,
 		c.holders, c.held, c.replicas, c.allocs, c.sampleTime,
-		c.holderSM, c.holderMem, c.holderEnc, c.holderDec, c.holderFB, c.holderProcs, c.holderIdle, c.holderAvg, c.holderTime} {
+		c.holderSM, c.holderMem, c.holderEnc, c.holderDec, c.holderFB, c.holderProcs, c.holderIdle, c.holderAvg, c.holderMPSLimit, c.holderMPSUsed, c.holderTime} {
 		ch <- d
 	}
 }
