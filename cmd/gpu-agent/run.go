@@ -287,8 +287,11 @@ type wiring struct {
 	sampler *telemetry.Sampler
 	podres  *podresources.Client
 	holders *telemetry.HolderTracker
-	mps     mpsControl
-	mgr     *plugin.Manager
+	// gpuMetrics is the Collector's series, rendered once per pass; set
+	// before any goroutine runs.
+	gpuMetrics *telemetry.Exposition
+	mps        mpsControl
+	mgr        *plugin.Manager
 
 	cfgWatcher *config.Watcher // nil without --config
 	// The Kubernetes API's parts: all nil and empty when standalone.
@@ -354,7 +357,7 @@ func (w *wiring) observers(restored *agent.Checkpoint) {
 		BootID:   w.be.BootID,
 		OnChange: func(s *health.State) { inbox.Post(agent.HealthChanged{State: s}) },
 	})
-	w.sampler = telemetry.NewSampler(w.be.Lib, telemetry.SamplerOptions{Interval: w.f.sampleInterval, Logger: log.With("component", "metrics")})
+	w.sampler = telemetry.NewSampler(w.be.Lib, telemetry.SamplerOptions{Interval: w.f.sampleInterval, Logger: log.With("component", "metrics"), OnPass: w.metricsChanged})
 	w.podres = podresources.NewClient(podresources.Options{
 		Socket: w.f.podResources, Logger: log.With("component", "pod-resources"),
 		OnChange: func(a *podresources.Attribution) {
@@ -548,11 +551,21 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSp
 	})
 	holders = w.holderTracker(ag, &idleAfter)
 	w.holders = holders
-	w.reg.MustRegister(telemetry.NewCollector(telemetry.CollectorOptions{
+	// The GPU series are rendered once per pass, off the scrape path, and
+	// served beside the registry's (telemetry.Exposition).
+	w.gpuMetrics = telemetry.NewExposition(telemetry.NewCollector(telemetry.CollectorOptions{
 		Samples: w.sampler, Health: w.watcher, Attribution: w.podres, Catalog: ag, DRA: ag, Hostname: f.nodeName,
 		Holders: holders,
 	}))
 	return ag
+}
+
+// metricsChanged tells the GPU series' rendering that a pass published new
+// figures (the sampler's, the holder tracker's).
+func (w *wiring) metricsChanged() {
+	if w.gpuMetrics != nil {
+		w.gpuMetrics.Kick()
+	}
 }
 
 // inventoryObservers are told each inventory the loop reads.
@@ -572,7 +585,7 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 	if w.dra != nil {
 		draSlices = w.dra.Slices
 	}
-	handler := withComputeDomains(withHolders(newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), w.holders), w.cd)
+	handler := withComputeDomains(withHolders(newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.gpuMetrics, w.be), w.holders), w.cd)
 	srv, ln, err := newHTTPServer(f.listen, handler, defaultHTTPServerConfig(), log.With("component", "http"))
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
@@ -590,6 +603,7 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 	goRun("health watcher", func() error { return w.watcher.Run(ctx) })
 	goRun("metrics sampler", func() error { return w.sampler.Run(ctx) })
 	goRun("holders", func() error { return w.holders.Run(ctx) })
+	goRun("GPU metrics rendering", func() error { return w.gpuMetrics.Run(ctx) })
 	goRun("pod-resources", func() error { return w.podres.Run(ctx) })
 	goRun("mps supervisor", func() error { return w.mps.Run(ctx) })
 	goRun("mps events", func() error {
