@@ -470,14 +470,16 @@ func (r *domainRun) prepareSame(n *simNode) {
 	}
 }
 
-// deleteDomain does the teardown as the kubelet and the user do it (Unprepare, the pods go, then the domain)
-// and checks that nothing of the domain is left: no template or claim labelled with it, no Node label of it,
-// no CDI spec under any live node's CDI dir, no IMEX daemon folder or process of it anywhere.
+// deleteDomain does the teardown as the kubelet and the user do it: Unprepare, the pods go (and with their
+// claims, the entries and the daemons), then the domain. It checks that nothing of the domain is left: no
+// template or claim labelled with it, no Node label of it, no CDI spec under any live node's CDI dir, no
+// IMEX daemon folder or process of it anywhere.
 func (r *domainRun) deleteDomain() {
 	t, ctx, cs := r.t, r.ctx, r.cs
 	for _, n := range r.live {
 		unprepare(ctx, t, n, r.claims[n.name])
 	}
+	podsDeleted := time.Now()
 	for _, n := range r.live {
 		name := podOf(r.claims[n.name])
 		if err := cs.CoreV1().Pods(workNS).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
@@ -490,6 +492,26 @@ func (r *domainRun) deleteDomain() {
 	}); err != nil {
 		t.Fatal(err)
 	}
+	// The workload left every node: each entry goes, and each daemon stops (process and folder), while the
+	// domain is still there.
+	if err := waitFor(ctx, "the entries gone and the domain's daemons stopped", func() (bool, error) {
+		d, err := r.domain()
+		if err != nil || len(statusNodes(d)) > 0 {
+			return false, err
+		}
+		for _, n := range r.liveNodes() {
+			if pid, ok := r.pids[n.name]; ok && alive(pid) {
+				return false, nil
+			}
+			if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", r.domainUID)); !errors.Is(err, os.ErrNotExist) {
+				return false, nil
+			}
+		}
+		return true, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	stopped := time.Since(podsDeleted)
 	deleted := time.Now()
 	if err := r.cp.Dynamic.Resource(cdGVR).Namespace(workNS).Delete(ctx, domainName, metav1.DeleteOptions{}); err != nil {
 		t.Fatalf("delete ComputeDomain: %v", err)
@@ -509,20 +531,8 @@ func (r *domainRun) deleteDomain() {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if err := waitFor(ctx, "the domain's daemons stopped", func() (bool, error) {
-		for _, n := range r.liveNodes() {
-			if pid, ok := r.pids[n.name]; ok && alive(pid) {
-				return false, nil
-			}
-			if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", r.domainUID)); !errors.Is(err, os.ErrNotExist) {
-				return false, nil
-			}
-		}
-		return true, nil
-	}); err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("MEASURED %d nodes: ComputeDomain deleted → templates gone and every daemon stopped %s", r.size, time.Since(deleted).Round(time.Millisecond))
+	t.Logf("MEASURED %d nodes: pods deleted → their claims, the entries and every daemon gone %s; ComputeDomain deleted → it and its templates gone %s",
+		r.size, stopped.Round(time.Millisecond), time.Since(deleted).Round(time.Millisecond))
 
 	// Nothing else is left: claims of the domain in any namespace (the daemon template's included), a Node
 	// label naming it, a CDI spec on a live node, a process whose command line names it.
@@ -544,6 +554,9 @@ func (r *domainRun) deleteDomain() {
 		}
 	}
 	for _, n := range r.liveNodes() {
+		if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", r.domainUID)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s: the domain's daemon folder is left: %v", n.name, err)
+		}
 		specs, _ := filepath.Glob(filepath.Join(n.cdiDir(), "compute-domain-claim-*"))
 		if len(specs) > 0 {
 			t.Errorf("%s: CDI specs left: %v", n.name, specs)
