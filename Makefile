@@ -85,7 +85,7 @@ e2e-k8s134:
 # A ComputeDomain across a whole NVL72 rack (TestComputeDomainRack, docs/compute-domains.md): 18 sim GB200
 # trays of one clique and two more nodes, 20 gpu-agent processes with the controller on a real control plane
 # (no kubelet), 18 pods with their channel claims, one tray failing, and the domain deleted. Not part of
-# `make test`: 110 s on 2 busy cores, 45 of them the pod garbage collector's wait for the failed Node's pod.
+# `make test`: 108 to 128 s on 2 busy cores, 43 to 72 of them the pod garbage collector's wait for the failed Node's pod.
 # Root, like e2e (run.sh).
 e2e-rack:
 	cd test/e2e && E2E_COMPUTE_DOMAIN_RACK=1 ./run.sh -run '^TestComputeDomainRack$$'
