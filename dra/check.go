@@ -16,29 +16,42 @@ import (
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 )
 
-// checkGap is the least time between two checks, so that a controller
-// failing fast (and asking for a check each time) does not make them spin.
-const checkGap = 5 * time.Second
+// CheckSoon asks for a check of the API server's ResourceSlices before the
+// next periodic one (at most one waits).
+func (d *Driver) CheckSoon() {
+	select {
+	case d.checkNow <- struct{}{}:
+	default:
+	}
+}
 
-// checkLoop runs CheckSlices every SliceCheck, and sooner when HandleError
-// asks, until ctx ends.
+// checkLoop runs CheckSlices every SliceCheck, sooner when asked
+// (CheckSoon), and again SliceCheckGap after a check that found the slices not
+// ours, so that the second finding that starts publishing over comes
+// seconds after the first rather than a SliceCheck later; until ctx ends.
 func (d *Driver) checkLoop(ctx context.Context) {
 	tick := time.NewTicker(d.opts.SliceCheck)
 	defer tick.Stop()
+	confirm := false
 	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		case <-d.checkNow:
+		if !confirm {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			case <-d.checkNow:
+			}
 		}
 		if err := d.CheckSlices(ctx); err != nil && ctx.Err() == nil {
 			d.log.Warn("DRA: cannot compare the API server's ResourceSlices with the ones published", "err", err)
 		}
+		d.mu.Lock()
+		confirm = d.notOurs > 0
+		d.mu.Unlock()
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(checkGap):
+		case <-time.After(d.opts.SliceCheckGap):
 		}
 	}
 }

@@ -296,3 +296,37 @@ func TestNotFoundAsksForCheck(t *testing.T) {
 		t.Error("a slice the API server does not have asked for no check")
 	}
 }
+
+// A Node created again is told to the driver (CheckSoon), and the check
+// that confirms the slices are not ours follows the first by SliceCheckGap,
+// not by SliceCheck: the slices come back owned by the new Node without
+// waiting for the periodic checks.
+func TestRecreatedNodeRepublishedSoon(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	api := newFakeAPI("uid-1")
+	d := New(Options{NodeName: "node-a", Client: api, SliceCheck: time.Hour, SliceCheckGap: time.Millisecond})
+	defer d.Stop()
+	pool := devicemodeltest.MixedPool(t)
+	n := len(devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}).Pools["node-a"].Slices)
+	d.Publish(pool)
+	d.startPublishing(ctx)
+	take(t, "created", api.created, n)
+	publishing(t, d)
+	if err := api.CoreV1().Nodes().Delete(ctx, "node-a", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := api.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a", UID: "uid-2"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	d.CheckSoon()
+	take(t, "deleted as another Node's", api.deleted, n)
+	for _, s := range take(t, "created again", api.created, n) {
+		if got := nodeOwner(*s); got != "uid-2" {
+			t.Errorf("slice %s owned by %q, want uid-2", s.Name, got)
+		}
+	}
+	if s := d.Slices(); s.Restarts != 1 {
+		t.Errorf("%d restarts, want 1", s.Restarts)
+	}
+}

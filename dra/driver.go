@@ -111,6 +111,10 @@ type Options struct {
 	// are compared with what was published (CheckSlices; 0: 30s, negative:
 	// only when called).
 	SliceCheck time.Duration
+	// SliceCheckGap is the least time between two checks (0: 5s), so that
+	// a controller failing fast (and asking for a check each time) does
+	// not make them spin; a finding is confirmed this long after it.
+	SliceCheckGap time.Duration
 	// HealthResend is how often the health stream repeats the devices'
 	// health unchanged (0: 10s), so the kubelet never times them out.
 	HealthResend time.Duration
@@ -223,6 +227,9 @@ func New(opts Options) *Driver {
 	}
 	if opts.SliceCheck == 0 {
 		opts.SliceCheck = 30 * time.Second
+	}
+	if opts.SliceCheckGap <= 0 {
+		opts.SliceCheckGap = 5 * time.Second
 	}
 	d := &Driver{opts: opts, log: opts.Logger, watchers: map[chan struct{}]struct{}{}, poolSet: make(chan struct{}, 1),
 		restart: make(chan []resourceapi.ResourceSlice, 1), checkNow: make(chan struct{}, 1)}
@@ -404,10 +411,7 @@ func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 	if !errors.As(err, &dropped) {
 		d.log.Error("DRA: "+msg, "err", err)
 		if apierrors.IsNotFound(err) {
-			select {
-			case d.checkNow <- struct{}{}:
-			default:
-			}
+			d.CheckSoon()
 		}
 		return
 	}

@@ -286,6 +286,16 @@ func TestNodeWatcherReportsLabels(t *testing.T) {
 	if n := next(t, got); n.Cordon != "" {
 		t.Fatalf("after the annotation's removal %+v (an unrelated annotation was delivered?)", n)
 	}
+	// The same node under another UID (deleted and created again) is news
+	// even with the same labels: the agent's ResourceSlices were owned by
+	// the old one.
+	n.UID = "uid-again"
+	if _, err := client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if n := next(t, got); n.UID != "uid-again" || n.Labels["nvidia.com/mig.config"] != "all-1g.10gb" {
+		t.Fatalf("after the Node came back under another UID %+v", n)
+	}
 }
 
 func TestSplitCordon(t *testing.T) {

@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
@@ -41,9 +42,13 @@ type NodeInfo struct {
 	Labels map[string]string
 	// Cordon is the CordonAnnotation's value ("" when absent).
 	Cordon string
+	// UID changes when the Node is deleted and created again (a restore
+	// of the API server's data, a node re-registering).
+	UID types.UID
 }
 
-// NewNodeWatcher watches node; onNode gets its labels and cordon annotation.
+// NewNodeWatcher watches node; onNode gets its labels, cordon annotation
+// and UID when one of them changes.
 func NewNodeWatcher(client kubernetes.Interface, node string, onNode func(NodeInfo), log *slog.Logger) *NodeWatcher {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -71,6 +76,7 @@ func (w *NodeWatcher) Run(ctx context.Context) error {
 	inf := cache.NewSharedIndexInformer(cache.ToListWatcherWithWatchListSemantics(lw, w.client), &corev1.Node{}, resyncPeriod, cache.Indexers{})
 	var last map[string]string
 	var lastCordon string
+	var lastUID types.UID
 	var mu sync.Mutex
 	deliver := func(obj any) {
 		n, ok := obj.(*corev1.Node)
@@ -81,14 +87,14 @@ func (w *NodeWatcher) Run(ctx context.Context) error {
 		mu.Lock()
 		defer mu.Unlock()
 		cordon := n.Annotations[CordonAnnotation]
-		if last != nil && maps.Equal(last, n.Labels) && cordon == lastCordon {
+		if last != nil && maps.Equal(last, n.Labels) && cordon == lastCordon && n.UID == lastUID {
 			return // a heartbeat or status update: nothing the agent reads
 		}
-		last, lastCordon = maps.Clone(n.Labels), cordon
+		last, lastCordon, lastUID = maps.Clone(n.Labels), cordon, n.UID
 		if last == nil {
 			last = map[string]string{}
 		}
-		w.onNode(NodeInfo{Labels: maps.Clone(last), Cordon: cordon})
+		w.onNode(NodeInfo{Labels: maps.Clone(last), Cordon: cordon, UID: n.UID})
 	}
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    deliver,

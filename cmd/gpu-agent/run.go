@@ -411,9 +411,18 @@ func (w *wiring) configSources() error {
 		w.clients, w.client = clients, clients.Agent
 		pub := kube.NewPublisher(w.client, f.nodeName, log.With("component", "kube"))
 		w.cluster = pub
+		var nodeUID types.UID // the watcher calls one at a time
 		nodes := kube.NewNodeWatcher(w.client, f.nodeName, func(n kube.NodeInfo) {
 			inbox.Post(agent.LabelsChanged{Labels: n.Labels})
 			inbox.Post(agent.CordonChanged{GPUs: kube.SplitCordon(n.Cordon)})
+			// The Node created again (its data restored from a backup,
+			// the node registered anew): the ResourceSlices the old one
+			// owned are gone or going, so compare them now, not at the
+			// next periodic check. w.dra is set before the watch runs.
+			if nodeUID != "" && n.UID != nodeUID && w.dra != nil {
+				w.dra.CheckSoon()
+			}
+			nodeUID = n.UID
 		}, log.With("component", "kube"))
 		w.pub = pub
 		// The node's Pods name the pod UIDs and container IDs the cgroups
