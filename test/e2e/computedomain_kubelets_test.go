@@ -22,6 +22,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	apiresource "k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -39,6 +40,8 @@ const (
 	cdChannelDir   = "/dev/nvidia-caps-imex-channels"
 	cdControllerNS = "gpu-agent"
 	cdWorkNS       = "team"
+	// trayGPUs is a GB200 compute tray's GPU count; each worker takes them all, as NVIDIA's job does.
+	trayGPUs = 4
 	// cdStep bounds each wait of TestComputeDomainKubelets on two busy cores.
 	cdStep = 3 * time.Minute
 )
@@ -64,13 +67,14 @@ func (n *cdNode) simRoot() string  { return filepath.Join(n.agentDir(), "root") 
 // own; see harness/nodes.go), each served by `gpu-agent run --dra` on a simulated GB200 tray as a host process
 // (the DaemonSet's flags, pointed at that node's kubelet), two trays in NVLink clique 1 and one in clique 2,
 // and `gpu-agent controller`. The workload has the shape of NVIDIA's nvbandwidth-test-job: a ComputeDomain of
-// numNodes 2 and a two-rank job whose workers each take a channel from the domain's template, one worker per
-// node of one clique; each worker is an own-written shell script in the suite's busybox image that checks its
-// IMEX channel device and its environment, and prints them. The test checks:
+// numNodes 2 and a two-rank job whose workers each take the tray's four GPUs (device plugin) and a channel from
+// the domain's template, one worker per node of one clique; each worker is an own-written shell script in the
+// suite's busybox image that checks its GPUs, its IMEX channel device and its environment, and prints them. The
+// test checks:
 //   - the domain turns Ready, listing the two clique-1 nodes at their addresses, with an IMEX daemon on each
 //     and none on the clique-2 node;
-//   - the real kubelets prepare the claims and each container has exactly one channel, a character device
-//     with the host channel's numbers, the same channel on both nodes;
+//   - the real kubelets prepare the claims and each container has its four GPUs and exactly one channel, a
+//     character device with the host channel's numbers, the same channel on both nodes;
 //   - a node that fails (its kubelet, agent and IMEX daemon killed) leaves status.nodes once its Node is
 //     NotReady, the other keeps its index and its daemon (reloaded, not restarted) and turns Ready alone, its
 //     pod runs on, and the domain is NotReady (one node of two); the node comes back and rejoins;
@@ -86,6 +90,10 @@ func TestComputeDomainKubelets(t *testing.T) {
 		Kubelet: inputs.kubelet, APIServer: in.apiserver, ControllerManager: in.controllerManager,
 		Scheduler: in.scheduler, Etcd: in.etcd, Images: inputs.images, NodeName: "rack1-tray1",
 		NodeIP: "198.18.30.1", LedgerPath: inputs.ledger, Containerd2: inputs.containerd2,
+		// A node that stops is NotReady 10 to 12 s later rather than about 50: each kubelet renews its Lease
+		// every 2 s, and the node lifecycle controller looks every second.
+		NodeLeaseDurationSeconds: 8,
+		ControllerManagerArgs:    []string{"--node-monitor-grace-period=10s", "--node-monitor-period=1s"},
 	})
 	nodes := []*cdNode{
 		{env: c.Env, name: "rack1-tray1", clique: 1, ip: "198.18.30.1"},
@@ -189,9 +197,11 @@ func TestComputeDomainKubelets(t *testing.T) {
 		now := time.Now()
 		for _, p := range pods.Items {
 			if p.Status.Phase == corev1.PodFailed || p.Status.Phase == corev1.PodSucceeded {
-				log := ""
+				log := "(on no node of the test)"
 				if e := envs[p.Spec.NodeName]; e != nil {
-					log, _ = e.ContainerLog(&p, "worker")
+					if log, err = e.ContainerLog(&p, "worker"); err != nil {
+						log = err.Error()
+					}
 				}
 				return false, cdFatal(fmt.Errorf("worker %s ended: %s; its log:\n%s", p.Name, harness.DescribeAPIPod(&p), log))
 			}
@@ -288,6 +298,14 @@ func TestComputeDomainKubelets(t *testing.T) {
 		}
 		if want := fmt.Sprintf("%x:%x", unixMajor(st.Rdev), unixMinor(st.Rdev)); r.env["E2E_CHANNEL_DEVNO"] != want {
 			t.Errorf("worker %s: %s is %s in the container, %s (%s) on the host", r.pod.Name, ch, r.env["E2E_CHANNEL_DEVNO"], want, host)
+		}
+		// The tray's GPUs, as the kubelet assigned them (pod-resources) and the container got them.
+		gpus := strings.Split(r.env["NVIDIA_VISIBLE_DEVICES"], ",")
+		assigned, err := n.env.PodDevicesOf(ctx, &r.pod, gpuResource)
+		slices.Sort(gpus)
+		slices.Sort(assigned)
+		if err != nil || len(slices.Compact(slices.Clone(gpus))) != trayGPUs || !slices.Equal(gpus, assigned) {
+			t.Errorf("worker %s: NVIDIA_VISIBLE_DEVICES %v, the kubelet assigned %v (%v): want the tray's %d", r.pod.Name, gpus, assigned, err, trayGPUs)
 		}
 		// A channel claim gets the device node only; the domain's identity is a daemon claim's.
 		for _, k := range []string{"COMPUTE_DOMAIN_UUID", "COMPUTE_DOMAIN_NAME", "CLIQUE_ID"} {
@@ -500,12 +518,15 @@ func nodeFailure(ctx context.Context, t *testing.T, c *harness.Cluster, survivor
 }
 
 // nvbandwidthWorkers is the worker half of NVIDIA's nvbandwidth-test-job as an Indexed Job: two ranks, each
-// with a claim from the domain's template, on two different nodes of clique. Each rank checks that it has
-// exactly one IMEX channel, a character device, and its rank in its environment; prints the channel, its
-// device numbers and its environment; and waits, as an MPI worker waits for its launcher.
+// with the tray's GPUs and a claim from the domain's template, on two different nodes of clique. Each rank
+// checks that it has the GPUs (NVIDIA_VISIBLE_DEVICES, from the device plugin), exactly one IMEX channel, a character device, and its rank in its
+// environment; prints them, the channel's device numbers and its environment; and waits, as an MPI worker
+// waits for its launcher.
 func nvbandwidthWorkers(name, template, clique string) *batchv1.Job {
 	labels := map[string]string{"app": name}
 	script := `set -eu
+gpus=$(echo "${NVIDIA_VISIBLE_DEVICES:-}" | tr , '\n' | grep -c ^GPU- || true)
+if [ "$gpus" != ` + strconv.Itoa(trayGPUs) + ` ]; then echo "rank $JOB_COMPLETION_INDEX: want ` + strconv.Itoa(trayGPUs) + ` GPUs, have NVIDIA_VISIBLE_DEVICES=${NVIDIA_VISIBLE_DEVICES:-}" >&2; exit 1; fi
 chans=$(ls ` + cdChannelDir + `)
 if [ "$(echo $chans | wc -w)" != 1 ]; then echo "rank $JOB_COMPLETION_INDEX: want one IMEX channel in ` + cdChannelDir + `, have: $chans" >&2; exit 1; fi
 if [ ! -c "` + cdChannelDir + `/$chans" ]; then echo "rank $JOB_COMPLETION_INDEX: $chans is not a character device" >&2; exit 1; fi
@@ -541,8 +562,11 @@ exec sleep 86400`
 					},
 					Containers: []corev1.Container{{
 						Name: "worker", Image: "docker.io/" + harness.BusyboxImage, ImagePullPolicy: corev1.PullNever,
-						Command:   []string{"sh", "-c", script},
-						Resources: corev1.ResourceRequirements{Claims: []corev1.ResourceClaim{{Name: "compute-domain-channel"}}},
+						Command: []string{"sh", "-c", script},
+						Resources: corev1.ResourceRequirements{
+							Limits: corev1.ResourceList{gpuResource: *apiresource.NewQuantity(trayGPUs, apiresource.DecimalSI)},
+							Claims: []corev1.ResourceClaim{{Name: "compute-domain-channel"}},
+						},
 					}},
 					ResourceClaims: []corev1.PodResourceClaim{{Name: "compute-domain-channel", ResourceClaimTemplateName: ptr.To(template)}},
 				},
@@ -621,7 +645,8 @@ func startCDAgent(ctx context.Context, t *testing.T, c *harness.Cluster, n *cdNo
 }
 
 // waitCDAgentPublished waits until n's agent has published its compute-domain.nvidia.com slices (channels and
-// the daemon device) and labelled its Node with its clique, which it returns.
+// the daemon device), labelled its Node with its clique, which it returns, and the kubelet offers the tray's
+// GPUs through the agent's device plugin.
 func waitCDAgentPublished(ctx context.Context, t *testing.T, c *harness.Cluster, n *cdNode) string {
 	t.Helper()
 	var why, clique string
@@ -653,7 +678,13 @@ func waitCDAgentPublished(ctx context.Context, t *testing.T, c *harness.Cluster,
 			return false, err
 		}
 		why, clique = "no label "+cdCliqueLabel, node.Labels[cdCliqueLabel]
-		return clique != "", nil
+		if clique == "" {
+			return false, nil
+		}
+		// The device plugin's GPUs, through this kubelet's own device plugin directory.
+		q := node.Status.Allocatable[gpuResource]
+		why = fmt.Sprintf("allocatable %s %s, want %d", gpuResource, q.String(), trayGPUs)
+		return q.Value() == trayGPUs, nil
 	})
 	if err != nil {
 		t.Fatalf("%v (last: %s; see %s)", err, why, n.agent.LogPath)

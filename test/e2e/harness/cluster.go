@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"net/http"
+	"os"
 	"sort"
 	"testing"
 	"time"
@@ -33,6 +34,12 @@ type ClusterConfig struct {
 	// NodeIP is the kubelet's --node-ip ("": the kubelet picks the host's), added to lo for the run when no
 	// interface has it (see NodeOptions.IP).
 	NodeIP string
+	// ControllerManagerArgs: see ControlPlaneConfig.
+	ControllerManagerArgs []string
+	// NodeLeaseDurationSeconds is every kubelet's nodeLeaseDurationSeconds (0: its default, 40), further
+	// nodes' too; a kubelet renews its Lease every quarter of it. With kube-controller-manager's
+	// --node-monitor-grace-period (ControllerManagerArgs) it sets how soon a node that stops is NotReady.
+	NodeLeaseDurationSeconds int
 }
 
 // Cluster is a one-node Kubernetes cluster started by this process from empty state: etcd, kube-apiserver,
@@ -49,6 +56,19 @@ type Cluster struct {
 
 	pki             *pki
 	adminKubeconfig string
+	nodeLease       int // ClusterConfig.NodeLeaseDurationSeconds
+}
+
+// kubeletConfig is the KubeletConfiguration of e, a node of the Cluster.
+func (c *Cluster) kubeletConfig(e *Env) string {
+	conf := kubeletConfig(e.d, e.kubeletPort, e.healthzPort)
+	if c.nodeLease > 0 {
+		conf += fmt.Sprintf("nodeLeaseDurationSeconds: %d\n", c.nodeLease)
+	}
+	if e.further != nil {
+		conf += fmt.Sprintf("cgroupRoot: %q\n", e.further.cgroupRoot)
+	}
+	return conf
 }
 
 // The Service range's first address is the "kubernetes" Service's; the serving certificate names it.
@@ -76,7 +96,10 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		t.Fatalf("e2e cluster: %v", err)
 	}
 	t.Cleanup(e.teardown)
-	c := &Cluster{Env: e}
+	c := &Cluster{Env: e, nodeLease: cfg.NodeLeaseDurationSeconds}
+	if err := os.WriteFile(e.d.kubeletConfig, []byte(c.kubeletConfig(e)), 0o644); err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), clusterStartTime)
 	defer cancel()
 	start := time.Now()
@@ -148,7 +171,7 @@ func (c *Cluster) startControlPlane(ctx context.Context, cfg ClusterConfig) erro
 	cp, err := StartControlPlane(ctx, ControlPlaneConfig{
 		APIServer: cfg.APIServer, Etcd: cfg.Etcd, ControllerManager: cfg.ControllerManager, Scheduler: cfg.Scheduler,
 		Dir: e.d.run, LogDir: e.d.logs, AvoidPorts: []int{e.kubeletPort, e.healthzPort}, ledger: e.ledger,
-		APIServerFeatureGates: cfg.APIServerFeatureGates,
+		APIServerFeatureGates: cfg.APIServerFeatureGates, ControllerManagerArgs: cfg.ControllerManagerArgs,
 	})
 	if err != nil {
 		return err
@@ -337,8 +360,8 @@ func (e *Env) PodContainerEnvOf(ctx context.Context, p *corev1.Pod, container st
 
 // PodDevicesOf returns, from the kubelet's pod-resources List, the device IDs of resource it assigned to the
 // API pod.
-func (c *Cluster) PodDevicesOf(ctx context.Context, p *corev1.Pod, resource string) ([]string, error) {
-	return c.podDevices(ctx, p.Namespace, p.Name, resource)
+func (e *Env) PodDevicesOf(ctx context.Context, p *corev1.Pod, resource string) ([]string, error) {
+	return e.podDevices(ctx, p.Namespace, p.Name, resource)
 }
 
 // GPUPodTemplate is the pod template of a workload whose single container, "main", requests gpus of

@@ -120,8 +120,7 @@ func (c *Cluster) addNode(ctx context.Context, opts NodeOptions) (*Env, error) {
 	if err := makeCgroupRoot(f.cgroupRoot); err != nil {
 		return nil, err
 	}
-	conf := kubeletConfig(d, e.kubeletPort, e.healthzPort) + fmt.Sprintf("cgroupRoot: %q\n", f.cgroupRoot)
-	if err := os.WriteFile(d.kubeletConfig, []byte(conf), 0o644); err != nil {
+	if err := os.WriteFile(d.kubeletConfig, []byte(c.kubeletConfig(e)), 0o644); err != nil {
 		return nil, err
 	}
 	if err := writeHostNetworkOnlyCNI(d.cniDir); err != nil {
