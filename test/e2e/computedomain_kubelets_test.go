@@ -78,7 +78,7 @@ func (n *cdNode) simRoot() string  { return filepath.Join(n.agentDir(), "root") 
 //   - a node that fails (its kubelet, agent and IMEX daemon killed) leaves status.nodes once its Node is
 //     NotReady, the other keeps its index and its daemon (reloaded, not restarted) and turns Ready alone, its
 //     pod runs on, and the domain is NotReady (one node of two); the node comes back and rejoins;
-//   - deleting the job and then the domain leaves nothing: no claim, CDI spec, template, daemon (process or
+//   - deleting a job and then its domain leaves nothing: no claim, CDI spec, template, daemon (process or
 //     folder), or Node label naming the domain.
 func TestComputeDomainKubelets(t *testing.T) {
 	in := clusterInputs(t)
@@ -90,7 +90,7 @@ func TestComputeDomainKubelets(t *testing.T) {
 		Kubelet: inputs.kubelet, APIServer: in.apiserver, ControllerManager: in.controllerManager,
 		Scheduler: in.scheduler, Etcd: in.etcd, Images: inputs.images, NodeName: "rack1-tray1",
 		NodeIP: "198.18.30.1", LedgerPath: inputs.ledger, Containerd2: inputs.containerd2,
-		// A node that stops is NotReady 10 to 12 s later rather than about 50: each kubelet renews its Lease
+		// A node that stops is NotReady about 10 s later rather than about 50: each kubelet renews its Lease
 		// every 2 s, and the node lifecycle controller looks every second.
 		NodeLeaseDurationSeconds: 8,
 		ControllerManagerArgs:    []string{"--node-monitor-grace-period=10s", "--node-monitor-period=1s"},
@@ -141,49 +141,99 @@ func TestComputeDomainKubelets(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// The domain and the job, as NVIDIA's nvbandwidth-test-job writes them (the job an Indexed Job here, not
-	// an MPIJob: no MPI operator runs), the workers kept in clique 1 by its label.
-	const domainName, templateName, jobName = "nvbandwidth-test-compute-domain", "nvbandwidth-test-compute-domain-channel", "nvbandwidth-test-worker"
+	// The domain and the job, as NVIDIA's nvbandwidth-test-job writes them.
+	first := runDomainJob(ctx, t, c, nodes, cliques, "nvbandwidth-test-compute-domain", "nvbandwidth-test-worker", trayGPUs)
+
+	// One node fails.
+	nodeFailure(ctx, t, c, nodes[0], nodes[1], first.name, first.uid, first.pids[nodes[0].name], first.byNode[nodes[0].name].pod.Name)
+
+	// Deletion: the job, then the domain; then nothing of it is left anywhere.
+	deleteDomainJob(ctx, t, c, nodes, first)
+	for _, n := range nodes {
+		specs, _ := filepath.Glob(filepath.Join(n.env.NodeDirs().CDISpecs, "compute-domain-claim-*.json"))
+		if len(specs) > 0 {
+			t.Errorf("%s: CDI specs of claims left: %v", n.name, specs)
+		}
+		if dirs, _ := filepath.Glob(filepath.Join(n.stateDir(), "imex", "*")); len(dirs) > 0 {
+			t.Errorf("%s: IMEX daemon folders left: %v", n.name, dirs)
+		}
+		node, err := cs.CoreV1().Nodes().Get(ctx, n.name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for k, v := range node.Labels {
+			if strings.Contains(k, first.uid) || strings.Contains(v, first.uid) || k == cdDomainLabel {
+				t.Errorf("Node %s keeps label %s=%s of the deleted domain", n.name, k, v)
+			}
+		}
+		if node.Labels[cdCliqueLabel] != cliques[n.name] {
+			t.Errorf("Node %s: %s=%q, want the node's clique %q kept (it is the node's, not the domain's)", n.name, cdCliqueLabel, node.Labels[cdCliqueLabel], cliques[n.name])
+		}
+		if done, err := n.agent.Exited(); done {
+			t.Errorf("gpu-agent of %s exited: %v (see %s)", n.name, err, n.agent.LogPath)
+		}
+	}
+	t.Logf("MEASURED TestComputeDomainKubelets: %s from start", time.Since(started).Round(time.Second))
+}
+
+// cdRank is one worker of a domain's job, as the test watched it.
+type cdRank struct {
+	pod                                          corev1.Pod
+	claim                                        *resourceapi.ResourceClaim
+	claimSeen, allocated, bound, running, envSet time.Time
+	env                                          map[string]string
+}
+
+// cdDomainRun is a ComputeDomain and its two-worker job.
+type cdDomainRun struct {
+	name, template, job, uid string
+	channel                  string         // the host channel both workers have, "channel<K>"
+	pids                     map[string]int // its IMEX daemons, by node
+	byNode                   map[string]*cdRank
+}
+
+// runDomainJob creates a ComputeDomain of numNodes 2 named name and, once its workload template is there, a
+// two-worker job (nvbandwidthWorkers, gpus GPUs each) kept on the clique of nodes[0] and nodes[1]. It watches
+// the chain every 100ms (each worker's claim made, allocated, the pod bound, running and done checking its
+// channel; the domain's entries Ready), checks what the domain lists and what each worker has, and logs the
+// figures.
+func runDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, nodes []*cdNode, cliques map[string]string, name, job string, gpus int) *cdDomainRun {
+	t.Helper()
+	cs := c.Client
+	d := &cdDomainRun{name: name, template: name + "-channel", job: job, pids: map[string]int{}, byNode: map[string]*cdRank{}}
 	domain := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain",
-		"metadata": map[string]any{"name": domainName, "namespace": cdWorkNS},
+		"metadata": map[string]any{"name": name, "namespace": cdWorkNS},
 		"spec": map[string]any{
 			"numNodes": int64(2),
-			"channel":  map[string]any{"resourceClaimTemplate": map[string]any{"name": templateName}},
+			"channel":  map[string]any{"resourceClaimTemplate": map[string]any{"name": d.template}},
 		},
 	}}
-	domainCreated := time.Now()
-	if domain, err = c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Create(ctx, domain, metav1.CreateOptions{}); err != nil {
-		t.Fatalf("create ComputeDomain: %v", err)
+	created := time.Now()
+	domain, err := c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Create(ctx, domain, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create ComputeDomain %s: %v", name, err)
 	}
-	domainUID := string(domain.GetUID())
-	if err := cdWait(ctx, "the workload template "+templateName, func() (bool, error) {
-		_, err := cs.ResourceV1().ResourceClaimTemplates(cdWorkNS).Get(ctx, templateName, metav1.GetOptions{})
+	d.uid = string(domain.GetUID())
+	if err := cdWait(ctx, "the workload template "+d.template, func() (bool, error) {
+		_, err := cs.ResourceV1().ResourceClaimTemplates(cdWorkNS).Get(ctx, d.template, metav1.GetOptions{})
 		return err == nil, cdIgnoreNotFound(err)
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := cs.BatchV1().Jobs(cdWorkNS).Create(ctx, nvbandwidthWorkers(jobName, templateName, cliques[nodes[0].name]), metav1.CreateOptions{}); err != nil {
-		t.Fatalf("create Job: %v", err)
+	if _, err := cs.BatchV1().Jobs(cdWorkNS).Create(ctx, nvbandwidthWorkers(job, d.template, cliques[nodes[0].name], gpus), metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create Job %s: %v", job, err)
 	}
 
-	// Watch the chain every 100ms: each worker's claim made, allocated, the pod running and its container
-	// done checking its channel; the domain's entries Ready.
-	type rank struct {
-		pod                                   corev1.Pod
-		claim                                 *resourceapi.ResourceClaim
-		claimSeen, allocated, running, envSet time.Time
-		env                                   map[string]string
-	}
-	ranks := map[string]*rank{} // by pod name
+	ranks := map[string]*cdRank{} // by pod name
 	var domainReady, entriesReady time.Time
 	var last *unstructured.Unstructured
 	envs := map[string]*harness.Env{}
 	for _, n := range nodes {
 		envs[n.name] = n.env
 	}
-	err = cdWait(ctx, "both workers running with their channel and the domain Ready", func() (bool, error) {
-		pods, err := cs.CoreV1().Pods(cdWorkNS).List(ctx, metav1.ListOptions{LabelSelector: "app=" + jobName})
+	err = cdWait(ctx, job+"'s workers running with their channel and "+name+" Ready", func() (bool, error) {
+		pods, err := cs.CoreV1().Pods(cdWorkNS).List(ctx, metav1.ListOptions{LabelSelector: "app=" + job})
 		if err != nil {
 			return false, err
 		}
@@ -191,7 +241,7 @@ func TestComputeDomainKubelets(t *testing.T) {
 		if err != nil {
 			return false, err
 		}
-		if last, err = c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Get(ctx, domainName, metav1.GetOptions{}); err != nil {
+		if last, err = c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Get(ctx, name, metav1.GetOptions{}); err != nil {
 			return false, err
 		}
 		now := time.Now()
@@ -207,7 +257,7 @@ func TestComputeDomainKubelets(t *testing.T) {
 			}
 			r := ranks[p.Name]
 			if r == nil {
-				r = &rank{}
+				r = &cdRank{}
 				ranks[p.Name] = r
 			}
 			r.pod = p
@@ -223,6 +273,9 @@ func TestComputeDomainKubelets(t *testing.T) {
 					r.allocated = now
 				}
 				r.claim = cl.DeepCopy()
+			}
+			if p.Spec.NodeName != "" && r.bound.IsZero() {
+				r.bound = now
 			}
 			if podRunningNow(&p) && r.running.IsZero() {
 				r.running = now
@@ -257,38 +310,36 @@ func TestComputeDomainKubelets(t *testing.T) {
 		for name, r := range ranks {
 			t.Logf("worker %s: %s", name, harness.DescribeAPIPod(&r.pod))
 		}
-		t.Fatalf("%v\nlast domain status: %v", err, last.Object["status"])
+		t.Fatalf("%v\nlast status of %s: %v", err, name, last.Object["status"])
 	}
 
 	// Where the workers are and what they have.
-	byNode := map[string]*rank{}
 	for _, r := range ranks {
-		byNode[r.pod.Spec.NodeName] = r
+		d.byNode[r.pod.Spec.NodeName] = r
 	}
-	if byNode[nodes[0].name] == nil || byNode[nodes[1].name] == nil {
-		t.Fatalf("workers on %v, want one on each clique-1 node (%s, %s)", slices.Collect(maps.Keys(byNode)), nodes[0].name, nodes[1].name)
+	if d.byNode[nodes[0].name] == nil || d.byNode[nodes[1].name] == nil {
+		t.Fatalf("%s's workers on %v, want one on each clique-1 node (%s, %s)", job, slices.Collect(maps.Keys(d.byNode)), nodes[0].name, nodes[1].name)
 	}
 	entries := cdStatusNodes(last)
 	for _, n := range nodes[:2] {
 		e := entries[n.name]
 		if e["ipAddress"] != n.ip || e["cliqueID"] != cliques[n.name] {
-			t.Errorf("status.nodes entry of %s: %v, want ipAddress %s and cliqueID %s", n.name, e, n.ip, cliques[n.name])
+			t.Errorf("%s: status.nodes entry of %s: %v, want ipAddress %s and cliqueID %s", name, n.name, e, n.ip, cliques[n.name])
 		}
 	}
 	indices := map[string]bool{}
-	channel := ""
 	for _, n := range nodes[:2] {
-		r := byNode[n.name]
+		r := d.byNode[n.name]
 		idx := r.env["JOB_COMPLETION_INDEX"]
 		if idx != "0" && idx != "1" || indices[idx] {
 			t.Errorf("worker %s: JOB_COMPLETION_INDEX %q, want 0 and 1 once each", r.pod.Name, idx)
 		}
 		indices[idx] = true
 		ch := r.env["E2E_CHANNEL"]
-		if channel == "" {
-			channel = ch
-		} else if ch != channel {
-			t.Errorf("worker %s has %s, the other %s: a domain's channel is the same on every node", r.pod.Name, ch, channel)
+		if d.channel == "" {
+			d.channel = ch
+		} else if ch != d.channel {
+			t.Errorf("worker %s has %s, the other %s: a domain's channel is the same on every node", r.pod.Name, ch, d.channel)
 		}
 		// The container's device has the numbers of the sim's host channel node, which the CDI spec named.
 		var st syscall.Stat_t
@@ -299,13 +350,16 @@ func TestComputeDomainKubelets(t *testing.T) {
 		if want := fmt.Sprintf("%x:%x", unixMajor(st.Rdev), unixMinor(st.Rdev)); r.env["E2E_CHANNEL_DEVNO"] != want {
 			t.Errorf("worker %s: %s is %s in the container, %s (%s) on the host", r.pod.Name, ch, r.env["E2E_CHANNEL_DEVNO"], want, host)
 		}
-		// The tray's GPUs, as the kubelet assigned them (pod-resources) and the container got them.
-		gpus := strings.Split(r.env["NVIDIA_VISIBLE_DEVICES"], ",")
+		// The GPUs, as the kubelet assigned them (pod-resources) and the container got them.
+		var visible []string
+		if v := r.env["NVIDIA_VISIBLE_DEVICES"]; v != "" {
+			visible = strings.Split(v, ",")
+		}
 		assigned, err := n.env.PodDevicesOf(ctx, &r.pod, gpuResource)
-		slices.Sort(gpus)
+		slices.Sort(visible)
 		slices.Sort(assigned)
-		if err != nil || len(slices.Compact(slices.Clone(gpus))) != trayGPUs || !slices.Equal(gpus, assigned) {
-			t.Errorf("worker %s: NVIDIA_VISIBLE_DEVICES %v, the kubelet assigned %v (%v): want the tray's %d", r.pod.Name, gpus, assigned, err, trayGPUs)
+		if err != nil || len(slices.Compact(slices.Clone(visible))) != gpus || !slices.Equal(visible, assigned) {
+			t.Errorf("worker %s: NVIDIA_VISIBLE_DEVICES %v, the kubelet assigned %v (%v): want %d GPUs", r.pod.Name, visible, assigned, err, gpus)
 		}
 		// A channel claim gets the device node only; the domain's identity is a daemon claim's.
 		for _, k := range []string{"COMPUTE_DOMAIN_UUID", "COMPUTE_DOMAIN_NAME", "CLIQUE_ID"} {
@@ -321,64 +375,73 @@ func TestComputeDomainKubelets(t *testing.T) {
 			t.Errorf("worker %s: the claim's CDI spec on %s: %v", r.pod.Name, n.name, err)
 		}
 	}
-	pids := map[string]int{}
 	for _, n := range nodes[:2] {
-		pid, err := imexDaemonPID(n, domainUID)
+		pid, err := imexDaemonPID(n, d.uid)
 		if err != nil || !processAlive(pid) {
-			t.Fatalf("IMEX daemon of the domain on %s: pid %d, %v", n.name, pid, err)
+			t.Fatalf("IMEX daemon of %s on %s: pid %d, %v", name, n.name, pid, err)
 		}
-		pids[n.name] = pid
+		d.pids[n.name] = pid
 	}
-	if _, err := os.Stat(filepath.Join(nodes[2].stateDir(), "imex", domainUID)); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("%s (clique 2) has a folder for the domain's daemon: %v", nodes[2].name, err)
+	if _, err := os.Stat(filepath.Join(nodes[2].stateDir(), "imex", d.uid)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s (clique 2) has a folder for %s's daemon: %v", nodes[2].name, name, err)
 	}
-	t.Logf("workers: %s on %s and %s on %s, both with %s (%s)", byNode[nodes[0].name].pod.Name, nodes[0].name,
-		byNode[nodes[1].name].pod.Name, nodes[1].name, filepath.Join(cdChannelDir, channel), byNode[nodes[0].name].env["E2E_CHANNEL_DEVNO"])
-	t.Logf("MEASURED ComputeDomain created -> both daemons READY (entries Ready): %s; -> status Ready: %s (includes the job's scheduling)",
-		entriesReady.Sub(domainCreated).Round(10*time.Millisecond), domainReady.Sub(domainCreated).Round(10*time.Millisecond))
+	t.Logf("%s: workers %s on %s and %s on %s, both with %s (%s), %d GPUs each", name, d.byNode[nodes[0].name].pod.Name, nodes[0].name,
+		d.byNode[nodes[1].name].pod.Name, nodes[1].name, filepath.Join(cdChannelDir, d.channel), d.byNode[nodes[0].name].env["E2E_CHANNEL_DEVNO"], gpus)
+	t.Logf("MEASURED %s: ComputeDomain created -> both daemons READY (entries Ready): %s; -> status Ready: %s (includes the job's scheduling)", name,
+		entriesReady.Sub(created).Round(10*time.Millisecond), domainReady.Sub(created).Round(10*time.Millisecond))
 	for _, n := range nodes[:2] {
-		r := byNode[n.name]
-		t.Logf("MEASURED %s: claim -> pod running with its channel: %s (claim -> allocated %s -> running %s -> channel checked %s)", n.name,
-			r.envSet.Sub(r.claimSeen).Round(10*time.Millisecond), r.allocated.Sub(r.claimSeen).Round(10*time.Millisecond),
-			r.running.Sub(r.claimSeen).Round(10*time.Millisecond), r.envSet.Sub(r.claimSeen).Round(10*time.Millisecond))
+		r := d.byNode[n.name]
+		since := func(at time.Time) time.Duration { return at.Sub(r.claimSeen).Round(10 * time.Millisecond) }
+		t.Logf("MEASURED %s on %s: claim -> pod running with its channel: %s (claim -> allocated %s -> bound %s -> running %s -> channel checked %s)", name, n.name,
+			since(r.envSet), since(r.allocated), since(r.bound), since(r.running), since(r.envSet))
 	}
+	return d
+}
 
-	// One node fails.
-	nodeFailure(ctx, t, c, nodes[0], nodes[1], domainName, domainUID, pids[nodes[0].name], byNode[nodes[0].name].pod.Name)
-
-	// Deletion: the job, then the domain.
-	if err := cs.BatchV1().Jobs(cdWorkNS).Delete(ctx, jobName, metav1.DeleteOptions{PropagationPolicy: ptr.To(metav1.DeletePropagationBackground)}); err != nil {
-		t.Fatalf("delete Job: %v", err)
+// deleteDomainJob deletes d's job and, once its workers and their claims are gone (the kubelets unprepared
+// them: their CDI specs are gone), the domain, and waits until the domain, its templates and its daemons
+// (process and folder, on every node) are gone.
+func deleteDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, nodes []*cdNode, d *cdDomainRun) {
+	t.Helper()
+	cs := c.Client
+	if err := cs.BatchV1().Jobs(cdWorkNS).Delete(ctx, d.job, metav1.DeleteOptions{PropagationPolicy: ptr.To(metav1.DeletePropagationBackground)}); err != nil {
+		t.Fatalf("delete Job %s: %v", d.job, err)
 	}
-	if err := cdWait(ctx, "the workers and their claims gone", func() (bool, error) {
-		pods, err := cs.CoreV1().Pods(cdWorkNS).List(ctx, metav1.ListOptions{})
+	if err := cdWait(ctx, d.job+"'s workers and their claims gone", func() (bool, error) {
+		pods, err := cs.CoreV1().Pods(cdWorkNS).List(ctx, metav1.ListOptions{LabelSelector: "app=" + d.job})
 		if err != nil || len(pods.Items) > 0 {
 			return false, err
 		}
-		claims, err := cs.ResourceV1().ResourceClaims(cdWorkNS).List(ctx, metav1.ListOptions{})
+		claims, err := cs.ResourceV1().ResourceClaims(cdWorkNS).List(ctx, metav1.ListOptions{LabelSelector: cdDomainLabel + "=" + d.uid})
 		return err == nil && len(claims.Items) == 0, err
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Delete(ctx, domainName, metav1.DeleteOptions{}); err != nil {
-		t.Fatalf("delete ComputeDomain: %v", err)
+	for _, n := range nodes[:2] {
+		r := d.byNode[n.name]
+		if _, err := os.Stat(filepath.Join(n.env.NodeDirs().CDISpecs, "compute-domain-claim-"+string(r.claim.UID)+".json")); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s: the CDI spec of %s's claim after the pod went: %v", n.name, r.pod.Name, err)
+		}
+	}
+	if err := c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Delete(ctx, d.name, metav1.DeleteOptions{}); err != nil {
+		t.Fatalf("delete ComputeDomain %s: %v", d.name, err)
 	}
 	deleted := time.Now()
-	if err := cdWait(ctx, "the domain, its templates and its daemons gone", func() (bool, error) {
-		if _, err := c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Get(ctx, domainName, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+	if err := cdWait(ctx, d.name+", its templates and its daemons gone", func() (bool, error) {
+		if _, err := c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Get(ctx, d.name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 			return false, err
 		}
-		sel := metav1.ListOptions{LabelSelector: cdDomainLabel + "=" + domainUID}
+		sel := metav1.ListOptions{LabelSelector: cdDomainLabel + "=" + d.uid}
 		for _, ns := range []string{cdWorkNS, cdControllerNS} {
 			if l, err := cs.ResourceV1().ResourceClaimTemplates(ns).List(ctx, sel); err != nil || len(l.Items) > 0 {
 				return false, err
 			}
 		}
 		for _, n := range nodes {
-			if pid, err := imexDaemonPID(n, domainUID); err == nil && processAlive(pid) {
+			if pid, err := imexDaemonPID(n, d.uid); err == nil && processAlive(pid) {
 				return false, nil
 			}
-			if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", domainUID)); !errors.Is(err, os.ErrNotExist) {
+			if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", d.uid)); !errors.Is(err, os.ErrNotExist) {
 				return false, nil
 			}
 		}
@@ -386,34 +449,12 @@ func TestComputeDomainKubelets(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("MEASURED ComputeDomain deleted -> domain, templates and daemons gone: %s", time.Since(deleted).Round(10*time.Millisecond))
-	for _, pid := range pids {
+	for node, pid := range d.pids {
 		if processAlive(pid) {
-			t.Errorf("IMEX daemon pid %d still runs", pid)
+			t.Errorf("%s's IMEX daemon on %s, pid %d, still runs", d.name, node, pid)
 		}
 	}
-	for _, n := range nodes {
-		specs, _ := filepath.Glob(filepath.Join(n.env.NodeDirs().CDISpecs, "compute-domain-claim-*.json"))
-		if len(specs) > 0 {
-			t.Errorf("%s: CDI specs of claims left: %v", n.name, specs)
-		}
-		node, err := cs.CoreV1().Nodes().Get(ctx, n.name, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		for k, v := range node.Labels {
-			if strings.Contains(k, domainUID) || strings.Contains(v, domainUID) || k == cdDomainLabel {
-				t.Errorf("Node %s keeps label %s=%s of the deleted domain", n.name, k, v)
-			}
-		}
-		if node.Labels[cdCliqueLabel] != cliques[n.name] {
-			t.Errorf("Node %s: %s=%q, want the node's clique %q kept (it is the node's, not the domain's)", n.name, cdCliqueLabel, node.Labels[cdCliqueLabel], cliques[n.name])
-		}
-		if done, err := n.agent.Exited(); done {
-			t.Errorf("gpu-agent of %s exited: %v (see %s)", n.name, err, n.agent.LogPath)
-		}
-	}
-	t.Logf("MEASURED TestComputeDomainKubelets: %s from start", time.Since(started).Round(time.Second))
+	t.Logf("MEASURED %s: ComputeDomain deleted -> domain, templates and daemons gone: %s", d.name, time.Since(deleted).Round(10*time.Millisecond))
 }
 
 // nodeFailure kills failing's kubelet, agent and IMEX daemon, as a node that crashes, and checks what
@@ -507,9 +548,14 @@ func nodeFailure(ctx context.Context, t *testing.T, c *harness.Cluster, survivor
 	if err != nil {
 		t.Fatalf("%v\nlast domain status: %v", err, last.Object["status"])
 	}
+	// The lowest index of the clique that the survivor does not hold.
+	lowest := "0"
+	if fmt.Sprint(survivorIndex) == "0" {
+		lowest = "1"
+	}
 	entries := cdStatusNodes(last)
-	if fmt.Sprint(entries[survivor.name]["index"]) != fmt.Sprint(survivorIndex) || fmt.Sprint(entries[failing.name]["index"]) == fmt.Sprint(survivorIndex) {
-		t.Errorf("indices after %s came back: %v, want %s's kept (%v) and another for %s", failing.name, entries, survivor.name, survivorIndex, failing.name)
+	if fmt.Sprint(entries[survivor.name]["index"]) != fmt.Sprint(survivorIndex) || fmt.Sprint(entries[failing.name]["index"]) != lowest {
+		t.Errorf("indices after %s came back: %v, want %s's kept (%v) and %s at %s, the lowest free", failing.name, entries, survivor.name, survivorIndex, failing.name, lowest)
 	}
 	if pid, err := imexDaemonPID(failing, domainUID); err != nil || !processAlive(pid) || pid == failingPID {
 		t.Errorf("%s's IMEX daemon after it came back: pid %d (%v), want a new one running", failing.name, pid, err)
@@ -517,16 +563,17 @@ func nodeFailure(ctx context.Context, t *testing.T, c *harness.Cluster, survivor
 	t.Logf("MEASURED node %s back (kubelet and gpu-agent started) -> rejoined, domain Ready: %s", failing.name, time.Since(back).Round(10*time.Millisecond))
 }
 
-// nvbandwidthWorkers is the worker half of NVIDIA's nvbandwidth-test-job as an Indexed Job: two ranks, each
-// with the tray's GPUs and a claim from the domain's template, on two different nodes of clique. Each rank
-// checks that it has the GPUs (NVIDIA_VISIBLE_DEVICES, from the device plugin), exactly one IMEX channel, a character device, and its rank in its
-// environment; prints them, the channel's device numbers and its environment; and waits, as an MPI worker
-// waits for its launcher.
-func nvbandwidthWorkers(name, template, clique string) *batchv1.Job {
+// nvbandwidthWorkers is the worker half of NVIDIA's nvbandwidth-test-job as an Indexed Job (no MPI operator
+// runs here, so no MPIJob and no launcher): two ranks, each with gpus GPUs (NVIDIA's asks for a tray's 4) and a
+// claim from the domain's template, on two different nodes of clique. Each rank checks that it has its GPUs
+// (NVIDIA_VISIBLE_DEVICES, from the device plugin), exactly one IMEX channel, a character device, and its rank
+// in its environment; prints them, the channel's device numbers and its environment; and waits, as an MPI
+// worker waits for its launcher.
+func nvbandwidthWorkers(name, template, clique string, gpus int) *batchv1.Job {
 	labels := map[string]string{"app": name}
 	script := `set -eu
 gpus=$(echo "${NVIDIA_VISIBLE_DEVICES:-}" | tr , '\n' | grep -c ^GPU- || true)
-if [ "$gpus" != ` + strconv.Itoa(trayGPUs) + ` ]; then echo "rank $JOB_COMPLETION_INDEX: want ` + strconv.Itoa(trayGPUs) + ` GPUs, have NVIDIA_VISIBLE_DEVICES=${NVIDIA_VISIBLE_DEVICES:-}" >&2; exit 1; fi
+if [ "$gpus" != ` + strconv.Itoa(gpus) + ` ]; then echo "rank $JOB_COMPLETION_INDEX: want ` + strconv.Itoa(gpus) + ` GPUs, have NVIDIA_VISIBLE_DEVICES=${NVIDIA_VISIBLE_DEVICES:-}" >&2; exit 1; fi
 chans=$(ls ` + cdChannelDir + `)
 if [ "$(echo $chans | wc -w)" != 1 ]; then echo "rank $JOB_COMPLETION_INDEX: want one IMEX channel in ` + cdChannelDir + `, have: $chans" >&2; exit 1; fi
 if [ ! -c "` + cdChannelDir + `/$chans" ]; then echo "rank $JOB_COMPLETION_INDEX: $chans is not a character device" >&2; exit 1; fi
@@ -536,6 +583,10 @@ env
 echo ` + harness.ReadyMarker + `
 exec sleep 86400`
 	grace := int64(1)
+	resources := corev1.ResourceRequirements{Claims: []corev1.ResourceClaim{{Name: "compute-domain-channel"}}}
+	if gpus > 0 {
+		resources.Limits = corev1.ResourceList{gpuResource: *apiresource.NewQuantity(int64(gpus), apiresource.DecimalSI)}
+	}
 	return &batchv1.Job{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: cdWorkNS},
 		Spec: batchv1.JobSpec{
@@ -562,11 +613,8 @@ exec sleep 86400`
 					},
 					Containers: []corev1.Container{{
 						Name: "worker", Image: "docker.io/" + harness.BusyboxImage, ImagePullPolicy: corev1.PullNever,
-						Command: []string{"sh", "-c", script},
-						Resources: corev1.ResourceRequirements{
-							Limits: corev1.ResourceList{gpuResource: *apiresource.NewQuantity(trayGPUs, apiresource.DecimalSI)},
-							Claims: []corev1.ResourceClaim{{Name: "compute-domain-channel"}},
-						},
+						Command:   []string{"sh", "-c", script},
+						Resources: resources,
 					}},
 					ResourceClaims: []corev1.PodResourceClaim{{Name: "compute-domain-channel", ResourceClaimTemplateName: ptr.To(template)}},
 				},
