@@ -252,8 +252,14 @@ func cgroupMounts() ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
+	return parseCgroupMounts(string(b)), nil
+}
+
+// parseCgroupMounts reads the mount points whose filesystem type (the first field after " - ") is cgroup or
+// cgroup2 from mountinfo.
+func parseCgroupMounts(mountinfo string) []string {
 	var out []string
-	for _, line := range strings.Split(string(b), "\n") {
+	for _, line := range strings.Split(mountinfo, "\n") {
 		_, after, ok := strings.Cut(line, " - ")
 		f := strings.Fields(line)
 		if !ok || len(f) < 5 {
@@ -263,7 +269,7 @@ func cgroupMounts() ([]string, error) {
 			out = append(out, unescapeMountinfo(f[4]))
 		}
 	}
-	return out, nil
+	return out
 }
 
 // makeCgroupRoot creates root in every cgroup hierarchy (the kubelet refuses a --cgroup-root missing from
