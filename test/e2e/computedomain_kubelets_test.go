@@ -75,6 +75,7 @@ func (n *cdNode) simRoot() string  { return filepath.Join(n.agentDir(), "root") 
 //     and none on the clique-2 node;
 //   - the real kubelets prepare the claims and each container has its four GPUs and exactly one channel, a
 //     character device with the host channel's numbers, the same channel on both nodes;
+//   - a pod with a claim from the domain's daemon template gets the domain's identity in its environment;
 //   - a node that fails (its kubelet, agent and IMEX daemon killed) leaves status.nodes once its Node is
 //     NotReady, the other keeps its index and its daemon (reloaded, not restarted) and turns Ready alone, its
 //     pod runs on, and the domain is NotReady (one node of two); the node comes back and rejoins;
@@ -143,6 +144,9 @@ func TestComputeDomainKubelets(t *testing.T) {
 
 	// The domain and the job, as NVIDIA's nvbandwidth-test-job writes them.
 	first := runDomainJob(ctx, t, c, nodes, cliques, "nvbandwidth-test-compute-domain", "nvbandwidth-test-worker", trayGPUs)
+
+	// A pod with a claim from the domain's daemon template, as NVIDIA's daemon pods have, beside the worker.
+	daemonClaimPod(ctx, t, c, nodes[0], first, cliques[nodes[0].name])
 
 	// One node fails.
 	nodeFailure(ctx, t, c, nodes[0], nodes[1], first.name, first.uid, first.pids[nodes[0].name], first.byNode[nodes[0].name].pod.Name)
@@ -455,6 +459,100 @@ func deleteDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, node
 		}
 	}
 	t.Logf("MEASURED %s: ComputeDomain deleted -> domain, templates and daemons gone: %s", d.name, time.Since(deleted).Round(10*time.Millisecond))
+}
+
+// daemonClaimPod runs a pod in the controller's namespace on n with a claim from d's daemon template
+// (computedomain-daemon-<UID>): its container gets the domain's identity in its environment, as NVIDIA's
+// driver gives its daemon pods, and no channel. Deleting the pod unprepares the claim (its CDI spec goes) and
+// leaves the domain's daemon on n running.
+func daemonClaimPod(ctx context.Context, t *testing.T, c *harness.Cluster, n *cdNode, d *cdDomainRun, clique string) {
+	t.Helper()
+	cs := c.Client
+	if err := cdWait(ctx, "the default ServiceAccount of "+cdControllerNS, func() (bool, error) {
+		_, err := cs.CoreV1().ServiceAccounts(cdControllerNS).Get(ctx, "default", metav1.GetOptions{})
+		return err == nil, cdIgnoreNotFound(err)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	grace := int64(1)
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "imex-daemon-claim", Namespace: cdControllerNS},
+		Spec: corev1.PodSpec{
+			HostNetwork:                   true,
+			NodeSelector:                  map[string]string{corev1.LabelHostname: n.name},
+			RestartPolicy:                 corev1.RestartPolicyNever,
+			TerminationGracePeriodSeconds: &grace,
+			Containers: []corev1.Container{{
+				Name: "daemon", Image: "docker.io/" + harness.BusyboxImage, ImagePullPolicy: corev1.PullNever,
+				Command: []string{"sh", "-c", "echo E2E_CHANNELS=$(ls " + cdChannelDir + " 2>/dev/null); env; echo " +
+					harness.ReadyMarker + "; exec sleep 86400"},
+				Resources: corev1.ResourceRequirements{Claims: []corev1.ResourceClaim{{Name: "daemon"}}},
+			}},
+			ResourceClaims: []corev1.PodResourceClaim{{Name: "daemon", ResourceClaimTemplateName: ptr.To("computedomain-daemon-" + d.uid)}},
+		},
+	}
+	created := time.Now()
+	pod, err := cs.CoreV1().Pods(cdControllerNS).Create(ctx, pod, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create pod with a daemon claim: %v", err)
+	}
+	var env map[string]string
+	if err := cdWait(ctx, "the daemon claim's pod running", func() (bool, error) {
+		p, err := cs.CoreV1().Pods(cdControllerNS).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		if p.Status.Phase == corev1.PodFailed || p.Status.Phase == corev1.PodSucceeded {
+			return false, cdFatal(fmt.Errorf("pod %s ended: %s", p.Name, harness.DescribeAPIPod(p)))
+		}
+		pod = p
+		if !podRunningNow(p) {
+			return false, nil
+		}
+		short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		defer cancel()
+		env, err = n.env.PodContainerEnvOf(short, p, "daemon")
+		return err == nil, nil
+	}); err != nil {
+		t.Fatalf("%v: %s", err, harness.DescribeAPIPod(pod))
+	}
+	t.Logf("MEASURED daemon claim pod created -> running with the domain's identity: %s", time.Since(created).Round(10*time.Millisecond))
+	for k, want := range map[string]string{"COMPUTE_DOMAIN_UUID": d.uid, "COMPUTE_DOMAIN_NAME": d.name,
+		"COMPUTE_DOMAIN_NAMESPACE": cdWorkNS, "CLIQUE_ID": clique, "E2E_CHANNELS": ""} {
+		if env[k] != want {
+			t.Errorf("daemon claim's container: %s=%q, want %q", k, env[k], want)
+		}
+	}
+	claim := pod.Status.ResourceClaimStatuses
+	if len(claim) != 1 || claim[0].ResourceClaimName == nil {
+		t.Fatalf("pod %s: resource claim statuses %+v", pod.Name, claim)
+	}
+	cl, err := cs.ResourceV1().ResourceClaims(cdControllerNS).Get(ctx, *claim[0].ResourceClaimName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec := filepath.Join(n.env.NodeDirs().CDISpecs, "compute-domain-claim-"+string(cl.UID)+".json")
+	if _, err := os.Stat(spec); err != nil {
+		t.Errorf("daemon claim's CDI spec on %s: %v", n.name, err)
+	}
+	if err := cs.CoreV1().Pods(cdControllerNS).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := cdWait(ctx, "the daemon claim's pod and claim gone", func() (bool, error) {
+		if _, err := cs.CoreV1().Pods(cdControllerNS).Get(ctx, pod.Name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+			return false, err
+		}
+		_, err := cs.ResourceV1().ResourceClaims(cdControllerNS).Get(ctx, cl.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), cdIgnoreNotFound(err)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(spec); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("daemon claim's CDI spec on %s after the pod went: %v", n.name, err)
+	}
+	if pid, err := imexDaemonPID(n, d.uid); err != nil || pid != d.pids[n.name] || !processAlive(pid) {
+		t.Errorf("%s's IMEX daemon on %s after the daemon claim went: pid %d (%v), want %d running on", d.name, n.name, pid, err, d.pids[n.name])
+	}
 }
 
 // nodeFailure kills failing's kubelet, agent and IMEX daemon, as a node that crashes, and checks what
