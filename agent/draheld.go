@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"strconv"
+
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
@@ -38,7 +40,9 @@ func newDRAHeld(pool string, claims map[types.UID]PreparedClaim, inv *gpu.Invent
 			if d.UUID == "" {
 				continue
 			}
-			h.devices[draHeldKey{pc.Namespace, pc.Name, d.Device}] = telemetry.DRADevice{UUID: d.UUID, MIGProfile: profiles[d.UUID]}
+			dev := telemetry.DRADevice{UUID: d.UUID, MIGProfile: profiles[d.UUID]}
+			dev.MPSActiveThreads, _ = strconv.Atoi(d.MPSEnv["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"])
+			h.devices[draHeldKey{pc.Namespace, pc.Name, d.Device}] = dev
 		}
 	}
 	return h

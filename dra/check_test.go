@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel/devicemodeltest"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -202,7 +203,7 @@ func TestRepublishWhatTheAPIServerLost(t *testing.T) {
 			now := time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)
 			d := New(Options{NodeName: "node-a", Client: api, SliceCheck: -1, Now: func() time.Time { return now }})
 			defer d.Stop()
-			pool := mixedPool(t)
+			pool := devicemodeltest.MixedPool(t)
 			n := len(devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}).Pools["node-a"].Slices)
 			d.Publish(pool)
 			d.startPublishing(ctx)

@@ -28,26 +28,14 @@ import (
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 )
 
+// inventory is a simulated node's inventory.
 func inventory(t *testing.T, profile string, opts ...sim.Option) *gpu.Inventory {
 	t.Helper()
-	_, inv := simInventory(t, profile, opts...)
+	_, inv := simtest.NodeInventory(t, profile, opts...)
 	return inv
-}
-
-func simInventory(t *testing.T, profile string, opts ...sim.Option) (*sim.Node, *gpu.Inventory) {
-	t.Helper()
-	n, err := sim.New(profile, opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n.Init()
-	inv, err := gpu.New(n, gpu.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return n, inv
 }
 
 // fakeClaims records what the driver asks and answers from a table.

@@ -12,81 +12,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
 
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
-	"github.com/gpu-agent/gpu-agent/mig"
+	"github.com/gpu-agent/gpu-agent/dra/devicemodel/devicemodeltest"
 )
-
-// mixedPool is one node with each kind of device an API server feature may
-// be needed for: gpu-0 shared (MPS, 4 shares), gpu-1 unhealthy, gpu-2
-// plain, and GPU 3 with MIG devices on demand (gpu-3 whole, drawing on its
-// counter set, and its partitions).
-func mixedPool(t *testing.T) *devicemodel.Pool {
-	t.Helper()
-	n, inv := simInventory(t, "dgx-h100")
-	pool := &devicemodel.Pool{}
-	for _, d := range devicemodel.Devices(inv, nil, map[string]string{inv.GPUs[1].UUID: "XID 79"}) {
-		switch d.Index {
-		case 0:
-			d.Shares, d.MPS = 4, true
-		case 1, 2:
-		default:
-			continue
-		}
-		pool.Devices = append(pool.Devices, d)
-	}
-	dev, ret := n.DeviceGetHandleByIndex(3)
-	if ret != nvml.SUCCESS {
-		t.Fatal(ret)
-	}
-	profiles, err := mig.QueryProfiles(dev, inv.GPUs[3].MemoryBytes)
-	if err != nil {
-		t.Fatal(err)
-	}
-	devs, set := devicemodel.Partitions(devicemodel.Dynamic{GPU: inv.GPUs[3], Profiles: profiles, Whole: true}, devicemodel.Device{ProductName: inv.GPUs[3].Name})
-	pool.Devices = append(pool.Devices, devs...)
-	pool.CounterSets = []devicemodel.CounterSet{set}
-	slices.SortFunc(pool.Devices, func(a, b devicemodel.Device) int { return strings.Compare(a.Name, b.Name) })
-	return pool
-}
-
-// published sums up what a publish holds.
-type published struct {
-	devices []string // sorted
-	// partitions: devices named "gpu-N-mig-<profile>-<start>"; counterSets,
-	// consuming, shared, tainted: how many.
-	partitions, counterSets, consuming, shared, tainted int
-}
-
-func summarize(res resourceslice.DriverResources) published {
-	var p published
-	for _, s := range res.Pools["node-a"].Slices {
-		p.counterSets += len(s.SharedCounters)
-		for _, d := range s.Devices {
-			p.devices = append(p.devices, d.Name)
-			if strings.HasPrefix(d.Name, "gpu-3-mig-") {
-				p.partitions++
-			}
-			if len(d.ConsumesCounters) > 0 {
-				p.consuming++
-			}
-			if d.AllowMultipleAllocations != nil {
-				p.shared++
-			}
-			if len(d.Taints) > 0 {
-				p.tainted++
-			}
-		}
-	}
-	slices.Sort(p.devices)
-	return p
-}
-
-func (p published) has(name string) bool { _, ok := slices.BinarySearch(p.devices, name); return ok }
 
 // fakeSlices records what the driver hands the ResourceSlice controller.
 type fakeSlices struct {
@@ -129,7 +61,7 @@ func (l *logRecords) at(level slog.Level) []string {
 // controller reports them (a DroppedFieldsError of the slice it wanted and
 // the one stored); the driver latches what they mean and publishes again.
 func TestHandleDroppedFields(t *testing.T) {
-	pool := mixedPool(t)
+	pool := devicemodeltest.MixedPool(t)
 	// Strips of a stored slice, each as an API server without the feature.
 	noTaints := func(s *resourceapi.ResourceSliceSpec) {
 		for i := range s.Devices {
@@ -216,14 +148,14 @@ func TestHandleDroppedFields(t *testing.T) {
 			}
 			check := func(when string, pool *devicemodel.Pool, res resourceslice.DriverResources) {
 				t.Helper()
-				got := summarize(res)
+				got := devicemodeltest.Summarize(res, "node-a")
 				for _, dev := range pool.Devices {
-					if want := !tt.want.Withholds(dev); got.has(dev.Name) != want {
-						t.Errorf("%s: %s published %v, want %v", when, dev.Name, got.has(dev.Name), want)
+					if want := !tt.want.Withholds(dev); got.Has(dev.Name) != want {
+						t.Errorf("%s: %s published %v, want %v", when, dev.Name, got.Has(dev.Name), want)
 					}
 				}
-				if tt.want.Partitions && (got.counterSets > 0 || got.consuming > 0) {
-					t.Errorf("%s: %d counter sets and %d devices consuming counters, want none", when, got.counterSets, got.consuming)
+				if tt.want.Partitions && (got.CounterSets > 0 || got.Consuming > 0) {
+					t.Errorf("%s: %d counter sets and %d devices consuming counters, want none", when, got.CounterSets, got.Consuming)
 				}
 			}
 			check("next publish", pool, fake.res[len(fake.res)-1])
@@ -275,7 +207,7 @@ func TestHandleOtherError(t *testing.T) {
 	d.controller = fake
 	d.Publish(&devicemodel.Pool{Devices: []devicemodel.Device{{Name: "gpu-0", Type: devicemodel.TypeGPU, UUID: "GPU-0", Unhealthy: "XID 79"}}})
 	d.HandleError(context.Background(), errors.New("conflict"), "update ResourceSlice")
-	if len(fake.res) != 1 || summarize(fake.res[0]).tainted != 1 {
+	if len(fake.res) != 1 || devicemodeltest.Summarize(fake.res[0], "node-a").Tainted != 1 {
 		t.Errorf("publishes %d, want the first only, with its taint", len(fake.res))
 	}
 	if e := logs.at(slog.LevelError); len(e) != 1 || !strings.Contains(e[0], "update ResourceSlice") {
@@ -321,7 +253,7 @@ func returns(t *testing.T, what string, fn func()) {
 // agent's loop (Publish), the dropped-fields handler and the health stream
 // go on meanwhile, and what changed is published once it is through.
 func TestFirstPublishWaitsAlone(t *testing.T) {
-	pool := mixedPool(t)
+	pool := devicemodeltest.MixedPool(t)
 	w := &waitingSlices{calls: make(chan resourceslice.DriverResources, 8), release: make(chan struct{})}
 	now := time.Date(2026, 11, 24, 12, 0, 0, 0, time.UTC)
 	d := New(Options{NodeName: "node-a", Now: func() time.Time { return now }, SliceCheck: time.Hour})
@@ -332,8 +264,8 @@ func TestFirstPublishWaitsAlone(t *testing.T) {
 	// Nothing before the loop's first pool: an empty one would withdraw
 	// the previous agent's slices until then.
 	returns(t, "Publish", func() { d.Publish(pool) })
-	if first := summarize(<-w.calls); len(first.devices) != len(pool.Devices) {
-		t.Fatalf("first publish has %d devices, want the pool's %d", len(first.devices), len(pool.Devices))
+	if first := devicemodeltest.Summarize(<-w.calls, "node-a"); len(first.Devices) != len(pool.Devices) {
+		t.Fatalf("first publish has %d devices, want the pool's %d", len(first.Devices), len(pool.Devices))
 	}
 
 	next := &devicemodel.Pool{Devices: slices.Clone(pool.Devices), CounterSets: pool.CounterSets}
@@ -351,7 +283,7 @@ func TestFirstPublishWaitsAlone(t *testing.T) {
 	}
 
 	close(w.release)
-	if got, want := summarize(<-w.calls).tainted, summarize(devicemodel.Resources("node-a", next, 0, devicemodel.Dropped{})).tainted; got != want {
+	if got, want := devicemodeltest.Summarize(<-w.calls, "node-a").Tainted, devicemodeltest.Summarize(devicemodel.Resources("node-a", next, 0, devicemodel.Dropped{}), "node-a").Tainted; got != want {
 		t.Errorf("after the first publish: %d devices tainted, want the newer pool's %d", got, want)
 	}
 	if got := d.Slices(); !reflect.DeepEqual(got, Slices{Generation: 2, At: now}) {
@@ -374,7 +306,7 @@ func TestStopEndsWaitingPublish(t *testing.T) {
 	d.startController = w.start
 	ctx, cancel := context.WithCancel(context.Background())
 	d.startPublishing(ctx)
-	d.Publish(mixedPool(t))
+	d.Publish(devicemodeltest.MixedPool(t))
 	<-w.calls
 	cancel() // what the agent's end does
 	returns(t, "Stop", d.Stop)

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 )
 
 // TestRealNVML is the read-only check of the watcher on a machine with a
@@ -21,7 +22,7 @@ func TestRealNVML(t *testing.T) {
 		t.Fatalf("nvml Init: %v", ret)
 	}
 	defer lib.Shutdown()
-	inv := inventory(t, lib)
+	inv := simtest.Inventory(t, lib)
 
 	w := NewWatcher(lib, Policy{ProbeInterval: 50 * time.Millisecond}, WatcherOptions{WaitTimeout: 50 * time.Millisecond})
 	w.SetInventory(inv)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
@@ -52,7 +53,7 @@ func runFresh(t *testing.T, lib nvml.Interface, opts WatcherOptions) (*Watcher, 
 // Defect: health was forgotten on restart. Checkpointed causes come back,
 // with the evidence that later clears them.
 func TestWatcherRestoresCheckpointedCauses(t *testing.T) {
-	n := newNode(t, "dgx-a100")
+	n := simtest.Node(t, "dgx-a100")
 	uuid := gpuUUID(t, n, 3)
 	// An earlier agent saw XID 48 on GPU 3 with a volatile DBE count of 1.
 	n.InjectXID(3, 48) // nobody registered: only the counters move
@@ -75,7 +76,7 @@ func TestWatcherRestoresCheckpointedCauses(t *testing.T) {
 // What earlier faults left in NVML marks the GPU when the watcher starts:
 // the volatile DBE count, a pending recovery action, pending row remapping.
 func TestWatcherReadsTracesOfEarlierFaults(t *testing.T) {
-	n := newNode(t, "dgx-a100")
+	n := simtest.Node(t, "dgx-a100")
 	if err := n.SetECC(1, 0, 2); err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +109,7 @@ func TestWatcherReadsTracesOfEarlierFaults(t *testing.T) {
 // Defect: faults that arrived before the first inventory (when events were
 // registered) were lost. The watcher registers on its own at start.
 func TestWatcherSeesEventsBeforeFirstInventory(t *testing.T) {
-	n := newNode(t, "pcie-4gpu")
+	n := simtest.Node(t, "pcie-4gpu")
 	uuid := gpuUUID(t, n, 2)
 	w, states := runFresh(t, n, WatcherOptions{})
 	testwait.For(t, "registered without an inventory", func() bool { return len(w.Watched()) == 4 })
@@ -120,7 +121,7 @@ func TestWatcherSeesEventsBeforeFirstInventory(t *testing.T) {
 // every cause raised before it, the XID 79 that needed it included, and
 // reads again what outlives a reboot: a failed row remapping.
 func TestWatcherRebootClearsCauses(t *testing.T) {
-	n := newNode(t, "dgx-a100")
+	n := simtest.Node(t, "dgx-a100")
 	uuid2, uuid5 := gpuUUID(t, n, 2), gpuUUID(t, n, 5)
 	w, states := runFresh(t, n, WatcherOptions{BootID: n.BootID})
 	testwait.For(t, "registered", func() bool { return len(w.Watched()) == 8 })
@@ -159,7 +160,7 @@ func TestWatcherRebootClearsCauses(t *testing.T) {
 // while no agent ran, and the reboot reset the GPUs. Those of this boot, and
 // those checkpointed without a boot, are; the latter then belong to it.
 func TestWatcherRestoresOnlyThisBoot(t *testing.T) {
-	n := newNode(t, "pcie-4gpu")
+	n := simtest.Node(t, "pcie-4gpu")
 	boot := n.BootID()
 	cause := func(i int, b string) SavedCause {
 		return SavedCause{Cause: Cause{GPU: gpuUUID(t, n, i), Index: i, GI: AllInstances, CI: AllInstances, Kind: CauseXID, XID: 79,

@@ -8,6 +8,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 )
 
 // testInventory: GPU-0 in MIG mode with GI 1, 2 (CI 0 and 1 on GI 2), GPU-1 whole.
@@ -123,7 +124,7 @@ func TestEventMarksDevicesAndSiblings(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			tr := newTestTracker(Policy{})
-			tt.apply(tr, newClock().now())
+			tt.apply(tr, simtest.NewClock().Now())
 			got := badSet(tr.state())
 			if strings.Join(got, ",") != strings.Join(tt.want, ",") {
 				t.Errorf("unhealthy = %v, want %v", got, tt.want)
@@ -134,7 +135,7 @@ func TestEventMarksDevicesAndSiblings(t *testing.T) {
 
 func TestEventStatsAndReasons(t *testing.T) {
 	tr := newTestTracker(Policy{})
-	now := newClock().now()
+	now := simtest.NewClock().Now()
 	tr.xid("GPU-1", 13, AllInstances, AllInstances, now)
 	tr.xid("GPU-1", 48, AllInstances, AllInstances, now)
 	tr.xid("GPU-1", 48, AllInstances, AllInstances, now.Add(time.Second))
@@ -169,116 +170,116 @@ func TestRecovery(t *testing.T) {
 	tests := []struct {
 		name string
 		// steps run in order; each gets the clock.
-		steps []func(tr *tracker, c *fakeClock)
+		steps []func(tr *tracker, c *simtest.Clock)
 		// bad after all steps, and the text a log entry must contain.
 		wantBad bool
 		wantLog string
 	}{
 		{
 			name: "app class recovers after the quiet period",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) { tr.xid("GPU-1", 94, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) { c.add(quiet); tr.tick(c.now()) },
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) { tr.xid("GPU-1", 94, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { c.Add(quiet); tr.tick(c.Now()) },
 			},
 			wantLog: "no recurrence for 5m0s",
 		},
 		{
 			name: "app class recurrence restarts the quiet period",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) { tr.xid("GPU-1", 94, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) { c.add(quiet - time.Second); tr.tick(c.now()) },
-				func(tr *tracker, c *fakeClock) { tr.xid("GPU-1", 94, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) { c.add(quiet - time.Second); tr.tick(c.now()) },
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) { tr.xid("GPU-1", 94, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { c.Add(quiet - time.Second); tr.tick(c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { tr.xid("GPU-1", 94, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { c.Add(quiet - time.Second); tr.tick(c.Now()) },
 			},
 			wantBad: true, wantLog: "XID 94",
 		},
 		{
 			name: "reset class ignores the quiet period",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) { tr.xid("GPU-1", 48, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) { c.add(24 * time.Hour); tr.tick(c.now()) },
-				func(tr *tracker, c *fakeClock) { tr.probe("GPU-1", probeResult{reach: reachOK}, c.now()) },
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) { tr.xid("GPU-1", 48, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { c.Add(24 * time.Hour); tr.tick(c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { tr.probe("GPU-1", probeResult{reach: reachOK}, c.Now()) },
 			},
 			wantBad: true, wantLog: "XID 48",
 		},
 		{
 			name: "reset class recovers when volatile ECC counts clear",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) { tr.xid("GPU-1", 48, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) {
-					tr.probe("GPU-1", probeResult{reach: reachOK, dbeVolatile: 2, dbeKnown: true}, c.now())
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) { tr.xid("GPU-1", 48, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) {
+					tr.probe("GPU-1", probeResult{reach: reachOK, dbeVolatile: 2, dbeKnown: true}, c.Now())
 				},
-				func(tr *tracker, c *fakeClock) {
-					tr.probe("GPU-1", probeResult{reach: reachOK, dbeVolatile: 0, dbeKnown: true}, c.now())
+				func(tr *tracker, c *simtest.Clock) {
+					tr.probe("GPU-1", probeResult{reach: reachOK, dbeVolatile: 0, dbeKnown: true}, c.Now())
 				},
 			},
 			wantLog: "volatile double-bit ECC count dropped from 2 to 0",
 		},
 		{
 			name: "reset class recovers when NVML's recovery action clears",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) { tr.ecc("GPU-1", true, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) {
-					tr.probe("GPU-1", probeResult{reach: reachOK, action: 0, actionKnown: true}, c.now())
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) { tr.ecc("GPU-1", true, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) {
+					tr.probe("GPU-1", probeResult{reach: reachOK, action: 0, actionKnown: true}, c.Now())
 				},
-				func(tr *tracker, c *fakeClock) {
-					tr.probe("GPU-1", probeResult{reach: reachOK, action: 1, actionKnown: true}, c.now())
+				func(tr *tracker, c *simtest.Clock) {
+					tr.probe("GPU-1", probeResult{reach: reachOK, action: 1, actionKnown: true}, c.Now())
 				},
-				func(tr *tracker, c *fakeClock) {
-					tr.probe("GPU-1", probeResult{reach: reachOK, action: 0, actionKnown: true}, c.now())
+				func(tr *tracker, c *simtest.Clock) {
+					tr.probe("GPU-1", probeResult{reach: reachOK, action: 0, actionKnown: true}, c.Now())
 				},
 			},
 			wantLog: "no recovery action pending",
 		},
 		{
 			name: "reboot class stays while the GPU answers throughout",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) { tr.xid("GPU-1", 79, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) { tr.probe("GPU-1", probeResult{reach: reachOK}, c.now()) },
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) { tr.xid("GPU-1", 79, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { tr.probe("GPU-1", probeResult{reach: reachOK}, c.Now()) },
 			},
 			wantBad: true, wantLog: "XID 79",
 		},
 		{
 			name: "lost GPU recovers once it answers again, XID 79 with it",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) { tr.xid("GPU-1", 79, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) { tr.probe("GPU-1", probeResult{reach: reachLost}, c.now()) },
-				func(tr *tracker, c *fakeClock) { tr.probe("GPU-1", probeResult{reach: reachOK}, c.now()) },
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) { tr.xid("GPU-1", 79, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { tr.probe("GPU-1", probeResult{reach: reachLost}, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { tr.probe("GPU-1", probeResult{reach: reachOK}, c.Now()) },
 			},
 			wantLog: "after being unreachable",
 		},
 		{
 			name: "reset-required clears when calls succeed again",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) {
-					tr.probe("GPU-1", probeResult{reach: reachResetRequired}, c.now())
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) {
+					tr.probe("GPU-1", probeResult{reach: reachResetRequired}, c.Now())
 				},
-				func(tr *tracker, c *fakeClock) { tr.probe("GPU-1", probeResult{reach: reachOK}, c.now()) },
+				func(tr *tracker, c *simtest.Clock) { tr.probe("GPU-1", probeResult{reach: reachOK}, c.Now()) },
 			},
 			wantLog: "GPU answers NVML again",
 		},
 		{
 			name: "agent reset clears reset class",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) { tr.xid("GPU-1", 48, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) { tr.noteReset("GPU-1", c.now()) },
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) { tr.xid("GPU-1", 48, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { tr.noteReset("GPU-1", c.Now()) },
 			},
 			wantLog: "the agent reset the GPU",
 		},
 		{
 			name: "agent reset does not clear reboot class",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) { tr.xid("GPU-1", 79, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) { tr.noteReset("GPU-1", c.now()) },
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) { tr.xid("GPU-1", 79, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) { tr.noteReset("GPU-1", c.Now()) },
 			},
 			wantBad: true, wantLog: "XID 79",
 		},
 		{
 			name: "policy change clears XIDs it now ignores",
-			steps: []func(*tracker, *fakeClock){
-				func(tr *tracker, c *fakeClock) { tr.xid("GPU-1", 94, gpuWide, gpuWide, c.now()) },
-				func(tr *tracker, c *fakeClock) {
-					tr.setPolicy(PolicyFromConfig(config.Health{IgnoredXids: []int{94}}), c.now())
+			steps: []func(*tracker, *simtest.Clock){
+				func(tr *tracker, c *simtest.Clock) { tr.xid("GPU-1", 94, gpuWide, gpuWide, c.Now()) },
+				func(tr *tracker, c *simtest.Clock) {
+					tr.setPolicy(PolicyFromConfig(config.Health{IgnoredXids: []int{94}}), c.Now())
 				},
 			},
 			wantLog: "the policy now ignores it",
@@ -287,7 +288,7 @@ func TestRecovery(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			tr := newTestTracker(Policy{QuietPeriod: quiet})
-			c := newClock()
+			c := simtest.NewClock()
 			for _, step := range tt.steps {
 				step(tr, c)
 			}
@@ -315,7 +316,7 @@ func TestRecovery(t *testing.T) {
 
 func TestLostGPUKeptAcrossInventories(t *testing.T) {
 	tr := newTestTracker(Policy{})
-	now := newClock().now()
+	now := simtest.NewClock().Now()
 	tr.probe("GPU-0", probeResult{reach: reachLost}, now)
 	// The next inventory lacks the lost GPU: it must stay marked, MIG devices too.
 	tr.setInventory(&gpu.Inventory{GPUs: []gpu.GPU{{Index: 1, UUID: "GPU-1"}}})
@@ -329,7 +330,7 @@ func TestLostGPUKeptAcrossInventories(t *testing.T) {
 
 func TestLogBounded(t *testing.T) {
 	tr := newTestTracker(Policy{})
-	now := newClock().now()
+	now := simtest.NewClock().Now()
 	for i := range 3 * maxLogEntries {
 		tr.xid("GPU-1", 13, AllInstances, AllInstances, now.Add(time.Duration(i)))
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
@@ -23,7 +24,7 @@ func runWatcher(t *testing.T, lib nvml.Interface, p Policy) (*Watcher, <-chan *S
 		WaitTimeout: 5 * time.Millisecond,
 		OnChange:    func(s *State) { states <- s },
 	})
-	w.SetInventory(inventory(t, lib))
+	w.SetInventory(simtest.Inventory(t, lib))
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -63,9 +64,9 @@ func gpuUUID(t *testing.T, n *sim.Node, i int) string {
 }
 
 func TestWatcherMIGEventMarksMatchingInstances(t *testing.T) {
-	n := newNode(t, "dgx-h100", sim.WithMIGEnabled())
-	createMIG(t, n, 3)
-	inv := inventory(t, n)
+	n := simtest.Node(t, "dgx-h100", sim.WithMIGEnabled())
+	simtest.CreateMIG(t, n, 3)
+	inv := simtest.Inventory(t, n)
 	w, states := runWatcher(t, n, Policy{ProbeInterval: time.Hour})
 	waitRegistered(t, w, n, len(inv.GPUs))
 
@@ -103,8 +104,8 @@ func TestWatcherMIGEventMarksMatchingInstances(t *testing.T) {
 }
 
 func TestWatcherResetRecovery(t *testing.T) {
-	n := newNode(t, "dgx-h100")
-	inv := inventory(t, n)
+	n := simtest.Node(t, "dgx-h100")
+	inv := simtest.Inventory(t, n)
 	w, states := runWatcher(t, n, Policy{ProbeInterval: 10 * time.Millisecond})
 	waitRegistered(t, w, n, len(inv.GPUs))
 	uuid := inv.GPUs[1].UUID
@@ -139,8 +140,8 @@ type noEvents struct{ nvml.Interface }
 func (noEvents) EventSetCreate() (nvml.EventSet, nvml.Return) { return nil, nvml.ERROR_NOT_SUPPORTED }
 
 func TestWatcherLostProbeWithoutEvents(t *testing.T) {
-	n := newNode(t, "pcie-4gpu")
-	inv := inventory(t, n)
+	n := simtest.Node(t, "pcie-4gpu")
+	inv := simtest.Inventory(t, n)
 	_, states := runWatcher(t, noEvents{n}, Policy{ProbeInterval: 10 * time.Millisecond})
 	uuid := inv.GPUs[3].UUID
 
@@ -189,8 +190,8 @@ func (p partialEvents) DeviceGetHandleByUUID(uuid string) (nvml.Device, nvml.Ret
 }
 
 func TestWatcherSkipsUnsupportedEventTypesPerGPU(t *testing.T) {
-	n := newNode(t, "pcie-4gpu")
-	inv := inventory(t, n)
+	n := simtest.Node(t, "pcie-4gpu")
+	inv := simtest.Inventory(t, n)
 	lib := partialEvents{Interface: n, uuid: inv.GPUs[0].UUID}
 	w, states := runWatcher(t, lib, Policy{ProbeInterval: time.Hour})
 	waitRegistered(t, w, n, len(inv.GPUs))
@@ -208,8 +209,8 @@ func TestWatcherSkipsUnsupportedEventTypesPerGPU(t *testing.T) {
 }
 
 func TestWatcherChangesSignal(t *testing.T) {
-	n := newNode(t, "pcie-4gpu")
-	inv := inventory(t, n)
+	n := simtest.Node(t, "pcie-4gpu")
+	inv := simtest.Inventory(t, n)
 	w, states := runWatcher(t, n, Policy{ProbeInterval: 10 * time.Millisecond})
 	waitRegistered(t, w, n, len(inv.GPUs))
 	for len(w.Changes()) > 0 { // drain what start-up published

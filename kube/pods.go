@@ -35,6 +35,7 @@ type PodWatcher struct {
 	index   *usage.PodIndex
 	synced  atomic.Bool
 	storeMu sync.Mutex
+	ended   func()
 }
 
 // NewPodWatcher watches the pods of node.
@@ -43,6 +44,19 @@ func NewPodWatcher(client kubernetes.Interface, node string, log *slog.Logger) *
 		log = slog.New(slog.DiscardHandler)
 	}
 	return &PodWatcher{client: client, node: node, errs: newErrorLog(log, "pods of node "+node)}
+}
+
+// OnPodEnded sets f, called from the watch when a pod of the node is
+// deleted or reaches a terminal phase: the kubelet's pod-resources answer
+// changes then, and nothing else tells the agent of a device-plugin pod's
+// end. f must not block. Call it before Run.
+func (w *PodWatcher) OnPodEnded(f func()) { w.ended = f }
+
+// terminal reports whether obj is a Pod that has ended (a deletion's
+// tombstone is not a Pod).
+func terminal(obj any) bool {
+	p, ok := obj.(*corev1.Pod)
+	return ok && (p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed)
 }
 
 // Run watches until ctx ends; API errors are logged once per change of
@@ -64,8 +78,21 @@ func (w *PodWatcher) Run(ctx context.Context) error {
 		return fmt.Errorf("watch pods of node %s: %w", w.node, err)
 	}
 	bump := func(any) { w.errs.ok(); w.changed.Add(1) }
+	ended := func() {
+		if w.ended != nil {
+			w.ended()
+		}
+	}
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: bump, UpdateFunc: func(_, obj any) { bump(obj) }, DeleteFunc: bump,
+		AddFunc: bump,
+		// ended before bump: whoever waits on the bump sees it told.
+		UpdateFunc: func(old, obj any) {
+			if !terminal(old) && terminal(obj) {
+				ended()
+			}
+			bump(obj)
+		},
+		DeleteFunc: func(obj any) { ended(); bump(obj) },
 	}); err != nil {
 		return fmt.Errorf("watch pods of node %s: %w", w.node, err)
 	}
@@ -85,14 +112,15 @@ func (w *PodWatcher) Run(ctx context.Context) error {
 
 func (w *PodWatcher) apiLog() *errorLog { return w.errs }
 
-// trimPod keeps what PodIndex and Events read of a Pod: names, UID and the
-// container statuses' names and IDs.
+// trimPod keeps what PodIndex, Events and OnPodEnded read of a Pod: names,
+// UID, phase and the container statuses' names and IDs.
 func trimPod(obj any) (any, error) {
 	p, ok := obj.(*corev1.Pod)
 	if !ok {
 		return obj, nil // a deletion's tombstone
 	}
-	out := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: p.Namespace, Name: p.Name, UID: p.UID, ResourceVersion: p.ResourceVersion}}
+	out := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: p.Namespace, Name: p.Name, UID: p.UID, ResourceVersion: p.ResourceVersion},
+		Status: corev1.PodStatus{Phase: p.Status.Phase}}
 	for _, s := range []struct {
 		from []corev1.ContainerStatus
 		to   *[]corev1.ContainerStatus

@@ -3,6 +3,7 @@ package kube
 import (
 	"context"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
@@ -54,6 +55,52 @@ func TestPodWatcher(t *testing.T) {
 	for _, p := range w.pods() {
 		if len(p.Labels) != 0 || len(p.Spec.Containers) != 0 || p.Status.ContainerStatuses[0].Image != "" {
 			t.Errorf("pod %s kept more than it needs: %+v", p.Name, p)
+		}
+	}
+}
+
+// TestPodWatcherOnPodEnded: a pod's deletion and its move to a terminal
+// phase are told (the agent then lists pod-resources again); a pod that
+// changes otherwise, or is already ended, is not.
+func TestPodWatcherOnPodEnded(t *testing.T) {
+	done := gpuPod("done", "3", "c")
+	done.Status.Phase = corev1.PodSucceeded
+	client := fake.NewClientset(gpuPod("a", "1", "a"), gpuPod("b", "2", "b"), done)
+	w := NewPodWatcher(client, "node-1", nil)
+	var ended atomic.Int32
+	w.OnPodEnded(func() { ended.Add(1) })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = w.Run(ctx) }()
+	testwait.For(t, "pods indexed", func() bool { return w.PodIndex() != nil })
+	steps := []struct {
+		name  string
+		do    func() error
+		ended int32
+	}{
+		{"a relabelled", func() error {
+			p := gpuPod("a", "1", "a")
+			p.Labels = map[string]string{"x": "y"}
+			p.Status.Phase = corev1.PodRunning
+			_, err := client.CoreV1().Pods("ml").Update(ctx, p, metav1.UpdateOptions{})
+			return err
+		}, 0},
+		{"a succeeded", func() error {
+			p := gpuPod("a", "1", "a")
+			p.Status.Phase = corev1.PodSucceeded
+			_, err := client.CoreV1().Pods("ml").UpdateStatus(ctx, p, metav1.UpdateOptions{})
+			return err
+		}, 1},
+		{"b deleted", func() error { return client.CoreV1().Pods("ml").Delete(ctx, "b", metav1.DeleteOptions{}) }, 2},
+	}
+	for _, st := range steps {
+		gen := w.changed.Load()
+		if err := st.do(); err != nil {
+			t.Fatalf("%s: %v", st.name, err)
+		}
+		testwait.For(t, st.name+" seen", func() bool { return w.changed.Load() > gen })
+		if got := ended.Load(); got != st.ended {
+			t.Errorf("after %s: told of %d ended pods, want %d", st.name, got, st.ended)
 		}
 	}
 }

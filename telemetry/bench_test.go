@@ -7,8 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/gpu-agent/gpu-agent/catalog"
@@ -18,7 +16,12 @@ import (
 )
 
 // BenchmarkScrape measures one /metrics request on sim:dgx-h100 with 7 MIG
-// devices per GPU, each shared as 4 replicas held by 4 different pods.
+// devices per GPU, each shared as 4 replicas held by 4 different pods, as
+// the agent serves it: from the Exposition's rendering (0.2 ms of CPU on 2
+// shared cores; gathered and encoded at each scrape through a registry, as
+// before the Exposition, 16 ms).
+//
+//	go test ./telemetry -run '^$' -bench 'Scrape$' -benchmem
 func BenchmarkScrape(b *testing.B) {
 	clk := newClock()
 	n := newNode(b, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.now))
@@ -47,9 +50,7 @@ func BenchmarkScrape(b *testing.B) {
 		Catalog:     fixedCatalog{&catalog.Catalog{Resources: map[string]*catalog.Resource{res.Name: res}}},
 		Hostname:    "node-1",
 	})
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(c)
-	h := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
+	h := exposed(c)
 	req := httptest.NewRequest(http.MethodGet, "/metrics", nil)
 
 	first := httptest.NewRecorder()

@@ -42,6 +42,9 @@ type DRADevice struct {
 	UUID string
 	// MIGProfile is the MIG device's profile ("1g.10gb"); "" for a GPU.
 	MIGProfile string
+	// MPSActiveThreads is the claim's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+	// on a device shared by MPS; 0 otherwise.
+	MPSActiveThreads int
 }
 
 // CollectorOptions wire a Collector; only Samples is required.
@@ -101,11 +104,13 @@ func (s seriesHolder) values(lv []string) {
 type holdersOf struct {
 	attr *podresources.Attribution
 	dra  map[string][]seriesHolder
+	// mpsLimits is the active-thread percentage of a claim's MPS client.
+	mpsLimits map[holderKey]int
 }
 
 // newHoldersOf resolves the DRA holdings of attr through src.
 func newHoldersOf(attr *podresources.Attribution, src DRASource) holdersOf {
-	h := holdersOf{attr: attr, dra: map[string][]seriesHolder{}}
+	h := holdersOf{attr: attr, dra: map[string][]seriesHolder{}, mpsLimits: map[holderKey]int{}}
 	if src == nil {
 		return h
 	}
@@ -119,6 +124,9 @@ func newHoldersOf(attr *podresources.Attribution, src DRASource) holdersOf {
 			s.migProfile, s.migUUID = dev.MIGProfile, dev.UUID
 		}
 		h.dra[dev.UUID] = append(h.dra[dev.UUID], s)
+		if dev.MPSActiveThreads > 0 {
+			h.mpsLimits[holderKey{dev.UUID, s}] = dev.MPSActiveThreads
+		}
 	}
 	return h
 }
@@ -229,6 +237,7 @@ type Collector struct {
 	holderSM, holderMem, holderEnc, holderDec *prometheus.Desc
 	holderFB, holderProcs, holderIdle         *prometheus.Desc
 	holderAvg, holderTime                     *prometheus.Desc
+	holderMPSLimit, holderMPSUsed             *prometheus.Desc
 
 	cache seriesCache
 }
@@ -265,6 +274,8 @@ func NewCollector(opts CollectorOptions) *Collector {
 	c.holderProcs = prometheus.NewDesc("gpu_agent_holder_processes", "Processes of the holder running on the device.", hl, nil)
 	c.holderIdle = prometheus.NewDesc("gpu_agent_holder_idle_seconds", "Seconds since the holder last used the device (or since the agent first saw it hold the device, if never), across agent restarts.", hl, nil)
 	c.holderAvg = prometheus.NewDesc("gpu_agent_holder_sm_util_avg_percent", "Mean SM utilization (%) of the holder on the device over the time it held it within the window (1h, 24h; to within 5 minutes), across agent restarts.", append(slices.Clone(hl), "window"), nil)
+	c.holderMPSLimit = prometheus.NewDesc("gpu_agent_holder_mps_active_thread_limit_percent", "The holder's MPS active-thread limit on the device (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: its replica's, or its claim's share), in %; MPS clients only.", hl, nil)
+	c.holderMPSUsed = prometheus.NewDesc("gpu_agent_holder_mps_limit_used_percent", "The holder's SM utilization as a % of its MPS active-thread limit; not capped: SM % is a part of the time, the limit a part of the SMs, so a client whose kernels run all the time reads over 100.", hl, nil)
 	c.holderTime = prometheus.NewDesc("gpu_agent_holder_sample_timestamp_seconds", "When the holders' processes were last sampled.", nil, nil)
 	return c
 }
@@ -276,32 +287,53 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	}
 	for _, d := range []*prometheus.Desc{c.xid, c.healthy, c.causes, c.xids, c.gpuXIDs, c.ecc, c.migMode, c.migDevices,
 		c.holders, c.held, c.replicas, c.allocs, c.sampleTime,
-		c.holderSM, c.holderMem, c.holderEnc, c.holderDec, c.holderFB, c.holderProcs, c.holderIdle, c.holderAvg, c.holderTime} {
+		c.holderSM, c.holderMem, c.holderEnc, c.holderDec, c.holderFB, c.holderProcs, c.holderIdle, c.holderAvg, c.holderMPSLimit, c.holderMPSUsed, c.holderTime} {
 		ch <- d
 	}
 }
 
-// Collect reads the caches and sends the metrics.
-func (c *Collector) Collect(ch chan<- prometheus.Metric) {
-	c.cache.rotate()
-	snap := c.opts.Samples.Snapshot()
-	var st *health.State
+// collectInputs are what one Collect reads: the sources' snapshots, each
+// immutable once published, so that the same inputs give the same series
+// (Exposition renders only when one of them changed).
+type collectInputs struct {
+	snap *Snapshot
+	st   *health.State
+	attr *podresources.Attribution
+	cat  *catalog.Catalog
+	uses *HolderSnapshot
+}
+
+// inputs reads the sources now.
+func (c *Collector) inputs() collectInputs {
+	in := collectInputs{snap: c.opts.Samples.Snapshot()}
 	if c.opts.Health != nil {
-		st = c.opts.Health.State()
+		in.st = c.opts.Health.State()
 	}
-	var attr *podresources.Attribution
 	if c.opts.Attribution != nil {
-		attr = c.opts.Attribution.Attribution()
+		in.attr = c.opts.Attribution.Attribution()
 	}
+	if c.opts.Catalog != nil {
+		in.cat = c.opts.Catalog.Catalog()
+	}
+	if c.opts.Holders != nil {
+		in.uses = c.opts.Holders.Holders()
+	}
+	return in
+}
+
+// Collect implements [prometheus.Collector.Collect]: it reads the caches
+// and sends the metrics.
+func (c *Collector) Collect(ch chan<- prometheus.Metric) { c.collect(ch, c.inputs()) }
+
+// collect sends the metrics of in.
+func (c *Collector) collect(ch chan<- prometheus.Metric, in collectInputs) {
+	c.cache.rotate()
+	snap, st, attr, uses := in.snap, in.st, in.attr, in.uses
 	if !snap.Time.IsZero() {
 		ch <- c.cache.metric(c.sampleTime, prometheus.GaugeValue, float64(snap.Time.UnixNano())/1e9)
 	}
-	served := c.servedHealth()
+	served := servedHealth(in.cat)
 	holders := newHoldersOf(attr, c.opts.DRA)
-	var uses *HolderSnapshot
-	if c.opts.Holders != nil {
-		uses = c.opts.Holders.Holders()
-	}
 	split := newHolderSplit(uses)
 	lv := make([]string, len(dcgmLabels))
 	for i := range snap.GPUs {
@@ -356,7 +388,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			}
 		}
 	}
-	c.sharing(ch, attr)
+	c.sharing(ch, in.cat, attr)
 	c.holderUse(ch, uses)
 }
 
@@ -451,12 +483,8 @@ func (c *Collector) gpuAgent(ch chan<- prometheus.Metric, g *GPUSample, idx stri
 
 // servedHealth maps each GPU or MIG UUID the published catalog offers (as
 // itself or as replicas) to whether every device it backs is healthy.
-func (c *Collector) servedHealth() map[string]bool {
+func servedHealth(cat *catalog.Catalog) map[string]bool {
 	out := map[string]bool{}
-	if c.opts.Catalog == nil {
-		return out
-	}
-	cat := c.opts.Catalog.Catalog()
 	if cat == nil {
 		return out
 	}
@@ -474,19 +502,17 @@ func (c *Collector) servedHealth() map[string]bool {
 }
 
 // sharing sends replicas per shared device and allocations per container.
-func (c *Collector) sharing(ch chan<- prometheus.Metric, attr *podresources.Attribution) {
-	if c.opts.Catalog != nil {
-		if cat := c.opts.Catalog.Catalog(); cat != nil {
-			for _, name := range cat.Names() {
-				counts := map[string]int{}
-				for _, d := range cat.Resources[name].Devices {
-					if base, _, ok := strings.Cut(d.ID, "::"); ok {
-						counts[base]++
-					}
+func (c *Collector) sharing(ch chan<- prometheus.Metric, cat *catalog.Catalog, attr *podresources.Attribution) {
+	if cat != nil {
+		for _, name := range cat.Names() {
+			counts := map[string]int{}
+			for _, d := range cat.Resources[name].Devices {
+				if base, _, ok := strings.Cut(d.ID, "::"); ok {
+					counts[base]++
 				}
-				for _, uuid := range slices.Sorted(maps.Keys(counts)) {
-					ch <- c.cache.metric(c.replicas, prometheus.GaugeValue, float64(counts[uuid]), name, uuid)
-				}
+			}
+			for _, uuid := range slices.Sorted(maps.Keys(counts)) {
+				ch <- c.cache.metric(c.replicas, prometheus.GaugeValue, float64(counts[uuid]), name, uuid)
 			}
 		}
 	}

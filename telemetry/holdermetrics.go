@@ -85,6 +85,12 @@ func (c *Collector) holderUse(ch chan<- prometheus.Metric, s *HolderSnapshot) {
 			ch <- c.cache.metric(c.holderEnc, prometheus.GaugeValue, u.Enc, l...)
 			ch <- c.cache.metric(c.holderDec, prometheus.GaugeValue, u.Dec, l...)
 		}
+		if u.MPSThreadLimit > 0 {
+			ch <- c.cache.metric(c.holderMPSLimit, prometheus.GaugeValue, float64(u.MPSThreadLimit), l...)
+			if u.UtilKnown {
+				ch <- c.cache.metric(c.holderMPSUsed, prometheus.GaugeValue, u.MPSLimitUsed, l...)
+			}
+		}
 		for _, w := range holderWindows {
 			if v, ok := u.SMAvg[w.name]; ok {
 				lv[len(lv)-1] = w.name

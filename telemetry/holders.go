@@ -5,12 +5,14 @@ import (
 	"context"
 	"log/slog"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
+	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/podresources"
 	"github.com/gpu-agent/gpu-agent/usage"
@@ -40,6 +42,9 @@ type HolderOptions struct {
 	Attribution AttributionSource
 	// DRA attributes devices held through DRA claims (nil: none are).
 	DRA DRASource
+	// Catalog gives the MPS active-thread limit of device-plugin replicas
+	// (nil: none known).
+	Catalog CatalogSource
 	// Samples gives device-level utilization, which is the holder's own
 	// on a device it holds alone where NVML has no per-process figures
 	// (a MIG device). Optional.
@@ -58,6 +63,9 @@ type HolderOptions struct {
 	// OnIdle is called once per idle spell of a holder on a device, from
 	// the tracker's goroutine: it must not block.
 	OnIdle func(HolderUse)
+	// OnPass is called after each pass is published (an Exposition's
+	// Kick); it must not block.
+	OnPass func()
 }
 
 // HolderSnapshot is one pass of a HolderTracker; immutable once published.
@@ -96,6 +104,15 @@ type HolderUse struct {
 	Attributed bool `json:"attributed"`
 	Processes  int  `json:"processes"`
 	MPS        bool `json:"mps,omitempty"`
+	// MPSThreadLimit is the holder's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE on
+	// a device shared by MPS (its replica's, or its claim's share); 0
+	// elsewhere.
+	MPSThreadLimit int `json:"mpsActiveThreadPercent,omitempty"`
+	// MPSLimitUsed is SM as a % of MPSThreadLimit, with UtilKnown. Not
+	// capped: NVML's SM % is the part of the time the holder's kernels
+	// ran, the limit a part of the SMs they may take at once, so a client
+	// that runs all the time reads over 100 (25% limit, 60% SM: 240).
+	MPSLimitUsed float64 `json:"mpsLimitUsedPercent,omitempty"`
 	// FBBytes is the framebuffer the holder's processes hold.
 	FBBytes uint64 `json:"fbBytes"`
 	// UtilKnown says whether SM is known: from NVML's per-process samples
@@ -302,6 +319,7 @@ func (t *HolderTracker) Pass() {
 		idleAfter = t.opts.IdleAfter()
 	}
 
+	limits := mpsThreadLimits(t.catalog())
 	seen := map[holderKey]bool{}
 	var uses []HolderUse
 	for _, d := range t.devices() {
@@ -315,6 +333,13 @@ func (t *HolderTracker) Pass() {
 			u := t.use(d, h, hs, procs, perProcess && attributed, sampleErr == nil, now)
 			u.Attributed = attributed
 			k := holderKey{d.uuid, h}
+			u.MPSThreadLimit = limits[d.uuid]
+			if h.claim != (podresources.DRAHold{}) {
+				u.MPSThreadLimit = holders.mpsLimits[k]
+			}
+			if u.MPSThreadLimit > 0 && u.UtilKnown {
+				u.MPSLimitUsed = u.SM * 100 / float64(u.MPSThreadLimit)
+			}
 			seen[k] = true
 			st := t.state[k]
 			if st == nil {
@@ -362,9 +387,40 @@ func (t *HolderTracker) Pass() {
 		return cmp.Or(cmp.Compare(a.GPU, b.GPU), cmp.Compare(a.GI, b.GI), cmp.Compare(a.Device, b.Device), a.series.compare(b.series))
 	})
 	t.snap.Store(&HolderSnapshot{Time: now, Holders: uses})
+	if t.opts.OnPass != nil {
+		t.opts.OnPass()
+	}
 	if t.dirty || now.Sub(t.lastSave) >= holderSaveEvery {
 		t.save(now)
 	}
+}
+
+func (t *HolderTracker) catalog() *catalog.Catalog {
+	if t.opts.Catalog == nil {
+		return nil
+	}
+	return t.opts.Catalog.Catalog()
+}
+
+// mpsThreadLimits maps each device the catalog shares by MPS to its
+// replicas' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (one daemon per device, so
+// one limit for all of them).
+func mpsThreadLimits(cat *catalog.Catalog) map[string]int {
+	out := map[string]int{}
+	if cat == nil {
+		return out
+	}
+	for _, r := range cat.Resources {
+		for _, d := range r.Devices {
+			if !d.Replica {
+				continue
+			}
+			if pct, err := strconv.Atoi(d.Spec.Env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]); err == nil && pct > 0 {
+				out[d.Spec.VisibleID] = pct
+			}
+		}
+	}
+	return out
 }
 
 func (t *HolderTracker) attribution() *podresources.Attribution {

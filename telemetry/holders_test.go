@@ -3,17 +3,22 @@ package telemetry
 import (
 	"fmt"
 	"math"
+	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
+	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/podresources"
@@ -61,6 +66,7 @@ type holderRig struct {
 	tr   *HolderTracker
 	s    *Sampler
 	col  *Collector
+	exp  *Exposition
 }
 
 func newHolderRig(t *testing.T, profile string, opts HolderOptions) *holderRig {
@@ -79,10 +85,19 @@ func newHolderRig(t *testing.T, profile string, opts HolderOptions) *holderRig {
 	return r
 }
 
-// scrape samples the devices and scrapes the collector.
+// scrape samples the devices and scrapes the collector as the agent's
+// /metrics serves it, through an Exposition.
 func (r *holderRig) scrape() string {
+	r.t.Helper()
 	r.s.Sample()
-	return scrape(r.t, r.col, nil)
+	if r.exp == nil {
+		r.exp = NewExposition(r.col)
+	}
+	rec := serve(r.t, MetricsHandler(prometheus.NewRegistry(), r.exp), "/metrics", nil)
+	if rec.Code != http.StatusOK {
+		r.t.Fatalf("scrape: %d %s", rec.Code, rec.Body)
+	}
+	return rec.Body.String()
 }
 
 func (r *holderRig) PodIndex() *usage.PodIndex { return usage.NewPodIndex(r.pods) }
@@ -447,5 +462,94 @@ func TestHolderIdleNotice(t *testing.T) {
 	r.passes(60, 10*time.Second)
 	if len(got) != 2 {
 		t.Fatalf("notice while off: %+v", got[2:])
+	}
+}
+
+// mpsCatalog shares each of uuids by MPS as replicas replicas, with the
+// active-thread percentage the catalog's replicas give their clients (0:
+// time-sliced, no MPS environment).
+func mpsCatalog(pct, replicas int, uuids ...string) *catalog.Catalog {
+	res := &catalog.Resource{Name: "nvidia.com/gpu.shared"}
+	for _, u := range uuids {
+		for i := range replicas {
+			d := catalog.Device{ID: fmt.Sprintf("%s::%d", u, i), Replica: true, Spec: catalog.AllocateSpec{VisibleID: u}}
+			if pct > 0 {
+				d.Spec.Env = map[string]string{"CUDA_MPS_PIPE_DIRECTORY": "/mps/" + u + "/pipe", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": strconv.Itoa(pct)}
+			}
+			res.Devices = append(res.Devices, d)
+		}
+	}
+	return &catalog.Catalog{Resources: map[string]*catalog.Resource{res.Name: res}}
+}
+
+// TestHolderMPSLimit: an MPS client's active-thread limit comes from its
+// replica (device plugin) or its claim (DRA), and its use of it is its SM %
+// over the limit, not capped; no limit without MPS, no use without a known
+// SM %. The series go with the holder.
+func TestHolderMPSLimit(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		pct       int // the catalog's replicas' limit; 0: time-sliced
+		claimPct  int // the claim's limit, through DRA; -1: no claim
+		sm        uint32
+		wantLimit int
+		wantUsed  float64
+	}{
+		{name: "replica of 2", pct: 50, claimPct: -1, sm: 30, wantLimit: 50, wantUsed: 60},
+		{name: "over its limit", pct: 25, claimPct: -1, sm: 60, wantLimit: 25, wantUsed: 240},
+		{name: "idle", pct: 25, claimPct: -1, sm: 0, wantLimit: 25, wantUsed: 0},
+		{name: "time-sliced", pct: 0, claimPct: -1, sm: 30},
+		{name: "claim's share", pct: 50, claimPct: 20, sm: 10, wantLimit: 20, wantUsed: 50},
+		{name: "claim without MPS", pct: 0, claimPct: 0, sm: 10},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dra := fixedDRA{}
+			r := newHolderRig(t, "dgx-h100", HolderOptions{DRA: dra})
+			g := r.inv.GPUs[1].UUID
+			r.tr.opts.Catalog = fixedCatalog{mpsCatalog(tc.pct, 2, g)}
+			a, b := newWorkload(1, "ml", "a"), newWorkload(2, "ml", "b")
+			r.pods = []*corev1.Pod{a.pod(), b.pod()}
+			holdA := pod("ml", "a", "main", "nvidia.com/gpu.shared", g+"::0")
+			if tc.claimPct >= 0 {
+				dra["ml/share-a/gpu-1"] = DRADevice{UUID: g, MPSActiveThreads: tc.claimPct}
+				holdA = draPod("ml", "a", "main", "share-a", "gpu-1")
+			}
+			r.attr.a = podresources.NewAttribution([]*podresourcesv1.PodResources{holdA, pod("ml", "b", "main", "nvidia.com/gpu.shared", g+"::1")}, nil)
+			must(t, r.n.StartProcess(1, sim.Process{PID: 20, GI: sim.NoInstance, CI: sim.NoInstance, MPS: tc.pct > 0, SM: tc.sm, MemoryBytes: 1 << 30, Cgroup: a.cgroup()}))
+			must(t, r.n.StartProcess(1, sim.Process{PID: 21, GI: sim.NoInstance, CI: sim.NoInstance, MPS: tc.pct > 0, SM: 5, MemoryBytes: 1 << 30, Cgroup: b.cgroup()}))
+			r.passes(2, 10*time.Second)
+			u := r.use(g, "a")
+			if u.MPSThreadLimit != tc.wantLimit || math.Abs(u.MPSLimitUsed-tc.wantUsed) > 1e-9 {
+				t.Errorf("limit %d%%, used %v%%; want %d%%, %v%%", u.MPSThreadLimit, u.MPSLimitUsed, tc.wantLimit, tc.wantUsed)
+			}
+			text := r.scrape()
+			limit := holderSeries(text, "gpu_agent_holder_mps_active_thread_limit_percent", `pod="a"`)
+			used := holderSeries(text, "gpu_agent_holder_mps_limit_used_percent", `pod="a"`)
+			if tc.wantLimit == 0 {
+				if len(limit)+len(used) != 0 {
+					t.Errorf("MPS series without MPS: %v %v", limit, used)
+				}
+				return
+			}
+			if want := []string{strconv.Itoa(tc.wantLimit)}; !slices.Equal(limit, want) {
+				t.Errorf("limit series %v, want %v", limit, want)
+			}
+			if want := []string{strconv.FormatFloat(tc.wantUsed, 'g', -1, 64)}; !slices.Equal(used, want) {
+				t.Errorf("used series %v, want %v", used, want)
+			}
+
+			// a ends: its series go at the next pass.
+			r.attr.a = podresources.NewAttribution([]*podresourcesv1.PodResources{pod("ml", "b", "main", "nvidia.com/gpu.shared", g+"::1")}, nil)
+			r.passes(1, 10*time.Second)
+			text = r.scrape()
+			for _, m := range []string{"gpu_agent_holder_mps_active_thread_limit_percent", "gpu_agent_holder_mps_limit_used_percent"} {
+				if got := holderSeries(text, m, `pod="a"`); len(got) != 0 {
+					t.Errorf("%s of an ended holder: %v", m, got)
+				}
+				if got := holderSeries(text, m, `pod="b"`); tc.pct > 0 && len(got) != 1 {
+					t.Errorf("%s of b: %v", m, got)
+				}
+			}
+		})
 	}
 }

@@ -127,6 +127,9 @@ type SamplerOptions struct {
 	// GPU or GPU instance (default time.Sleep); tests pass one that moves
 	// their clock.
 	Sleep func(time.Duration)
+	// OnPass is called after each pass is published (an Exposition's
+	// Kick); it must not block.
+	OnPass func()
 }
 
 // gpmFirstGap is how long a pass waits between the first two GPM samples of
@@ -347,6 +350,9 @@ func (s *Sampler) Sample() {
 	s.sampleGPM(snap, runs)
 	s.forget()
 	s.snap.Store(snap)
+	if s.opts.OnPass != nil {
+		s.opts.OnPass()
+	}
 }
 
 // release frees what the sampler holds in NVML (GPM samples).

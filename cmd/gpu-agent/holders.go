@@ -14,14 +14,21 @@ import (
 	procusage "github.com/gpu-agent/gpu-agent/usage"
 )
 
+// holdersAgent is what the holder tracker reads from the agent: the
+// devices of DRA claims and the catalog's MPS limits.
+type holdersAgent interface {
+	telemetry.DRASource
+	telemetry.CatalogSource
+}
+
 // holderTracker builds the per-holder usage tracker: processes from NVML
 // (real or simulated), their pods from the host's /proc (--host-proc) or,
 // for a simulated node's made-up PIDs, from the cgroup the sim keeps for
 // them, named by the node's Pods through the API. Without the API (or
 // without --host-proc on a real node) holders still get their idle time
 // where no process runs and the device's own figures where they hold it
-// alone, but processes are not attributed. dra is the agent (DRA claims).
-func (w *wiring) holderTracker(dra telemetry.DRASource, idleAfter *atomic.Int64) *telemetry.HolderTracker {
+// alone, but processes are not attributed.
+func (w *wiring) holderTracker(ag holdersAgent, idleAfter *atomic.Int64) *telemetry.HolderTracker {
 	f, be := w.f, w.be
 	var owners telemetry.OwnerResolver
 	var host *procusage.Resolver
@@ -33,13 +40,16 @@ func (w *wiring) holderTracker(dra telemetry.DRASource, idleAfter *atomic.Int64)
 		owners = procusage.SimResolver{Src: be.Sim, Next: host}
 	}
 	opts := telemetry.HolderOptions{
+		Interval:    f.sampleInterval,
 		Owners:      owners,
 		Attribution: w.podres,
-		DRA:         dra,
+		DRA:         ag,
+		Catalog:     ag,
 		Samples:     w.sampler,
 		StatePath:   filepath.Join(f.stateDir, telemetry.HolderStateFile),
 		Logger:      w.log.With("component", "holders"),
 		IdleAfter:   func() time.Duration { return time.Duration(idleAfter.Load()) },
+		OnPass:      w.metricsChanged,
 	}
 	if w.pods != nil {
 		opts.Pods = w.pods

@@ -35,11 +35,16 @@ type sampled interface{ Snapshot() *telemetry.Snapshot }
 
 // newHTTPHandler serves /metrics, /healthz, /readyz, /status and, on a
 // simulated node only, the /sim/ fault injection endpoints. draSlices is
-// the DRA driver's publishing state (nil without DRA).
-func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples sampled, draSlices func() dra.Slices, reg *prometheus.Registry, be *backend) http.Handler {
+// the DRA driver's publishing state (nil without DRA). /metrics serves
+// reg's series and gpuMetrics' (nil: reg's alone).
+func newHTTPHandler(ag statusSource, mgr registrations, hw eventWatch, samples sampled, draSlices func() dra.Slices, reg *prometheus.Registry, gpuMetrics *telemetry.Exposition, be *backend) http.Handler {
 	mux := http.NewServeMux()
 	build := buildInfo()
-	mux.Handle("GET /metrics", fewAtATime(runtime.GOMAXPROCS(0), promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg})))
+	metrics := promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg})
+	if gpuMetrics != nil {
+		metrics = telemetry.MetricsHandler(reg, gpuMetrics)
+	}
+	mux.Handle("GET /metrics", fewAtATime(runtime.GOMAXPROCS(0), metrics))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		if !ag.Alive() {
 			http.Error(w, "reconcile loop has not completed a pass recently", http.StatusServiceUnavailable)

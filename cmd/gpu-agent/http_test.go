@@ -50,7 +50,7 @@ func TestReadyzStateNotSaved(t *testing.T) {
 			http.StatusServiceUnavailable, "state not saved in /var/lib/gpu-agent: checkpoint: write /var/lib/gpu-agent/checkpoint.json: no space left on device"},
 	} {
 		st := &agent.Status{LastPass: time.Now(), GPUs: gpu.Show([]gpu.GPU{{UUID: "GPU-0"}}), State: tc.state}
-		h := newHTTPHandler(fixedStatus{st}, allRegistered{}, noEvents{}, sampledGPU{}, nil, prometheus.NewRegistry(), &backend{Name: "sim:x"})
+		h := newHTTPHandler(fixedStatus{st}, allRegistered{}, noEvents{}, sampledGPU{}, nil, prometheus.NewRegistry(), nil, &backend{Name: "sim:x"})
 		rec := httptest.NewRecorder()
 		h.ServeHTTP(rec, httptest.NewRequest("GET", "/readyz", nil))
 		body, _ := io.ReadAll(rec.Body)

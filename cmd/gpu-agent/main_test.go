@@ -58,6 +58,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"inventory", "--backend", "sim:dgx-a100,turbo"}, 2, `unknown sim option "turbo"`},
 		{[]string{"inventory", "--backend", "sim:dgx-a100", "-o", "yaml"}, 2, `-o "yaml"`},
 		{[]string{"run", "--backend", "sim:dgx-h100", "--dra", "--cdi-spec-dir="}, 2, "--dra needs --cdi-spec-dir"},
+		{[]string{"run", "--backend", "sim:dgx-h100", "--sample-interval", "100ms"}, 2, "--sample-interval 100ms: at least 1s"},
 		{[]string{"config", "validate"}, 2, "FILE"},
 		{[]string{"config", "validate", "/nonexistent.yaml"}, 1, "nonexistent"},
 	}

@@ -50,7 +50,7 @@ type runFlags struct {
 	draPluginDir, kubeletRegistryDir                   string
 	cdiSpecDir, devRoot, migMinors                     string
 	hostProc                                           string
-	resync, forgetGone                                 time.Duration
+	resync, forgetGone, sampleInterval                 time.Duration
 	mpsHost, dra                                       bool
 	// mpsBinarySet: --mps-binary or its variable was given, so even a
 	// simulated node runs that program rather than the stand-in.
@@ -105,6 +105,12 @@ func runFlagSet(f *runFlags, stderr io.Writer) (*flag.FlagSet, error) {
 	}
 	fs.DurationVar(&f.forgetGone, "forget-gone-gpus-after", forgetGone,
 		"a GPU NVML no longer enumerates (swapped out) is offered unhealthy this long, then forgotten, once nothing holds it; 0: never [GPU_AGENT_FORGET_GONE_GPUS_AFTER]")
+	sampleInterval, err := time.ParseDuration(envDefault("GPU_AGENT_SAMPLE_INTERVAL", "10s"))
+	if err != nil {
+		return nil, usageError{fmt.Sprintf("GPU_AGENT_SAMPLE_INTERVAL: %v", err)}
+	}
+	fs.DurationVar(&f.sampleInterval, "sample-interval", sampleInterval,
+		"read the GPUs' metrics and their processes' use this often: what /metrics, /holders and idle times lag by at most (at least 1s) [GPU_AGENT_SAMPLE_INTERVAL]")
 	if err := registerMPSHostFlag(fs, &f.mpsHost); err != nil {
 		return nil, err
 	}
@@ -156,6 +162,11 @@ func parseRun(args []string, stderr io.Writer) (runFlags, []string, error) {
 	}
 	if err := (config.ParseOptions{MIGStrategy: config.MIGStrategy(f.migStrategy)}).Check(); err != nil {
 		return f, nil, usageError{"--mig-strategy: " + err.Error()}
+	}
+	if f.sampleInterval < time.Second {
+		// Each pass walks every GPU's and MIG device's NVML queries and
+		// processes; faster than that costs NVML more than it tells.
+		return f, nil, usageError{fmt.Sprintf("--sample-interval %s: at least 1s", f.sampleInterval)}
 	}
 	if f.dra && f.cdiSpecDir == "" {
 		// Its answers are CDI names: without the spec the runtime fails
@@ -276,8 +287,11 @@ type wiring struct {
 	sampler *telemetry.Sampler
 	podres  *podresources.Client
 	holders *telemetry.HolderTracker
-	mps     mpsControl
-	mgr     *plugin.Manager
+	// gpuMetrics is the Collector's series, rendered once per pass; set
+	// before any goroutine runs.
+	gpuMetrics *telemetry.Exposition
+	mps        mpsControl
+	mgr        *plugin.Manager
 
 	cfgWatcher *config.Watcher // nil without --config
 	// The Kubernetes API's parts: all nil and empty when standalone.
@@ -343,7 +357,7 @@ func (w *wiring) observers(restored *agent.Checkpoint) {
 		BootID:   w.be.BootID,
 		OnChange: func(s *health.State) { inbox.Post(agent.HealthChanged{State: s}) },
 	})
-	w.sampler = telemetry.NewSampler(w.be.Lib, telemetry.SamplerOptions{Logger: log.With("component", "metrics")})
+	w.sampler = telemetry.NewSampler(w.be.Lib, telemetry.SamplerOptions{Interval: w.f.sampleInterval, Logger: log.With("component", "metrics"), OnPass: w.metricsChanged})
 	w.podres = podresources.NewClient(podresources.Options{
 		Socket: w.f.podResources, Logger: log.With("component", "pod-resources"),
 		OnChange: func(a *podresources.Attribution) {
@@ -405,6 +419,10 @@ func (w *wiring) configSources() error {
 		// The node's Pods name the pod UIDs and container IDs the cgroups
 		// of GPU processes give (telemetry.HolderTracker).
 		w.pods = kube.NewPodWatcher(w.client, f.nodeName, log.With("component", "kube"))
+		// A device-plugin pod's end shows in pod-resources, which is
+		// listed again then rather than at its next MaxAge: its holder's
+		// series go within a pass of the pod leaving.
+		w.pods.OnPodEnded(w.podres.Invalidate)
 		w.kubeRuns = append(w.kubeRuns, pub.Run, nodes.Run, w.pods.Run)
 		pub.Track(nodes, w.pods)
 		if f.configMap != "" {
@@ -533,11 +551,21 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSp
 	})
 	holders = w.holderTracker(ag, &idleAfter)
 	w.holders = holders
-	w.reg.MustRegister(telemetry.NewCollector(telemetry.CollectorOptions{
+	// The GPU series are rendered once per pass, off the scrape path, and
+	// served beside the registry's (telemetry.Exposition).
+	w.gpuMetrics = telemetry.NewExposition(telemetry.NewCollector(telemetry.CollectorOptions{
 		Samples: w.sampler, Health: w.watcher, Attribution: w.podres, Catalog: ag, DRA: ag, Hostname: f.nodeName,
 		Holders: holders,
 	}))
 	return ag
+}
+
+// metricsChanged tells the GPU series' rendering that a pass published new
+// figures (the sampler's, the holder tracker's).
+func (w *wiring) metricsChanged() {
+	if w.gpuMetrics != nil {
+		w.gpuMetrics.Kick()
+	}
 }
 
 // inventoryObservers are told each inventory the loop reads.
@@ -557,7 +585,7 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 	if w.dra != nil {
 		draSlices = w.dra.Slices
 	}
-	handler := withComputeDomains(withHolders(newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.be), w.holders), w.cd)
+	handler := withComputeDomains(withHolders(newHTTPHandler(ag, w.mgr, w.watcher, w.sampler, draSlices, w.reg, w.gpuMetrics, w.be), w.holders), w.cd)
 	srv, ln, err := newHTTPServer(f.listen, handler, defaultHTTPServerConfig(), log.With("component", "http"))
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
@@ -575,6 +603,7 @@ func (w *wiring) serve(ctx context.Context, ag *agent.Agent) error {
 	goRun("health watcher", func() error { return w.watcher.Run(ctx) })
 	goRun("metrics sampler", func() error { return w.sampler.Run(ctx) })
 	goRun("holders", func() error { return w.holders.Run(ctx) })
+	goRun("GPU metrics rendering", func() error { return w.gpuMetrics.Run(ctx) })
 	goRun("pod-resources", func() error { return w.podres.Run(ctx) })
 	goRun("mps supervisor", func() error { return w.mps.Run(ctx) })
 	goRun("mps events", func() error {

@@ -81,7 +81,7 @@ func TestBuildInfoServed(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(newBuildInfoMetric(b))
 	st := &agent.Status{LastPass: time.Now(), GPUs: gpu.Show([]gpu.GPU{{UUID: "GPU-0"}})}
-	h := newHTTPHandler(fixedStatus{st}, allRegistered{}, noEvents{}, sampledGPU{}, nil, reg, &backend{Name: "sim:x"})
+	h := newHTTPHandler(fixedStatus{st}, allRegistered{}, noEvents{}, sampledGPU{}, nil, reg, nil, &backend{Name: "sim:x"})
 
 	rec := httptest.NewRecorder()
 	h.ServeHTTP(rec, httptest.NewRequest("GET", "/status", nil))

@@ -13,27 +13,15 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
 
+// inventory is a simulated node's inventory.
 func inventory(t *testing.T, profile string, opts ...sim.Option) *gpu.Inventory {
 	t.Helper()
-	_, inv := simInventory(t, profile, opts...)
+	_, inv := simtest.NodeInventory(t, profile, opts...)
 	return inv
-}
-
-func simInventory(t *testing.T, profile string, opts ...sim.Option) (*sim.Node, *gpu.Inventory) {
-	t.Helper()
-	n, err := sim.New(profile, opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n.Init()
-	inv, err := gpu.New(n, gpu.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return n, inv
 }
 
 func TestDevicesFromInventory(t *testing.T) {
@@ -179,8 +167,14 @@ func TestResourcesCordoned(t *testing.T) {
 	}
 
 	pool := &Pool{Devices: []Device{{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-0"}, {Name: "gpu-1", Type: TypeGPU, UUID: "GPU-1", Index: 1, Cordoned: "cordoned"}}}
-	if got := summarize(Resources("node-a", pool, 1, Dropped{Taints: true})); !got.has("gpu-0") || got.has("gpu-1") {
-		t.Errorf("without taints the API server is given %v, want gpu-0 only", got.devices)
+	var got []string
+	for _, s := range Resources("node-a", pool, 1, Dropped{Taints: true}).Pools["node-a"].Slices {
+		for _, d := range s.Devices {
+			got = append(got, d.Name)
+		}
+	}
+	if !slices.Equal(got, []string{"gpu-0"}) {
+		t.Errorf("without taints the API server is given %v, want gpu-0 only", got)
 	}
 }
 
@@ -293,7 +287,7 @@ func TestSemver(t *testing.T) {
 // of their own, at most 8 each; counting devices at most 64 per slice; every
 // device's consumption names its own GPU's set.
 func TestResourcesPartitionable(t *testing.T) {
-	n, inv := simInventory(t, "dgx-h100")
+	n, inv := simtest.NodeInventory(t, "dgx-h100")
 	dev, ret := n.DeviceGetHandleByIndex(0)
 	if ret != nvml.SUCCESS {
 		t.Fatal(ret)
@@ -395,7 +389,7 @@ func TestPartitionName(t *testing.T) {
 func TestPartitionNamesOfEveryModel(t *testing.T) {
 	models := map[string]bool{}
 	for _, node := range sim.Profiles() {
-		n, inv := simInventory(t, node.Name)
+		n, inv := simtest.NodeInventory(t, node.Name)
 		for _, g := range inv.GPUs {
 			dev, ret := n.DeviceGetHandleByIndex(g.Index)
 			if ret != nvml.SUCCESS {

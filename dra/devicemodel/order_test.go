@@ -5,24 +5,8 @@ import (
 	"testing"
 
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
-	"github.com/gpu-agent/gpu-agent/gpu"
-	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 )
-
-func simInventory(tb testing.TB, profile string) *gpu.Inventory {
-	tb.Helper()
-	n, err := sim.New(profile)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	n.Init()
-	tb.Cleanup(func() { n.Shutdown() })
-	inv, err := gpu.New(n, gpu.Options{})
-	if err != nil {
-		tb.Fatal(err)
-	}
-	return inv
-}
 
 // TestPublishOrder checks that every prefix a plain count claim would take
 // on a free node is a well-connected set.
@@ -49,7 +33,7 @@ func TestPublishOrder(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.profile, func(t *testing.T) {
-			inv := simInventory(t, tt.profile)
+			_, inv := simtest.NodeInventory(t, tt.profile)
 			order := devicemodel.PublishOrder(inv)
 			if got := slices.Sorted(slices.Values(order)); len(got) != len(inv.GPUs) || got[0] != 0 || got[len(got)-1] != len(inv.GPUs)-1 {
 				t.Fatalf("order %v is not a permutation of the GPUs", order)
@@ -65,7 +49,7 @@ func TestPublishOrder(t *testing.T) {
 }
 
 func BenchmarkPublishOrder(b *testing.B) {
-	inv := simInventory(b, "two-islands-16")
+	_, inv := simtest.NodeInventory(b, "two-islands-16")
 	for b.Loop() {
 		devicemodel.PublishOrder(inv)
 	}

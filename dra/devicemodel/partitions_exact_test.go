@@ -12,6 +12,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/mig"
 )
 
@@ -26,7 +27,7 @@ func TestPartitionCountersExactAgainstNVML(t *testing.T) {
 	seen := map[string]bool{}
 	rounds := 0 // rounds with a choice to check: more than the empty set
 	for _, p := range sim.Profiles() {
-		n, inv := simInventory(t, p.Name, sim.WithMIGEnabled())
+		n, inv := simtest.NodeInventory(t, p.Name, sim.WithMIGEnabled())
 		if len(inv.GPUs) == 0 || !inv.GPUs[0].MIGCapable || seen[inv.GPUs[0].Name] {
 			continue
 		}

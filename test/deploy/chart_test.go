@@ -288,7 +288,7 @@ paths:
 dra: {enabled: true}
 mps: {enabled: true, binary: /marker/mps-control, shmDir: /marker/shm, host: {interval: 7s}}
 driver: {nvmlLib: /marker/libnvidia-ml.so.1, nvidiaSMI: /marker/nvidia-smi}
-metrics: {port: 9555}
+metrics: {port: 9555, sampleInterval: 3s}
 cdi: {specDir: /marker/cdi, nvidiaDevRoot: /marker/driver, migMinors: /marker/mig-minors}
 `
 	want := map[string]string{
@@ -307,6 +307,7 @@ cdi: {specDir: /marker/cdi, nvidiaDevRoot: /marker/driver, migMinors: /marker/mi
 		"mps-host":               "true",
 		"nvml-lib":               "/marker/libnvidia-ml.so.1",
 		"listen":                 ":9555",
+		"sample-interval":        "3s",
 		"default-config":         "a100-ts4",
 		"mig-strategy":           "single",
 		"dra":                    "true",

@@ -23,9 +23,9 @@ import (
 // through the host's /proc (--host-proc, the chart's hostPath mount) and the real containerd cgroup, and names
 // it through the node's Pods.
 
-// holderPass is the tracker's pass interval: a holder's series change at most this long after what they
-// report does.
-const holderPass = 10 * time.Second
+// holderPass is the tracker's pass interval (the e2e node's --sample-interval): a holder's series change at
+// most this long after what they report does.
+const holderPass = harness.SampleInterval
 
 // holderUse is the part of GET /holders the scenarios read.
 type holderUse struct {
@@ -235,12 +235,14 @@ func holderTimeSliced(t *testing.T, containerd2 string) {
 		return v
 	}
 	var first float64
-	eventually(t, "holder-a idle for 3 passes", func() bool {
+	eventually(t, "holder-a idle for 5 passes", func() bool {
 		first = idle("holder-a")
-		return first >= 3*holderPass.Seconds()
+		return first >= 5*holderPass.Seconds()
 	})
 	for _, l := range loads[1:] {
-		if v := idle(l.pod); v >= 2*holderPass.Seconds() {
+		// A busy holder's idle time is at most the time since the last pass, which two busy cores can
+		// delay by a pass or two.
+		if v := idle(l.pod); v >= 3*holderPass.Seconds() {
 			t.Errorf("%s, still busy, shows idle %gs while holder-a shows %gs", l.pod, v, first)
 		}
 	}

@@ -44,7 +44,8 @@ fi
 # k8s.io/kubernetes version pinned in go.mod, etcd from the etcd server module that version requires (the
 # module's root package is etcd's main). Building them takes minutes and a few GB of build cache, so each
 # binary is kept per version; the missing ones are built in one `go build` per module, which compiles the
-# packages they share once and keeps both cores busy.
+# packages they share once and keeps both cores busy. -s -w: no symbol table or DWARF, which make up much of
+# linking five large binaries; panics still print their stacks.
 # E2E_K8S=1.34 (make e2e-k8s134) takes the kubelet and the control plane from the module in k8s134/ instead,
 # for the tests that make sense on the Kubernetes users run today (pass them with -run); etcd stays the
 # suite's, a newer patch of the same etcd minor, which the older API server speaks to alike.
@@ -102,7 +103,7 @@ for mod in "$k8s_mod" "$here"; do
 	step "building ${pkgs[*]##*/cmd/} in ${mod#"$repo"/} (k8s.io/kubernetes $version, etcd $etcd_version; cold, all five: about 25 minutes on 2 cores)"
 	out="$(mktemp -d "$E2E_CACHE/build.XXXXXX")"
 	(cd "$mod" && CGO_ENABLED=0 nice -n 10 go build \
-		-ldflags "-X k8s.io/component-base/version.gitVersion=$version" \
+		-ldflags "-s -w -X k8s.io/component-base/version.gitVersion=$version" \
 		-o "$out/" "${pkgs[@]}") || { rm -rf "$out"; die "build of ${pkgs[*]} failed"; }
 	for b in "${builds[@]}"; do
 		read -r bin _ name dir _ <<<"$b"
@@ -130,7 +131,7 @@ if [ ! -x "$ctrd_dir/containerd" ] || [ ! -x "$ctrd_dir/containerd-shim-runc-v2"
 	step "building containerd $ctrd_version"
 	out="$(mktemp -d "$E2E_CACHE/build.XXXXXX")"
 	(cd "$here/containerd2" && CGO_ENABLED=0 nice -n 10 go build -tags "no_btrfs no_devmapper no_zfs" \
-		-ldflags "-X github.com/containerd/containerd/v2/version.Version=${ctrd_version#v}" -o "$out/" \
+		-ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=${ctrd_version#v}" -o "$out/" \
 		github.com/containerd/containerd/v2/cmd/containerd \
 		github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
 		github.com/containerd/containerd/v2/cmd/ctr) || { rm -rf "$out"; die "build of containerd $ctrd_version failed"; }
@@ -154,4 +155,8 @@ if [ -n "${E2E_K8S:-}" ]; then tags="e2e,k8s${E2E_K8S//./}"; fi
 export E2E_K8S="${E2E_K8S:-}" E2E_K8S_VERSION="$version"
 step "running the suite (Kubernetes $version)"
 cd "$here"
-exec go test -tags "$tags" -count=1 -v -timeout 20m ./... "$@"
+# Without cgo, as the Kubernetes binaries above are built (and as make lint vets this module): the suite's
+# compile is then the packages those builds already compiled, not a second compile of half of Kubernetes
+# with cgo (about 10 minutes of a cold run on 2 cores). Nothing here needs cgo; gpu-agent, which does, is
+# built above in its own module.
+CGO_ENABLED=0 exec go test -tags "$tags" -count=1 -v -timeout 20m ./... "$@"

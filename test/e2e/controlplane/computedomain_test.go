@@ -28,6 +28,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/retry"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 	"k8s.io/utils/ptr"
 
@@ -74,22 +75,89 @@ func (n *simNode) pluginDir() string { return filepath.Join(n.dir, "plugins") }
 func (n *simNode) draSocket() string { return filepath.Join(n.pluginDir(), cdDriver, "dra.sock") }
 
 // TestComputeDomainControlPlane runs the compute-domain pieces as processes against a real control plane (etcd,
-// kube-apiserver, kube-scheduler, kube-controller-manager) with no kubelet: three fake Ready Nodes, two in
-// NVLink clique 1 and one in clique 2, each served by a real `gpu-agent run --dra` on a simulated GB200 tray,
-// and `gpu-agent controller`. A ComputeDomain of two nodes gets two pods pinned to the clique-1 nodes; the
-// real scheduler allocates their channel claims and waits on the binding condition, the controller lists the
-// nodes in status.nodes, the agents start their IMEX stand-ins and report Ready, and the pods bind. The test
-// then plays the kubelet: Prepare over each agent's DRA socket (the CDI spec names the domain's channel under
-// the sim root), Unprepare, and deletion of the pods and the domain (the finalizer, templates, daemons).
+// kube-apiserver, kube-scheduler, kube-controller-manager) with no kubelet: fake Ready Nodes, three in NVLink
+// clique 1 and one in clique 2, each served by a real `gpu-agent run --dra` on a simulated GB200 tray, and
+// `gpu-agent controller`. A ComputeDomain of two nodes gets two pods pinned to two clique-1 nodes; the real
+// scheduler allocates their channel claims and waits on the binding condition, the controller lists the nodes
+// in status.nodes, the agents start their IMEX stand-ins and report Ready, and the pods bind. The test then
+// plays the kubelet: Prepare over each agent's DRA socket (the CDI spec names the domain's channel under the
+// sim root). One node then fails (nodeFailure); last come Unprepare and the deletion of the pods and the
+// domain, after which nothing of the domain is left (the finalizer, templates, claims, daemons, CDI specs).
 //
 // The agents and the controller use the admin kubeconfig: their RBAC and the status admission policy are
 // tested in test/deploy, not here. What no kubelet means: nothing runs the pods, so no container sees its
 // channel, and the pods are force-deleted (the kubelet would confirm their deletion).
 func TestComputeDomainControlPlane(t *testing.T) {
+	runComputeDomain(t, domainCase{size: 2})
+}
+
+// rackEnv turns on TestComputeDomainRack: a full NVL72 rack is 20 agents on the machine, too much for every
+// `make test` on two cores (see docs/compute-domains.md for its duration).
+const rackEnv = "E2E_COMPUTE_DOMAIN_RACK"
+
+// TestComputeDomainRack is TestComputeDomainControlPlane at the size of an NVL72 rack: a domain of 18 trays of
+// one clique (72 GPUs), 18 pods each with its channel claim, every node's daemon READY and the same channel
+// from every Prepare; one tray fails, and after the domain is deleted nothing is left on any node. The failed
+// Node's pod is left to the pod garbage collector, as no one force-deletes it on a real cluster either.
+func TestComputeDomainRack(t *testing.T) {
+	if os.Getenv(rackEnv) == "" {
+		t.Skipf("%s is not set: the 18-node domain runs only when asked (docs/compute-domains.md)", rackEnv)
+	}
+	runComputeDomain(t, domainCase{size: 18, waitPodGC: true})
+}
+
+// domainCase is one shape of the test.
+type domainCase struct {
+	// size is the domain's numNodes, and the number of clique-1 nodes its workload lands on (18 at most: the
+	// nodes of one clique, of which the controller indexes 18).
+	size int
+	// waitPodGC leaves the failed Node's pod to the pod garbage collector once the Node is deleted (40 s of
+	// quarantine and a 20 s period), rather than force-deleting it as an administrator would.
+	waitPodGC bool
+}
+
+// domainRun is one run of a domainCase: the cluster, and what the test learnt of the domain so far.
+type domainRun struct {
+	domainCase
+	t   *testing.T
+	ctx context.Context
+	cp  *harness.ControlPlane
+	cs  kubernetes.Interface
+	// workers are the clique-1 nodes the domain's pods are pinned to, spare another clique-1 node (where a
+	// failed worker's replacement goes), other the clique-2 node; nodes are all of them.
+	workers      []*simNode
+	spare, other *simNode
+	nodes        []*simNode
+	cliques      map[string]string // the clique label, by node
+	// failed is the worker nodeFailure took down (its agent and daemon stay down).
+	failed *simNode
+
+	domainUID string
+	// live are the nodes with a running worker pod, and claims their pods' claims (by node).
+	live   []*simNode
+	claims map[string]*resourceapi.ResourceClaim
+	pids   map[string]int // the domain's IMEX daemon, by node
+	// channel is the host channel every Prepare of the domain gave.
+	channel string
+}
+
+const domainName, templateName = "job-domain", "job-channel"
+
+func runComputeDomain(t *testing.T, c domainCase) {
 	bins := binaries(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
+	r := &domainRun{domainCase: c, t: t, ctx: ctx, claims: map[string]*resourceapi.ResourceClaim{}, pids: map[string]int{}}
+	r.startCluster(bins)
+	r.formDomain()
+	r.nodeFailure()
+	r.deleteDomain()
+}
 
+// startCluster starts the control plane, the nodes with their agents and the controller, and waits until
+// every agent has published its slices and labelled its Node.
+func (r *domainRun) startCluster(bins binaryPaths) {
+	t, ctx := r.t, r.ctx
 	// Short: the sockets under it must stay within the 108 bytes of a unix socket path.
 	dir, err := os.MkdirTemp("", "cdcp-")
 	if err != nil {
@@ -106,7 +174,9 @@ func TestComputeDomainControlPlane(t *testing.T) {
 		APIServer: bins.apiserver, Etcd: bins.etcd, ControllerManager: bins.controllerManager, Scheduler: bins.scheduler,
 		Dir: filepath.Join(dir, "cp"), LogDir: filepath.Join(dir, "logs"),
 		// The resource claim controller makes the pods' claims from the template and deletes them with the
-		// pods. Node lifecycle is off: these Nodes have no kubelet to heartbeat.
+		// pods; the taint eviction controller evicts a failed node's pods, the pod garbage collector removes
+		// the pods of a deleted Node. Node lifecycle is off: these Nodes have no kubelet to heartbeat, and the
+		// test plays its part for the node that fails.
 		ControllerManagerControllers: "*,-node-lifecycle-controller",
 	})
 	if err != nil {
@@ -117,27 +187,28 @@ func TestComputeDomainControlPlane(t *testing.T) {
 			t.Logf("control plane stop: %v", err)
 		}
 	})
-	cs := cp.Client
+	r.cp, r.cs = cp, cp.Client
 	applyComputeDomainAPI(ctx, t, cp)
 	for _, ns := range []string{controllerNS, workNS} {
-		if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+		if _, err := r.cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 			t.Fatalf("namespace %s: %v", ns, err)
 		}
 	}
 
-	nodes := []*simNode{
-		{name: "rack1-tray1", clique: 1, ip: "127.0.1.1"},
-		{name: "rack1-tray2", clique: 1, ip: "127.0.1.2"},
-		{name: "rack2-tray1", clique: 2, ip: "127.0.1.3"},
+	// Trays 1…size+1 of rack 1 (clique 1), at 127.0.1.<tray>; tray 1 of rack 2 (clique 2) at 127.0.2.1.
+	for i := 1; i <= r.size+1; i++ {
+		r.nodes = append(r.nodes, &simNode{name: fmt.Sprintf("rack1-tray%d", i), clique: 1, ip: fmt.Sprintf("127.0.1.%d", i)})
 	}
-	for i, n := range nodes {
+	r.nodes = append(r.nodes, &simNode{name: "rack2-tray1", clique: 2, ip: "127.0.2.1"})
+	r.workers, r.spare, r.other = r.nodes[:r.size], r.nodes[r.size], r.nodes[r.size+1]
+	for i, n := range r.nodes {
 		n.dir = filepath.Join(dir, "n"+strconv.Itoa(i))
-		if err := createNode(ctx, cs, n); err != nil {
+		if err := createNode(ctx, r.cs, n); err != nil {
 			t.Fatal(err)
 		}
 		startAgent(t, bins.agent, cp.AdminKubeconfig(), n)
 	}
-	t.Cleanup(func() { killDaemons(t, nodes) })
+	t.Cleanup(func() { killDaemons(t, r.nodes) })
 	ctrl, err := harness.StartProcess("gpu-agent-controller", filepath.Join(dir, "logs", "controller.log"), nil,
 		bins.agent, "controller", "--kubeconfig", cp.AdminKubeconfig(), "--namespace", controllerNS,
 		"--leader-elect=false", "--listen", "")
@@ -152,43 +223,54 @@ func TestComputeDomainControlPlane(t *testing.T) {
 
 	// Each agent publishes both drivers' slices, the channels with the binding condition, and labels its
 	// Node with its clique.
-	for _, n := range nodes {
-		waitAgentPublished(ctx, t, cs, n)
+	for _, n := range r.nodes {
+		waitAgentPublished(ctx, t, r.cs, n)
 	}
-	cliques := map[string]string{}
-	for _, n := range nodes {
-		node, err := cs.CoreV1().Nodes().Get(ctx, n.name, metav1.GetOptions{})
+	r.cliques = map[string]string{}
+	for _, n := range r.nodes {
+		node, err := r.cs.CoreV1().Nodes().Get(ctx, n.name, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
-		cliques[n.name] = node.Labels[cliqueLabel]
+		r.cliques[n.name] = node.Labels[cliqueLabel]
 	}
-	if cliques[nodes[0].name] != cliques[nodes[1].name] || cliques[nodes[0].name] == cliques[nodes[2].name] {
-		t.Fatalf("clique labels %v: want the first two equal and the third different", cliques)
+	for _, n := range r.nodes {
+		if same := r.cliques[n.name] == r.cliques[r.nodes[0].name]; same != (n.clique == 1) {
+			t.Fatalf("clique labels %v: want the rack1 nodes' equal and rack2's different", r.cliques)
+		}
 	}
 	if err := waitFor(ctx, "the default ServiceAccount of "+workNS, func() (bool, error) {
-		_, err := cs.CoreV1().ServiceAccounts(workNS).Get(ctx, "default", metav1.GetOptions{})
+		_, err := r.cs.CoreV1().ServiceAccounts(workNS).Get(ctx, "default", metav1.GetOptions{})
 		return err == nil, ignoreNotFound(err)
 	}); err != nil {
 		t.Fatal(err)
 	}
+}
 
+// domain reads the ComputeDomain.
+func (r *domainRun) domain() (*unstructured.Unstructured, error) {
+	return r.cp.Dynamic.Resource(cdGVR).Namespace(workNS).Get(r.ctx, domainName, metav1.GetOptions{})
+}
+
+// formDomain creates the domain and a pod per worker, waits until every entry is Ready and every pod bound,
+// checks what the domain, the claims and the nodes say, and prepares each claim as the kubelet would.
+func (r *domainRun) formDomain() {
+	t, ctx, cs := r.t, r.ctx, r.cs
 	// The domain, as a user writes it.
-	const domainName, templateName = "job-domain", "job-channel"
 	domain := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain",
 		"metadata": map[string]any{"name": domainName, "namespace": workNS},
 		"spec": map[string]any{
-			"numNodes": int64(2),
+			"numNodes": int64(r.size),
 			"channel":  map[string]any{"resourceClaimTemplate": map[string]any{"name": templateName}},
 		},
 	}}
 	domainCreated := time.Now()
-	domain, err = cp.Dynamic.Resource(cdGVR).Namespace(workNS).Create(ctx, domain, metav1.CreateOptions{})
+	domain, err := r.cp.Dynamic.Resource(cdGVR).Namespace(workNS).Create(ctx, domain, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatalf("create ComputeDomain: %v", err)
 	}
-	domainUID := string(domain.GetUID())
+	r.domainUID = string(domain.GetUID())
 	if err := waitFor(ctx, "the workload template "+templateName, func() (bool, error) {
 		_, err := cs.ResourceV1().ResourceClaimTemplates(workNS).Get(ctx, templateName, metav1.GetOptions{})
 		return err == nil, ignoreNotFound(err)
@@ -197,30 +279,108 @@ func TestComputeDomainControlPlane(t *testing.T) {
 	}
 	templateSeen := time.Since(domainCreated)
 
-	// Two pods of the job, one per clique-1 node, each with a claim from the domain's template.
-	workers := nodes[:2]
-	podCreated := map[string]time.Time{}
-	for i, n := range workers {
+	// The job's pods, one per worker node, each with a claim from the domain's template.
+	podCreated := map[string]time.Time{} // by node
+	for i, n := range r.workers {
 		pod := workerPod(fmt.Sprintf("worker-%d", i), n.name, templateName)
 		if _, err := cs.CoreV1().Pods(workNS).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 			t.Fatalf("create pod %s: %v", pod.Name, err)
 		}
-		podCreated[pod.Name] = time.Now()
+		podCreated[n.name] = time.Now()
+	}
+	prog, allReady, last, err := r.waitBound(r.workers, r.size)
+	if err != nil {
+		t.Fatalf("%v\nlast domain status: %v", err, last)
 	}
 
-	// Watch the chain, pods before the domain in each round: a pod seen bound while its node's entry is
-	// read NotReady afterwards was bound before its daemon was ready.
-	type progress struct {
-		claimSeen, allocated, entryReady, conditioned, bound time.Time
-		claim                                                *resourceapi.ResourceClaim
+	// What the domain says: the workers, at their addresses and clique, each with an index of its own, Ready.
+	d, err := r.domain()
+	if err != nil {
+		t.Fatal(err)
 	}
-	prog := map[string]*progress{} // by node
-	for _, n := range workers {
+	if st, _, _ := unstructured.NestedString(d.Object, "status", "status"); st != "Ready" {
+		t.Errorf("status.status %q, want Ready", st)
+	}
+	entries := statusNodes(d)
+	if len(entries) != r.size {
+		t.Errorf("status.nodes has %d entries, want the %d workers: %v", len(entries), r.size, entries)
+	}
+	indices := map[string]bool{}
+	for _, n := range r.workers {
+		e := entries[n.name]
+		if e["ipAddress"] != n.ip || e["cliqueID"] != r.cliques[n.name] {
+			t.Errorf("entry of %s: %v, want ipAddress %s and cliqueID %s", n.name, e, n.ip, r.cliques[n.name])
+		}
+		indices[fmt.Sprint(e["index"])] = true
+	}
+	for i := range r.size {
+		if !indices[strconv.Itoa(i)] {
+			t.Errorf("status.nodes: no entry has index %d (want 0…%d, one each): %v", i, r.size-1, entries)
+		}
+	}
+	// Each claim: allocated a channel of its pod's node, with the binding condition set by the controller.
+	for _, n := range r.workers {
+		checkClaim(t, prog[n.name].claim, n.name)
+		r.claims[n.name] = prog[n.name].claim
+	}
+
+	// The daemons run where the domain is, not on the spare or the clique-2 node.
+	for _, n := range r.workers {
+		r.pids[n.name] = r.runningDaemon(n)
+	}
+	for _, n := range []*simNode{r.spare, r.other} {
+		if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", r.domainUID)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s has a folder for the domain's daemon: %v", n.name, err)
+		}
+	}
+
+	// The kubelet's part: Prepare on each node, as the kubelet calls it (namespace, name, UID). Every node
+	// injects the same host channel.
+	r.live = slices.Clone(r.workers)
+	for _, n := range r.workers {
+		r.prepareSame(n)
+	}
+
+	var bound []time.Duration
+	var lastAllocated time.Time
+	for _, n := range r.workers {
+		p := prog[n.name]
+		bound = append(bound, p.bound.Sub(p.claimSeen))
+		if p.allocated.After(lastAllocated) {
+			lastAllocated = p.allocated
+		}
+		if r.size <= 2 {
+			since := func(at time.Time) time.Duration { return at.Sub(podCreated[n.name]).Round(time.Millisecond) }
+			t.Logf("figures: %s: pod created → claim seen %s → allocated %s → entry Ready %s → %s set %s → pod bound %s (claim → bound %s)", n.name,
+				since(p.claimSeen), since(p.allocated), since(p.entryReady), daemonReadyCond, since(p.conditioned), since(p.bound),
+				p.bound.Sub(p.claimSeen).Round(time.Millisecond))
+		}
+	}
+	t.Logf("MEASURED %d nodes (polled every 100ms, two busy cores): ComputeDomain created → workload template %s; → last claim allocated %s; → all %d entries Ready (daemons READY) %s; claim → pod bound %s to %s",
+		r.size, templateSeen.Round(time.Millisecond), lastAllocated.Sub(domainCreated).Round(time.Millisecond), r.size,
+		allReady.Sub(domainCreated).Round(time.Millisecond), slices.Min(bound).Round(time.Millisecond), slices.Max(bound).Round(time.Millisecond))
+}
+
+// progress is what the test saw of one node's pod, claim and entry, and when.
+type progress struct {
+	claimSeen, allocated, entryReady, conditioned, bound time.Time
+	claim                                                *resourceapi.ResourceClaim
+}
+
+// waitBound waits until the pods pinned to nodes are bound and the domain has want entries, all Ready. It
+// returns each node's progress, when all entries were first seen Ready at once, and the last status read.
+// Pods are read before claims in each round: a pod seen bound whose claim then lacks DaemonReady was bound
+// before its node's daemon was ready. (An entry may turn NotReady again for a moment as nodes join: its
+// daemon reloads and asks the new peers.)
+func (r *domainRun) waitBound(nodes []*simNode, want int) (map[string]*progress, time.Time, any, error) {
+	ctx, cs := r.ctx, r.cs
+	prog := map[string]*progress{}
+	for _, n := range nodes {
 		prog[n.name] = &progress{}
 	}
 	var allReady time.Time
-	var lastDomain *unstructured.Unstructured
-	err = waitFor(ctx, "both entries Ready and both pods bound", func() (bool, error) {
+	var last any
+	err := waitFor(ctx, fmt.Sprintf("%d entries Ready and %d pods bound", want, len(nodes)), func() (bool, error) {
 		pods, err := cs.CoreV1().Pods(workNS).List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return false, err
@@ -229,23 +389,21 @@ func TestComputeDomainControlPlane(t *testing.T) {
 		if err != nil {
 			return false, err
 		}
-		lastDomain, err = cp.Dynamic.Resource(cdGVR).Namespace(workNS).Get(ctx, domainName, metav1.GetOptions{})
+		d, err := r.domain()
 		if err != nil {
 			return false, err
 		}
+		last = d.Object["status"]
 		now := time.Now()
-		entries := statusNodes(lastDomain)
+		entries := statusNodes(d)
 		for _, pod := range pods.Items {
-			want := pod.Spec.NodeSelector[corev1.LabelHostname]
-			p := prog[want]
-			if p == nil {
-				return false, fatal(fmt.Errorf("pod %s: unexpected node selector %q", pod.Name, want))
+			p := prog[pod.Spec.NodeSelector[corev1.LabelHostname]]
+			if p == nil || pod.DeletionTimestamp != nil {
+				continue // a pod of another phase
 			}
-			if pod.Spec.NodeName != "" && p.bound.IsZero() {
+			bound := pod.Spec.NodeName != "" && p.bound.IsZero()
+			if bound {
 				p.bound = now
-				if e := entries[want]; e["status"] != "Ready" {
-					return false, fatal(fmt.Errorf("pod %s bound to %s while the node's entry is %v", pod.Name, pod.Spec.NodeName, e))
-				}
 			}
 			for _, c := range claims.Items {
 				if !metav1.IsControlledBy(&c, &pod) {
@@ -257,94 +415,78 @@ func TestComputeDomainControlPlane(t *testing.T) {
 				if c.Status.Allocation != nil && p.allocated.IsZero() {
 					p.allocated = now
 				}
-				if p.conditioned.IsZero() && slices.ContainsFunc(c.Status.Devices, func(d resourceapi.AllocatedDeviceStatus) bool {
+				cond := slices.ContainsFunc(c.Status.Devices, func(d resourceapi.AllocatedDeviceStatus) bool {
 					return meta(d.Conditions, daemonReadyCond)
-				}) {
+				})
+				if cond && p.conditioned.IsZero() {
 					p.conditioned = now
+				}
+				if bound && !cond {
+					return false, fatal(fmt.Errorf("pod %s bound to %s while its claim %s has no %s", pod.Name, pod.Spec.NodeName, c.Name, daemonReadyCond))
 				}
 				p.claim = c.DeepCopy()
 			}
 		}
-		for name, p := range prog {
-			if e := entries[name]; e["status"] == "Ready" && p.entryReady.IsZero() {
+		ready := 0
+		for name, e := range entries {
+			if e["status"] != "Ready" {
+				continue
+			}
+			ready++
+			if p := prog[name]; p != nil && p.entryReady.IsZero() {
 				p.entryReady = now
 			}
 		}
-		done := true
+		if ready == want && len(entries) == want && allReady.IsZero() {
+			allReady = now
+		}
 		for _, p := range prog {
-			done = done && !p.entryReady.IsZero() && !p.bound.IsZero()
-			if !p.entryReady.IsZero() && allReady.Before(p.entryReady) {
-				allReady = p.entryReady
+			if p.bound.IsZero() {
+				return false, nil
 			}
 		}
-		return done, nil
+		return ready == want && len(entries) == want, nil
 	})
+	return prog, allReady, last, err
+}
+
+// runningDaemon is the pid of the domain's IMEX daemon on n, which must be running.
+func (r *domainRun) runningDaemon(n *simNode) int {
+	r.t.Helper()
+	pid, err := daemonPID(n, r.domainUID)
 	if err != nil {
-		t.Fatalf("%v\nlast domain status: %v", err, lastDomain.Object["status"])
+		r.t.Fatalf("IMEX daemon of %s: %v", n.name, err)
 	}
+	if !alive(pid) {
+		r.t.Fatalf("IMEX daemon of %s: pid %d not running", n.name, pid)
+	}
+	return pid
+}
 
-	// What the domain says: the two clique-1 nodes, at their addresses and clique, and Ready.
-	if st, _, _ := unstructured.NestedString(lastDomain.Object, "status", "status"); st != "Ready" {
-		t.Errorf("status.status %q, want Ready", st)
+// prepareSame prepares n's claim and checks the channel is the domain's, the same on every node.
+func (r *domainRun) prepareSame(n *simNode) {
+	r.t.Helper()
+	ch := prepare(r.ctx, r.t, n, r.claims[n.name])
+	if r.channel == "" {
+		r.channel = ch
 	}
-	entries := statusNodes(lastDomain)
-	if len(entries) != 2 {
-		t.Errorf("status.nodes %v: want the two clique-1 nodes", entries)
+	if ch != r.channel {
+		r.t.Errorf("%s: Prepare gave channel %s, but another node of the domain gave %s", n.name, ch, r.channel)
 	}
-	for _, n := range workers {
-		e := entries[n.name]
-		if e["ipAddress"] != n.ip || e["cliqueID"] != cliques[n.name] {
-			t.Errorf("entry of %s: %v, want ipAddress %s and cliqueID %s", n.name, e, n.ip, cliques[n.name])
-		}
-	}
-	// Each claim: allocated a channel of its pod's node, with the binding condition set by the controller.
-	for _, n := range workers {
-		c := prog[n.name].claim
-		checkClaim(t, c, n.name)
-	}
+}
 
-	// The daemons run where the domain is, not on the clique-2 node.
-	pids := map[string]int{}
-	for _, n := range workers {
-		pid, err := daemonPID(n, domainUID)
-		if err != nil {
-			t.Fatalf("IMEX daemon of %s: %v", n.name, err)
-		}
-		if !alive(pid) {
-			t.Fatalf("IMEX daemon of %s: pid %d not running", n.name, pid)
-		}
-		pids[n.name] = pid
+// deleteDomain does the teardown as the kubelet and the user do it: Unprepare, the pods go (and with their
+// claims, the entries and the daemons), then the domain. It checks that nothing of the domain is left: no
+// template or claim labelled with it, no Node label of it, no CDI spec under any live node's CDI dir, no
+// IMEX daemon folder or process of it anywhere.
+func (r *domainRun) deleteDomain() {
+	t, ctx, cs := r.t, r.ctx, r.cs
+	for _, n := range r.live {
+		unprepare(ctx, t, n, r.claims[n.name])
 	}
-	if _, err := os.Stat(filepath.Join(nodes[2].stateDir(), "imex", domainUID)); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("%s (clique 2) has a folder for the domain's daemon: %v", nodes[2].name, err)
-	}
-
-	// The kubelet's part: Prepare on each node, as the kubelet calls it (namespace, name, UID).
-	channels := map[string]string{}
-	for _, n := range workers {
-		c := prog[n.name].claim
-		channels[n.name] = prepare(ctx, t, n, c)
-	}
-	if channels[workers[0].name] != channels[workers[1].name] {
-		t.Errorf("the domain's channel differs between its nodes: %v", channels)
-	}
-
-	t.Logf("figures (polled every 100ms, two busy cores): ComputeDomain created → workload template %s; → both entries Ready (daemons READY) %s",
-		templateSeen.Round(time.Millisecond), allReady.Sub(domainCreated).Round(time.Millisecond))
-	for _, n := range workers {
-		p := prog[n.name]
-		since := func(at time.Time) time.Duration { return at.Sub(podCreated[podOf(p.claim)]).Round(time.Millisecond) }
-		t.Logf("figures: %s: pod created → claim seen %s → allocated %s → entry Ready %s → %s set %s → pod bound %s (claim → bound %s)", n.name,
-			since(p.claimSeen), since(p.allocated), since(p.entryReady), daemonReadyCond, since(p.conditioned), since(p.bound),
-			p.bound.Sub(p.claimSeen).Round(time.Millisecond))
-	}
-
-	// Teardown as the kubelet and the user do it: Unprepare, the pods go, then the domain.
-	for _, n := range workers {
-		unprepare(ctx, t, n, prog[n.name].claim)
-	}
-	for _, n := range workers {
-		name := podOf(prog[n.name].claim)
+	podsDeleted := time.Now()
+	for _, n := range r.live {
+		name := podOf(r.claims[n.name])
 		if err := cs.CoreV1().Pods(workNS).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
 			t.Fatalf("delete pod %s: %v", name, err)
 		}
@@ -355,15 +497,35 @@ func TestComputeDomainControlPlane(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if err := cp.Dynamic.Resource(cdGVR).Namespace(workNS).Delete(ctx, domainName, metav1.DeleteOptions{}); err != nil {
-		t.Fatalf("delete ComputeDomain: %v", err)
-	}
-	if err := waitFor(ctx, "the domain and its templates gone", func() (bool, error) {
-		_, err := cp.Dynamic.Resource(cdGVR).Namespace(workNS).Get(ctx, domainName, metav1.GetOptions{})
-		if !apierrors.IsNotFound(err) {
+	// The workload left every node: each entry goes, and each daemon stops (process and folder), while the
+	// domain is still there.
+	if err := waitFor(ctx, "the entries gone and the domain's daemons stopped", func() (bool, error) {
+		d, err := r.domain()
+		if err != nil || len(statusNodes(d)) > 0 {
 			return false, err
 		}
-		sel := metav1.ListOptions{LabelSelector: domainLabel + "=" + domainUID}
+		for _, n := range r.liveNodes() {
+			if pid, ok := r.pids[n.name]; ok && alive(pid) {
+				return false, nil
+			}
+			if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", r.domainUID)); !errors.Is(err, os.ErrNotExist) {
+				return false, nil
+			}
+		}
+		return true, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	stopped := time.Since(podsDeleted)
+	deleted := time.Now()
+	if err := r.cp.Dynamic.Resource(cdGVR).Namespace(workNS).Delete(ctx, domainName, metav1.DeleteOptions{}); err != nil {
+		t.Fatalf("delete ComputeDomain: %v", err)
+	}
+	sel := metav1.ListOptions{LabelSelector: domainLabel + "=" + r.domainUID}
+	if err := waitFor(ctx, "the domain and its templates gone", func() (bool, error) {
+		if _, err := r.domain(); !apierrors.IsNotFound(err) {
+			return false, err
+		}
 		for _, ns := range []string{workNS, controllerNS} {
 			l, err := cs.ResourceV1().ResourceClaimTemplates(ns).List(ctx, sel)
 			if err != nil || len(l.Items) > 0 {
@@ -374,24 +536,68 @@ func TestComputeDomainControlPlane(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if err := waitFor(ctx, "the domain's daemons stopped", func() (bool, error) {
-		for _, n := range workers {
-			if alive(pids[n.name]) {
-				return false, nil
-			}
-			if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", domainUID)); !errors.Is(err, os.ErrNotExist) {
-				return false, nil
-			}
-		}
-		return true, nil
-	}); err != nil {
+	t.Logf("MEASURED %d nodes: pods deleted → their claims, the entries and every daemon gone %s; ComputeDomain deleted → it and its templates gone %s",
+		r.size, stopped.Round(time.Millisecond), time.Since(deleted).Round(time.Millisecond))
+
+	// Nothing else is left: claims of the domain in any namespace (the daemon template's included), a Node
+	// label naming it, a CDI spec on a live node, a process whose command line names it.
+	if l, err := cs.ResourceV1().ResourceClaims(metav1.NamespaceAll).List(ctx, sel); err != nil || len(l.Items) > 0 {
+		t.Errorf("claims of the domain left (%v): %d", err, len(l.Items))
+	}
+	nodes, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
 		t.Fatal(err)
 	}
-	for _, n := range nodes {
+	for _, node := range nodes.Items {
+		for k, v := range node.Labels {
+			if k == domainLabel || v == r.domainUID {
+				t.Errorf("Node %s keeps label %s=%s", node.Name, k, v)
+			}
+		}
+		if node.Labels[cliqueLabel] == "" {
+			t.Errorf("Node %s lost its %s label (the agent's, not the domain's)", node.Name, cliqueLabel)
+		}
+	}
+	for _, n := range r.liveNodes() {
+		if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", r.domainUID)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s: the domain's daemon folder is left: %v", n.name, err)
+		}
+		specs, _ := filepath.Glob(filepath.Join(n.cdiDir(), "compute-domain-claim-*"))
+		if len(specs) > 0 {
+			t.Errorf("%s: CDI specs left: %v", n.name, specs)
+		}
+	}
+	if procs := processesNaming(r.domainUID); len(procs) > 0 {
+		t.Errorf("processes naming the domain %s are left: %v", r.domainUID, procs)
+	}
+	for _, n := range r.liveNodes() {
 		if done, err := n.agent.Exited(); done {
 			t.Errorf("gpu-agent of %s exited: %v (see %s)", n.name, err, n.agent.LogPath)
 		}
 	}
+}
+
+// liveNodes are the nodes but the one nodeFailure took down.
+func (r *domainRun) liveNodes() []*simNode {
+	return slices.DeleteFunc(slices.Clone(r.nodes), func(n *simNode) bool { return n == r.failed })
+}
+
+// processesNaming lists the processes (pid: command line) whose command line contains s.
+func processesNaming(s string) []string {
+	var out []string
+	cmdlines, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, f := range cmdlines {
+		b, err := os.ReadFile(f)
+		if err != nil || !strings.Contains(string(b), s) {
+			continue
+		}
+		pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(f)))
+		if pid == os.Getpid() || !alive(pid) {
+			continue
+		}
+		out = append(out, fmt.Sprintf("%d: %s", pid, strings.ReplaceAll(string(b), "\x00", " ")))
+	}
+	return out
 }
 
 type binaryPaths struct{ etcd, apiserver, scheduler, controllerManager, agent string }
@@ -449,38 +655,45 @@ func applyComputeDomainAPI(ctx context.Context, t *testing.T, cp *harness.Contro
 	}
 }
 
-// createNode makes a Ready Node with no kubelet behind it, at its own loopback address, with no taint.
+// createNode makes a Ready Node with no kubelet behind it, at its own loopback address, with no taint. The
+// controller manager may touch a new Node (its TTL annotation) between the writes, so each is retried on a
+// conflict against the Node as it is then.
 func createNode(ctx context.Context, cs kubernetes.Interface, n *simNode) error {
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.name, Labels: map[string]string{
 		corev1.LabelHostname: n.name, corev1.LabelOSStable: "linux", corev1.LabelArchStable: "amd64",
 	}}}
-	node, err := cs.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
-	if err != nil {
+	if _, err := cs.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
 		return fmt.Errorf("create Node %s: %w", n.name, err)
 	}
 	res := corev1.ResourceList{
 		corev1.ResourceCPU: apiresource.MustParse("144"), corev1.ResourceMemory: apiresource.MustParse("1Ti"),
 		corev1.ResourcePods: apiresource.MustParse("110"),
 	}
-	now := metav1.Now()
-	node.Status = corev1.NodeStatus{
-		Capacity: res, Allocatable: res,
-		Addresses: []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: n.ip}, {Type: corev1.NodeHostName, Address: n.name}},
-		Conditions: []corev1.NodeCondition{{
-			Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "E2EControlPlane",
-			Message: "a fake node (no kubelet)", LastHeartbeatTime: now, LastTransitionTime: now,
-		}},
-	}
-	if node, err = cs.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
-		return fmt.Errorf("Node %s: set Ready: %w", n.name, err)
-	}
-	if len(node.Spec.Taints) > 0 {
-		node.Spec.Taints = nil
-		if _, err = cs.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{}); err != nil {
-			return fmt.Errorf("Node %s: remove the not-ready taint: %w", n.name, err)
+	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		node, err := cs.CoreV1().Nodes().Get(ctx, n.name, metav1.GetOptions{})
+		if err != nil {
+			return err
 		}
-	}
-	return nil
+		now := metav1.Now()
+		node.Status = corev1.NodeStatus{
+			Capacity: res, Allocatable: res,
+			Addresses: []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: n.ip}, {Type: corev1.NodeHostName, Address: n.name}},
+			Conditions: []corev1.NodeCondition{{
+				Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "E2EControlPlane",
+				Message: "a fake node (no kubelet)", LastHeartbeatTime: now, LastTransitionTime: now,
+			}},
+		}
+		if node, err = cs.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+			return fmt.Errorf("Node %s: set Ready: %w", n.name, err)
+		}
+		if len(node.Spec.Taints) > 0 {
+			node.Spec.Taints = nil
+			if _, err = cs.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{}); err != nil {
+				return fmt.Errorf("Node %s: remove the not-ready taint: %w", n.name, err)
+			}
+		}
+		return nil
+	})
 }
 
 // startAgent runs `gpu-agent run --dra` for n as the DaemonSet runs it, every host path moved under n.dir, on
@@ -572,13 +785,19 @@ func waitAgentPublished(ctx context.Context, t *testing.T, cs kubernetes.Interfa
 	}
 }
 
-// workerPod is one rank of the job: pinned to node, with one claim from the domain's template.
+// workerPod is one rank of the job: pinned to node, with one claim from the domain's template. It tolerates
+// an unreachable node for unreachableToleration, not the 300 s the API server gives a pod by default, as a job
+// that wants a lost rank replaced soon writes.
 func workerPod(name, node, template string) *corev1.Pod {
 	return &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: workNS},
 		Spec: corev1.PodSpec{
 			NodeSelector:  map[string]string{corev1.LabelHostname: node},
 			RestartPolicy: corev1.RestartPolicyNever,
+			Tolerations: []corev1.Toleration{{
+				Key: corev1.TaintNodeUnreachable, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoExecute,
+				TolerationSeconds: ptr.To(int64(unreachableToleration / time.Second)),
+			}},
 			Containers: []corev1.Container{{
 				Name: "rank", Image: "busybox", Command: []string{"ls", "-l", channelDir},
 				Resources: corev1.ResourceRequirements{Claims: []corev1.ResourceClaim{{Name: "imex-channel"}}},
