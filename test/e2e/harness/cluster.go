@@ -6,9 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"path/filepath"
 	"sort"
-	"strings"
 	"testing"
 	"time"
 
@@ -33,6 +31,15 @@ type ClusterConfig struct {
 	// Containerd2: see Config.Containerd2. The node layer then points the agent at the stand-in dev root.
 	Containerd2 string
 	LedgerPath  string
+	// NodeIP is the kubelet's --node-ip ("": the kubelet picks the host's), added to lo for the run when no
+	// interface has it (see NodeOptions.IP).
+	NodeIP string
+	// ControllerManagerArgs: see ControlPlaneConfig.
+	ControllerManagerArgs []string
+	// NodeLeaseDurationSeconds is every kubelet's nodeLeaseDurationSeconds (0: its default, 40), further
+	// nodes' too; a kubelet renews its Lease every quarter of it. With kube-controller-manager's
+	// --node-monitor-grace-period (ControllerManagerArgs) it sets how soon a node that stops is NotReady.
+	NodeLeaseDurationSeconds int
 }
 
 // Cluster is a one-node Kubernetes cluster started by this process from empty state: etcd, kube-apiserver,
@@ -49,6 +56,19 @@ type Cluster struct {
 
 	pki             *pki
 	adminKubeconfig string
+	nodeLease       int // ClusterConfig.NodeLeaseDurationSeconds
+}
+
+// kubeletConfig is the KubeletConfiguration of e, a node of the Cluster.
+func (c *Cluster) kubeletConfig(e *Env) string {
+	conf := kubeletConfig(e.d, e.kubeletPort, e.healthzPort)
+	if c.nodeLease > 0 {
+		conf += fmt.Sprintf("nodeLeaseDurationSeconds: %d\n", c.nodeLease)
+	}
+	if e.further != nil {
+		conf += fmt.Sprintf("cgroupRoot: %q\n", e.further.cgroupRoot)
+	}
+	return conf
 }
 
 // The Service range's first address is the "kubernetes" Service's; the serving certificate names it.
@@ -76,7 +96,10 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		t.Fatalf("e2e cluster: %v", err)
 	}
 	t.Cleanup(e.teardown)
-	c := &Cluster{Env: e}
+	c := &Cluster{Env: e, nodeLease: cfg.NodeLeaseDurationSeconds}
+	if err := os.WriteFile(e.d.kubeletConfig, []byte(c.kubeletConfig(e)), 0o644); err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), clusterStartTime)
 	defer cancel()
 	start := time.Now()
@@ -84,38 +107,31 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		t.Fatalf("e2e cluster: %v", err)
 	}
 	controlPlaneUp := time.Since(start)
-	// containerd reports the pod network ready only once a CNI network config loads; without one the kubelet
-	// keeps the Node NotReady. Every pod here uses the host network, so no CNI plugin ever runs: the config
-	// names a plugin that is not installed, and a pod that is not host-network fails loudly at sandbox setup.
-	cni := `{"cniVersion": "0.4.0", "name": "e2e-host-network-only", "plugins": [{"type": "e2e-pods-must-use-host-network"}]}`
-	if err := os.WriteFile(filepath.Join(e.d.cniDir, "10-e2e.conflist"), []byte(cni+"\n"), 0o644); err != nil {
+	if err := writeHostNetworkOnlyCNI(e.d.cniDir); err != nil {
 		t.Fatalf("e2e cluster: %v", err)
+	}
+	if cfg.NodeIP != "" {
+		release, err := addNodeAddress(cfg.NodeIP)
+		if err != nil {
+			t.Fatalf("e2e cluster: %v", err)
+		}
+		t.Cleanup(func() {
+			if err := release(); err != nil {
+				t.Errorf("e2e cluster: %v", err)
+			}
+		})
 	}
 	if err := e.startContainerd(ctx); err != nil {
 		t.Fatalf("e2e cluster: %v", err)
 	}
 	e.logContainerd(ctx)
-	kubeletCred, err := c.pki.issue("kubelet", "system:node:"+cfg.NodeName, []string{"system:nodes"}, false, nil, nil)
-	if err != nil {
+	if e.kubeletArgs, err = c.kubeletArgs(cfg.NodeName, cfg.NodeIP, cfg.NodeLabels); err != nil {
 		t.Fatalf("e2e cluster: %v", err)
-	}
-	kubeletKubeconfig, err := c.pki.kubeconfig("kubelet", c.apiURL(), kubeletCred)
-	if err != nil {
-		t.Fatalf("e2e cluster: %v", err)
-	}
-	e.kubeletArgs = []string{"--kubeconfig", kubeletKubeconfig}
-	if len(cfg.NodeLabels) > 0 {
-		var labels []string
-		for k, v := range cfg.NodeLabels {
-			labels = append(labels, k+"="+v)
-		}
-		sort.Strings(labels)
-		e.kubeletArgs = append(e.kubeletArgs, "--node-labels", strings.Join(labels, ","))
 	}
 	if err := e.StartKubelet(ctx); err != nil {
 		t.Fatalf("e2e cluster: %v", err)
 	}
-	if err := c.waitNodeReady(ctx); err != nil {
+	if err := c.waitNodeReady(ctx, e.kubelet, cfg.NodeName); err != nil {
 		t.Fatalf("e2e cluster: %v", err)
 	}
 	// The ServiceAccount admission plugin refuses pods until their namespace's "default" ServiceAccount
@@ -155,7 +171,7 @@ func (c *Cluster) startControlPlane(ctx context.Context, cfg ClusterConfig) erro
 	cp, err := StartControlPlane(ctx, ControlPlaneConfig{
 		APIServer: cfg.APIServer, Etcd: cfg.Etcd, ControllerManager: cfg.ControllerManager, Scheduler: cfg.Scheduler,
 		Dir: e.d.run, LogDir: e.d.logs, AvoidPorts: []int{e.kubeletPort, e.healthzPort}, ledger: e.ledger,
-		APIServerFeatureGates: cfg.APIServerFeatureGates,
+		APIServerFeatureGates: cfg.APIServerFeatureGates, ControllerManagerArgs: cfg.ControllerManagerArgs,
 	})
 	if err != nil {
 		return err
@@ -202,12 +218,12 @@ func httpsOKInsecure(ctx context.Context, url string) error {
 
 // waitNodeReady waits until the kubelet's Node is Ready and carries no NoSchedule taint (the node lifecycle
 // controller lifts node.kubernetes.io/not-ready a moment after Ready).
-func (c *Cluster) waitNodeReady(ctx context.Context) error {
+func (c *Cluster) waitNodeReady(ctx context.Context, kubelet *Process, name string) error {
 	err := poll(ctx, 250*time.Millisecond, func() error {
-		if done, werr := c.kubelet.Exited(); done {
-			return stop(fmt.Errorf("kubelet exited: %v", werr))
+		if done, werr := kubelet.Exited(); done {
+			return stop(fmt.Errorf("kubelet exited: %v (see %s)", werr, kubelet.LogPath))
 		}
-		n, err := c.Client.CoreV1().Nodes().Get(ctx, c.cfg.NodeName, metav1.GetOptions{})
+		n, err := c.Client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return err
 		}
@@ -231,7 +247,7 @@ func (c *Cluster) waitNodeReady(ctx context.Context) error {
 		return nil
 	})
 	if err != nil {
-		return fmt.Errorf("node %s: %w", c.cfg.NodeName, err)
+		return fmt.Errorf("node %s: %w", name, err)
 	}
 	return nil
 }
@@ -328,14 +344,14 @@ func DescribeAPIPod(p *corev1.Pod) string {
 }
 
 // PodContainerEnv returns the environment that the API pod's container "main" printed into its log (see
-// GPUPodTemplate).
-func (c *Cluster) PodContainerEnv(ctx context.Context, p *corev1.Pod) (map[string]string, error) {
-	return c.PodContainerEnvOf(ctx, p, "main")
+// GPUPodTemplate); the pod must run on this Env's node.
+func (e *Env) PodContainerEnv(ctx context.Context, p *corev1.Pod) (map[string]string, error) {
+	return e.PodContainerEnvOf(ctx, p, "main")
 }
 
 // PodContainerEnvOf is PodContainerEnv for the named container, which runs GPUPodTemplate's command too.
-func (c *Cluster) PodContainerEnvOf(ctx context.Context, p *corev1.Pod, container string) (map[string]string, error) {
-	env, err := c.containerEnv(ctx, p.Namespace, p.Name, string(p.UID), container)
+func (e *Env) PodContainerEnvOf(ctx context.Context, p *corev1.Pod, container string) (map[string]string, error) {
+	env, err := e.containerEnv(ctx, p.Namespace, p.Name, string(p.UID), container)
 	if err != nil {
 		return nil, fmt.Errorf("pod %s/%s: container %s env: %w", p.Namespace, p.Name, container, err)
 	}
@@ -344,8 +360,8 @@ func (c *Cluster) PodContainerEnvOf(ctx context.Context, p *corev1.Pod, containe
 
 // PodDevicesOf returns, from the kubelet's pod-resources List, the device IDs of resource it assigned to the
 // API pod.
-func (c *Cluster) PodDevicesOf(ctx context.Context, p *corev1.Pod, resource string) ([]string, error) {
-	return c.podDevices(ctx, p.Namespace, p.Name, resource)
+func (e *Env) PodDevicesOf(ctx context.Context, p *corev1.Pod, resource string) ([]string, error) {
+	return e.podDevices(ctx, p.Namespace, p.Name, resource)
 }
 
 // GPUPodTemplate is the pod template of a workload whose single container, "main", requests gpus of

@@ -75,8 +75,13 @@ state = %q
       runtime_path = %q
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
         SystemdCgroup = false
+
+# NRI's socket of this instance, not the host's /var/run/nri/nri.sock, which a second containerd (a Cluster's
+# further node) would take over.
+[plugins."io.containerd.nri.v1.nri"]
+  socket_path = %q
 `, d.containerdRoot, d.containerdState, d.containerdSock, d.containerdSock+".ttrpc",
-		"docker.io/"+PauseImage, d.cdiSpecs, d.cniDir, d.cniDir, shim)
+		"docker.io/"+PauseImage, d.cdiSpecs, d.cniDir, d.cniDir, shim, filepath.Join(filepath.Dir(d.containerdSock), "nri.sock"))
 }
 
 // kubeletConfig renders a KubeletConfiguration for a standalone kubelet (no API server): static pods only,

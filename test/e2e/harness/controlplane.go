@@ -37,6 +37,9 @@ type ControlPlaneConfig struct {
 	// controller). A control plane whose Nodes have no kubelet turns the node lifecycle controller off
 	// ("*,-node-lifecycle-controller"): with no heartbeat, it would mark them NotReady and taint them.
 	ControllerManagerControllers string
+	// ControllerManagerArgs are added to kube-controller-manager's flags (later flags win), e.g.
+	// --node-monitor-grace-period for a test that waits for a failed node to turn NotReady.
+	ControllerManagerArgs []string
 
 	ledger *ledger // the Env's, when a Cluster starts it; nil: PIDs are not recorded
 }
@@ -225,7 +228,7 @@ func (cp *ControlPlane) start(ctx context.Context) error {
 		if controllers == "" {
 			controllers = "*"
 		}
-		if cp.ControllerManager, err = cp.startComponent("kube-controller-manager", cfg.ControllerManager,
+		kcmArgs := []string{
 			"--kubeconfig", cp.kubeconfigs["kube-controller-manager"],
 			"--authentication-kubeconfig", cp.kubeconfigs["kube-controller-manager"],
 			"--authorization-kubeconfig", cp.kubeconfigs["kube-controller-manager"],
@@ -239,7 +242,10 @@ func (cp *ControlPlane) start(ctx context.Context) error {
 			"--use-service-account-credentials=true",
 			"--service-account-private-key-file", saKey,
 			"--root-ca-file", cp.pki.caFile(),
-			"--v", "1"); err != nil {
+			"--v", "1",
+		}
+		if cp.ControllerManager, err = cp.startComponent("kube-controller-manager", cfg.ControllerManager,
+			append(kcmArgs, cfg.ControllerManagerArgs...)...); err != nil {
 			return err
 		}
 		waits = append(waits, component{cp.ControllerManager, kcmPort})

@@ -57,6 +57,10 @@ type dirs struct {
 	volumePlugins, kubeletConfig, podResources string
 	agentState, agentMPS, agentConfigDir       string
 	cdiSpecs, devRoot                          string
+	// devicePlugins is where this node's kubelet keeps its device plugin sockets, as the host sees it:
+	// DevicePluginDir, or for a Cluster's further node (AddNode) a directory of its own that its mount
+	// namespace shows at DevicePluginDir.
+	devicePlugins string
 }
 
 func newDirs(run string) dirs {
@@ -79,6 +83,7 @@ func newDirs(run string) dirs {
 		agentConfigDir:  filepath.Join(run, "agent", "config"),
 		cdiSpecs:        filepath.Join(run, "cdi"),
 		devRoot:         filepath.Join(run, "devroot"),
+		devicePlugins:   DevicePluginDir,
 	}
 }
 
@@ -107,6 +112,9 @@ type Env struct {
 	// mpsHost is the `gpu-agent mps-host` process (StartMPSHost); mpsHostN counts its starts.
 	mpsHost  *Process
 	mpsHostN int
+	// further is set on a Cluster's further node (AddNode): its containerd and kubelet share a mount
+	// namespace of their own, and its teardown leaves the Cluster's ledger and control plane alone.
+	further *furtherNode
 }
 
 // Start brings up containerd (with the images imported), the kubelet, and gpu-agent, and registers the
@@ -218,8 +226,11 @@ func (e *Env) startContainerd(ctx context.Context) error {
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return err
 	}
-	p, err := startProcess("containerd", filepath.Join(e.d.logs, "containerd.log"), e.ledger,
-		bin, "--config", cfgPath)
+	argv := []string{bin, "--config", cfgPath}
+	if e.further != nil {
+		argv = e.further.containerdArgv(e.d, argv)
+	}
+	p, err := startProcess("containerd", filepath.Join(e.d.logs, "containerd.log"), e.ledger, argv...)
 	if err != nil {
 		return err
 	}
@@ -356,7 +367,7 @@ func (e *Env) StartKubelet(ctx context.Context) error {
 	// A stopped kubelet leaves its sockets behind; remove them so that their presence below means this
 	// kubelet is serving. (The new kubelet would remove kubelet.sock itself, and gpu-agent must then act on
 	// its re-creation either way.)
-	for _, sock := range []string{filepath.Join(DevicePluginDir, "kubelet.sock"), e.d.podResources} {
+	for _, sock := range []string{filepath.Join(e.d.devicePlugins, "kubelet.sock"), e.d.podResources} {
 		if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("kubelet: remove stale %s: %w", sock, err)
 		}
@@ -368,6 +379,12 @@ func (e *Env) StartKubelet(ctx context.Context) error {
 		"--cert-dir", e.d.certs,
 		"--hostname-override", e.cfg.NodeName,
 		"--v", "2"}, e.kubeletArgs...)
+	if e.further != nil {
+		var err error
+		if argv, err = e.further.kubeletArgv(e.containerd, argv); err != nil {
+			return err
+		}
+	}
 	p, err := startProcess("kubelet", filepath.Join(e.d.logs, fmt.Sprintf("kubelet-%d.log", e.kubeletN)), e.ledger, argv...)
 	if err != nil {
 		return err
@@ -381,7 +398,7 @@ func (e *Env) StartKubelet(ctx context.Context) error {
 		if err := httpOK(ctx, healthz); err != nil {
 			return err
 		}
-		if _, err := os.Stat(filepath.Join(DevicePluginDir, "kubelet.sock")); err != nil {
+		if _, err := os.Stat(filepath.Join(e.d.devicePlugins, "kubelet.sock")); err != nil {
 			return err
 		}
 		_, err := os.Stat(e.d.podResources)
@@ -603,18 +620,26 @@ func (e *Env) teardown() {
 	killShims(e.d.run, t.Logf)
 	killMPSDaemons(e.d.agentMPS, t.Logf)
 	add(unmountUnder(e.d.run))
+	keep := e.d.run + ".failed"
+	if e.further != nil {
+		add(e.further.cleanup())
+		keep = e.further.keepLogs
+	}
 	if failed || len(errs) > 0 {
-		keep := e.d.run + ".failed"
 		_ = os.RemoveAll(keep)
 		// Keep the logs only; the rest holds container root filesystems and sockets.
 		if err := os.Rename(e.d.logs, keep); err == nil {
-			t.Logf("e2e logs kept in %s", keep)
+			t.Logf("e2e logs of node %s kept in %s", e.cfg.NodeName, keep)
 		}
 	}
-	add(os.RemoveAll(e.d.run))
-	add(e.ledger.remove())
+	// A further node's directory is inside the Cluster's, which the Cluster's teardown removes, and the
+	// ledger is the Cluster's.
+	if e.further == nil {
+		add(os.RemoveAll(e.d.run))
+		add(e.ledger.remove())
+	}
 	for _, err := range errs {
-		t.Errorf("e2e teardown: %v", err)
+		t.Errorf("e2e teardown of node %s: %v", e.cfg.NodeName, err)
 	}
 }
 

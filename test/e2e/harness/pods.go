@@ -27,6 +27,10 @@ const PodNamespace = "default"
 // readyMarker is printed by a pod's container after its environment, so a reader knows the dump is complete.
 const readyMarker = "E2E-READY"
 
+// ReadyMarker ends the environment dump that PodContainerEnv reads: a pod of a test's own command prints its
+// `KEY=value` lines, then this line.
+const ReadyMarker = readyMarker
+
 // PodSpec is a static pod with one busybox container that prints its environment and then sleeps.
 type PodSpec struct {
 	Name   string
