@@ -42,6 +42,9 @@ var statPanels = []string{"stat", "gauge", "singlestat", "bargauge"}
 
 // utilOnMIG is why the utilization-rate panels are empty on a node whose GPUs are all in MIG mode, with
 // dcgm-exporter as with gpu-agent.
+// noMPS: the MPS panel's series are there only for MPS clients; TestHolderMPS checks them.
+const noMPS = "no MPS client on this node (gpu_agent_holder_mps_* are checked by TestHolderMPS)"
+
 const utilOnMIG = "DCGM_FI_DEV_GPU_UTIL and DCGM_FI_DEV_MEM_COPY_UTIL do not exist for MIG-enabled GPUs: NVML " +
 	"refuses GetUtilizationRates with MIG on, and DCGM does not support them either (NVIDIA/dcgm-exporter#216, #430: " +
 	"use DCGM_FI_PROF_GR_ENGINE_ACTIVE)"
@@ -73,6 +76,9 @@ configs:
           replicas: 4
 `,
 		resource: gpuResource, offered: 4,
+		noData: map[string]string{
+			"gpu-agent.json/MPS clients: SM use against their thread limit": noMPS,
+		},
 	},
 	{
 		backend: "sim:dgx-h100-mig",
@@ -89,11 +95,12 @@ configs:
 `,
 		resource: "nvidia.com/mig-1g.10gb", offered: 7 * 8 * 2,
 		noData: map[string]string{
-			"gpu-agent.json/GPU utilization":          utilOnMIG,
-			"gpu-agent.json/Memory copy utilization":  utilOnMIG,
-			"gpu-agent.json/GPU utilization by pod":   utilOnMIG,
-			"dcgm-exporter fixture/GPU Utilization":   utilOnMIG,
-			"dcgm-exporter published/GPU Utilization": utilOnMIG,
+			"gpu-agent.json/GPU utilization":                                utilOnMIG,
+			"gpu-agent.json/Memory copy utilization":                        utilOnMIG,
+			"gpu-agent.json/GPU utilization by pod":                         utilOnMIG,
+			"dcgm-exporter fixture/GPU Utilization":                         utilOnMIG,
+			"dcgm-exporter published/GPU Utilization":                       utilOnMIG,
+			"gpu-agent.json/MPS clients: SM use against their thread limit": noMPS,
 		},
 	},
 }
