@@ -118,6 +118,68 @@ func BenchmarkExpositionSize(b *testing.B) {
 	b.ReportMetric(float64(len(c.proto.plain)), "proto-bytes")
 }
 
+// BenchmarkHolderMemory is the heap the agent keeps for the worst case of
+// issue 31 (8 GPUs × 48 replicas, each held by a container of its own
+// with one process, a day of averages behind each), live after a GC:
+//
+//   - node-bytes: the simulated node and its 384 processes, in the
+//     agent's heap only under --backend sim (NVML keeps its own, outside
+//     Go's heap, on a real node);
+//   - tracker-bytes: the holder tracker (its state, a day of buckets per
+//     holder), the sampler's snapshot, the Pods and the kubelet's
+//     allocations as the tracker reads them;
+//   - exposition-bytes: the Collector and its Exposition after renders
+//     and a scrape in each format (text, gzip, protobuf), the label cache
+//     included;
+//   - agent-bytes: tracker-bytes + exposition-bytes, what these holders
+//     add to the agent's heap on a real node.
+//
+// The Go runtime lets the heap grow to twice what is live before it
+// collects (GOGC=100) unless GOMEMLIMIT says otherwise.
+//
+//	go test ./telemetry -run '^$' -bench HolderMemory -benchtime 1x
+func BenchmarkHolderMemory(b *testing.B) {
+	heap := func() int64 {
+		var m runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&m)
+		return int64(m.HeapAlloc)
+	}
+	for b.Loop() {
+		start := heap()
+		var node int64
+		r := newHolderBenchMarked(b, 8*48, func(string) { node = heap() })
+		r.s.Sample()
+		tracked := heap()
+		e := NewExposition(r.col)
+		h := MetricsHandler(prometheus.NewRegistry(), e)
+		for range 2 {
+			if err := e.Render(); err != nil {
+				b.Fatal(err)
+			}
+			for _, header := range []http.Header{nil, {"Accept-Encoding": {"gzip"}}, {"Accept": {protobufAccept}, "Accept-Encoding": {"gzip"}}} {
+				req := httptest.NewRequest(http.MethodGet, "/metrics", nil)
+				req.Header = header
+				rec := httptest.NewRecorder()
+				h.ServeHTTP(rec, req)
+				if rec.Code != http.StatusOK {
+					b.Fatal(rec.Code, rec.Body)
+				}
+			}
+			r.clk.add(10 * time.Second)
+			r.tr.Pass()
+			r.s.Sample()
+		}
+		exposed := heap()
+		b.ReportMetric(float64(node-start), "node-bytes")
+		b.ReportMetric(float64(tracked-node), "tracker-bytes")
+		b.ReportMetric(float64(exposed-tracked), "exposition-bytes")
+		b.ReportMetric(float64(exposed-node), "agent-bytes")
+		runtime.KeepAlive(r)
+		runtime.KeepAlive(e)
+	}
+}
+
 // protobufAccept is what Prometheus sends when it prefers protobuf
 // (scrape_protocols: [PrometheusProto, ...]).
 const protobufAccept = "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited;q=0.5,text/plain;version=0.0.4;q=0.1"
@@ -162,6 +224,13 @@ type holderBench struct {
 }
 
 func newHolderBench(b *testing.B, holders int) *holderBench {
+	return newHolderBenchMarked(b, holders, func(string) {})
+}
+
+// newHolderBenchMarked is newHolderBench, calling mark("node") once the
+// simulated node runs the processes, before anything of the agent's
+// exists.
+func newHolderBenchMarked(b *testing.B, holders int, mark func(stage string)) *holderBench {
 	r := &holderRig{t: nil, clk: newClock(), attr: &settableAttribution{}}
 	r.n = newNode(b, "dgx-h100", simClock(r.clk))
 	r.inv = inventory(b, r.n)
@@ -175,6 +244,7 @@ func newHolderBench(b *testing.B, holders int) *holderBench {
 			b.Fatal(err)
 		}
 	}
+	mark("node")
 	r.attr.a = podresources.NewAttribution(pods, nil)
 	opts := HolderOptions{}
 	opts.Owners, opts.Pods, opts.Attribution, opts.Now = simResolver(r.n), r, r.attr, r.clk.now
