@@ -74,17 +74,17 @@ func BenchmarkHolderScrape(b *testing.B) {
 			}
 		}
 		c := e.cur.Load()
-		b.ReportMetric(float64(len(c.text.plain)), "text-bytes")
+		b.ReportMetric(float64(c.text.size), "text-bytes")
 		b.ReportMetric(float64(len(c.text.deflated)), "deflated-bytes")
 	})
 }
 
 // BenchmarkExpositionSize is the worst case of issue 31, 8 GPUs × 48
 // replicas each held by a container of its own with one process: the
-// series of one rendering and the heap it keeps (families, text and
-// deflated text, protobuf and deflated protobuf once a scraper asked for
-// it), measured as live heap after a GC with and without it, its
-// Collector's label cache (seriesCache) already filled by a first one.
+// series of one rendering and the heap it keeps (the deflated text, and
+// the deflated protobuf once a scraper asked for it), measured as live
+// heap after a GC with and without it, its Collector's label cache
+// (seriesCache) already filled by a first one.
 //
 //	go test ./telemetry -run '^$' -bench ExpositionSize -benchtime 1x
 func BenchmarkExpositionSize(b *testing.B) {
@@ -107,15 +107,20 @@ func BenchmarkExpositionSize(b *testing.B) {
 		runtime.ReadMemStats(&after)
 	}
 	c := e.cur.Load()
+	mfs, err := e.Gather()
+	if err != nil {
+		b.Fatal(err)
+	}
 	series := 0
-	for _, mf := range c.families {
+	for _, mf := range mfs {
 		series += len(mf.Metric)
 	}
 	b.ReportMetric(float64(series), "series")
 	b.ReportMetric(float64(int64(after.HeapAlloc)-int64(before.HeapAlloc)), "retained-bytes")
-	b.ReportMetric(float64(len(c.text.plain)), "text-bytes")
+	b.ReportMetric(float64(c.text.size), "text-bytes")
 	b.ReportMetric(float64(len(c.text.deflated)), "text-deflated-bytes")
-	b.ReportMetric(float64(len(c.proto.plain)), "proto-bytes")
+	b.ReportMetric(float64(c.proto.size), "proto-bytes")
+	b.ReportMetric(float64(len(c.proto.deflated)), "proto-deflated-bytes")
 }
 
 // BenchmarkHolderMemory is the heap the agent keeps for the worst case of
