@@ -32,6 +32,9 @@ type seriesCache struct {
 	scrape uint64 // counts rotate calls
 	descs  map[*prometheus.Desc]*descLabels
 	pairs  map[labelPair]*cachedPair
+	// slab is where series take their slices of pairs from: an
+	// allocation per few hundred series rather than one each.
+	slab []*dto.LabelPair
 }
 
 type labelPair struct{ name, value string }
@@ -98,7 +101,12 @@ func (c *seriesCache) labels(d *prometheus.Desc, lv []string) ([]*dto.LabelPair,
 	if len(lv) != dl.values {
 		return nil, false
 	}
-	out := make([]*dto.LabelPair, len(dl.names))
+	n := len(dl.names)
+	if len(c.slab) < n {
+		c.slab = make([]*dto.LabelPair, max(n, 4096))
+	}
+	out := c.slab[:n:n]
+	c.slab = c.slab[n:]
 	for k, i := range dl.at {
 		if i < 0 {
 			out[k] = dl.fixed[k]

@@ -438,6 +438,8 @@ configs:
 		used := float64(l.sm) * 100 / limit // 25% SM of a 50% limit: 50; 60%: 120
 		if h, _ := holderOf(t, agent, l.pod); !h.MPS || h.Processes != 1 || h.MPSLimit != limit || math.Abs(h.MPSUsed-used) > 1 {
 			t.Errorf("/holders: %+v; want its one process, an MPS client, limit %d%%, %g%% of it used", h, limit, used)
+		} else {
+			t.Logf("%s: MPS limit %d%%, %g%% of it used (SM %g%%)", l.pod, h.MPSLimit, h.MPSUsed, h.SM)
 		}
 		labels := append([]string{`gpu="0"`, `pod="` + l.pod + `"`}, draHolderLabels(c, l.pod)...)
 		for _, w := range []struct {
