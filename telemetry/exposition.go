@@ -81,10 +81,17 @@ type encoded struct {
 	size     int    // how many plain bytes
 }
 
+// inflatePool keeps deflate readers for scrapes that take no gzip (each
+// holds a 32 kB window and its tables).
+var inflatePool = sync.Pool{New: func() any { return flate.NewReader(bytes.NewReader(nil)) }}
+
 // writePlain writes the plain bytes of enc to w.
 func writePlain(w io.Writer, enc *encoded) error {
-	fr := flate.NewReader(bytes.NewReader(enc.deflated))
-	defer fr.Close()
+	fr := inflatePool.Get().(io.ReadCloser)
+	defer inflatePool.Put(fr)
+	if err := fr.(flate.Resetter).Reset(bytes.NewReader(enc.deflated), nil); err != nil {
+		return err
+	}
 	// Exactly size bytes: the blocks end with no final one, which a
 	// reader asked for more would take as a truncated stream.
 	_, err := io.CopyN(w, fr, int64(enc.size))
