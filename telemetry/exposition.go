@@ -274,10 +274,11 @@ func duplicateFamily(name string) error {
 // MetricsHandler serves /metrics: the families reg gathers at each scrape,
 // and e's rendering. The text format (what Prometheus asks for by default)
 // and delimited protobuf (what it asks for first with native histograms)
-// are served from the rendering's bytes, gzip from its deflated bytes,
-// e's families first; every other request (protobuf as text, a name[]
-// filter) goes through promhttp with both merged. promhttp's error
-// counter is registered on reg.
+// are served from the rendering's deflated bytes (copied into a gzip
+// body, inflated for a scraper that takes no gzip), e's families first;
+// every other request (protobuf as text, a name[] filter) goes through
+// promhttp with both merged, e's families gathered afresh. promhttp's
+// error counter is registered on reg.
 func MetricsHandler(reg *prometheus.Registry, e *Exposition) http.Handler {
 	all := promhttp.HandlerFor(gatherers{reg, e}, promhttp.HandlerOpts{Registry: reg})
 	accepted := expfmt.DefaultAcceptedFormats()
