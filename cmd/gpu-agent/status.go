@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -67,7 +68,8 @@ func cmdStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 
 // writeStatusHolders is status's holders section: who holds each GPU and
 // device, how much of it they use and for how long they have not, in
-// fewer columns than `gpu-agent top`.
+// fewer columns than `gpu-agent top`; where any holder is an MPS client,
+// each one's SM % as a part of its active-thread limit.
 func writeStatusHolders(w io.Writer, snap *telemetry.HolderSnapshot, err error) error {
 	if err != nil {
 		_, werr := fmt.Fprintf(w, "\nHolders: not known: %v\n", err)
@@ -89,8 +91,13 @@ func writeStatusHolders(w io.Writer, snap *telemetry.HolderSnapshot, err error) 
 	}
 	fmt.Fprintf(w, "\nHolders: %d, %d idle for a minute or more (sampled %s; gpu-agent top for more)\n", len(snap.Holders), idle,
 		snap.Time.UTC().Format(time.RFC3339))
+	mps := slices.ContainsFunc(snap.Holders, func(u telemetry.HolderUse) bool { return u.MPSThreadLimit > 0 })
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "HOLDER\tGPU\tDEVICE\tSHARE\tSM%\tMEMORY\tIDLE FOR")
+	header := "HOLDER\tGPU\tDEVICE\tSHARE\tSM%\tMEMORY\tIDLE FOR"
+	if mps {
+		header += "\tMPS USED OF LIMIT"
+	}
+	fmt.Fprintln(tw, header)
 	for _, u := range snap.Holders {
 		who := u.Namespace + "/" + u.Pod + "/" + u.Container
 		if u.Claim != nil {
@@ -100,7 +107,15 @@ func writeStatusHolders(w io.Writer, snap *telemetry.HolderSnapshot, err error) 
 		if u.Attributed {
 			mem = bytesIEC(u.FBBytes)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\n", who, u.GPU, heldDevice(u), holderShare(u), pct(u.SM, u.UtilKnown), mem, idleFor(u))
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s", who, u.GPU, heldDevice(u), holderShare(u), pct(u.SM, u.UtilKnown), mem, idleFor(u))
+		if mps {
+			cell := "-"
+			if limit, used := mpsUse(u); limit != "-" {
+				cell = used + " of " + limit
+			}
+			fmt.Fprintf(tw, "\t%s", cell)
+		}
+		fmt.Fprintln(tw)
 	}
 	return tw.Flush()
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -83,14 +84,20 @@ func fetchHolders(ctx context.Context, base string) (*telemetry.HolderSnapshot, 
 // writeTop renders the holders as kubectl top renders pods: one line each,
 // by GPU and device.
 func writeTop(w io.Writer, snap *telemetry.HolderSnapshot, idleOnly bool) error {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAMESPACE\tPOD\tCONTAINER\tCLAIM\tGPU\tDEVICE\tSHARE\tSM%\tSM% 1H\tSM% 24H\tMEMORY\tPROCS\tIDLE FOR")
-	n := 0
+	var shown []telemetry.HolderUse
 	for _, u := range snap.Holders {
-		if idleOnly && (!u.UtilKnown || u.IdleSeconds < 60) {
-			continue
+		if !idleOnly || (u.UtilKnown && u.IdleSeconds >= 60) {
+			shown = append(shown, u)
 		}
-		n++
+	}
+	mps := slices.ContainsFunc(shown, func(u telemetry.HolderUse) bool { return u.MPSThreadLimit > 0 })
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	header := "NAMESPACE\tPOD\tCONTAINER\tCLAIM\tGPU\tDEVICE\tSHARE\tSM%\tSM% 1H\tSM% 24H\tMEMORY\tPROCS\tIDLE FOR"
+	if mps {
+		header += "\tMPS LIMIT\tUSED OF LIMIT"
+	}
+	fmt.Fprintln(tw, header)
+	for _, u := range shown {
 		claim := "-"
 		if u.Claim != nil {
 			claim = u.Claim.Name
@@ -99,8 +106,13 @@ func writeTop(w io.Writer, snap *telemetry.HolderSnapshot, idleOnly bool) error 
 		if u.Attributed {
 			mem, procs = bytesIEC(u.FBBytes), strconv.Itoa(u.Processes)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", u.Namespace, u.Pod, u.Container, claim, u.GPU, heldDevice(u), holderShare(u),
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s", u.Namespace, u.Pod, u.Container, claim, u.GPU, heldDevice(u), holderShare(u),
 			pct(u.SM, u.UtilKnown), avg(u.SMAvg, "1h"), avg(u.SMAvg, "24h"), mem, procs, idleFor(u))
+		if mps {
+			limit, used := mpsUse(u)
+			fmt.Fprintf(tw, "\t%s\t%s", limit, used)
+		}
+		fmt.Fprintln(tw)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -109,7 +121,7 @@ func writeTop(w io.Writer, snap *telemetry.HolderSnapshot, idleOnly bool) error 
 	case snap.Time.IsZero():
 		_, err := fmt.Fprintln(w, "(the agent has not sampled its GPUs' processes yet)")
 		return err
-	case n == 0:
+	case len(shown) == 0:
 		_, err := fmt.Fprintln(w, "(no holders)")
 		return err
 	}
@@ -131,6 +143,21 @@ func holderShare(u telemetry.HolderUse) string {
 		return "alone"
 	}
 	return "1/" + strconv.Itoa(u.Sharers)
+}
+
+// mpsUse is a holder's MPS active-thread limit and its SM % as a part of
+// that limit ("-" for a holder that is no MPS client, or whose SM % is
+// not known). The use is not capped: a client whose kernels run all the
+// time reads over 100%.
+func mpsUse(u telemetry.HolderUse) (limit, used string) {
+	if u.MPSThreadLimit <= 0 {
+		return "-", "-"
+	}
+	limit, used = strconv.Itoa(u.MPSThreadLimit)+"%", "-"
+	if u.UtilKnown {
+		used = pct(u.MPSLimitUsed, true) + "%"
+	}
+	return limit, used
 }
 
 func pct(v float64, known bool) string {

@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -169,4 +171,84 @@ func collapsed(s string) []string {
 		lines = append(lines, strings.TrimSpace(spaces.ReplaceAllString(l, " ")))
 	}
 	return lines
+}
+
+// TestTopMPS: where a holder is an MPS client, top shows its active-thread
+// limit and its SM % as a part of it, and status the same in one column;
+// "-" for a holder that is no client, or whose SM % is not known. Without
+// MPS clients neither has the columns.
+func TestTopMPS(t *testing.T) {
+	body, err := os.ReadFile(filepath.Join("testdata", "holders", "mps.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var snap telemetry.HolderSnapshot
+	if err := json.Unmarshal(body, &snap); err != nil {
+		t.Fatal(err)
+	}
+	noMPS := telemetry.HolderSnapshot{Time: snap.Time, Holders: snap.Holders[3:]}
+	for _, tc := range []struct {
+		name   string
+		snap   *telemetry.HolderSnapshot
+		write  func(io.Writer, *telemetry.HolderSnapshot) error
+		want   []string
+		absent []string
+	}{
+		{
+			name:  "top",
+			snap:  &snap,
+			write: func(w io.Writer, s *telemetry.HolderSnapshot) error { return writeTop(w, s, false) },
+			want: []string{
+				"NAMESPACE POD CONTAINER CLAIM GPU DEVICE SHARE SM% SM% 1H SM% 24H MEMORY PROCS IDLE FOR MPS LIMIT USED OF LIMIT",
+				"ml mps-a main mps-a 0 whole 1/2 25 - - 2.0 GiB 1 active 50% 50%",
+				"ml mps-b main - 0 whole 1/2 60 - - 4.0 GiB 1 active 25% 240%",
+				"ml mps-new main - 0 whole 1/2 - - - 0 B 0 - 25% -",
+				"ml alone main - 1 whole alone 70 - - 1.0 GiB 1 active - -",
+			},
+		},
+		{
+			name:   "top without MPS clients",
+			snap:   &noMPS,
+			write:  func(w io.Writer, s *telemetry.HolderSnapshot) error { return writeTop(w, s, false) },
+			want:   []string{"ml alone main - 1 whole alone 70 - - 1.0 GiB 1 active"},
+			absent: []string{"MPS"},
+		},
+		{
+			name:  "status",
+			snap:  &snap,
+			write: func(w io.Writer, s *telemetry.HolderSnapshot) error { return writeStatusHolders(w, s, nil) },
+			want: []string{
+				"HOLDER GPU DEVICE SHARE SM% MEMORY IDLE FOR MPS USED OF LIMIT",
+				"ml/mps-a/main (claim mps-a) 0 whole 1/2 25 2.0 GiB active 50% of 50%",
+				"ml/mps-b/main 0 whole 1/2 60 4.0 GiB active 240% of 25%",
+				"ml/mps-new/main 0 whole 1/2 - 0 B - - of 25%",
+				"ml/alone/main 1 whole alone 70 1.0 GiB active -",
+			},
+		},
+		{
+			name:   "status without MPS clients",
+			snap:   &noMPS,
+			write:  func(w io.Writer, s *telemetry.HolderSnapshot) error { return writeStatusHolders(w, s, nil) },
+			want:   []string{"ml/alone/main 1 whole alone 70 1.0 GiB active"},
+			absent: []string{"MPS"},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var out bytes.Buffer
+			if err := tc.write(&out, tc.snap); err != nil {
+				t.Fatal(err)
+			}
+			lines := collapsed(out.String())
+			for _, w := range tc.want {
+				if !slices.Contains(lines, w) {
+					t.Errorf("no line %q in:\n%s", w, out.String())
+				}
+			}
+			for _, a := range tc.absent {
+				if strings.Contains(out.String(), a) {
+					t.Errorf("%q in:\n%s", a, out.String())
+				}
+			}
+		})
+	}
 }

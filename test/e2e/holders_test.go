@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"testing"
@@ -33,6 +34,8 @@ type holderUse struct {
 	Device      string  `json:"device"`
 	MIGProfile  string  `json:"migProfile"`
 	MPS         bool    `json:"mps"`
+	MPSLimit    int     `json:"mpsActiveThreadPercent"`
+	MPSUsed     float64 `json:"mpsLimitUsedPercent"`
 	Namespace   string  `json:"namespace"`
 	Pod         string  `json:"pod"`
 	Container   string  `json:"container"`
@@ -428,9 +431,27 @@ configs:
 	loads := []holderLoad{{"mps-a", 25, 2 << 30}, {"mps-b", 60, 4 << 30}}
 	sharedClaimsOnGPU0(t, c, agent, loads)
 	checkClaimSeries(t, c, agent, loads, `,"mps":true`)
+	// Each claim takes the class's default share, 1 of the GPU's 2: its client's
+	// CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is that part of 100 (agent/prepare.go, mpsClient).
+	const limit = 100 / 2
 	for _, l := range loads {
-		if h, _ := holderOf(t, agent, l.pod); !h.MPS || h.Processes != 1 {
-			t.Errorf("/holders: %+v; want its one process, an MPS client", h)
+		used := float64(l.sm) * 100 / limit // 25% SM of a 50% limit: 50; 60%: 120
+		if h, _ := holderOf(t, agent, l.pod); !h.MPS || h.Processes != 1 || h.MPSLimit != limit || math.Abs(h.MPSUsed-used) > 1 {
+			t.Errorf("/holders: %+v; want its one process, an MPS client, limit %d%%, %g%% of it used", h, limit, used)
+		} else {
+			t.Logf("%s: MPS limit %d%%, %g%% of it used (SM %g%%)", l.pod, h.MPSLimit, h.MPSUsed, h.SM)
+		}
+		labels := append([]string{`gpu="0"`, `pod="` + l.pod + `"`}, draHolderLabels(c, l.pod)...)
+		for _, w := range []struct {
+			metric string
+			want   float64
+		}{
+			{"gpu_agent_holder_mps_active_thread_limit_percent", limit},
+			{"gpu_agent_holder_mps_limit_used_percent", used},
+		} {
+			if v, ok := seriesValue(t, agent, w.metric, labels...); !ok || math.Abs(v-w.want) > 1 {
+				t.Errorf("%s%v = %g (found: %v), want %g", w.metric, labels, v, ok, w.want)
+			}
 		}
 	}
 }
