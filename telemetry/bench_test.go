@@ -11,6 +11,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/podresources"
 )
@@ -23,10 +24,10 @@ import (
 //
 //	go test ./telemetry -run '^$' -bench 'Scrape$' -benchmem
 func BenchmarkScrape(b *testing.B) {
-	clk := newClock()
-	n := newNode(b, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.now))
-	createMIG(b, n, 7)
-	inv := inventory(b, n)
+	clk := simtest.NewClock()
+	n := simtest.Node(b, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.Now))
+	simtest.CreateMIG(b, n, 7)
+	inv := simtest.Inventory(b, n)
 
 	s := newSampler(n, clk)
 	s.SetInventory(inv)
@@ -70,15 +71,15 @@ func BenchmarkScrape(b *testing.B) {
 
 // BenchmarkSample measures one sampling pass (the NVML side, off the scrape path).
 func BenchmarkSample(b *testing.B) {
-	clk := newClock()
-	n := newNode(b, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.now))
-	createMIG(b, n, 7)
+	clk := simtest.NewClock()
+	n := simtest.Node(b, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.Now))
+	simtest.CreateMIG(b, n, 7)
 	s := newSampler(n, clk)
-	s.SetInventory(inventory(b, n))
+	s.SetInventory(simtest.Inventory(b, n))
 	s.Sample() // GPM's first samples
 	b.ReportAllocs()
 	for b.Loop() {
-		clk.add(10 * time.Second) // a pass an interval after the last: every GPM source samples
+		clk.Add(10 * time.Second) // a pass an interval after the last: every GPM source samples
 		s.Sample()
 	}
 }

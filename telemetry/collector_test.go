@@ -19,6 +19,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/health"
 	"github.com/gpu-agent/gpu-agent/podresources"
 )
@@ -48,9 +49,9 @@ func pod(ns, name, container, resource string, ids ...string) *podresourcesv1.Po
 // beforeValues (nil: none) runs once the GPUs are laid out, before their
 // telemetry values (ECC counts, remapped rows) are set: a health watcher
 // started then sees only the faults it is shown.
-func goldenNode(t *testing.T, clk *fakeClock, beforeValues func(*sim.Node, *gpu.Inventory)) (*sim.Node, *gpu.Inventory) {
+func goldenNode(t *testing.T, clk *simtest.Clock, beforeValues func(*sim.Node, *gpu.Inventory)) (*sim.Node, *gpu.Inventory) {
 	t.Helper()
-	n := newNode(t, "dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithClock(clk.now))
+	n := simtest.Node(t, "dgx-h100", sim.WithImmediateMIGModeChange(), sim.WithClock(clk.Now))
 	dev, _ := n.DeviceGetHandleByIndex(0)
 	if _, r := dev.SetMigMode(nvml.DEVICE_MIG_ENABLE); r != nvml.SUCCESS {
 		t.Fatalf("SetMigMode: %v", r)
@@ -69,7 +70,7 @@ func goldenNode(t *testing.T, clk *fakeClock, beforeValues func(*sim.Node, *gpu.
 			t.Fatal(r)
 		}
 	}
-	inv := inventory(t, n)
+	inv := simtest.Inventory(t, n)
 	inv.GPUs = inv.GPUs[:2]
 	if beforeValues != nil {
 		beforeValues(n, inv)
@@ -113,7 +114,7 @@ func scrape(tb testing.TB, c prometheus.Collector, reg *prometheus.Registry) str
 
 func goldenCollector(t *testing.T) (*Collector, *gpu.Inventory) {
 	t.Helper()
-	clk := newClock()
+	clk := simtest.NewClock()
 	// GPU 1 had XIDs 13 and 48 (which marks it until reset) and a
 	// single-bit ECC error, as the health watcher saw them.
 	var st *health.State
@@ -282,8 +283,8 @@ func TestCollectorSemantics(t *testing.T) {
 func itoa(i int) string { return strconv.Itoa(i) }
 
 func TestSamplerLostAndNotSupported(t *testing.T) {
-	n := newNode(t, "pcie-4gpu")
-	inv := inventory(t, n)
+	n := simtest.Node(t, "pcie-4gpu")
+	inv := simtest.Inventory(t, n)
 	s := NewSampler(n, SamplerOptions{})
 	s.SetInventory(inv)
 	s.Sample()
@@ -323,8 +324,8 @@ func TestNVMLBusID(t *testing.T) {
 // series per holder, not one per MIG device: those would carry the same
 // labels, and a registry refuses duplicates (the whole scrape fails).
 func TestCollectorComputeInstancesShareTheirGPUInstance(t *testing.T) {
-	clk := newClock()
-	n := newNode(t, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.now))
+	clk := simtest.NewClock()
+	n := simtest.Node(t, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.Now))
 	dev, _ := n.DeviceGetHandleByIndex(0)
 	info, _ := dev.GetGpuInstanceProfileInfo(nvml.GPU_INSTANCE_PROFILE_2_SLICE)
 	gi, r := dev.CreateGpuInstance(&info)
@@ -337,7 +338,7 @@ func TestCollectorComputeInstancesShareTheirGPUInstance(t *testing.T) {
 			t.Fatal(r)
 		}
 	}
-	inv := inventory(t, n)
+	inv := simtest.Inventory(t, n)
 	ins := inv.GPUs[0].Instances
 	if len(ins) != 2 || ins[0].GI != ins[1].GI {
 		t.Fatalf("want two MIG devices in one GPU instance, got %+v", ins)

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/podresources"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 )
@@ -34,7 +35,7 @@ func (f fixedDRA) DRADevice(h podresources.DRAHold) (DRADevice, bool) {
 }
 
 func TestCollectorLabelsDRAHolders(t *testing.T) {
-	clk := newClock()
+	clk := simtest.NewClock()
 	n, inv := goldenNode(t, clk, nil)
 	s := newSampler(n, clk)
 	s.SetInventory(inv)

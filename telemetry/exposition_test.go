@@ -300,7 +300,7 @@ func TestExpositionFollowsPasses(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- e.Run(ctx) }()
 	defer func() { cancel(); <-done }()
-	r.clk.add(10 * time.Second)
+	r.clk.Add(10 * time.Second)
 	r.s.Sample()
 	e.Kick()
 	testwait.For(t, "a rendering of the new sample", func() bool { return e.cur.Load().in.snap == r.s.Snapshot() })

@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/podresources"
 )
 
@@ -45,7 +46,7 @@ func BenchmarkHolderScrape(b *testing.B) {
 	r := newHolderBench(b, 100)
 	b.Run("pass", func(b *testing.B) {
 		for b.Loop() {
-			r.clk.add(10 * time.Second)
+			r.clk.Add(10 * time.Second)
 			r.tr.Pass()
 		}
 	})
@@ -172,7 +173,7 @@ func BenchmarkHolderMemory(b *testing.B) {
 					b.Fatal(rec.Code, rec.Body)
 				}
 			}
-			r.clk.add(10 * time.Second)
+			r.clk.Add(10 * time.Second)
 			r.tr.Pass()
 			r.s.Sample()
 		}
@@ -222,7 +223,7 @@ func scrapeBench(b *testing.B, h http.Handler, header http.Header) {
 }
 
 type holderBench struct {
-	clk  *fakeClock
+	clk  *simtest.Clock
 	s    *Sampler
 	tr   *HolderTracker
 	col  *Collector
@@ -237,9 +238,9 @@ func newHolderBench(b *testing.B, holders int) *holderBench {
 // simulated node runs the processes, before anything of the agent's
 // exists.
 func newHolderBenchMarked(b *testing.B, holders int, mark func(stage string)) *holderBench {
-	r := &holderRig{t: nil, clk: newClock(), attr: &settableAttribution{}}
-	r.n = newNode(b, "dgx-h100", simClock(r.clk))
-	r.inv = inventory(b, r.n)
+	r := &holderRig{t: nil, clk: simtest.NewClock(), attr: &settableAttribution{}}
+	r.n = simtest.Node(b, "dgx-h100", simClock(r.clk))
+	r.inv = simtest.Inventory(b, r.n)
 	var pods []*podresourcesv1.PodResources
 	for i := range holders {
 		g := r.inv.GPUs[i%8]
@@ -253,13 +254,13 @@ func newHolderBenchMarked(b *testing.B, holders int, mark func(stage string)) *h
 	mark("node")
 	r.attr.a = podresources.NewAttribution(pods, nil)
 	opts := HolderOptions{}
-	opts.Owners, opts.Pods, opts.Attribution, opts.Now = simResolver(r.n), r, r.attr, r.clk.now
+	opts.Owners, opts.Pods, opts.Attribution, opts.Now = simResolver(r.n), r, r.attr, r.clk.Now
 	r.tr = NewHolderTracker(r.n, opts)
 	r.tr.SetInventory(r.inv)
 	// A day of passes behind every holder, so each has its 288 buckets.
 	for range 24 * 12 {
-		r.clk.add(5 * time.Minute)
-		r.tr.lastPass = r.clk.now().Add(-10 * time.Second)
+		r.clk.Add(5 * time.Minute)
+		r.tr.lastPass = r.clk.Now().Add(-10 * time.Second)
 		r.tr.Pass()
 	}
 	r.s = newSampler(r.n, r.clk)

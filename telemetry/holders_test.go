@@ -21,6 +21,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/podresources"
 	"github.com/gpu-agent/gpu-agent/usage"
 )
@@ -58,7 +59,7 @@ func (w workload) pod() *corev1.Pod {
 // holderRig is a simulated node with a HolderTracker and a Collector over it.
 type holderRig struct {
 	t    *testing.T
-	clk  *fakeClock
+	clk  *simtest.Clock
 	n    *sim.Node
 	inv  *gpu.Inventory
 	attr *settableAttribution
@@ -70,13 +71,13 @@ type holderRig struct {
 }
 
 func newHolderRig(t *testing.T, profile string, opts HolderOptions) *holderRig {
-	clk := newClock()
-	n := newNode(t, profile, sim.WithClock(clk.now))
-	r := &holderRig{t: t, clk: clk, n: n, inv: inventory(t, n), attr: &settableAttribution{}}
+	clk := simtest.NewClock()
+	n := simtest.Node(t, profile, sim.WithClock(clk.Now))
+	r := &holderRig{t: t, clk: clk, n: n, inv: simtest.Inventory(t, n), attr: &settableAttribution{}}
 	opts.Owners = usage.SimResolver{Src: n}
 	opts.Pods = r
 	opts.Attribution = r.attr
-	opts.Now = clk.now
+	opts.Now = clk.Now
 	r.tr = NewHolderTracker(n, opts)
 	r.tr.SetInventory(r.inv)
 	r.s = newSampler(n, clk)
@@ -102,7 +103,7 @@ func (r *holderRig) scrape() string {
 
 func (r *holderRig) PodIndex() *usage.PodIndex { return usage.NewPodIndex(r.pods) }
 
-func simClock(c *fakeClock) sim.Option { return sim.WithClock(c.now) }
+func simClock(c *simtest.Clock) sim.Option { return sim.WithClock(c.Now) }
 
 func simResolver(n *sim.Node) usage.SimResolver { return usage.SimResolver{Src: n} }
 
@@ -119,7 +120,7 @@ func (r *holderRig) start(gpu int, pid uint32, w workload, sm uint32, mem uint64
 // passes moves the clock by step n times, a pass after each.
 func (r *holderRig) passes(n int, step time.Duration) {
 	for range n {
-		r.clk.add(step)
+		r.clk.Add(step)
 		r.tr.Pass()
 	}
 }
@@ -334,23 +335,23 @@ func TestHolderStateAcrossRestart(t *testing.T) {
 	r.passes(31, 10*time.Second) // 5 min
 	must(t, r.n.StopProcess(0, 50))
 	r.tr.passMu.Lock()
-	r.tr.save(r.clk.now())
+	r.tr.save(r.clk.Now())
 	r.tr.passMu.Unlock()
 	if err := r.tr.SaveError(); err != nil {
 		t.Fatal(err)
 	}
 
 	// The agent is down for an hour.
-	r.clk.add(time.Hour)
+	r.clk.Add(time.Hour)
 	attrSrc := &settableAttribution{}
-	again := NewHolderTracker(r.n, HolderOptions{StatePath: path, Owners: usage.SimResolver{Src: r.n}, Pods: r, Attribution: attrSrc, Now: r.clk.now})
+	again := NewHolderTracker(r.n, HolderOptions{StatePath: path, Owners: usage.SimResolver{Src: r.n}, Pods: r, Attribution: attrSrc, Now: r.clk.Now})
 	again.SetInventory(r.inv)
 	again.Pass()
 	if len(again.state) != 2 {
 		t.Fatalf("%d records before the kubelet answered, want both kept", len(again.state))
 	}
 	attrSrc.a = attr
-	r.clk.add(10 * time.Second)
+	r.clk.Add(10 * time.Second)
 	again.Pass()
 	got := map[string]HolderUse{}
 	for _, u := range again.Holders().Holders {
@@ -389,7 +390,7 @@ func TestHolderStateForwardCompatible(t *testing.T) {
 	}
 	path := filepath.Join(t.TempDir(), HolderStateFile)
 	must(t, os.WriteFile(path, []byte("{torn"), 0o644))
-	if tr := NewHolderTracker(newNode(t, "pcie-8gpu"), HolderOptions{StatePath: path}); len(tr.state) != 0 {
+	if tr := NewHolderTracker(simtest.Node(t, "pcie-8gpu"), HolderOptions{StatePath: path}); len(tr.state) != 0 {
 		t.Errorf("torn file restored %d records", len(tr.state))
 	}
 }

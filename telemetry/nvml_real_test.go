@@ -9,6 +9,7 @@ import (
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/health"
 )
 
@@ -24,7 +25,7 @@ func TestRealNVML(t *testing.T) {
 		t.Fatalf("nvml Init: %v", ret)
 	}
 	defer lib.Shutdown()
-	inv := inventory(t, lib)
+	inv := simtest.Inventory(t, lib)
 
 	w := health.NewWatcher(lib, health.Policy{ProbeInterval: 50 * time.Millisecond}, health.WatcherOptions{WaitTimeout: 50 * time.Millisecond})
 	w.SetInventory(inv)

@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 	"github.com/gpu-agent/gpu-agent/internal/testwait"
 )
 
@@ -118,14 +119,14 @@ func TestSeriesPerModel(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			clk := newClock()
-			n := newNode(t, tt.profile, append(tt.opts, sim.WithClock(clk.now))...)
+			clk := simtest.NewClock()
+			n := simtest.Node(t, tt.profile, append(tt.opts, sim.WithClock(clk.Now))...)
 			if tt.migs > 0 {
-				createMIG(t, n, tt.migs)
+				simtest.CreateMIG(t, n, tt.migs)
 			}
 			must(t, n.SetUtilization(0, 60, 30))
 			must(t, n.SetCodecUtilization(0, 5, 7))
-			inv := inventory(t, n)
+			inv := simtest.Inventory(t, n)
 			for _, in := range inv.GPUs[0].Instances {
 				must(t, n.SetInstanceUtilization(0, in.GI, 40, 20))
 			}
@@ -163,11 +164,11 @@ func near(got, want float64) bool {
 // ratios from percentages, bytes/s from MiB/s, averaged over the time
 // between two passes, and the NVLink counter integrating the same load.
 func TestGPMMetricMath(t *testing.T) {
-	clk := newClock()
-	n := newNode(t, "dgx-h100", sim.WithClock(clk.now))
+	clk := simtest.NewClock()
+	n := simtest.Node(t, "dgx-h100", sim.WithClock(clk.Now))
 	must(t, n.SetUtilization(0, 80, 40))
 	s := newSampler(n, clk)
-	s.SetInventory(inventory(t, n))
+	s.SetInventory(simtest.Inventory(t, n))
 	s.Sample() // t0: first sample, then the second gpmFirstGap later
 
 	// The load model's mix (gpu/sim/telemetry.go) at utilization u, memory
@@ -194,9 +195,9 @@ func TestGPMMetricMath(t *testing.T) {
 	check("first pass (over its own 200ms)", want(0.8, 0.4))
 
 	// 5s at 80%/40%, then 5s at 20%/10%: the next pass reports the mean.
-	clk.add(5 * time.Second)
+	clk.Add(5 * time.Second)
 	must(t, n.SetUtilization(0, 20, 10))
-	clk.add(5 * time.Second)
+	clk.Add(5 * time.Second)
 	s.Sample()
 	check("second pass", want(0.5, 0.25))
 
@@ -217,16 +218,16 @@ func TestGPMMetricMath(t *testing.T) {
 // wait for nothing; a new MIG layout starts its instances afresh; samples
 // of GPUs gone from the inventory are freed, and all of them on release.
 func TestGPMSamplesLifecycle(t *testing.T) {
-	clk := newClock()
-	n := newNode(t, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.now))
-	createMIG(t, n, 1)
+	clk := simtest.NewClock()
+	n := simtest.Node(t, "dgx-h100", sim.WithMIGEnabled(), sim.WithClock(clk.Now))
+	simtest.CreateMIG(t, n, 1)
 	must(t, n.SetInstanceUtilization(7, 1, 60, 30)) // createMIG's first instance is GI 1
 	s := newSampler(n, clk)
-	s.SetInventory(inventory(t, n))
+	s.SetInventory(simtest.Inventory(t, n))
 
 	s.Sample()
-	if !slices.Equal(clk.slept, []time.Duration{gpmFirstGap}) {
-		t.Fatalf("first pass slept %v, want one %v", clk.slept, gpmFirstGap)
+	if !slices.Equal(clk.Slept, []time.Duration{gpmFirstGap}) {
+		t.Fatalf("first pass slept %v, want one %v", clk.Slept, gpmFirstGap)
 	}
 	if _, ok := s.Snapshot().GPUs[7].Instances[0].Values.Get(FieldGrEngineActive); !ok {
 		t.Error("first pass has no per-instance engine activity")
@@ -248,10 +249,10 @@ func TestGPMSamplesLifecycle(t *testing.T) {
 	if got := n.GPMSamplesAllocated(); got != 16 {
 		t.Errorf("%d GPM samples held after an immediate pass, want 16", got)
 	}
-	clk.add(10 * time.Second)
+	clk.Add(10 * time.Second)
 	s.Sample()
-	if len(clk.slept) != 1 {
-		t.Errorf("steady passes slept: %v", clk.slept)
+	if len(clk.Slept) != 1 {
+		t.Errorf("steady passes slept: %v", clk.Slept)
 	}
 
 	// A second instance on GPU 0: a new layout, whose instances start over.
@@ -265,12 +266,12 @@ func TestGPMSamplesLifecycle(t *testing.T) {
 	if _, r := gi.CreateComputeInstance(&ci); r != nvml.SUCCESS {
 		t.Fatal(r)
 	}
-	inv := inventory(t, n)
+	inv := simtest.Inventory(t, n)
 	s.SetInventory(inv)
-	clk.add(10 * time.Second)
+	clk.Add(10 * time.Second)
 	s.Sample()
-	if len(clk.slept) != 2 {
-		t.Errorf("pass after a layout change slept %v, want a second wait", clk.slept)
+	if len(clk.Slept) != 2 {
+		t.Errorf("pass after a layout change slept %v, want a second wait", clk.Slept)
 	}
 	for k, in := range s.Snapshot().GPUs[0].Instances {
 		if _, ok := in.Values.Get(FieldGrEngineActive); !ok {
@@ -320,11 +321,11 @@ func TestNotSupportedIsAbsent(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.profile+"/"+tt.call+"/"+tt.ret.String(), func(t *testing.T) {
-			clk := newClock()
-			n := newNode(t, tt.profile, sim.WithClock(clk.now))
+			clk := simtest.NewClock()
+			n := simtest.Node(t, tt.profile, sim.WithClock(clk.Now))
 			must(t, n.SetUtilization(0, 50, 50))
 			s := newSampler(n, clk)
-			s.SetInventory(inventory(t, n))
+			s.SetInventory(simtest.Inventory(t, n))
 			must(t, n.FailCalls(0, tt.call, tt.ret, 1))
 			s.Sample()
 			for _, f := range tt.gone {
@@ -335,7 +336,7 @@ func TestNotSupportedIsAbsent(t *testing.T) {
 					t.Errorf("pass 1: field %d absent on GPU 1 too", f)
 				}
 			}
-			clk.add(10 * time.Second)
+			clk.Add(10 * time.Second)
 			s.Sample()
 			for _, f := range tt.gone {
 				if _, ok := s.Snapshot().GPUs[0].Values.Get(f); ok != tt.back {
@@ -354,17 +355,17 @@ func TestNotSupportedIsAbsent(t *testing.T) {
 // TestRunFirstPassComplete: Run's first pass after an inventory arrives
 // already has every series, GPM's included, without waiting an interval.
 func TestRunFirstPassComplete(t *testing.T) {
-	clk := newClock()
-	n := newNode(t, "dgx-h100", sim.WithClock(clk.now))
+	clk := simtest.NewClock()
+	n := simtest.Node(t, "dgx-h100", sim.WithClock(clk.Now))
 	must(t, n.SetUtilization(3, 70, 10))
-	inv := inventory(t, n)
+	inv := simtest.Inventory(t, n)
 	ctx, cancel := context.WithCancel(context.Background())
 	var once sync.Once
 	s := NewSampler(n, SamplerOptions{
 		Interval: 24 * time.Hour, // a pass that waited for the ticker would hang the test
-		Now:      clk.now,
+		Now:      clk.Now,
 		Sleep: func(d time.Duration) {
-			clk.add(d)
+			clk.Add(d)
 			once.Do(cancel) // Run returns once this pass is published
 		},
 	})
@@ -425,10 +426,10 @@ func TestVGPULicense(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			n := newNode(t, "pcie-4gpu")
-			clk := newClock()
+			n := simtest.Node(t, "pcie-4gpu")
+			clk := simtest.NewClock()
 			s := newSampler(licensedNode{n, tt.lic}, clk)
-			s.SetInventory(inventory(t, n))
+			s.SetInventory(simtest.Inventory(t, n))
 			s.Sample()
 			got, ok := s.Snapshot().GPUs[0].Values.Get(FieldVGPULicense)
 			if (tt.want < 0) == ok || (ok && got != tt.want) {
@@ -441,12 +442,12 @@ func TestVGPULicense(t *testing.T) {
 // Defect: /metrics lacked the DCGM series for a whole sampling interval
 // after start (the first pass ran before the inventory arrived).
 func TestSamplerSamplesAsSoonAsInventoryArrives(t *testing.T) {
-	n := newNode(t, "pcie-4gpu")
+	n := simtest.Node(t, "pcie-4gpu")
 	s := NewSampler(n, SamplerOptions{Interval: time.Hour})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); _ = s.Run(ctx) }()
 	defer func() { cancel(); <-done }()
-	s.SetInventory(inventory(t, n))
+	s.SetInventory(simtest.Inventory(t, n))
 	testwait.For(t, "a sample of every GPU", func() bool { return len(s.Snapshot().GPUs) == 4 })
 }
