@@ -232,6 +232,7 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 // runAgent is `gpu-agent run`: it wires the agent's parts in the order they
 // depend on each other, runs them until ctx ends, and stops them.
 func runAgent(ctx context.Context, f runFlags, log *slog.Logger) error {
+	setMemoryLimit(log, os.ReadFile)
 	be, err := openBackend(f.backend, f.nvmlLib, log)
 	if err != nil {
 		return err
