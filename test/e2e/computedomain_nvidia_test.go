@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -499,10 +500,17 @@ func checkIMEXTest1(ctx context.Context, t *testing.T, rack *cdRack, objs []*uns
 	ns := only(t, objs, "Namespace").GetName()
 	replicas := 0
 	for _, o := range objs {
-		if o.GetKind() == "Deployment" {
-			r, _, _ := unstructured.NestedInt64(o.Object, "spec", "replicas")
-			replicas += int(r)
+		if o.GetKind() != "Deployment" {
+			continue
 		}
+		var d appsv1.Deployment
+		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &d); err != nil || d.Spec.Replicas == nil {
+			t.Fatalf("Deployment %s: %v, replicas %v", o.GetName(), err, d.Spec.Replicas)
+		}
+		replicas += int(*d.Spec.Replicas)
+	}
+	if replicas == 0 {
+		t.Fatal("the file has no Deployment with replicas: has NVIDIA's file changed?")
 	}
 	n.create(ctx, t, objs)
 	t.Cleanup(func() { n.delete(context.Background(), t, objs) })
