@@ -255,35 +255,41 @@ func (d *Driver) Stop() {
 }
 
 // HandleError implements kubeletplugin.DRAPlugin and the slice
-// controller's error handler. An API server that drops device taints
-// (off there) gets no tainted channel from then on; one that drops
-// binding conditions gets channels without them, and Prepare waits for
-// the domain's daemon instead ("Waiting for the domain" in
-// docs/compute-domains.md).
+// controller's error handler. A field the API server drops (its feature
+// is off there) is latched and the pool republished without it: no
+// tainted channel without taints, channels without binding conditions
+// (Prepare then waits for the domain's daemon, "Waiting for the domain"
+// in docs/compute-domains.md), channels without allowMultipleAllocations
+// (one channel claim per node). Each is said once in the log and stays on
+// /status.
 func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 	var dropped *resourceslice.DroppedFieldsError
-	if errors.As(err, &dropped) {
-		off := dropped.DisabledFeatures()
-		d.mu.Lock()
-		defer d.mu.Unlock()
-		was := d.dropped
-		if slices.Contains(off, "DRADeviceTaints") && !d.dropped.Taints {
-			d.dropped.Taints = true
-			d.log.Warn("IMEX: the API server drops device taints; channels of a faulty fabric are left out of the ResourceSlices", "err", err)
-		}
-		if slices.Contains(off, "DRADeviceBindingConditions") && !d.dropped.BindingConditions {
-			d.dropped.BindingConditions = true
-			d.log.Warn("IMEX: the API server drops binding conditions; channel claims' Prepare waits for the domain's daemon instead", "err", err)
-		}
-		if d.dropped != was {
-			d.updateLocked()
-			return
-		}
-		if slices.Contains(off, "DRADeviceTaints") || slices.Contains(off, "DRADeviceBindingConditions") {
-			return
+	if !errors.As(err, &dropped) {
+		d.log.Error("IMEX: "+msg, "err", err)
+		return
+	}
+	features := dropped.DisabledFeatures()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	changed := false
+	var unknown []string
+	for _, f := range features {
+		flag := d.dropped.flag(f)
+		switch {
+		case flag == nil:
+			unknown = append(unknown, f)
+		case !*flag:
+			*flag, changed = true, true
+			d.log.Warn("IMEX: the API server drops the fields of feature "+f+" (off there); from now on "+d.dropped.effect(f),
+				"feature", f, "err", err)
 		}
 	}
-	d.log.Error("IMEX: "+msg, "err", err)
+	if len(unknown) > 0 || len(features) == 0 {
+		d.log.Error("IMEX: "+msg, "err", err, "features", unknown)
+	}
+	if changed {
+		d.updateLocked()
+	}
 }
 
 // Refresh is called when the domains or the daemons changed: the node
@@ -486,7 +492,7 @@ func (d *Driver) prepareLocked(c *resourceapi.ResourceClaim) ([]kubeletplugin.De
 	out := make([]kubeletplugin.Device, 0, len(rec.Devices))
 	for _, dv := range rec.Devices {
 		out = append(out, kubeletplugin.Device{Requests: dv.Requests, PoolName: d.opts.NodeName, DeviceName: dv.Device,
-			CDIDeviceIDs: []string{cdi.IMEXDeviceName(string(rec.UID))}})
+			ShareID: dv.ShareID, CDIDeviceIDs: []string{cdi.IMEXDeviceName(string(rec.UID))}})
 	}
 	return out, nil
 }
@@ -499,20 +505,32 @@ func orElse(s, def string) string {
 }
 
 // newClaimLocked works out what claim c is: its devices of this driver in
-// this node's pool, its opaque config, and the channels it gets.
+// this node's pool, its opaque config, and the channels it gets. A channel
+// device is the name the scheduler allocated (channel-0 for NVIDIA's
+// default class, a share of it where the API server serves
+// allowMultipleAllocations, with a shareID per claim); the host channel
+// comes from the claim's domain alone.
 func (d *Driver) newClaimLocked(c *resourceapi.ResourceClaim) (PreparedClaim, error) {
 	rec := PreparedClaim{UID: c.UID, Namespace: c.Namespace, Name: c.Name}
 	if c.Status.Allocation == nil {
 		return rec, errors.New("not allocated")
 	}
-	byDevice := map[string]*ClaimDevice{}
+	type share struct {
+		device string
+		id     types.UID
+	}
+	byShare := map[share]int{}
 	var channelDevs, daemonDevs []string
 	for _, r := range c.Status.Allocation.Devices.Results {
 		if r.Driver != DriverName || r.Pool != d.opts.NodeName {
 			continue
 		}
-		if cd := byDevice[r.Device]; cd != nil {
-			cd.Requests = append(cd.Requests, r.Request)
+		key := share{device: r.Device}
+		if r.ShareID != nil {
+			key.id = *r.ShareID
+		}
+		if i, ok := byShare[key]; ok {
+			rec.Devices[i].Requests = append(rec.Devices[i].Requests, r.Request)
 			continue
 		}
 		switch _, isChannel := channelID(r.Device); {
@@ -523,8 +541,8 @@ func (d *Driver) newClaimLocked(c *resourceapi.ResourceClaim) (PreparedClaim, er
 		default:
 			return rec, fmt.Errorf("device %s: not one this driver publishes", r.Device)
 		}
-		rec.Devices = append(rec.Devices, ClaimDevice{Requests: []string{r.Request}, Device: r.Device})
-		byDevice[r.Device] = &rec.Devices[len(rec.Devices)-1]
+		byShare[key] = len(rec.Devices)
+		rec.Devices = append(rec.Devices, ClaimDevice{Requests: []string{r.Request}, Device: r.Device, ShareID: r.ShareID})
 	}
 	if len(rec.Devices) == 0 {
 		return rec, nil
@@ -719,6 +737,9 @@ type Status struct {
 	Waiting    map[string]string `json:"waiting,omitempty"`
 	Generation int64             `json:"generation"`
 	SaveError  string            `json:"saveError,omitempty"`
+	// FeaturesOff are the DRA features the API server drops the fields
+	// of, and what the node loses while each is off.
+	FeaturesOff []FeatureOff `json:"featuresOff,omitempty"`
 }
 
 // Status reports the clique, the pool's faults, the claims and each
@@ -727,7 +748,7 @@ func (d *Driver) Status() Status {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	s := Status{Driver: DriverName, Clique: d.fabric.Clique, Channels: d.pool.Channels, Faults: d.pool.Faults,
-		Claims: d.sortedClaimsLocked(), Generation: d.gen, SaveError: d.saveErr}
+		Claims: d.sortedClaimsLocked(), Generation: d.gen, SaveError: d.saveErr, FeaturesOff: d.dropped.Off()}
 	if d.hostErr != nil {
 		s.HostErr = d.hostErr.Error()
 	}

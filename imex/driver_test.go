@@ -416,7 +416,8 @@ func TestPoolAndFabricTaints(t *testing.T) {
 
 // The driver as the kubelet sees it: registered on its own sockets,
 // ResourceSlices of compute-domain.nvidia.com written through the API,
-// NodePrepareResources answered with the claim's CDI device.
+// NodePrepareResources answered with the claim's CDI device and its share
+// of the channel device.
 func TestDriverServesKubelet(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -424,6 +425,8 @@ func TestDriverServesKubelet(t *testing.T) {
 	domains := &fakeDomains{}
 	domains.put(domain("cd-1", "team", "job", cdv1.ComputeDomainNode{Name: "node-a", IPAddress: "10.0.0.1", CliqueID: clique7}))
 	claim := channelClaim("uid-1", "team", "node-a", "channel-0", "cd-1", "")
+	const shareID = "0b5e7d2c-3f41-4a8e-9c6d-1e2f3a4b5c6d"
+	claim.Status.Allocation.Devices.Results[0].ShareID = ptrUID(shareID)
 	client := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a", UID: "node-a-uid"}}, claim)
 	dir := t.TempDir()
 	if err := os.Mkdir(filepath.Join(dir, "registry"), 0o755); err != nil {
@@ -480,7 +483,7 @@ func TestDriverServesKubelet(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := resp.Claims["uid-1"]
-	if got.GetError() != "" || len(got.GetDevices()) != 1 || got.Devices[0].DeviceName != "channel-0" ||
+	if got.GetError() != "" || len(got.GetDevices()) != 1 || got.Devices[0].DeviceName != "channel-0" || got.Devices[0].GetShareId() != shareID ||
 		!slices.Equal(got.Devices[0].CdiDeviceIds, []string{cdi.IMEXDeviceName("uid-1")}) {
 		t.Fatalf("NodePrepareResources: %+v", got)
 	}

@@ -71,6 +71,7 @@ func FuzzParseCharMajor(f *testing.F) {
 // The checkpoint decoder refuses what the driver cannot have written.
 func FuzzDecodeState(f *testing.F) {
 	f.Add([]byte(`{"version":1,"minor":0,"claims":[{"uid":"a","namespace":"n","name":"c","kind":"channel","domain":"d","devices":[{"requests":["r"],"device":"channel-0"}],"channels":[3]}]}`))
+	f.Add([]byte(`{"version":1,"minor":1,"claims":[{"uid":"a","namespace":"n","name":"c","kind":"channel","domain":"d","devices":[{"requests":["r"],"device":"channel-0","shareID":"9f0c2b8e-5d0a-4c1e-8a43-2f7d0b1e6c55"}],"channels":[3]}]}`))
 	f.Add([]byte(`{"version":2}`))
 	f.Add([]byte(`{"version":1,"claims":[{"uid":"a","kind":"x","domain":"d"}]}`))
 	f.Fuzz(func(t *testing.T, b []byte) {

@@ -150,6 +150,63 @@ type Dropped struct {
 	Taints bool
 	// BindingConditions: DRADeviceBindingConditions (before 1.36).
 	BindingConditions bool
+	// Sharing: DRAConsumableCapacity (before 1.36), whose
+	// allowMultipleAllocations lets the scheduler give one channel device
+	// to several claims. Without it the channels are published as
+	// ordinary devices, and since NVIDIA's default channel class selects
+	// channel-0 alone, a node serves one channel claim at a time.
+	Sharing bool
+}
+
+// droppedFeatures are the features whose fields Dropped latches, with
+// what the node loses while each is off, in the order /status lists them.
+var droppedFeatures = []struct{ name, effect string }{
+	{"DRADeviceTaints", "the channels of a faulty fabric are left out of the ResourceSlices"},
+	{"DRADeviceBindingConditions", "channel claims are bound at once, and Prepare waits for the domain's daemon"},
+	{"DRAConsumableCapacity", "channels are published without allowMultipleAllocations: one channel claim per node " +
+		"(NVIDIA's default channel class selects channel-0 alone), so a second domain's pod, or a second pod of one domain, waits for another node"},
+}
+
+// flag is the field of x that latches feature, nil for a feature it does
+// not know.
+func (x *Dropped) flag(feature string) *bool {
+	switch feature {
+	case "DRADeviceTaints":
+		return &x.Taints
+	case "DRADeviceBindingConditions":
+		return &x.BindingConditions
+	case "DRAConsumableCapacity":
+		return &x.Sharing
+	}
+	return nil
+}
+
+// FeatureOff is a feature the API server has been seen to drop the
+// fields of, and what the node loses while it is off.
+type FeatureOff struct {
+	Feature string `json:"feature"`
+	Effect  string `json:"effect"`
+}
+
+// effect is what the node loses while feature is off.
+func (x Dropped) effect(feature string) string {
+	for _, f := range droppedFeatures {
+		if f.name == feature {
+			return f.effect
+		}
+	}
+	return ""
+}
+
+// Off lists the latched features (nil when none is).
+func (x Dropped) Off() []FeatureOff {
+	var out []FeatureOff
+	for _, f := range droppedFeatures {
+		if *x.flag(f.name) {
+			out = append(out, FeatureOff{Feature: f.name, Effect: f.effect})
+		}
+	}
+	return out
 }
 
 // Resources are the pool's ResourceSlices for the controller: the daemon
@@ -161,6 +218,16 @@ type Dropped struct {
 // its pod only once the controller says the domain's daemon on the node is
 // ready (ConditionDaemonReady), or allocates elsewhere when the node
 // cannot join (ConditionDaemonFailed), so Prepare never waits.
+//
+// Each channel allows multiple allocations (DRAConsumableCapacity) where
+// the API server keeps the field: NVIDIA's default channel class selects
+// channel-0 alone, and every workload claim on the node, of any domain,
+// is allocated that one device (a share of it, with a shareID of its
+// own). The device is a name the class can select, not a host channel:
+// Prepare gives each claim its domain's channel. No capacity is
+// published, so the shares are not counted: the host channels a node
+// can give out are limited by Prepare, which refuses a domain when all
+// are held by others.
 func Resources(node string, p Pool, gen int64, drop Dropped) resourceslice.DriverResources {
 	noTaints := drop.Taints
 	devices := []resourceapi.Device{{Name: DaemonDevice, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
@@ -180,6 +247,9 @@ func Resources(node string, p Pool, gen int64, drop Dropped) resourceslice.Drive
 		}}
 		if len(taints) > 0 && !noTaints {
 			d.Taints = slices.Clone(taints)
+		}
+		if !drop.Sharing {
+			d.AllowMultipleAllocations = ptr.To(true)
 		}
 		if !drop.BindingConditions {
 			d.BindingConditions = []string{ConditionDaemonReady}

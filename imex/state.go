@@ -17,8 +17,9 @@ import (
 // StateFile is the driver's checkpoint in the agent's state directory.
 const StateFile = "compute-domain.json"
 
-// stateFormat is the checkpoint's format: 1.0 is the first.
-var stateFormat = stateformat.Format{Reads: []stateformat.Version{{Major: 1, Minor: 0}}}
+// stateFormat is the checkpoint's format: 1.0 is the first; 1.1 adds a
+// device's shareID (a 1.0 reader answers Prepare without it, as 1.0 did).
+var stateFormat = stateformat.Format{Reads: []stateformat.Version{{Major: 1, Minor: 1}}}
 
 // maxStateBytes bounds the checkpoint: a claim record is some hundred
 // bytes, and a node has at most as many claims as channels.
@@ -51,10 +52,14 @@ type PreparedClaim struct {
 	Channels []int `json:"channels,omitempty"`
 }
 
-// ClaimDevice is one allocated device of a claim.
+// ClaimDevice is one allocated device of a claim: a device, or one share
+// of a device that allows multiple allocations.
 type ClaimDevice struct {
 	Requests []string `json:"requests"`
 	Device   string   `json:"device"`
+	// ShareID is the allocation's share of the device (DRAConsumableCapacity),
+	// nil for a device allocated whole.
+	ShareID *types.UID `json:"shareID,omitempty"`
 }
 
 // checkpoint is the file's content.

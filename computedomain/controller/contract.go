@@ -25,6 +25,10 @@ const (
 	DriverName = "compute-domain.nvidia.com"
 	// DeviceClassChannel selects a node's channel 0 (NVIDIA's default
 	// channel class); the workload template asks for one device of it.
+	// The node side publishes its channels with allowMultipleAllocations,
+	// so every workload claim on a node, of any domain, is allocated a
+	// share of that device (a result with a shareID), and Prepare gives
+	// each its domain's own host channel.
 	DeviceClassChannel = "compute-domain-default-channel.nvidia.com"
 	// DeviceClassDaemon selects a node's daemon device.
 	DeviceClassDaemon = "compute-domain-daemon.nvidia.com"

@@ -362,8 +362,7 @@ func (c *Controller) conditionsInFlight(claim *resourcev1.ResourceClaim) bool {
 // deviceStatus is claim's status.devices entry of r, added if absent.
 func deviceStatus(claim *resourcev1.ResourceClaim, r resourcev1.DeviceRequestAllocationResult) *resourcev1.AllocatedDeviceStatus {
 	for i := range claim.Status.Devices {
-		d := &claim.Status.Devices[i]
-		if d.Driver == r.Driver && d.Pool == r.Pool && d.Device == r.Device && ptrEqual(d.ShareID, r.ShareID) {
+		if d := &claim.Status.Devices[i]; isStatusOf(d, r) {
 			return d
 		}
 	}
@@ -377,6 +376,15 @@ func shareID(id *types.UID) *string {
 	}
 	s := string(*id)
 	return &s
+}
+
+// isStatusOf: d is the status.devices entry of result r. The API server
+// keys both by driver, pool, device and shareID: a channel that allows
+// multiple allocations (the node side publishes its channels so) is one
+// device with a share per claim, or per request of one claim, and each
+// share's condition is its own.
+func isStatusOf(d *resourcev1.AllocatedDeviceStatus, r resourcev1.DeviceRequestAllocationResult) bool {
+	return d.Driver == r.Driver && d.Pool == r.Pool && d.Device == r.Device && ptrEqual(d.ShareID, r.ShareID)
 }
 
 func ptrEqual(a *string, b *types.UID) bool {
@@ -393,7 +401,7 @@ func condition(typ, reason, msg string, generation int64) *metav1.Condition {
 
 func hasTrue(claim *resourcev1.ResourceClaim, r resourcev1.DeviceRequestAllocationResult, typ string) bool {
 	for _, d := range claim.Status.Devices {
-		if d.Driver != r.Driver || d.Pool != r.Pool || d.Device != r.Device {
+		if !isStatusOf(&d, r) {
 			continue
 		}
 		for _, cond := range d.Conditions {

@@ -75,6 +75,12 @@ func (n *cdNode) simRoot() string  { return filepath.Join(n.agentDir(), "root") 
 //     and none on the clique-2 node;
 //   - the real kubelets prepare the claims and each container has its four GPUs and exactly one channel, a
 //     character device with the host channel's numbers, the same channel on both nodes;
+//   - a second domain, whose two-worker job (no GPUs: the first's workers hold them all) lands on the same two
+//     clique-1 nodes while the first runs, turns Ready too: NVIDIA's default channel class selects channel-0
+//     alone, which the node sides publish with allowMultipleAllocations, so the scheduler allocates every
+//     worker's claim a share of it (a shareID), and each domain's workers have their own domain's host channel,
+//     the same on both nodes and another than the first's; deleting it leaves the first's workers and daemons
+//     running and the first Ready;
 //   - a pod with a claim from the domain's daemon template gets the domain's identity in its environment;
 //   - a node that fails (its kubelet, agent and IMEX daemon killed) leaves status.nodes once its Node is
 //     NotReady, the other keeps its index and its daemon (reloaded, not restarted) and turns Ready alone, its
@@ -89,6 +95,10 @@ func TestComputeDomainKubelets(t *testing.T) {
 
 	// The domain and the job, as NVIDIA's nvbandwidth-test-job writes them.
 	first := runDomainJob(ctx, t, c, nodes, cliques, "nvbandwidth-test-compute-domain", "nvbandwidth-test-worker", trayGPUs)
+
+	// A second domain whose job lands on the same two nodes while the first runs; then it goes, and the first
+	// runs on.
+	secondDomain(ctx, t, c, nodes, cliques, first)
 
 	// A pod with a claim from the domain's daemon template, as NVIDIA's daemon pods have, beside the worker.
 	daemonClaimPod(ctx, t, c, nodes[0], first, cliques[nodes[0].name])
@@ -407,9 +417,11 @@ func runDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, nodes [
 				t.Errorf("worker %s: %s=%s in a channel claim's container", r.pod.Name, k, v)
 			}
 		}
+		// NVIDIA's class selects channel-0; the node side publishes it with allowMultipleAllocations, which the
+		// 1.36 API server and scheduler serve (DRAConsumableCapacity, beta and on), so the claim has a share.
 		res := r.claim.Status.Allocation.Devices.Results
-		if len(res) != 1 || res[0].Driver != cdDriver || res[0].Pool != n.name || !strings.HasPrefix(res[0].Device, "channel-") {
-			t.Errorf("worker %s: claim %s allocated %+v, want one channel of %s", r.pod.Name, r.claim.Name, res, n.name)
+		if len(res) != 1 || res[0].Driver != cdDriver || res[0].Pool != n.name || res[0].Device != "channel-0" || res[0].ShareID == nil {
+			t.Errorf("worker %s: claim %s allocated %+v, want a share of %s's channel-0", r.pod.Name, r.claim.Name, res, n.name)
 		}
 		if _, err := os.Stat(filepath.Join(n.env.NodeDirs().CDISpecs, "compute-domain-claim-"+string(r.claim.UID)+".json")); err != nil {
 			t.Errorf("worker %s: the claim's CDI spec on %s: %v", r.pod.Name, n.name, err)
@@ -436,6 +448,60 @@ func runDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, nodes [
 			since(r.envSet), since(r.allocated), since(r.bound), since(r.running), since(r.envSet))
 	}
 	return d
+}
+
+// secondDomain runs a second domain beside first (NVIDIA's #892: several domains in one clique): its job of two
+// workers without GPUs lands on the same two clique-1 nodes while first's workers run there, each worker's claim
+// allocated a share of the node's channel-0 like first's. Both domains are Ready; the second's workers share a
+// host channel, another than first's; each node runs a daemon per domain. Deleting the second (job, then
+// domain) leaves first's workers running, its daemons the same processes, and first Ready.
+func secondDomain(ctx context.Context, t *testing.T, c *harness.Cluster, nodes []*cdNode, cliques map[string]string, first *cdDomainRun) {
+	t.Helper()
+	cs := c.Client
+	second := runDomainJob(ctx, t, c, nodes, cliques, "second-compute-domain", "second-worker", 0)
+	if second.channel == first.channel {
+		t.Errorf("%s and %s both have %s on the same nodes: each domain has a host channel of its own", first.name, second.name, first.channel)
+	}
+	for _, n := range nodes[:2] {
+		a, b := first.byNode[n.name].claim.Status.Allocation.Devices.Results[0], second.byNode[n.name].claim.Status.Allocation.Devices.Results[0]
+		if a.Device != b.Device || a.ShareID == nil || b.ShareID == nil || *a.ShareID == *b.ShareID {
+			t.Errorf("%s: the two domains' claims were allocated %s (share %v) and %s (share %v), want two shares of one device",
+				n.name, a.Device, a.ShareID, b.Device, b.ShareID)
+		}
+		if second.pids[n.name] == first.pids[n.name] {
+			t.Errorf("%s: one IMEX daemon (pid %d) for both domains", n.name, first.pids[n.name])
+		}
+	}
+	st, err := c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Get(ctx, first.name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, _, _ := unstructured.NestedString(st.Object, "status", "status"); s != "Ready" {
+		t.Errorf("%s is %s while %s runs beside it, want Ready", first.name, s, second.name)
+	}
+	t.Logf("two domains on %s and %s: %s with %s, %s with %s", nodes[0].name, nodes[1].name, first.name, first.channel, second.name, second.channel)
+
+	deleteDomainJob(ctx, t, c, nodes, second)
+	st, err = c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Get(ctx, first.name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, _, _ := unstructured.NestedString(st.Object, "status", "status"); s != "Ready" || len(cdStatusNodes(st)) != 2 {
+		t.Errorf("%s after %s was deleted: %v, want Ready with both nodes", first.name, second.name, st.Object["status"])
+	}
+	for _, n := range nodes[:2] {
+		r := first.byNode[n.name]
+		pod, err := cs.CoreV1().Pods(cdWorkNS).Get(ctx, r.pod.Name, metav1.GetOptions{})
+		if err != nil || !podRunningNow(pod) || pod.DeletionTimestamp != nil {
+			t.Errorf("%s's worker %s after %s was deleted: %s (%v), want it running on", first.name, r.pod.Name, second.name, harness.DescribeAPIPod(pod), err)
+		}
+		if pid, err := imexDaemonPID(n, first.uid); err != nil || pid != first.pids[n.name] || !processAlive(pid) {
+			t.Errorf("%s's IMEX daemon on %s after %s was deleted: pid %d (%v), want %d running on", first.name, n.name, second.name, pid, err, first.pids[n.name])
+		}
+		if _, err := os.Stat(filepath.Join(n.env.NodeDirs().CDISpecs, "compute-domain-claim-"+string(r.claim.UID)+".json")); err != nil {
+			t.Errorf("%s: the CDI spec of %s's claim after %s was deleted: %v", n.name, r.pod.Name, second.name, err)
+		}
+	}
 }
 
 // deleteDomainJob deletes d's job and, once its workers and their claims are gone (the kubelets unprepared
