@@ -88,15 +88,60 @@ func (n *cdNode) simRoot() string  { return filepath.Join(n.agentDir(), "root") 
 //   - deleting a job and then its domain leaves nothing: no claim, CDI spec, template, daemon (process or
 //     folder), or Node label naming the domain.
 func TestComputeDomainKubelets(t *testing.T) {
-	in := clusterInputs(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
+	rack := startCDRack(ctx, t, cdRackOptions{})
+	c, nodes, cliques, started := rack.c, rack.nodes, rack.cliques, rack.started
 
+	// The domain and the job, as NVIDIA's nvbandwidth-test-job writes them.
+	first := runDomainJob(ctx, t, c, nodes, cliques, "nvbandwidth-test-compute-domain", "nvbandwidth-test-worker", trayGPUs)
+
+	// A second domain whose job lands on the same two nodes while the first runs; then it goes, and the first
+	// runs on.
+	secondDomain(ctx, t, c, nodes, cliques, first)
+
+	// A pod with a claim from the domain's daemon template, as NVIDIA's daemon pods have, beside the worker.
+	daemonClaimPod(ctx, t, c, nodes[0], first, cliques[nodes[0].name])
+
+	// One node fails.
+	nodeFailure(ctx, t, c, nodes[0], nodes[1], first.name, first.uid, first.pids[nodes[0].name], first.byNode[nodes[0].name].pod.Name)
+
+	// Deletion: the job, then the domain; then nothing of it is left anywhere.
+	deleteDomainJob(ctx, t, c, nodes, first)
+	checkDomainLeftNothing(ctx, t, rack, first.uid)
+	t.Logf("MEASURED TestComputeDomainKubelets: %s from start", time.Since(started).Round(time.Second))
+}
+
+// cdRack is the rack TestComputeDomainKubelets and TestNVIDIAComputeDomainManifests run on: a real control
+// plane with three kubelets, each served by a gpu-agent on a simulated GB200 tray, and gpu-agent controller.
+type cdRack struct {
+	c       *harness.Cluster
+	nodes   []*cdNode         // rack1-tray1 and rack1-tray2 in clique 1, rack2-tray1 in clique 2
+	cliques map[string]string // each node's nvidia.com/gpu.clique label, by name
+	started time.Time
+}
+
+// cdRackOptions is what a test's rack has beyond the common one.
+type cdRackOptions struct {
+	// PodNetwork: see harness.ClusterConfig.PodNetwork.
+	PodNetwork bool
+	// Images are imported into every node beside the suite's own.
+	Images []string
+}
+
+// startCDRack starts the rack: the Cluster's node and two further ones (each its own containerd 2.x, in a
+// mount namespace of its own, at an address of its own; see harness/nodes.go), the compute-domain CRD and
+// DeviceClasses as deploy/manifests ships them, the controller's namespace and cdWorkNS, a `gpu-agent run
+// --dra` per node (startCDAgent) and `gpu-agent controller`; it returns once every agent has published and
+// labelled its Node.
+func startCDRack(ctx context.Context, t *testing.T, opts cdRackOptions) *cdRack {
+	t.Helper()
+	in := clusterInputs(t)
 	started := time.Now()
 	c := harness.StartCluster(t, harness.ClusterConfig{
 		Kubelet: inputs.kubelet, APIServer: in.apiserver, ControllerManager: in.controllerManager,
-		Scheduler: in.scheduler, Etcd: in.etcd, Images: inputs.images, NodeName: "rack1-tray1",
-		NodeIP: "198.18.30.1", LedgerPath: inputs.ledger, Containerd2: inputs.containerd2,
+		Scheduler: in.scheduler, Etcd: in.etcd, Images: append(slices.Clone(inputs.images), opts.Images...), NodeName: "rack1-tray1",
+		NodeIP: "198.18.30.1", LedgerPath: inputs.ledger, Containerd2: inputs.containerd2, PodNetwork: opts.PodNetwork,
 		// A node that stops is NotReady about 10 s later rather than about 50: each kubelet renews its Lease
 		// every 2 s, and the node lifecycle controller looks every second.
 		NodeLeaseDurationSeconds: 8,
@@ -147,23 +192,15 @@ func TestComputeDomainKubelets(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
+	return &cdRack{c: c, nodes: nodes, cliques: cliques, started: started}
+}
 
-	// The domain and the job, as NVIDIA's nvbandwidth-test-job writes them.
-	first := runDomainJob(ctx, t, c, nodes, cliques, "nvbandwidth-test-compute-domain", "nvbandwidth-test-worker", trayGPUs)
-
-	// A second domain whose job lands on the same two nodes while the first runs; then it goes, and the first
-	// runs on.
-	secondDomain(ctx, t, c, nodes, cliques, first)
-
-	// A pod with a claim from the domain's daemon template, as NVIDIA's daemon pods have, beside the worker.
-	daemonClaimPod(ctx, t, c, nodes[0], first, cliques[nodes[0].name])
-
-	// One node fails.
-	nodeFailure(ctx, t, c, nodes[0], nodes[1], first.name, first.uid, first.pids[nodes[0].name], first.byNode[nodes[0].name].pod.Name)
-
-	// Deletion: the job, then the domain; then nothing of it is left anywhere.
-	deleteDomainJob(ctx, t, c, nodes, first)
-	for _, n := range nodes {
+// checkDomainLeftNothing checks, once a domain (UID uid) and its workload are deleted, that no node keeps
+// anything of it or of any claim: no claim CDI spec, no IMEX daemon folder, no Node label naming the domain
+// (uid "": naming any domain); the node's clique label stays (it is the node's), and every agent still runs.
+func checkDomainLeftNothing(ctx context.Context, t *testing.T, rack *cdRack, uid string) {
+	t.Helper()
+	for _, n := range rack.nodes {
 		specs, _ := filepath.Glob(filepath.Join(n.env.NodeDirs().CDISpecs, "compute-domain-claim-*.json"))
 		if len(specs) > 0 {
 			t.Errorf("%s: CDI specs of claims left: %v", n.name, specs)
@@ -171,23 +208,22 @@ func TestComputeDomainKubelets(t *testing.T) {
 		if dirs, _ := filepath.Glob(filepath.Join(n.stateDir(), "imex", "*")); len(dirs) > 0 {
 			t.Errorf("%s: IMEX daemon folders left: %v", n.name, dirs)
 		}
-		node, err := cs.CoreV1().Nodes().Get(ctx, n.name, metav1.GetOptions{})
+		node, err := rack.c.Client.CoreV1().Nodes().Get(ctx, n.name, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		for k, v := range node.Labels {
-			if strings.Contains(k, first.uid) || strings.Contains(v, first.uid) || k == cdDomainLabel {
+			if uid != "" && (strings.Contains(k, uid) || strings.Contains(v, uid)) || k == cdDomainLabel {
 				t.Errorf("Node %s keeps label %s=%s of the deleted domain", n.name, k, v)
 			}
 		}
-		if node.Labels[cdCliqueLabel] != cliques[n.name] {
-			t.Errorf("Node %s: %s=%q, want the node's clique %q kept (it is the node's, not the domain's)", n.name, cdCliqueLabel, node.Labels[cdCliqueLabel], cliques[n.name])
+		if node.Labels[cdCliqueLabel] != rack.cliques[n.name] {
+			t.Errorf("Node %s: %s=%q, want the node's clique %q kept (it is the node's, not the domain's)", n.name, cdCliqueLabel, node.Labels[cdCliqueLabel], rack.cliques[n.name])
 		}
 		if done, err := n.agent.Exited(); done {
 			t.Errorf("gpu-agent of %s exited: %v (see %s)", n.name, err, n.agent.LogPath)
 		}
 	}
-	t.Logf("MEASURED TestComputeDomainKubelets: %s from start", time.Since(started).Round(time.Second))
 }
 
 // cdRank is one worker of a domain's job, as the test watched it.
@@ -496,22 +532,37 @@ func deleteDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, node
 	if err := c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Delete(ctx, d.name, metav1.DeleteOptions{}); err != nil {
 		t.Fatalf("delete ComputeDomain %s: %v", d.name, err)
 	}
+	gone := waitDomainGone(ctx, t, c, nodes, cdWorkNS, d.name, d.uid)
+	for node, pid := range d.pids {
+		if processAlive(pid) {
+			t.Errorf("%s's IMEX daemon on %s, pid %d, still runs", d.name, node, pid)
+		}
+	}
+	t.Logf("MEASURED %s: ComputeDomain deleted -> domain, templates and daemons gone: %s", d.name, gone.Round(10*time.Millisecond))
+}
+
+// waitDomainGone waits, once the ComputeDomain namespace/name (UID uid) was deleted, until it, its templates
+// (in its namespace and the controller's) and its daemons (process and folder, on every node) are gone, and
+// returns how long that took.
+func waitDomainGone(ctx context.Context, t *testing.T, c *harness.Cluster, nodes []*cdNode, namespace, name, uid string) time.Duration {
+	t.Helper()
+	cs := c.Client
 	deleted := time.Now()
-	if err := cdWait(ctx, d.name+", its templates and its daemons gone", func() (bool, error) {
-		if _, err := c.Dynamic.Resource(cdGVR).Namespace(cdWorkNS).Get(ctx, d.name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+	if err := cdWait(ctx, name+", its templates and its daemons gone", func() (bool, error) {
+		if _, err := c.Dynamic.Resource(cdGVR).Namespace(namespace).Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 			return false, err
 		}
-		sel := metav1.ListOptions{LabelSelector: cdDomainLabel + "=" + d.uid}
-		for _, ns := range []string{cdWorkNS, cdControllerNS} {
+		sel := metav1.ListOptions{LabelSelector: cdDomainLabel + "=" + uid}
+		for _, ns := range []string{namespace, cdControllerNS} {
 			if l, err := cs.ResourceV1().ResourceClaimTemplates(ns).List(ctx, sel); err != nil || len(l.Items) > 0 {
 				return false, err
 			}
 		}
 		for _, n := range nodes {
-			if pid, err := imexDaemonPID(n, d.uid); err == nil && processAlive(pid) {
+			if pid, err := imexDaemonPID(n, uid); err == nil && processAlive(pid) {
 				return false, nil
 			}
-			if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", d.uid)); !errors.Is(err, os.ErrNotExist) {
+			if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", uid)); !errors.Is(err, os.ErrNotExist) {
 				return false, nil
 			}
 		}
@@ -519,12 +570,7 @@ func deleteDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, node
 	}); err != nil {
 		t.Fatal(err)
 	}
-	for node, pid := range d.pids {
-		if processAlive(pid) {
-			t.Errorf("%s's IMEX daemon on %s, pid %d, still runs", d.name, node, pid)
-		}
-	}
-	t.Logf("MEASURED %s: ComputeDomain deleted -> domain, templates and daemons gone: %s", d.name, time.Since(deleted).Round(10*time.Millisecond))
+	return time.Since(deleted)
 }
 
 // daemonClaimPod runs a pod in the controller's namespace on n with a claim from d's daemon template

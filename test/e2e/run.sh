@@ -23,9 +23,10 @@ if [ -z "$build_only" ]; then
 	[ "$(id -u)" = 0 ] || die "must run as root: the kubelet and containerd need it"
 
 	# Debian 12 ships containerd 1.6 and runc; busybox-static fills the test image (the plain busybox package is
-	# dynamically linked and would not run in an image without libc).
+	# dynamically linked and would not run in an image without libc); containernetworking-plugins gives the
+	# reference CNI plugins a Cluster with a pod network runs (harness/podnetwork.go).
 	missing=()
-	for pkg in containerd runc busybox-static prometheus; do
+	for pkg in containerd runc busybox-static prometheus containernetworking-plugins; do
 		dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
 	done
 	if [ "${#missing[@]}" -gt 0 ]; then

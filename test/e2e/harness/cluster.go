@@ -40,6 +40,10 @@ type ClusterConfig struct {
 	// nodes' too; a kubelet renews its Lease every quarter of it. With kube-controller-manager's
 	// --node-monitor-grace-period (ControllerManagerArgs) it sets how soon a node that stops is NotReady.
 	NodeLeaseDurationSeconds int
+	// PodNetwork gives every node of the Cluster (further ones too) a pod network of its own (see
+	// podNetwork), so that pods which do not ask for the host network start: manifests applied as users write
+	// them. Only with Containerd2. Without it such a pod fails at sandbox setup.
+	PodNetwork bool
 }
 
 // Cluster is a one-node Kubernetes cluster started by this process from empty state: etcd, kube-apiserver,
@@ -57,6 +61,16 @@ type Cluster struct {
 	pki             *pki
 	adminKubeconfig string
 	nodeLease       int // ClusterConfig.NodeLeaseDurationSeconds
+	podNetwork      bool
+	further         int // further nodes added, to number their pod networks
+}
+
+// newPodNetwork is the pod network of the Cluster's node i (0: its first), or nil without PodNetwork.
+func (c *Cluster) newPodNetwork(i int) (*podNetwork, error) {
+	if !c.podNetwork {
+		return nil, nil
+	}
+	return newPodNetwork(i)
 }
 
 // kubeletConfig is the KubeletConfiguration of e, a node of the Cluster.
@@ -96,7 +110,10 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		t.Fatalf("e2e cluster: %v", err)
 	}
 	t.Cleanup(e.teardown)
-	c := &Cluster{Env: e, nodeLease: cfg.NodeLeaseDurationSeconds}
+	c := &Cluster{Env: e, nodeLease: cfg.NodeLeaseDurationSeconds, podNetwork: cfg.PodNetwork}
+	if e.podNet, err = c.newPodNetwork(0); err != nil {
+		t.Fatalf("e2e cluster: %v", err)
+	}
 	if err := os.WriteFile(e.d.kubeletConfig, []byte(c.kubeletConfig(e)), 0o644); err != nil {
 		t.Fatalf("e2e cluster: %v", err)
 	}
@@ -107,7 +124,7 @@ func StartCluster(t testing.TB, cfg ClusterConfig) *Cluster {
 		t.Fatalf("e2e cluster: %v", err)
 	}
 	controlPlaneUp := time.Since(start)
-	if err := writeHostNetworkOnlyCNI(e.d.cniDir); err != nil {
+	if err := e.setUpNetwork(); err != nil {
 		t.Fatalf("e2e cluster: %v", err)
 	}
 	if cfg.NodeIP != "" {

@@ -65,6 +65,9 @@ state = %q
   restrict_oom_score_adj = true
   enable_selinux = false
   cdi_spec_dirs = [%q]
+  # A pod off the host network (ClusterConfig.PodNetwork) gets its network namespace mounted under the state
+  # directory, so the teardown's unmount of the run directory takes it, not under the host's /var/run/netns.
+  netns_mounts_under_state_dir = true
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = [%q]
     conf_dir = %q

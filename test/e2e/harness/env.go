@@ -115,6 +115,8 @@ type Env struct {
 	// further is set on a Cluster's further node (AddNode): its containerd and kubelet share a mount
 	// namespace of their own, and its teardown leaves the Cluster's ledger and control plane alone.
 	further *furtherNode
+	// podNet is the node's own pod network (ClusterConfig.PodNetwork); nil: pods must use the host network.
+	podNet *podNetwork
 }
 
 // Start brings up containerd (with the images imported), the kubelet, and gpu-agent, and registers the
@@ -613,6 +615,9 @@ func (e *Env) teardown() {
 		add(e.removeAllTasks(ctx))
 		cancel()
 		add(e.containerd.Stop(10 * time.Second))
+	}
+	if e.podNet != nil {
+		add(e.podNet.release())
 	}
 	for i := len(e.controlPlane) - 1; i >= 0; i-- {
 		add(e.controlPlane[i].Stop(10 * time.Second))

@@ -206,3 +206,27 @@ func BuildImages(dir, pauseBin, busyboxBin string) ([]string, error) {
 	}
 	return paths, nil
 }
+
+// UbuntuStandInImage is the image NVIDIA's demo pods name (demo/specs/imex, the quickstart's imex-test1). There
+// is no registry here, so WriteUbuntuStandIn builds an image under that name from the suite's busybox.
+const UbuntuStandInImage = "ubuntu:22.04"
+
+// WriteUbuntuStandIn writes, as a docker-archive at dst, a stand-in for ubuntu:22.04 made of the static
+// busybox at busyboxBin: what NVIDIA's demo pods run, `bash -c "ls -la ...; trap 'exit 0' TERM; sleep 9999 &
+// wait"`, with `bash` a script that hands its arguments to busybox's sh (ash runs those commands alike). It is
+// not Ubuntu: a command of such a pod that needs more than busybox fails, and says so in its log.
+func WriteUbuntuStandIn(dst, busyboxBin string) error {
+	bb, err := os.ReadFile(busyboxBin)
+	if err != nil {
+		return fmt.Errorf("image %s: %w", UbuntuStandInImage, err)
+	}
+	files := []ImageFile{
+		{Path: "/bin/busybox", Mode: 0o755, Data: bb},
+		{Path: "/bin/bash", Mode: 0o755, Data: []byte("#!/bin/sh\nexec /bin/sh \"$@\"\n")},
+	}
+	for _, a := range []string{"sh", "env", "sleep", "cat", "ls", "echo", "true", "false", "test", "grep"} {
+		files = append(files, ImageFile{Path: "/bin/" + a, Linkname: "busybox"})
+	}
+	return WriteDockerArchive(dst, ImageSpec{Ref: UbuntuStandInImage, Files: files, Cmd: []string{"/bin/bash"},
+		Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}})
+}

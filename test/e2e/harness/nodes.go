@@ -123,7 +123,11 @@ func (c *Cluster) addNode(ctx context.Context, opts NodeOptions) (*Env, error) {
 	if err := os.WriteFile(d.kubeletConfig, []byte(c.kubeletConfig(e)), 0o644); err != nil {
 		return nil, err
 	}
-	if err := writeHostNetworkOnlyCNI(d.cniDir); err != nil {
+	c.further++
+	if e.podNet, err = c.newPodNetwork(c.further); err != nil {
+		return nil, err
+	}
+	if err := e.setUpNetwork(); err != nil {
 		return nil, err
 	}
 	if opts.IP != "" {
