@@ -19,13 +19,14 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/utils/ptr"
 )
 
 // Names of the domains controllerOffAndOn makes, and of its waiting pod.
 const (
 	retiredDomain, retiredTemplate = "retired-domain", "retired-channel"
 	lateDomain, lateTemplate       = "late-domain", "late-channel"
-	latePod                        = "worker-late"
+	latePod, lateDomainPod         = "worker-late", "late-worker"
 	finalizer                      = "resource.nvidia.com/computeDomain"
 	daemonTemplatePrefix           = "computedomain-daemon-"
 )
@@ -45,10 +46,11 @@ const offWindow = 6 * time.Second
 //     waits in the scheduler's PreBind (its BindingConditionsPending event) without being bound, and without
 //     the attempt failing or the claim being given up;
 //   - a domain deleted while off waits on its finalizer, its templates kept; a domain created while off gets
-//     neither finalizer, status nor templates;
+//     neither finalizer, status nor templates, and a pod created with it (a claim from its template) no claim;
 //   - on again (a new controller process): the waiting pod binds once its node's entry is Ready (never
 //     before DaemonReady), the domain is Ready with one entry per node and no template twice; the new domain
-//     gets its finalizer and both templates and is Ready; the deleted one goes, and nothing of it is left.
+//     gets its finalizer and both templates and is Ready, and its pod gets its claim (the resource claim
+//     controller watches templates) and binds; the deleted one goes, and nothing of it is left.
 func (r *domainRun) controllerOffAndOn() {
 	t, ctx, cs := r.t, r.ctx, r.cs
 
@@ -73,6 +75,10 @@ func (r *domainRun) controllerOffAndOn() {
 		t.Fatalf("delete %s: %v", retiredDomain, err)
 	}
 	late := r.createDomain(lateDomain, lateTemplate)
+	// Its job, submitted with it, on the spare node: a node of the first domain too.
+	if _, err := cs.CoreV1().Pods(workNS).Create(ctx, workerPod(lateDomainPod, r.spare.name, lateTemplate), metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create pod %s: %v", lateDomainPod, err)
+	}
 	podCreated := time.Now()
 	if _, err := cs.CoreV1().Pods(workNS).Create(ctx, workerPod(latePod, r.other.name, templateName), metav1.CreateOptions{}); err != nil {
 		t.Fatalf("create pod %s: %v", latePod, err)
@@ -132,13 +138,16 @@ func (r *domainRun) controllerOffAndOn() {
 		len(ld.GetFinalizers()) > 0 || ld.Object["status"] != nil || r.templates(string(late.GetUID())) != 0 {
 		t.Errorf("%s created without a controller: %v (err %v), want no finalizer, status or template", lateDomain, ld, err)
 	}
+	if c := r.claimOf(lateDomainPod); c != nil {
+		t.Errorf("pod %s of %s has claim %s without a controller (no template yet)", lateDomainPod, lateDomain, c.Name)
+	}
 
 	// On again.
 	onAt := time.Now()
 	r.startController()
-	var bound, lateReady, retiredGone time.Time
-	var last *resourceapi.ResourceClaim
-	if err := waitFor(ctx, "the waiting pod bound, "+lateDomain+" Ready, "+retiredDomain+" gone", func() (bool, error) {
+	var bound, lateReady, lateBound, retiredGone time.Time
+	var last, lateClaim *resourceapi.ResourceClaim
+	if err := waitFor(ctx, "the waiting pod bound, "+lateDomain+" Ready and its pod bound, "+retiredDomain+" gone", func() (bool, error) {
 		if done, err := r.ctrl.Exited(); done {
 			return false, fatal(fmt.Errorf("controller exited: %v (see %s)", err, r.ctrl.LogPath))
 		}
@@ -156,6 +165,18 @@ func (r *domainRun) controllerOffAndOn() {
 				return false, fatal(fmt.Errorf("pod %s bound to %s while its claim has no %s", latePod, pod.Spec.NodeName, daemonReadyCond))
 			}
 			bound = now
+		}
+		if lateBound.IsZero() {
+			pod, err := cs.CoreV1().Pods(workNS).Get(ctx, lateDomainPod, metav1.GetOptions{})
+			if err != nil {
+				return false, err
+			}
+			if lateClaim = r.claimOf(lateDomainPod); pod.Spec.NodeName != "" {
+				if lateClaim == nil || !slices.ContainsFunc(lateClaim.Status.Devices, func(d resourceapi.AllocatedDeviceStatus) bool { return meta(d.Conditions, daemonReadyCond) }) {
+					return false, fatal(fmt.Errorf("pod %s bound to %s while its claim %v has no %s", lateDomainPod, pod.Spec.NodeName, lateClaim, daemonReadyCond))
+				}
+				lateBound = now
+			}
 		}
 		if lateReady.IsZero() {
 			ok, err := r.takenUp(lateDomain, lateTemplate, late)
@@ -175,11 +196,12 @@ func (r *domainRun) controllerOffAndOn() {
 				retiredGone = now
 			}
 		}
-		return !bound.IsZero() && !lateReady.IsZero() && !retiredGone.IsZero(), nil
+		return !bound.IsZero() && !lateReady.IsZero() && !lateBound.IsZero() && !retiredGone.IsZero(), nil
 	}); err != nil {
 		t.Fatalf("%v (last claim of %s: %+v)", err, latePod, last)
 	}
 	checkClaim(t, last, r.other.name)
+	checkClaim(t, lateClaim, r.spare.name)
 
 	// The domain: its entries as before, the new node's added, one each, all Ready; one template of each kind.
 	if err := waitFor(ctx, "every entry of "+domainName+" Ready", func() (bool, error) {
@@ -229,20 +251,32 @@ func (r *domainRun) controllerOffAndOn() {
 	// processes.
 	r.nothingLeft(string(retired.GetUID()))
 
-	t.Logf("MEASURED controller off: pod created → scheduler waits on %s (BindingConditionsPending) %s; unbound and its claim kept for %s (window); controller started → waiting pod bound %s; → %s (created while off) Ready, finalizer and templates %s; → %s (deleted while off) gone with its templates %s",
+	t.Logf("MEASURED controller off: pod created → scheduler waits on %s (BindingConditionsPending) %s; unbound and its claim kept for %s (window); controller started → waiting pod bound %s; → %s (created while off) Ready, finalizer and templates %s, its pod (created while off) bound %s; → %s (deleted while off) gone with its templates %s",
 		daemonReadyCond, pending.Round(time.Millisecond), offWindow, bound.Sub(onAt).Round(time.Millisecond),
-		lateDomain, lateReady.Sub(onAt).Round(time.Millisecond), retiredDomain, retiredGone.Sub(onAt).Round(time.Millisecond))
+		lateDomain, lateReady.Sub(onAt).Round(time.Millisecond), lateBound.Sub(onAt).Round(time.Millisecond),
+		retiredDomain, retiredGone.Sub(onAt).Round(time.Millisecond))
 
-	// The late domain goes as any does, with the controller back.
+	// The late domain goes as any does, with the controller back: its pod (never prepared: no kubelet), then
+	// the domain; its daemon on the spare node stops, the first domain's there runs on.
+	if err := cs.CoreV1().Pods(workNS).Delete(ctx, lateDomainPod, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
+		t.Fatalf("delete pod %s: %v", lateDomainPod, err)
+	}
 	if err := r.cp.Dynamic.Resource(cdGVR).Namespace(workNS).Delete(ctx, lateDomain, metav1.DeleteOptions{}); err != nil {
 		t.Fatalf("delete %s: %v", lateDomain, err)
 	}
-	if err := waitFor(ctx, lateDomain+" gone", func() (bool, error) {
+	lateUID := string(late.GetUID())
+	if err := waitFor(ctx, lateDomain+", its claim, templates and daemon gone", func() (bool, error) {
 		_, err := r.cp.Dynamic.Resource(cdGVR).Namespace(workNS).Get(ctx, lateDomain, metav1.GetOptions{})
-		return apierrors.IsNotFound(err) && r.templates(string(late.GetUID())) == 0, ignoreNotFound(err)
+		if !apierrors.IsNotFound(err) || r.templates(lateUID) > 0 || r.claimOf(lateDomainPod) != nil {
+			return false, ignoreNotFound(err)
+		}
+		_, err = os.Stat(filepath.Join(r.spare.stateDir(), "imex", lateUID))
+		return errors.Is(err, os.ErrNotExist), nil
 	}); err != nil {
 		t.Fatal(err)
 	}
+	r.nothingLeft(lateUID)
+	r.sameDaemons(r.live, "after "+lateDomain+" was deleted")
 }
 
 // createDomain creates a domain of no node in workNS, as a user writes it.
