@@ -151,10 +151,11 @@ type Dropped struct {
 	// BindingConditions: DRADeviceBindingConditions (before 1.36).
 	BindingConditions bool
 	// Sharing: DRAConsumableCapacity (before 1.36), whose
-	// allowMultipleAllocations lets the scheduler give one channel device
-	// to several claims. Without it the channels are published as
-	// ordinary devices, and since NVIDIA's default channel class selects
-	// channel-0 alone, a node serves one channel claim at a time.
+	// allowMultipleAllocations lets the scheduler give one channel device,
+	// or the daemon device, to several claims. Without it both are
+	// published as ordinary devices, and since NVIDIA's default channel
+	// class selects channel-0 alone, a node serves one channel claim and
+	// one daemon claim at a time.
 	Sharing bool
 }
 
@@ -163,8 +164,9 @@ type Dropped struct {
 var droppedFeatures = []struct{ name, effect string }{
 	{"DRADeviceTaints", "the channels of a faulty fabric are left out of the ResourceSlices"},
 	{"DRADeviceBindingConditions", "channel claims are bound at once, and Prepare waits for the domain's daemon"},
-	{"DRAConsumableCapacity", "channels are published without allowMultipleAllocations: one channel claim per node " +
-		"(NVIDIA's default channel class selects channel-0 alone), so a second domain's pod, or a second pod of one domain, waits for another node"},
+	{"DRAConsumableCapacity", "channels and the daemon device are published without allowMultipleAllocations: one channel claim per node " +
+		"(NVIDIA's default channel class selects channel-0 alone), so a second domain's pod, or a second pod of one domain, waits for another node; " +
+		"likewise one daemon claim per node, so a second domain's daemon claim waits for another node"},
 }
 
 // flag is the field of x that latches feature, nil for a feature it does
@@ -228,11 +230,25 @@ func (x Dropped) Off() []FeatureOff {
 // published, so the shares are not counted: the host channels a node
 // can give out are limited by Prepare, which refuses a domain when all
 // are held by others.
+//
+// The daemon device allows multiple allocations too, for the same
+// reason: NVIDIA's daemon class selects type "daemon", which is daemon-0
+// alone, and a node may run the daemons of several domains (one per
+// domain, on ports of their own). Each domain's daemon claim is a share
+// of daemon-0; Prepare takes the domain from the claim's
+// ComputeDomainDaemonConfig, not from the device, so each gets its own
+// domain's identity. The daemon device has no binding condition: its
+// claim is what starts the daemon, so waiting for the daemon would never
+// end.
 func Resources(node string, p Pool, gen int64, drop Dropped) resourceslice.DriverResources {
 	noTaints := drop.Taints
-	devices := []resourceapi.Device{{Name: DaemonDevice, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+	daemon := resourceapi.Device{Name: DaemonDevice, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
 		AttrType: {StringValue: ptr.To(TypeDaemon)}, AttrID: {IntValue: ptr.To[int64](0)},
-	}}}
+	}}
+	if !drop.Sharing {
+		daemon.AllowMultipleAllocations = ptr.To(true)
+	}
+	devices := []resourceapi.Device{daemon}
 	var taints []resourceapi.DeviceTaint
 	for _, f := range p.Faults {
 		taints = append(taints, resourceapi.DeviceTaint{Key: f.Key, Value: taintValue(f.Why), Effect: f.Effect})

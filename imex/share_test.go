@@ -156,6 +156,94 @@ func TestSharedChannelDevice(t *testing.T) {
 	}
 }
 
+// sharedDaemonClaim is a daemon claim of domainID (a claim from its
+// daemon template) allocated daemon-0, a share of it where id is not "".
+func sharedDaemonClaim(uid, domainID, id string) *resourceapi.ResourceClaim {
+	c := claimWith(uid, "gpu-agent", "node-a", DaemonDevice, "daemon",
+		map[string]any{"apiVersion": cdv1.APIVersion, "kind": cdv1.KindComputeDomainDaemonConfig, "domainID": domainID})
+	if id != "" {
+		c.Status.Allocation.Devices.Results[0].ShareID = ptrUID(id)
+	}
+	return c
+}
+
+// The daemon device allows multiple allocations as the channels do:
+// NVIDIA's daemon class selects daemon-0 alone, and a node runs the
+// daemons of several domains, so each domain's daemon claim is a share of
+// daemon-0. Prepare takes the domain from the claim's config: each claim
+// gets its own domain's identity, whatever the share, and the answer
+// names the claim's own share. A restart answers the same.
+func TestSharedDaemonDevice(t *testing.T) {
+	const s1, s2, s3 = "5e0c9b7a-2f31-4c5d-9e6f-7a8b9c0d1e01", "5e0c9b7a-2f31-4c5d-9e6f-7a8b9c0d1e02", "5e0c9b7a-2f31-4c5d-9e6f-7a8b9c0d1e03"
+	cases := []struct {
+		name   string
+		claims []*resourceapi.ResourceClaim
+		// domainOf is the domain each claim's container must be told of.
+		domainOf map[types.UID]string
+	}{{
+		name:     "two domains' daemon claims on one node, a share each of daemon-0",
+		claims:   []*resourceapi.ResourceClaim{sharedDaemonClaim("a", "cd-1", s1), sharedDaemonClaim("b", "cd-2", s2)},
+		domainOf: map[types.UID]string{"a": "cd-1", "b": "cd-2"},
+	}, {
+		name: "three domains, the shares given in another order",
+		claims: []*resourceapi.ResourceClaim{
+			sharedDaemonClaim("c", "cd-3", s1), sharedDaemonClaim("a", "cd-1", s3), sharedDaemonClaim("b", "cd-2", s2),
+		},
+		domainOf: map[types.UID]string{"a": "cd-1", "b": "cd-2", "c": "cd-3"},
+	}, {
+		name:     "daemon-0 allocated whole (an API server without DRAConsumableCapacity): one claim per node",
+		claims:   []*resourceapi.ResourceClaim{sharedDaemonClaim("a", "cd-2", "")},
+		domainOf: map[types.UID]string{"a": "cd-2"},
+	}}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			n, root := simTray(t, 8)
+			domains := &fakeDomains{}
+			for _, id := range []string{"cd-1", "cd-2", "cd-3"} {
+				domains.put(domain(id, "team-"+id, "name-"+id, cdv1.ComputeDomainNode{Name: "node-a", IPAddress: "10.0.0.1", CliqueID: clique7}))
+			}
+			state, cdiDir := t.TempDir(), t.TempDir()
+			td := newTestDriver(t, root, state, cdiDir, inventoryOf(t, n), fake.NewClientset(), domains)
+			answers := map[types.UID]string{}
+			for _, cl := range c.claims {
+				// A daemon claim does not wait for the daemon: it is what
+				// keeps it running.
+				res := prepare(t, td.Driver, cl)
+				if res.Err != nil {
+					t.Fatalf("daemon claim %s: %v", cl.UID, res.Err)
+				}
+				answers[cl.UID] = answerOf(res.Devices)
+				if want := resultsOf(cl); answers[cl.UID] != want {
+					t.Errorf("daemon claim %s answered %s, want its allocation's %s", cl.UID, answers[cl.UID], want)
+				}
+			}
+			for uid, dom := range c.domainOf {
+				spec := readSpec(t, cdiDir, string(uid))
+				if nodes := spec.Devices[0].ContainerEdits.DeviceNodes; len(nodes) != 0 {
+					t.Errorf("daemon claim %s: CDI device nodes %+v, want none (a daemon claim gets no channel)", uid, nodes)
+				}
+				env := spec.Devices[0].ContainerEdits.Env
+				for _, e := range []string{"COMPUTE_DOMAIN_UUID=" + dom, "COMPUTE_DOMAIN_NAME=name-" + dom, "COMPUTE_DOMAIN_NAMESPACE=team-" + dom, "CLIQUE_ID=" + clique7} {
+					if !slices.Contains(env, e) {
+						t.Errorf("daemon claim %s: env %v lacks %s (its own domain's)", uid, env, e)
+					}
+				}
+				for other := range domains.m {
+					if other != dom && slices.Contains(env, "COMPUTE_DOMAIN_UUID="+other) {
+						t.Errorf("daemon claim %s of %s is told of domain %s: %v", uid, dom, other, env)
+					}
+				}
+			}
+			td2 := newTestDriver(t, root, state, cdiDir, inventoryOf(t, n), fake.NewClientset(), domains)
+			for _, cl := range c.claims {
+				if got := answerOf(prepare(t, td2.Driver, cl).Devices); got != answers[cl.UID] {
+					t.Errorf("daemon claim %s after a restart: %s, want %s", cl.UID, got, answers[cl.UID])
+				}
+			}
+		})
+	}
+}
+
 // answerOf is a Prepare answer's devices as text: request, device, share.
 func answerOf(devs []kubeletplugin.Device) string {
 	var parts []string
@@ -193,6 +281,23 @@ type recordingSlices struct {
 func (r *recordingSlices) Update(res *resourceslice.DriverResources) { r.got = append(r.got, res) }
 func (r *recordingSlices) Stop()                                     {}
 
+// device is the last publish's device name.
+func (r *recordingSlices) device(t *testing.T, name string) resourceapi.Device {
+	t.Helper()
+	if len(r.got) == 0 {
+		t.Fatal("nothing published")
+	}
+	for _, s := range r.got[len(r.got)-1].Pools["node-a"].Slices {
+		for _, d := range s.Devices {
+			if d.Name == name {
+				return d
+			}
+		}
+	}
+	t.Fatalf("%s not published", name)
+	return resourceapi.Device{}
+}
+
 func (r *recordingSlices) channels(t *testing.T) []resourceapi.Device {
 	t.Helper()
 	if len(r.got) == 0 {
@@ -209,28 +314,35 @@ func (r *recordingSlices) channels(t *testing.T) []resourceapi.Device {
 	return out
 }
 
-// Channels allow multiple allocations; an API server that drops the field
-// (DRAConsumableCapacity off, 1.34 and 1.35 by default) gets them
-// republished without it, once, and /status says that a node serves one
-// channel claim at a time there. Binding conditions and taints are
+// Channels and the daemon device allow multiple allocations; an API
+// server that drops the field (DRAConsumableCapacity off, 1.34 and 1.35 by
+// default) gets them republished without it, once, whichever device the
+// drop was seen on, and /status says that a node serves one channel claim
+// and one daemon claim at a time there. The daemon device never carries
+// binding conditions. Binding conditions and taints are
 // latched the same way; an error that is no dropped field latches nothing.
 func TestDroppedFieldsRepublish(t *testing.T) {
 	cases := []struct {
 		name     string
 		features []string // what the API server dropped (DisabledFeatures)
+		seenOn   string   // the device the slice controller saw the drop on
 		check    func(resourceapi.Device) bool
-		effect   string
+		// daemonShared: daemon-0 still allows multiple allocations.
+		daemonShared bool
+		effect       string
 	}{
-		{"DRAConsumableCapacity", []string{"DRAConsumableCapacity"},
-			func(d resourceapi.Device) bool { return d.AllowMultipleAllocations == nil }, "one channel claim per node"},
-		{"DRADeviceBindingConditions", []string{"DRADeviceBindingConditions"},
+		{"DRAConsumableCapacity", []string{"DRAConsumableCapacity"}, "channel-0",
+			func(d resourceapi.Device) bool { return d.AllowMultipleAllocations == nil }, false, "one channel claim per node"},
+		{"DRAConsumableCapacity seen on daemon-0", []string{"DRAConsumableCapacity"}, DaemonDevice,
+			func(d resourceapi.Device) bool { return d.AllowMultipleAllocations == nil }, false, "one daemon claim per node"},
+		{"DRADeviceBindingConditions", []string{"DRADeviceBindingConditions"}, "channel-0",
 			func(d resourceapi.Device) bool {
 				return len(d.BindingConditions) == 0 && d.AllowMultipleAllocations != nil
-			}, "Prepare waits"},
-		{"both", []string{"DRAConsumableCapacity", "DRADeviceBindingConditions"},
+			}, true, "Prepare waits"},
+		{"both", []string{"DRAConsumableCapacity", "DRADeviceBindingConditions"}, "channel-0",
 			func(d resourceapi.Device) bool {
 				return len(d.BindingConditions) == 0 && d.AllowMultipleAllocations == nil
-			}, "one channel claim per node"},
+			}, false, "one channel claim per node"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -246,7 +358,10 @@ func TestDroppedFieldsRepublish(t *testing.T) {
 					t.Fatalf("%s before any drop: allowMultipleAllocations %v, binding conditions %v", d.Name, d.AllowMultipleAllocations, d.BindingConditions)
 				}
 			}
-			td.HandleError(context.Background(), droppedError(t, c.features), "update ResourceSlice")
+			if d := rec.device(t, DaemonDevice); d.AllowMultipleAllocations == nil || !*d.AllowMultipleAllocations || len(d.BindingConditions) > 0 || len(d.BindingFailureConditions) > 0 {
+				t.Fatalf("%s before any drop: allowMultipleAllocations %v, binding conditions %v %v; want shared, none", d.Name, d.AllowMultipleAllocations, d.BindingConditions, d.BindingFailureConditions)
+			}
+			td.HandleError(context.Background(), droppedError(t, c.seenOn, c.features), "update ResourceSlice")
 			if len(rec.got) != 2 {
 				t.Fatalf("%d publishes, want the first and one without the dropped fields", len(rec.got))
 			}
@@ -254,6 +369,9 @@ func TestDroppedFieldsRepublish(t *testing.T) {
 				if !c.check(d) {
 					t.Errorf("%s after %v dropped: %+v", d.Name, c.features, d)
 				}
+			}
+			if d := rec.device(t, DaemonDevice); (d.AllowMultipleAllocations != nil) != c.daemonShared || len(d.BindingConditions) > 0 {
+				t.Errorf("%s after %v dropped: allowMultipleAllocations %v (want shared: %v), binding conditions %v", d.Name, c.features, d.AllowMultipleAllocations, c.daemonShared, d.BindingConditions)
 			}
 			off := td.Status().FeaturesOff
 			var names []string
@@ -265,7 +383,7 @@ func TestDroppedFieldsRepublish(t *testing.T) {
 			}
 			// The same error again (a slice written before the republish)
 			// and an error of another kind publish nothing more.
-			td.HandleError(context.Background(), droppedError(t, c.features), "update ResourceSlice")
+			td.HandleError(context.Background(), droppedError(t, c.seenOn, c.features), "update ResourceSlice")
 			td.HandleError(context.Background(), errors.New("conflict"), "update ResourceSlice")
 			if len(rec.got) != 2 {
 				t.Errorf("%d publishes after the same drop again, want 2", len(rec.got))
@@ -277,10 +395,10 @@ func TestDroppedFieldsRepublish(t *testing.T) {
 func sortedCopy(s []string) []string { s = slices.Clone(s); slices.Sort(s); return s }
 
 // droppedError is the slice controller's error for an API server that
-// dropped the fields of features from the first channel.
-func droppedError(t *testing.T, features []string) error {
+// dropped the fields of features from device.
+func droppedError(t *testing.T, device string, features []string) error {
 	t.Helper()
-	desired := resourceapi.Device{Name: "channel-0"}
+	desired := resourceapi.Device{Name: device}
 	actual := desired
 	for _, f := range features {
 		switch f {

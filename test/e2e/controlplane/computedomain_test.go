@@ -81,8 +81,10 @@ func (n *simNode) draSocket() string { return filepath.Join(n.pluginDir(), cdDri
 // scheduler allocates their channel claims and waits on the binding condition, the controller lists the nodes
 // in status.nodes, the agents start their IMEX stand-ins and report Ready, and the pods bind. The test then
 // plays the kubelet: Prepare over each agent's DRA socket (the CDI spec names the domain's channel under the
-// sim root). One node then fails (nodeFailure); last come Unprepare and the deletion of the pods and the
-// domain, after which nothing of the domain is left (the finalizer, templates, claims, daemons, CDI specs).
+// sim root). One node then fails (nodeFailure). The controller is then stopped and started again, with a pod
+// waiting for the domain, a domain deleted and one created meanwhile (controllerOffAndOn). Last come Unprepare
+// and the deletion of the pods and the domain, after which nothing of the domain is left (the finalizer,
+// templates, claims, daemons, CDI specs).
 //
 // The agents and the controller use the admin kubeconfig: their RBAC and the status admission policy are
 // tested in test/deploy, not here. What no kubelet means: nothing runs the pods, so no container sees its
@@ -131,6 +133,9 @@ type domainRun struct {
 	cliques      map[string]string // the clique label, by node
 	// failed is the worker nodeFailure took down (its agent and daemon stay down).
 	failed *simNode
+	// ctrl is the running `gpu-agent controller`; startController starts another (controllerOffAndOn).
+	ctrl            *harness.Process
+	startController func()
 
 	domainUID string
 	// live are the nodes with a running worker pod, and claims their pods' claims (by node).
@@ -151,6 +156,7 @@ func runComputeDomain(t *testing.T, c domainCase) {
 	r.startCluster(bins)
 	r.formDomain()
 	r.nodeFailure()
+	r.controllerOffAndOn()
 	r.deleteDomain()
 }
 
@@ -209,17 +215,21 @@ func (r *domainRun) startCluster(bins binaryPaths) {
 		startAgent(t, bins.agent, cp.AdminKubeconfig(), n)
 	}
 	t.Cleanup(func() { killDaemons(t, r.nodes) })
-	ctrl, err := harness.StartProcess("gpu-agent-controller", filepath.Join(dir, "logs", "controller.log"), nil,
-		bins.agent, "controller", "--kubeconfig", cp.AdminKubeconfig(), "--namespace", controllerNS,
-		"--leader-elect=false", "--listen", "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := ctrl.Stop(10 * time.Second); err != nil {
-			t.Logf("controller stop: %v", err)
+	r.startController = func() {
+		ctrl, err := harness.StartProcess("gpu-agent-controller", filepath.Join(dir, "logs", "controller.log"), nil,
+			bins.agent, "controller", "--kubeconfig", cp.AdminKubeconfig(), "--namespace", controllerNS,
+			"--leader-elect=false", "--listen", "")
+		if err != nil {
+			t.Fatal(err)
 		}
-	})
+		r.ctrl = ctrl
+		t.Cleanup(func() {
+			if err := ctrl.Stop(10 * time.Second); err != nil {
+				t.Logf("controller stop: %v", err)
+			}
+		})
+	}
+	r.startController()
 
 	// Each agent publishes both drivers' slices, the channels with the binding condition, and labels its
 	// Node with its clique.
