@@ -74,7 +74,8 @@ type SupervisorOptions struct {
 // (the imports of running jobs go through them), and an agent that starts
 // adopts the daemons its pid files name. A node list that changes is
 // rewritten and the daemon told with SIGUSR1 (it resolves its peers
-// again); a changed address or port restarts it.
+// again) once it has answered a query; a changed address or port
+// restarts it.
 type Supervisor struct {
 	opts    SupervisorOptions
 	log     *slog.Logger
@@ -94,6 +95,13 @@ type daemonProc struct {
 	exited chan struct{}
 	// retryAt: after a failure, when to start again.
 	retryAt time.Time
+	// answered: the daemon has answered a query since it started (or was
+	// adopted), so it is past its start-up and handles SIGUSR1. A signal
+	// sent earlier can land before its handler is in place, and be lost
+	// or end the process.
+	answered bool
+	// reload: the node list changed and the daemon has not been told yet.
+	reload bool
 }
 
 // NewSupervisor returns a supervisor that runs nothing until Set and Run.
@@ -217,10 +225,9 @@ func (s *Supervisor) keep(ctx context.Context, spec DaemonSpec) {
 	switch {
 	case p != nil && p.pid > 0:
 		if !slices.Equal(p.spec.Nodes, spec.Nodes) {
-			// The daemon rereads its node list and resolves it again.
-			if err := syscall.Kill(p.pid, syscall.SIGUSR1); err != nil {
-				s.log.Warn("IMEX daemon: SIGUSR1", "domain", d, "err", err)
-			}
+			// The daemon rereads its node list and resolves it again on
+			// SIGUSR1, sent once it has answered a query (below).
+			p.reload = true
 			s.log.Info("IMEX daemon node list changed", "domain", d, "nodes", spec.Nodes)
 		}
 		p.spec = spec
@@ -240,10 +247,24 @@ func (s *Supervisor) keep(ctx context.Context, spec DaemonSpec) {
 			p = &daemonProc{}
 			s.running[d] = p
 		}
-		p.spec, p.pid, p.exited = spec, pid, exited
+		// It reads the node list as it is now: nothing to tell it yet.
+		p.spec, p.pid, p.exited, p.answered, p.reload = spec, pid, exited, false, false
 		s.log.Info("IMEX daemon started", "domain", d, "pid", pid, "nodes", spec.Nodes)
 	}
-	ready, why := s.query(ctx, d)
+	ready, why, answered := s.query(ctx, d)
+	p.answered = p.answered || answered
+	if p.reload {
+		// Ready or not, its answer is about the old node list.
+		ready, why = false, "IMEX daemon: node list changed, not yet reread"
+		if p.answered {
+			if err := syscall.Kill(p.pid, syscall.SIGUSR1); err != nil {
+				s.log.Warn("IMEX daemon: SIGUSR1", "domain", d, "err", err)
+			} else {
+				p.reload = false
+				s.log.Info("IMEX daemon told to reread its node list", "domain", d, "pid", p.pid)
+			}
+		}
+	}
 	st := s.State(d)
 	st.PID, st.Ready, st.Reason = p.pid, ready, why
 	if ready {
@@ -411,9 +432,12 @@ func (p *daemonProc) alive() bool {
 }
 
 // query asks domain d's daemon whether it is READY.
-func (s *Supervisor) query(ctx context.Context, d string) (bool, string) {
+// query asks domain d's daemon whether it is ready (nvidia-imex-ctl -q):
+// ready, why not, and whether the daemon answered at all (READY or
+// UNAVAILABLE, rather than the control program failing to reach it).
+func (s *Supervisor) query(ctx context.Context, d string) (bool, string, bool) {
 	if s.opts.CtlBinary == "" {
-		return false, "no IMEX control program"
+		return false, "no IMEX control program", false
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -421,12 +445,13 @@ func (s *Supervisor) query(ctx context.Context, d string) (bool, string) {
 	out, err := cmd.Output()
 	answer := strings.TrimSpace(string(out))
 	if err == nil && answer == "READY" {
-		return true, ""
+		return true, "", true
 	}
+	answered := answer == "UNAVAILABLE"
 	if answer == "" && err != nil {
 		answer = err.Error()
 	}
-	return false, "IMEX daemon: " + answer
+	return false, "IMEX daemon: " + answer, answered
 }
 
 // stopPID ends a daemon: SIGTERM, then SIGKILL after 5 s.

@@ -61,6 +61,37 @@ func TestSupervisor(t *testing.T) {
 	}
 }
 
+// A node list that changes while the daemon is still starting (it has not
+// answered a query yet) is told to it once it answers: a SIGUSR1 sent
+// before its handler is in place would end it (a shell's default) or be
+// lost. The daemon here traps SIGUSR1 only after a pause, and answers
+// queries only once it has.
+func TestSupervisorReloadAfterStartup(t *testing.T) {
+	dir := t.TempDir()
+	daemon := `sleep 0.5; trap 'echo x >> "$(dirname "$2")/usr1"' USR1; : > "$(dirname "$2")/up"; while :; do sleep 0.05; done`
+	ctl := `d="$(dirname "$2")"; [ -e "$d/up" ] || exit 1; if [ -s "$d/usr1" ]; then echo READY; else echo UNAVAILABLE; exit 1; fi`
+	s := NewSupervisor(SupervisorOptions{Binary: "/bin/sh", Args: []string{"-c", daemon, "imex"}, CtlBinary: "/bin/sh", CtlArgs: []string{"-c", ctl, "ctl"}, Dir: dir})
+	defer s.StopAll()
+	ctx := context.Background()
+	spec := DaemonSpec{Domain: "cd-1", Name: "team/job", BindIP: "10.0.0.1", Nodes: []string{"10.0.0.1"}, ServerPort: 40002, CmdPort: 40003}
+	s.Set([]DaemonSpec{spec})
+	s.reconcile(ctx)
+	pid := s.State("cd-1").PID
+	if pid == 0 {
+		t.Fatalf("state %+v: want a running daemon", s.State("cd-1"))
+	}
+	spec.Nodes = []string{"10.0.0.1", "10.0.0.2"}
+	s.Set([]DaemonSpec{spec})
+	s.reconcile(ctx) // still starting: not told yet
+	if st := s.State("cd-1"); st.Ready || st.PID != pid {
+		t.Fatalf("state %+v while starting: want pid %d, not ready", st, pid)
+	}
+	testwait.For(t, "the daemon ready after the deferred SIGUSR1", func() bool { s.reconcile(ctx); return s.State("cd-1").Ready })
+	if st := s.State("cd-1"); st.PID != pid || st.Failures != 0 {
+		t.Errorf("state %+v: want the first daemon (pid %d) told, never restarted", st, pid)
+	}
+}
+
 // The command port is local on a real node; with CmdOnBindIP (several sim
 // nodes on one host, each at a loopback address of its own) it is on the
 // node's own address, so two nodes' daemons of one domain do not collide.

@@ -45,6 +45,11 @@ func cmdIMEXSim(ctx context.Context, args []string, stderr io.Writer) error {
 	if err := fs.Parse(args); err != nil {
 		return usageError{err.Error()}
 	}
+	// Before the node list is first read: a SIGUSR1 sent while it is
+	// read waits here and makes it read again, rather than being lost.
+	usr1 := make(chan os.Signal, 1)
+	signal.Notify(usr1, syscall.SIGUSR1)
+	defer signal.Stop(usr1)
 	cfg, err := readIMEXConfig(*cfgPath)
 	if err != nil {
 		return err
@@ -54,9 +59,6 @@ func cmdIMEXSim(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	usr1 := make(chan os.Signal, 1)
-	signal.Notify(usr1, syscall.SIGUSR1)
-	defer signal.Stop(usr1)
 	reload := make(chan struct{})
 	go func() {
 		for range usr1 {
