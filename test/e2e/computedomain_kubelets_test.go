@@ -339,7 +339,7 @@ func runDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, nodes [
 				}
 			}
 		}
-		entries := cdStatusNodes(last)
+		entries := harness.DomainStatusNodes(last)
 		if len(entries) == 2 && entries[nodes[0].name]["status"] == "Ready" && entries[nodes[1].name]["status"] == "Ready" && entriesReady.IsZero() {
 			entriesReady = now
 		}
@@ -370,7 +370,7 @@ func runDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, nodes [
 	if d.byNode[nodes[0].name] == nil || d.byNode[nodes[1].name] == nil {
 		t.Fatalf("%s's workers on %v, want one on each clique-1 node (%s, %s)", job, slices.Collect(maps.Keys(d.byNode)), nodes[0].name, nodes[1].name)
 	}
-	entries := cdStatusNodes(last)
+	entries := harness.DomainStatusNodes(last)
 	for _, n := range nodes[:2] {
 		e := entries[n.name]
 		if e["ipAddress"] != n.ip || e["cliqueID"] != cliques[n.name] {
@@ -429,7 +429,7 @@ func runDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, nodes [
 	}
 	for _, n := range nodes[:2] {
 		pid, err := imexDaemonPID(n, d.uid)
-		if err != nil || !processAlive(pid) {
+		if err != nil || !harness.ProcessAlive(pid) {
 			t.Fatalf("IMEX daemon of %s on %s: pid %d, %v", name, n.name, pid, err)
 		}
 		d.pids[n.name] = pid
@@ -486,7 +486,7 @@ func secondDomain(ctx context.Context, t *testing.T, c *harness.Cluster, nodes [
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s, _, _ := unstructured.NestedString(st.Object, "status", "status"); s != "Ready" || len(cdStatusNodes(st)) != 2 {
+	if s, _, _ := unstructured.NestedString(st.Object, "status", "status"); s != "Ready" || len(harness.DomainStatusNodes(st)) != 2 {
 		t.Errorf("%s after %s was deleted: %v, want Ready with both nodes", first.name, second.name, st.Object["status"])
 	}
 	for _, n := range nodes[:2] {
@@ -495,7 +495,7 @@ func secondDomain(ctx context.Context, t *testing.T, c *harness.Cluster, nodes [
 		if err != nil || !podRunningNow(pod) || pod.DeletionTimestamp != nil {
 			t.Errorf("%s's worker %s after %s was deleted: %s (%v), want it running on", first.name, r.pod.Name, second.name, harness.DescribeAPIPod(pod), err)
 		}
-		if pid, err := imexDaemonPID(n, first.uid); err != nil || pid != first.pids[n.name] || !processAlive(pid) {
+		if pid, err := imexDaemonPID(n, first.uid); err != nil || pid != first.pids[n.name] || !harness.ProcessAlive(pid) {
 			t.Errorf("%s's IMEX daemon on %s after %s was deleted: pid %d (%v), want %d running on", first.name, n.name, second.name, pid, err, first.pids[n.name])
 		}
 		if _, err := os.Stat(filepath.Join(n.env.NodeDirs().CDISpecs, "compute-domain-claim-"+string(r.claim.UID)+".json")); err != nil {
@@ -534,7 +534,7 @@ func deleteDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, node
 	}
 	gone := waitDomainGone(ctx, t, c, nodes, cdWorkNS, d.name, d.uid)
 	for node, pid := range d.pids {
-		if processAlive(pid) {
+		if harness.ProcessAlive(pid) {
 			t.Errorf("%s's IMEX daemon on %s, pid %d, still runs", d.name, node, pid)
 		}
 	}
@@ -559,7 +559,7 @@ func waitDomainGone(ctx context.Context, t *testing.T, c *harness.Cluster, nodes
 			}
 		}
 		for _, n := range nodes {
-			if pid, err := imexDaemonPID(n, uid); err == nil && processAlive(pid) {
+			if pid, err := imexDaemonPID(n, uid); err == nil && harness.ProcessAlive(pid) {
 				return false, nil
 			}
 			if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", uid)); !errors.Is(err, os.ErrNotExist) {
@@ -662,7 +662,7 @@ func daemonClaimPod(ctx context.Context, t *testing.T, c *harness.Cluster, n *cd
 	if _, err := os.Stat(spec); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("daemon claim's CDI spec on %s after the pod went: %v", n.name, err)
 	}
-	if pid, err := imexDaemonPID(n, d.uid); err != nil || pid != d.pids[n.name] || !processAlive(pid) {
+	if pid, err := imexDaemonPID(n, d.uid); err != nil || pid != d.pids[n.name] || !harness.ProcessAlive(pid) {
 		t.Errorf("%s's IMEX daemon on %s after the daemon claim went: pid %d (%v), want %d running on", d.name, n.name, pid, err, d.pids[n.name])
 	}
 }
@@ -682,7 +682,7 @@ func nodeFailure(ctx context.Context, t *testing.T, c *harness.Cluster, survivor
 	if err != nil {
 		t.Fatal(err)
 	}
-	survivorIndex := cdStatusNodes(before)[survivor.name]["index"]
+	survivorIndex := harness.DomainStatusNodes(before)[survivor.name]["index"]
 	failingPID, err := imexDaemonPID(failing, domainUID)
 	if err != nil {
 		t.Fatal(err)
@@ -707,7 +707,7 @@ func nodeFailure(ctx context.Context, t *testing.T, c *harness.Cluster, survivor
 		if last, err = get(); err != nil {
 			return false, err
 		}
-		entries := cdStatusNodes(last)
+		entries := harness.DomainStatusNodes(last)
 		if _, ok := entries[failing.name]; ok {
 			return false, nil
 		}
@@ -723,10 +723,10 @@ func nodeFailure(ctx context.Context, t *testing.T, c *harness.Cluster, survivor
 	if err != nil {
 		t.Fatalf("%v\nlast domain status: %v", err, last.Object["status"])
 	}
-	if got := cdStatusNodes(last)[survivor.name]["index"]; fmt.Sprint(got) != fmt.Sprint(survivorIndex) {
+	if got := harness.DomainStatusNodes(last)[survivor.name]["index"]; fmt.Sprint(got) != fmt.Sprint(survivorIndex) {
 		t.Errorf("%s's index went from %v to %v when %s left", survivor.name, survivorIndex, got, failing.name)
 	}
-	if pid, err := imexDaemonPID(survivor, domainUID); err != nil || pid != survivorPID || !processAlive(pid) {
+	if pid, err := imexDaemonPID(survivor, domainUID); err != nil || pid != survivorPID || !harness.ProcessAlive(pid) {
 		t.Errorf("%s's IMEX daemon: pid %d (%v), want %d still running (reloaded, not restarted)", survivor.name, pid, err, survivorPID)
 	}
 	nodesCfg, err := os.ReadFile(filepath.Join(survivor.stateDir(), "imex", domainUID, "nodes.cfg"))
@@ -751,7 +751,7 @@ func nodeFailure(ctx context.Context, t *testing.T, c *harness.Cluster, survivor
 		if last, err = get(); err != nil {
 			return false, err
 		}
-		entries := cdStatusNodes(last)
+		entries := harness.DomainStatusNodes(last)
 		st, _, _ := unstructured.NestedString(last.Object, "status", "status")
 		return len(entries) == 2 && entries[failing.name]["status"] == "Ready" && entries[survivor.name]["status"] == "Ready" && st == "Ready", nil
 	})
@@ -763,11 +763,11 @@ func nodeFailure(ctx context.Context, t *testing.T, c *harness.Cluster, survivor
 	if fmt.Sprint(survivorIndex) == "0" {
 		lowest = "1"
 	}
-	entries := cdStatusNodes(last)
+	entries := harness.DomainStatusNodes(last)
 	if fmt.Sprint(entries[survivor.name]["index"]) != fmt.Sprint(survivorIndex) || fmt.Sprint(entries[failing.name]["index"]) != lowest {
 		t.Errorf("indices after %s came back: %v, want %s's kept (%v) and %s at %s, the lowest free", failing.name, entries, survivor.name, survivorIndex, failing.name, lowest)
 	}
-	if pid, err := imexDaemonPID(failing, domainUID); err != nil || !processAlive(pid) || pid == failingPID {
+	if pid, err := imexDaemonPID(failing, domainUID); err != nil || !harness.ProcessAlive(pid) || pid == failingPID {
 		t.Errorf("%s's IMEX daemon after it came back: pid %d (%v), want a new one running", failing.name, pid, err)
 	}
 	t.Logf("MEASURED node %s back (kubelet and gpu-agent started) -> rejoined, domain Ready: %s", failing.name, time.Since(back).Round(10*time.Millisecond))
@@ -950,57 +950,15 @@ func waitCDAgentPublished(ctx context.Context, t *testing.T, c *harness.Cluster,
 	return clique
 }
 
-// cdStatusNodes is a ComputeDomain's status.nodes by name.
-func cdStatusNodes(cd *unstructured.Unstructured) map[string]map[string]any {
-	out := map[string]map[string]any{}
-	if cd == nil {
-		return out
-	}
-	list, _, _ := unstructured.NestedSlice(cd.Object, "status", "nodes")
-	for _, e := range list {
-		if m, ok := e.(map[string]any); ok {
-			name, _ := m["name"].(string)
-			out[name] = m
-		}
-	}
-	return out
-}
-
 // imexDaemonPID reads the pid file n's agent keeps for its IMEX daemon of domain.
 func imexDaemonPID(n *cdNode, domain string) (int, error) {
-	b, err := os.ReadFile(filepath.Join(n.stateDir(), "imex", domain, "pid"))
-	if err != nil {
-		return 0, err
-	}
-	return strconv.Atoi(strings.TrimSpace(string(b)))
+	return harness.IMEXDaemonPID(n.stateDir(), domain)
 }
 
-// processAlive: pid is a process that has not exited (a zombie has).
-func processAlive(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	return i > 0 && i+2 < len(s) && s[i+2] != 'Z'
-}
-
-// killIMEXDaemons ends IMEX daemons a failed run left: they run in sessions of their own and outlive the
-// agent by design.
+// killIMEXDaemons ends IMEX daemons a failed run left on nodes.
 func killIMEXDaemons(t *testing.T, nodes []*cdNode) {
 	for _, n := range nodes {
-		files, _ := filepath.Glob(filepath.Join(n.stateDir(), "imex", "*", "pid"))
-		for _, f := range files {
-			b, err := os.ReadFile(f)
-			if err != nil {
-				continue
-			}
-			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && processAlive(pid) {
-				t.Logf("%s: killing IMEX daemon %d left running (%s)", n.name, pid, f)
-				_ = syscall.Kill(pid, syscall.SIGKILL)
-			}
-		}
+		harness.KillIMEXDaemons(t, n.name, n.stateDir())
 	}
 }
 
@@ -1047,33 +1005,12 @@ func nodeIsReady(n *corev1.Node) bool {
 func unixMajor(dev uint64) uint64 { return (dev >> 8) & 0xfff }
 func unixMinor(dev uint64) uint64 { return (dev & 0xff) | ((dev >> 12) & 0xfff00) }
 
-// cdFatalError ends a cdWait at once; other errors of a condition (an API call that failed) are retried.
-type cdFatalError struct{ error }
-
-func cdFatal(err error) error { return cdFatalError{err} }
+// cdFatal ends a cdWait at once; other errors of a condition (an API call that failed) are retried.
+func cdFatal(err error) error { return harness.Fatal(err) }
 
 // cdWait polls cond every 100ms until it is true, fails fatally, or cdStep (or ctx) ends.
 func cdWait(ctx context.Context, what string, cond func() (bool, error)) error {
-	ctx, cancel := context.WithTimeout(ctx, cdStep)
-	defer cancel()
-	var last error
-	for {
-		ok, err := cond()
-		if ok {
-			return nil
-		}
-		if f := (cdFatalError{}); errors.As(err, &f) {
-			return fmt.Errorf("%s: %w", what, f.error)
-		}
-		if err != nil {
-			last = err
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%s: not within %s (last error: %v)", what, cdStep, last)
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
+	return harness.WaitFor(ctx, what, cdStep, cond)
 }
 
 func cdIgnoreNotFound(err error) error {

@@ -290,7 +290,7 @@ func checkChannelInjection(ctx context.Context, t *testing.T, rack *cdRack, objs
 	if node == nil {
 		t.Fatalf("pod %s on %q, no node of the rack", pod.Name, pod.Spec.NodeName)
 	}
-	if entries := cdStatusNodes(domain); len(entries) != 1 || entries[node.name]["status"] != "Ready" {
+	if entries := harness.DomainStatusNodes(domain); len(entries) != 1 || entries[node.name]["status"] != "Ready" {
 		t.Errorf("%s: status.nodes %v, want %s alone, Ready", cdObj.GetName(), domain.Object["status"], node.name)
 	}
 	if len(pod.Status.ResourceClaimStatuses) != 1 || pod.Status.ResourceClaimStatuses[0].ResourceClaimName == nil {
@@ -477,7 +477,7 @@ func checkMPIJobManifest(ctx context.Context, t *testing.T, rack *cdRack, objs [
 		!strings.Contains(string(cfg[0].Opaque.Parameters.Raw), `"ComputeDomainChannelConfig"`) || !strings.Contains(string(cfg[0].Opaque.Parameters.Raw), uid) {
 		t.Errorf("template %s: config %+v, want %s's ComputeDomainChannelConfig naming the domain %s", name, cfg, cdDriver, uid)
 	}
-	if st, _, _ := unstructured.NestedString(domain.Object, "status", "status"); st != "NotReady" || len(cdStatusNodes(domain)) != 0 {
+	if st, _, _ := unstructured.NestedString(domain.Object, "status", "status"); st != "NotReady" || len(harness.DomainStatusNodes(domain)) != 0 {
 		t.Errorf("%s with no pod of it running: status %v, want NotReady and no node", cdObj.GetName(), domain.Object["status"])
 	}
 

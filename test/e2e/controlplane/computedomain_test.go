@@ -311,7 +311,7 @@ func (r *domainRun) formDomain() {
 	if st, _, _ := unstructured.NestedString(d.Object, "status", "status"); st != "Ready" {
 		t.Errorf("status.status %q, want Ready", st)
 	}
-	entries := statusNodes(d)
+	entries := harness.DomainStatusNodes(d)
 	if len(entries) != r.size {
 		t.Errorf("status.nodes has %d entries, want the %d workers: %v", len(entries), r.size, entries)
 	}
@@ -405,7 +405,7 @@ func (r *domainRun) waitBound(nodes []*simNode, want int) (map[string]*progress,
 		}
 		last = d.Object["status"]
 		now := time.Now()
-		entries := statusNodes(d)
+		entries := harness.DomainStatusNodes(d)
 		for _, pod := range pods.Items {
 			p := prog[pod.Spec.NodeSelector[corev1.LabelHostname]]
 			if p == nil || pod.DeletionTimestamp != nil {
@@ -467,7 +467,7 @@ func (r *domainRun) runningDaemon(n *simNode) int {
 	if err != nil {
 		r.t.Fatalf("IMEX daemon of %s: %v", n.name, err)
 	}
-	if !alive(pid) {
+	if !harness.ProcessAlive(pid) {
 		r.t.Fatalf("IMEX daemon of %s: pid %d not running", n.name, pid)
 	}
 	return pid
@@ -511,11 +511,11 @@ func (r *domainRun) deleteDomain() {
 	// domain is still there.
 	if err := waitFor(ctx, "the entries gone and the domain's daemons stopped", func() (bool, error) {
 		d, err := r.domain()
-		if err != nil || len(statusNodes(d)) > 0 {
+		if err != nil || len(harness.DomainStatusNodes(d)) > 0 {
 			return false, err
 		}
 		for _, n := range r.liveNodes() {
-			if pid, ok := r.pids[n.name]; ok && alive(pid) {
+			if pid, ok := r.pids[n.name]; ok && harness.ProcessAlive(pid) {
 				return false, nil
 			}
 			if _, err := os.Stat(filepath.Join(n.stateDir(), "imex", r.domainUID)); !errors.Is(err, os.ErrNotExist) {
@@ -602,7 +602,7 @@ func processesNaming(s string) []string {
 			continue
 		}
 		pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(f)))
-		if pid == os.Getpid() || !alive(pid) {
+		if pid == os.Getpid() || !harness.ProcessAlive(pid) {
 			continue
 		}
 		out = append(out, fmt.Sprintf("%d: %s", pid, strings.ReplaceAll(string(b), "\x00", " ")))
@@ -938,84 +938,24 @@ func draClient(t *testing.T, n *simNode) (drapb.DRAPluginClient, func()) {
 	return drapb.NewDRAPluginClient(conn), func() { conn.Close() }
 }
 
-// statusNodes is status.nodes by name.
-func statusNodes(cd *unstructured.Unstructured) map[string]map[string]any {
-	out := map[string]map[string]any{}
-	list, _, _ := unstructured.NestedSlice(cd.Object, "status", "nodes")
-	for _, e := range list {
-		if m, ok := e.(map[string]any); ok {
-			name, _ := m["name"].(string)
-			out[name] = m
-		}
-	}
-	return out
-}
-
-// daemonPID reads the pid file the agent keeps for its daemon of domain.
+// daemonPID reads the pid file n's agent keeps for its daemon of domain.
 func daemonPID(n *simNode, domain string) (int, error) {
-	b, err := os.ReadFile(filepath.Join(n.stateDir(), "imex", domain, "pid"))
-	if err != nil {
-		return 0, err
-	}
-	return strconv.Atoi(strings.TrimSpace(string(b)))
+	return harness.IMEXDaemonPID(n.stateDir(), domain)
 }
 
-// alive: pid is a process that has not exited (a zombie has).
-func alive(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	return i > 0 && i+2 < len(s) && s[i+2] != 'Z'
-}
-
-// killDaemons ends IMEX daemons a failed run left: they run in sessions of their own and outlive the agent
-// by design.
+// killDaemons ends IMEX daemons a failed run left on nodes.
 func killDaemons(t *testing.T, nodes []*simNode) {
 	for _, n := range nodes {
-		pidFiles, _ := filepath.Glob(filepath.Join(n.stateDir(), "imex", "*", "pid"))
-		for _, f := range pidFiles {
-			b, err := os.ReadFile(f)
-			if err != nil {
-				continue
-			}
-			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && alive(pid) {
-				t.Logf("%s: killing IMEX daemon %d left running (%s)", n.name, pid, f)
-				_ = syscall.Kill(pid, syscall.SIGKILL)
-			}
-		}
+		harness.KillIMEXDaemons(t, n.name, n.stateDir())
 	}
 }
 
-// fatalError ends a wait at once; other errors of a condition (an API call that failed) are retried.
-type fatalError struct{ error }
-
-func fatal(err error) error { return fatalError{err} }
+// fatal ends a waitFor at once; other errors of a condition (an API call that failed) are retried.
+func fatal(err error) error { return harness.Fatal(err) }
 
 // waitFor polls cond every 100ms until it is true, fails fatally, or stepLimit (or ctx) ends.
 func waitFor(ctx context.Context, what string, cond func() (bool, error)) error {
-	ctx, cancel := context.WithTimeout(ctx, stepLimit)
-	defer cancel()
-	var last error
-	for {
-		ok, err := cond()
-		if ok {
-			return nil
-		}
-		if f := (fatalError{}); errors.As(err, &f) {
-			return fmt.Errorf("%s: %w", what, f.error)
-		}
-		if err != nil {
-			last = err
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%s: not within %s (last error: %v)", what, stepLimit, last)
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
+	return harness.WaitFor(ctx, what, stepLimit, cond)
 }
 
 func ignoreNotFound(err error) error {

@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -45,7 +46,7 @@ func (r *domainRun) nodeFailure() {
 	if err != nil {
 		t.Fatal(err)
 	}
-	before := statusNodes(d)
+	before := harness.DomainStatusNodes(d)
 	index := func(entries map[string]map[string]any, n *simNode) string {
 		return fmt.Sprint(entries[n.name]["index"])
 	}
@@ -71,7 +72,7 @@ func (r *domainRun) nodeFailure() {
 			return false, err
 		}
 		last = d.Object["status"]
-		entries := statusNodes(d)
+		entries := harness.DomainStatusNodes(d)
 		if _, ok := entries[victim.name]; ok {
 			return false, nil
 		}
@@ -96,7 +97,7 @@ func (r *domainRun) nodeFailure() {
 	if err != nil {
 		t.Fatal(err)
 	}
-	after := statusNodes(d)
+	after := harness.DomainStatusNodes(d)
 	for _, n := range survivors {
 		if index(after, n) != index(before, n) {
 			t.Errorf("%s: index %s after the failure, %s before: a node leaving renumbered the others", n.name, index(after, n), index(before, n))
@@ -154,7 +155,7 @@ func (r *domainRun) nodeFailure() {
 	if err != nil {
 		t.Fatal(err)
 	}
-	entries := statusNodes(d)
+	entries := harness.DomainStatusNodes(d)
 	if e := entries[r.spare.name]; index(entries, r.spare) != index(before, victim) || e["ipAddress"] != r.spare.ip || e["cliqueID"] != r.cliques[r.spare.name] {
 		t.Errorf("entry of the replacement's node %s: %v, want index %s (the failed node's), ipAddress %s, cliqueID %s",
 			r.spare.name, e, index(before, victim), r.spare.ip, r.cliques[r.spare.name])
@@ -209,7 +210,7 @@ func (r *domainRun) nodeFailure() {
 	if err != nil {
 		t.Fatal(err)
 	}
-	entries = statusNodes(d)
+	entries = harness.DomainStatusNodes(d)
 	if _, ok := entries[victim.name]; ok || len(entries) != r.size {
 		t.Errorf("status.nodes after the failed Node was deleted: %v, want the %d live workers", entries, r.size)
 	}
@@ -281,8 +282,8 @@ func (r *domainRun) sameDaemons(nodes []*simNode, when string) {
 	r.t.Helper()
 	for _, n := range nodes {
 		pid, err := daemonPID(n, r.domainUID)
-		if err != nil || pid != r.pids[n.name] || !alive(pid) {
-			r.t.Errorf("%s: IMEX daemon %s: pid %d (err %v, alive %v), want %d still running", n.name, when, pid, err, alive(pid), r.pids[n.name])
+		if err != nil || pid != r.pids[n.name] || !harness.ProcessAlive(pid) {
+			r.t.Errorf("%s: IMEX daemon %s: pid %d (err %v, alive %v), want %d still running", n.name, when, pid, err, harness.ProcessAlive(pid), r.pids[n.name])
 		}
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -209,7 +210,7 @@ func (r *domainRun) controllerOffAndOn() {
 		if err != nil {
 			return false, err
 		}
-		for _, e := range statusNodes(d) {
+		for _, e := range harness.DomainStatusNodes(d) {
 			if e["status"] != "Ready" {
 				return false, nil
 			}
@@ -222,7 +223,7 @@ func (r *domainRun) controllerOffAndOn() {
 		t.Fatal(err)
 	}
 	list, _, _ := unstructured.NestedSlice(d.Object, "status", "nodes")
-	entries := statusNodes(d)
+	entries := harness.DomainStatusNodes(d)
 	if len(list) != len(entriesBefore)+1 || len(entries) != len(list) {
 		t.Errorf("status.nodes after the controller came back: %v, want the %d before and %s's, once each", list, len(entriesBefore), r.other.name)
 	}
