@@ -203,12 +203,7 @@ func TestRepublishWhatTheAPIServerLost(t *testing.T) {
 			now := time.Date(2026, 11, 25, 12, 0, 0, 0, time.UTC)
 			d := New(Options{NodeName: "node-a", Client: api, SliceCheck: -1, Now: func() time.Time { return now }})
 			defer d.Stop()
-			pool := devicemodeltest.MixedPool(t)
-			n := len(devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}).Pools["node-a"].Slices)
-			d.Publish(pool)
-			d.startPublishing(ctx)
-			take(t, "created", api.created, n)
-			publishing(t, d)
+			n := publishMixedPool(ctx, t, api, d)
 			if err := d.CheckSlices(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -229,12 +224,7 @@ func TestRepublishWhatTheAPIServerLost(t *testing.T) {
 				take(t, "deleted by the test", api.deleted, n)
 			}
 			if tt.recreate {
-				if err := api.CoreV1().Nodes().Delete(ctx, "node-a", metav1.DeleteOptions{}); err != nil {
-					t.Fatal(err)
-				}
-				if _, err := api.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a", UID: "uid-2"}}, metav1.CreateOptions{}); err != nil {
-					t.Fatal(err)
-				}
+				recreateNode(ctx, t, api, "uid-2")
 			}
 			for check := 1; check <= 2; check++ {
 				if err := d.CheckSlices(ctx); err != nil {
@@ -307,18 +297,8 @@ func TestRecreatedNodeRepublishedSoon(t *testing.T) {
 	api := newFakeAPI("uid-1")
 	d := New(Options{NodeName: "node-a", Client: api, SliceCheck: time.Hour, SliceCheckGap: time.Millisecond})
 	defer d.Stop()
-	pool := devicemodeltest.MixedPool(t)
-	n := len(devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}).Pools["node-a"].Slices)
-	d.Publish(pool)
-	d.startPublishing(ctx)
-	take(t, "created", api.created, n)
-	publishing(t, d)
-	if err := api.CoreV1().Nodes().Delete(ctx, "node-a", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := api.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a", UID: "uid-2"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	n := publishMixedPool(ctx, t, api, d)
+	recreateNode(ctx, t, api, "uid-2")
 	d.CheckSoon()
 	take(t, "deleted as another Node's", api.deleted, n)
 	for _, s := range take(t, "created again", api.created, n) {
@@ -328,5 +308,31 @@ func TestRecreatedNodeRepublishedSoon(t *testing.T) {
 	}
 	if s := d.Slices(); s.Restarts != 1 {
 		t.Errorf("%d restarts, want 1", s.Restarts)
+	}
+}
+
+// publishMixedPool publishes devicemodeltest's mixed pool through d and
+// waits until its slices are created on api and d's controller runs; it
+// returns how many slices that is.
+func publishMixedPool(ctx context.Context, t *testing.T, api *fakeAPI, d *Driver) int {
+	t.Helper()
+	pool := devicemodeltest.MixedPool(t)
+	n := len(devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}).Pools["node-a"].Slices)
+	d.Publish(pool)
+	d.startPublishing(ctx)
+	take(t, "created", api.created, n)
+	publishing(t, d)
+	return n
+}
+
+// recreateNode deletes node-a and creates it again under uid, as a restore
+// of the API server's data or a node registering anew does.
+func recreateNode(ctx context.Context, t *testing.T, api *fakeAPI, uid string) {
+	t.Helper()
+	if err := api.CoreV1().Nodes().Delete(ctx, "node-a", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := api.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a", UID: types.UID(uid)}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
 	}
 }

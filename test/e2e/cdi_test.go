@@ -204,22 +204,7 @@ func TestClusterDRACDIContainerd2(t *testing.T) {
 // derived from what its claim consumes: 50% of the threads each, the default half of the memory and the 8 GiB.
 func TestClusterDRAMPSContainerd2(t *testing.T) {
 	c, _ := installDRAWithFakeMPS(t)
-	setConfigMap(t, c, map[string]string{"config.yaml": `version: v1
-configs:
-  default:
-    sharing:
-      mps:
-        resources:
-        - name: nvidia.com/gpu
-          devices: [0]
-          replicas: 2
-`})
-	var gpu0 resourceapi.Device
-	eventually(t, "gpu-0 shared 2 ways by MPS in the ResourceSlice", func() bool {
-		gpu0 = nodeSlice(t, c)["gpu-0"]
-		q, ok := gpu0.Capacity["shares"]
-		return ok && q.Value.Value() == 2
-	})
+	gpu0 := shareGPU0ByMPS(t, c)
 	mem := gpu0.Capacity["memory"].Value
 	half := mem.Value() / 2 >> 20
 	tests := []struct {
@@ -266,4 +251,27 @@ func installDRAWithFakeMPS(t *testing.T) (*harness.Cluster, string) {
 	return installOverlayOn(t, "sim-dra-overlay", inputs.containerd2, func(c *harness.Cluster, l *harness.NodeLayer) {
 		l.ExtraArgs = append(l.ExtraArgs, "--mps-binary="+mpsStandIn)
 	})
+}
+
+// shareGPU0ByMPS sets the config that shares GPU 0 by MPS 2 ways, and returns the gpu-0 device of the node's
+// ResourceSlice once it offers the 2 shares.
+func shareGPU0ByMPS(t *testing.T, c *harness.Cluster) resourceapi.Device {
+	t.Helper()
+	setConfigMap(t, c, map[string]string{"config.yaml": `version: v1
+configs:
+  default:
+    sharing:
+      mps:
+        resources:
+        - name: nvidia.com/gpu
+          devices: [0]
+          replicas: 2
+`})
+	var gpu0 resourceapi.Device
+	eventually(t, "gpu-0 shared 2 ways by MPS in the ResourceSlice", func() bool {
+		gpu0 = nodeSlice(t, c)["gpu-0"]
+		q, ok := gpu0.Capacity["shares"]
+		return ok && q.Value.Value() == 2
+	})
+	return gpu0
 }

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"maps"
 	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -188,7 +187,7 @@ func startCDRack(ctx context.Context, t *testing.T, opts cdRackOptions) *cdRack 
 	}
 	if err := cdWait(ctx, "the default ServiceAccount of "+cdWorkNS, func() (bool, error) {
 		_, err := cs.CoreV1().ServiceAccounts(cdWorkNS).Get(ctx, "default", metav1.GetOptions{})
-		return err == nil, cdIgnoreNotFound(err)
+		return err == nil, harness.IgnoreNotFound(err)
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -267,7 +266,7 @@ func runDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, nodes [
 	d.uid = string(domain.GetUID())
 	if err := cdWait(ctx, "the workload template "+d.template, func() (bool, error) {
 		_, err := cs.ResourceV1().ResourceClaimTemplates(cdWorkNS).Get(ctx, d.template, metav1.GetOptions{})
-		return err == nil, cdIgnoreNotFound(err)
+		return err == nil, harness.IgnoreNotFound(err)
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -327,7 +326,7 @@ func runDomainJob(ctx context.Context, t *testing.T, c *harness.Cluster, nodes [
 			if p.Spec.NodeName != "" && r.bound.IsZero() {
 				r.bound = now
 			}
-			if podRunningNow(&p) && r.running.IsZero() {
+			if harness.PodRunning(&p) && r.running.IsZero() {
 				r.running = now
 			}
 			if !r.running.IsZero() && r.env == nil {
@@ -492,7 +491,7 @@ func secondDomain(ctx context.Context, t *testing.T, c *harness.Cluster, nodes [
 	for _, n := range nodes[:2] {
 		r := first.byNode[n.name]
 		pod, err := cs.CoreV1().Pods(cdWorkNS).Get(ctx, r.pod.Name, metav1.GetOptions{})
-		if err != nil || !podRunningNow(pod) || pod.DeletionTimestamp != nil {
+		if err != nil || !harness.PodRunning(pod) || pod.DeletionTimestamp != nil {
 			t.Errorf("%s's worker %s after %s was deleted: %s (%v), want it running on", first.name, r.pod.Name, second.name, harness.DescribeAPIPod(pod), err)
 		}
 		if pid, err := imexDaemonPID(n, first.uid); err != nil || pid != first.pids[n.name] || !harness.ProcessAlive(pid) {
@@ -582,7 +581,7 @@ func daemonClaimPod(ctx context.Context, t *testing.T, c *harness.Cluster, n *cd
 	cs := c.Client
 	if err := cdWait(ctx, "the default ServiceAccount of "+cdControllerNS, func() (bool, error) {
 		_, err := cs.CoreV1().ServiceAccounts(cdControllerNS).Get(ctx, "default", metav1.GetOptions{})
-		return err == nil, cdIgnoreNotFound(err)
+		return err == nil, harness.IgnoreNotFound(err)
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -618,7 +617,7 @@ func daemonClaimPod(ctx context.Context, t *testing.T, c *harness.Cluster, n *cd
 			return false, cdFatal(fmt.Errorf("pod %s ended: %s", p.Name, harness.DescribeAPIPod(p)))
 		}
 		pod = p
-		if !podRunningNow(p) {
+		if !harness.PodRunning(p) {
 			return false, nil
 		}
 		short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
@@ -655,7 +654,7 @@ func daemonClaimPod(ctx context.Context, t *testing.T, c *harness.Cluster, n *cd
 			return false, err
 		}
 		_, err := cs.ResourceV1().ResourceClaims(cdControllerNS).Get(ctx, cl.Name, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), cdIgnoreNotFound(err)
+		return apierrors.IsNotFound(err), harness.IgnoreNotFound(err)
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -734,7 +733,7 @@ func nodeFailure(ctx context.Context, t *testing.T, c *harness.Cluster, survivor
 		t.Errorf("%s's node list after %s left: %q (%v), want %s and not %s", survivor.name, failing.name, nodesCfg, err, survivor.ip, failing.ip)
 	}
 	pod, err := cs.CoreV1().Pods(cdWorkNS).Get(ctx, survivorPod, metav1.GetOptions{})
-	if err != nil || !podRunningNow(pod) || pod.DeletionTimestamp != nil {
+	if err != nil || !harness.PodRunning(pod) || pod.DeletionTimestamp != nil {
 		t.Errorf("worker %s on %s after %s failed: %s (%v), want it running on", survivorPod, survivor.name, failing.name, harness.DescribeAPIPod(pod), err)
 	}
 	t.Logf("MEASURED node %s killed -> Node NotReady %s -> entry out of status.nodes %s -> %s Ready alone, domain NotReady %s",
@@ -896,7 +895,7 @@ func startCDAgent(ctx context.Context, t *testing.T, c *harness.Cluster, n *cdNo
 		if done, err := p.Exited(); done {
 			return false, cdFatal(fmt.Errorf("gpu-agent of %s exited: %v (see %s)", n.name, err, p.LogPath))
 		}
-		return httpGetOK(ctx, "http://"+listen+"/readyz") == nil, nil
+		return harness.HTTPOK(ctx, "http://"+listen+"/readyz") == nil, nil
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -962,37 +961,6 @@ func killIMEXDaemons(t *testing.T, nodes []*cdNode) {
 	}
 }
 
-// httpGetOK GETs url and wants 200.
-func httpGetOK(ctx context.Context, url string) error {
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return err
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return err
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("GET %s: %s", url, resp.Status)
-	}
-	return nil
-}
-
-func podRunningNow(p *corev1.Pod) bool {
-	if p == nil || p.Status.Phase != corev1.PodRunning || len(p.Status.ContainerStatuses) != len(p.Spec.Containers) {
-		return false
-	}
-	for _, cs := range p.Status.ContainerStatuses {
-		if cs.State.Running == nil {
-			return false
-		}
-	}
-	return true
-}
-
 func nodeIsReady(n *corev1.Node) bool {
 	for _, c := range n.Status.Conditions {
 		if c.Type == corev1.NodeReady {
@@ -1011,11 +979,4 @@ func cdFatal(err error) error { return harness.Fatal(err) }
 // cdWait polls cond every 100ms until it is true, fails fatally, or cdStep (or ctx) ends.
 func cdWait(ctx context.Context, what string, cond func() (bool, error)) error {
 	return harness.WaitFor(ctx, what, cdStep, cond)
-}
-
-func cdIgnoreNotFound(err error) error {
-	if apierrors.IsNotFound(err) {
-		return nil
-	}
-	return err
 }

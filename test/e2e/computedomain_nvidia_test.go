@@ -196,7 +196,7 @@ func (n *nvidiaObjects) waitGone(ctx context.Context, t *testing.T, objs []*unst
 		}
 		if err := cdWait(ctx, o.GetKind()+" "+o.GetName()+" gone", func() (bool, error) {
 			_, err := ri.Get(ctx, o.GetName(), metav1.GetOptions{})
-			return apierrors.IsNotFound(err), cdIgnoreNotFound(err)
+			return apierrors.IsNotFound(err), harness.IgnoreNotFound(err)
 		}); err != nil {
 			t.Fatal(err)
 		}
@@ -367,7 +367,7 @@ func checkChannelInjection(ctx context.Context, t *testing.T, rack *cdRack, objs
 	n.waitGone(ctx, t, objs)
 	if err := cdWait(ctx, "claim "+claim.Name+" gone and its CDI spec removed", func() (bool, error) {
 		if _, err := cs.ResourceV1().ResourceClaims(metav1.NamespaceDefault).Get(ctx, claim.Name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
-			return false, cdIgnoreNotFound(err)
+			return false, harness.IgnoreNotFound(err)
 		}
 		_, err := os.Stat(specPath)
 		return errors.Is(err, os.ErrNotExist), nil
@@ -455,7 +455,7 @@ func checkMPIJobManifest(ctx context.Context, t *testing.T, rack *cdRack, objs [
 	var domain *unstructured.Unstructured
 	if err := cdWait(ctx, "the workload template "+name+" and "+cdObj.GetName()+"'s status", func() (bool, error) {
 		if rct, err = cs.ResourceV1().ResourceClaimTemplates(metav1.NamespaceDefault).Get(ctx, name, metav1.GetOptions{}); err != nil {
-			return false, cdIgnoreNotFound(err)
+			return false, harness.IgnoreNotFound(err)
 		}
 		if domain, err = c.Dynamic.Resource(cdGVR).Namespace(metav1.NamespaceDefault).Get(ctx, cdObj.GetName(), metav1.GetOptions{}); err != nil {
 			return false, err

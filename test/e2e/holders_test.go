@@ -414,20 +414,7 @@ func TestHolderMPSContainerd2(t *testing.T) {
 
 func holderMPS(t *testing.T, c *harness.Cluster, agent string) {
 	t.Logf("containerd %s", containerdVersion(t, c))
-	setConfigMap(t, c, map[string]string{"config.yaml": `version: v1
-configs:
-  default:
-    sharing:
-      mps:
-        resources:
-        - name: nvidia.com/gpu
-          devices: [0]
-          replicas: 2
-`})
-	eventually(t, "gpu-0 shared 2 ways by MPS in the ResourceSlice", func() bool {
-		q, ok := nodeSlice(t, c)["gpu-0"].Capacity["shares"]
-		return ok && q.Value.Value() == 2
-	})
+	shareGPU0ByMPS(t, c)
 	loads := []holderLoad{{"mps-a", 25, 2 << 30}, {"mps-b", 60, 4 << 30}}
 	sharedClaimsOnGPU0(t, c, agent, loads)
 	checkClaimSeries(t, c, agent, loads, `,"mps":true`)

@@ -251,7 +251,7 @@ func (r *domainRun) startCluster(bins binaryPaths) {
 	}
 	if err := waitFor(ctx, "the default ServiceAccount of "+workNS, func() (bool, error) {
 		_, err := r.cs.CoreV1().ServiceAccounts(workNS).Get(ctx, "default", metav1.GetOptions{})
-		return err == nil, ignoreNotFound(err)
+		return err == nil, harness.IgnoreNotFound(err)
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -283,7 +283,7 @@ func (r *domainRun) formDomain() {
 	r.domainUID = string(domain.GetUID())
 	if err := waitFor(ctx, "the workload template "+templateName, func() (bool, error) {
 		_, err := cs.ResourceV1().ResourceClaimTemplates(workNS).Get(ctx, templateName, metav1.GetOptions{})
-		return err == nil, ignoreNotFound(err)
+		return err == nil, harness.IgnoreNotFound(err)
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -659,7 +659,7 @@ func applyComputeDomainAPI(ctx context.Context, t *testing.T, cp *harness.Contro
 	}
 	if err := waitFor(ctx, "ComputeDomains served", func() (bool, error) {
 		_, err := cp.Dynamic.Resource(cdGVR).Namespace("default").List(ctx, metav1.ListOptions{})
-		return err == nil, ignoreNotFound(err)
+		return err == nil, harness.IgnoreNotFound(err)
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -956,11 +956,4 @@ func fatal(err error) error { return harness.Fatal(err) }
 // waitFor polls cond every 100ms until it is true, fails fatally, or stepLimit (or ctx) ends.
 func waitFor(ctx context.Context, what string, cond func() (bool, error)) error {
 	return harness.WaitFor(ctx, what, stepLimit, cond)
-}
-
-func ignoreNotFound(err error) error {
-	if apierrors.IsNotFound(err) {
-		return nil
-	}
-	return err
 }

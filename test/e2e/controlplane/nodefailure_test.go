@@ -201,7 +201,7 @@ func (r *domainRun) nodeFailure() {
 			return false, err
 		}
 		_, err := cs.ResourceV1().ResourceClaims(workNS).Get(ctx, victimClaim.Name, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), ignoreNotFound(err)
+		return apierrors.IsNotFound(err), harness.IgnoreNotFound(err)
 	}); err != nil {
 		t.Fatal(err)
 	}

@@ -269,7 +269,7 @@ func (r *domainRun) controllerOffAndOn() {
 	if err := waitFor(ctx, lateDomain+", its claim, templates and daemon gone", func() (bool, error) {
 		_, err := r.cp.Dynamic.Resource(cdGVR).Namespace(workNS).Get(ctx, lateDomain, metav1.GetOptions{})
 		if !apierrors.IsNotFound(err) || r.templates(lateUID) > 0 || r.claimOf(lateDomainPod) != nil {
-			return false, ignoreNotFound(err)
+			return false, harness.IgnoreNotFound(err)
 		}
 		_, err = os.Stat(filepath.Join(r.spare.stateDir(), "imex", lateUID))
 		return errors.Is(err, os.ErrNotExist), nil
@@ -311,10 +311,10 @@ func (r *domainRun) takenUp(name, template string, created *unstructured.Unstruc
 		return false, nil
 	}
 	if _, err := r.cs.ResourceV1().ResourceClaimTemplates(workNS).Get(r.ctx, template, metav1.GetOptions{}); err != nil {
-		return false, ignoreNotFound(err)
+		return false, harness.IgnoreNotFound(err)
 	}
 	_, err = r.cs.ResourceV1().ResourceClaimTemplates(controllerNS).Get(r.ctx, daemonTemplatePrefix+string(d.GetUID()), metav1.GetOptions{})
-	return err == nil, ignoreNotFound(err)
+	return err == nil, harness.IgnoreNotFound(err)
 }
 
 // templates counts the ResourceClaimTemplates labelled with domain uid, in any namespace.

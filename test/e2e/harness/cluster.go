@@ -316,7 +316,7 @@ func (c *Cluster) WaitPodsRunning(ctx context.Context, namespace, selector strin
 			if p.Status.Phase == corev1.PodFailed || p.Status.Phase == corev1.PodSucceeded {
 				return stop(fmt.Errorf("pod %s/%s ended: %s", namespace, p.Name, DescribeAPIPod(p)))
 			}
-			if !podRunning(p) {
+			if !PodRunning(p) {
 				notYet = append(notYet, p.Name+": "+DescribeAPIPod(p))
 			}
 		}
@@ -331,8 +331,9 @@ func (c *Cluster) WaitPodsRunning(ctx context.Context, namespace, selector strin
 	return pods, nil
 }
 
-func podRunning(p *corev1.Pod) bool {
-	if p.Status.Phase != corev1.PodRunning || len(p.Status.ContainerStatuses) != len(p.Spec.Containers) {
+// PodRunning reports whether p runs with every container started (false for nil).
+func PodRunning(p *corev1.Pod) bool {
+	if p == nil || p.Status.Phase != corev1.PodRunning || len(p.Status.ContainerStatuses) != len(p.Spec.Containers) {
 		return false
 	}
 	for _, cs := range p.Status.ContainerStatuses {

@@ -10,10 +10,19 @@ import (
 	"slices"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 )
+
+// IgnoreNotFound is err, or nil where err says the object is not there.
+func IgnoreNotFound(err error) error {
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	return err
+}
 
 // ControlPlaneConfig is what a ControlPlane needs: the binaries and where its files go. Only etcd and the API
 // server are required; the controller manager and the scheduler start when their binary is given (the
@@ -151,7 +160,7 @@ func (cp *ControlPlane) start(ctx context.Context) error {
 		"--log-level", "warn"); err != nil {
 		return err
 	}
-	if err := waitServing(ctx, cp.Etcd, func() error { return httpOK(ctx, etcdURL+"/health") }); err != nil {
+	if err := waitServing(ctx, cp.Etcd, func() error { return HTTPOK(ctx, etcdURL+"/health") }); err != nil {
 		return err
 	}
 

@@ -397,7 +397,7 @@ func (e *Env) StartKubelet(ctx context.Context) error {
 		if done, werr := p.Exited(); done {
 			return stop(fmt.Errorf("kubelet exited: %v (see %s)", werr, p.LogPath))
 		}
-		if err := httpOK(ctx, healthz); err != nil {
+		if err := HTTPOK(ctx, healthz); err != nil {
 			return err
 		}
 		if _, err := os.Stat(filepath.Join(e.d.devicePlugins, "kubelet.sock")); err != nil {
@@ -441,7 +441,7 @@ func (e *Env) StartAgent(ctx context.Context) error {
 			if done, werr := p.Exited(); done {
 				return stop(fmt.Errorf("gpu-agent exited: %v (see %s)", werr, p.LogPath))
 			}
-			return httpOK(ctx, "http://"+e.agentAddr+"/readyz")
+			return HTTPOK(ctx, "http://"+e.agentAddr+"/readyz")
 		})
 		if err == nil {
 			return nil
@@ -567,7 +567,8 @@ func (e *Env) UpdateAgentConfig(content string) error {
 // RunDir is the Env's private directory (logs under RunDir/logs).
 func (e *Env) RunDir() string { return e.d.run }
 
-func httpOK(ctx context.Context, url string) error {
+// HTTPOK GETs url and wants 200 within 2 s; an error names the status and the start of the body.
+func HTTPOK(ctx context.Context, url string) error {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)

@@ -73,7 +73,7 @@ scrape_configs:
 		if done, werr := p.Exited(); done {
 			return stop(fmt.Errorf("prometheus exited: %v (see %s)", werr, p.LogPath))
 		}
-		return httpOK(ctx, prom.url+"/-/ready")
+		return HTTPOK(ctx, prom.url+"/-/ready")
 	})
 	if err != nil {
 		return nil, fmt.Errorf("prometheus: not ready: %w", err)

@@ -49,7 +49,7 @@ func (c *Cluster) WatchAgentStart(ctx context.Context, namespace, selector, reso
 		if p.Spec.NodeName != "" {
 			a.mark(PodScheduled, p.Name)
 		}
-		if podRunning(p) {
+		if PodRunning(p) {
 			a.mark(ContainerRunning, p.Name)
 		}
 		for _, cond := range p.Status.Conditions {
