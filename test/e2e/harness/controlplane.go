@@ -2,9 +2,12 @@ package harness
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -311,6 +314,44 @@ func (cp *ControlPlane) StopScheduler(grace time.Duration) error {
 	return p.Stop(grace)
 }
 
+// SchedulerCPUProfile writes a CPU profile of the running scheduler over the next d to w (its
+// /debug/pprof/profile, served since --profiling is on by default).
+func (cp *ControlPlane) SchedulerCPUProfile(ctx context.Context, d time.Duration, w io.Writer) error {
+	return cp.schedulerPprof(ctx, fmt.Sprintf("profile?seconds=%d", max(int(d.Seconds()), 1)), d+30*time.Second, w)
+}
+
+// SchedulerHeapProfile writes a heap profile of the running scheduler to w.
+func (cp *ControlPlane) SchedulerHeapProfile(ctx context.Context, w io.Writer) error {
+	return cp.schedulerPprof(ctx, "heap", 30*time.Second, w)
+}
+
+func (cp *ControlPlane) schedulerPprof(ctx context.Context, what string, limit time.Duration, w io.Writer) error {
+	if cp.Scheduler == nil {
+		return errors.New("kube-scheduler: not started")
+	}
+	url := fmt.Sprintf("https://127.0.0.1:%d/debug/pprof/%s", cp.schedPort, what)
+	ctx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
+	tr := &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}
+	defer tr.CloseIdleConnections()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := (&http.Client{Transport: tr}).Do(req)
+	if err != nil {
+		return fmt.Errorf("kube-scheduler profile: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("kube-scheduler profile: GET %s: %s", url, resp.Status)
+	}
+	if _, err := io.Copy(w, resp.Body); err != nil {
+		return fmt.Errorf("kube-scheduler profile: %w", err)
+	}
+	return nil
+}
+
 // spawnScheduler starts kube-scheduler with its default profile.
 func (cp *ControlPlane) spawnScheduler(bin string) error {
 	kubeconfig := cp.kubeconfigs["kube-scheduler"]
@@ -319,6 +360,8 @@ func (cp *ControlPlane) spawnScheduler(bin string) error {
 		"--authorization-kubeconfig", kubeconfig,
 		"--bind-address", "127.0.0.1",
 		"--secure-port", fmt.Sprint(cp.schedPort),
+		// pprof without credentials, as the health checks: on loopback, for SchedulerCPUProfile.
+		"--authorization-always-allow-paths", "/healthz,/readyz,/livez,/debug/pprof/*",
 		"--v", "1",
 	}
 	if qps := cp.cfg.SchedulerClientQPS; qps > 0 {

@@ -49,6 +49,8 @@ type options struct {
 	settle      time.Duration
 	out, work   string
 	keep        bool
+	// cpuprofile, when set, is a directory that gets a CPU profile of the scheduler for each scenario.
+	cpuprofile string
 	// mix, when above 0, also measures each model on that share of the nodes, the default model on the rest.
 	mix float64
 }
@@ -98,6 +100,7 @@ func parseFlags(args []string) (options, error) {
 	fl.StringVar(&o.out, "out", "", "also write the table to this file")
 	fl.StringVar(&o.work, "work", "", "directory for the control planes and agents (default: a new temp dir, removed at the end)")
 	fl.BoolVar(&o.keep, "keep", false, "keep the work directory (logs) at the end")
+	fl.StringVar(&o.cpuprofile, "cpuprofile", "", "write CPU (over the binding, at most 30 s) and heap profiles of the scheduler for each scenario to this directory")
 	fl.Float64Var(&o.mix, "mix", 0, "also measure each model on this share of the nodes (0 < mix < 1), the default model on the rest")
 	if err := fl.Parse(args); err != nil {
 		return o, err
@@ -240,13 +243,13 @@ func run(ctx context.Context, o options) (err error) {
 	for _, n := range o.nodes {
 		for _, t := range order {
 			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s", n, t.Model)), repo: o.repo,
-				tmpl: t, nodes: n, pods: o.pods, limit: o.limit, logf: log.Printf})
+				tmpl: t, nodes: n, pods: o.pods, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
 			if o.mix == 0 || t.Model == baselineModel || t.Model == "default" {
 				continue
 			}
 			mixed := max(1, int(o.mix*float64(n)+0.5))
 			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s-mixed", n, t.Model)), repo: o.repo,
-				tmpl: t, others: templates["default"], mixed: mixed, nodes: n, pods: o.pods, limit: o.limit, logf: log.Printf})
+				tmpl: t, others: templates["default"], mixed: mixed, nodes: n, pods: o.pods, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
 		}
 	}
 	for _, f := range runs {

@@ -1,8 +1,10 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -57,12 +59,14 @@ type fleetRun struct {
 	nodes int
 	// others, when mixed > 0, is the template of every node but the first mixed ones, which get tmpl: a
 	// fleet where only some nodes publish tmpl's model (MIG on demand on the nodes that serve MIG claims).
-	others    template
-	mixed     int
-	pods      int
-	limit     time.Duration
-	logf      func(string, ...any)
-	apiServer *harness.Process
+	others template
+	mixed  int
+	pods   int
+	limit  time.Duration
+	// cpuprofile: a directory for the scheduler's CPU profiles ("": none).
+	cpuprofile string
+	logf       func(string, ...any)
+	apiServer  *harness.Process
 }
 
 // run starts the control plane, creates the fleet and measures every claim on it, returning a row per claim
@@ -235,6 +239,8 @@ func (f *fleetRun) measure(ctx context.Context, cp *harness.ControlPlane, cs kub
 	if err != nil {
 		return fmt.Errorf("kube-scheduler CPU time: %w", err)
 	}
+	profiled := f.profile(ctx, cp, c)
+	defer func() { <-profiled }()
 	start := time.Now()
 	deadline := start.Add(f.limit)
 	err = parallel(ctx, f.pods, 16, func(ctx context.Context, i int) error {
@@ -283,6 +289,38 @@ func (f *fleetRun) measure(ctx context.Context, cp *harness.ControlPlane, cs kub
 		r.Why = w.whyPending(ctx, cs)
 	}
 	return nil
+}
+
+// profile takes a CPU profile of the scheduler over the binding phase (at most 30 s), then a heap profile,
+// into the cpuprofile directory, when there is one; the channel closes when both are written.
+func (f *fleetRun) profile(ctx context.Context, cp *harness.ControlPlane, c claimSpec) <-chan struct{} {
+	done := make(chan struct{})
+	if f.cpuprofile == "" {
+		close(done)
+		return done
+	}
+	name := filepath.Join(f.cpuprofile, strings.NewReplacer(" ", "_", "%", "pct", "(", "", ")", "").Replace(
+		fmt.Sprintf("%s-%d-%s.pprof", f.model(), f.nodes, c.Name)))
+	go func() {
+		defer close(done)
+		var buf bytes.Buffer
+		err := cp.SchedulerCPUProfile(ctx, min(f.limit, 30*time.Second), &buf)
+		if err == nil {
+			err = os.WriteFile(name, buf.Bytes(), 0o644)
+		}
+		if err != nil {
+			f.logf("%v", err)
+		}
+		// And what it holds then: the fleet's slices, in the forms the scheduler keeps them.
+		buf.Reset()
+		if err = cp.SchedulerHeapProfile(ctx, &buf); err == nil {
+			err = os.WriteFile(strings.TrimSuffix(name, ".pprof")+".heap.pprof", buf.Bytes(), 0o644)
+		}
+		if err != nil {
+			f.logf("%v", err)
+		}
+	}()
+	return done
 }
 
 // steadyRate is the binding rate between the first and the last binding: the scheduler's own pace, without
