@@ -168,7 +168,11 @@ type Options struct {
 	ForgetGoneAfter time.Duration
 	// ResyncInterval re-reads the inventory even without events (default 30s).
 	ResyncInterval time.Duration
-	Logger         *slog.Logger
+	// MIGCloseGrace is how long a surplus spare GPU's partitions stay
+	// published, tainted, before they go (migOnDemand.spareGPUs; default
+	// a minute). A resync pass closes it once the grace is over.
+	MIGCloseGrace time.Duration
+	Logger        *slog.Logger
 	// Registerer receives the agent's own metrics (nil: none).
 	Registerer prometheus.Registerer
 	// Now is the clock (nil: time.Now).
@@ -320,12 +324,18 @@ type publishedState struct {
 	cdiStatus     CDIStatus
 	// cordonStatus: what the last pass resolved the cordon list to.
 	cordonStatus CordonStatus
+	// migOpen: the GPUs offering MIG devices on demand under spareGPUs
+	// (Snapshot.MIGOpen), as the last pass decided (nextOpen); nil at start.
+	migOpen map[string]time.Time
 }
 
 // New returns an agent; it does nothing until Run.
 func New(opts Options) *Agent {
 	if opts.ResyncInterval <= 0 {
 		opts.ResyncInterval = 30 * time.Second
+	}
+	if opts.MIGCloseGrace <= 0 {
+		opts.MIGCloseGrace = closeGrace
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)

@@ -53,6 +53,12 @@ type Snapshot struct {
 	MIGManager bool
 	// DRA: the node also offers its devices through DRA.
 	DRA bool
+	// MIGOpen, under the config's migOnDemand.spareGPUs, are the chosen
+	// GPUs (by UUID) that offer MIG devices on demand, each with when it
+	// was found a surplus spare (zero: it is not closing); a chosen GPU
+	// not in it is offered whole only. Nil: every chosen GPU offers them.
+	// The loop carries it from pass to pass (nextOpen).
+	MIGOpen map[string]time.Time
 	// ClaimMPS are the MPS daemons DRA claims' configs ask for, on devices
 	// the config does not share by MPS.
 	ClaimMPS []mps.Daemon

@@ -142,8 +142,11 @@ func decide(in decideInput) Effects {
 func (a *Agent) decide(start time.Time) Effects {
 	a.passes.Add(1)
 	a.metrics.planPasses.Inc()
+	snap := a.snapshot()
+	a.noteOpen(nextOpen(snap, a.migOpen, a.now(), a.opts.MIGCloseGrace))
+	snap.MIGOpen = a.migOpen
 	return decide(decideInput{
-		Snapshot:   a.snapshot(),
+		Snapshot:   snap,
 		Settleable: a.ledger.Settleable(start),
 		Health:     a.opts.Health != nil, PolicyOf: a.policySet,
 		Observed: a.observedConfig,

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"k8s.io/apimachinery/pkg/types"
 
@@ -201,6 +202,11 @@ func dynamicGPUs(s Snapshot) map[int]devicemodel.Dynamic {
 		}
 		chosen := onDemand != nil && onDemand.Enabled && migDeviceFilterMatches(onDemand.DeviceFilter, g)
 		made := madeFor[g.UUID]
+		closing := false
+		if chosen && len(made) == 0 && s.MIGOpen != nil {
+			since, open := s.MIGOpen[g.UUID]
+			chosen, closing = open, open && !since.IsZero()
+		}
 		if !chosen && len(made) == 0 {
 			continue
 		}
@@ -209,7 +215,7 @@ func dynamicGPUs(s Snapshot) map[int]devicemodel.Dynamic {
 		}
 		// Not whole while a release or intent on it waits: MIG may be on,
 		// with a device left, whatever the last read said.
-		dyn := devicemodel.Dynamic{GPU: g, Profiles: profiles, Whole: chosen && !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID)}
+		dyn := devicemodel.Dynamic{GPU: g, Profiles: profiles, Whole: chosen && !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID), Closing: closing}
 		if chosen {
 			dyn.Offered = onDemand.Profiles
 			for _, m := range made {
@@ -243,6 +249,126 @@ func dynamicGPUs(s Snapshot) map[int]devicemodel.Dynamic {
 		out[g.Index] = dyn
 	}
 	return out
+}
+
+// closeGrace is how long a surplus spare's partitions stay published,
+// tainted, before they go: far longer than the scheduler takes to see the
+// taint and bind a pod it gave one of them just before, whose claim is then
+// prepared (a Prepare takes any free placement of a chosen GPU).
+const closeGrace = time.Minute
+
+// nextOpen works out which chosen GPUs offer MIG devices on demand under
+// migOnDemand.spareGPUs (Snapshot.MIGOpen), from the last pass's answer
+// prev (nil: none yet, as after a start, when every chosen GPU may have
+// offered them) at now. A GPU opens at once: publishing more devices never
+// takes one from a claim. It closes only through the grace: a free GPU
+// beyond the spares (the ones last in the publish order, those open before
+// first, so that whole GPUs go to the best sets) is marked closing, its
+// partitions tainted, and leaves the map closeGrace later if still
+// surplus. GPUs with MIG devices (or MIG mode on) stay open. A GPU held
+// whole leaves at once: its partitions are blocked by the counters the
+// holding claim takes, so no claim can have been given one. Nil when no
+// spare limit applies.
+func nextOpen(s Snapshot, prev map[string]time.Time, now time.Time, grace time.Duration) map[string]time.Time {
+	if !s.DRA || s.Selected.Config == nil || s.Inventory == nil {
+		return nil
+	}
+	od := s.Selected.Config.DRA.MIGOnDemand
+	if od == nil || !od.Enabled || od.SpareGPUs <= 0 {
+		return nil
+	}
+	all := s
+	all.MIGOpen = nil
+	dynamic := dynamicGPUs(all)
+	busy := map[string]bool{}
+	for _, pc := range s.Holdings.Claims {
+		for _, d := range pc.Devices {
+			if d.Created {
+				busy[d.Parent] = true
+			}
+		}
+	}
+	for _, d := range s.Holdings.Unsettled {
+		busy[d.Parent] = true
+	}
+	order := devicemodel.PublishOrder(s.Inventory)
+	slices.Reverse(order)
+	out := map[string]time.Time{}
+	var free []gpu.GPU
+	for _, idx := range order {
+		dyn, ok := dynamic[idx]
+		if !ok || !migDeviceFilterMatches(od.DeviceFilter, dyn.GPU) {
+			continue
+		}
+		g := dyn.GPU
+		switch {
+		case busy[g.UUID] || g.MIG.Current || g.MIG.Pending || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0:
+			out[g.UUID] = time.Time{}
+		case hasKey(s.Holdings.Claimed, g.UUID) || len(s.Holdings.Attribution.Holders(g.UUID)) > 0 || hasKey(s.Holdings.Allocated, g.UUID):
+			// Held whole: closed at once (see above).
+		default:
+			free = append(free, g)
+		}
+	}
+	wasOpen := func(uuid string) bool { _, ok := prev[uuid]; return prev == nil || ok }
+	// The spares: open ones first, so that a freed GPU does not close one
+	// that claims may be taking now; then by the publish order, from its end.
+	slices.SortStableFunc(free, func(a, b gpu.GPU) int {
+		switch wa, wb := wasOpen(a.UUID), wasOpen(b.UUID); {
+		case wa && !wb:
+			return -1
+		case wb && !wa:
+			return 1
+		}
+		return 0
+	})
+	for i, g := range free {
+		switch {
+		case i < od.SpareGPUs:
+			out[g.UUID] = time.Time{}
+		case !wasOpen(g.UUID):
+		default:
+			since := prev[g.UUID]
+			if since.IsZero() {
+				since = now
+			}
+			if now.Sub(since) < grace {
+				out[g.UUID] = since
+			}
+		}
+	}
+	return out
+}
+
+// noteOpen takes next as the GPUs offering MIG devices on demand, logging
+// each GPU that opens, starts closing or closes.
+func (a *Agent) noteOpen(next map[string]time.Time) {
+	prev := a.migOpen
+	a.migOpen = next
+	if prev == nil || next == nil || a.inv == nil {
+		return
+	}
+	for _, g := range a.inv.GPUs {
+		was, wasOpen := prev[g.UUID]
+		now, isOpen := next[g.UUID]
+		switch {
+		case isOpen && !wasOpen:
+			a.log.Info("GPU opened as a spare: it offers MIG devices on demand", "gpu", g.Index, "uuid", g.UUID)
+		case isOpen && !now.IsZero() && was.IsZero():
+			a.log.Info("GPU is a surplus spare: its MIG devices on demand are tainted, and go unless it is needed again",
+				"gpu", g.Index, "uuid", g.UUID, "taint", devicemodel.TaintClosing, "grace", a.opts.MIGCloseGrace)
+		case isOpen && now.IsZero() && !was.IsZero():
+			a.log.Info("GPU is a spare again: its MIG devices on demand stay", "gpu", g.Index, "uuid", g.UUID)
+		case wasOpen && !isOpen:
+			a.log.Info("GPU no longer offers MIG devices on demand: offered whole only", "gpu", g.Index, "uuid", g.UUID)
+		}
+	}
+}
+
+// SettledMIGOpen is Snapshot.MIGOpen on an idle node once surplus spares
+// have closed, for what `config validate` shows.
+func SettledMIGOpen(s Snapshot) map[string]time.Time {
+	return nextOpen(s, nil, time.Time{}, 0)
 }
 
 // allowedPartitions lists every placement of the allowed profiles.

@@ -55,6 +55,10 @@ func (a *Agent) prepareClaims(e ClaimsPrepare) (map[types.UID]dra.Prepared, []ty
 		}
 		if pool == nil || planned != a.inv {
 			snap := a.snapshot()
+			// A claim given a partition of a GPU that has closed since (a
+			// surplus spare, spareGPUs) is prepared where its placement is
+			// free: the scheduler gave it out while it was published.
+			snap.MIGOpen = nil
 			pool, planned = planDRA(snap), a.inv
 			shareDevices(pool, a.cat, a.lastGood) // the config the catalog was planned with
 			withdrawCordoned(nil, pool, snap.Cordon())

@@ -384,6 +384,10 @@ func simConfigs(p simProfile) []simConfig {
 			"    sharing:\n      timeSlicing:\n        resources:\n        - name: " + MIGResourceName(p.small) + "\n          replicas: 2\n"},
 		{"dra-only", onDemand(draOnly)},
 		{"labelled", labelled},
+		// One spare GPU: the others open as claims take it and close a
+		// grace after a surplus, while claims from stale pools still name
+		// partitions of GPUs closed since.
+		{"spares", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, spareGPUs: 1}\n"},
 	}
 }
 

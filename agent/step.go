@@ -303,6 +303,7 @@ func (a *Agent) snapshot() Snapshot {
 		ClaimMPS:  a.claimDaemons(),
 		Cordoned:  a.cordoned,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
+		MIGOpen: a.migOpen,
 	}
 }
 

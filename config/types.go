@@ -146,6 +146,17 @@ type MIGOnDemand struct {
 	// does.
 	// Default: every model.
 	DeviceFilter StringList `yaml:"device-filter,omitempty,flow"`
+	// SpareGPUs, when above 0, is how many free GPUs offer MIG devices on
+	// demand beside those that already hold MIG devices claims made: the
+	// others are offered whole only, with no counters, until a spare is
+	// taken and another opens. Each GPU that offers partitions costs the
+	// scheduler one device per profile placement (26 on an H100) on every
+	// Filter call; a spare costs what a static MIG layout does. A spare
+	// found surplus (an earlier one freed) keeps its partitions, tainted
+	// gpu.nvidia.com/closing, for a minute before they go: a claim the
+	// scheduler gave one of them meanwhile is still prepared.
+	// Default (0): every chosen GPU offers them.
+	SpareGPUs int `yaml:"spareGPUs,omitempty"`
 }
 
 // Offers reports whether m offers profile on demand (m may be nil).

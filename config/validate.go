@@ -372,8 +372,11 @@ func (v *validator) dra(p string, d *DRA) {
 			v.errorf(fmt.Sprintf("%s.migOnDemand.device-filter[%d]", p, i), "%q is not a PCI device id like 0x233010DE", id)
 		}
 	}
-	if !od.Enabled && (len(od.Profiles) > 0 || len(od.DeviceFilter) > 0) {
-		v.warnf(p+".migOnDemand", "profiles or device-filter given but enabled is false: no MIG device is offered on demand")
+	if od.SpareGPUs < 0 {
+		v.errorf(p+".migOnDemand.spareGPUs", "must be 0 (every GPU offers MIG devices on demand) or more, got %d", od.SpareGPUs)
+	}
+	if !od.Enabled && (len(od.Profiles) > 0 || len(od.DeviceFilter) > 0 || od.SpareGPUs > 0) {
+		v.warnf(p+".migOnDemand", "profiles, device-filter or spareGPUs given but enabled is false: no MIG device is offered on demand")
 	}
 }
 

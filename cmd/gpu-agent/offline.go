@@ -602,6 +602,7 @@ func offlineSnapshot(be *backend, sel config.Selected) (agent.Snapshot, error) {
 			snap.Profiles[g.Name] = p
 		}
 	}
+	snap.MIGOpen = agent.SettledMIGOpen(snap)
 	return snap, nil
 }
 

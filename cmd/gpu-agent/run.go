@@ -51,6 +51,7 @@ type runFlags struct {
 	cdiSpecDir, devRoot, migMinors                     string
 	hostProc                                           string
 	resync, forgetGone, sampleInterval                 time.Duration
+	migCloseGrace                                      time.Duration
 	mpsHost, dra                                       bool
 	// mpsBinarySet: --mps-binary or its variable was given, so even a
 	// simulated node runs that program rather than the stand-in.
@@ -105,6 +106,12 @@ func runFlagSet(f *runFlags, stderr io.Writer) (*flag.FlagSet, error) {
 	}
 	fs.DurationVar(&f.forgetGone, "forget-gone-gpus-after", forgetGone,
 		"a GPU NVML no longer enumerates (swapped out) is offered unhealthy this long, then forgotten, once nothing holds it; 0: never [GPU_AGENT_FORGET_GONE_GPUS_AFTER]")
+	migCloseGrace, err := time.ParseDuration(envDefault("GPU_AGENT_MIG_CLOSE_GRACE", "1m"))
+	if err != nil {
+		return nil, usageError{fmt.Sprintf("GPU_AGENT_MIG_CLOSE_GRACE: %v", err)}
+	}
+	fs.DurationVar(&f.migCloseGrace, "mig-close-grace", migCloseGrace,
+		"with migOnDemand.spareGPUs, how long a surplus spare GPU's MIG devices on demand stay published, tainted gpu.nvidia.com/closing, before they go: longer than the scheduler takes to see the taint and bind a pod given one just before [GPU_AGENT_MIG_CLOSE_GRACE]")
 	sampleInterval, err := time.ParseDuration(envDefault("GPU_AGENT_SAMPLE_INTERVAL", "10s"))
 	if err != nil {
 		return nil, usageError{fmt.Sprintf("GPU_AGENT_SAMPLE_INTERVAL: %v", err)}
@@ -167,6 +174,11 @@ func parseRun(args []string, stderr io.Writer) (runFlags, []string, error) {
 		// Each pass walks every GPU's and MIG device's NVML queries and
 		// processes; faster than that costs NVML more than it tells.
 		return f, nil, usageError{fmt.Sprintf("--sample-interval %s: at least 1s", f.sampleInterval)}
+	}
+	if f.migCloseGrace < time.Second {
+		// Shorter than the scheduler takes to see a taint, the grace would
+		// drop partitions it has just given to claims.
+		return f, nil, usageError{fmt.Sprintf("--mig-close-grace %s: at least 1s", f.migCloseGrace)}
 	}
 	if f.dra && f.cdiSpecDir == "" {
 		// Its answers are CDI names: without the spec the runtime fails
@@ -555,6 +567,7 @@ func (w *wiring) newAgent(restored *agent.Checkpoint, held *ledger.Ledger, cdiSp
 		BootID:             be.BootID(),
 		Ledger:             held,
 		ResyncInterval:     f.resync,
+		MIGCloseGrace:      f.migCloseGrace,
 		ForgetGoneAfter:    f.forgetGone,
 		Logger:             w.log.With("component", "agent"),
 		Registerer:         w.reg,

@@ -422,3 +422,74 @@ func TestPartitionNamesOfEveryModel(t *testing.T) {
 		t.Errorf("only %d MIG models simulated: %v", len(models), slices.Sorted(maps.Keys(models)))
 	}
 }
+
+// TestSliceOrder: within a slice the whole GPUs alternate with the first
+// device of each MIG profile, the other MIG devices after, and within each
+// kind (whole GPUs; one profile's existing MIG devices; one profile's
+// partitions) the order is publishOrder's, so a claim is given the device
+// it would be given without the interleaving.
+func TestSliceOrder(t *testing.T) {
+	n, inv := simtest.NodeInventory(t, "dgx-h100")
+	dev, ret := n.DeviceGetHandleByIndex(0)
+	if ret != nvml.SUCCESS {
+		t.Fatal(ret)
+	}
+	profiles, err := mig.QueryProfiles(dev, inv.GPUs[0].MemoryBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := &Pool{GPUOrder: []int{1, 0}}
+	for _, g := range inv.GPUs[:2] {
+		devs, set := Partitions(Dynamic{GPU: g, Profiles: profiles, Whole: true}, Device{ProductName: g.Name})
+		pool.Devices = append(pool.Devices, devs...)
+		pool.CounterSets = append(pool.CounterSets, set)
+	}
+	for i, p := range []string{"2g.20gb", "1g.10gb", "1g.10gb"} { // existing MIG devices of a third GPU
+		pool.Devices = append(pool.Devices, Device{Name: MIGName(2, i, 0), Type: TypeMIG, Profile: p, ParentIndex: 2, Index: i,
+			Placement: gpu.Placement{Start: 2 * i, Size: map[string]int{"2g.20gb": 2, "1g.10gb": 1}[p]}})
+	}
+	res := Resources("node-a", pool, 1, Dropped{}).Pools["node-a"].Slices
+	var got []string
+	for _, s := range res {
+		for _, d := range s.Devices {
+			got = append(got, d.Name)
+		}
+	}
+	if len(got) != 2*26+3 {
+		t.Fatalf("%d devices: %v", len(got), got)
+	}
+	// The head: whole GPUs in GPU order, each followed by the next kind's
+	// first device: existing 1g, existing 2g, then the partitions' profiles.
+	wantHead := []string{"gpu-1", MIGName(2, 1, 0), "gpu-0", MIGName(2, 0, 0), "gpu-1-mig-1g10gb-6"}
+	if !slices.Equal(got[:len(wantHead)], wantHead) {
+		t.Errorf("slice starts %v, want %v", got[:len(wantHead)], wantHead)
+	}
+	// Each kind in publishOrder: compare with the devices of that kind in
+	// byGPU's order, which is publishOrder per GPU, GPUs in order.
+	key := func(d Device) string {
+		switch {
+		case d.Partition:
+			return "partition/" + d.Profile
+		case d.Type == TypeMIG:
+			return "mig/" + d.Profile
+		}
+		return "gpu"
+	}
+	byName := map[string]Device{}
+	want := map[string][]string{}
+	for _, group := range byGPU(pool.Devices, pool.GPUOrder) {
+		for _, d := range group {
+			byName[d.Name] = d
+			want[key(d)] = append(want[key(d)], d.Name)
+		}
+	}
+	have := map[string][]string{}
+	for _, name := range got {
+		have[key(byName[name])] = append(have[key(byName[name])], name)
+	}
+	for k, names := range want {
+		if !slices.Equal(have[k], names) {
+			t.Errorf("%s in the slices: %v, want %v", k, have[k], names)
+		}
+	}
+}

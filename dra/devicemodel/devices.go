@@ -74,6 +74,11 @@ type Device struct {
 	// not): an admin cordoned it. It is published with the NoSchedule taint
 	// TaintCordoned, apart from Unhealthy, whatever the device's health.
 	Cordoned string
+	// Closing: a partition of a spare GPU found surplus (the config's
+	// migOnDemand.spareGPUs), published with the NoSchedule taint
+	// TaintClosing until it leaves the slices: no new claim is given it,
+	// while one given it before the taint is still counted, and prepared.
+	Closing bool
 	// Partition: a MIG device that does not exist yet (dynamic MIG): Prepare
 	// creates it at Placement with the GPU instance profile ProfileIndex.
 	Partition    bool

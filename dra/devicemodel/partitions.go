@@ -46,6 +46,9 @@ type Dynamic struct {
 	// for the MIG devices claims hold on it, or an allow-list that lost a
 	// profile a claim holds.
 	Only []ProfileAt
+	// Closing: the GPU stops offering partitions (a surplus spare); they
+	// carry TaintClosing until they go. The whole GPU does not.
+	Closing bool
 }
 
 // ProfileAt is one profile at one placement.
@@ -135,7 +138,7 @@ func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 				continue
 			}
 			d := base
-			d.Name, d.Type, d.Partition = PartitionName(g.Index, p.Name, pl.Start), TypeMIG, true
+			d.Name, d.Type, d.Partition, d.Closing = PartitionName(g.Index, p.Name, pl.Start), TypeMIG, true, dyn.Closing
 			d.Profile, d.ProfileIndex, d.Placement = p.Name, p.Index, pl
 			d.ParentUUID, d.ParentIndex, d.Index = g.UUID, g.Index, -1
 			d.MemoryBytes = p.Info.MemorySizeMB << 20

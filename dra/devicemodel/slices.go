@@ -30,6 +30,13 @@ const TaintUnhealthy = DriverName + "/unhealthy"
 // never evicts the pods that hold it.
 const TaintCordoned = DriverName + "/cordoned"
 
+// TaintClosing is the device taint of the partitions of a GPU that stops
+// offering MIG devices on demand (a surplus spare): for a grace period
+// before they leave the slices, the scheduler gives them to no new claim,
+// and a claim it gave one of them just before is still counted against
+// the GPU's counters, and prepared.
+const TaintClosing = DriverName + "/closing"
+
 // Attributes Kubernetes defines for every driver (KEP-4381's standard
 // names, k8s.io/dynamic-resource-allocation/deviceattribute), so that a
 // claim can align devices of different drivers, a GPU with a NIC under one
@@ -135,19 +142,25 @@ func Resources(nodeName string, pool *Pool, generation int64, dropped Dropped) r
 		out = append(out, resourceslice.Slice{SharedCounters: cs})
 		sets = sets[n:]
 	}
-	var devs []resourceapi.Device
+	var devs []Device
 	limit := maxDevicesPerSlice
+	emit := func(ds []Device) {
+		api := make([]resourceapi.Device, 0, len(ds))
+		for _, d := range sliceOrder(ds) {
+			api = append(api, apiDevice(d))
+		}
+		out = append(out, resourceslice.Slice{Devices: api})
+	}
 	flush := func() {
 		if len(devs) > 0 {
-			out = append(out, resourceslice.Slice{Devices: devs})
+			emit(devs)
 		}
 		devs, limit = nil, maxDevicesPerSlice
 	}
-	// One GPU's devices in one slice, in the order the scheduler should try
-	// them (publishOrder): its allocator takes the first device that fits,
-	// in a slice's order.
+	// One GPU's devices in one slice (a GPU's partitions and the counter
+	// set they draw on stay together), each slice in sliceOrder.
 	for _, group := range byGPU(pool.Devices, pool.GPUOrder) {
-		var api []resourceapi.Device
+		var kept []Device
 		counting := false
 		for _, d := range group {
 			if dropped.Withholds(d) {
@@ -158,24 +171,29 @@ func Resources(nodeName string, pool *Pool, generation int64, dropped Dropped) r
 				// to exclude its partitions, which are left out.
 				d.Consumes = nil
 			}
-			ad := apiDevice(d)
-			counting = counting || len(ad.ConsumesCounters) > 0 || len(ad.Taints) > 0
-			api = append(api, ad)
+			if dropped.Taints {
+				// Without taints a closing partition is offered as it was
+				// until it goes: leaving it out at once could drop one just
+				// given to a claim.
+				d.Closing = false
+			}
+			counting = counting || len(d.Consumes) > 0 || d.Unhealthy != "" || d.Cordoned != "" || d.Closing
+			kept = append(kept, d)
 		}
 		if counting {
 			limit = maxCountingDevicesInSlice
 		}
-		if len(devs)+len(api) > limit {
+		if len(devs)+len(kept) > limit {
 			flush()
 			if counting {
 				limit = maxCountingDevicesInSlice
 			}
 		}
-		for len(api) > limit { // a GPU with more devices than a slice holds
-			out = append(out, resourceslice.Slice{Devices: api[:limit]})
-			api = api[limit:]
+		for len(kept) > limit { // a GPU with more devices than a slice holds
+			emit(kept[:limit])
+			kept = kept[limit:]
 		}
-		devs = append(devs, api...)
+		devs = append(devs, kept...)
 	}
 	flush()
 	if len(out) == 0 {
@@ -206,6 +224,66 @@ func byGPU(devs []Device, order []int) [][]Device {
 		out = append(out, g)
 	}
 	return out
+}
+
+// sliceOrder puts one slice's devices in the order the scheduler's
+// allocator should walk them. For every claim on every node it evaluates
+// the class's and the request's CEL selectors on each device in turn until
+// one fits, and an evaluation (which builds a map of every attribute) is
+// most of what a Filter call costs (docs/dra-devices.md, "Scale"). So each
+// kind of device a claim may ask for comes early: the whole GPUs (in the
+// slice's GPU order) alternate with the first device of each MIG profile
+// (existing MIG devices from the smallest profile up, then partitions by
+// profile), and the other MIG devices follow. Within one kind the order
+// stands: a claim is given the device it would be given in publishOrder,
+// after fewer evaluations of devices of other kinds.
+func sliceOrder(ds []Device) []Device {
+	kind := func(d Device) int {
+		switch {
+		case d.Partition:
+			return 2
+		case d.Type == TypeMIG:
+			return 1
+		}
+		return 0
+	}
+	var whole, mig []Device
+	for _, d := range ds {
+		if kind(d) == 0 {
+			whole = append(whole, d)
+		} else {
+			mig = append(mig, d)
+		}
+	}
+	slices.SortStableFunc(mig, func(a, b Device) int {
+		if ka, kb := kind(a), kind(b); ka != kb {
+			return ka - kb
+		}
+		if kind(a) == 1 {
+			if c := a.Placement.Size - b.Placement.Size; c != 0 {
+				return c
+			}
+		}
+		return strings.Compare(a.Profile, b.Profile)
+	})
+	var heads, rest []Device
+	for i, d := range mig {
+		if i == 0 || kind(d) != kind(mig[i-1]) || d.Profile != mig[i-1].Profile {
+			heads = append(heads, d)
+		} else {
+			rest = append(rest, d)
+		}
+	}
+	out := make([]Device, 0, len(ds))
+	for i := range max(len(whole), len(heads)) {
+		if i < len(whole) {
+			out = append(out, whole[i])
+		}
+		if i < len(heads) {
+			out = append(out, heads[i])
+		}
+	}
+	return append(out, rest...)
 }
 
 // publishOrder: existing devices first (whole GPU, then MIG devices), then
@@ -277,6 +355,9 @@ func apiDevice(d Device) resourceapi.Device {
 	if d.Cordoned != "" {
 		out.Taints = append(out.Taints, resourceapi.DeviceTaint{Key: TaintCordoned, Effect: resourceapi.DeviceTaintEffectNoSchedule})
 	}
+	if d.Closing {
+		out.Taints = append(out.Taints, resourceapi.DeviceTaint{Key: TaintClosing, Effect: resourceapi.DeviceTaintEffectNoSchedule})
+	}
 	return out
 }
 
@@ -292,7 +373,6 @@ func attributes(d Device) map[resourceapi.QualifiedName]resourceapi.DeviceAttrib
 	}
 	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
 		"type":                  str(d.Type),
-		"minor":                 num(d.Minor),
 		"productName":           str(d.ProductName),
 		"cudaComputeCapability": ver(fmt.Sprintf("%d.%d.0", d.CC.Major, d.CC.Minor)),
 	}
@@ -323,15 +403,15 @@ func attributes(d Device) map[resourceapi.QualifiedName]resourceapi.DeviceAttrib
 	if d.NUMANode >= 0 {
 		attrs[AttrNUMANode] = num(d.NUMANode)
 	}
-	if d.NVLinkClique >= 0 {
-		attrs[AttrNVLinkClique] = num(d.NVLinkClique)
-	}
 	if d.Type == TypeMIG {
 		attrs["profile"] = str(d.Profile)
 		attrs["parentUUID"] = str(d.ParentUUID)
-		attrs["parentIndex"] = num(d.ParentIndex)
 		attrs["placementStart"] = num(d.Placement.Start)
-		attrs["placementSize"] = num(d.Placement.Size)
+		return attrs
+	}
+	attrs["minor"] = num(d.Minor)
+	if d.NVLinkClique >= 0 {
+		attrs[AttrNVLinkClique] = num(d.NVLinkClique)
 	}
 	return attrs
 }

@@ -339,10 +339,26 @@ func TestClusterDRAExtendedResource(t *testing.T) {
 	}
 }
 
-func migClaim(name, profile string, parent int) *resourceapi.ResourceClaim {
+// sliceGPUUUID is the UUID of the node's GPU index, from its whole device or one of its MIG devices in the slices.
+func sliceGPUUUID(t *testing.T, c *harness.Cluster, index int) string {
+	t.Helper()
+	for name, d := range nodeSlice(t, c) {
+		switch {
+		case name == fmt.Sprintf("gpu-%d", index):
+			return attr(d, "uuid")
+		case strings.HasPrefix(name, fmt.Sprintf("gpu-%d-mig-", index)):
+			return attr(d, "parentUUID")
+		}
+	}
+	t.Fatalf("no device of GPU %d in the node's ResourceSlices", index)
+	return ""
+}
+
+// migClaim asks for a MIG device of profile on the GPU parent (its UUID), as NVIDIA's users select one.
+func migClaim(name, profile, parent string) *resourceapi.ResourceClaim {
 	// The capacity clause is how NVIDIA's users select MIG devices: the scheduler fails the claim if no device
 	// has the key.
-	expr := fmt.Sprintf("device.attributes['gpu.nvidia.com'].profile == '%s' && device.attributes['gpu.nvidia.com'].parentIndex == %d && "+
+	expr := fmt.Sprintf("device.attributes['gpu.nvidia.com'].profile == '%s' && device.attributes['gpu.nvidia.com'].parentUUID == '%s' && "+
 		"device.capacity['gpu.nvidia.com'].multiprocessors.compareTo(quantity('1')) >= 0", profile, parent)
 	return &resourceapi.ResourceClaim{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "default"},
@@ -385,9 +401,10 @@ func TestClusterDRADynamicMIG(t *testing.T) {
 		return len(nodeSlice(t, c)) == nodeGPUs*perGPU
 	})
 
-	took := claimAndRun(t, c, migClaim("three", "3g.20gb", 0))
+	gpu0 := sliceGPUUUID(t, c, 0)
+	took := claimAndRun(t, c, migClaim("three", "3g.20gb", gpu0))
 	t.Logf("MEASURED DRA claim (dynamic MIG 3g.20gb) created -> container running: %s", took.Round(10*time.Millisecond))
-	took = claimAndRun(t, c, migClaim("four", "4g.20gb", 0))
+	took = claimAndRun(t, c, migClaim("four", "4g.20gb", gpu0))
 	t.Logf("MEASURED DRA claim (dynamic MIG 4g.20gb) created -> container running: %s", took.Round(10*time.Millisecond))
 	var st struct {
 		GPUs []struct {
@@ -439,7 +456,7 @@ func TestClusterDRADynamicMIG(t *testing.T) {
 
 	// A 7g claim for the same GPU: the scheduler sees its memory slices taken.
 	ctx7 := clusterCtx(t)
-	if _, err := c.Client.ResourceV1().ResourceClaims("default").Create(ctx7, migClaim("seven", "7g.40gb", 0), metav1.CreateOptions{}); err != nil {
+	if _, err := c.Client.ResourceV1().ResourceClaims("default").Create(ctx7, migClaim("seven", "7g.40gb", gpu0), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := c.Client.CoreV1().Pods("default").Create(ctx7, claimPod("seven", "seven"), metav1.CreateOptions{}); err != nil {

@@ -132,7 +132,7 @@ configs:
 
 	took := claimAndRun(t, c, wholeGPUClaim("one-gpu"))
 	t.Logf("MEASURED (1.34) DRA claim (whole GPU) created -> container running: %s", took.Round(10*time.Millisecond))
-	took = claimAndRun(t, c, migClaim("three", "3g.40gb", 0))
+	took = claimAndRun(t, c, migClaim("three", "3g.40gb", sliceGPUUUID(t, c, 0)))
 	t.Logf("MEASURED (1.34) DRA claim (static MIG 3g.40gb) created -> container running: %s", took.Round(10*time.Millisecond))
 	allocated := map[string]string{}
 	for _, name := range []string{"one-gpu", "three"} {

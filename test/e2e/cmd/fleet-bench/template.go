@@ -198,6 +198,8 @@ func publishedSlices(ctx context.Context, cs kubernetes.Interface, m model, node
 		"--dra-plugin-dir", filepath.Join(dir, "plugins", driverName),
 		"--kubelet-registry-dir", filepath.Join(dir, "plugins_registry"),
 		"--listen", listen,
+		// A surplus spare GPU (migOnDemand.spareGPUs) closes at the first pass after its minute of grace.
+		"--resync", "5s",
 	}
 	if m.Manifest != "" {
 		cfg, err := configFromManifest(m.Manifest, dir)
@@ -280,6 +282,16 @@ func poolState(ctx context.Context, cs kubernetes.Interface, nodeName string) (s
 	if int64(len(current)) != current[0].Spec.Pool.ResourceSliceCount || len(current) != len(ss) {
 		return fmt.Sprintf("!pool generation %d: %d of %d slices (%d in all):%s", gen, len(current),
 			current[0].Spec.Pool.ResourceSliceCount, len(ss), fp), ss, nil
+	}
+	for _, s := range ss {
+		for _, d := range s.Spec.Devices {
+			for _, t := range d.Taints {
+				if t.Key == driverName+"/closing" {
+					// A spare GPU closing (a minute after the agent's start): the node settles without it.
+					return "!closing:" + fp, ss, nil
+				}
+			}
+		}
 	}
 	return fp, ss, nil
 }
