@@ -285,7 +285,7 @@ paths:
   mpsRoot: /marker/mps
   kubeletPluginsDir: /marker/plugins
   kubeletRegistryDir: /marker/plugins_registry
-dra: {enabled: true}
+dra: {enabled: true, migCloseGrace: 90s}
 mps: {enabled: true, binary: /marker/mps-control, shmDir: /marker/shm, host: {interval: 7s}}
 driver: {nvmlLib: /marker/libnvidia-ml.so.1, nvidiaSMI: /marker/nvidia-smi}
 metrics: {port: 9555, sampleInterval: 3s}
@@ -313,6 +313,7 @@ cdi: {specDir: /marker/cdi, nvidiaDevRoot: /marker/driver, migMinors: /marker/mi
 		"dra":                    "true",
 		"dra-plugin-dir":         "/marker/plugins/gpu.nvidia.com",
 		"kubelet-registry-dir":   "/marker/plugins_registry",
+		"mig-close-grace":        "90s",
 		"cdi-spec-dir":           "/marker/cdi",
 		"nvidia-dev-root":        "/marker/driver",
 		"mig-minors":             "/marker/mig-minors",
