@@ -311,17 +311,29 @@ func nextOpen(s Snapshot, prev map[string]time.Time, now time.Time, grace time.D
 		}
 	}
 	wasOpen := func(uuid string) bool { _, ok := prev[uuid]; return prev == nil || ok }
-	// The spares: open ones first, so that a freed GPU does not close one
-	// that claims may be taking now; then by the publish order, from its end.
-	slices.SortStableFunc(free, func(a, b gpu.GPU) int {
-		switch wa, wb := wasOpen(a.UUID), wasOpen(b.UUID); {
-		case wa && !wb:
-			return -1
-		case wb && !wa:
-			return 1
+	// A cordoned or unhealthy GPU's partitions carry a taint no plain
+	// claim tolerates: it makes a poor spare.
+	unusable := map[string]bool{}
+	for _, c := range s.Cordon().GPUs {
+		unusable[c.UUID] = true
+	}
+	for uuid := range s.Health.UnhealthyDevices() {
+		unusable[uuid] = true
+	}
+	// The spares: usable ones first; then open ones, so that a freed GPU
+	// does not close one that claims may be taking now; then by the publish
+	// order, from its end.
+	rank := func(g gpu.GPU) int {
+		r := 0
+		if unusable[g.UUID] {
+			r += 2
 		}
-		return 0
-	})
+		if !wasOpen(g.UUID) {
+			r++
+		}
+		return r
+	}
+	slices.SortStableFunc(free, func(a, b gpu.GPU) int { return rank(a) - rank(b) })
 	for i, g := range free {
 		switch {
 		case i < od.SpareGPUs:

@@ -42,7 +42,8 @@ func openGPUs(p *devicemodel.Pool) (open, closing, counting []int) {
 // so the others close through the grace; a claim taking the spare opens the
 // next one at once; a claim given a partition of a GPU closed since is still
 // prepared; a freed spare makes one surplus, which closes a grace later; a
-// GPU a claim holds whole stops offering partitions at once.
+// GPU a claim holds whole stops offering partitions at once; a cordoned
+// spare is replaced.
 func TestDRAMIGOnDemandSpares(t *testing.T) {
 	rec := &draRecorder{}
 	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
@@ -112,4 +113,13 @@ func TestDRAMIGOnDemandSpares(t *testing.T) {
 	// GPU 0's claim goes too: 0 and 6 free, 6 is kept (later in the order).
 	h.unprepare(dra.ClaimRef{UID: "uid-b", Namespace: "default", Name: "b"})
 	check("GPU 0 freed", []int{6}, []int{0})
+	h.clock.Advance(closeGrace)
+	h.step(Tick{})
+	check("GPU 0 closed", []int{6}, nil)
+
+	// The spare is cordoned: its partitions carry a taint plain claims do
+	// not tolerate, so GPU 4 opens (the next from the end of the order, 7
+	// being held whole), and 6 closes through the grace.
+	h.step(CordonChanged{GPUs: []string{"6"}})
+	check("spare cordoned", []int{4}, []int{6})
 }
