@@ -174,6 +174,19 @@ func (a *Agent) draStatus() *DRAStatus {
 			}
 		}
 	}
+	if a.migOpen != nil && a.inv != nil {
+		for _, g := range a.inv.GPUs {
+			since, ok := a.migOpen[g.UUID]
+			switch {
+			case !ok:
+			case since.IsZero():
+				st.OpenGPUs = append(st.OpenGPUs, g.Index)
+			default:
+				st.OpenGPUs = append(st.OpenGPUs, g.Index)
+				st.Closing = append(st.Closing, ClosingMIGGPU{GPU: g.Index, At: since.Add(a.opts.MIGCloseGrace)})
+			}
+		}
+	}
 	claims := a.ledger.Claims()
 	for _, uid := range slices.Sorted(maps.Keys(claims)) {
 		pc := claims[uid]

@@ -69,12 +69,19 @@ func TestDRAMIGOnDemandSpares(t *testing.T) {
 
 	h.config(migOnDemandSpare)
 	check("at start", []int{7}, []int{0, 1, 2, 3, 4, 5, 6})
+	st := h.a.Status().DRA
+	if len(st.OpenGPUs) != 8 || len(st.Closing) != 7 || st.Closing[0].GPU != 0 || !st.Closing[0].At.Equal(h.clock.Now().Add(closeGrace)) {
+		t.Errorf("/status at start: open %v, closing %+v; want all 8 open, 0-6 closing a grace from now", st.OpenGPUs, st.Closing)
+	}
 	h.clock.Advance(closeGrace - time.Second)
 	h.step(Tick{})
 	check("before the grace is over", []int{7}, []int{0, 1, 2, 3, 4, 5, 6})
 	h.clock.Advance(time.Second)
 	h.step(Tick{})
 	check("after the grace", []int{7}, nil)
+	if st := h.a.Status().DRA; !slices.Equal(st.OpenGPUs, []int{7}) || len(st.Closing) != 0 {
+		t.Errorf("/status after the grace: open %v, closing %+v; want GPU 7 alone", st.OpenGPUs, st.Closing)
+	}
 	if whole, _ := partitionsOf(rec.last(), 0); !whole {
 		t.Fatal("GPU 0 is not offered whole")
 	}

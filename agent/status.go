@@ -105,6 +105,18 @@ type DRAStatus struct {
 	// Slices: where ResourceSlice publishing stands (filled by the HTTP
 	// layer from the driver).
 	Slices *dra.Slices `json:"slices,omitempty"`
+	// OpenGPUs, under migOnDemand.spareGPUs, are the GPUs (by index) that
+	// offer MIG devices on demand, and Closing those of them whose
+	// partitions go at the first pass after the time given (tainted
+	// gpu.nvidia.com/closing until then). Absent without a spare limit.
+	OpenGPUs []int           `json:"migOpenGPUs,omitempty"`
+	Closing  []ClosingMIGGPU `json:"migClosing,omitempty"`
+}
+
+// ClosingMIGGPU is a surplus spare GPU whose MIG devices on demand go At.
+type ClosingMIGGPU struct {
+	GPU int       `json:"gpu"`
+	At  time.Time `json:"at"`
 }
 
 // UnreadGPU is a GPU known earlier that cannot be read now.
