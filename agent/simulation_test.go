@@ -575,7 +575,9 @@ func (s *simRun) newHarness(restored bool) *harness {
 // the kubelet would, and the operation is over.
 func (s *simRun) do(what string, f func()) {
 	s.ops = append(s.ops, what)
+	open := s.migOpen()
 	if !s.guard(func() { f(); s.flush() }) {
+		s.countSpares(open, s.migOpen())
 		s.check()
 		s.record()
 		return
@@ -591,6 +593,32 @@ func (s *simRun) do(what string, f func()) {
 	s.record()
 	if len(s.kube.unpreparing) > 0 {
 		s.do("the kubelet asks again to unprepare what it had no answer for", func() { s.note("%s", s.kube.unprepareAll()) })
+	}
+}
+
+// migOpen is the running agent's Snapshot.MIGOpen (nil before the start).
+func (s *simRun) migOpen() map[string]time.Time {
+	if s.h == nil || s.h.a == nil {
+		return nil
+	}
+	return s.h.a.migOpen
+}
+
+// countSpares counts the spare GPUs (migOnDemand.spareGPUs) that opened
+// and closed between two passes' MIGOpen.
+func (s *simRun) countSpares(before, after map[string]time.Time) {
+	if before == nil || after == nil {
+		return
+	}
+	for uuid := range after {
+		if _, ok := before[uuid]; !ok {
+			s.seen["spare GPU opened"]++
+		}
+	}
+	for uuid := range before {
+		if _, ok := after[uuid]; !ok {
+			s.seen["spare GPU closed"]++
+		}
 	}
 }
 
