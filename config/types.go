@@ -120,11 +120,12 @@ const MinIdleEventAfter = time.Minute
 // they are.
 type DRA struct {
 	// MIGOnDemand offers MIG devices that do not exist yet, made when a
-	// claim is prepared and destroyed when it is released. Off unless set: every profile at every placement
-	// is a device of its own drawing on its GPU's counters (26 devices per
-	// H100 instead of 1), and the scheduler pays for them on every node at
-	// every scheduling attempt, whatever the claim asks for
-	// (docs/dra-devices.md, "Scale").
+	// claim is prepared and destroyed when it is released. Off unless set:
+	// every profile at every placement is a device of its own drawing on
+	// its GPU's counters (26 devices per H100 instead of 1), and the
+	// scheduler pays for them on every node at every scheduling attempt,
+	// whatever the claim asks for; spareGPUs keeps that to the GPUs in use
+	// and a few free ones (docs/dra-devices.md, "Scale").
 	MIGOnDemand *MIGOnDemand `yaml:"migOnDemand,omitempty"`
 }
 
