@@ -91,9 +91,7 @@ func planDRA(s Snapshot) *devicemodel.Pool {
 	}
 	unhealthy := s.Health.UnhealthyDevices()
 	dynamic := dynamicGPUs(s)
-	direct := func(uuid string) bool {
-		return uuid != "" && (len(s.Holdings.Attribution.Holders(uuid)) > 0 || hasKey(s.Holdings.Allocated, uuid))
-	}
+	direct := func(uuid string) bool { return pluginHolds(s.Holdings, uuid) }
 	// held: a container holds the device, its GPU whole, or (for a GPU)
 	// one of its MIG devices, through the device plugin.
 	held := func(uuid string) bool {
@@ -180,20 +178,7 @@ func dynamicGPUs(s Snapshot) map[int]devicemodel.Dynamic {
 	if s.Selected.Config != nil {
 		onDemand = s.Selected.Config.DRA.MIGOnDemand
 	}
-	created := map[string]bool{} // parent UUID + placement of claim-created devices
-	// madeFor: per GPU UUID, the partitions claims made or are making there.
-	madeFor := map[string][]devicemodel.ProfileAt{}
-	for _, pc := range s.Holdings.Claims {
-		for _, d := range pc.Devices {
-			if d.Created {
-				created[fmt.Sprintf("%s/%d+%d", d.Parent, d.Placement.Start, d.Placement.Size)] = true
-				madeFor[d.Parent] = append(madeFor[d.Parent], devicemodel.ProfileAt{Profile: d.Profile, Placement: d.Placement})
-			}
-		}
-	}
-	for _, d := range s.Holdings.Unsettled {
-		madeFor[d.Parent] = append(madeFor[d.Parent], devicemodel.ProfileAt{Profile: d.Profile, Placement: d.Placement})
-	}
+	created, madeFor := claimsMade(s.Holdings)
 	out := map[int]devicemodel.Dynamic{}
 	for _, g := range s.Inventory.GPUs {
 		profiles, ok := s.Profiles[g.Name]
@@ -280,17 +265,7 @@ func nextOpen(s Snapshot, prev map[string]time.Time, now time.Time, grace time.D
 	all := s
 	all.MIGOpen = nil
 	dynamic := dynamicGPUs(all)
-	busy := map[string]bool{}
-	for _, pc := range s.Holdings.Claims {
-		for _, d := range pc.Devices {
-			if d.Created {
-				busy[d.Parent] = true
-			}
-		}
-	}
-	for _, d := range s.Holdings.Unsettled {
-		busy[d.Parent] = true
-	}
+	_, madeFor := claimsMade(s.Holdings)
 	order := devicemodel.PublishOrder(s.Inventory)
 	slices.Reverse(order)
 	out := map[string]time.Time{}
@@ -302,9 +277,9 @@ func nextOpen(s Snapshot, prev map[string]time.Time, now time.Time, grace time.D
 		}
 		g := dyn.GPU
 		switch {
-		case busy[g.UUID] || g.MIG.Current || g.MIG.Pending || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0:
+		case len(madeFor[g.UUID]) > 0 || g.MIG.Current || g.MIG.Pending || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0:
 			out[g.UUID] = time.Time{}
-		case hasKey(s.Holdings.Claimed, g.UUID) || len(s.Holdings.Attribution.Holders(g.UUID)) > 0 || hasKey(s.Holdings.Allocated, g.UUID):
+		case hasKey(s.Holdings.Claimed, g.UUID) || pluginHolds(s.Holdings, g.UUID):
 			// Held whole: closed at once (see above).
 		default:
 			free = append(free, g)
@@ -381,6 +356,33 @@ func (a *Agent) noteOpen(next map[string]time.Time) {
 // have closed, for what `config validate` shows.
 func SettledMIGOpen(s Snapshot) map[string]time.Time {
 	return nextOpen(s, nil, time.Time{}, 0)
+}
+
+// claimsMade is what claims made on the GPUs: created, the parent UUID and
+// placement ("uuid/start+size") of each MIG device a prepared claim made,
+// and madeFor, per GPU UUID, the partitions claims made or are making
+// there (intents and releases included).
+func claimsMade(h Holdings) (created map[string]bool, madeFor map[string][]devicemodel.ProfileAt) {
+	created, madeFor = map[string]bool{}, map[string][]devicemodel.ProfileAt{}
+	for _, pc := range h.Claims {
+		for _, d := range pc.Devices {
+			if d.Created {
+				created[fmt.Sprintf("%s/%d+%d", d.Parent, d.Placement.Start, d.Placement.Size)] = true
+				madeFor[d.Parent] = append(madeFor[d.Parent], devicemodel.ProfileAt{Profile: d.Profile, Placement: d.Placement})
+			}
+		}
+	}
+	for _, d := range h.Unsettled {
+		madeFor[d.Parent] = append(madeFor[d.Parent], devicemodel.ProfileAt{Profile: d.Profile, Placement: d.Placement})
+	}
+	return created, madeFor
+}
+
+// pluginHolds reports whether a container holds device uuid through the
+// device plugin: the kubelet lists it, or an allocation it has not listed
+// yet is in the ledger.
+func pluginHolds(h Holdings, uuid string) bool {
+	return uuid != "" && (len(h.Attribution.Holders(uuid)) > 0 || hasKey(h.Allocated, uuid))
 }
 
 // allowedPartitions lists every placement of the allowed profiles.

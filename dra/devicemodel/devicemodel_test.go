@@ -7,14 +7,12 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/gpu/simtest"
-	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 // inventory is a simulated node's inventory.
@@ -288,14 +286,7 @@ func TestSemver(t *testing.T) {
 // device's consumption names its own GPU's set.
 func TestResourcesPartitionable(t *testing.T) {
 	n, inv := simtest.NodeInventory(t, "dgx-h100")
-	dev, ret := n.DeviceGetHandleByIndex(0)
-	if ret != nvml.SUCCESS {
-		t.Fatal(ret)
-	}
-	profiles, err := mig.QueryProfiles(dev, inv.GPUs[0].MemoryBytes)
-	if err != nil {
-		t.Fatal(err)
-	}
+	profiles := simtest.Profiles(t, n, inv.GPUs[0])
 	pool := &Pool{}
 	for _, g := range append(slices.Clone(inv.GPUs), inv.GPUs...) { // 16 GPUs' worth
 		devs, set := Partitions(Dynamic{GPU: g, Profiles: profiles, Whole: true}, Device{ProductName: g.Name})
@@ -391,14 +382,7 @@ func TestPartitionNamesOfEveryModel(t *testing.T) {
 	for _, node := range sim.Profiles() {
 		n, inv := simtest.NodeInventory(t, node.Name)
 		for _, g := range inv.GPUs {
-			dev, ret := n.DeviceGetHandleByIndex(g.Index)
-			if ret != nvml.SUCCESS {
-				t.Fatal(ret)
-			}
-			profiles, err := mig.QueryProfiles(dev, g.MemoryBytes)
-			if err != nil {
-				t.Fatalf("%s GPU %d: %v", node.Name, g.Index, err)
-			}
+			profiles := simtest.Profiles(t, n, g)
 			if len(profiles) == 0 {
 				continue
 			}
@@ -430,14 +414,7 @@ func TestPartitionNamesOfEveryModel(t *testing.T) {
 // it would be given without the interleaving.
 func TestSliceOrder(t *testing.T) {
 	n, inv := simtest.NodeInventory(t, "dgx-h100")
-	dev, ret := n.DeviceGetHandleByIndex(0)
-	if ret != nvml.SUCCESS {
-		t.Fatal(ret)
-	}
-	profiles, err := mig.QueryProfiles(dev, inv.GPUs[0].MemoryBytes)
-	if err != nil {
-		t.Fatal(err)
-	}
+	profiles := simtest.Profiles(t, n, inv.GPUs[0])
 	pool := &Pool{GPUOrder: []int{1, 0}}
 	for _, g := range inv.GPUs[:2] {
 		devs, set := Partitions(Dynamic{GPU: g, Profiles: profiles, Whole: true}, Device{ProductName: g.Name})

@@ -177,7 +177,7 @@ func Resources(nodeName string, pool *Pool, generation int64, dropped Dropped) r
 				// given to a claim.
 				d.Closing = false
 			}
-			counting = counting || len(d.Consumes) > 0 || d.Unhealthy != "" || d.Cordoned != "" || d.Closing
+			counting = counting || len(d.Consumes) > 0 || len(taints(d)) > 0
 			kept = append(kept, d)
 		}
 		if counting {
@@ -345,18 +345,25 @@ func apiDevice(d Device) resourceapi.Device {
 			CounterSet: CounterSetName(d.ParentIndexOrSelf()), Counters: apiCounters(d.Consumes),
 		}}
 	}
+	out.Taints = taints(d)
+	return out
+}
+
+// taints are the device taints d is published with (nil: none).
+func taints(d Device) []resourceapi.DeviceTaint {
+	var out []resourceapi.DeviceTaint
 	if d.Unhealthy != "" {
 		effect := resourceapi.DeviceTaintEffectNoSchedule
 		if d.Evict {
 			effect = resourceapi.DeviceTaintEffectNoExecute
 		}
-		out.Taints = append(out.Taints, resourceapi.DeviceTaint{Key: TaintUnhealthy, Effect: effect})
+		out = append(out, resourceapi.DeviceTaint{Key: TaintUnhealthy, Effect: effect})
 	}
 	if d.Cordoned != "" {
-		out.Taints = append(out.Taints, resourceapi.DeviceTaint{Key: TaintCordoned, Effect: resourceapi.DeviceTaintEffectNoSchedule})
+		out = append(out, resourceapi.DeviceTaint{Key: TaintCordoned, Effect: resourceapi.DeviceTaintEffectNoSchedule})
 	}
 	if d.Closing {
-		out.Taints = append(out.Taints, resourceapi.DeviceTaint{Key: TaintClosing, Effect: resourceapi.DeviceTaintEffectNoSchedule})
+		out = append(out, resourceapi.DeviceTaint{Key: TaintClosing, Effect: resourceapi.DeviceTaintEffectNoSchedule})
 	}
 	return out
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 // Node returns an initialised simulated node of profile, shut down when the
@@ -44,6 +45,20 @@ func NodeInventory(tb testing.TB, profile string, opts ...sim.Option) (*sim.Node
 	tb.Helper()
 	n := Node(tb, profile, opts...)
 	return n, Inventory(tb, n)
+}
+
+// Profiles are GPU g's MIG profiles, as the agent reads them from NVML.
+func Profiles(tb testing.TB, n *sim.Node, g gpu.GPU) mig.Profiles {
+	tb.Helper()
+	dev, r := n.DeviceGetHandleByIndex(g.Index)
+	if r != nvml.SUCCESS {
+		tb.Fatalf("handle %d: %v", g.Index, r)
+	}
+	ps, err := mig.QueryProfiles(dev, g.MemoryBytes)
+	if err != nil {
+		tb.Fatalf("GPU %d (%s): MIG profiles: %v", g.Index, g.Name, err)
+	}
+	return ps
 }
 
 // CreateMIG creates perGPU 1g instances (one full compute instance each) on

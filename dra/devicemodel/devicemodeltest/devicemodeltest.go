@@ -9,12 +9,10 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu/simtest"
-	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 // MixedPool is one node with each kind of device an API server feature may
@@ -35,14 +33,7 @@ func MixedPool(t testing.TB) *devicemodel.Pool {
 		}
 		pool.Devices = append(pool.Devices, d)
 	}
-	dev, ret := n.DeviceGetHandleByIndex(3)
-	if ret != nvml.SUCCESS {
-		t.Fatal(ret)
-	}
-	profiles, err := mig.QueryProfiles(dev, inv.GPUs[3].MemoryBytes)
-	if err != nil {
-		t.Fatal(err)
-	}
+	profiles := simtest.Profiles(t, n, inv.GPUs[3])
 	devs, set := devicemodel.Partitions(devicemodel.Dynamic{GPU: inv.GPUs[3], Profiles: profiles, Whole: true}, devicemodel.Device{ProductName: inv.GPUs[3].Name})
 	pool.Devices = append(pool.Devices, devs...)
 	pool.CounterSets = []devicemodel.CounterSet{set}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"sort"
@@ -214,7 +215,13 @@ func waitServing(ctx context.Context, p *Process, ready func() error) error {
 
 // httpsOKInsecure GETs url from a component that serves a self-signed certificate on loopback.
 func httpsOKInsecure(ctx context.Context, url string) error {
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	return httpsGetInsecure(ctx, url, 2*time.Second, io.Discard)
+}
+
+// httpsGetInsecure GETs url from a component that serves a self-signed certificate on loopback, within limit,
+// and copies the body of a 200 answer to w.
+func httpsGetInsecure(ctx context.Context, url string, limit time.Duration, w io.Writer) error {
+	ctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	tr := &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}
 	defer tr.CloseIdleConnections()
@@ -226,11 +233,12 @@ func httpsOKInsecure(ctx context.Context, url string) error {
 	if err != nil {
 		return err
 	}
-	resp.Body.Close()
+	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		return fmt.Errorf("GET %s: %s", url, resp.Status)
 	}
-	return nil
+	_, err = io.Copy(w, resp.Body)
+	return err
 }
 
 // waitNodeReady waits until the kubelet's Node is Ready and carries no NoSchedule taint (the node lifecycle

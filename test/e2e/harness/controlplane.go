@@ -2,12 +2,10 @@ package harness
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -330,23 +328,7 @@ func (cp *ControlPlane) schedulerPprof(ctx context.Context, what string, limit t
 		return errors.New("kube-scheduler: not started")
 	}
 	url := fmt.Sprintf("https://127.0.0.1:%d/debug/pprof/%s", cp.schedPort, what)
-	ctx, cancel := context.WithTimeout(ctx, limit)
-	defer cancel()
-	tr := &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}
-	defer tr.CloseIdleConnections()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return err
-	}
-	resp, err := (&http.Client{Transport: tr}).Do(req)
-	if err != nil {
-		return fmt.Errorf("kube-scheduler profile: %w", err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("kube-scheduler profile: GET %s: %s", url, resp.Status)
-	}
-	if _, err := io.Copy(w, resp.Body); err != nil {
+	if err := httpsGetInsecure(ctx, url, limit, w); err != nil {
 		return fmt.Errorf("kube-scheduler profile: %w", err)
 	}
 	return nil
