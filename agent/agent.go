@@ -324,9 +324,10 @@ type publishedState struct {
 	cdiStatus     CDIStatus
 	// cordonStatus: what the last pass resolved the cordon list to.
 	cordonStatus CordonStatus
-	// migOpen: the GPUs offering MIG devices on demand under spareGPUs
-	// (Snapshot.MIGOpen), as the last pass decided (nextOpen); nil at start.
-	migOpen map[string]time.Time
+	// spares: the GPUs offering MIG devices on demand under spareGPUs
+	// (Snapshot.MIGOpen, MIGOpening), as the last pass decided (nextOpen);
+	// at start none known, or what the checkpoint has under spareLayout.
+	spares spares
 }
 
 // New returns an agent; it does nothing until Run.

@@ -34,9 +34,9 @@ const CheckpointVersion = 4
 // the minor (absent: 0). The majors before: 1 had no DRA claims; 2 kept
 // the device plugin's allocations here (now in the allocation log) and
 // intents among the releases; 3 had no cordon and no GPUs touched by MIG
-// plans. All read as version 4. A newer 4.x is read without the fields it
-// added; a newer major is refused, and left in place.
-var checkpointFormat = stateformat.Format{Reads: []stateformat.Version{{Major: 1}, {Major: 2}, {Major: 3}, {Major: CheckpointVersion, Minor: 0}}}
+// plans. All read as version 4. 4.1 added Spares. A newer 4.x is read
+// without the fields it added; a newer major is refused, and left in place.
+var checkpointFormat = stateformat.Format{Reads: []stateformat.Version{{Major: 1}, {Major: 2}, {Major: 3}, {Major: CheckpointVersion, Minor: 1}}}
 
 // maxCheckpointBytes bounds what is read back: the checkpoint holds a few
 // records per GPU and device, so anything larger is not ours.
@@ -84,6 +84,22 @@ type Checkpoint struct {
 	// restarted agent offers them failed, with no MIG device, until it
 	// reads them whole, as the agent before it did.
 	MIGTouched []string `json:"migTouched,omitempty"`
+	// Spares, under migOnDemand.spareLayout, is what each chosen GPU
+	// offered (version 4.1): whole, or its layout, or on its way from one
+	// to the other since a time. Without it a restarted agent cannot tell
+	// which the scheduler may have given out, and offers both, tainted,
+	// for the grace.
+	Spares *SavedSpares `json:"spares,omitempty"`
+}
+
+// SavedSpares is a checkpoint's record of the spare GPUs under
+// spareLayout: Open those offering their layout (with when each was found
+// surplus, zero if not), Opening those offered whole, tainted, since the
+// time given, before their layout replaces it. A chosen GPU in neither is
+// offered whole.
+type SavedSpares struct {
+	Open    map[string]time.Time `json:"open"`
+	Opening map[string]time.Time `json:"opening,omitempty"`
 }
 
 // LoadCheckpoint reads dir's checkpoint. A missing file is (nil, nil). An
@@ -144,6 +160,12 @@ func (a *Agent) restore(cp *Checkpoint) {
 	// The Node watch's first answer replaces it (CordonChanged), as any
 	// later one does.
 	a.cordoned = slices.Clone(cp.Cordon)
+	if sp := cp.Spares; sp != nil {
+		a.spares = spares{open: maps.Clone(sp.Open), opening: maps.Clone(sp.Opening), layout: true}
+		if a.spares.open == nil {
+			a.spares.open = map[string]time.Time{}
+		}
+	}
 	for _, uuid := range cp.MIGTouched {
 		// Only a GPU the checkpoint has a record of: the set is about
 		// which records not to believe.
@@ -180,6 +202,13 @@ func (a *Agent) checkpoint() error {
 	cp := Checkpoint{Version: CheckpointVersion, Minor: checkpointFormat.Current().Minor, Node: a.opts.NodeName, Claims: held.Claims,
 		Releasing: held.Releasing, Intents: held.Intents, DynamicMIG: held.DynamicMIG,
 		Cordon: a.cordoned, MIGTouched: slices.Sorted(maps.Keys(a.migTouched))}
+	// A file names the oldest minor that holds what it has: a node that
+	// keeps no spare record can still roll back to a build of 4.0, which
+	// refuses any minor.
+	cp.Minor = 0
+	if a.spares.layout && a.spares.open != nil {
+		cp.Spares, cp.Minor = &SavedSpares{Open: a.spares.open, Opening: a.spares.opening}, 1
+	}
 	if a.inv != nil {
 		cp.GPUs = a.inv.GPUs
 		for _, uuid := range slices.Sorted(maps.Keys(a.failed)) {

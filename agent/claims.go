@@ -174,9 +174,12 @@ func (a *Agent) draStatus() *DRAStatus {
 			}
 		}
 	}
-	if a.migOpen != nil && a.inv != nil {
+	if a.spares.open != nil && a.inv != nil {
 		for _, g := range a.inv.GPUs {
-			since, ok := a.migOpen[g.UUID]
+			if since, ok := a.spares.opening[g.UUID]; ok {
+				st.Opening = append(st.Opening, ClosingMIGGPU{GPU: g.Index, At: since.Add(a.opts.MIGCloseGrace)})
+			}
+			since, ok := a.spares.open[g.UUID]
 			switch {
 			case !ok:
 			case since.IsZero():

@@ -59,6 +59,10 @@ type Snapshot struct {
 	// not in it is offered whole only. Nil: every chosen GPU offers them.
 	// The loop carries it from pass to pass (nextOpen).
 	MIGOpen map[string]time.Time
+	// MIGOpening, under migOnDemand.spareLayout, are chosen GPUs offered
+	// whole, tainted since the time given, before their layout replaces
+	// it; one in MIGOpen too offers both, tainted, on counters (nextOpen).
+	MIGOpening map[string]time.Time
 	// ClaimMPS are the MPS daemons DRA claims' configs ask for, on devices
 	// the config does not share by MPS.
 	ClaimMPS []mps.Daemon
@@ -202,6 +206,9 @@ func Plan(s Snapshot) Desired {
 	})
 	withdrawCordoned(planned.Catalog, d.DRA, d.Cordon)
 	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, withClaimDaemons(planned.MPSDaemons, s.ClaimMPS), planned.Warnings
+	if s.DRA {
+		d.Warnings = append(d.Warnings, spareLayoutWarnings(s.Inventory, s.Profiles, d.Config)...)
+	}
 	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)
 	return d
 }

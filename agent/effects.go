@@ -143,8 +143,8 @@ func (a *Agent) decide(start time.Time) Effects {
 	a.passes.Add(1)
 	a.metrics.planPasses.Inc()
 	snap := a.snapshot()
-	a.noteOpen(nextOpen(snap, a.migOpen, a.now(), a.opts.MIGCloseGrace))
-	snap.MIGOpen = a.migOpen
+	a.noteOpen(nextOpen(snap, a.spares, a.now(), a.opts.MIGCloseGrace))
+	snap.MIGOpen, snap.MIGOpening = a.spares.open, a.spares.opening
 	return decide(decideInput{
 		Snapshot:   snap,
 		Settleable: a.ledger.Settleable(start),

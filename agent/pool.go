@@ -187,35 +187,43 @@ func dynamicGPUs(s Snapshot) map[int]devicemodel.Dynamic {
 		}
 		chosen := onDemand != nil && onDemand.Enabled && migDeviceFilterMatches(onDemand.DeviceFilter, g)
 		made := madeFor[g.UUID]
-		closing := false
-		if chosen && len(made) == 0 && s.MIGOpen != nil {
-			since, open := s.MIGOpen[g.UUID]
-			chosen, closing = open, open && !since.IsZero()
-		}
-		if !chosen && len(made) == 0 {
-			continue
-		}
-		if !g.MIG.Current && !migModeWithoutReset(g) {
-			continue
-		}
-		// Not whole while a release or intent on it waits: MIG may be on,
-		// with a device left, whatever the last read said.
-		dyn := devicemodel.Dynamic{GPU: g, Profiles: profiles, Whole: chosen && !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID), Closing: closing}
-		if chosen {
-			dyn.Offered = onDemand.Profiles
-			for _, m := range made {
-				// A claim keeps the partition it holds even when its profile
-				// has left the allow-list since.
-				if len(dyn.Offered) > 0 && !slices.Contains(dyn.Offered, m.Profile) {
-					dyn.Only = append(dyn.Only, m)
-				}
-			}
-			if len(dyn.Only) > 0 {
-				dyn.Only = append(dyn.Only, allowedPartitions(profiles, onDemand.Profiles)...)
-				dyn.Offered = nil
+		var dyn devicemodel.Dynamic
+		if chosen && onDemand.SpareLayout != nil && s.MIGOpen != nil {
+			var ok bool
+			if dyn, ok = layoutFace(s, g, profiles, made); !ok {
+				continue
 			}
 		} else {
-			dyn.Only = made
+			closing := false
+			if chosen && len(made) == 0 && s.MIGOpen != nil {
+				since, open := s.MIGOpen[g.UUID]
+				chosen, closing = open, open && !since.IsZero()
+			}
+			if !chosen && len(made) == 0 {
+				continue
+			}
+			if !g.MIG.Current && !migModeWithoutReset(g) {
+				continue
+			}
+			// Not whole while a release or intent on it waits: MIG may be on,
+			// with a device left, whatever the last read said.
+			dyn = devicemodel.Dynamic{GPU: g, Profiles: profiles, Whole: chosen && !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID), Closing: closing}
+			if chosen {
+				dyn.Offered = onDemand.Profiles
+				for _, m := range made {
+					// A claim keeps the partition it holds even when its profile
+					// has left the allow-list since.
+					if len(dyn.Offered) > 0 && !slices.Contains(dyn.Offered, m.Profile) {
+						dyn.Only = append(dyn.Only, m)
+					}
+				}
+				if len(dyn.Only) > 0 {
+					dyn.Only = append(dyn.Only, allowedPartitions(profiles, onDemand.Profiles)...)
+					dyn.Offered = nil
+				}
+			} else {
+				dyn.Only = made
+			}
 		}
 		for _, m := range g.Instances {
 			if !created[fmt.Sprintf("%s/%d+%d", g.UUID, m.Placement.Start, m.Placement.Size)] {
@@ -236,39 +244,191 @@ func dynamicGPUs(s Snapshot) map[int]devicemodel.Dynamic {
 	return out
 }
 
+// layoutFace is what g, a GPU chosen for MIG on demand under
+// migOnDemand.spareLayout, offers as nextOpen left it (Snapshot.MIGOpen,
+// MIGOpening), beside the partitions claims made there (made); false when
+// it is a plain whole GPU. The GPU whole and its layout are never offered
+// untainted together, and neither is offered while the other is tainted:
+//   - open: the layout, less what clashes with made (tainted while closing);
+//   - opening: whole, tainted (on a GPU in use: made only);
+//   - both (open and opening, a GPU whose past is not known): whole and
+//     every partition, tainted, on counters;
+//   - neither: whole.
+//
+// A GPU held whole offers its whole device (claimed) and no partition.
+// A model that cannot hold the layout offers made only, or is whole.
+func layoutFace(s Snapshot, g gpu.GPU, profiles mig.Profiles, made []devicemodel.ProfileAt) (devicemodel.Dynamic, bool) {
+	od := s.Selected.Config.DRA.MIGOnDemand
+	since, isOpen := s.MIGOpen[g.UUID]
+	_, isOpening := s.MIGOpening[g.UUID]
+	layout, err := spareLayout(od, g, profiles)
+	inUse := len(made) > 0 || g.MIG.Current || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0
+	dyn := devicemodel.Dynamic{GPU: g, Profiles: profiles, Only: slices.Clone(made)}
+	if dyn.Only == nil {
+		dyn.Only = []devicemodel.ProfileAt{}
+	}
+	switch {
+	case err != nil || (!isOpen && !isOpening):
+		return dyn, len(made) > 0
+	case inUse:
+		if !g.MIG.Current && !migModeWithoutReset(g) {
+			return dyn, false
+		}
+	case hasKey(s.Holdings.Claimed, g.UUID) || pluginHolds(s.Holdings, g.UUID) || hasKey(s.Holdings.Releasing, g.UUID):
+		return dyn, false // whole: it stays offered while held
+	case isOpen && isOpening:
+		dyn.Whole, dyn.WholeClosing, dyn.Closing = true, true, true
+		dyn.Only, dyn.Offered = nil, od.Profiles
+		return dyn, true
+	case isOpening:
+		dyn.Whole, dyn.WholeClosing = true, true
+		return dyn, true
+	}
+	if isOpening {
+		return dyn, true // in use: the layout waits out the grace
+	}
+	dyn.Closing = !since.IsZero()
+	for _, l := range layout {
+		if !slices.ContainsFunc(made, func(m devicemodel.ProfileAt) bool { return placementsClash(m.Placement, l.Placement) }) {
+			dyn.Only = append(dyn.Only, l)
+		}
+	}
+	return dyn, true
+}
+
 // closeGrace is how long a surplus spare's partitions stay published,
 // tainted, before they go: far longer than the scheduler takes to see the
 // taint and bind a pod it gave one of them just before, whose claim is then
 // prepared (a Prepare takes any free placement of a chosen GPU).
 const closeGrace = time.Minute
 
+// spares is which chosen GPUs offer MIG devices on demand under
+// migOnDemand.spareGPUs, as one pass decided (Snapshot.MIGOpen and
+// MIGOpening).
+type spares struct {
+	// open are the GPUs offering them, each with when it was found a
+	// surplus spare (zero: it is not closing). Nil: not known (after a
+	// start), or no spare limit applies.
+	open map[string]time.Time
+	// opening, under spareLayout only, are GPUs offered whole but tainted
+	// since the time given, before their layout replaces it.
+	opening map[string]time.Time
+	// layout: decided under migOnDemand.spareLayout.
+	layout bool
+	// off: decided under a config that offers no MIG on demand, so every
+	// GPU free of claims' MIG devices was offered whole only.
+	off bool
+}
+
 // nextOpen works out which chosen GPUs offer MIG devices on demand under
-// migOnDemand.spareGPUs (Snapshot.MIGOpen), from the last pass's answer
-// prev (nil: none yet, as after a start, when every chosen GPU may have
-// offered them) at now. A GPU opens at once: publishing more devices never
-// takes one from a claim. It closes only through the grace: a free GPU
+// migOnDemand.spareGPUs, from the last pass's answer prev (open nil: none
+// yet, as after a start, when every chosen GPU may have offered them) at
+// now. Nil maps when no spare limit applies.
+//
+// On counters (no spareLayout) a GPU opens at once: publishing more devices
+// never takes one from a claim. It closes only through the grace: a free GPU
 // beyond the spares (the ones last in the publish order, those open before
 // first, so that whole GPUs go to the best sets) is marked closing, its
-// partitions tainted, and leaves the map closeGrace later if still
-// surplus. GPUs with MIG devices (or MIG mode on) stay open. A GPU held
-// whole leaves at once: its partitions are blocked by the counters the
-// holding claim takes, so no claim can have been given one. Nil when no
-// spare limit applies.
-func nextOpen(s Snapshot, prev map[string]time.Time, now time.Time, grace time.Duration) map[string]time.Time {
+// partitions tainted, and leaves the map grace later if still surplus. GPUs
+// with MIG devices (or MIG mode on) stay open. A GPU held whole leaves at
+// once: its partitions are blocked by the counters the holding claim takes,
+// so no claim can have been given one.
+//
+// Under spareLayout the GPU whole and its layout never stand side by side
+// (no counters tell the scheduler they clash), so each change of face goes
+// through the grace: a spare-to-be is first opening (whole, tainted, no
+// partition), then open; a surplus spare closing (its layout tainted, not
+// whole), then whole. A GPU whose past is not known (after a start with no
+// record, or one that offered both on counters) offers both, tainted, on
+// counters, for the grace before it settles.
+func nextOpen(s Snapshot, prev spares, now time.Time, grace time.Duration) spares {
 	if !s.DRA || s.Selected.Config == nil || s.Inventory == nil {
-		return nil
+		return spares{}
 	}
 	od := s.Selected.Config.DRA.MIGOnDemand
-	if od == nil || !od.Enabled || od.SpareGPUs <= 0 {
-		return nil
+	if od == nil || !od.Enabled {
+		return spares{off: true}
+	}
+	if od.SpareGPUs <= 0 {
+		return spares{}
 	}
 	all := s
-	all.MIGOpen = nil
+	all.MIGOpen, all.MIGOpening = nil, nil
 	dynamic := dynamicGPUs(all)
 	_, madeFor := claimsMade(s.Holdings)
 	order := devicemodel.PublishOrder(s.Inventory)
 	slices.Reverse(order)
-	out := map[string]time.Time{}
+	out := spares{open: map[string]time.Time{}, layout: od.SpareLayout != nil}
+	if out.layout {
+		out.opening = map[string]time.Time{}
+	}
+	// What each GPU offered after the last pass.
+	type face int
+	const (
+		whole   face = iota
+		opening      // whole, tainted
+		open         // partitions (closing: tainted)
+		both         // both, tainted, on counters
+	)
+	was := func(uuid string) face {
+		_, isOpen := prev.open[uuid]
+		_, isOpening := prev.opening[uuid]
+		switch {
+		case prev.off:
+			return whole
+		case !out.layout && (prev.open == nil || isOpen):
+			// On counters both may stand: what was open still is.
+			return open
+		case !out.layout:
+			return whole
+		case prev.open == nil, !prev.layout && isOpen, isOpen && isOpening:
+			return both
+		case isOpen:
+			return open
+		case isOpening:
+			return opening
+		}
+		return whole
+	}
+	// settle moves g toward offering partitions (spare) or whole.
+	settle := func(g gpu.GPU, spare bool) {
+		switch was(g.UUID) {
+		case open:
+			if spare {
+				out.open[g.UUID] = time.Time{}
+				return
+			}
+			since := prev.open[g.UUID]
+			if since.IsZero() {
+				since = now
+			}
+			if now.Sub(since) < grace {
+				out.open[g.UUID] = since
+			}
+		case opening:
+			if since := prev.opening[g.UUID]; now.Sub(since) < grace {
+				out.opening[g.UUID] = since
+			} else if spare {
+				out.open[g.UUID] = time.Time{}
+			}
+		case both:
+			since := prev.opening[g.UUID]
+			if prev.open == nil || since.IsZero() {
+				since = now
+			}
+			if now.Sub(since) < grace {
+				out.open[g.UUID], out.opening[g.UUID] = since, since
+			} else if spare {
+				out.open[g.UUID] = time.Time{}
+			}
+		case whole:
+			if spare && out.layout {
+				out.opening[g.UUID] = now
+			} else if spare {
+				out.open[g.UUID] = time.Time{}
+			}
+		}
+	}
 	var free []gpu.GPU
 	for _, idx := range order {
 		dyn, ok := dynamic[idx]
@@ -276,16 +436,26 @@ func nextOpen(s Snapshot, prev map[string]time.Time, now time.Time, grace time.D
 			continue
 		}
 		g := dyn.GPU
+		inUse := len(madeFor[g.UUID]) > 0 || g.MIG.Current || g.MIG.Pending || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0
+		heldWhole := hasKey(s.Holdings.Claimed, g.UUID) || pluginHolds(s.Holdings, g.UUID)
 		switch {
-		case len(madeFor[g.UUID]) > 0 || g.MIG.Current || g.MIG.Pending || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0:
-			out[g.UUID] = time.Time{}
-		case hasKey(s.Holdings.Claimed, g.UUID) || pluginHolds(s.Holdings, g.UUID):
+		case inUse && !out.layout:
+			out.open[g.UUID] = time.Time{}
+		case heldWhole && !out.layout:
 			// Held whole: closed at once (see above).
+		case inUse:
+			// Under spareLayout a change of face waits out the grace,
+			// whatever holds the GPU: the scheduler may have given out
+			// the face it leaves.
+			settle(g, true)
+		case heldWhole:
+			settle(g, false)
 		default:
-			free = append(free, g)
+			if _, err := spareLayout(od, g, dyn.Profiles); err == nil {
+				free = append(free, g)
+			}
 		}
 	}
-	wasOpen := func(uuid string) bool { _, ok := prev[uuid]; return prev == nil || ok }
 	// A cordoned or unhealthy GPU's partitions carry a taint no plain
 	// claim tolerates: it makes a poor spare.
 	unusable := map[string]bool{}
@@ -296,49 +466,90 @@ func nextOpen(s Snapshot, prev map[string]time.Time, now time.Time, grace time.D
 		unusable[uuid] = true
 	}
 	// The spares: usable ones first; then open ones, so that a freed GPU
-	// does not close one that claims may be taking now; then by the publish
-	// order, from its end.
+	// does not close one that claims may be taking now (those not closing
+	// first), then those on their way; then by the publish order, from its
+	// end.
 	rank := func(g gpu.GPU) int {
-		r := 0
-		if unusable[g.UUID] {
-			r += 2
+		r := map[face]int{open: 0, both: 2, opening: 2, whole: 3}[was(g.UUID)]
+		if since, ok := prev.open[g.UUID]; ok && r == 0 && !since.IsZero() {
+			r = 1
 		}
-		if !wasOpen(g.UUID) {
-			r++
+		if unusable[g.UUID] {
+			r += 4
 		}
 		return r
 	}
 	slices.SortStableFunc(free, func(a, b gpu.GPU) int { return rank(a) - rank(b) })
 	for i, g := range free {
-		switch {
-		case i < od.SpareGPUs:
-			out[g.UUID] = time.Time{}
-		case !wasOpen(g.UUID):
-		default:
-			since := prev[g.UUID]
-			if since.IsZero() {
-				since = now
-			}
-			if now.Sub(since) < grace {
-				out[g.UUID] = since
-			}
+		settle(g, i < od.SpareGPUs)
+	}
+	return out
+}
+
+// spareLayout is the config's spareLayout placed on g, an empty GPU with
+// profiles (nil when the config has none), or why it does not fit.
+func spareLayout(od *config.MIGOnDemand, g gpu.GPU, profiles mig.Profiles) ([]devicemodel.ProfileAt, error) {
+	if od == nil || od.SpareLayout == nil {
+		return nil, nil
+	}
+	placed, err := mig.PlaceLayout(profiles, od.SpareLayout)
+	if err != nil {
+		return nil, fmt.Errorf("GPU %d (%s): %w", g.Index, g.Name, err)
+	}
+	out := make([]devicemodel.ProfileAt, 0, len(placed))
+	for _, p := range placed {
+		out = append(out, devicemodel.ProfileAt{Profile: p.Profile, Placement: p.Placement})
+	}
+	return out, nil
+}
+
+// spareLayoutWarnings name the GPUs chosen for MIG on demand that cannot
+// hold sel's spareLayout: they are offered whole only.
+func spareLayoutWarnings(inv *gpu.Inventory, profiles map[string]mig.Profiles, sel config.Selected) []string {
+	if inv == nil || sel.Config == nil {
+		return nil
+	}
+	od := sel.Config.DRA.MIGOnDemand
+	if od == nil || !od.Enabled || od.SpareLayout == nil {
+		return nil
+	}
+	var out []string
+	for _, g := range inv.GPUs {
+		ps, ok := profiles[g.Name]
+		if !g.MIGCapable || !ok || len(ps) == 0 || !migDeviceFilterMatches(od.DeviceFilter, g) {
+			continue
+		}
+		if _, err := spareLayout(od, g, ps); err != nil {
+			out = append(out, fmt.Sprintf("configs.%s.dra.migOnDemand.spareLayout: %v; the GPU is offered whole only", sel.Name, err))
 		}
 	}
 	return out
 }
 
+// placementsClash reports whether two placements share a memory slice.
+func placementsClash(a, b gpu.Placement) bool {
+	return a.Start < b.Start+b.Size && b.Start < a.Start+a.Size
+}
+
 // noteOpen takes next as the GPUs offering MIG devices on demand, logging
 // each GPU that opens, starts closing or closes.
-func (a *Agent) noteOpen(next map[string]time.Time) {
-	prev := a.migOpen
-	a.migOpen = next
-	if prev == nil || next == nil || a.inv == nil {
+func (a *Agent) noteOpen(next spares) {
+	prev := a.spares
+	a.spares = next
+	if prev.open == nil || next.open == nil || a.inv == nil {
 		return
 	}
 	for _, g := range a.inv.GPUs {
-		was, wasOpen := prev[g.UUID]
-		now, isOpen := next[g.UUID]
+		was, wasOpen := prev.open[g.UUID]
+		now, isOpen := next.open[g.UUID]
+		_, wasOpening := prev.opening[g.UUID]
+		_, isOpening := next.opening[g.UUID]
 		switch {
+		case isOpening && !wasOpening:
+			a.log.Info("GPU chosen as a spare: offered whole, tainted, until its spare layout replaces it",
+				"gpu", g.Index, "uuid", g.UUID, "taint", devicemodel.TaintClosing, "grace", a.opts.MIGCloseGrace)
+		case wasOpening && !isOpening && !isOpen:
+			a.log.Info("GPU no longer chosen as a spare: offered whole", "gpu", g.Index, "uuid", g.UUID)
 		case isOpen && !wasOpen:
 			a.log.Info("GPU opened as a spare: it offers MIG devices on demand", "gpu", g.Index, "uuid", g.UUID)
 		case isOpen && !now.IsZero() && was.IsZero():
@@ -354,8 +565,9 @@ func (a *Agent) noteOpen(next map[string]time.Time) {
 
 // SettledMIGOpen is Snapshot.MIGOpen on an idle node once surplus spares
 // have closed, for what `config validate` shows.
-func SettledMIGOpen(s Snapshot) map[string]time.Time {
-	return nextOpen(s, nil, time.Time{}, 0)
+func SettledMIGOpen(s Snapshot) (open, opening map[string]time.Time) {
+	sp := nextOpen(s, spares{}, time.Time{}, 0)
+	return sp.open, sp.opening
 }
 
 // claimsMade is what claims made on the GPUs: created, the parent UUID and

@@ -58,7 +58,7 @@ func (a *Agent) prepareClaims(e ClaimsPrepare) (map[types.UID]dra.Prepared, []ty
 			// A claim given a partition of a GPU that has closed since (a
 			// surplus spare, spareGPUs) is prepared where its placement is
 			// free: the scheduler gave it out while it was published.
-			snap.MIGOpen = nil
+			snap.MIGOpen, snap.MIGOpening = nil, nil
 			pool, planned = planDRA(snap), a.inv
 			shareDevices(pool, a.cat, a.lastGood) // the config the catalog was planned with
 			withdrawCordoned(nil, pool, snap.Cordon())

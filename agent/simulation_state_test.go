@@ -8,6 +8,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -359,6 +360,9 @@ func (s *simRun) newlyAside(was []string) {
 // minor it writes, and a field this build does not know.
 const newerFields = `"minor":7,"fromNewer":{"x":[1]},`
 
+// checkpointMinor is the minor a checkpoint names, as written.
+var checkpointMinor = regexp.MustCompile(`"minor":\s*\d+,\s*`)
+
 // asNewerMinor rewrites the state files as the newer build writes them:
 // the checkpoint, every record of the allocation log and every MIG journal
 // name a newer minor of their major and carry a field this build does not
@@ -381,6 +385,7 @@ func (s *simRun) asNewerMinor() int {
 	// The checkpoint names its major already; the journal and the log's
 	// records name theirs only from 1.1 on.
 	rewrite(filepath.Join(s.dir, CheckpointFile), func(b []byte) []byte {
+		b = checkpointMinor.ReplaceAll(b, nil) // the newer build writes its own
 		return append([]byte("{"+newerFields), bytes.TrimPrefix(bytes.TrimLeft(b, " \n"), []byte("{"))...)
 	})
 	rewrite(filepath.Join(s.dir, ledger.AllocLogFile), func(b []byte) []byte {

@@ -388,6 +388,10 @@ func simConfigs(p simProfile) []simConfig {
 		// grace after a surplus, while claims from stale pools still name
 		// partitions of GPUs closed since.
 		{"spares", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, spareGPUs: 1}\n"},
+		// Two spares offering a layout, not the GPU whole: every change of
+		// face waits out the grace (facesApart), and the node publishes no
+		// counters once settled.
+		{"spare-layout", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, spareGPUs: 2, spareLayout: " + mixed + "}\n"},
 	}
 }
 
@@ -443,6 +447,12 @@ type simRun struct {
 	pub   *recorder    // the catalogs the kubelet was given, across restarts
 	rec   *draRecorder // the pools the scheduler was given, across restarts
 	kube  *simKubelet
+
+	// facesChecked counts the pools facesApart has seen; faceSeen is, per
+	// GPU UUID, when it last saw the GPU offered free whole, and a
+	// partition of it, without counters.
+	facesChecked int
+	faceSeen     map[string]*[2]time.Time
 
 	config int
 	labels map[string]string
@@ -575,9 +585,9 @@ func (s *simRun) newHarness(restored bool) *harness {
 // the kubelet would, and the operation is over.
 func (s *simRun) do(what string, f func()) {
 	s.ops = append(s.ops, what)
-	open := s.migOpen()
+	open := s.spares()
 	if !s.guard(func() { f(); s.flush() }) {
-		s.countSpares(open, s.migOpen())
+		s.countSpares(open, s.spares())
 		s.check()
 		s.record()
 		return
@@ -596,27 +606,32 @@ func (s *simRun) do(what string, f func()) {
 	}
 }
 
-// migOpen is the running agent's Snapshot.MIGOpen (nil before the start).
-func (s *simRun) migOpen() map[string]time.Time {
+// spares is the running agent's spare GPUs (none before the start).
+func (s *simRun) spares() spares {
 	if s.h == nil || s.h.a == nil {
-		return nil
+		return spares{}
 	}
-	return s.h.a.migOpen
+	return s.h.a.spares
 }
 
-// countSpares counts the spare GPUs (migOnDemand.spareGPUs) that opened
-// and closed between two passes' MIGOpen.
-func (s *simRun) countSpares(before, after map[string]time.Time) {
-	if before == nil || after == nil {
+// countSpares counts the spare GPUs (migOnDemand.spareGPUs) that began
+// opening (under spareLayout), opened and closed between two passes.
+func (s *simRun) countSpares(before, after spares) {
+	if before.open == nil || after.open == nil {
 		return
 	}
-	for uuid := range after {
-		if _, ok := before[uuid]; !ok {
+	for uuid := range after.opening {
+		if _, ok := before.opening[uuid]; !ok {
+			s.seen["spare GPU opening"]++
+		}
+	}
+	for uuid := range after.open {
+		if _, ok := before.open[uuid]; !ok {
 			s.seen["spare GPU opened"]++
 		}
 	}
-	for uuid := range before {
-		if _, ok := after[uuid]; !ok {
+	for uuid := range before.open {
+		if _, ok := after.open[uuid]; !ok {
 			s.seen["spare GPU closed"]++
 		}
 	}
@@ -1766,7 +1781,7 @@ func (s *simRun) check() {
 	s.found = nil
 	truth := s.truth()
 	hs := s.holders(truth)
-	for _, inv := range []func(*simTruth, []holder, reporter){s.vanished, s.givenTwice, s.catalogAgrees, s.poolAgrees, s.cordonHeld, s.stateSaved} {
+	for _, inv := range []func(*simTruth, []holder, reporter){s.vanished, s.givenTwice, s.catalogAgrees, s.poolAgrees, s.facesApart, s.cordonHeld, s.stateSaved} {
 		var stop *simViolation
 		inv(truth, hs, func(kind, detail string) bool {
 			if s.tolerate(kind) {
@@ -1919,6 +1934,98 @@ func (s *simRun) catalogAgrees(truth *simTruth, _ []holder, report reporter) {
 					if !report("catalog: offers what the ledger keeps", detail) {
 						return
 					}
+				}
+			}
+		}
+	}
+}
+
+// facesApart (invariant 4, DRA's side, exactness): where a GPU has no
+// counter set, the scheduler cannot tell which of its devices clash, so
+// none of them may: no two of its devices share silicon (the GPU whole and
+// one of its MIG devices, two overlapping placements). And across pools:
+// neither the GPU whole nor a partition of it is offered free (untainted,
+// allocated to no claim) without counters within the grace after the other
+// was, since the scheduler may have given that one out just before it saw
+// the change.
+func (s *simRun) facesApart(_ *simTruth, _ []holder, report reporter) {
+	s.rec.mu.Lock()
+	pools := slices.Clone(s.rec.pools[min(s.facesChecked, len(s.rec.pools)):])
+	s.facesChecked = len(s.rec.pools)
+	s.rec.mu.Unlock()
+	allocated := map[string]bool{}
+	for _, c := range append(slices.Clone(s.kube.claims), s.kube.unpreparing...) {
+		for _, d := range c.devs {
+			allocated[d.Device] = true
+		}
+	}
+	grace := s.h.a.opts.MIGCloseGrace
+	now := s.clock.Now()
+	// Across pools only under spareLayout: a config that turns MIG on
+	// demand off, or on with counters, changes faces at once by design.
+	layout := s.configs[s.config].name == "spare-layout"
+	if s.faceSeen == nil || !layout {
+		s.faceSeen = map[string]*[2]time.Time{}
+	}
+	for _, p := range pools {
+		counted := map[int]bool{}
+		for _, cs := range p.CounterSets {
+			counted[cs.GPU] = true
+		}
+		byGPU := map[int][]devicemodel.Device{}
+		for _, d := range p.Devices {
+			if d.Type != devicemodel.TypeGPU && d.Type != devicemodel.TypeMIG {
+				continue
+			}
+			if g := d.ParentIndexOrSelf(); !counted[g] {
+				byGPU[g] = append(byGPU[g], d)
+			}
+		}
+		for _, g := range slices.Sorted(maps.Keys(byGPU)) {
+			ds := byGPU[g]
+			for i, a := range ds {
+				for _, b := range ds[i+1:] {
+					clash := a.Type != b.Type || (a.Placement.Size > 0 && b.Placement.Size > 0 &&
+						a.Placement.Start < b.Placement.Start+b.Placement.Size && b.Placement.Start < a.Placement.Start+a.Placement.Size)
+					if clash && a.Shares <= 1 && b.Shares <= 1 && !report("pool: devices that clash, without counters",
+						fmt.Sprintf("GPU %d offers %s and %s with no counter set", g, a.Name, b.Name)) {
+						return
+					}
+				}
+			}
+			var uuid string
+			free := [2]bool{} // whole, partitions
+			for _, d := range ds {
+				if d.Type == devicemodel.TypeGPU {
+					uuid = d.UUID
+				} else {
+					uuid = d.ParentUUID
+				}
+				if d.Closing || d.Unhealthy != "" || d.Cordoned != "" || allocated[d.Name] {
+					continue
+				}
+				switch {
+				case d.Type == devicemodel.TypeGPU:
+					free[0] = true
+				case d.Partition:
+					free[1] = true
+				}
+			}
+			seen := s.faceSeen[uuid]
+			if seen == nil {
+				seen = &[2]time.Time{}
+				s.faceSeen[uuid] = seen
+			}
+			for k, name := range []string{"whole", "a partition"} {
+				other := seen[1-k]
+				if layout && free[k] && !other.IsZero() && now.Sub(other) < grace && !report("pool: a face offered within the grace of the other",
+					fmt.Sprintf("GPU %d offered %s free %v after the other face, without counters", g, name, now.Sub(other))) {
+					return
+				}
+			}
+			for k := range free {
+				if free[k] {
+					seen[k] = now
 				}
 			}
 		}

@@ -1,7 +1,10 @@
 package agent
 
 import (
+	"fmt"
+	"reflect"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -129,4 +132,187 @@ func TestDRAMIGOnDemandSpares(t *testing.T) {
 	// being held whole), and 6 closes through the grace.
 	h.step(CordonChanged{GPUs: []string{"6"}})
 	check("spare cordoned", []int{4}, []int{6})
+}
+
+const migSpareLayout = "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand:\n        enabled: true\n        spareGPUs: 1\n        spareLayout: {\"1g.10gb\": 2, \"2g.20gb\": 1, \"3g.40gb\": 1}\n"
+
+// face is what a pool offers of one GPU: whole (and whether tainted
+// closing), and its partitions (profile@start, and whether tainted).
+type face struct {
+	whole, wholeClosing bool
+	parts               []string
+	partsClosing        bool
+}
+
+func faceOf(p *devicemodel.Pool, gpuIndex int) face {
+	var f face
+	for _, d := range p.Devices {
+		switch {
+		case d.Type == devicemodel.TypeGPU && d.Index == gpuIndex:
+			f.whole, f.wholeClosing = true, d.Closing
+		case d.Partition && d.ParentIndex == gpuIndex:
+			f.parts = append(f.parts, fmt.Sprintf("%s@%d", d.Profile, d.Placement.Start))
+			f.partsClosing = f.partsClosing || d.Closing
+		}
+	}
+	slices.Sort(f.parts)
+	return f
+}
+
+// Under spareLayout (spareGPUs: 1 on a DGX H100, publish order 0 1 2 3 5 4
+// 6 7, so GPU 7 is the spare) a spare offers the layout and not the GPU
+// whole, and the node publishes no counter set once it has settled: no two
+// of its devices can clash. Every change of face goes through the grace,
+// the face left tainted and the other not yet published. Right after a
+// start with no record, every GPU offers both, tainted, on counters; a
+// restart from the checkpoint offers what the agent before did.
+func TestDRAMIGSpareLayout(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	dir := t.TempDir()
+	h := newHarnessIn(t, node, dir, withDRA(rec), withMIG())
+	layout := []string{"1g.10gb@?", "1g.10gb@?", "2g.20gb@?", "3g.40gb@?"}
+	check := func(h *harness, rec *draRecorder, step string, want map[int]face, counterSets int) {
+		t.Helper()
+		p := rec.last()
+		for i := range 8 {
+			w, ok := want[i]
+			if !ok {
+				w = face{whole: true} // whole, untainted
+			}
+			got := faceOf(p, i)
+			// "?" stands for any start: the planner places the layout.
+			if len(w.parts) == len(got.parts) {
+				for k := range w.parts {
+					if strings.HasSuffix(w.parts[k], "@?") && strings.HasPrefix(got.parts[k], strings.TrimSuffix(w.parts[k], "?")) {
+						w.parts[k] = got.parts[k]
+					}
+				}
+			}
+			if got.whole != w.whole || got.wholeClosing != w.wholeClosing || got.partsClosing != w.partsClosing || !slices.Equal(got.parts, w.parts) {
+				t.Fatalf("%s: GPU %d offers %+v, want %+v", step, i, got, w)
+			}
+		}
+		if len(p.CounterSets) != counterSets {
+			t.Fatalf("%s: %d counter sets, want %d", step, len(p.CounterSets), counterSets)
+		}
+	}
+	spare := face{parts: layout}
+
+	h.config(migSpareLayout)
+	all := map[int]face{}
+	for i := range 8 {
+		f := faceOf(rec.last(), i)
+		if !f.whole || !f.wholeClosing || !f.partsClosing || len(f.parts) != 25 {
+			t.Fatalf("at start with no record: GPU %d offers %+v, want whole and all 25 partitions, tainted", i, f)
+		}
+		all[i] = f
+	}
+	if st := h.a.Status().DRA; len(st.Opening) != 8 || len(st.Closing) != 8 {
+		t.Errorf("/status at start: opening %+v, closing %+v; want all 8 both", st.Opening, st.Closing)
+	}
+	h.clock.Advance(closeGrace - time.Second)
+	h.step(Tick{})
+	check(h, rec, "before the grace is over", all, 8)
+	h.clock.Advance(time.Second)
+	h.step(Tick{})
+	check(h, rec, "after the grace", map[int]face{7: spare}, 0)
+	settled := faceOf(rec.last(), 7).parts
+	t.Logf("the spare layout on an H100: %v", settled)
+
+	// A claim takes a 1g.10gb of the layout: GPU 7 keeps the rest, and
+	// GPU 6 is offered whole, tainted, for the grace; then its layout.
+	part := "gpu-7-mig-1g10gb-" + strings.TrimPrefix(settled[0], "1g.10gb@")
+	if r := h.prepare(claim("uid-a", "a", part))["uid-a"]; r.Err != nil {
+		t.Fatalf("claim on the spare's %s: %v", part, r.Err)
+	}
+	check(h, rec, "spare taken", map[int]face{7: spare, 6: {whole: true, wholeClosing: true}}, 0)
+	if st := h.a.Status().DRA; len(st.Opening) != 1 || st.Opening[0].GPU != 6 || !st.Opening[0].At.Equal(h.clock.Now().Add(closeGrace)) {
+		t.Errorf("/status: opening %+v, want GPU 6 a grace from now", st.Opening)
+	}
+	h.clock.Advance(closeGrace)
+	h.step(Tick{})
+	check(h, rec, "next spare open", map[int]face{7: spare, 6: spare}, 0)
+
+	// Restarted from its checkpoint, the agent offers the same at once.
+	// The checkpoint says 4.1, the minor that added the record.
+	if cp, err := LoadCheckpoint(dir); err != nil || cp.Minor != 1 || cp.Spares == nil || len(cp.Spares.Open) != 2 {
+		t.Fatalf("checkpoint: %+v, %v; want minor 1 with 2 spares open", cp, err)
+	}
+	rec2 := &draRecorder{}
+	h2 := newHarnessIn(t, node, dir, withDRA(rec2), withMIG(), withCheckpoint())
+	h2.clock.Advance(2 * closeGrace)
+	h2.config(migSpareLayout)
+	check(h2, rec2, "restarted", map[int]face{7: spare, 6: spare}, 0)
+
+	// The claim goes: 7 and 6 both free spares, one too many. 6 closes
+	// (7 comes later in the publish order): its layout tainted, then whole.
+	h2.unprepare(dra.ClaimRef{UID: "uid-a", Namespace: "default", Name: "a"})
+	check(h2, rec2, "spare freed", map[int]face{7: spare, 6: {parts: layout, partsClosing: true}}, 0)
+	h2.clock.Advance(closeGrace)
+	h2.step(Tick{})
+	check(h2, rec2, "surplus closed", map[int]face{7: spare}, 0)
+
+	// A claim given 6's layout partition before the scheduler saw the
+	// taint is still prepared. GPU 6 was offered whole since: the rest of
+	// its layout waits out the grace.
+	if r := h2.prepare(claim("uid-b", "b", "gpu-6-mig-3g40gb-4"))["uid-b"]; r.Err != nil {
+		t.Fatalf("claim on a partition closed since: %v", r.Err)
+	}
+	check(h2, rec2, "closed partition prepared", map[int]face{7: spare, 6: {parts: []string{"3g.40gb@4"}}}, 0)
+	h2.clock.Advance(closeGrace)
+	h2.step(Tick{})
+	check(h2, rec2, "its layout back", map[int]face{7: spare, 6: spare}, 0)
+
+	// GPU 6 freed is a surplus spare, closing. A claim then holds the
+	// spare, 7, whole (given it from a pool that old): no partition beside
+	// it, and 6, still offering its layout, is the spare again at once.
+	h2.unprepare(dra.ClaimRef{UID: "uid-b", Namespace: "default", Name: "b"})
+	check(h2, rec2, "GPU 6 freed", map[int]face{7: spare, 6: {parts: layout, partsClosing: true}}, 0)
+	if r := h2.prepare(claim("uid-c", "c", "gpu-7"))["uid-c"]; r.Err != nil {
+		t.Fatalf("whole-GPU claim on the spare: %v", r.Err)
+	}
+	check(h2, rec2, "spare held whole", map[int]face{6: spare}, 0)
+	// Released within the grace: 7's layout was offered too lately for
+	// its whole device to be offered untainted yet. 6, a spare all along,
+	// stays the spare.
+	h2.unprepare(dra.ClaimRef{UID: "uid-c", Namespace: "default", Name: "c"})
+	check(h2, rec2, "held whole, freed", map[int]face{6: spare, 7: {parts: layout, partsClosing: true}}, 0)
+	h2.clock.Advance(closeGrace)
+	h2.step(Tick{})
+	check(h2, rec2, "settled", map[int]face{6: spare}, 0)
+}
+
+// Turning spareLayout on where MIG on demand was off: every GPU was offered
+// whole only, so only the spare changes face, through the grace; the
+// others stay whole, untainted. Turned off again, the layout goes at once
+// (a config change is the admin's), and on again the spare waits again.
+func TestDRAMIGSpareLayoutTurnedOn(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	h := newHarness(t, node, withDRA(rec), withMIG())
+	h.config("version: v1\nconfigs:\n  default: {}\n")
+	for i := range 8 {
+		if got := faceOf(rec.last(), i); !reflect.DeepEqual(got, face{whole: true}) {
+			t.Fatalf("off: GPU %d offers %+v, want whole", i, got)
+		}
+	}
+	for round := range 2 {
+		h.config(migSpareLayout)
+		for i := range 8 {
+			want := face{whole: true, wholeClosing: i == 7}
+			if got := faceOf(rec.last(), i); !reflect.DeepEqual(got, want) {
+				t.Fatalf("round %d, turned on: GPU %d offers %+v, want %+v", round, i, got, want)
+			}
+		}
+		h.clock.Advance(closeGrace)
+		h.step(Tick{})
+		if got := faceOf(rec.last(), 7); got.whole || len(got.parts) != 4 || got.partsClosing || len(rec.last().CounterSets) != 0 {
+			t.Fatalf("round %d, a grace later: GPU 7 offers %+v with %d counter sets, want its 4-device layout and none", round, got, len(rec.last().CounterSets))
+		}
+		h.config("version: v1\nconfigs:\n  default: {}\n")
+		if got := faceOf(rec.last(), 7); !reflect.DeepEqual(got, face{whole: true}) {
+			t.Fatalf("round %d, turned off: GPU 7 offers %+v, want whole", round, got)
+		}
+	}
 }

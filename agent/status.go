@@ -109,11 +109,16 @@ type DRAStatus struct {
 	// offer MIG devices on demand, and Closing those of them whose
 	// partitions go at the first pass after the time given (tainted
 	// gpu.nvidia.com/closing until then). Absent without a spare limit.
+	// Opening, under spareLayout, are GPUs offered whole, tainted, whose
+	// layout replaces it at the first pass after the time given.
 	OpenGPUs []int           `json:"migOpenGPUs,omitempty"`
 	Closing  []ClosingMIGGPU `json:"migClosing,omitempty"`
+	Opening  []ClosingMIGGPU `json:"migOpening,omitempty"`
 }
 
-// ClosingMIGGPU is a surplus spare GPU whose MIG devices on demand go At.
+// ClosingMIGGPU is a surplus spare GPU whose MIG devices on demand go At,
+// or (Opening) a GPU offered whole until At, when its spare layout
+// replaces it.
 type ClosingMIGGPU struct {
 	GPU int       `json:"gpu"`
 	At  time.Time `json:"at"`

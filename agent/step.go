@@ -303,7 +303,7 @@ func (a *Agent) snapshot() Snapshot {
 		ClaimMPS:  a.claimDaemons(),
 		Cordoned:  a.cordoned,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
-		MIGOpen: a.migOpen,
+		MIGOpen: a.spares.open, MIGOpening: a.spares.opening,
 	}
 }
 

@@ -469,6 +469,29 @@ mig-configs:
 			},
 		},
 		{
+			name: "spare layout",
+			in: `version: v1
+configs:
+  a:
+    dra:
+      migOnDemand:
+        enabled: true
+        profiles: [1g.10gb]
+        spareLayout: {"1g.10gb": 9, "3g.40gb": 1, "x": 1}
+  b:
+    dra:
+      migOnDemand: {enabled: true, spareLayout: {}}
+`,
+			want: []wantErr{
+				{"configs.a.dra.migOnDemand.spareLayout", 8, "needs spareGPUs of 1 or more"},
+				{`configs.a.dra.migOnDemand.spareLayout.x`, 8, "not a MIG profile"},
+				{`configs.a.dra.migOnDemand.spareLayout["1g.10gb"]`, 8, "count must be 1 to 8, got 9"},
+				{`configs.a.dra.migOnDemand.spareLayout["3g.40gb"]`, 8, "not among migOnDemand.profiles [1g.10gb]"},
+				{"configs.b.dra.migOnDemand.spareLayout", 11, "lists no profile"},
+				{"configs.b.dra.migOnDemand.spareLayout", 11, "needs spareGPUs of 1 or more"},
+			},
+		},
+		{
 			name: "alias expansion is bounded",
 			in: `version: v1
 a: &a [x, x, x, x, x, x, x, x, x, x]

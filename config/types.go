@@ -158,6 +158,17 @@ type MIGOnDemand struct {
 	// scheduler gave one of them meanwhile is still prepared.
 	// Default (0): every chosen GPU offers them.
 	SpareGPUs int `yaml:"spareGPUs,omitempty"`
+	// SpareLayout, when set (with spareGPUs), is what a spare offers
+	// instead: these MIG devices ("1g.10gb": 2, "3g.40gb": 1), placed once
+	// as a MIG layout is, made on demand, and not the GPU whole. No two of
+	// the node's devices can then clash, so the node publishes no counters:
+	// the scheduler's allocator of Kubernetes 1.36 gathers every node's
+	// counters at every node (docs/dra-devices.md, "Scale"), and a layout
+	// costs it only its devices. A GPU changes face (whole to layout, or
+	// back) through the grace: the face it leaves is tainted
+	// gpu.nvidia.com/closing for a minute before the other is published.
+	// Default: unset, every profile at every placement on counters.
+	SpareLayout map[string]int `yaml:"spareLayout,omitempty,flow"`
 }
 
 // Offers reports whether m offers profile on demand (m may be nil).

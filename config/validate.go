@@ -375,8 +375,25 @@ func (v *validator) dra(p string, d *DRA) {
 	if od.SpareGPUs < 0 {
 		v.errorf(p+".migOnDemand.spareGPUs", "must be 0 (every GPU offers MIG devices on demand) or more, got %d", od.SpareGPUs)
 	}
-	if !od.Enabled && (len(od.Profiles) > 0 || len(od.DeviceFilter) > 0 || od.SpareGPUs > 0) {
-		v.warnf(p+".migOnDemand", "profiles, device-filter or spareGPUs given but enabled is false: no MIG device is offered on demand")
+	for _, prof := range sortedKeys(od.SpareLayout) {
+		f := joinKey(p+".migOnDemand.spareLayout", prof)
+		switch n := od.SpareLayout[prof]; {
+		case checkProfile(prof) != nil:
+			v.errorf(f, "%v", checkProfile(prof))
+		case n < 1 || n > 8:
+			v.errorf(f, "count must be 1 to 8, got %d", n)
+		case len(od.Profiles) > 0 && !seen[prof]:
+			v.errorf(f, "%q is not among migOnDemand.profiles %v, the only profiles offered", prof, []string(od.Profiles))
+		}
+	}
+	if od.SpareLayout != nil && od.SpareGPUs < 1 {
+		v.errorf(p+".migOnDemand.spareLayout", "needs spareGPUs of 1 or more: it is what each spare GPU offers")
+	}
+	if od.SpareLayout != nil && len(od.SpareLayout) == 0 {
+		v.errorf(p+".migOnDemand.spareLayout", "lists no profile: a spare would offer nothing")
+	}
+	if !od.Enabled && (len(od.Profiles) > 0 || len(od.DeviceFilter) > 0 || od.SpareGPUs > 0 || od.SpareLayout != nil) {
+		v.warnf(p+".migOnDemand", "profiles, device-filter, spareGPUs or spareLayout given but enabled is false: no MIG device is offered on demand")
 	}
 }
 

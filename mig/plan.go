@@ -542,3 +542,27 @@ func usability(order []Profile, occ uint32) []int {
 }
 
 func better(a, b []int) bool { return slices.Compare(a, b) > 0 }
+
+// Placed is one GPU instance of a layout, at its placement.
+type Placed struct {
+	Profile   string
+	Placement gpu.Placement
+}
+
+// PlaceLayout places counts on an empty GPU whose profiles are ps, as the
+// plan of a layout would (the placement that leaves the free slices most
+// usable, ties to the lowest starts), in placement order; the error says
+// why no empty GPU of the model can hold them.
+func PlaceLayout(ps Profiles, counts map[string]int) ([]Placed, error) {
+	want := Want{MIGEnabled: true, Counts: counts}
+	if err := validate(ps, want); err != nil {
+		return nil, err
+	}
+	res, _ := place(ps, 0, need(ps, counts, nil))
+	out := make([]Placed, 0, len(res.create))
+	for _, n := range res.create {
+		out = append(out, Placed{Profile: n.profile.Name, Placement: n.pl})
+	}
+	slices.SortFunc(out, func(a, b Placed) int { return a.Placement.Start - b.Placement.Start })
+	return out, nil
+}

@@ -602,7 +602,7 @@ func offlineSnapshot(be *backend, sel config.Selected) (agent.Snapshot, error) {
 			snap.Profiles[g.Name] = p
 		}
 	}
-	snap.MIGOpen = agent.SettledMIGOpen(snap)
+	snap.MIGOpen, snap.MIGOpening = agent.SettledMIGOpen(snap)
 	return snap, nil
 }
 

@@ -111,7 +111,7 @@ func runFlagSet(f *runFlags, stderr io.Writer) (*flag.FlagSet, error) {
 		return nil, usageError{fmt.Sprintf("GPU_AGENT_MIG_CLOSE_GRACE: %v", err)}
 	}
 	fs.DurationVar(&f.migCloseGrace, "mig-close-grace", migCloseGrace,
-		"with migOnDemand.spareGPUs, how long a surplus spare GPU's MIG devices on demand stay published, tainted gpu.nvidia.com/closing, before they go: longer than the scheduler takes to see the taint and bind a pod given one just before [GPU_AGENT_MIG_CLOSE_GRACE]")
+		"with migOnDemand.spareGPUs, how long a surplus spare GPU's MIG devices on demand stay published, tainted gpu.nvidia.com/closing, before they go (with spareLayout, also how long a GPU is offered whole, tainted, before its layout replaces it): longer than the scheduler takes to see the taint and bind a pod given one just before [GPU_AGENT_MIG_CLOSE_GRACE]")
 	sampleInterval, err := time.ParseDuration(envDefault("GPU_AGENT_SAMPLE_INTERVAL", "10s"))
 	if err != nil {
 		return nil, usageError{fmt.Sprintf("GPU_AGENT_SAMPLE_INTERVAL: %v", err)}

@@ -49,6 +49,10 @@ type Dynamic struct {
 	// Closing: the GPU stops offering partitions (a surplus spare); they
 	// carry TaintClosing until they go. The whole GPU does not.
 	Closing bool
+	// WholeClosing: the GPU offered whole is about to offer a spare layout
+	// instead (migOnDemand.spareLayout): it carries TaintClosing until it
+	// goes, and the layout's partitions are not offered before.
+	WholeClosing bool
 }
 
 // ProfileAt is one profile at one placement.
@@ -118,6 +122,7 @@ func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 	if dyn.Whole {
 		d := base
 		d.Name, d.Type, d.UUID, d.Index, d.MemoryBytes = GPUName(g.Index), TypeGPU, g.UUID, g.Index, g.MemoryBytes
+		d.Closing = dyn.WholeClosing
 		d.Consumes = total
 		d.Engines = &Engines{
 			Multiprocessors: maxMultiprocessors(dyn.Profiles),

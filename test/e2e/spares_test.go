@@ -98,3 +98,111 @@ func TestClusterDRAMIGSpares(t *testing.T) {
 		t.Errorf("claim whole: %v, allocation %+v; want gpu-0", err, cl.Status.Allocation)
 	}
 }
+
+// layoutState reads, per GPU of the node, what it offers: whole (and whether tainted gpu.nvidia.com/closing) and
+// how many partitions (MIG devices made on demand, not yet made or made, and whether tainted); and how many counter
+// sets the node's ResourceSlices carry.
+func layoutState(t *testing.T, c *harness.Cluster) (faces map[int]string, counterSets int) {
+	t.Helper()
+	list, err := c.Client.ResourceV1().ResourceSlices().List(clusterCtx(t), metav1.ListOptions{
+		FieldSelector: "spec.driver=" + draDriver + ",spec.nodeName=" + c.NodeName(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	type face struct {
+		whole, wholeTainted, partsTainted bool
+		parts                             int
+	}
+	byGPU := map[int]*face{}
+	for _, s := range list.Items {
+		counterSets += len(s.Spec.SharedCounters)
+		for _, d := range s.Spec.Devices {
+			var gpu int
+			if _, err := fmt.Sscanf(d.Name, "gpu-%d", &gpu); err != nil {
+				continue
+			}
+			if byGPU[gpu] == nil {
+				byGPU[gpu] = &face{}
+			}
+			f := byGPU[gpu]
+			tainted := slices.ContainsFunc(d.Taints, func(tt resourceapi.DeviceTaint) bool { return tt.Key == draDriver+"/closing" })
+			if d.Name == fmt.Sprintf("gpu-%d", gpu) {
+				f.whole, f.wholeTainted = true, tainted
+			} else {
+				f.parts++
+				f.partsTainted = f.partsTainted || tainted
+			}
+		}
+	}
+	faces = map[int]string{}
+	for gpu, f := range byGPU {
+		var s []string
+		if f.whole {
+			s = append(s, map[bool]string{false: "whole", true: "whole(tainted)"}[f.wholeTainted])
+		}
+		if f.parts > 0 {
+			s = append(s, fmt.Sprintf("%d parts%s", f.parts, map[bool]string{false: "", true: "(tainted)"}[f.partsTainted]))
+		}
+		faces[gpu] = strings.Join(s, "+")
+	}
+	return faces, counterSets
+}
+
+// TestClusterDRAMIGSpareLayout: deploy/examples/dra-mig-spare-layout.yaml (spareGPUs: 1, a balanced layout) on a
+// simulated DGX H100 under the real scheduler and kubelet. Once settled, GPU 7 offers its layout's 4 MIG devices
+// and not itself whole, the others are whole, and the node publishes no counter set. A 1g.10gb claim lands on GPU
+// 7; GPU 6 is then offered whole, tainted, for the grace, then offers its layout. The claim's pod deleted, one of
+// the two free spares goes back to whole through the grace.
+func TestClusterDRAMIGSpareLayout(t *testing.T) {
+	c, _ := installOverlay(t, "sim-dra-spares-overlay")
+	ctx := clusterCtx(t)
+	raw, err := os.ReadFile(filepath.Join(repoRoot(), "deploy", "examples", "dra-mig-spare-layout.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cm corev1.ConfigMap
+	if err := yaml.Unmarshal(raw, &cm); err != nil || !strings.Contains(cm.Data["config.yaml"], "spareLayout:") {
+		t.Fatalf("the example's ConfigMap (%v) has no spareLayout:\n%s", err, cm.Data["config.yaml"])
+	}
+	settled := func(spares ...int) func() bool {
+		return func() bool {
+			faces, sets := layoutState(t, c)
+			for gpu := range nodeGPUs {
+				want := "whole"
+				if slices.Contains(spares, gpu) {
+					want = "4 parts"
+				}
+				if faces[gpu] != want {
+					return false
+				}
+			}
+			return sets == 0
+		}
+	}
+	applied := setConfigMap(t, c, cm.Data)
+	eventually(t, "GPU 7 offering its layout, the others whole, no counter set", settled(7))
+	t.Logf("MEASURED example applied -> settled, no counters (a 5 s grace): %s", time.Since(applied).Round(10*time.Millisecond))
+
+	claim := migClaim("small", "1g.10gb", "")
+	claim.Spec.Devices.Requests[0].Exactly.Selectors[0].CEL.Expression = "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'"
+	took := claimAndRun(t, c, claim)
+	t.Logf("MEASURED DRA claim (1g.10gb of the spare's layout) created -> container running: %s", took.Round(10*time.Millisecond))
+	cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, "small", metav1.GetOptions{})
+	if err != nil || cl.Status.Allocation == nil || !strings.HasPrefix(cl.Status.Allocation.Devices.Results[0].Device, "gpu-7-mig-1g10gb-") {
+		t.Fatalf("claim small: %v, allocation %+v; want a 1g.10gb of GPU 7", err, cl.Status.Allocation)
+	}
+	taken := time.Now()
+	eventually(t, "GPU 6 offering its layout once the spare was taken", func() bool {
+		faces, sets := layoutState(t, c)
+		return faces[6] == "4 parts" && faces[7] == "4 parts" && sets == 0
+	})
+	t.Logf("MEASURED spare taken -> the next spare's layout offered (through the 5 s grace): %s", time.Since(taken).Round(10*time.Millisecond))
+
+	released := time.Now()
+	if err := c.Client.CoreV1().Pods("default").Delete(ctx, "small", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "one spare again (GPU 7), GPU 6 whole after the grace", settled(7))
+	t.Logf("MEASURED MIG claim's pod deleted -> the surplus spare whole again: %s", time.Since(released).Round(10*time.Millisecond))
+}
