@@ -19,6 +19,34 @@ import (
 	"github.com/gpu-agent/gpu-agent/test/e2e/harness"
 )
 
+// exampleConfig is the data of the ConfigMap deploy/examples/name, whose config.yaml must hold want.
+func exampleConfig(t *testing.T, name, want string) map[string]string {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(repoRoot(), "deploy", "examples", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cm corev1.ConfigMap
+	if err := yaml.Unmarshal(raw, &cm); err != nil || !strings.Contains(cm.Data["config.yaml"], want) {
+		t.Fatalf("the ConfigMap of %s (%v) has no %q:\n%s", name, err, want, cm.Data["config.yaml"])
+	}
+	return cm.Data
+}
+
+// smallOnSpare runs a pod with a plain 1g.10gb claim ("small"), as NVIDIA's users write one, and checks that it
+// got a MIG device of GPU 7, the spare.
+func smallOnSpare(t *testing.T, c *harness.Cluster) {
+	t.Helper()
+	claim := migClaim("small", "1g.10gb", "")
+	claim.Spec.Devices.Requests[0].Exactly.Selectors[0].CEL.Expression = "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'"
+	took := claimAndRun(t, c, claim)
+	t.Logf("MEASURED DRA claim (1g.10gb on the spare) created -> container running: %s", took.Round(10*time.Millisecond))
+	cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(clusterCtx(t), "small", metav1.GetOptions{})
+	if err != nil || cl.Status.Allocation == nil || !strings.HasPrefix(cl.Status.Allocation.Devices.Results[0].Device, "gpu-7-mig-1g10gb-") {
+		t.Fatalf("claim small: %v, allocation %+v; want a 1g.10gb MIG device of GPU 7", err, cl.Status.Allocation)
+	}
+}
+
 // spareState reads which GPUs of the node offer MIG devices on demand, and which of those are closing (their
 // partitions tainted gpu.nvidia.com/closing), from the ResourceSlices.
 func spareState(t *testing.T, c *harness.Cluster) (open, closing []int) {
@@ -49,15 +77,7 @@ func spareState(t *testing.T, c *harness.Cluster) (open, closing []int) {
 func TestClusterDRAMIGSpares(t *testing.T) {
 	c, _ := installOverlay(t, "sim-dra-spares-overlay")
 	ctx := clusterCtx(t)
-	raw, err := os.ReadFile(filepath.Join(repoRoot(), "deploy", "examples", "dra-mig-on-demand.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var cm corev1.ConfigMap
-	if err := yaml.Unmarshal(raw, &cm); err != nil || !strings.Contains(cm.Data["config.yaml"], "spareGPUs: 1") {
-		t.Fatalf("the example's ConfigMap (%v) has no spareGPUs: 1:\n%s", err, cm.Data["config.yaml"])
-	}
-	applied := setConfigMap(t, c, cm.Data)
+	applied := setConfigMap(t, c, exampleConfig(t, "dra-mig-on-demand.yaml", "spareGPUs: 1"))
 	eventually(t, "one spare GPU offering MIG devices on demand, the others closed after the grace", func() bool {
 		open, closing := spareState(t, c)
 		return slices.Equal(open, []int{7}) && len(closing) == 0
@@ -68,14 +88,7 @@ func TestClusterDRAMIGSpares(t *testing.T) {
 	}
 
 	// A plain 1g.10gb claim, as NVIDIA's users write one: it can only land on the spare.
-	claim := migClaim("small", "1g.10gb", "")
-	claim.Spec.Devices.Requests[0].Exactly.Selectors[0].CEL.Expression = "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'"
-	took := claimAndRun(t, c, claim)
-	t.Logf("MEASURED DRA claim (1g.10gb on the spare) created -> container running: %s", took.Round(10*time.Millisecond))
-	cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, "small", metav1.GetOptions{})
-	if err != nil || cl.Status.Allocation == nil || !strings.HasPrefix(cl.Status.Allocation.Devices.Results[0].Device, "gpu-7-mig-1g10gb-") {
-		t.Fatalf("claim small: %v, allocation %+v; want a 1g.10gb partition of GPU 7", err, cl.Status.Allocation)
-	}
+	smallOnSpare(t, c)
 	eventually(t, "GPU 6 opened once the spare was taken", func() bool {
 		open, closing := spareState(t, c)
 		return slices.Equal(open, []int{6, 7}) && len(closing) == 0
@@ -93,7 +106,7 @@ func TestClusterDRAMIGSpares(t *testing.T) {
 
 	// A whole GPU goes first in the publish order, not to the spare.
 	claimAndRun(t, c, wholeGPUClaim("whole"))
-	cl, err = c.Client.ResourceV1().ResourceClaims("default").Get(ctx, "whole", metav1.GetOptions{})
+	cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, "whole", metav1.GetOptions{})
 	if err != nil || cl.Status.Allocation == nil || cl.Status.Allocation.Devices.Results[0].Device != "gpu-0" {
 		t.Errorf("claim whole: %v, allocation %+v; want gpu-0", err, cl.Status.Allocation)
 	}
@@ -157,14 +170,7 @@ func layoutState(t *testing.T, c *harness.Cluster) (faces map[int]string, counte
 func TestClusterDRAMIGSpareLayout(t *testing.T) {
 	c, _ := installOverlay(t, "sim-dra-spares-overlay")
 	ctx := clusterCtx(t)
-	raw, err := os.ReadFile(filepath.Join(repoRoot(), "deploy", "examples", "dra-mig-spare-layout.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var cm corev1.ConfigMap
-	if err := yaml.Unmarshal(raw, &cm); err != nil || !strings.Contains(cm.Data["config.yaml"], "spareLayout:") {
-		t.Fatalf("the example's ConfigMap (%v) has no spareLayout:\n%s", err, cm.Data["config.yaml"])
-	}
+	cm := exampleConfig(t, "dra-mig-spare-layout.yaml", "spareLayout:")
 	settled := func(spares ...int) func() bool {
 		return func() bool {
 			faces, sets := layoutState(t, c)
@@ -180,18 +186,11 @@ func TestClusterDRAMIGSpareLayout(t *testing.T) {
 			return sets == 0
 		}
 	}
-	applied := setConfigMap(t, c, cm.Data)
+	applied := setConfigMap(t, c, cm)
 	eventually(t, "GPU 7 offering its layout, the others whole, no counter set", settled(7))
 	t.Logf("MEASURED example applied -> settled, no counters (a 5 s grace): %s", time.Since(applied).Round(10*time.Millisecond))
 
-	claim := migClaim("small", "1g.10gb", "")
-	claim.Spec.Devices.Requests[0].Exactly.Selectors[0].CEL.Expression = "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'"
-	took := claimAndRun(t, c, claim)
-	t.Logf("MEASURED DRA claim (1g.10gb of the spare's layout) created -> container running: %s", took.Round(10*time.Millisecond))
-	cl, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, "small", metav1.GetOptions{})
-	if err != nil || cl.Status.Allocation == nil || !strings.HasPrefix(cl.Status.Allocation.Devices.Results[0].Device, "gpu-7-mig-1g10gb-") {
-		t.Fatalf("claim small: %v, allocation %+v; want a 1g.10gb of GPU 7", err, cl.Status.Allocation)
-	}
+	smallOnSpare(t, c)
 	taken := time.Now()
 	eventually(t, "GPU 6 offering its layout once the spare was taken", func() bool {
 		faces, sets := layoutState(t, c)
