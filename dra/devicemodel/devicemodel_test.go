@@ -470,3 +470,28 @@ func TestSliceOrder(t *testing.T) {
 		}
 	}
 }
+
+// A spare layout beside whole GPUs (no more MIG devices than whole GPUs):
+// each profile's devices come together after a whole GPU, so a claim for
+// the second 1g.10gb walks no whole GPU after the first.
+func TestSliceOrderFewMIG(t *testing.T) {
+	var ds []Device
+	for i := range 3 {
+		ds = append(ds, Device{Name: GPUName(i), Type: TypeGPU, Index: i})
+	}
+	for _, p := range []struct {
+		profile string
+		start   int
+	}{{"2g.20gb", 0}, {"1g.10gb", 3}, {"1g.10gb", 2}} {
+		ds = append(ds, Device{Name: PartitionName(3, p.profile, p.start), Type: TypeMIG, Partition: true, Profile: p.profile,
+			ParentIndex: 3, Placement: gpu.Placement{Start: p.start, Size: 1}})
+	}
+	var got []string
+	for _, d := range sliceOrder(ds) {
+		got = append(got, d.Name)
+	}
+	want := []string{"gpu-0", "gpu-3-mig-1g10gb-3", "gpu-3-mig-1g10gb-2", "gpu-1", "gpu-3-mig-2g20gb-0", "gpu-2"}
+	if !slices.Equal(got, want) {
+		t.Errorf("order %v, want %v", got, want)
+	}
+}

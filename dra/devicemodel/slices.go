@@ -234,7 +234,8 @@ func byGPU(devs []Device, order []int) [][]Device {
 // kind of device a claim may ask for comes early: the whole GPUs (in the
 // slice's GPU order) alternate with the first device of each MIG profile
 // (existing MIG devices from the smallest profile up, then partitions by
-// profile), and the other MIG devices follow. Within one kind the order
+// profile), and the other MIG devices follow (or, where they are no more
+// than the whole GPUs, each comes with the first of its profile). Within one kind the order
 // stands: a claim is given the device it would be given in publishOrder,
 // after fewer evaluations of devices of other kinds.
 func sliceOrder(ds []Device) []Device {
@@ -266,21 +267,33 @@ func sliceOrder(ds []Device) []Device {
 		}
 		return strings.Compare(a.Profile, b.Profile)
 	})
-	var heads, rest []Device
+	// groups: the MIG devices of one kind and profile each.
+	var groups [][]Device
 	for i, d := range mig {
 		if i == 0 || kind(d) != kind(mig[i-1]) || d.Profile != mig[i-1].Profile {
-			heads = append(heads, d)
-		} else {
-			rest = append(rest, d)
+			groups = append(groups, nil)
 		}
+		groups[len(groups)-1] = append(groups[len(groups)-1], d)
 	}
+	// Where MIG devices are no more than the whole GPUs (a spare layout
+	// beside whole GPUs), each profile's devices come together: a claim for
+	// the second of one does not walk every whole GPU first, and a whole
+	// GPU claim walks at most as many MIG devices as there are whole GPUs.
+	together := len(mig) <= len(whole)
+	var rest []Device
 	out := make([]Device, 0, len(ds))
-	for i := range max(len(whole), len(heads)) {
+	for i := range max(len(whole), len(groups)) {
 		if i < len(whole) {
 			out = append(out, whole[i])
 		}
-		if i < len(heads) {
-			out = append(out, heads[i])
+		if i >= len(groups) {
+			continue
+		}
+		if together {
+			out = append(out, groups[i]...)
+		} else {
+			out = append(out, groups[i][0])
+			rest = append(rest, groups[i][1:]...)
 		}
 	}
 	return append(out, rest...)

@@ -156,6 +156,11 @@ func parseFlags(args []string) (options, error) {
 			return o, fmt.Errorf("%s %s: not an executable file (%v)", flagName, p, err)
 		}
 	}
+	if o.cpuprofile != "" {
+		if err := os.MkdirAll(o.cpuprofile, 0o755); err != nil {
+			return o, fmt.Errorf("-cpuprofile: %w", err)
+		}
+	}
 	return o, nil
 }
 
