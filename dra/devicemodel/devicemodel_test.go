@@ -13,6 +13,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/gpu/simtest"
+	"github.com/gpu-agent/gpu-agent/mig"
 )
 
 // inventory is a simulated node's inventory.
@@ -493,5 +494,31 @@ func TestSliceOrderFewMIG(t *testing.T) {
 	want := []string{"gpu-0", "gpu-3-mig-1g10gb-3", "gpu-3-mig-1g10gb-2", "gpu-1", "gpu-3-mig-2g20gb-0", "gpu-2"}
 	if !slices.Equal(got, want) {
 		t.Errorf("order %v, want %v", got, want)
+	}
+}
+
+// No device carries more than maxAttributes attributes, nor more than 8
+// capacities (a Go map's one group): past either the scheduler's decoded
+// copy of every device of every node grows by half (see attributes). The
+// richest of each kind: whole GPUs with NVLink and NUMA, existing MIG
+// devices, MIG devices made on demand, shared GPUs.
+func TestDeviceMapsStaySmall(t *testing.T) {
+	n, inv := simtest.NodeInventory(t, "dgx-h100")
+	profiles := simtest.Profiles(t, n, inv.GPUs[0])
+	devs := Devices(inv, map[string]mig.Profiles{inv.GPUs[0].Name: profiles}, nil)
+	parts, _ := Partitions(Dynamic{GPU: inv.GPUs[1], Profiles: profiles, Whole: true}, devs[1])
+	devs = append(devs, parts...)
+	made := parts[len(parts)-1]
+	made.UUID, made.Index = "MIG-made", 0
+	shared := devs[0]
+	shared.Shares, shared.MPS = 4, true
+	devs = append(devs, made, shared, Device{Name: "mig", Type: TypeMIG, UUID: "MIG-x", Index: 1, NUMANode: 0, PCIBusID: "0000:18:00.0",
+		PCIeRoot: "pci0000:00", Architecture: "Hopper", Brand: "Nvidia", DriverVersion: "550.54.15", CUDADriverVersion: "12.4", Profile: "1g.10gb",
+		ParentUUID: "GPU-x", Engines: &Engines{}})
+	for _, d := range devs {
+		a := apiDevice(d)
+		if len(a.Attributes) > maxAttributes || len(a.Capacity) > 8 {
+			t.Errorf("%s (%s): %d attributes, %d capacities; want at most %d and 8", d.Name, d.Type, len(a.Attributes), len(a.Capacity), maxAttributes)
+		}
 	}
 }
