@@ -513,15 +513,27 @@ func spareLayoutWarnings(inv *gpu.Inventory, profiles map[string]mig.Profiles, s
 	if od == nil || !od.Enabled || od.SpareLayout == nil {
 		return nil
 	}
-	var out []string
+	// One warning per model: the layout fits all its GPUs or none.
+	var models []string
+	gpus := map[string][]string{}
+	why := map[string]error{}
 	for _, g := range inv.GPUs {
 		ps, ok := profiles[g.Name]
 		if !g.MIGCapable || !ok || len(ps) == 0 || !migDeviceFilterMatches(od.DeviceFilter, g) {
 			continue
 		}
-		if _, err := spareLayout(od, g, ps); err != nil {
-			out = append(out, fmt.Sprintf("configs.%s.dra.migOnDemand.spareLayout: %v; the GPU is offered whole only", sel.Name, err))
+		if _, err := mig.PlaceLayout(ps, od.SpareLayout); err != nil {
+			if _, seen := why[g.Name]; !seen {
+				models = append(models, g.Name)
+			}
+			why[g.Name] = err
+			gpus[g.Name] = append(gpus[g.Name], strconv.Itoa(g.Index))
 		}
+	}
+	var out []string
+	for _, m := range models {
+		out = append(out, fmt.Sprintf("configs.%s.dra.migOnDemand.spareLayout: GPUs %s (%s): %v; offered whole only",
+			sel.Name, strings.Join(gpus[m], ", "), m, why[m]))
 	}
 	return out
 }

@@ -316,3 +316,24 @@ func TestDRAMIGSpareLayoutTurnedOn(t *testing.T) {
 		}
 	}
 }
+
+// A spare layout the GPU model cannot hold: every GPU stays whole, and the
+// config's warnings name the field, the GPU and why.
+func TestDRAMIGSpareLayoutUnfit(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	h := newHarness(t, node, withDRA(rec), withMIG())
+	h.config(strings.Replace(migSpareLayout, `{"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}`, `{"4g.40gb": 1, "7g.80gb": 1}`, 1))
+	h.clock.Advance(closeGrace)
+	h.step(Tick{})
+	for i := range 8 {
+		if got := faceOf(rec.last(), i); !reflect.DeepEqual(got, face{whole: true}) {
+			t.Errorf("GPU %d offers %+v, want whole", i, got)
+		}
+	}
+	ws := h.a.Status().Config.Warnings
+	if len(ws) != 1 || !strings.HasPrefix(ws[0], "configs.default.dra.migOnDemand.spareLayout: GPUs 0, 1, 2, 3, 4, 5, 6, 7 (NVIDIA H100 80GB HBM3): ") ||
+		!strings.Contains(ws[0], "needs 12 memory slices") || !strings.HasSuffix(ws[0], "; offered whole only") {
+		t.Errorf("warnings %q, want one for the model, naming the field and why", ws)
+	}
+}
