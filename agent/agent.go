@@ -324,6 +324,9 @@ type publishedState struct {
 	cdiStatus     CDIStatus
 	// cordonStatus: what the last pass resolved the cordon list to.
 	cordonStatus CordonStatus
+	// controlPlane: the API server's version (ControlPlaneChanged; "" not
+	// known yet, or without the API).
+	controlPlane string
 	// spares: the GPUs offering MIG devices on demand under spareGPUs
 	// (Snapshot.MIGOpen, MIGOpening), as the last pass decided (nextOpen);
 	// at start none known, or what the checkpoint has under spareLayout.

@@ -63,6 +63,8 @@ type Snapshot struct {
 	// whole, tainted since the time given, before their layout replaces
 	// it; one in MIGOpen too offers both, tainted, on counters (nextOpen).
 	MIGOpening map[string]time.Time
+	// ControlPlane is the API server's version ("v1.36.3"; "" not known).
+	ControlPlane string
 	// ClaimMPS are the MPS daemons DRA claims' configs ask for, on devices
 	// the config does not share by MPS.
 	ClaimMPS []mps.Daemon
@@ -208,6 +210,9 @@ func Plan(s Snapshot) Desired {
 	d.Catalog, d.MPSDaemons, d.Warnings = planned.Catalog, withClaimDaemons(planned.MPSDaemons, s.ClaimMPS), planned.Warnings
 	if s.DRA {
 		d.Warnings = append(d.Warnings, spareLayoutWarnings(s.Inventory, s.Profiles, d.Config)...)
+		if w := countersWarning(s.ControlPlane, d.Config); w != "" {
+			d.Warnings = append(d.Warnings, w)
+		}
 	}
 	d.HealthPolicy = health.PolicyFromConfig(d.Config.Config.Health)
 	return d

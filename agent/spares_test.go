@@ -337,3 +337,37 @@ func TestDRAMIGSpareLayoutUnfit(t *testing.T) {
 		t.Errorf("warnings %q, want one for the model, naming the field and why", ws)
 	}
 }
+
+// MIG on demand on counters under a control plane whose scheduler gathers
+// every node's counter sets at every node (1.36) is a warning naming the
+// field, the version and the way out; not on 1.37, nor with spareLayout,
+// nor before the version is known.
+func TestDRAMIGOnDemandCountersWarning(t *testing.T) {
+	rec := &draRecorder{}
+	node := simNode(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	h := newHarness(t, node, withDRA(rec), withMIG())
+	warned := func() bool {
+		for _, w := range h.a.Status().Config.Warnings {
+			if strings.HasPrefix(w, "configs.default.dra.migOnDemand: the control plane is Kubernetes v1.36.3,") && strings.Contains(w, "set spareLayout") {
+				return true
+			}
+		}
+		return false
+	}
+	for _, tc := range []struct {
+		step, config, version string
+		want                  bool
+	}{
+		{"version not known", migOnDemandSpare, "", false},
+		{"1.36, on counters", migOnDemandSpare, "v1.36.3", true},
+		{"1.37, on counters", migOnDemandSpare, "v1.37.2", false},
+		{"1.36, spare layout", migSpareLayout, "v1.36.3", false},
+		{"1.36, MIG on demand off", "version: v1\nconfigs:\n  default: {}\n", "v1.36.3", false},
+	} {
+		h.config(tc.config)
+		h.step(ControlPlaneChanged{Version: tc.version})
+		if got := warned(); got != tc.want {
+			t.Errorf("%s: warned %v, want %v; warnings %q", tc.step, got, tc.want, h.a.Status().Config.Warnings)
+		}
+	}
+}

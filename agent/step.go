@@ -71,6 +71,11 @@ func (a *Agent) Step(batch []Event) {
 				a.cordoned = slices.Clone(e.GPUs)
 				plan = true
 			}
+		case ControlPlaneChanged:
+			if a.controlPlane != e.Version {
+				a.controlPlane = e.Version
+				plan = true
+			}
 		case HealthChanged:
 			a.health = e.State
 			plan = true
@@ -304,6 +309,7 @@ func (a *Agent) snapshot() Snapshot {
 		Cordoned:  a.cordoned,
 		Published: a.cat, Scorer: a.scorer.get(a.inv),
 		MIGOpen: a.spares.open, MIGOpening: a.spares.opening,
+		ControlPlane: a.controlPlane,
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/version"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
@@ -442,4 +443,49 @@ func TestRunInformerReturnsAtStop(t *testing.T) {
 	}
 	cancel()
 	next(t, done)
+}
+
+// The version watcher hands on the API server's version at start and again
+// only when it changes; a failed read is retried after Retry, not Every.
+func TestVersionWatcher(t *testing.T) {
+	disc := &fakeVersions{answers: []any{"v1.36.3", errors.New("connection refused"), "v1.36.3", "v1.37.2"}}
+	var got []string
+	var waits []time.Duration
+	ctx, cancel := context.WithCancel(context.Background())
+	w := NewVersionWatcher(disc, func(v string) { got = append(got, v) }, nil)
+	w.After = func(d time.Duration) <-chan time.Time {
+		waits = append(waits, d)
+		if len(waits) == len(disc.answers) {
+			cancel()
+			return nil // never: the watcher ends on ctx
+		}
+		c := make(chan time.Time, 1)
+		c <- time.Time{}
+		return c
+	}
+	if err := w.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, []string{"v1.36.3", "v1.37.2"}) {
+		t.Errorf("versions handed on: %v, want v1.36.3 then v1.37.2", got)
+	}
+	if want := []time.Duration{10 * time.Minute, 10 * time.Second, 10 * time.Minute, 10 * time.Minute}; !slices.Equal(waits, want) {
+		t.Errorf("waits %v, want %v", waits, want)
+	}
+}
+
+// fakeVersions answers ServerVersion from answers in turn: a version
+// string, or an error.
+type fakeVersions struct {
+	answers []any
+	n       int
+}
+
+func (f *fakeVersions) ServerVersion() (*version.Info, error) {
+	a := f.answers[min(f.n, len(f.answers)-1)]
+	f.n++
+	if err, ok := a.(error); ok {
+		return nil, err
+	}
+	return &version.Info{GitVersion: a.(string)}, nil
 }

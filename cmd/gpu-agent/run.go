@@ -483,6 +483,12 @@ func (w *wiring) draDriver() {
 		w.dra = dra.New(dra.Options{NodeName: f.nodeName, Client: w.client, ClaimReader: w.clients.Claims, PluginDir: f.draPluginDir,
 			RegistryDir: f.kubeletRegistryDir, Logger: log.With("component", "dra")})
 		w.draPub = w.dra
+		// What a device model costs the scheduler depends on its version
+		// (a /status warning names a config that is slow on it).
+		versions := kube.NewVersionWatcher(w.client.Discovery(), func(v string) {
+			w.inbox.Post(agent.ControlPlaneChanged{Version: v})
+		}, log.With("component", "kube"))
+		w.kubeRuns = append(w.kubeRuns, versions.Run)
 		// Each prepared claim's devices, written into its status in the
 		// background (kubectl describe resourceclaim shows them).
 		sw := dra.NewClaimStatusWriter(dra.ClaimStatusOptions{Client: w.client, NodeName: f.nodeName, Logger: log.With("component", "dra")})

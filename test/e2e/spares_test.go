@@ -75,9 +75,28 @@ func spareState(t *testing.T, c *harness.Cluster) (open, closing []int) {
 // a MIG claim the scheduler allocates lands there, and once it is prepared GPU 6 opens too; the claim's pod
 // deleted, one of the two free spares closes after the grace, leaving one; a claim for a whole GPU goes to GPU 0.
 func TestClusterDRAMIGSpares(t *testing.T) {
-	c, _ := installOverlay(t, "sim-dra-spares-overlay")
+	c, agent := installOverlay(t, "sim-dra-spares-overlay")
 	ctx := clusterCtx(t)
 	applied := setConfigMap(t, c, exampleConfig(t, "dra-mig-on-demand.yaml", "spareGPUs: 1"))
+	// On counters under a 1.36 scheduler, /status says what that costs and what to use instead.
+	sv, err := c.Client.Discovery().ServerVersion()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.HasPrefix(sv.GitVersion, "v1.36.") {
+		eventually(t, "a /status warning that MIG on demand on counters is slow on "+sv.GitVersion, func() bool {
+			var st struct {
+				Config struct {
+					Warnings []string `json:"warnings"`
+				} `json:"config"`
+			}
+			agentGet(t, agent, "/status", &st)
+			return slices.ContainsFunc(st.Config.Warnings, func(w string) bool {
+				return strings.Contains(w, "the control plane is Kubernetes "+sv.GitVersion) && strings.Contains(w, "set spareLayout")
+			})
+		})
+		t.Logf("/status warns that MIG on demand on counters is slow on %s", sv.GitVersion)
+	}
 	eventually(t, "one spare GPU offering MIG devices on demand, the others closed after the grace", func() bool {
 		open, closing := spareState(t, c)
 		return slices.Equal(open, []int{7}) && len(closing) == 0
