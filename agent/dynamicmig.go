@@ -69,7 +69,7 @@ func (a *Agent) planPartition(c dra.Claim, d devicemodel.Device) (partitionPlan,
 		return partitionPlan{}, fmt.Errorf("GPU %s is gone", d.ParentUUID)
 	}
 	for _, m := range g.Instances {
-		if m.Placement.Start < d.Placement.Start+d.Placement.Size && d.Placement.Start < m.Placement.Start+m.Placement.Size {
+		if m.Placement.Overlaps(d.Placement) {
 			return partitionPlan{}, fmt.Errorf("GPU %d: MIG device %s (%s at %d) already occupies memory slices %d-%d",
 				g.Index, m.UUID, m.Profile, m.Placement.Start, d.Placement.Start, d.Placement.Start+d.Placement.Size-1)
 		}

@@ -289,7 +289,7 @@ func layoutFace(s Snapshot, g gpu.GPU, profiles mig.Profiles, made []devicemodel
 	}
 	dyn.Closing = !since.IsZero()
 	for _, l := range layout {
-		if !slices.ContainsFunc(made, func(m devicemodel.ProfileAt) bool { return placementsClash(m.Placement, l.Placement) }) {
+		if !slices.ContainsFunc(made, func(m devicemodel.ProfileAt) bool { return m.Placement.Overlaps(l.Placement) }) {
 			dyn.Only = append(dyn.Only, l)
 		}
 	}
@@ -536,11 +536,6 @@ func spareLayoutWarnings(inv *gpu.Inventory, profiles map[string]mig.Profiles, s
 			sel.Name, strings.Join(gpus[m], ", "), m, why[m]))
 	}
 	return out
-}
-
-// placementsClash reports whether two placements share a memory slice.
-func placementsClash(a, b gpu.Placement) bool {
-	return a.Start < b.Start+b.Size && b.Start < a.Start+a.Size
 }
 
 // noteOpen takes next as the GPUs offering MIG devices on demand, logging

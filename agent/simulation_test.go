@@ -1985,8 +1985,7 @@ func (s *simRun) facesApart(_ *simTruth, _ []holder, report reporter) {
 			ds := byGPU[g]
 			for i, a := range ds {
 				for _, b := range ds[i+1:] {
-					clash := a.Type != b.Type || (a.Placement.Size > 0 && b.Placement.Size > 0 &&
-						a.Placement.Start < b.Placement.Start+b.Placement.Size && b.Placement.Start < a.Placement.Start+a.Placement.Size)
+					clash := a.Type != b.Type || (a.Placement.Size > 0 && b.Placement.Size > 0 && a.Placement.Overlaps(b.Placement))
 					if clash && a.Shares <= 1 && b.Shares <= 1 && !report("pool: devices that clash, without counters",
 						fmt.Sprintf("GPU %d offers %s and %s with no counter set", g, a.Name, b.Name)) {
 						return
@@ -2148,7 +2147,7 @@ func (s *simRun) believes(id ident) bool {
 }
 
 func placementsOverlap(id ident, p gpu.Placement) bool {
-	return id.start < p.Start+p.Size && p.Start < id.start+id.size
+	return gpu.Placement{Start: id.start, Size: id.size}.Overlaps(p)
 }
 
 // governed are the GPUs (by index) the selected config's MIG layout

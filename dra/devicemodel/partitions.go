@@ -136,7 +136,7 @@ func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 	}
 	for _, p := range dyn.Profiles {
 		for _, pl := range p.Placements {
-			if !dyn.offers(p.Name, pl) || slices.ContainsFunc(dyn.Blocked, func(b gpu.Placement) bool { return overlaps(b, pl) }) {
+			if !dyn.offers(p.Name, pl) || slices.ContainsFunc(dyn.Blocked, func(b gpu.Placement) bool { return b.Overlaps(pl) }) {
 				continue
 			}
 			if exceeds(consumption(p, pl), avail) {
@@ -209,10 +209,6 @@ func consumption(p mig.Profile, pl gpu.Placement) map[string]int64 {
 		c[memorySliceCounter(k)] = 1
 	}
 	return c
-}
-
-func overlaps(a, b gpu.Placement) bool {
-	return a.Start < b.Start+b.Size && b.Start < a.Start+a.Size
 }
 
 // PartitionName names the MIG device of profile at placement start on GPU
