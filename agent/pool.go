@@ -262,7 +262,7 @@ func layoutFace(s Snapshot, g gpu.GPU, profiles mig.Profiles, made []devicemodel
 	since, isOpen := s.MIGOpen[g.UUID]
 	_, isOpening := s.MIGOpening[g.UUID]
 	layout, err := spareLayout(od, g, profiles)
-	inUse := len(made) > 0 || g.MIG.Current || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0
+	inUse := migInUse(g, made)
 	dyn := devicemodel.Dynamic{GPU: g, Profiles: profiles, Only: slices.Clone(made)}
 	if dyn.Only == nil {
 		dyn.Only = []devicemodel.ProfileAt{}
@@ -294,6 +294,14 @@ func layoutFace(s Snapshot, g gpu.GPU, profiles mig.Profiles, made []devicemodel
 		}
 	}
 	return dyn, true
+}
+
+// migInUse reports whether g, a GPU chosen for MIG on demand, is in MIG
+// use: claims made (or are making) partitions there, MIG mode is or is
+// going on, or it holds instances. It then offers partitions, never itself
+// whole.
+func migInUse(g gpu.GPU, made []devicemodel.ProfileAt) bool {
+	return len(made) > 0 || g.MIG.Current || g.MIG.Pending || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0
 }
 
 // closeGrace is how long a surplus spare's partitions stay published,
@@ -436,7 +444,7 @@ func nextOpen(s Snapshot, prev spares, now time.Time, grace time.Duration) spare
 			continue
 		}
 		g := dyn.GPU
-		inUse := len(madeFor[g.UUID]) > 0 || g.MIG.Current || g.MIG.Pending || len(g.Instances) > 0 || len(g.GIsWithoutCI) > 0
+		inUse := migInUse(g, madeFor[g.UUID])
 		heldWhole := hasKey(s.Holdings.Claimed, g.UUID) || pluginHolds(s.Holdings, g.UUID)
 		switch {
 		case inUse && !out.layout:
