@@ -179,8 +179,8 @@ func TestCordonDynamicMIG(t *testing.T) {
 			n++
 		}
 	}
-	if n != 25 {
-		t.Errorf("%d of GPU 0's partitions tainted, want 25", n)
+	if n != 19 {
+		t.Errorf("%d of GPU 0's partitions tainted, want 19", n)
 	}
 	got := h.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]
 	if got.Err == nil || !strings.Contains(got.Err.Error(), "gpu-0-mig-3g40gb-4 is on GPU 0 (") || !strings.Contains(got.Err.Error(), devicemodel.TaintCordoned) {

@@ -106,10 +106,10 @@ func TestDRAReleaseRetriedUntilDone(t *testing.T) {
 	if st := h.a.Status().DRA; len(st.Releasing) != 1 || !strings.Contains(st.Releasing[0], uuid) {
 		t.Errorf("/status dra releasing %v, want %s", st.Releasing, uuid)
 	}
-	if _, parts := partitionsOf(rec.last(), 0); len(parts) != 14 || slices.Contains(parts, "gpu-0-mig-3g40gb-4") {
-		// 25 partitions less the 11 that touch slices 4-7 (1g.10gb and
-		// 1g.10gb+me at 4, 5, 6; 1g.20gb at 4, 6; 2g, 3g at 4; 7g).
-		t.Errorf("GPU 0 offers %d partitions %v while its released device is still there; want 14", len(parts), parts)
+	if _, parts := partitionsOf(rec.last(), 0); len(parts) != 10 || slices.Contains(parts, "gpu-0-mig-3g40gb-4") {
+		// 19 partitions less the 9 that touch slices 4-7 (1g.10gb at 4,
+		// 5, 6; 1g.10gb+me at 6; 1g.20gb at 4, 6; 2g, 3g at 4; 7g).
+		t.Errorf("GPU 0 offers %d partitions %v while its released device is still there; want 10", len(parts), parts)
 	}
 	for _, d := range rec.last().Devices {
 		if d.UUID == uuid {

@@ -359,13 +359,15 @@ func TestDRADynamicMIG(t *testing.T) {
 	h := newHarnessIn(t, node, dir, withDRA(rec), withMIG())
 	h.config(migOnDemand)
 	whole, parts := partitionsOf(rec.last(), 0)
-	if !whole || len(parts) != 25 || len(rec.last().CounterSets) != 8 {
-		t.Fatalf("GPU 0: whole %v, %d partitions %v, %d counter sets; want whole, 25 (7+7+4+3+2+1+1), 8", whole, len(parts), parts, len(rec.last().CounterSets))
+	// 1g.10gb+me, of which one fits, at its last placement only.
+	if !whole || len(parts) != 19 || len(rec.last().CounterSets) != 8 || !slices.Contains(parts, "gpu-0-mig-1g10gb-plus-me-6") {
+		t.Fatalf("GPU 0: whole %v, %d partitions %v, %d counter sets; want whole, 19 (7+1+4+3+2+1+1), 8", whole, len(parts), parts, len(rec.last().CounterSets))
 	}
 	// The counters that keep placements apart, less those the others imply
-	// (devicemodel.pruneCounters): on an H100 memory slices 0-6 and the one OFA.
+	// (devicemodel.pruneCounters): on an H100 memory slices 0-6; the one
+	// OFA too while 1g.10gb+me was offered beside 1g.10gb+me.
 	set := rec.last().CounterSets[0].Counters
-	if len(set) != 8 || set["memory-slice-0"] != 1 || set["ofa-engines"] != 1 || hasKey(set, "memory-slice-7") || hasKey(set, "compute-slices") {
+	if len(set) != 7 || set["memory-slice-0"] != 1 || hasKey(set, "ofa-engines") || hasKey(set, "memory-slice-7") || hasKey(set, "compute-slices") {
 		t.Errorf("GPU 0's counters %v", set)
 	}
 	if d, _ := rec.last().Device("gpu-0-mig-3g40gb-4"); d.Consumes["memory-slice-4"] != 1 || d.Consumes["memory-slice-3"] != 0 || len(d.Consumes) != 3 {
@@ -391,8 +393,8 @@ func TestDRADynamicMIG(t *testing.T) {
 		t.Errorf("the device plugin still offers GPU 0 whole: %+v", cd)
 	}
 	whole, parts = partitionsOf(rec.last(), 0)
-	if whole || len(parts) != 25 {
-		t.Errorf("GPU 0 in MIG mode: whole %v, %d partitions; want not whole, all 25 names kept", whole, len(parts))
+	if whole || len(parts) != 19 {
+		t.Errorf("GPU 0 in MIG mode: whole %v, %d partitions; want not whole, all 19 names kept", whole, len(parts))
 	}
 	c := h.prepare(claim("uid-7g", "seven", "gpu-0-mig-7g80gb-0"))["uid-7g"]
 	if c.Err == nil || !strings.Contains(c.Err.Error(), "already occupies") {
@@ -409,8 +411,8 @@ func TestDRADynamicMIG(t *testing.T) {
 	if again := h2.prepare(claim("uid-3g", "three", "gpu-0-mig-3g40gb-4"))["uid-3g"]; again.Err != nil || again.Devices[0].CDIDevices[0] != a.Devices[0].CDIDevices[0] {
 		t.Errorf("3g claim after a restart: %+v, want %+v", again, a)
 	}
-	if _, parts := partitionsOf(rec2.last(), 0); len(parts) != 25 {
-		t.Errorf("after the restart GPU 0 offers %d partitions, want 25 (the claims' instances block nothing)", len(parts))
+	if _, parts := partitionsOf(rec2.last(), 0); len(parts) != 19 {
+		t.Errorf("after the restart GPU 0 offers %d partitions, want 19 (the claims' instances block nothing)", len(parts))
 	}
 
 	h2.unprepare(dra.ClaimRef{UID: "uid-3g", Namespace: "default", Name: "three"}, dra.ClaimRef{UID: "uid-4g", Namespace: "default", Name: "four"})

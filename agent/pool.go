@@ -209,7 +209,7 @@ func dynamicGPUs(s Snapshot) map[int]devicemodel.Dynamic {
 			// with a device left, whatever the last read said.
 			dyn = devicemodel.Dynamic{GPU: g, Profiles: profiles, Whole: chosen && !g.MIG.Current && !hasKey(s.Holdings.Releasing, g.UUID), Closing: closing}
 			if chosen {
-				dyn.Offered = onDemand.Profiles
+				dyn.Offered, dyn.Made = onDemand.Profiles, made
 				for _, m := range made {
 					// A claim keeps the partition it holds even when its profile
 					// has left the allow-list since.

@@ -203,8 +203,8 @@ func TestDRAMIGSpareLayout(t *testing.T) {
 	all := map[int]face{}
 	for i := range 8 {
 		f := faceOf(rec.last(), i)
-		if !f.whole || !f.wholeClosing || !f.partsClosing || len(f.parts) != 25 {
-			t.Fatalf("at start with no record: GPU %d offers %+v, want whole and all 25 partitions, tainted", i, f)
+		if !f.whole || !f.wholeClosing || !f.partsClosing || len(f.parts) != 19 {
+			t.Fatalf("at start with no record: GPU %d offers %+v, want whole and all 19 partitions, tainted", i, f)
 		}
 		all[i] = f
 	}

@@ -283,7 +283,7 @@ func TestValidateShowsDRAFootprint(t *testing.T) {
 	}{
 		{"whole GPUs", "version: v1\nconfigs:\n  default: {}\n", "would hold 8 devices and no counters, in 1 slices", false},
 		{"on demand", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true}\n",
-			"would hold 208 devices (200 of them MIG devices made on demand) drawing 488 times on 8 counter sets of 64 counters", true},
+			"would hold 160 devices (152 of them MIG devices made on demand) drawing 368 times on 8 counter sets of 56 counters", true},
 		{"allow-list", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, profiles: [3g.40gb]}\n",
 			"would hold 24 devices (16 of them MIG devices made on demand)", true},
 	} {

@@ -12,8 +12,8 @@ import (
 func TestResourcesDropped(t *testing.T) {
 	pool := devicemodeltest.MixedPool(t)
 	partitions := len(pool.Devices) - 4
-	if partitions < 20 {
-		t.Fatalf("GPU 3 has %d partitions", partitions)
+	if partitions != 19 {
+		t.Fatalf("GPU 3 has %d partitions, want an H100's 19", partitions)
 	}
 	tests := []struct {
 		name    string

@@ -46,6 +46,11 @@ type Dynamic struct {
 	// for the MIG devices claims hold on it, or an allow-list that lost a
 	// profile a claim holds.
 	Only []ProfileAt
+	// Made are the partitions claims made or are making on the GPU: each
+	// stays offered where the rules below would leave its placement out
+	// (a claim's allocation names it, and the scheduler counts what it
+	// consumes only while it is published).
+	Made []ProfileAt
 	// Closing: the GPU stops offering partitions (a surplus spare); they
 	// carry TaintClosing until they go. The whole GPU does not.
 	Closing bool
@@ -61,17 +66,26 @@ type ProfileAt struct {
 	Placement gpu.Placement
 }
 
-// offers reports whether dyn offers profile at pl.
-func (dyn Dynamic) offers(profile string, pl gpu.Placement) bool {
+// offers reports whether dyn offers p at pl. A profile of which NVML
+// allows one instance per GPU (the +me ones: the GPU has one OFA engine) is
+// offered at its last placement only, where it blocks the fewest larger
+// placements: one device serves every claim the GPU can hold, where one per
+// placement cost the scheduler six more devices per H100 (a quarter of its
+// partitions) to walk and keep, for every claim on every node.
+func (dyn Dynamic) offers(p mig.Profile, pl gpu.Placement) bool {
+	at := ProfileAt{Profile: p.Name, Placement: pl}
 	if dyn.Only != nil {
-		return slices.Contains(dyn.Only, ProfileAt{Profile: profile, Placement: pl})
+		return slices.Contains(dyn.Only, at)
 	}
-	return len(dyn.Offered) == 0 || slices.Contains(dyn.Offered, profile)
+	if len(dyn.Offered) > 0 && !slices.Contains(dyn.Offered, p.Name) {
+		return false
+	}
+	return p.Info.InstanceCount != 1 || pl == p.Placements[len(p.Placements)-1] || slices.Contains(dyn.Made, at)
 }
 
 // Partitions lists, for a GPU whose MIG devices are created on demand,
-// every profile at every placement NVML allows that overlaps nothing in
-// Blocked, each consuming its memory slices, compute slices and engines
+// every profile it offers at every placement NVML allows that overlaps
+// nothing in Blocked (a profile of one instance per GPU at one: offers), each consuming its memory slices, compute slices and engines
 // from the GPU's counter set, and that counter set. base carries the GPU's
 // attributes (and health).
 func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
@@ -136,7 +150,7 @@ func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 	}
 	for _, p := range dyn.Profiles {
 		for _, pl := range p.Placements {
-			if !dyn.offers(p.Name, pl) || slices.ContainsFunc(dyn.Blocked, func(b gpu.Placement) bool { return b.Overlaps(pl) }) {
+			if !dyn.offers(p, pl) || slices.ContainsFunc(dyn.Blocked, func(b gpu.Placement) bool { return b.Overlaps(pl) }) {
 				continue
 			}
 			if exceeds(consumption(p, pl), avail) {

@@ -68,7 +68,30 @@ func TestPartitionCountersExactAgainstNVML(t *testing.T) {
 					names := slices.Sorted(maps.Keys(profiles))
 					dyn.Offered = []string{names[rng.IntN(len(names))], names[rng.IntN(len(names))]}
 				}
+				// A claim made a profile of one instance per GPU (offered at
+				// its last placement) at another placement: it stays offered
+				// beside the last, on counters that keep the two apart.
+				var kept string
+				if round%2 == 1 || round == 0 {
+					for _, name := range slices.Sorted(maps.Keys(profiles)) {
+						if p := profiles[name]; p.Info.InstanceCount == 1 && len(p.Placements) > 1 && dyn.Offered == nil {
+							pl := p.Placements[rng.IntN(len(p.Placements)-1)]
+							dyn.Made = append(dyn.Made, ProfileAt{Profile: name, Placement: pl})
+							kept = PartitionName(0, name, pl.Start)
+							break
+						}
+					}
+				}
 				devs, set := Partitions(dyn, Device{})
+				if kept != "" && len(dyn.Blocked) == 0 && !slices.ContainsFunc(devs, func(d Device) bool { return d.Name == kept }) {
+					t.Errorf("%s, made by a claim, is not offered: %v", kept, devs)
+				}
+				for _, d := range devs {
+					if d.Partition && profiles[d.Profile].Info.InstanceCount == 1 && d.Name != kept &&
+						d.Placement != profiles[d.Profile].Placements[len(profiles[d.Profile].Placements)-1] {
+						t.Errorf("%s offered: one instance fits, and it is not at the last placement", d.Name)
+					}
+				}
 				if checkExact(t, dev, devs, set) > 1 {
 					rounds++
 				}

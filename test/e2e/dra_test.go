@@ -396,7 +396,8 @@ func claimAndRun(t *testing.T, c *harness.Cluster, claim *resourceapi.ResourceCl
 func TestClusterDRADynamicMIG(t *testing.T) {
 	c, agent := installOverlay(t, "sim-dra-mig-overlay")
 	ctx := clusterCtx(t)
-	const perGPU = 7 + 7 + 4 + 3 + 2 + 1 + 1 // A100 profiles x placements
+	// A100 profiles x placements; 1g.10gb+me, of which one fits, at its last only.
+	const perGPU = 7 + 1 + 4 + 3 + 2 + 1 + 1
 	eventually(t, "the ResourceSlices with every A100 profile at every placement", func() bool {
 		return len(nodeSlice(t, c)) == nodeGPUs*perGPU
 	})

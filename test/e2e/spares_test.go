@@ -102,8 +102,8 @@ func TestClusterDRAMIGSpares(t *testing.T) {
 		return slices.Equal(open, []int{7}) && len(closing) == 0
 	})
 	t.Logf("MEASURED example applied -> one spare left (the others closed through a 5 s grace): %s", time.Since(applied).Round(10*time.Millisecond))
-	if n := len(nodeSlice(t, c)); n != nodeGPUs+25 {
-		t.Errorf("the node publishes %d devices, want 8 whole GPUs and GPU 7's 25 partitions", n)
+	if n := len(nodeSlice(t, c)); n != nodeGPUs+19 {
+		t.Errorf("the node publishes %d devices, want 8 whole GPUs and GPU 7's 19 partitions", n)
 	}
 
 	// A plain 1g.10gb claim, as NVIDIA's users write one: it can only land on the spare.
