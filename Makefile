@@ -107,7 +107,7 @@ e2e-rack:
 # of it MIG on demand on counters at 500 nodes on 1.36 spending its limit; FLEET_NODES=100 FLEET_MODELS=default FLEET_CLAIMS=1gpu: 2 minutes).
 FLEET_NODES ?= 100 500
 FLEET_PODS ?= 100
-FLEET_MODELS ?= default static-mig time-sliced mig-on-demand mig-spare-layout
+FLEET_MODELS ?= default static-mig time-sliced mig-on-demand mig-every-placement
 FLEET_CLAIMS ?= 1gpu mig-1g 2gpu-nvlink
 FLEET_PROFILE ?= dgx-h100
 FLEET_LIMIT ?= 60s

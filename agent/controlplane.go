@@ -38,5 +38,5 @@ func countersWarning(controlPlane string, sel config.Selected) string {
 	}
 	return fmt.Sprintf("configs.%s.dra.migOnDemand: the control plane is Kubernetes %s, whose scheduler gathers every node's counter sets at every node: "+
 		"MIG on demand on counters makes scheduling slow down with the square of the nodes that use it (docs/dra-devices.md, \"Scale\"); "+
-		"set spareLayout (deploy/examples/dra-mig-spare-layout.yaml), which publishes none, or serve MIG claims from a static layout", sel.Name, controlPlane)
+		"set spareLayout (deploy/examples/dra-mig-on-demand.yaml), which publishes none, or serve MIG claims from a static layout", sel.Name, controlPlane)
 }

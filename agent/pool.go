@@ -500,13 +500,47 @@ func spareLayout(od *config.MIGOnDemand, g gpu.GPU, profiles mig.Profiles) ([]de
 	if od == nil || od.SpareLayout == nil {
 		return nil, nil
 	}
-	placed, err := mig.PlaceLayout(profiles, od.SpareLayout)
+	counts, err := spareCounts(od, profiles)
+	if err != nil {
+		return nil, fmt.Errorf("GPU %d (%s): %w", g.Index, g.Name, err)
+	}
+	placed, err := mig.PlaceLayout(profiles, counts)
 	if err != nil {
 		return nil, fmt.Errorf("GPU %d (%s): %w", g.Index, g.Name, err)
 	}
 	out := make([]devicemodel.ProfileAt, 0, len(placed))
 	for _, p := range placed {
 		out = append(out, devicemodel.ProfileAt{Profile: p.Profile, Placement: p.Placement})
+	}
+	return out, nil
+}
+
+// spareCounts is the config's spareLayout in the profiles of a model
+// (ps). A key "<n>g" names the model's plain profile of n compute slices
+// with the least memory, among migOnDemand.profiles where those are given
+// (1g.10gb on an H100, 1g.5gb on an A100 40GB, 1g.23gb on a B200), so that
+// one layout serves every MIG model of a fleet; a full name stands for
+// itself.
+func spareCounts(od *config.MIGOnDemand, ps mig.Profiles) (map[string]int, error) {
+	out := make(map[string]int, len(od.SpareLayout))
+	for key, n := range od.SpareLayout {
+		name := key
+		if compute, ok := config.SpareLayoutSlices(key); ok {
+			name = ""
+			for _, p := range ps {
+				plain := !strings.Contains(p.Name, "+") && !strings.HasSuffix(p.Name, "-me")
+				if !plain || int(p.Info.SliceCount) != compute || (len(od.Profiles) > 0 && !od.Offers(p.Name)) {
+					continue
+				}
+				if best, ok := ps[name]; !ok || p.Info.MemorySizeMB < best.Info.MemorySizeMB || (p.Info.MemorySizeMB == best.Info.MemorySizeMB && p.Name < name) {
+					name = p.Name
+				}
+			}
+			if name == "" {
+				return nil, fmt.Errorf("spareLayout %q: no MIG profile of %d compute slices offered", key, compute)
+			}
+		}
+		out[name] += n
 	}
 	return out, nil
 }
@@ -530,7 +564,11 @@ func spareLayoutWarnings(inv *gpu.Inventory, profiles map[string]mig.Profiles, s
 		if !g.MIGCapable || !ok || len(ps) == 0 || !migDeviceFilterMatches(od.DeviceFilter, g) {
 			continue
 		}
-		if _, err := mig.PlaceLayout(ps, od.SpareLayout); err != nil {
+		counts, err := spareCounts(od, ps)
+		if err == nil {
+			_, err = mig.PlaceLayout(ps, counts)
+		}
+		if err != nil {
 			if _, seen := why[g.Name]; !seen {
 				models = append(models, g.Name)
 			}

@@ -8,9 +8,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
+	"github.com/gpu-agent/gpu-agent/gpu/simtest"
 )
 
 const migOnDemandSpare = "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, spareGPUs: 1}\n"
@@ -369,5 +371,43 @@ func TestDRAMIGOnDemandCountersWarning(t *testing.T) {
 		if got := warned(); got != tc.want {
 			t.Errorf("%s: warned %v, want %v; warnings %q", tc.step, got, tc.want, h.a.Status().Config.Warnings)
 		}
+	}
+}
+
+// A spareLayout key of compute slices alone ("1g") is each model's plain
+// profile of that many with the least memory, among migOnDemand.profiles
+// where given; a full name stands for itself, and both add up.
+func TestSpareCounts(t *testing.T) {
+	balanced := map[string]int{"1g": 2, "2g": 1, "3g": 1}
+	for _, tc := range []struct {
+		node     string
+		layout   map[string]int
+		profiles []string
+		want     map[string]int
+		err      string
+	}{
+		{node: "dgx-h100", layout: balanced, want: map[string]int{"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}},
+		{node: "dgx-a100", layout: balanced, want: map[string]int{"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}},
+		{node: "dgx-b200", layout: balanced, want: map[string]int{"1g.23gb": 2, "2g.45gb": 1, "3g.90gb": 1}},
+		{node: "pcie-a30x4", layout: balanced, err: `spareLayout "3g": no MIG profile of 3 compute slices offered`},
+		{node: "pcie-a30x4", layout: map[string]int{"1g": 2, "2g": 1}, want: map[string]int{"1g.6gb": 2, "2g.12gb": 1}},
+		{node: "dgx-h100", layout: map[string]int{"1g": 1, "3g": 1}, profiles: []string{"1g.20gb", "3g.40gb"}, want: map[string]int{"1g.20gb": 1, "3g.40gb": 1}},
+		{node: "dgx-h100", layout: map[string]int{"1g": 1, "1g.10gb": 2, "7g": 1}, want: map[string]int{"1g.10gb": 3, "7g.80gb": 1}},
+	} {
+		t.Run(fmt.Sprintf("%s/%v/%v", tc.node, tc.layout, tc.profiles), func(t *testing.T) {
+			n, inv := simtest.NodeInventory(t, tc.node, sim.WithMIGEnabled())
+			ps := simtest.Profiles(t, n, inv.GPUs[0])
+			od := &config.MIGOnDemand{Enabled: true, SpareGPUs: 1, SpareLayout: tc.layout, Profiles: tc.profiles}
+			got, err := spareCounts(od, ps)
+			if tc.err != "" {
+				if err == nil || err.Error() != tc.err {
+					t.Fatalf("got %v, %v; want the error %q", got, err, tc.err)
+				}
+				return
+			}
+			if err != nil || !reflect.DeepEqual(got, tc.want) {
+				t.Fatalf("got %v, %v; want %v", got, err, tc.want)
+			}
+		})
 	}
 }

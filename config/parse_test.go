@@ -477,13 +477,14 @@ configs:
       migOnDemand:
         enabled: true
         profiles: [1g.10gb]
-        spareLayout: {"1g.10gb": 9, "3g.40gb": 1, "x": 1}
+        spareLayout: {"1g.10gb": 9, "3g.40gb": 1, "x": 1, "9g": 1, "3g": 1}
   b:
     dra:
       migOnDemand: {enabled: true, spareLayout: {}}
 `,
 			want: []wantErr{
 				{"configs.a.dra.migOnDemand.spareLayout", 8, "needs spareGPUs of 1 or more"},
+				{`configs.a.dra.migOnDemand.spareLayout.9g`, 8, "or compute slices alone, like 1g"},
 				{`configs.a.dra.migOnDemand.spareLayout.x`, 8, "not a MIG profile"},
 				{`configs.a.dra.migOnDemand.spareLayout["1g.10gb"]`, 8, "count must be 1 to 8, got 9"},
 				{`configs.a.dra.migOnDemand.spareLayout["3g.40gb"]`, 8, "not among migOnDemand.profiles [1g.10gb]"},

@@ -122,10 +122,11 @@ type DRA struct {
 	// MIGOnDemand offers MIG devices that do not exist yet, made when a
 	// claim is prepared and destroyed when it is released. Off unless set:
 	// every profile at every placement is a device of its own drawing on
-	// its GPU's counters (26 devices per H100 instead of 1), and the
+	// its GPU's counters (20 devices per H100 instead of 1), and the
 	// scheduler pays for them on every node at every scheduling attempt,
 	// whatever the claim asks for; spareGPUs keeps that to the GPUs in use
-	// and a few free ones (docs/dra-devices.md, "Scale").
+	// and a few free ones, and spareLayout to a layout's devices without
+	// counters (docs/dra-devices.md, "Scale").
 	MIGOnDemand *MIGOnDemand `yaml:"migOnDemand,omitempty"`
 }
 
@@ -151,7 +152,7 @@ type MIGOnDemand struct {
 	// demand beside those that already hold MIG devices claims made: the
 	// others are offered whole only, with no counters, until a spare is
 	// taken and another opens. Each GPU that offers partitions costs the
-	// scheduler one device per profile placement (26 on an H100) on every
+	// scheduler one device per profile placement (20 on an H100) on every
 	// Filter call; a spare costs what a static MIG layout does. A spare
 	// found surplus (an earlier one freed) keeps its partitions, tainted
 	// gpu.nvidia.com/closing, for a minute before they go: a claim the
@@ -160,7 +161,10 @@ type MIGOnDemand struct {
 	SpareGPUs int `yaml:"spareGPUs,omitempty"`
 	// SpareLayout, when set (with spareGPUs), is what a spare offers
 	// instead: these MIG devices ("1g.10gb": 2, "3g.40gb": 1), placed once
-	// as a MIG layout is, made on demand, and not the GPU whole. No two of
+	// as a MIG layout is, made on demand, and not the GPU whole. A key of
+	// compute slices alone ("1g": 2, "2g": 1, "3g": 1) names each model's
+	// plain profile of that many with the least memory, so one layout
+	// serves every MIG model of a fleet. No two of
 	// the node's devices can then clash, so the node publishes no counters:
 	// the scheduler's allocator of Kubernetes 1.36 gathers every node's
 	// counters at every node (docs/dra-devices.md, "Scale"), and a layout

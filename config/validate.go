@@ -352,6 +352,16 @@ func checkProfile(s string) error {
 	return nil
 }
 
+// SpareLayoutSlices reports whether key, of migOnDemand.spareLayout, names
+// a profile by its compute slices alone ("1g" to "8g": each model's plain
+// profile of that many with the least memory), and how many.
+func SpareLayoutSlices(key string) (int, bool) {
+	if len(key) != 2 || key[1] != 'g' || key[0] < '1' || key[0] > '8' {
+		return 0, false
+	}
+	return int(key[0] - '0'), true
+}
+
 // dra checks what the DRA driver is asked to publish.
 func (v *validator) dra(p string, d *DRA) {
 	od := d.MIGOnDemand
@@ -377,12 +387,13 @@ func (v *validator) dra(p string, d *DRA) {
 	}
 	for _, prof := range sortedKeys(od.SpareLayout) {
 		f := joinKey(p+".migOnDemand.spareLayout", prof)
+		_, short := SpareLayoutSlices(prof)
 		switch n := od.SpareLayout[prof]; {
-		case checkProfile(prof) != nil:
-			v.errorf(f, "%v", checkProfile(prof))
+		case !short && checkProfile(prof) != nil:
+			v.errorf(f, "%v (or compute slices alone, like 1g, for the smallest such profile of each model)", checkProfile(prof))
 		case n < 1 || n > 8:
 			v.errorf(f, "count must be 1 to 8, got %d", n)
-		case len(od.Profiles) > 0 && !seen[prof]:
+		case !short && len(od.Profiles) > 0 && !seen[prof]:
 			v.errorf(f, "%q is not among migOnDemand.profiles %v, the only profiles offered", prof, []string(od.Profiles))
 		}
 	}

@@ -91,9 +91,9 @@ func TestExamples(t *testing.T) {
 		{"mig-h100-all-1g.yaml", "sim:dgx-h100-mig", "", `uses config "default"`, "nvidia.com/mig-1g.10gb  56"},
 		{"mps-x2.yaml", "sim:dgx-a100", "", `uses config "default"`, "nvidia.com/gpu.mps  16"},
 		{"cdi.yaml", "sim:dgx-a100", "", `uses config "default"`, "nvidia.com/gpu  8"},
-		{"dra-mig-on-demand.yaml", "sim:dgx-h100", "", `uses config "default"`, "nvidia.com/gpu  8"},
+		{"dra-mig-on-demand-every-placement.yaml", "sim:dgx-h100", "", `uses config "default"`, "nvidia.com/gpu  8"},
 		// One spare offering the balanced layout beside 7 whole GPUs, and no counters.
-		{"dra-mig-spare-layout.yaml", "sim:dgx-h100", "", `uses config "default"`, "11 devices (4 of them MIG devices made on demand) and no counters,"},
+		{"dra-mig-on-demand.yaml", "sim:dgx-h100", "", `uses config "default"`, "11 devices (4 of them MIG devices made on demand) and no counters,"},
 	}
 	seen := map[string]bool{}
 	for _, tt := range tests {

@@ -13,19 +13,19 @@ import (
 // exampleProfiles is the simulated node each example is for: README's
 // PROFILE, picked as a user picks it from `gpu-agent sim list`.
 var exampleProfiles = map[string]string{
-	"cdi.yaml":                  "dgx-a100",
-	"dra-mig-on-demand.yaml":    "dgx-h100",
-	"dra-mig-spare-layout.yaml": "dgx-h100",
-	"mig-a100-all-1g.yaml":      "dgx-a100",
-	"mig-a100-balanced.yaml":    "dgx-a100",
-	"mig-a100-half-3g.yaml":     "dgx-a100",
-	"mig-h100-all-1g.yaml":      "dgx-h100",
-	"mig-h100-balanced.yaml":    "dgx-h100",
-	"mig-h100-half-3g.yaml":     "dgx-h100",
-	"mps-x2.yaml":               "dgx-a100",
-	"node-override.yaml":        "dgx-a100",
-	"time-slicing-x4.yaml":      "dgx-a100",
-	"whole-gpus.yaml":           "dgx-a100",
+	"cdi.yaml":                               "dgx-a100",
+	"dra-mig-on-demand.yaml":                 "dgx-h100",
+	"dra-mig-on-demand-every-placement.yaml": "dgx-h100",
+	"mig-a100-all-1g.yaml":                   "dgx-a100",
+	"mig-a100-balanced.yaml":                 "dgx-a100",
+	"mig-a100-half-3g.yaml":                  "dgx-a100",
+	"mig-h100-all-1g.yaml":                   "dgx-h100",
+	"mig-h100-balanced.yaml":                 "dgx-h100",
+	"mig-h100-half-3g.yaml":                  "dgx-h100",
+	"mps-x2.yaml":                            "dgx-a100",
+	"node-override.yaml":                     "dgx-a100",
+	"time-slicing-x4.yaml":                   "dgx-a100",
+	"whole-gpus.yaml":                        "dgx-a100",
 }
 
 // readmeInstallCommands are the command lines of the ```sh blocks in

@@ -70,14 +70,14 @@ func spareState(t *testing.T, c *harness.Cluster) (open, closing []int) {
 	return open, closing
 }
 
-// TestClusterDRAMIGSpares: deploy/examples/dra-mig-on-demand.yaml (spareGPUs: 1) on a simulated DGX H100 under
+// TestClusterDRAMIGSpares: deploy/examples/dra-mig-on-demand-every-placement.yaml (spareGPUs: 1) on a simulated DGX H100 under
 // the real scheduler and kubelet. One free GPU offers MIG devices on demand (GPU 7, last in the publish order);
 // a MIG claim the scheduler allocates lands there, and once it is prepared GPU 6 opens too; the claim's pod
 // deleted, one of the two free spares closes after the grace, leaving one; a claim for a whole GPU goes to GPU 0.
 func TestClusterDRAMIGSpares(t *testing.T) {
 	c, agent := installOverlay(t, "sim-dra-spares-overlay")
 	ctx := clusterCtx(t)
-	applied := setConfigMap(t, c, exampleConfig(t, "dra-mig-on-demand.yaml", "spareGPUs: 1"))
+	applied := setConfigMap(t, c, exampleConfig(t, "dra-mig-on-demand-every-placement.yaml", "spareGPUs: 1"))
 	// On counters under a 1.36 scheduler, /status says what that costs and what to use instead.
 	sv, err := c.Client.Discovery().ServerVersion()
 	if err != nil {
@@ -181,7 +181,7 @@ func layoutState(t *testing.T, c *harness.Cluster) (faces map[int]string, counte
 	return faces, counterSets
 }
 
-// TestClusterDRAMIGSpareLayout: deploy/examples/dra-mig-spare-layout.yaml (spareGPUs: 1, a balanced layout) on a
+// TestClusterDRAMIGSpareLayout: deploy/examples/dra-mig-on-demand.yaml (spareGPUs: 1, each model's balanced layout) on a
 // simulated DGX H100 under the real scheduler and kubelet. Once settled, GPU 7 offers its layout's 4 MIG devices
 // and not itself whole, the others are whole, and the node publishes no counter set. A 1g.10gb claim lands on GPU
 // 7; GPU 6 is then offered whole, tainted, for the grace, then offers its layout. The claim's pod deleted, one of
@@ -189,7 +189,7 @@ func layoutState(t *testing.T, c *harness.Cluster) (faces map[int]string, counte
 func TestClusterDRAMIGSpareLayout(t *testing.T) {
 	c, _ := installOverlay(t, "sim-dra-spares-overlay")
 	ctx := clusterCtx(t)
-	cm := exampleConfig(t, "dra-mig-spare-layout.yaml", "spareLayout:")
+	cm := exampleConfig(t, "dra-mig-on-demand.yaml", "spareLayout:")
 	settled := func(spares ...int) func() bool {
 		return func() bool {
 			faces, sets := layoutState(t, c)

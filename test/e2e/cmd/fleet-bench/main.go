@@ -34,7 +34,7 @@ var exampleModels = []model{
 	{Name: "static-mig", Manifest: "deploy/examples/mig-h100-balanced.yaml"},
 	{Name: "time-sliced", Manifest: "deploy/examples/time-slicing-x4.yaml"},
 	{Name: "mig-on-demand", Manifest: "deploy/examples/dra-mig-on-demand.yaml"},
-	{Name: "mig-spare-layout", Manifest: "deploy/examples/dra-mig-spare-layout.yaml"},
+	{Name: "mig-every-placement", Manifest: "deploy/examples/dra-mig-on-demand-every-placement.yaml"},
 }
 
 type options struct {
@@ -91,7 +91,7 @@ func parseFlags(args []string) (options, error) {
 	fl.StringVar(&o.profile, "profile", "dgx-h100", "simulated node the agent runs on (sim:<profile>)")
 	nodes := fl.String("nodes", "100,500", "fleet sizes N, comma- or space-separated")
 	fl.IntVar(&o.pods, "pods", 100, "pods per scenario, each with a ResourceClaim of its own")
-	models := fl.String("models", "default,static-mig,time-sliced,mig-on-demand,mig-spare-layout", "device models to measure ("+baselineModel+" always is)")
+	models := fl.String("models", "default,static-mig,time-sliced,mig-on-demand,mig-every-placement", "device models to measure ("+baselineModel+" always is)")
 	var files []string
 	fl.Func("model-file", "NAME=FILE: the ConfigMap manifest (or an empty FILE: no config) of a model, instead of its example or as a new one; repeatable",
 		func(s string) error { files = append(files, s); return nil })
