@@ -11,8 +11,10 @@ import (
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra"
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
+	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/gpu/simtest"
+	"k8s.io/apimachinery/pkg/types"
 )
 
 const migOnDemandSpare = "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, spareGPUs: 1}\n"
@@ -409,5 +411,36 @@ func TestSpareCounts(t *testing.T) {
 				t.Fatalf("got %v, %v; want %v", got, err, tc.want)
 			}
 		})
+	}
+}
+
+// A +me partition, offered at its last placement only, stays offered where
+// a claim holds one elsewhere (made by an earlier version of the agent):
+// the claim's allocation names it, and the scheduler counts what it
+// consumes only while it is published.
+func TestDynamicKeepsHeldPlusMe(t *testing.T) {
+	s := nodeSnapshot(t, "dgx-h100", sim.WithImmediateMIGModeChange())
+	s.DRA, s.MIGApplies = true, true
+	s.Selected = selectYAML(t, migOnDemand)
+	g := s.Inventory.GPUs[0]
+	held := gpu.Placement{Start: 2, Size: 1}
+	s.Holdings.Claims = map[types.UID]PreparedClaim{"uid-1": {Devices: []PreparedClaimDevice{
+		{Created: true, Parent: g.UUID, Profile: "1g.10gb+me", Placement: held}}}}
+	plusMe := func(dyn devicemodel.Dynamic) []string {
+		devs, _ := devicemodel.Partitions(dyn, devicemodel.Device{})
+		var out []string
+		for _, d := range devs {
+			if d.Profile == "1g.10gb+me" {
+				out = append(out, d.Name)
+			}
+		}
+		return out
+	}
+	dyns := dynamicGPUs(s)
+	if got := plusMe(dyns[0]); !slices.Equal(got, []string{"gpu-0-mig-1g10gb-plus-me-2", "gpu-0-mig-1g10gb-plus-me-6"}) {
+		t.Errorf("GPU 0 offers +me partitions %v; want the one the claim holds at 2 and the last, at 6", got)
+	}
+	if got := plusMe(dyns[1]); !slices.Equal(got, []string{"gpu-1-mig-1g10gb-plus-me-6"}) {
+		t.Errorf("GPU 1 offers +me partitions %v; want the last only", got)
 	}
 }
