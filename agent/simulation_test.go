@@ -390,8 +390,9 @@ func simConfigs(p simProfile) []simConfig {
 		{"spares", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, spareGPUs: 1}\n"},
 		// Two spares offering a layout, not the GPU whole: every change of
 		// face waits out the grace (facesApart), and the node publishes no
-		// counters once settled.
-		{"spare-layout", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, spareGPUs: 2, spareLayout: " + mixed + "}\n"},
+		// counters once settled. The layout is named by compute slices
+		// ("1g"), as the example does, and is the model's mixed one.
+		{"spare-layout", "version: v1\nconfigs:\n  default:\n    dra:\n      migOnDemand: {enabled: true, spareGPUs: 2, spareLayout: {\"3g\": 1, \"2g\": 1, \"1g\": 1}}\n"},
 	}
 }
 
