@@ -199,13 +199,12 @@ func (a *Agent) checkpoint() error {
 		return nil
 	}
 	held := a.ledger.Snapshot()
-	cp := Checkpoint{Version: CheckpointVersion, Minor: checkpointFormat.Current().Minor, Node: a.opts.NodeName, Claims: held.Claims,
+	cp := Checkpoint{Version: CheckpointVersion, Node: a.opts.NodeName, Claims: held.Claims,
 		Releasing: held.Releasing, Intents: held.Intents, DynamicMIG: held.DynamicMIG,
 		Cordon: a.cordoned, MIGTouched: slices.Sorted(maps.Keys(a.migTouched))}
 	// A file names the oldest minor that holds what it has: a node that
 	// keeps no spare record can still roll back to a build of 4.0, which
 	// refuses any minor.
-	cp.Minor = 0
 	if a.spares.layout && a.spares.open != nil {
 		cp.Spares, cp.Minor = &SavedSpares{Open: a.spares.open, Opening: a.spares.opening}, 1
 	}

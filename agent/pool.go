@@ -261,7 +261,7 @@ func layoutFace(s Snapshot, g gpu.GPU, profiles mig.Profiles, made []devicemodel
 	od := s.Selected.Config.DRA.MIGOnDemand
 	since, isOpen := s.MIGOpen[g.UUID]
 	_, isOpening := s.MIGOpening[g.UUID]
-	layout, err := spareLayout(od, g, profiles)
+	layout, err := spareLayout(od, profiles)
 	inUse := migInUse(g, made)
 	dyn := devicemodel.Dynamic{GPU: g, Profiles: profiles, Only: slices.Clone(made)}
 	if dyn.Only == nil {
@@ -459,7 +459,7 @@ func nextOpen(s Snapshot, prev spares, now time.Time, grace time.Duration) spare
 		case heldWhole:
 			settle(g, false)
 		default:
-			if _, err := spareLayout(od, g, dyn.Profiles); err == nil {
+			if _, err := spareLayout(od, dyn.Profiles); err == nil {
 				free = append(free, g)
 			}
 		}
@@ -494,25 +494,18 @@ func nextOpen(s Snapshot, prev spares, now time.Time, grace time.Duration) spare
 	return out
 }
 
-// spareLayout is the config's spareLayout placed on g, an empty GPU with
-// profiles (nil when the config has none), or why it does not fit.
-func spareLayout(od *config.MIGOnDemand, g gpu.GPU, profiles mig.Profiles) ([]devicemodel.ProfileAt, error) {
+// spareLayout is the config's spareLayout placed on an empty GPU whose
+// profiles are profiles (nil when the config has none), or why no GPU of
+// the model can hold it.
+func spareLayout(od *config.MIGOnDemand, profiles mig.Profiles) ([]devicemodel.ProfileAt, error) {
 	if od == nil || od.SpareLayout == nil {
 		return nil, nil
 	}
 	counts, err := spareCounts(od, profiles)
 	if err != nil {
-		return nil, fmt.Errorf("GPU %d (%s): %w", g.Index, g.Name, err)
+		return nil, err
 	}
-	placed, err := mig.PlaceLayout(profiles, counts)
-	if err != nil {
-		return nil, fmt.Errorf("GPU %d (%s): %w", g.Index, g.Name, err)
-	}
-	out := make([]devicemodel.ProfileAt, 0, len(placed))
-	for _, p := range placed {
-		out = append(out, devicemodel.ProfileAt{Profile: p.Profile, Placement: p.Placement})
-	}
-	return out, nil
+	return mig.PlaceLayout(profiles, counts)
 }
 
 // spareCounts is the config's spareLayout in the profiles of a model
@@ -564,11 +557,7 @@ func spareLayoutWarnings(inv *gpu.Inventory, profiles map[string]mig.Profiles, s
 		if !g.MIGCapable || !ok || len(ps) == 0 || !migDeviceFilterMatches(od.DeviceFilter, g) {
 			continue
 		}
-		counts, err := spareCounts(od, ps)
-		if err == nil {
-			_, err = mig.PlaceLayout(ps, counts)
-		}
-		if err != nil {
+		if _, err := spareLayout(od, ps); err != nil {
 			if _, seen := why[g.Name]; !seen {
 				models = append(models, g.Name)
 			}

@@ -60,11 +60,9 @@ type Dynamic struct {
 	WholeClosing bool
 }
 
-// ProfileAt is one profile at one placement.
-type ProfileAt struct {
-	Profile   string
-	Placement gpu.Placement
-}
+// ProfileAt is one profile at one placement: a MIG layout's instance as
+// the MIG planner places it (mig.PlaceLayout).
+type ProfileAt = mig.Placed
 
 // offers reports whether dyn offers p at pl. A profile of which NVML
 // allows one instance per GPU (the +me ones: the GPU has one OFA engine) is
@@ -85,8 +83,9 @@ func (dyn Dynamic) offers(p mig.Profile, pl gpu.Placement) bool {
 
 // Partitions lists, for a GPU whose MIG devices are created on demand,
 // every profile it offers at every placement NVML allows that overlaps
-// nothing in Blocked (a profile of one instance per GPU at one: offers), each consuming its memory slices, compute slices and engines
-// from the GPU's counter set, and that counter set. base carries the GPU's
+// nothing in Blocked (a profile of one instance per GPU at one: offers),
+// each consuming its memory slices, compute slices and engines from the
+// GPU's counter set, and that counter set. base carries the GPU's
 // attributes (and health).
 func Partitions(dyn Dynamic, base Device) ([]Device, CounterSet) {
 	g := dyn.GPU

@@ -235,9 +235,9 @@ func byGPU(devs []Device, order []int) [][]Device {
 // slice's GPU order) alternate with the first device of each MIG profile
 // (existing MIG devices from the smallest profile up, then partitions by
 // profile), and the other MIG devices follow (or, where they are no more
-// than the whole GPUs, each comes with the first of its profile). Within one kind the order
-// stands: a claim is given the device it would be given in publishOrder,
-// after fewer evaluations of devices of other kinds.
+// than the whole GPUs, each comes with the first of its profile). Within
+// one kind the order stands: a claim is given the device it would be given
+// in publishOrder, after fewer evaluations of devices of other kinds.
 func sliceOrder(ds []Device) []Device {
 	kind := func(d Device) int {
 		switch {
