@@ -103,10 +103,11 @@ e2e-rack:
 # device model, copied onto FLEET_NODES fake Nodes of a control plane of its own (etcd, kube-apiserver and
 # kube-scheduler from test/e2e/run.sh's cache, built there when missing), and FLEET_PODS pods with a claim
 # each timed until bound, beside whole GPUs without counters. Not part of `make test`; no root. The table
-# goes to stdout and FLEET_OUT; see test/e2e/README.md (about 12 minutes on 2 cores at the defaults, a third
-# of it MIG on demand on counters at 500 nodes on 1.36 spending its limit; FLEET_NODES=100 FLEET_MODELS=default FLEET_CLAIMS=1gpu: 2 minutes).
+# goes to stdout and FLEET_OUT; see test/e2e/README.md (about 15 minutes on 2 cores at the defaults, a third
+# of it MIG on demand on counters on 1.36, which spends its limit at 500 nodes; FLEET_NODES=100 FLEET_MODELS=default FLEET_CLAIMS=1gpu: 2 minutes).
 FLEET_NODES ?= 100 500
 FLEET_PODS ?= 100
+FLEET_ROUNDS ?= 5
 FLEET_MODELS ?= default static-mig time-sliced mig-on-demand mig-every-placement
 FLEET_CLAIMS ?= 1gpu mig-1g 2gpu-nvlink
 FLEET_PROFILE ?= dgx-h100
@@ -120,7 +121,7 @@ FLEET_K8S ?=
 fleet-bench: build
 	cd test/e2e && bins="$$(E2E_K8S='$(FLEET_K8S)' E2E_BUILD_ONLY='etcd kube-apiserver kube-scheduler' ./run.sh)" && eval "$$bins" && \
 		$(GO) run ./cmd/fleet-bench -agent $(CURDIR)/$(BIN) -profile $(FLEET_PROFILE) -nodes '$(FLEET_NODES)' \
-			-pods $(FLEET_PODS) -models '$(FLEET_MODELS)' -claims '$(FLEET_CLAIMS)' -limit $(FLEET_LIMIT) \
+			-pods $(FLEET_PODS) -rounds $(FLEET_ROUNDS) -models '$(FLEET_MODELS)' -claims '$(FLEET_CLAIMS)' -limit $(FLEET_LIMIT) \
 			-out $(FLEET_OUT) $(FLEET_ARGS)
 
 fmt:

@@ -323,6 +323,13 @@ func (cp *ControlPlane) SchedulerHeapProfile(ctx context.Context, w io.Writer) e
 	return cp.schedulerPprof(ctx, "heap", 30*time.Second, w)
 }
 
+// SchedulerHeapStats writes the running scheduler's heap profile in text form to w, after a garbage collection
+// it is made to run first (pprof's heap?debug=1&gc=1): its runtime.MemStats lines then give the live heap, not
+// what the last collection happened to leave.
+func (cp *ControlPlane) SchedulerHeapStats(ctx context.Context, w io.Writer) error {
+	return cp.schedulerPprof(ctx, "heap?debug=1&gc=1", 30*time.Second, w)
+}
+
 func (cp *ControlPlane) schedulerPprof(ctx context.Context, what string, limit time.Duration, w io.Writer) error {
 	if cp.Scheduler == nil {
 		return errors.New("kube-scheduler: not started")

@@ -43,6 +43,7 @@ type options struct {
 	profile     string
 	nodes       []int
 	pods        int
+	rounds      int
 	models      []string
 	modelFiles  map[string]string
 	claims      []string
@@ -91,6 +92,7 @@ func parseFlags(args []string) (options, error) {
 	fl.StringVar(&o.profile, "profile", "dgx-h100", "simulated node the agent runs on (sim:<profile>)")
 	nodes := fl.String("nodes", "100,500", "fleet sizes N, comma- or space-separated")
 	fl.IntVar(&o.pods, "pods", 100, "pods per scenario, each with a ResourceClaim of its own")
+	fl.IntVar(&o.rounds, "rounds", 5, "times each scenario's pods are measured on one scheduler (the table gives the median rate)")
 	models := fl.String("models", "default,static-mig,time-sliced,mig-on-demand,mig-every-placement", "device models to measure ("+baselineModel+" always is)")
 	var files []string
 	fl.Func("model-file", "NAME=FILE: the ConfigMap manifest (or an empty FILE: no config) of a model, instead of its example or as a new one; repeatable",
@@ -144,6 +146,8 @@ func parseFlags(args []string) (options, error) {
 		return o, errors.New("-nodes: none given")
 	case o.pods < 1:
 		return o, errors.New("-pods: want at least 1")
+	case o.rounds < 1:
+		return o, errors.New("-rounds: want at least 1")
 	case o.limit <= 0:
 		return o, errors.New("-limit: want a positive duration")
 	}
@@ -249,13 +253,13 @@ func run(ctx context.Context, o options) (err error) {
 	for _, n := range o.nodes {
 		for _, t := range order {
 			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s", n, t.Model)), repo: o.repo,
-				tmpl: t, nodes: n, pods: o.pods, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
+				tmpl: t, nodes: n, pods: o.pods, rounds: o.rounds, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
 			if o.mix == 0 || t.Model == baselineModel || t.Model == "default" {
 				continue
 			}
 			mixed := max(1, int(o.mix*float64(n)+0.5))
 			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s-mixed", n, t.Model)), repo: o.repo,
-				tmpl: t, others: templates["default"], mixed: mixed, nodes: n, pods: o.pods, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
+				tmpl: t, others: templates["default"], mixed: mixed, nodes: n, pods: o.pods, rounds: o.rounds, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
 		}
 	}
 	for _, f := range runs {
@@ -272,8 +276,8 @@ func run(ctx context.Context, o options) (err error) {
 		}
 	}
 	header := []string{
-		fmt.Sprintf("Fleet benchmark: sim:%s, Kubernetes %s, %d pods per scenario (limit %s), %d CPUs, %s in all.",
-			o.profile, version, o.pods, o.limit, runtime.NumCPU(), duration(time.Since(start))),
+		fmt.Sprintf("Fleet benchmark: sim:%s, Kubernetes %s, %d pods per scenario, %d rounds (limit %s each), %d CPUs, %s in all.",
+			o.profile, version, o.pods, o.rounds, o.limit, runtime.NumCPU(), duration(time.Since(start))),
 	}
 	out := table(results, header, skippedModels) + "\n" + legend + "\n"
 	fmt.Print(out)

@@ -139,6 +139,19 @@ func TestCloneSlices(t *testing.T) {
 	}
 }
 
+func TestParseHeapAlloc(t *testing.T) {
+	profile := []byte("heap profile: 12: 34 [56: 78] @ heap/524288\n1: 2 [3: 4] @ 0x1\n\n# runtime.MemStats\n# Alloc = 111\n# TotalAlloc = 222\n# HeapAlloc = 96468992\n# HeapSys = 130000000\n")
+	got, err := parseHeapAlloc(profile)
+	if err != nil || got != 96468992 {
+		t.Fatalf("got %d, %v; want 96468992", got, err)
+	}
+	for _, bad := range []string{"", "heap profile: 1: 2 [3: 4] @ heap/1\n", "# HeapAlloc = many\n"} {
+		if _, err := parseHeapAlloc([]byte(bad)); err == nil {
+			t.Errorf("%q: no error", bad)
+		}
+	}
+}
+
 func TestSteadyRate(t *testing.T) {
 	t0 := time.Now()
 	ts := []time.Time{t0, t0.Add(time.Second), t0.Add(2 * time.Second), t0.Add(4 * time.Second)}
@@ -156,12 +169,50 @@ func TestTableRatio(t *testing.T) {
 		{Model: "default", Nodes: 100, Claim: "1gpu", Asked: 10, Bound: 4, Rate: 0.5, TimedOut: true, Why: "6 pods unbound",
 			Stats: stats{CounterSets: 8, Counters: 104, MaxCounters: 13}, APIPeakReset: true},
 		{Model: "default", Nodes: 100, Claim: "mig-1g", Skip: "no MIG device of profile 1g.10gb"},
+		// A MIG claim is held against whole GPUs' 1gpu row: whole GPUs have no MIG device.
+		{Model: "mig-on-demand", Nodes: 100, Claim: "mig-1g", Asked: 10, Bound: 10, Rate: 30, RateMin: 20, RateMax: 31, Rounds: 3,
+			Sched: memory{HWM: 200 << 20}, SchedHeap: 90 << 20},
+		{Model: "mig-on-demand", Nodes: 500, Claim: "mig-1g", Asked: 10, Bound: 10, Rate: 30, RateMin: 30, RateMax: 30, Rounds: 3},
 	}
 	out := table(rs, nil, []string{"- model x: not measured."})
-	for _, want := range []string{"| default | 100 | 1gpu | 4/10 (limit) | 0.50 | 0.010 |", "8 × 13 |", "6 pods unbound", "not measured: no MIG device", "\n\n- model x: not measured."} {
+	for _, want := range []string{
+		"| default | 100 | 1gpu | 4/10 (limit) | 0.50 | 0.010 |", "8 × 13 |", "6 pods unbound", "not measured: no MIG device",
+		"\n\n- model x: not measured.",
+		"| mig-on-demand | 100 | mig-1g | 10/10 | 30.00 (20.0–31.0) | 0.600 (1gpu) | 0.0 | 0.000 | 200 | 90 |",
+		"| mig-on-demand | 500 | mig-1g | 10/10 | 30.00 | – |", // no baseline at 500 nodes; one rate: no range
+	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)
 		}
+	}
+}
+
+// A row's figures are its median round's, unless its last round reached the limit: then that round's.
+func TestSummarizeRounds(t *testing.T) {
+	rounds := []round{
+		{Bound: 100, Rate: 90, Wall: 2 * time.Second, CPU: 3 * time.Second},
+		{Bound: 100, Rate: 50, Wall: 4 * time.Second, CPU: 5 * time.Second},
+		{Bound: 100, Rate: 70, Wall: 3 * time.Second, CPU: 4 * time.Second},
+	}
+	var r result
+	r.summarize(rounds)
+	if r.Rate != 70 || r.RateMin != 50 || r.RateMax != 90 || r.Wall != 3*time.Second || r.SchedCPU != 4*time.Second || r.Rounds != 3 || r.TimedOut {
+		t.Errorf("three rounds: got %+v, want the 70 pods/s round's figures, 50–90", r)
+	}
+	r = result{}
+	r.summarize(rounds[:2])
+	if r.Rate != 50 {
+		t.Errorf("two rounds: rate %v, want the lower middle one, 50", r.Rate)
+	}
+	r = result{}
+	r.summarize(append(rounds[:1:1], round{Bound: 7, Rate: 0.2, Wall: time.Minute, TimedOut: true, Why: "93 pods unbound"}))
+	if !r.TimedOut || r.Bound != 7 || r.Rate != 0.2 || r.RateMax != 0.2 || r.Why != "93 pods unbound" {
+		t.Errorf("last round at the limit: got %+v, want its figures", r)
+	}
+	r = result{}
+	r.summarize(nil)
+	if r.Rounds != 0 || r.Rate != 0 {
+		t.Errorf("no round: got %+v", r)
 	}
 }
 

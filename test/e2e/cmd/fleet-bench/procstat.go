@@ -93,3 +93,20 @@ func parseMemory(status []byte) (memory, error) {
 func resetPeakRSS(pid int) error {
 	return os.WriteFile(fmt.Sprintf("/proc/%d/clear_refs", pid), []byte("5"), 0)
 }
+
+// parseHeapAlloc reads HeapAlloc, in bytes, from a Go heap profile in text form (pprof's heap?debug=1, whose
+// runtime.MemStats lines read "# HeapAlloc = 123456").
+func parseHeapAlloc(profile []byte) (uint64, error) {
+	for _, line := range strings.Split(string(profile), "\n") {
+		v, ok := strings.CutPrefix(strings.TrimSpace(line), "# HeapAlloc = ")
+		if !ok {
+			continue
+		}
+		n, err := strconv.ParseUint(strings.TrimSpace(v), 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("heap profile: HeapAlloc: %w", err)
+		}
+		return n, nil
+	}
+	return 0, fmt.Errorf("heap profile: no HeapAlloc line (not a text heap profile?)")
+}

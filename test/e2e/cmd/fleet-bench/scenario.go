@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -32,21 +33,57 @@ type result struct {
 	Model, Claim string
 	Nodes        int
 	Asked, Bound int
-	// Rate is the steady binding rate: pods bound after the first, over the time from the first binding to
-	// the last. Wall is from the first pod's creation to the last binding (or to the time limit).
-	Rate float64
-	Wall time.Duration
+	// Rate is the median of the rounds' steady binding rates (see round); RateMin and RateMax bound them.
+	// Wall and SchedCPU are the median round's.
+	Rate, RateMin, RateMax float64
+	Wall                   time.Duration
+	// Rounds is how many rounds were measured: a row repeats its pods on the same scheduler, each round after
+	// the last one's pods and claims are gone, and stops after a round that reaches the time limit.
+	Rounds int
 	// SchedStart is from the scheduler's start to its /readyz with the fleet already in the API server: its
 	// informers' initial list of every Node and ResourceSlice.
 	SchedStart time.Duration
 	// SchedCPU is the scheduler's CPU time over the binding phase (pods' creation to the end).
-	SchedCPU       time.Duration
-	Sched, API     memory // the scheduler's (a fresh process) and the API server's (peak reset before the pods)
-	APIPeakReset   bool   // whether the API server's peak could be reset (else it is the peak since its start)
-	SliceBytes     int    // per node
-	Stats          stats  // per node
+	SchedCPU   time.Duration
+	Sched, API memory // the scheduler's (a fresh process, over every round) and the API server's (peak reset before the first round's pods)
+	// SchedHeap is the scheduler's live heap after the last round, in bytes, right after a collection (0:
+	// not read): what it holds, whenever its collector last ran.
+	SchedHeap      uint64
+	APIPeakReset   bool  // whether the API server's peak could be reset (else it is the peak since its start)
+	SliceBytes     int   // per node
+	Stats          stats // per node
 	TimedOut       bool
 	Skip, Err, Why string // Why: the scheduler's last word on a pod it did not bind
+}
+
+// round is one pass of a row's pods: Rate is the steady binding rate (pods bound after the first, over the
+// time from the first binding to the last), Wall runs from the first pod's creation to the last binding (or
+// to the time limit), CPU is the scheduler's over that window.
+type round struct {
+	Bound    int
+	Rate     float64
+	Wall     time.Duration
+	CPU      time.Duration
+	TimedOut bool
+	Why      string
+}
+
+// summarize sets r's figures from its rounds: the median round by rate (the lower middle one of an even
+// count) gives the rate, wall and CPU, and a round that timed out gives the row its count and reason.
+func (r *result) summarize(rounds []round) {
+	r.Rounds = len(rounds)
+	if len(rounds) == 0 {
+		return
+	}
+	byRate := slices.Clone(rounds)
+	slices.SortStableFunc(byRate, func(a, b round) int { return cmp.Compare(a.Rate, b.Rate) })
+	mid := byRate[(len(byRate)-1)/2]
+	r.Rate, r.RateMin, r.RateMax = mid.Rate, byRate[0].Rate, byRate[len(byRate)-1].Rate
+	r.Wall, r.SchedCPU, r.Bound = mid.Wall, mid.CPU, mid.Bound
+	if last := rounds[len(rounds)-1]; last.TimedOut {
+		r.Rate, r.RateMin, r.RateMax = last.Rate, last.Rate, last.Rate
+		r.Wall, r.SchedCPU, r.Bound, r.TimedOut, r.Why = last.Wall, last.CPU, last.Bound, true, last.Why
+	}
 }
 
 // fleetRun is one control plane with N nodes of one model; its scenarios run one after another on it, each
@@ -62,6 +99,8 @@ type fleetRun struct {
 	others template
 	mixed  int
 	pods   int
+	// rounds is how many times each row's pods are measured (at least 1).
+	rounds int
 	limit  time.Duration
 	// cpuprofile: a directory for the scheduler's CPU profiles ("": none).
 	cpuprofile string
@@ -179,18 +218,21 @@ func benchClient(cfg *rest.Config) (kubernetes.Interface, error) {
 	return cs, nil
 }
 
-// measure runs one scenario: a fresh scheduler, then the claims, then the pods, and waits until every pod
-// is bound or the limit passes.
+// measure runs one scenario: a fresh scheduler, then f.rounds rounds of claims and pods on it, each waiting
+// until every pod is bound or the limit passes, and the last cleared before the next.
 func (f *fleetRun) measure(ctx context.Context, cp *harness.ControlPlane, cs kubernetes.Interface, c claimSpec, r *result) error {
-	defer func() {
-		if err := cp.StopScheduler(10 * time.Second); err != nil {
-			f.logf("%v", err)
-		}
+	clearPods := func() {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Minute)
 		defer cancel()
 		if err := clearNamespace(cctx, cs, namespace); err != nil {
 			f.logf("%v", err)
 		}
+	}
+	defer func() {
+		if err := cp.StopScheduler(10 * time.Second); err != nil {
+			f.logf("%v", err)
+		}
+		clearPods()
 	}()
 	t0 := time.Now()
 	sctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
@@ -203,11 +245,56 @@ func (f *fleetRun) measure(ctx context.Context, cp *harness.ControlPlane, cs kub
 	}
 	r.SchedStart = time.Since(t0)
 	sched := cp.Scheduler.PID()
-	// What the scheduler does once ready (its first resyncs) is not the pods' cost: wait until it idles.
-	if err := waitIdle(sctx, sched); err != nil {
-		return err
+	if err := resetPeakRSS(f.apiServer.PID()); err != nil {
+		f.logf("API server peak RSS not reset (it is the peak since its start): %v", err)
+	} else {
+		r.APIPeakReset = true
 	}
+	var rounds []round
+	defer func() { r.summarize(rounds) }()
+	for i := range max(1, f.rounds) {
+		if i > 0 {
+			clearPods()
+		}
+		// What the scheduler does once ready (its first resyncs), or after the last round's pods and claims
+		// are gone, is not the pods' cost: wait until it idles.
+		if err := waitIdle(ctx, sched); err != nil {
+			return err
+		}
+		rd, err := f.round(ctx, cp, cs, c, i == 0)
+		if err != nil {
+			return err
+		}
+		rounds = append(rounds, rd)
+		if f.rounds > 1 {
+			f.logf("round %d: %d/%d bound, %.2f pods/s", i+1, rd.Bound, f.pods, rd.Rate)
+		}
+		if rd.TimedOut {
+			break // a row at its limit is measured once: its next round would take as long
+		}
+	}
+	var err error
+	if r.Sched, err = readMemory(sched); err != nil {
+		return fmt.Errorf("kube-scheduler memory: %w", err)
+	}
+	if r.API, err = readMemory(f.apiServer.PID()); err != nil {
+		return fmt.Errorf("kube-apiserver memory: %w", err)
+	}
+	// Last: the collection it forces is not the pods' cost, nor does it lower the peak read above.
+	var buf bytes.Buffer
+	if err := cp.SchedulerHeapStats(ctx, &buf); err != nil {
+		f.logf("%v", err)
+	} else if r.SchedHeap, err = parseHeapAlloc(buf.Bytes()); err != nil {
+		f.logf("kube-scheduler: %v", err)
+	}
+	return nil
+}
 
+// round creates the claims, then the pods, and times their binding by the running scheduler; profiled: the
+// scheduler is profiled over it (when f.cpuprofile is set).
+func (f *fleetRun) round(ctx context.Context, cp *harness.ControlPlane, cs kubernetes.Interface, c claimSpec, profiled bool) (round, error) {
+	var rd round
+	sched := cp.Scheduler.PID()
 	// Claims first, so that a pod never waits for its claim and the creations are not in the measured window.
 	pods := make([]*corev1.Pod, f.pods)
 	err := parallel(ctx, f.pods, 16, func(ctx context.Context, i int) error {
@@ -219,7 +306,7 @@ func (f *fleetRun) measure(ctx context.Context, cp *harness.ControlPlane, cs kub
 		return nil
 	})
 	if err != nil {
-		return err
+		return rd, err
 	}
 
 	w := newBindWatch(cs)
@@ -228,19 +315,16 @@ func (f *fleetRun) measure(ctx context.Context, cp *harness.ControlPlane, cs kub
 	defer w.factory.Shutdown()
 	defer stopWatch()
 	if err := w.start(wctx); err != nil {
-		return err
-	}
-	if err := resetPeakRSS(f.apiServer.PID()); err != nil {
-		f.logf("API server peak RSS not reset (it is the peak since its start): %v", err)
-	} else {
-		r.APIPeakReset = true
+		return rd, err
 	}
 	cpu0, err := cpuTime(sched)
 	if err != nil {
-		return fmt.Errorf("kube-scheduler CPU time: %w", err)
+		return rd, fmt.Errorf("kube-scheduler CPU time: %w", err)
 	}
-	profiled := f.profile(ctx, cp, c)
-	defer func() { <-profiled }()
+	if profiled {
+		done := f.profile(ctx, cp, c)
+		defer func() { <-done }()
+	}
 	start := time.Now()
 	deadline := start.Add(f.limit)
 	err = parallel(ctx, f.pods, 16, func(ctx context.Context, i int) error {
@@ -250,45 +334,39 @@ func (f *fleetRun) measure(ctx context.Context, cp *harness.ControlPlane, cs kub
 		return nil
 	})
 	if err != nil {
-		return err
+		return rd, err
 	}
 	// Creation competes with the scheduler for the API server: when it takes as long as the binding, the
 	// rate measures the creations.
 	f.logf("%d pods created in %s", f.pods, duration(time.Since(start)))
 	for w.count() < f.pods && time.Now().Before(deadline) {
 		if done, werr := cp.Scheduler.Exited(); done {
-			return fmt.Errorf("kube-scheduler exited: %v (see %s)", werr, cp.Scheduler.LogPath)
+			return rd, fmt.Errorf("kube-scheduler exited: %v (see %s)", werr, cp.Scheduler.LogPath)
 		}
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return rd, ctx.Err()
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
 	end := time.Now()
 	cpu1, err := cpuTime(sched)
 	if err != nil {
-		return fmt.Errorf("kube-scheduler CPU time: %w", err)
+		return rd, fmt.Errorf("kube-scheduler CPU time: %w", err)
 	}
-	r.SchedCPU = cpu1 - cpu0
-	if r.Sched, err = readMemory(sched); err != nil {
-		return fmt.Errorf("kube-scheduler memory: %w", err)
-	}
-	if r.API, err = readMemory(f.apiServer.PID()); err != nil {
-		return fmt.Errorf("kube-apiserver memory: %w", err)
-	}
+	rd.CPU = cpu1 - cpu0
 	times := w.times()
-	r.Bound = len(times)
-	r.TimedOut = r.Bound < f.pods
-	r.Wall = end.Sub(start)
-	if !r.TimedOut && r.Bound > 0 {
-		r.Wall = times[len(times)-1].Sub(start)
+	rd.Bound = len(times)
+	rd.TimedOut = rd.Bound < f.pods
+	rd.Wall = end.Sub(start)
+	if !rd.TimedOut && rd.Bound > 0 {
+		rd.Wall = times[len(times)-1].Sub(start)
 	}
-	r.Rate = steadyRate(times)
-	if r.TimedOut {
-		r.Why = w.whyPending(ctx, cs)
+	rd.Rate = steadyRate(times)
+	if rd.TimedOut {
+		rd.Why = w.whyPending(ctx, cs)
 	}
-	return nil
+	return rd, nil
 }
 
 // profile takes a CPU profile of the scheduler over the binding phase (at most 30 s), then a heap profile,
@@ -465,8 +543,8 @@ func (r result) summary() string {
 	if r.Err != "" {
 		return fmt.Sprintf("%s/%d nodes/%s: error: %s", r.Model, r.Nodes, r.Claim, r.Err)
 	}
-	s := fmt.Sprintf("%s/%d nodes/%s: %d/%d bound, %.2f pods/s, scheduler ready in %s, CPU %s, RSS peak %d MiB, API server RSS peak %d MiB",
-		r.Model, r.Nodes, r.Claim, r.Bound, r.Asked, r.Rate, r.SchedStart.Round(100*time.Millisecond), r.SchedCPU,
+	s := fmt.Sprintf("%s/%d nodes/%s: %d/%d bound, %.2f pods/s (median of %d rounds), scheduler ready in %s, CPU %s, RSS peak %d MiB, API server RSS peak %d MiB",
+		r.Model, r.Nodes, r.Claim, r.Bound, r.Asked, r.Rate, r.Rounds, r.SchedStart.Round(100*time.Millisecond), r.SchedCPU,
 		r.Sched.HWM>>20, r.API.HWM>>20)
 	if r.Why != "" {
 		s += "; " + r.Why

@@ -9,7 +9,8 @@ import (
 
 // table writes the results as Markdown: one row per measured scenario (skipped and failed ones are listed
 // below it, after notes), in the order they ran, and each row's binding rate against the whole-gpus-only row
-// of the same fleet size and claim.
+// of the same fleet size and claim, or of the same size's 1gpu claim for a claim whole GPUs cannot serve (a
+// MIG profile): what the issue's goal compares.
 func table(rs []result, header, notes []string) string {
 	var b strings.Builder
 	for _, h := range header {
@@ -24,8 +25,8 @@ func table(rs []result, header, notes []string) string {
 			baseline[fmt.Sprint(r.Nodes, "/", r.Claim)] = r.Rate
 		}
 	}
-	b.WriteString("| model | N | claim | bound/asked | pods/s | vs whole-gpus-only | wall s | sched CPU s/pod | sched RSS peak MiB | apiserver RSS peak MiB | sched ready s | slice kB/node | devices/node | counter sets × counters/node |\n")
-	b.WriteString("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
+	b.WriteString("| model | N | claim | bound/asked | pods/s | vs whole-gpus-only | wall s | sched CPU s/pod | sched RSS peak MiB | sched live heap MiB | apiserver RSS peak MiB | sched ready s | slice kB/node | devices/node | counter sets × counters/node |\n")
+	b.WriteString("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
 	notes = slices.Clone(notes)
 	for _, r := range rs {
 		switch {
@@ -40,9 +41,18 @@ func table(rs []result, header, notes []string) string {
 		if r.Bound < 2 {
 			rate = "–"
 		}
+		if r.Rounds > 1 && r.RateMin != r.RateMax {
+			rate += fmt.Sprintf(" (%.1f–%.1f)", r.RateMin, r.RateMax)
+		}
 		ratio := "–"
-		if base, ok := baseline[fmt.Sprint(r.Nodes, "/", r.Claim)]; ok && base > 0 && r.Bound >= 2 {
-			ratio = fmt.Sprintf("%.3f", r.Rate/base)
+		base, ok := baseline[fmt.Sprint(r.Nodes, "/", r.Claim)]
+		against := ""
+		if !ok {
+			base, ok = baseline[fmt.Sprint(r.Nodes, "/1gpu")]
+			against = " (1gpu)"
+		}
+		if ok && base > 0 && r.Bound >= 2 {
+			ratio = fmt.Sprintf("%.3f%s", r.Rate/base, against)
 		}
 		bound := fmt.Sprintf("%d/%d", r.Bound, r.Asked)
 		if r.TimedOut {
@@ -57,8 +67,12 @@ func table(rs []result, header, notes []string) string {
 		if !r.APIPeakReset {
 			apiPeak += " (since start)"
 		}
-		fmt.Fprintf(&b, "| %s | %d | %s | %s | %s | %s | %.1f | %s | %d | %s | %.1f | %.1f | %d | %s |\n",
-			r.Model, r.Nodes, r.Claim, bound, rate, ratio, r.Wall.Seconds(), perPod, r.Sched.HWM>>20, apiPeak,
+		heap := "–"
+		if r.SchedHeap > 0 {
+			heap = fmt.Sprint(r.SchedHeap >> 20)
+		}
+		fmt.Fprintf(&b, "| %s | %d | %s | %s | %s | %s | %.1f | %s | %d | %s | %s | %.1f | %.1f | %d | %s |\n",
+			r.Model, r.Nodes, r.Claim, bound, rate, ratio, r.Wall.Seconds(), perPod, r.Sched.HWM>>20, heap, apiPeak,
 			r.SchedStart.Seconds(), float64(r.SliceBytes)/1000, r.Stats.Devices, counters(r.Stats))
 	}
 	if len(notes) > 0 {
@@ -82,11 +96,17 @@ func counters(s stats) string {
 
 // legend explains the columns under the table.
 const legend = `Columns: *pods/s* is the steady binding rate (pods bound after the first, over the time from the first
-binding to the last); *vs whole-gpus-only* divides it by the whole-gpus-only row of the same N and claim; *wall s*
-runs from the first pod's creation to the last binding, or to the time limit; *sched CPU s/pod* is the
-scheduler's user+system CPU time over that window divided by the pods bound; RSS peaks are VmHWM (the scheduler is
-a fresh process per row and its peak includes its initial list of the fleet; the API server's peak is reset
-before the pods are created, to its RSS then, which holds the fleet); *sched ready s* is from the scheduler's start
+binding to the last), the median of the row's rounds, with the lowest and highest in brackets (each round creates
+the row's claims and pods again on the same scheduler, after the last round's are deleted; a round that reaches
+the limit is the row's last); *vs whole-gpus-only* divides it by the whole-gpus-only row of the same N and claim,
+or of its 1gpu claim where whole GPUs cannot serve the claim ("(1gpu)"); *wall s* runs from the first pod's
+creation to the last binding, or to the time limit, and *sched CPU s/pod* is the scheduler's user+system CPU time
+over that window divided by the pods bound, both in the median round; RSS peaks are VmHWM (the scheduler is
+a fresh process per row, its peak over every round, and includes its initial list of the fleet; the API
+server's peak is reset before the first round, to its RSS then, which holds the fleet); *sched live heap* is the
+scheduler's HeapAlloc after the last round, read right after a garbage collection it is made to run (pprof's
+heap?gc=1): what it holds, whenever its collector last ran (RSS also holds the garbage a collector lets grow
+to the size of the live heap, and the runtime's and binary's own pages); *sched ready s* is from the scheduler's start
 to its /readyz with the fleet already stored; slice bytes are one node's ResourceSlices as JSON, as the API server
 returns them. With only a few pods bound, pods/s rests on a few bindings: bound/asked over the limit is the other
 reading. whole-gpus-only is derived from the default model's slices (its type=gpu devices only, no
