@@ -19,10 +19,14 @@ func table(rs []result, header, notes []string) string {
 	if len(header) > 0 {
 		b.WriteString("\n")
 	}
-	baseline := map[string]float64{}
+	type rowKey struct {
+		nodes int
+		claim string
+	}
+	baseline := map[rowKey]float64{}
 	for _, r := range rs {
 		if r.Model == baselineModel && r.Skip == "" && r.Err == "" && r.Bound > 0 {
-			baseline[fmt.Sprint(r.Nodes, "/", r.Claim)] = r.Rate
+			baseline[rowKey{r.Nodes, r.Claim}] = r.Rate
 		}
 	}
 	b.WriteString("| model | N | claim | bound/asked | pods/s | vs whole-gpus-only | wall s | sched CPU s/pod | sched RSS peak MiB | sched live heap MiB | apiserver RSS peak MiB | sched ready s | slice kB/node | devices/node | counter sets × counters/node |\n")
@@ -45,10 +49,10 @@ func table(rs []result, header, notes []string) string {
 			rate += fmt.Sprintf(" (%.1f–%.1f)", r.RateMin, r.RateMax)
 		}
 		ratio := "–"
-		base, ok := baseline[fmt.Sprint(r.Nodes, "/", r.Claim)]
+		base, ok := baseline[rowKey{r.Nodes, r.Claim}]
 		against := ""
 		if !ok {
-			base, ok = baseline[fmt.Sprint(r.Nodes, "/1gpu")]
+			base, ok = baseline[rowKey{r.Nodes, "1gpu"}]
 			against = " (1gpu)"
 		}
 		if ok && base > 0 && r.Bound >= 2 {
