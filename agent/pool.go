@@ -136,6 +136,9 @@ func planDRA(s Snapshot) *devicemodel.Pool {
 	}
 	slices.SortFunc(p.Devices, func(a, b devicemodel.Device) int { return strings.Compare(a.Name, b.Name) })
 	p.GPUOrder = devicemodel.PublishOrder(s.Inventory)
+	if s.Selected.Config != nil {
+		p.MIGAttributes = s.Selected.Config.DRA.MIGDeviceAttributes
+	}
 	return p
 }
 

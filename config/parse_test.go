@@ -493,6 +493,23 @@ configs:
 			},
 		},
 		{
+			name: "MIG device attributes",
+			in: `version: v1
+configs:
+  a:
+    dra:
+      migDeviceAttributes: [uuid, pcieRoot, uuid, resource.kubernetes.io/numaNode]
+  b:
+    dra:
+      migDeviceAttributes: []
+`,
+			want: []wantErr{
+				{"configs.a.dra.migDeviceAttributes[1]", 5, `"pcieRoot" is not an attribute of a MIG device; one of uuid, index,`},
+				{"configs.a.dra.migDeviceAttributes[2]", 5, `"uuid" is listed twice`},
+				{"configs.b.dra.migDeviceAttributes", 8, "lists no attribute"},
+			},
+		},
+		{
 			name: "alias expansion is bounded",
 			in: `version: v1
 a: &a [x, x, x, x, x, x, x, x, x, x]
@@ -824,6 +841,35 @@ func TestSelect(t *testing.T) {
 					sel.Name, sel.Reason, len(sel.MIGLayout), tt.want, tt.reason, tt.layoutLen)
 			}
 		})
+	}
+}
+
+// MIG device attributes listed that change nothing, or too many to save
+// the scheduler memory, are warnings, with the field.
+func TestMIGDeviceAttributesWarnings(t *testing.T) {
+	f, warnings, err := Parse([]byte(`version: v1
+configs:
+  default:
+    dra:
+      migDeviceAttributes: [type, uuid, index, productName, brand, architecture, parentUUID, driverVersion]
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{
+		`configs.default.dra.migDeviceAttributes[0]: "type" is always published on MIG devices: listing it changes nothing (line 5)`,
+		"configs.default.dra.migDeviceAttributes: 9 attributes per MIG device (with type and profile): above 8 the scheduler's decoded map of each doubles, so this saves little of what leaving attributes out is for (line 5)",
+	}
+	if len(warnings) != len(want) {
+		t.Fatalf("warnings = %q, want %d", warnings, len(want))
+	}
+	for i, w := range want {
+		if warnings[i] != w {
+			t.Errorf("warning %d = %q, want %q", i, warnings[i], w)
+		}
+	}
+	if got := f.Configs["default"].DRA.MIGDeviceAttributes; len(got) != 8 || got[7] != "driverVersion" {
+		t.Errorf("MIGDeviceAttributes = %q", got)
 	}
 }
 

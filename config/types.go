@@ -128,7 +128,38 @@ type DRA struct {
 	// and a few free ones, and spareLayout to a layout's devices without
 	// counters (docs/dra-devices.md, "Scale").
 	MIGOnDemand *MIGOnDemand `yaml:"migOnDemand,omitempty"`
+	// MIGDeviceAttributes, when set, are the only attributes a MIG device
+	// carries beside type and profile, which it always carries. The
+	// scheduler keeps every node's devices decoded, each with a Go map of
+	// its attributes, and a map of more than 8 entries takes a table twice
+	// as large: a MIG device with NVIDIA's 13 attributes costs it about
+	// 4.4 KB, one with 8 about 2.6 KB (docs/dra-devices.md, "Scale"). For
+	// fleets with many MIG devices whose claims select them by the
+	// attributes kept: a claim that selects by one left out matches no MIG
+	// device. Names as published, the resource.kubernetes.io/ ones in full:
+	// uuid, index, productName, brand, architecture, cudaComputeCapability,
+	// driverVersion, cudaDriverVersion, parentUUID,
+	// resource.kubernetes.io/pciBusID, resource.kubernetes.io/pcieRoot,
+	// resource.kubernetes.io/numaNode.
+	// Default: every attribute NVIDIA's driver gives a MIG device.
+	MIGDeviceAttributes []string `yaml:"migDeviceAttributes,omitempty,flow"`
 }
+
+// MIGAttributesAlways are the attributes every MIG device carries whatever
+// DRA.MIGDeviceAttributes says: what a MIG DeviceClass and claim select on.
+var MIGAttributesAlways = []string{"type", "profile"}
+
+// MIGAttributesOptional are the other attributes a MIG device may carry,
+// the names DRA.MIGDeviceAttributes accepts.
+var MIGAttributesOptional = []string{
+	"uuid", "index", "productName", "brand", "architecture", "cudaComputeCapability", "driverVersion",
+	"cudaDriverVersion", "parentUUID",
+	"resource.kubernetes.io/pciBusID", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode",
+}
+
+// MIGAttributesInSmallMap is how many attributes fit the scheduler's
+// smallest Go map (one group of 8 slots); more take a table of 16.
+const MIGAttributesInSmallMap = 8
 
 // MIGOnDemand says which GPUs offer MIG devices made on demand, and which
 // profiles. It applies to MIG-capable GPUs that no MIG layout of the config

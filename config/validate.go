@@ -364,6 +364,7 @@ func SpareLayoutSlices(key string) (int, bool) {
 
 // dra checks what the DRA driver is asked to publish.
 func (v *validator) dra(p string, d *DRA) {
+	v.migDeviceAttributes(p+".migDeviceAttributes", d.MIGDeviceAttributes)
 	od := d.MIGOnDemand
 	if od == nil {
 		return
@@ -405,6 +406,36 @@ func (v *validator) dra(p string, d *DRA) {
 	}
 	if !od.Enabled && (len(od.Profiles) > 0 || len(od.DeviceFilter) > 0 || od.SpareGPUs > 0 || od.SpareLayout != nil) {
 		v.warnf(p+".migOnDemand", "profiles, device-filter, spareGPUs or spareLayout given but enabled is false: no MIG device is offered on demand")
+	}
+}
+
+// migDeviceAttributes checks the attributes MIG devices are to keep.
+func (v *validator) migDeviceAttributes(p string, names []string) {
+	if names == nil {
+		return
+	}
+	if len(names) == 0 {
+		v.errorf(p, "lists no attribute: name those to keep beside type and profile, or leave it out to keep all")
+		return
+	}
+	seen := map[string]bool{}
+	kept := len(MIGAttributesAlways)
+	for i, name := range names {
+		f := fmt.Sprintf("%s[%d]", p, i)
+		switch {
+		case slices.Contains(MIGAttributesAlways, name):
+			v.warnf(f, "%q is always published on MIG devices: listing it changes nothing", name)
+		case !slices.Contains(MIGAttributesOptional, name):
+			v.errorf(f, "%q is not an attribute of a MIG device; one of %s", name, strings.Join(MIGAttributesOptional, ", "))
+		case seen[name]:
+			v.errorf(f, "%q is listed twice", name)
+		default:
+			kept++
+		}
+		seen[name] = true
+	}
+	if kept > MIGAttributesInSmallMap {
+		v.warnf(p, "%d attributes per MIG device (with type and profile): above %d the scheduler's decoded map of each doubles, so this saves little of what leaving attributes out is for", kept, MIGAttributesInSmallMap)
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -300,6 +301,24 @@ func TestValidateShowsDRAFootprint(t *testing.T) {
 				t.Errorf("points to the scale docs: %v, want %v:\n%s", got, tt.counters, out)
 			}
 		})
+	}
+}
+
+// The lean MIG example publishes the balanced layout's devices with fewer
+// attributes: the same 32 devices, in fewer bytes. The agent's plan carries
+// the config's dra.migDeviceAttributes to the slices.
+func TestValidateLeanMIGExample(t *testing.T) {
+	kib := map[string]float64{}
+	for _, example := range []string{"mig-h100-balanced.yaml", "mig-h100-balanced-lean.yaml"} {
+		code, out, stderr := run(t, "config", "validate", filepath.Join("..", "..", "deploy", "examples", example), "--backend", "sim:dgx-h100")
+		m := regexp.MustCompile(`would hold 32 devices and no counters, in 1 slices of ([0-9.]+) KiB`).FindStringSubmatch(out)
+		if code != 0 || m == nil {
+			t.Fatalf("%s: exit %d, want 0 with 32 devices:\n%s%s", example, code, out, stderr)
+		}
+		kib[example], _ = strconv.ParseFloat(m[1], 64)
+	}
+	if full, lean := kib["mig-h100-balanced.yaml"], kib["mig-h100-balanced-lean.yaml"]; lean > 0.8*full {
+		t.Errorf("lean example's slices %.1f KiB, the full one's %.1f: want at most 80%%", lean, full)
 	}
 }
 

@@ -252,3 +252,54 @@ func TestCordonedDevicesNeedTheirToleration(t *testing.T) {
 		})
 	}
 }
+
+// With dra.migDeviceAttributes as deploy/examples/mig-h100-balanced-lean.yaml
+// keeps them, MIG claims by profile, by capacity and on one GPU still
+// allocate; one that selects a MIG device by an attribute left out fails
+// as a key nobody publishes does, while whole GPUs keep it.
+func TestClaimsOnLeanMIGDevices(t *testing.T) {
+	keep := []string{"uuid", "parentUUID", "productName", "cudaComputeCapability", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode"}
+	byName := map[string]*resourceapi.ResourceClaim{}
+	for _, c := range readClaims(t, "claims.yaml") {
+		byName[c.Name] = c
+	}
+	byArchitecture := byName["mig-by-profile"].DeepCopy()
+	byArchitecture.Name, byArchitecture.UID = "mig-by-architecture", "uid-mig-by-architecture"
+	byArchitecture.Spec.Devices.Requests[0].Exactly.Selectors[0].CEL.Expression = "device.attributes['gpu.nvidia.com'].architecture == 'Hopper'"
+	for _, tt := range []struct {
+		claim   *resourceapi.ResourceClaim
+		devices int // 0: the allocator's error
+	}{
+		{byName["mig-by-profile"], 1},
+		{byName["static-mig-by-capacity"], 1},
+		{byName["two-mig-on-one-gpu"], 2},
+		{byName["gpu-by-product-and-architecture"], 1},
+		{byArchitecture, 0},
+	} {
+		t.Run(tt.claim.Name, func(t *testing.T) {
+			profile := "dgx-h100-mig"
+			if tt.claim.Name == "gpu-by-product-and-architecture" {
+				profile = "dgx-h100"
+			}
+			_, pool := simPool(t, profile, false)
+			pool.MIGAttributes = keep
+			n := schedsim.New("node-a", devicemodel.DriverName, devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}), deviceClasses(t))
+			results, err := n.Allocate(context.Background(), tt.claim)
+			switch {
+			case tt.devices == 0:
+				if err == nil || errors.Is(err, schedsim.ErrUnsatisfiable) {
+					t.Fatalf("allocated %v (%v), want the allocator's error", results, err)
+				}
+			case err != nil:
+				t.Fatalf("Allocate: %v", err)
+			case len(results[0].Devices.Results) != tt.devices:
+				t.Fatalf("%d devices, want %d", len(results[0].Devices.Results), tt.devices)
+			}
+		})
+	}
+	_, full := simPool(t, "dgx-h100-mig", false)
+	n := schedsim.New("node-a", devicemodel.DriverName, devicemodel.Resources("node-a", full, 1, devicemodel.Dropped{}), deviceClasses(t))
+	if _, err := n.Allocate(context.Background(), byArchitecture); err != nil {
+		t.Errorf("%s with every attribute: %v", byArchitecture.Name, err)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/gpu/simtest"
@@ -522,5 +523,69 @@ func TestDeviceMapsStaySmall(t *testing.T) {
 		if len(a.Attributes) > maxAttributes || len(a.Capacity) > 8 {
 			t.Errorf("%s (%s): %d attributes, %d capacities; want at most %d and 8", d.Name, d.Type, len(a.Attributes), len(a.Capacity), maxAttributes)
 		}
+	}
+}
+
+// richMIG is a MIG device with every attribute a MIG device can have.
+var richMIG = Device{Name: "gpu-0-mig-7-0", Type: TypeMIG, UUID: "MIG-x", Index: 1, NUMANode: 0, PCIBusID: "0000:18:00.0",
+	PCIeRoot: "pci0000:00", Architecture: "Hopper", Brand: "Nvidia", DriverVersion: "550.54.15", CUDADriverVersion: "12.4",
+	Profile: "1g.10gb", ParentUUID: "GPU-x", Engines: &Engines{}}
+
+// The names the config accepts in dra.migDeviceAttributes are exactly the
+// attributes a MIG device is published with: a name it accepts is never
+// one that cannot be kept, and no attribute is beyond its reach.
+func TestMIGAttributeNamesMatchConfig(t *testing.T) {
+	var got []string
+	for name := range apiDevice(richMIG).Attributes {
+		got = append(got, string(name))
+	}
+	want := slices.Concat(config.MIGAttributesAlways, config.MIGAttributesOptional)
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("a MIG device's attributes %q, the config's names %q", got, want)
+	}
+}
+
+// With dra.migDeviceAttributes, MIG devices (existing and made on demand)
+// carry type, profile and the listed attributes only; whole GPUs keep
+// theirs, and without it every MIG device keeps all.
+func TestMIGAttributesKept(t *testing.T) {
+	whole := Device{Name: "gpu-0", Type: TypeGPU, UUID: "GPU-x", ProductName: "H100", Architecture: "Hopper", PCIeRoot: "pci0000:00", NUMANode: 0, NVLinkClique: -1}
+	part := richMIG
+	part.Name, part.UUID, part.Index, part.Partition = "gpu-0-mig-1g10gb-6", "", -1, true
+	keep := []string{"uuid", "parentUUID", "resource.kubernetes.io/pcieRoot"}
+	names := func(p *Pool) map[string][]string {
+		out := map[string][]string{}
+		for _, s := range Resources("node", p, 1, Dropped{}).Pools["node"].Slices {
+			for _, d := range s.Devices {
+				for name := range d.Attributes {
+					out[d.Name] = append(out[d.Name], string(name))
+				}
+				slices.Sort(out[d.Name])
+			}
+		}
+		return out
+	}
+	all := &Pool{Devices: []Device{whole, part, richMIG}}
+	lean := &Pool{Devices: all.Devices, MIGAttributes: keep}
+	got, full := names(lean), names(all)
+	for name, want := range map[string][]string{
+		part.Name:    {"parentUUID", "profile", "resource.kubernetes.io/pcieRoot", "type"},
+		richMIG.Name: {"parentUUID", "profile", "resource.kubernetes.io/pcieRoot", "type", "uuid"},
+		whole.Name:   full[whole.Name],
+	} {
+		if !slices.Equal(got[name], want) {
+			t.Errorf("%s: attributes %q, want %q", name, got[name], want)
+		}
+	}
+	if len(full[richMIG.Name]) != len(config.MIGAttributesAlways)+len(config.MIGAttributesOptional) {
+		t.Errorf("without migDeviceAttributes %s has %q, want every attribute", richMIG.Name, full[richMIG.Name])
+	}
+	if all.Equal(lean) || !lean.Equal(&Pool{Devices: all.Devices, MIGAttributes: slices.Clone(keep)}) {
+		t.Error("Pool.Equal does not tell the attributes kept apart")
+	}
+	if (&Pool{MIGAttributes: []string{}}).Equal(&Pool{}) {
+		t.Error("Pool.Equal takes keeping no attribute for keeping all")
 	}
 }

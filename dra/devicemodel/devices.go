@@ -143,6 +143,10 @@ type Pool struct {
 	// GPUOrder lists GPU indexes in the order their devices are published
 	// (PublishOrder); GPUs not in it follow in index order.
 	GPUOrder []int
+	// MIGAttributes, when not nil, are the only attributes MIG devices are
+	// published with beside type and profile (the config's
+	// dra.migDeviceAttributes).
+	MIGAttributes []string
 }
 
 // CounterSet is one GPU's capacity that its devices draw on: the scheduler
@@ -172,7 +176,8 @@ func (p *Pool) Equal(q *Pool) bool {
 	if p == nil || q == nil {
 		return p == q
 	}
-	return slices.EqualFunc(p.Devices, q.Devices, sameDevice) && slices.Equal(p.GPUOrder, q.GPUOrder) && slices.EqualFunc(p.CounterSets, q.CounterSets, func(a, b CounterSet) bool {
+	return slices.EqualFunc(p.Devices, q.Devices, sameDevice) && slices.Equal(p.GPUOrder, q.GPUOrder) &&
+		(p.MIGAttributes == nil) == (q.MIGAttributes == nil) && slices.Equal(p.MIGAttributes, q.MIGAttributes) && slices.EqualFunc(p.CounterSets, q.CounterSets, func(a, b CounterSet) bool {
 		return a.GPU == b.GPU && maps.Equal(a.Counters, b.Counters)
 	})
 }

@@ -147,7 +147,11 @@ func Resources(nodeName string, pool *Pool, generation int64, dropped Dropped) r
 	emit := func(ds []Device) {
 		api := make([]resourceapi.Device, 0, len(ds))
 		for _, d := range sliceOrder(ds) {
-			api = append(api, apiDevice(d))
+			a := apiDevice(d)
+			if d.Type == TypeMIG && pool.MIGAttributes != nil {
+				keepAttributes(a.Attributes, pool.MIGAttributes)
+			}
+			api = append(api, a)
 		}
 		out = append(out, resourceslice.Slice{Devices: api})
 	}
@@ -437,6 +441,16 @@ func attributes(d Device) map[resourceapi.QualifiedName]resourceapi.DeviceAttrib
 		attrs[AttrNVLinkClique] = num(d.NVLinkClique)
 	}
 	return attrs
+}
+
+// keepAttributes deletes from attrs all but type, profile and keep (the
+// config's dra.migDeviceAttributes, names as published).
+func keepAttributes(attrs map[resourceapi.QualifiedName]resourceapi.DeviceAttribute, keep []string) {
+	for name := range attrs {
+		if name != "type" && name != "profile" && !slices.Contains(keep, string(name)) {
+			delete(attrs, name)
+		}
+	}
 }
 
 // maxAttributes is the most attributes a device carries (see attributes).

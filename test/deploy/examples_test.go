@@ -86,6 +86,7 @@ func TestExamples(t *testing.T) {
 		{"mig-a100-all-1g.yaml", "sim:dgx-a100", "", `uses config "default"`, "nvidia.com/mig-1g.5gb  56"},
 		{"mig-a100-half-3g.yaml", "sim:dgx-a100", "", `uses config "default"`, "nvidia.com/mig-3g.20gb  8"},
 		{"mig-h100-balanced.yaml", "sim:dgx-h100", "", `uses config "default"`, "nvidia.com/mig-2g.20gb  8"},
+		{"mig-h100-balanced-lean.yaml", "sim:dgx-h100", "", `uses config "default"`, "nvidia.com/mig-2g.20gb  8"},
 		{"mig-h100-all-1g.yaml", "sim:dgx-h100", "", `uses config "default"`, "nvidia.com/mig-1g.10gb  56"},
 		{"mig-h100-half-3g.yaml", "sim:dgx-h100", "", `uses config "default"`, "nvidia.com/mig-3g.40gb  8"},
 		{"mig-h100-all-1g.yaml", "sim:dgx-h100-mig", "", `uses config "default"`, "nvidia.com/mig-1g.10gb  56"},

@@ -21,6 +21,7 @@ var exampleProfiles = map[string]string{
 	"mig-a100-half-3g.yaml":                  "dgx-a100",
 	"mig-h100-all-1g.yaml":                   "dgx-h100",
 	"mig-h100-balanced.yaml":                 "dgx-h100",
+	"mig-h100-balanced-lean.yaml":            "dgx-h100",
 	"mig-h100-half-3g.yaml":                  "dgx-h100",
 	"mps-x2.yaml":                            "dgx-a100",
 	"node-override.yaml":                     "dgx-a100",

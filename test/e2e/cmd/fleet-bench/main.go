@@ -32,6 +32,7 @@ import (
 var exampleModels = []model{
 	{Name: "default"},
 	{Name: "static-mig", Manifest: "deploy/examples/mig-h100-balanced.yaml"},
+	{Name: "static-mig-lean", Manifest: "deploy/examples/mig-h100-balanced-lean.yaml"},
 	{Name: "time-sliced", Manifest: "deploy/examples/time-slicing-x4.yaml"},
 	{Name: "mig-on-demand", Manifest: "deploy/examples/dra-mig-on-demand.yaml"},
 	{Name: "mig-every-placement", Manifest: "deploy/examples/dra-mig-on-demand-every-placement.yaml"},
@@ -93,7 +94,7 @@ func parseFlags(args []string) (options, error) {
 	nodes := fl.String("nodes", "100,500", "fleet sizes N, comma- or space-separated")
 	fl.IntVar(&o.pods, "pods", 100, "pods per scenario, each with a ResourceClaim of its own")
 	fl.IntVar(&o.rounds, "rounds", 5, "times each scenario's pods are measured on one scheduler (the table gives the median rate)")
-	models := fl.String("models", "default,static-mig,time-sliced,mig-on-demand,mig-every-placement", "device models to measure ("+baselineModel+" always is)")
+	models := fl.String("models", "default,static-mig,static-mig-lean,time-sliced,mig-on-demand,mig-every-placement", "device models to measure ("+baselineModel+" always is)")
 	var files []string
 	fl.Func("model-file", "NAME=FILE: the ConfigMap manifest (or an empty FILE: no config) of a model, instead of its example or as a new one; repeatable",
 		func(s string) error { files = append(files, s); return nil })
