@@ -155,11 +155,20 @@ func TestParseHeapAlloc(t *testing.T) {
 func TestSteadyRate(t *testing.T) {
 	t0 := time.Now()
 	ts := []time.Time{t0, t0.Add(time.Second), t0.Add(2 * time.Second), t0.Add(4 * time.Second)}
-	if got := steadyRate(ts); got != 0.75 {
+	// Too few bindings after the creations: first to last.
+	if got := steadyRate(ts, t0.Add(time.Second)); got != 0.75 {
 		t.Fatalf("got %v, want 3 pods over 4 s", got)
 	}
-	if got := steadyRate(ts[:1]); got != 0 {
+	if got := steadyRate(ts[:1], t0); got != 0 {
 		t.Fatalf("one binding: got %v, want 0", got)
+	}
+	// 2 bound while 100 pods were being created (in 1 s), then 20 over 2 s: 10 pods/s, not 21/2.5 s.
+	ts = []time.Time{t0.Add(500 * time.Millisecond), t0.Add(time.Second)}
+	for i := range 20 {
+		ts = append(ts, t0.Add(time.Second+time.Duration(i+1)*100*time.Millisecond))
+	}
+	if got := steadyRate(ts, t0.Add(time.Second)); got != 10 {
+		t.Fatalf("got %v, want 20 pods over the 2 s after the creations", got)
 	}
 }
 
