@@ -416,8 +416,16 @@ func writeDRAFootprint(w io.Writer, pool *devicemodel.Pool) error {
 	if f.CounterSets > 0 {
 		fmt.Fprintln(w, "  (every node publishing counters costs the scheduler at every attempt on every node: docs/dra-devices.md, \"Scale\")")
 	}
+	if f.MIG > manyMIGDevices && pool.MIGAttributes == nil {
+		fmt.Fprintf(w, "  (%d MIG devices with NVIDIA's attributes, each about 4.4 KB of every scheduler's memory; for a fleet whose claims select MIG devices by a few attributes, dra.migDeviceAttributes keeping at most 6 beside type and profile takes each to about 2.6 KB: docs/dra-devices.md, \"Attributes\")\n", f.MIG)
+	}
 	return nil
 }
+
+// manyMIGDevices is the most MIG devices a node publishes before config
+// validate points to dra.migDeviceAttributes: as many as whole GPUs on an
+// 8-GPU node cost the scheduler about what those do.
+const manyMIGDevices = 8
 
 func writeCatalog(w io.Writer, cat *catalog.Catalog) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)

@@ -322,6 +322,30 @@ func TestValidateLeanMIGExample(t *testing.T) {
 	}
 }
 
+// config validate points to dra.migDeviceAttributes where a node publishes
+// more MIG devices than an 8-GPU node has GPUs with NVIDIA's attributes,
+// and not where it keeps fewer, nor for MIG on demand's spare layout (4).
+func TestValidateSuggestsLeanMIGDevices(t *testing.T) {
+	for _, tt := range []struct {
+		example string
+		hint    bool
+	}{
+		{"mig-h100-balanced.yaml", true},
+		{"mig-h100-all-1g.yaml", true},
+		{"mig-h100-balanced-lean.yaml", false},
+		{"mig-h100-half-3g.yaml", false},
+		{"dra-mig-on-demand.yaml", false},
+	} {
+		code, out, stderr := run(t, "config", "validate", filepath.Join("..", "..", "deploy", "examples", tt.example), "--backend", "sim:dgx-h100")
+		if code != 0 {
+			t.Fatalf("%s: exit %d:\n%s%s", tt.example, code, out, stderr)
+		}
+		if got := strings.Contains(out, "MIG devices with NVIDIA's attributes, each about 4.4 KB"); got != tt.hint {
+			t.Errorf("%s: points to dra.migDeviceAttributes: %v, want %v:\n%s", tt.example, got, tt.hint, out)
+		}
+	}
+}
+
 // `sim list` prints sim:<profile>; pasted where README writes
 // --backend sim:PROFILE it gives sim:sim:<profile>, which works too.
 func TestBackendTakesSimListName(t *testing.T) {

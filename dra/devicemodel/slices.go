@@ -509,11 +509,12 @@ func semver(v string) (string, bool) {
 }
 
 // Footprint is what a pool costs once published: its devices, the MIG
-// devices made on demand among them, its counter sets and their counters,
-// and the bytes of its ResourceSlices as JSON (what the API server stores
-// and every scheduler reads, node by node, at each scheduling attempt).
+// devices among them and those of them made on demand, its counter sets and
+// their counters, and the bytes of its ResourceSlices as JSON (what the API
+// server stores and every scheduler reads, node by node, at each scheduling
+// attempt).
 type Footprint struct {
-	Devices, Partitions, CounterSets, Counters, Consumptions, Slices, Bytes int
+	Devices, MIG, Partitions, CounterSets, Counters, Consumptions, Slices, Bytes int
 }
 
 // FootprintOf is pool's Footprint as published for nodeName.
@@ -524,6 +525,9 @@ func FootprintOf(nodeName string, pool *Pool) (Footprint, error) {
 	}
 	for _, d := range pool.Devices {
 		f.Devices++
+		if d.Type == TypeMIG {
+			f.MIG++
+		}
 		if d.Partition {
 			f.Partitions++
 		}
