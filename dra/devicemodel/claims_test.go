@@ -268,20 +268,17 @@ func TestClaimsOnLeanMIGDevices(t *testing.T) {
 	byArchitecture.Spec.Devices.Requests[0].Exactly.Selectors[0].CEL.Expression = "device.attributes['gpu.nvidia.com'].architecture == 'Hopper'"
 	for _, tt := range []struct {
 		claim   *resourceapi.ResourceClaim
-		devices int // 0: the allocator's error
+		profile string // the simulated node
+		devices int    // 0: the allocator's error
 	}{
-		{byName["mig-by-profile"], 1},
-		{byName["static-mig-by-capacity"], 1},
-		{byName["two-mig-on-one-gpu"], 2},
-		{byName["gpu-by-product-and-architecture"], 1},
-		{byArchitecture, 0},
+		{byName["mig-by-profile"], "dgx-h100-mig", 1},
+		{byName["static-mig-by-capacity"], "dgx-h100-mig", 1},
+		{byName["two-mig-on-one-gpu"], "dgx-h100-mig", 2},
+		{byName["gpu-by-product-and-architecture"], "dgx-h100", 1},
+		{byArchitecture, "dgx-h100-mig", 0},
 	} {
 		t.Run(tt.claim.Name, func(t *testing.T) {
-			profile := "dgx-h100-mig"
-			if tt.claim.Name == "gpu-by-product-and-architecture" {
-				profile = "dgx-h100"
-			}
-			_, pool := simPool(t, profile, false)
+			_, pool := simPool(t, tt.profile, false)
 			pool.MIGAttributes = keep
 			n := schedsim.New("node-a", devicemodel.DriverName, devicemodel.Resources("node-a", pool, 1, devicemodel.Dropped{}), deviceClasses(t))
 			results, err := n.Allocate(context.Background(), tt.claim)

@@ -56,8 +56,8 @@ type result struct {
 	Skip, Err, Why string // Why: the scheduler's last word on a pod it did not bind
 }
 
-// round is one pass of a row's pods: Rate is the steady binding rate (pods bound after the first, over the
-// time from the first binding to the last), Wall runs from the first pod's creation to the last binding (or
+// round is one pass of a row's pods: Rate is the steady binding rate (steadyRate: from the last pod's
+// creation to the last binding), Wall runs from the first pod's creation to the last binding (or
 // to the time limit), CPU is the scheduler's over that window.
 type round struct {
 	Bound    int

@@ -100,8 +100,8 @@ func counters(s stats) string {
 
 // legend explains the columns under the table.
 const legend = `Columns: *pods/s* is the steady binding rate (the pods bound after the last pod was created, over the
-time from then to the last binding; from the first binding where fewer than 10 were left by then), the median of the row's rounds, with the lowest and highest in brackets (each round creates
-the row's claims and pods again on the same scheduler, after the last round's are deleted; a round that reaches
+time from then to the last binding; from the first binding where fewer than 10 were left by then), the median
+of the row's rounds, with the lowest and highest in brackets (each round creates the row's claims and pods again on the same scheduler, after the last round's are deleted; a round that reaches
 the limit is the row's last); *vs whole-gpus-only* divides it by the whole-gpus-only row of the same N and claim,
 or of its 1gpu claim where whole GPUs cannot serve the claim ("(1gpu)"); *wall s* runs from the first pod's
 creation to the last binding, or to the time limit, and *sched CPU s/pod* is the scheduler's user+system CPU time
