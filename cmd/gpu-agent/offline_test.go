@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -548,5 +549,57 @@ sharing:
 	cfg := writeFile(t, "a100.yaml", a100Balanced)
 	if code, out, stderr := run(t, "config", "validate", cfg, "--strict"); code != 0 {
 		t.Errorf("no warnings: exit %d\n%s%s", code, out, stderr)
+	}
+}
+
+// Every example config on every simulated node publishes at most 64 KiB of
+// ResourceSlices (issue 28's goal for an 8-GPU node, here for every node),
+// and only MIG on demand at every placement publishes counters: every
+// other config keeps the scheduler's allocator off the counters' path on
+// every node model. An example whose MIG layout names another model is
+// refused there; each must pass on the models it is written for.
+func TestFootprintEveryProfile(t *testing.T) {
+	examples, err := filepath.Glob(filepath.Join("..", "..", "deploy", "examples", "*.yaml"))
+	if err != nil || len(examples) == 0 {
+		t.Fatalf("no examples: %v", err)
+	}
+	// mustPass: examples each model must accept (the rest may name another model's layout).
+	mustPass := map[string][]string{
+		"whole-gpus.yaml": nil, "time-slicing-x4.yaml": nil, "dra-mig-on-demand.yaml": nil,
+		"dra-mig-on-demand-every-placement.yaml": nil,
+		"mig-h100-balanced.yaml":                 {"dgx-h100", "dgx-h100-mig"},
+		"mig-a100-balanced.yaml":                 {"dgx-a100"},
+	}
+	re := regexp.MustCompile(`would hold (\d+) devices.* in (\d+) slices of ([0-9.]+) KiB`)
+	passed := map[string]int{}
+	for _, p := range sim.Profiles() {
+		for _, ex := range examples {
+			name := filepath.Base(ex)
+			code, out, stderr := run(t, "config", "validate", ex, "--backend", "sim:"+p.Name)
+			if code != 0 {
+				if models, ok := mustPass[name]; ok && (models == nil || slices.Contains(models, p.Name)) {
+					t.Errorf("%s on %s: exit %d:\n%s%s", name, p.Name, code, out, stderr)
+				}
+				continue
+			}
+			passed[name]++
+			m := re.FindStringSubmatch(out)
+			if m == nil {
+				t.Errorf("%s on %s: no DRA footprint in:\n%s", name, p.Name, out)
+				continue
+			}
+			if kib, _ := strconv.ParseFloat(m[3], 64); kib > 64 {
+				t.Errorf("%s on %s: %s devices in %s KiB of slices, want at most 64", name, p.Name, m[1], m[3])
+			}
+			counters := strings.Contains(out, "counter sets of")
+			if counters && name != "dra-mig-on-demand-every-placement.yaml" {
+				t.Errorf("%s on %s publishes counters:\n%s", name, p.Name, out)
+			}
+		}
+	}
+	for _, ex := range examples {
+		if passed[filepath.Base(ex)] == 0 && !strings.HasPrefix(filepath.Base(ex), "node-") {
+			t.Errorf("%s passed on no simulated node", filepath.Base(ex))
+		}
 	}
 }
