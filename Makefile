@@ -108,7 +108,7 @@ e2e-rack:
 FLEET_NODES ?= 100 500
 FLEET_PODS ?= 100
 FLEET_ROUNDS ?= 5
-FLEET_MODELS ?= default static-mig static-mig-lean time-sliced mig-on-demand mig-every-placement
+FLEET_MODELS ?= default static-mig static-mig-lean static-mig-nvidia-shape time-sliced mig-on-demand mig-every-placement
 FLEET_CLAIMS ?= 1gpu mig-1g 2gpu-nvlink
 FLEET_PROFILE ?= dgx-h100
 FLEET_LIMIT ?= 60s

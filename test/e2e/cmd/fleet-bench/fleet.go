@@ -217,57 +217,61 @@ type claimSpec struct {
 	Fits func(template) (bool, string)
 }
 
-var claimSpecs = []claimSpec{
-	{
-		Name: "1gpu",
-		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
-			Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
-		}}}},
-		Fits: func(t template) (bool, string) {
-			return countType(t, "gpu", "") > 0, "no device of type gpu"
-		},
-	},
-	{
-		Name: "mig-1g",
-		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
-			Name: "mig", Exactly: &resourceapi.ExactDeviceRequest{
-				DeviceClassName: "mig.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
-				Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
-					Expression: "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'",
-				}}},
+// claimSpecs are the claims a run can measure; mig-1g asks for one MIG device of migProfile (1g.10gb on an
+// H100, 1g.5gb on an A100 40GB, 1g.23gb on a B200).
+func claimSpecs(migProfile string) []claimSpec {
+	return []claimSpec{
+		{
+			Name: "1gpu",
+			Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+				Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+			}}}},
+			Fits: func(t template) (bool, string) {
+				return countType(t, "gpu", "") > 0, "no device of type gpu"
 			},
-		}}}},
-		Fits: func(t template) (bool, string) {
-			return countType(t, "mig", "1g.10gb") > 0, "no MIG device of profile 1g.10gb"
 		},
-	},
-	{
-		Name: "2gpu-nvlink",
-		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
-			Requests: []resourceapi.DeviceRequest{{
-				Name: "gpus", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 2},
+		{
+			Name: "mig-1g",
+			Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+				Name: "mig", Exactly: &resourceapi.ExactDeviceRequest{
+					DeviceClassName: "mig.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+					Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
+						Expression: fmt.Sprintf("device.attributes['gpu.nvidia.com'].profile == %q", migProfile),
+					}}},
+				},
+			}}}},
+			Fits: func(t template) (bool, string) {
+				return countType(t, "mig", migProfile) > 0, "no MIG device of profile " + migProfile
+			},
+		},
+		{
+			Name: "2gpu-nvlink",
+			Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
+				Requests: []resourceapi.DeviceRequest{{
+					Name: "gpus", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 2},
+				}},
+				Constraints: []resourceapi.DeviceConstraint{{
+					Requests: []string{"gpus"}, MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(driverName + "/nvlinkClique")),
+				}},
 			}},
-			Constraints: []resourceapi.DeviceConstraint{{
-				Requests: []string{"gpus"}, MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(driverName + "/nvlinkClique")),
-			}},
-		}},
-		Fits: func(t template) (bool, string) {
-			cliques := map[string]int{}
-			for _, d := range t.devices() {
-				if typ, _ := attr(d, "type"); typ == "gpu" {
-					if c, ok := attr(d, "nvlinkClique"); ok {
-						cliques[c]++
+			Fits: func(t template) (bool, string) {
+				cliques := map[string]int{}
+				for _, d := range t.devices() {
+					if typ, _ := attr(d, "type"); typ == "gpu" {
+						if c, ok := attr(d, "nvlinkClique"); ok {
+							cliques[c]++
+						}
 					}
 				}
-			}
-			for _, n := range cliques {
-				if n >= 2 {
-					return true, ""
+				for _, n := range cliques {
+					if n >= 2 {
+						return true, ""
+					}
 				}
-			}
-			return false, "no two GPUs of one NVLink clique"
+				return false, "no two GPUs of one NVLink clique"
+			},
 		},
-	},
+	}
 }
 
 // countType counts the template's devices of a type (and MIG profile, when given).

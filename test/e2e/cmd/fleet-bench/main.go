@@ -48,6 +48,7 @@ type options struct {
 	models      []string
 	modelFiles  map[string]string
 	claims      []string
+	migProfile  string
 	limit       time.Duration
 	settle      time.Duration
 	out, work   string
@@ -94,11 +95,13 @@ func parseFlags(args []string) (options, error) {
 	nodes := fl.String("nodes", "100,500", "fleet sizes N, comma- or space-separated")
 	fl.IntVar(&o.pods, "pods", 100, "pods per scenario, each with a ResourceClaim of its own")
 	fl.IntVar(&o.rounds, "rounds", 5, "times each scenario's pods are measured on one scheduler (the table gives the median rate)")
-	models := fl.String("models", "default,static-mig,static-mig-lean,time-sliced,mig-on-demand,mig-every-placement", "device models to measure ("+baselineModel+" always is)")
+	models := fl.String("models", "default,static-mig,static-mig-lean,"+nvidiaShapeModel+",time-sliced,mig-on-demand,mig-every-placement",
+		"device models to measure ("+baselineModel+" always is; "+nvidiaShapeModel+" is static-mig's devices as NVIDIA's DRA driver shapes them)")
 	var files []string
 	fl.Func("model-file", "NAME=FILE: the ConfigMap manifest (or an empty FILE: no config) of a model, instead of its example or as a new one; repeatable",
 		func(s string) error { files = append(files, s); return nil })
 	claims := fl.String("claims", "1gpu,mig-1g,2gpu-nvlink", "claims to measure")
+	fl.StringVar(&o.migProfile, "mig-profile", "1g.10gb", "the MIG profile the mig-1g claim asks for (1g.5gb on an A100 40GB, 1g.23gb on a B200)")
 	fl.DurationVar(&o.limit, "limit", 120*time.Second, "time limit for the pods of one scenario to be bound")
 	fl.DurationVar(&o.settle, "settle", 10*time.Second, "how long an agent's slices must stay unchanged to be taken")
 	fl.StringVar(&o.out, "out", "", "also write the table to this file")
@@ -130,13 +133,14 @@ func parseFlags(args []string) (options, error) {
 		o.modelFiles[name] = file
 	}
 	for _, c := range o.claims {
-		if !slices.ContainsFunc(claimSpecs, func(s claimSpec) bool { return s.Name == c }) {
+		if !slices.ContainsFunc(claimSpecs(o.migProfile), func(s claimSpec) bool { return s.Name == c }) {
 			return o, fmt.Errorf("-claims: unknown claim %q", c)
 		}
 	}
 	for _, m := range o.models {
 		_, file := o.modelFiles[m]
-		if m == baselineModel || (!file && !slices.ContainsFunc(exampleModels, func(e model) bool { return e.Name == m })) {
+		_, derived := derivedModels[m]
+		if m == baselineModel || (!file && !derived && !slices.ContainsFunc(exampleModels, func(e model) bool { return e.Name == m })) {
 			return o, fmt.Errorf("-models: unknown model %q (give its config with -model-file %s=FILE)", m, m)
 		}
 	}
@@ -174,7 +178,13 @@ func splitList(r rune) bool { return r == ',' || r == ' ' }
 // resolveModels is every model to get a template of, in the order asked, the default first (the baseline
 // is derived from it); a model whose config file does not exist is left out, with the reason in skipped.
 func resolveModels(o options) (ms []model, skipped []string) {
-	names := append([]string{"default"}, o.models...)
+	names := []string{"default"}
+	for _, name := range o.models {
+		if d, ok := derivedModels[name]; ok {
+			name = d.From // its agent runs; the model is derived from its slices
+		}
+		names = append(names, name)
+	}
 	seen := map[string]bool{}
 	for _, name := range names {
 		if seen[name] {
@@ -233,9 +243,24 @@ func run(ctx context.Context, o options) (err error) {
 		return err
 	}
 	order := []template{base}
-	for _, m := range models {
-		if slices.Contains(o.models, m.Name) {
-			order = append(order, templates[m.Name])
+	measured := map[string]bool{}
+	for _, name := range o.models {
+		if measured[name] {
+			continue
+		}
+		measured[name] = true
+		if d, ok := derivedModels[name]; ok {
+			from, ok := templates[d.From]
+			if !ok {
+				continue // its source model was left out (skippedModels says why)
+			}
+			t, err := d.Derive(from)
+			if err != nil {
+				return err
+			}
+			order = append(order, t)
+		} else if t, ok := templates[name]; ok {
+			order = append(order, t)
 		}
 	}
 	for _, t := range order {
@@ -243,7 +268,7 @@ func run(ctx context.Context, o options) (err error) {
 		log.Printf("model %s: %d slices, %d devices, %s counter sets per node", t.Model, st.Slices, st.Devices, counters(st))
 	}
 	var claims []claimSpec
-	for _, c := range claimSpecs {
+	for _, c := range claimSpecs(o.migProfile) {
 		if slices.Contains(o.claims, c.Name) {
 			claims = append(claims, c)
 		}
@@ -277,8 +302,8 @@ func run(ctx context.Context, o options) (err error) {
 		}
 	}
 	header := []string{
-		fmt.Sprintf("Fleet benchmark: sim:%s, Kubernetes %s, %d pods per scenario, %d rounds (limit %s each), %d CPUs, %s in all.",
-			o.profile, version, o.pods, o.rounds, o.limit, runtime.NumCPU(), duration(time.Since(start))),
+		fmt.Sprintf("Fleet benchmark: sim:%s, Kubernetes %s, %d pods per scenario, %d rounds (limit %s each), mig-1g claims %s, %d CPUs, %s in all.",
+			o.profile, version, o.pods, o.rounds, o.limit, o.migProfile, runtime.NumCPU(), duration(time.Since(start))),
 	}
 	out := table(results, header, skippedModels) + "\n" + legend + "\n"
 	fmt.Print(out)

@@ -3,12 +3,14 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 )
@@ -104,7 +106,7 @@ func TestClaimsFit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, c := range claimSpecs {
+	for _, c := range claimSpecs("1g.10gb") {
 		fitsDef, _ := c.Fits(def)
 		fitsBase, why := c.Fits(base)
 		if !fitsDef {
@@ -268,5 +270,57 @@ func TestMixedFleet(t *testing.T) {
 		if _, err := parseFlags([]string{"-mix", bad, "-nodes", "10"}); err == nil || !strings.Contains(err.Error(), "-mix") {
 			t.Errorf("-mix %s: error %v, want one naming -mix", bad, err)
 		}
+	}
+}
+
+func TestNVIDIAShape(t *testing.T) {
+	gib := func(n int64) resourceapi.DeviceCapacity {
+		return resourceapi.DeviceCapacity{Value: *resource.NewQuantity(n<<30, resource.BinarySI)}
+	}
+	mig := func(name, parent, profile string, mem int64) resourceapi.Device {
+		return resourceapi.Device{Name: name,
+			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+				"type": str("mig"), "profile": str(profile), "parentUUID": str(parent), "index": num(0)},
+			Capacity: map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"memory": gib(mem), "multiprocessors": gib(0)}}
+	}
+	static := template{Model: "static-mig", Slices: []resourceapi.ResourceSlice{{Spec: resourceapi.ResourceSliceSpec{
+		Driver: driverName, Devices: []resourceapi.Device{
+			mig("gpu-0-mig-1-0", "GPU-0", "2g.20gb", 20), mig("gpu-0-mig-2-0", "GPU-0", "1g.10gb", 10),
+			mig("gpu-0-mig-3-0", "GPU-0", "3g.40gb", 40), mig("gpu-1-mig-1-0", "GPU-1", "1g.10gb", 10),
+		}}}}}
+	got, err := nvidiaShape(static)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// memorySlice capacities each device gets: its memory over the smallest (10 GiB), end to end per GPU.
+	want := map[string][]string{
+		"gpu-0-mig-1-0": {"memorySlice0", "memorySlice1"},
+		"gpu-0-mig-2-0": {"memorySlice2"},
+		"gpu-0-mig-3-0": {"memorySlice3", "memorySlice4", "memorySlice5", "memorySlice6"},
+		"gpu-1-mig-1-0": {"memorySlice0"},
+	}
+	for _, d := range got.devices() {
+		if _, ok := d.Attributes["index"]; ok {
+			t.Errorf("%s keeps index", d.Name)
+		}
+		var slicesOf []string
+		for name := range d.Capacity {
+			if strings.HasPrefix(string(name), "memorySlice") {
+				slicesOf = append(slicesOf, string(name))
+			}
+		}
+		slices.Sort(slicesOf)
+		if !slices.Equal(slicesOf, want[d.Name]) {
+			t.Errorf("%s: memory slices %v, want %v", d.Name, slicesOf, want[d.Name])
+		}
+		if len(d.Capacity) != 2+len(want[d.Name]) {
+			t.Errorf("%s: %d capacities, want its 2 and %d memory slices", d.Name, len(d.Capacity), len(want[d.Name]))
+		}
+	}
+	if d := static.devices()[0]; len(d.Capacity) != 2 || d.Attributes["index"].IntValue == nil {
+		t.Fatal("the static-mig template was changed")
+	}
+	if _, err := nvidiaShape(template{Model: "static-mig"}); err == nil {
+		t.Error("a template without MIG devices was shaped")
 	}
 }

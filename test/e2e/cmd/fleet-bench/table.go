@@ -114,7 +114,9 @@ to the size of the live heap, and the runtime's and binary's own pages); *sched 
 to its /readyz with the fleet already stored; slice bytes are one node's ResourceSlices as JSON, as the API server
 returns them. With only a few pods bound, pods/s rests on a few bindings: bound/asked over the limit is the other
 reading. whole-gpus-only is derived from the default model's slices (its type=gpu devices only, no
-ConsumesCounters, no counter sets), not published by an agent.`
+ConsumesCounters, no counter sets), not published by an agent; so is static-mig-nvidia-shape, from static-mig's
+(its MIG devices without index and with a memorySlice<i> capacity per memory slice, as NVIDIA's DRA driver
+publishes them).`
 
 // duration formats a duration for the log.
 func duration(d time.Duration) string { return d.Round(100 * time.Millisecond).String() }

@@ -12,6 +12,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"sigs.k8s.io/yaml"
@@ -124,6 +125,65 @@ func wholeGPUsOnly(def template) (template, error) {
 	s.Spec.Pool.ResourceSliceCount = 1
 	return template{Model: baselineModel, Slices: []resourceapi.ResourceSlice{*s},
 		Derived: "the default model's slices, its type=gpu devices only, without ConsumesCounters and counter sets"}, nil
+}
+
+// derivedModels are measured from another model's slices, changed, rather than from what an agent publishes:
+// each names the model it is derived from (whose agent runs, measured or not) and how.
+var derivedModels = map[string]struct {
+	From   string
+	Derive func(template) (template, error)
+}{
+	nvidiaShapeModel: {From: "static-mig", Derive: nvidiaShape},
+}
+
+// nvidiaShapeModel is static MIG's devices as NVIDIA's DRA driver shapes MIG devices (see nvidiaShape): what the
+// same layout costs the scheduler with the driver gpu-agent replaces.
+const nvidiaShapeModel = "static-mig-nvidia-shape"
+
+// nvidiaShape derives from the static MIG model's slices the MIG devices NVIDIA's DRA driver
+// (kubernetes-sigs/dra-driver-nvidia-gpu, cmd/gpu-kubelet-plugin) publishes for the same layout: the same
+// attributes but index, which that driver no longer publishes, and beside the same capacities one
+// memorySlice<i> capacity of 1 per memory slice the device's placement spans. gpu-agent's slices do not say
+// where a device is placed: its number of memory slices is its memory over the smallest MIG device's of the
+// node (1, 2 and 4 for an H100's 1g.10gb, 2g.20gb and 3g.40gb), laid end to end from slice 0 on each GPU in the
+// slice's order. Which slices a device spans does not change what it costs the scheduler; how many does, as
+// past 8 capacities its map doubles. Device names stay gpu-agent's (NVIDIA's are a few bytes longer).
+func nvidiaShape(static template) (template, error) {
+	var smallest int64
+	for _, d := range static.devices() {
+		if typ, _ := attr(d, "type"); typ != "mig" {
+			continue
+		}
+		if m, ok := d.Capacity["memory"]; ok && (smallest == 0 || m.Value.Value() < smallest) {
+			smallest = m.Value.Value()
+		}
+	}
+	if smallest <= 0 {
+		return template{}, fmt.Errorf("%s: the static-mig model's slices have no MIG device with memory", nvidiaShapeModel)
+	}
+	next := map[string]int{} // the next free memory slice of each GPU, by parentUUID
+	out := template{Model: nvidiaShapeModel,
+		Derived: "static-mig's slices, each MIG device without index and with one memorySlice<i> capacity per memory slice it spans, as NVIDIA's DRA driver publishes MIG devices"}
+	for _, s := range static.Slices {
+		s := *s.DeepCopy()
+		for i := range s.Spec.Devices {
+			d := &s.Spec.Devices[i]
+			if typ, _ := attr(*d, "type"); typ != "mig" {
+				continue
+			}
+			delete(d.Attributes, "index")
+			delete(d.Attributes, driverName+"/index")
+			parent, _ := attr(*d, "parentUUID")
+			m := d.Capacity["memory"]
+			n := int((m.Value.Value() + smallest/2) / smallest)
+			for k := range max(n, 1) {
+				d.Capacity[resourceapi.QualifiedName(fmt.Sprintf("memorySlice%d", next[parent]+k))] = resourceapi.DeviceCapacity{Value: *resource.NewQuantity(1, resource.BinarySI)}
+			}
+			next[parent] += max(n, 1)
+		}
+		out.Slices = append(out.Slices, s)
+	}
+	return out, nil
 }
 
 // configFromManifest writes the config.yaml key of a ConfigMap manifest (deploy/examples holds such files) to
