@@ -287,6 +287,14 @@ func run(ctx context.Context, o options) (err error) {
 			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s-mixed", n, t.Model)), repo: o.repo,
 				tmpl: t, others: templates["default"], mixed: mixed, nodes: n, pods: o.pods, rounds: o.rounds, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
 		}
+		// The baseline again after the models: every ratio at this N divides by it, so it is taken as the
+		// mean of a reading before and after them (table), halving what one noisy reading moves them by.
+		if len(order) > 1 {
+			again := base
+			again.Model = baselineAgain
+			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s", n, again.Model)), repo: o.repo,
+				tmpl: again, nodes: n, pods: o.pods, rounds: o.rounds, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
+		}
 	}
 	for _, f := range runs {
 		rs, err := f.run(ctx, claims)

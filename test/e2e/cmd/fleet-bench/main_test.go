@@ -184,6 +184,10 @@ func TestTableRatio(t *testing.T) {
 		{Model: "mig-on-demand", Nodes: 100, Claim: "mig-1g", Asked: 10, Bound: 10, Rate: 30, RateMin: 20, RateMax: 31, Rounds: 3,
 			Sched: memory{HWM: 200 << 20}, SchedHeap: 90 << 20},
 		{Model: "mig-on-demand", Nodes: 500, Claim: "mig-1g", Asked: 10, Bound: 10, Rate: 30, RateMin: 30, RateMax: 30, Rounds: 3},
+		// At 200 nodes the baseline was read before the models and after: each ratio is to the mean of both.
+		{Model: baselineModel, Nodes: 200, Claim: "1gpu", Asked: 10, Bound: 10, Rate: 50},
+		{Model: "time-sliced", Nodes: 200, Claim: "1gpu", Asked: 10, Bound: 10, Rate: 20},
+		{Model: baselineAgain, Nodes: 200, Claim: "1gpu", Asked: 10, Bound: 10, Rate: 30},
 	}
 	out := table(rs, nil, []string{"- model x: not measured."})
 	for _, want := range []string{
@@ -191,6 +195,9 @@ func TestTableRatio(t *testing.T) {
 		"\n\n- model x: not measured.",
 		"| mig-on-demand | 100 | mig-1g | 10/10 | 30.00 (20.0–31.0) | 0.600 (1gpu) | 0.0 | 0.000 | 200 | 90 |",
 		"| mig-on-demand | 500 | mig-1g | 10/10 | 30.00 | – |", // no baseline at 500 nodes; one rate: no range
+		"| whole-gpus-only | 200 | 1gpu | 10/10 | 50.00 | 1.250 |",
+		"| time-sliced | 200 | 1gpu | 10/10 | 20.00 | 0.500 |",
+		"| whole-gpus-only-again | 200 | 1gpu | 10/10 | 30.00 | 0.750 |",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)

@@ -27,6 +27,9 @@ const driverName = "gpu.nvidia.com"
 // what a node publishing 8 plain GPUs looks like to the scheduler (derived, see wholeGPUsOnly).
 const baselineModel = "whole-gpus-only"
 
+// baselineAgain is the baseline measured a second time, after every model of a fleet size.
+const baselineAgain = baselineModel + "-again"
+
 // model is one way a node's agent is configured: the config file it is given (none: the built-in default).
 type model struct {
 	Name string
