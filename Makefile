@@ -103,7 +103,7 @@ e2e-rack:
 # device model, copied onto FLEET_NODES fake Nodes of a control plane of its own (etcd, kube-apiserver and
 # kube-scheduler from test/e2e/run.sh's cache, built there when missing), and FLEET_PODS pods with a claim
 # each timed until bound, beside whole GPUs without counters. Not part of `make test`; no root. The table
-# goes to stdout and FLEET_OUT; see test/e2e/README.md (about 16 minutes on 2 cores at the defaults, a third
+# goes to stdout and FLEET_OUT; see test/e2e/README.md (about 18 minutes on 2 cores at the defaults, a third
 # of it MIG on demand on counters on 1.36, which spends its limit at 500 nodes; FLEET_NODES=100 FLEET_MODELS=default FLEET_CLAIMS=1gpu: 2 minutes).
 FLEET_NODES ?= 100 500
 FLEET_PODS ?= 100
