@@ -275,25 +275,28 @@ func run(ctx context.Context, o options) (err error) {
 	}
 
 	var results []result
+	// fleet is a run of n nodes of t, in the work directory's fleet-<n>-<name>.
+	fleet := func(n int, name string, t template) *fleetRun {
+		return &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s", n, name)), repo: o.repo,
+			tmpl: t, nodes: n, pods: o.pods, rounds: o.rounds, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf}
+	}
 	var runs []*fleetRun
 	for _, n := range o.nodes {
 		for _, t := range order {
-			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s", n, t.Model)), repo: o.repo,
-				tmpl: t, nodes: n, pods: o.pods, rounds: o.rounds, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
+			runs = append(runs, fleet(n, t.Model, t))
 			if o.mix == 0 || t.Model == baselineModel || t.Model == "default" {
 				continue
 			}
-			mixed := max(1, int(o.mix*float64(n)+0.5))
-			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s-mixed", n, t.Model)), repo: o.repo,
-				tmpl: t, others: templates["default"], mixed: mixed, nodes: n, pods: o.pods, rounds: o.rounds, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
+			f := fleet(n, t.Model+"-mixed", t)
+			f.others, f.mixed = templates["default"], max(1, int(o.mix*float64(n)+0.5))
+			runs = append(runs, f)
 		}
 		// The baseline again after the models: every ratio at this N divides by it, so it is taken as the
 		// mean of a reading before and after them (table), halving what one noisy reading moves them by.
 		if len(order) > 1 {
 			again := base
 			again.Model = baselineAgain
-			runs = append(runs, &fleetRun{bins: o.bins, dir: filepath.Join(work, fmt.Sprintf("fleet-%d-%s", n, again.Model)), repo: o.repo,
-				tmpl: again, nodes: n, pods: o.pods, rounds: o.rounds, limit: o.limit, cpuprofile: o.cpuprofile, logf: log.Printf})
+			runs = append(runs, fleet(n, again.Model, again))
 		}
 	}
 	for _, f := range runs {

@@ -178,11 +178,11 @@ func nvidiaShape(static template) (template, error) {
 			delete(d.Attributes, driverName+"/index")
 			parent, _ := attr(*d, "parentUUID")
 			m := d.Capacity["memory"]
-			n := int((m.Value.Value() + smallest/2) / smallest)
-			for k := range max(n, 1) {
+			n := max(1, int((m.Value.Value()+smallest/2)/smallest))
+			for k := range n {
 				d.Capacity[resourceapi.QualifiedName(fmt.Sprintf("memorySlice%d", next[parent]+k))] = resourceapi.DeviceCapacity{Value: *resource.NewQuantity(1, resource.BinarySI)}
 			}
-			next[parent] += max(n, 1)
+			next[parent] += n
 		}
 		out.Slices = append(out.Slices, s)
 	}
