@@ -141,6 +141,7 @@ FUZZ_TARGETS := \
 	./config:FuzzParse \
 	./config:FuzzParseConfigMap \
 	./dra/devicemodel:FuzzDecodeConfig \
+	./dra/schedsim:FuzzRead \
 	./gpu:FuzzNormalizeBusID \
 	./gpu:FuzzPCIeRootOfLink \
 	./gpu:FuzzReadJSON \
