@@ -20,6 +20,7 @@ import (
 	"github.com/gpu-agent/gpu-agent/catalog"
 	"github.com/gpu-agent/gpu-agent/config"
 	"github.com/gpu-agent/gpu-agent/dra/devicemodel"
+	"github.com/gpu-agent/gpu-agent/dra/schedsim"
 	"github.com/gpu-agent/gpu-agent/gpu"
 	"github.com/gpu-agent/gpu-agent/gpu/sim"
 	"github.com/gpu-agent/gpu-agent/mig"
@@ -289,7 +290,7 @@ func subcommand(args []string, sub, synopsis string, stdout io.Writer) (done boo
 	return true, usageError{"want: " + synopsis}
 }
 
-const validateSynopsis = "config validate FILE [--backend sim:<profile>[,state=F]|nvml | --addr URL] [--node-name N] [--labels K=V,...] [--strict]"
+const validateSynopsis = "config validate FILE [--backend sim:<profile>[,state=F]|nvml | --addr URL] [--node-name N] [--labels K=V,...] [--claims F]... [--strict]"
 
 func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if done, err := subcommand(args, "validate", validateSynopsis, stdout); done {
@@ -300,12 +301,22 @@ func cmdConfig(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	nf.register(fs)
 	var s selection
 	s.register(fs)
-	strict := fs.Bool("strict", false, "warnings fail too (exit 1), for CI: a field NVIDIA's format ignores, a mig-configs entry that fits no model of the node, ...")
+	strict := fs.Bool("strict", false, "warnings fail too (exit 1), for CI: a field NVIDIA's format ignores, a mig-configs entry that fits no model of the node, a claim that cannot be evaluated, ...")
+	var claims claimFiles
+	fs.Var(&claims, "claims", "DeviceClasses, ResourceClaims and ResourceClaimTemplates (YAML or JSON, kubectl's List too; - for standard input; again for more files): allocate each claim alone on the node as it would offer, with the kube-scheduler's allocator")
 	file, err := configFileArg(fs, args[1:])
 	if err != nil {
 		return err
 	}
-	if err := validate(ctx, file, &nf, &s, fs, stdout, stderr); err != nil {
+	var objs *schedsim.Objects
+	if len(claims) > 0 {
+		o, err := readClaimFiles(claims, os.Stdin)
+		if err != nil {
+			return err
+		}
+		objs = &o
+	}
+	if err := validate(ctx, file, &nf, &s, fs, objs, stdout, stderr); err != nil {
 		return err
 	}
 	if *strict && s.warnings > 0 {
@@ -321,8 +332,9 @@ func plural(n int, one, more string) string {
 	return more
 }
 
-// validate is config validate, warnings counted in s.
-func validate(ctx context.Context, file string, nf *nodeFlags, s *selection, fs *flag.FlagSet, stdout, stderr io.Writer) error {
+// validate is config validate, warnings counted in s; with claims, each is
+// allocated on the node as the config would have it.
+func validate(ctx context.Context, file string, nf *nodeFlags, s *selection, fs *flag.FlagSet, claims *schedsim.Objects, stdout, stderr io.Writer) error {
 	f, sel, what, err := s.load(file, stderr)
 	if err != nil {
 		return err
@@ -392,7 +404,13 @@ func validate(ctx context.Context, file string, nf *nodeFlags, s *selection, fs 
 	if err := writeCatalog(stdout, cat); err != nil {
 		return err
 	}
-	return writeDRAFootprint(stdout, pool)
+	if err := writeDRAFootprint(stdout, pool); err != nil {
+		return err
+	}
+	if claims != nil {
+		s.warnings += writeClaims(stdout, stderr, file, be.Name, *claims, checkClaims(ctx, s.node, pool, *claims))
+	}
+	return nil
 }
 
 // writeDRAFootprint says what the node's ResourceSlices would hold with the
@@ -417,7 +435,7 @@ func writeDRAFootprint(w io.Writer, pool *devicemodel.Pool) error {
 		fmt.Fprintln(w, "  (every node publishing counters costs the scheduler at every attempt on every node: docs/dra-devices.md, \"Scale\")")
 	}
 	if f.MIG > manyMIGDevices && pool.MIGAttributes == nil {
-		fmt.Fprintf(w, "  (%d MIG devices with NVIDIA's attributes, each about 4.4 KB of every scheduler's memory; for a fleet whose claims select MIG devices by a few attributes, dra.migDeviceAttributes keeping at most 6 beside type and profile takes each to about 2.6 KB: docs/dra-devices.md, \"Attributes\")\n", f.MIG)
+		fmt.Fprintf(w, "  (%d MIG devices with NVIDIA's attributes, each about 4.4 KB of every scheduler's memory; for a fleet whose claims select MIG devices by a few attributes, dra.migDeviceAttributes keeping at most 6 beside type and profile takes each to about 2.6 KB: docs/dra-devices.md, \"Attributes\"; --claims checks a fleet's claims against it)\n", f.MIG)
 	}
 	return nil
 }

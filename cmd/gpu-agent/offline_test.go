@@ -603,3 +603,139 @@ func TestFootprintEveryProfile(t *testing.T) {
 		}
 	}
 }
+
+// claimsForCheck: a whole GPU, a MIG device by profile (NVIDIA's documented
+// claim), a MIG device by driverVersion (an attribute the lean example
+// leaves out), more GPUs than a node has, and a class nobody gave.
+const claimsForCheck = `apiVersion: v1
+kind: List
+items:
+- apiVersion: resource.k8s.io/v1
+  kind: ResourceClaim
+  metadata: {name: one-gpu, namespace: default}
+  spec: {devices: {requests: [{name: gpu, exactly: {deviceClassName: gpu.nvidia.com}}]}}
+- apiVersion: resource.k8s.io/v1
+  kind: ResourceClaimTemplate
+  metadata: {name: mig-small, namespace: ml}
+  spec:
+    spec:
+      devices:
+        requests:
+        - name: mig
+          exactly:
+            deviceClassName: mig.nvidia.com
+            selectors: [{cel: {expression: "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'"}}]
+- apiVersion: resource.k8s.io/v1
+  kind: ResourceClaim
+  metadata: {name: mig-by-driver, namespace: ml}
+  spec:
+    devices:
+      requests:
+      - name: mig
+        exactly:
+          deviceClassName: mig.nvidia.com
+          selectors: [{cel: {expression: "device.attributes['gpu.nvidia.com'].driverVersion.isGreaterThan(semver('500.0.0'))"}}]
+- apiVersion: resource.k8s.io/v1
+  kind: ResourceClaim
+  metadata: {name: nine, namespace: default}
+  spec: {devices: {requests: [{name: gpus, exactly: {deviceClassName: gpu.nvidia.com, count: 9}}]}}
+- apiVersion: resource.k8s.io/v1
+  kind: ResourceClaim
+  metadata: {name: nic, namespace: default}
+  spec: {devices: {requests: [{name: nic, exactly: {deviceClassName: nic.example.com}}]}}
+`
+
+// config validate --claims allocates each claim on the node as the config
+// would have it, with the scheduler's allocator and gpu-agent's classes: a
+// claim that reads an attribute the lean MIG example leaves out is a
+// warning there (and an error with --strict), and allocates with NVIDIA's
+// attributes; a claim that does not fit a node is said so, not warned of.
+func TestValidateClaims(t *testing.T) {
+	claims := writeFile(t, "claims.yaml", claimsForCheck)
+	classes := filepath.Join("..", "..", "deploy", "manifests", "dra", "deviceclasses.yaml")
+	example := func(name string) string { return filepath.Join("..", "..", "deploy", "examples", name) }
+	missingClass := `ResourceClaim default/nic: CANNOT BE EVALUATED here: DeviceClass nic.example.com not given`
+	for _, tt := range []struct {
+		example  string
+		lines    []string
+		warnings []string
+	}{
+		{
+			example: "whole-gpus.yaml",
+			lines: []string{
+				`^  ResourceClaim default/one-gpu: allocates gpu: gpu-0$`,
+				`^  ResourceClaimTemplate ml/mig-small: does not fit this node$`,
+				`^  ResourceClaim ml/mig-by-driver: does not fit this node$`,
+				`^  ResourceClaim default/nine: does not fit this node$`,
+				`^  ` + missingClass,
+				`^  1 allocates, 3 do not fit this node, 1 cannot be evaluated$`,
+			},
+			warnings: []string{"default/nic"},
+		},
+		{
+			example: "mig-h100-balanced.yaml",
+			lines: []string{
+				`^  ResourceClaim default/one-gpu: does not fit this node$`,
+				`^  ResourceClaimTemplate ml/mig-small: allocates mig: gpu-\d+-mig-`,
+				`^  ResourceClaim ml/mig-by-driver: allocates mig: gpu-\d+-mig-`,
+				`^  2 allocate, 2 do not fit this node, 1 cannot be evaluated$`,
+			},
+			warnings: []string{"default/nic"},
+		},
+		{
+			example: "mig-h100-balanced-lean.yaml",
+			lines: []string{
+				`^  ResourceClaimTemplate ml/mig-small: allocates mig: gpu-\d+-mig-`,
+				`^  ResourceClaim ml/mig-by-driver: CANNOT BE EVALUATED here: .*no such key: driverVersion$`,
+				`^  1 allocates, 2 do not fit this node, 2 cannot be evaluated$`,
+			},
+			warnings: []string{"ml/mig-by-driver", "default/nic"},
+		},
+	} {
+		t.Run(tt.example, func(t *testing.T) {
+			code, out, stderr := run(t, "config", "validate", example(tt.example), "--backend", "sim:dgx-h100", "--claims", claims, "--claims", classes)
+			if code != 0 {
+				t.Fatalf("exit %d, want 0 (warnings only):\n%s%s", code, out, stderr)
+			}
+			for _, l := range append([]string{`^Claims \(--claims: 5 claims, 2 DeviceClasses\)`}, tt.lines...) {
+				if !regexp.MustCompile(`(?m)` + l).MatchString(out) {
+					t.Errorf("output has no line matching %s:\n%s", l, out)
+				}
+			}
+			var warned []string
+			for _, l := range strings.Split(strings.TrimSpace(stderr), "\n") {
+				if m := regexp.MustCompile(`^warning: .*: on sim:dgx-h100: Resource\w+ (\S+) cannot be evaluated`).FindStringSubmatch(l); m != nil {
+					warned = append(warned, m[1])
+				}
+			}
+			if strings.Join(warned, ",") != strings.Join(tt.warnings, ",") {
+				t.Errorf("warnings for %q, want %q:\n%s", warned, tt.warnings, stderr)
+			}
+			code, _, stderr = run(t, "config", "validate", example(tt.example), "--backend", "sim:dgx-h100", "--claims", claims, "--claims", classes, "--strict")
+			if code != 1 || !strings.Contains(stderr, "--strict makes them errors") {
+				t.Errorf("--strict: exit %d, want 1:\n%s", code, stderr)
+			}
+		})
+	}
+}
+
+// A --claims file that cannot be read stops config validate before it looks
+// at the node, naming the file's document and object.
+func TestValidateClaimsRefusesBadFile(t *testing.T) {
+	bad := writeFile(t, "bad.yaml", strings.Replace(claimsForCheck, "deviceClassName: gpu.nvidia.com}", "deviceClass: gpu.nvidia.com}", 1))
+	code, out, stderr := run(t, "config", "validate", filepath.Join("..", "..", "deploy", "examples", "whole-gpus.yaml"), "--backend", "sim:dgx-h100", "--claims", bad)
+	if code != 1 || !strings.Contains(stderr, `--claims: `+bad+`: document 1: List item 0: ResourceClaim default/one-gpu: spec: json: unknown field "deviceClass"`) || out != "" {
+		t.Errorf("exit %d, want 1 naming the object:\n%s%s", code, out, stderr)
+	}
+}
+
+// --claims - reads standard input, which can be read once.
+func TestReadClaimFilesStdin(t *testing.T) {
+	objs, err := readClaimFiles([]string{"-"}, strings.NewReader(claimsForCheck))
+	if err != nil || len(objs.Claims) != 5 {
+		t.Fatalf("read %d claims, error %v; want 5", len(objs.Claims), err)
+	}
+	if _, err := readClaimFiles([]string{"-", "-"}, strings.NewReader(claimsForCheck)); err == nil || !strings.Contains(err.Error(), "standard input given twice") {
+		t.Errorf("error %v, want standard input given twice", err)
+	}
+}
