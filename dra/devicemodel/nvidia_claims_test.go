@@ -297,7 +297,7 @@ func fromV1beta1(b []byte, kind string) (resourceapi.ResourceClaimSpec, error) {
 // slices on a few simulated nodes, and logs which allocate where. It fails
 // when a claim allocates nowhere and is not among nvidiaNotAllocating.
 //
-//	NVIDIA_DRA_DRIVER_REPO=/path/to/dra-driver-nvidia-gpu go test -run TestNVIDIAClaims -v ./dra
+//	NVIDIA_DRA_DRIVER_REPO=/path/to/dra-driver-nvidia-gpu go test -run TestNVIDIAClaims -v ./dra/devicemodel
 func TestNVIDIAClaims(t *testing.T) {
 	repo := os.Getenv(nvidiaRepoEnv)
 	if repo == "" {
