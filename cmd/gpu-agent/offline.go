@@ -408,7 +408,11 @@ func validate(ctx context.Context, file string, nf *nodeFlags, s *selection, fs 
 		return err
 	}
 	if claims != nil {
-		s.warnings += writeClaims(stdout, stderr, file, be.Name, *claims, checkClaims(ctx, s.node, pool, *claims))
+		where := "the node as the config would publish it"
+		if sel.MIGLayout != nil && be.Sim == nil {
+			where = "the node as it is now, not as the layout would make it (--backend sim:PROFILE tries the layout)"
+		}
+		s.warnings += writeClaims(stdout, stderr, file, be.Name, where, *claims, checkClaims(ctx, s.node, pool, *claims))
 	}
 	return nil
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -605,8 +606,9 @@ func TestFootprintEveryProfile(t *testing.T) {
 }
 
 // claimsForCheck: a whole GPU, a MIG device by profile (NVIDIA's documented
-// claim), a MIG device by driverVersion (an attribute the lean example
-// leaves out), more GPUs than a node has, and a class nobody gave.
+// claim) as a template and as a pod's claim made from it, a MIG device by
+// driverVersion (an attribute the lean example leaves out), more GPUs than a
+// node has, a class nobody gave, and a request the API server would refuse.
 const claimsForCheck = `apiVersion: v1
 kind: List
 items:
@@ -627,6 +629,16 @@ items:
             selectors: [{cel: {expression: "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'"}}]
 - apiVersion: resource.k8s.io/v1
   kind: ResourceClaim
+  metadata: {name: pod-0-mig-x7k2p, namespace: ml, annotations: {resource.kubernetes.io/pod-claim-name: mig}}
+  spec:
+    devices:
+      requests:
+      - name: mig
+        exactly:
+          deviceClassName: mig.nvidia.com
+          selectors: [{cel: {expression: "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'"}}]
+- apiVersion: resource.k8s.io/v1
+  kind: ResourceClaim
   metadata: {name: mig-by-driver, namespace: ml}
   spec:
     devices:
@@ -643,18 +655,28 @@ items:
   kind: ResourceClaim
   metadata: {name: nic, namespace: default}
   spec: {devices: {requests: [{name: nic, exactly: {deviceClassName: nic.example.com}}]}}
+- apiVersion: resource.k8s.io/v1
+  kind: ResourceClaim
+  metadata: {name: bare, namespace: default}
+  spec: {devices: {requests: [{name: gpu}]}}
 `
 
 // config validate --claims allocates each claim on the node as the config
 // would have it, with the scheduler's allocator and gpu-agent's classes: a
 // claim that reads an attribute the lean MIG example leaves out is a
 // warning there (and an error with --strict), and allocates with NVIDIA's
-// attributes; a claim that does not fit a node is said so, not warned of.
+// attributes; a claim that does not fit a node is said so, not warned of; a
+// class not given, or a claim the API server would refuse, is a warning on
+// every node; a claim of a spec already checked is named beside it.
 func TestValidateClaims(t *testing.T) {
 	claims := writeFile(t, "claims.yaml", claimsForCheck)
 	classes := filepath.Join("..", "..", "deploy", "manifests", "dra", "deviceclasses.yaml")
 	example := func(name string) string { return filepath.Join("..", "..", "deploy", "examples", name) }
-	missingClass := `ResourceClaim default/nic: CANNOT BE EVALUATED here: DeviceClass nic.example.com not given`
+	const (
+		nic  = `^  ResourceClaim default/nic: NOT CHECKED: DeviceClass nic.example.com not given`
+		bare = `^  ResourceClaim default/bare: CANNOT BE EVALUATED here: the API server would refuse it: request gpu: want exactly one of exactly and firstAvailable$`
+		same = ` \(and 1 with the same spec: ResourceClaim ml/pod-0-mig-x7k2p\)$`
+	)
 	for _, tt := range []struct {
 		example  string
 		lines    []string
@@ -664,32 +686,34 @@ func TestValidateClaims(t *testing.T) {
 			example: "whole-gpus.yaml",
 			lines: []string{
 				`^  ResourceClaim default/one-gpu: allocates gpu: gpu-0$`,
-				`^  ResourceClaimTemplate ml/mig-small: does not fit this node$`,
+				`^  ResourceClaimTemplate ml/mig-small: does not fit this node` + same,
 				`^  ResourceClaim ml/mig-by-driver: does not fit this node$`,
 				`^  ResourceClaim default/nine: does not fit this node$`,
-				`^  ` + missingClass,
-				`^  1 allocates, 3 do not fit this node, 1 cannot be evaluated$`,
+				nic, bare,
+				`^  1 allocates, 4 do not fit this node, 1 cannot be evaluated, 1 not checked$`,
 			},
-			warnings: []string{"default/nic"},
+			warnings: []string{"default/nic", "default/bare"},
 		},
 		{
 			example: "mig-h100-balanced.yaml",
 			lines: []string{
 				`^  ResourceClaim default/one-gpu: does not fit this node$`,
-				`^  ResourceClaimTemplate ml/mig-small: allocates mig: gpu-\d+-mig-`,
+				`^  ResourceClaimTemplate ml/mig-small: allocates mig: gpu-\d+-mig-\S+` + same,
 				`^  ResourceClaim ml/mig-by-driver: allocates mig: gpu-\d+-mig-`,
-				`^  2 allocate, 2 do not fit this node, 1 cannot be evaluated$`,
+				nic, bare,
+				`^  3 allocate, 2 do not fit this node, 1 cannot be evaluated, 1 not checked$`,
 			},
-			warnings: []string{"default/nic"},
+			warnings: []string{"default/nic", "default/bare"},
 		},
 		{
 			example: "mig-h100-balanced-lean.yaml",
 			lines: []string{
-				`^  ResourceClaimTemplate ml/mig-small: allocates mig: gpu-\d+-mig-`,
+				`^  ResourceClaimTemplate ml/mig-small: allocates mig: gpu-\d+-mig-\S+` + same,
 				`^  ResourceClaim ml/mig-by-driver: CANNOT BE EVALUATED here: .*no such key: driverVersion$`,
-				`^  1 allocates, 2 do not fit this node, 2 cannot be evaluated$`,
+				nic, bare,
+				`^  2 allocate, 2 do not fit this node, 2 cannot be evaluated, 1 not checked$`,
 			},
-			warnings: []string{"ml/mig-by-driver", "default/nic"},
+			warnings: []string{"ml/mig-by-driver", "default/nic", "default/bare"},
 		},
 	} {
 		t.Run(tt.example, func(t *testing.T) {
@@ -697,14 +721,15 @@ func TestValidateClaims(t *testing.T) {
 			if code != 0 {
 				t.Fatalf("exit %d, want 0 (warnings only):\n%s%s", code, out, stderr)
 			}
-			for _, l := range append([]string{`^Claims \(--claims: 5 claims, 2 DeviceClasses\)`}, tt.lines...) {
+			head := `^Claims \(--claims: 7 claims, 2 DeviceClasses\), each allocated alone on the node as the config would publish it by the kube-scheduler's allocator:$`
+			for _, l := range append([]string{head}, tt.lines...) {
 				if !regexp.MustCompile(`(?m)` + l).MatchString(out) {
 					t.Errorf("output has no line matching %s:\n%s", l, out)
 				}
 			}
 			var warned []string
 			for _, l := range strings.Split(strings.TrimSpace(stderr), "\n") {
-				if m := regexp.MustCompile(`^warning: .*: on sim:dgx-h100: Resource\w+ (\S+) cannot be evaluated`).FindStringSubmatch(l); m != nil {
+				if m := regexp.MustCompile(`^warning: .*: on sim:dgx-h100: Resource\w+ (\S+) (cannot be evaluated|not checked)`).FindStringSubmatch(l); m != nil {
 					warned = append(warned, m[1])
 				}
 			}
@@ -712,19 +737,54 @@ func TestValidateClaims(t *testing.T) {
 				t.Errorf("warnings for %q, want %q:\n%s", warned, tt.warnings, stderr)
 			}
 			code, _, stderr = run(t, "config", "validate", example(tt.example), "--backend", "sim:dgx-h100", "--claims", claims, "--claims", classes, "--strict")
-			if code != 1 || !strings.Contains(stderr, "--strict makes them errors") {
-				t.Errorf("--strict: exit %d, want 1:\n%s", code, stderr)
+			if want := fmt.Sprintf(": %d warnings, and --strict makes them errors", len(tt.warnings)); code != 1 || !strings.Contains(stderr, want) {
+				t.Errorf("--strict: exit %d, want 1 and %q:\n%s", code, want, stderr)
 			}
 		})
+	}
+}
+
+// A DeviceClass given twice, differently, is said: the last one is used.
+// A field of a later Kubernetes is not dropped silently: its claim is not
+// checked, and the others are.
+func TestValidateClaimsSaysWhatItDidNotCheck(t *testing.T) {
+	in := writeFile(t, "claims.yaml", `apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata: {name: gpu.nvidia.com}
+spec: {selectors: [{cel: {expression: "false"}}]}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: later, namespace: default}
+spec: {devices: {requests: [{name: gpu, exactly: {deviceClassName: gpu.nvidia.com, derivedAttributes: [x]}}]}}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: one-gpu, namespace: default}
+spec: {devices: {requests: [{name: gpu, exactly: {deviceClassName: gpu.nvidia.com}}]}}
+`)
+	classes := filepath.Join("..", "..", "deploy", "manifests", "dra", "deviceclasses.yaml")
+	code, out, stderr := run(t, "config", "validate", filepath.Join("..", "..", "deploy", "examples", "whole-gpus.yaml"), "--backend", "sim:dgx-h100", "--claims", in, "--claims", classes)
+	if code != 0 {
+		t.Fatalf("exit %d:\n%s%s", code, out, stderr)
+	}
+	for _, l := range []string{
+		`^  DeviceClass gpu.nvidia.com is given more than once with different specs: the last one given is used$`,
+		`^  ResourceClaim default/later: NOT CHECKED: read without what this build \(Kubernetes 1.36\) does not know: spec: unknown field "devices.requests\[0\].exactly.derivedAttributes"$`,
+		`^  ResourceClaim default/one-gpu: allocates gpu: gpu-0$`,
+	} {
+		if !regexp.MustCompile(`(?m)` + l).MatchString(out) {
+			t.Errorf("output has no line matching %s:\n%s", l, out)
+		}
 	}
 }
 
 // A --claims file that cannot be read stops config validate before it looks
 // at the node, naming the file's document and object.
 func TestValidateClaimsRefusesBadFile(t *testing.T) {
-	bad := writeFile(t, "bad.yaml", strings.Replace(claimsForCheck, "deviceClassName: gpu.nvidia.com}", "deviceClass: gpu.nvidia.com}", 1))
+	bad := writeFile(t, "bad.yaml", strings.Replace(claimsForCheck, "requests: [{name: gpu, exactly: {deviceClassName: gpu.nvidia.com}}]", "requests: 3", 1))
 	code, out, stderr := run(t, "config", "validate", filepath.Join("..", "..", "deploy", "examples", "whole-gpus.yaml"), "--backend", "sim:dgx-h100", "--claims", bad)
-	if code != 1 || !strings.Contains(stderr, `--claims: `+bad+`: document 1: List item 0: ResourceClaim default/one-gpu: spec: json: unknown field "deviceClass"`) || out != "" {
+	if code != 1 || !strings.Contains(stderr, `--claims: `+bad+`: document 1: List item 0: ResourceClaim default/one-gpu: spec: `) || out != "" {
 		t.Errorf("exit %d, want 1 naming the object:\n%s%s", code, out, stderr)
 	}
 }
@@ -732,8 +792,8 @@ func TestValidateClaimsRefusesBadFile(t *testing.T) {
 // --claims - reads standard input, which can be read once.
 func TestReadClaimFilesStdin(t *testing.T) {
 	objs, err := readClaimFiles([]string{"-"}, strings.NewReader(claimsForCheck))
-	if err != nil || len(objs.Claims) != 5 {
-		t.Fatalf("read %d claims, error %v; want 5", len(objs.Claims), err)
+	if err != nil || len(objs.Claims) != 7 {
+		t.Fatalf("read %d claims, error %v; want 7", len(objs.Claims), err)
 	}
 	if _, err := readClaimFiles([]string{"-", "-"}, strings.NewReader(claimsForCheck)); err == nil || !strings.Contains(err.Error(), "standard input given twice") {
 		t.Errorf("error %v, want standard input given twice", err)

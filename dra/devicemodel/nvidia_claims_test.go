@@ -14,7 +14,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	resourcev1beta1 "k8s.io/api/resource/v1beta1"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/yaml"
 
@@ -167,27 +166,25 @@ func readNVIDIA(t *testing.T, repo string) (classes []*resourceapi.DeviceClass, 
 			}
 			classes = append(classes, c)
 		case "ResourceClaim", "ResourceClaimTemplate":
-			c := &resourceapi.ResourceClaim{}
-			c.Name = meta.Metadata.Name
-			var err error
-			switch {
-			case meta.APIVersion == "resource.k8s.io/v1beta1":
-				c.Spec, err = fromV1beta1(d.b, meta.Kind)
-			case meta.Kind == "ResourceClaim":
-				err = yaml.Unmarshal(d.b, c)
-			default:
-				tpl := &resourceapi.ResourceClaimTemplate{}
-				err = yaml.Unmarshal(d.b, tpl)
-				c.Spec = tpl.Spec.Spec
+			if v := meta.APIVersion; v != "resource.k8s.io/v1" && v != "resource.k8s.io/v1beta1" {
+				// Read as v1 only to be listed: no Kubernetes we support
+				// serves it.
+				c := &resourceapi.ResourceClaim{}
+				c.Name = meta.Metadata.Name
+				claims = append(claims, nvidiaClaim{file: d.file, claim: c, skipWhy: v + ", which Kubernetes no longer serves"})
+				continue
+			}
+			// As config validate --claims reads them: v1beta1 as the API
+			// server would serve it at v1.
+			objs, err := schedsim.Read(bytes.NewReader(d.b), d.file)
+			if err == nil && (len(objs.Claims) != 1 || objs.Claims[0].Err != nil) {
+				err = fmt.Errorf("read %+v, want one claim read whole", objs.Claims)
 			}
 			if err != nil {
 				t.Errorf("%s: %v", d.file, err)
 				continue
 			}
-			nc := nvidiaClaim{file: d.file, claim: c}
-			if v := meta.APIVersion; v != "resource.k8s.io/v1" && v != "resource.k8s.io/v1beta1" {
-				nc.skipWhy = v + ", which Kubernetes no longer serves"
-			}
+			nc := nvidiaClaim{file: d.file, claim: objs.Claims[0].Claim}
 			claims = append(claims, nc)
 		case "Pod", "Deployment", "Job", "StatefulSet":
 			workloads = append(workloads, d)
@@ -248,48 +245,6 @@ func readNVIDIA(t *testing.T, repo string) (classes []*resourceapi.DeviceClass, 
 		}
 	}
 	return classes, claims
-}
-
-// fromV1beta1 reads a v1beta1 claim or template's spec as the API server
-// would serve it at v1: the request's fields move under exactly.
-func fromV1beta1(b []byte, kind string) (resourceapi.ResourceClaimSpec, error) {
-	var spec resourcev1beta1.ResourceClaimSpec
-	if kind == "ResourceClaim" {
-		c := &resourcev1beta1.ResourceClaim{}
-		if err := yaml.Unmarshal(b, c); err != nil {
-			return resourceapi.ResourceClaimSpec{}, err
-		}
-		spec = c.Spec
-	} else {
-		tpl := &resourcev1beta1.ResourceClaimTemplate{}
-		if err := yaml.Unmarshal(b, tpl); err != nil {
-			return resourceapi.ResourceClaimSpec{}, err
-		}
-		spec = tpl.Spec.Spec
-	}
-	var out resourceapi.ResourceClaimSpec
-	for _, r := range spec.Devices.Requests {
-		if len(r.FirstAvailable) > 0 {
-			return out, fmt.Errorf("request %s: firstAvailable not converted", r.Name)
-		}
-		x := &resourceapi.ExactDeviceRequest{
-			DeviceClassName: r.DeviceClassName,
-			AllocationMode:  resourceapi.DeviceAllocationMode(r.AllocationMode),
-			Count:           r.Count,
-		}
-		for _, s := range r.Selectors {
-			if s.CEL != nil {
-				x.Selectors = append(x.Selectors, resourceapi.DeviceSelector{CEL: &resourceapi.CELDeviceSelector{Expression: s.CEL.Expression}})
-			}
-		}
-		out.Devices.Requests = append(out.Devices.Requests, resourceapi.DeviceRequest{Name: r.Name, Exactly: x})
-	}
-	for _, c := range spec.Devices.Constraints {
-		out.Devices.Constraints = append(out.Devices.Constraints, resourceapi.DeviceConstraint{
-			Requests: c.Requests, MatchAttribute: (*resourceapi.FullyQualifiedName)(c.MatchAttribute),
-		})
-	}
-	return out, nil
 }
 
 // TestNVIDIAClaims allocates every claim of NVIDIA's DRA driver's demos,

@@ -6,11 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	sigsjson "sigs.k8s.io/json"
 )
 
 // MaxManifestBytes is the most Read takes from one input: kubectl's YAML
@@ -20,25 +22,34 @@ const MaxManifestBytes = 128 << 20
 
 // Objects are the DeviceClasses and claims of a file of manifests.
 type Objects struct {
-	Classes []*resourceapi.DeviceClass
+	Classes []Class
 	Claims  []Claim
 	// Skipped counts the objects of other kinds, which are not read.
 	Skipped int
 }
 
+// Class is a DeviceClass as read. Err, when set, says which fields of its
+// spec this build does not know: the class was read without them, so a
+// check that used it would not be the API server's.
+type Class struct {
+	Class *resourceapi.DeviceClass
+	Err   error
+}
+
 // Claim is a ResourceClaim, or a ResourceClaimTemplate as the claim it
-// makes, with where it came from. Its status is not read: it is allocated
-// anew.
+// makes, of the given kind. Its status is not read: it is allocated anew.
+// Err is as Class's.
 type Claim struct {
-	Kind, Namespace, Name string
-	Claim                 *resourceapi.ResourceClaim
+	Kind  string
+	Claim *resourceapi.ResourceClaim
+	Err   error
 }
 
 func (c Claim) String() string {
-	if c.Namespace == "" {
-		return c.Kind + " " + c.Name
+	if c.Claim.Namespace == "" {
+		return c.Kind + " " + c.Claim.Name
 	}
-	return c.Kind + " " + c.Namespace + "/" + c.Name
+	return c.Kind + " " + c.Claim.Namespace + "/" + c.Claim.Name
 }
 
 // servedVersions are the resource.k8s.io versions whose DeviceClasses and
@@ -48,10 +59,11 @@ func (c Claim) String() string {
 var servedVersions = []string{"resource.k8s.io/v1", "resource.k8s.io/v1beta2", "resource.k8s.io/v1beta1"}
 
 // Read reads YAML or JSON documents from r: DeviceClasses, ResourceClaims
-// and ResourceClaimTemplates, alone or in kubectl's List (what `kubectl get
-// deviceclasses,resourceclaims,resourceclaimtemplates -A -o yaml` writes).
-// Objects of other kinds are counted, not read. source names r in errors,
-// which also name the document and the object.
+// and ResourceClaimTemplates, alone or in a List (what `kubectl get
+// deviceclasses,resourceclaims,resourceclaimtemplates -A -o yaml` writes,
+// or the API server's typed Lists). Objects of other kinds are counted, not
+// read. source names r in errors, which also name the document and the
+// object.
 func Read(r io.Reader, source string) (Objects, error) {
 	var out Objects
 	data, err := io.ReadAll(io.LimitReader(r, MaxManifestBytes+1))
@@ -71,10 +83,10 @@ func Read(r io.Reader, source string) (Objects, error) {
 		if err != nil {
 			return out, fmt.Errorf("%s: document %d: %w", source, doc, err)
 		}
-		if len(bytes.TrimSpace(raw)) == 0 || bytes.Equal(bytes.TrimSpace(raw), []byte("null")) {
+		if t := bytes.TrimSpace(raw); len(t) == 0 || bytes.Equal(t, []byte("null")) {
 			continue
 		}
-		if err := out.add(raw, 0); err != nil {
+		if err := out.add(raw, "", "", 0); err != nil {
 			return out, fmt.Errorf("%s: document %d: %w", source, doc, err)
 		}
 	}
@@ -83,84 +95,98 @@ func Read(r io.Reader, source string) (Objects, error) {
 // maxListDepth bounds Lists within Lists, which kubectl never writes.
 const maxListDepth = 4
 
-func (o *Objects) add(raw json.RawMessage, depth int) error {
+// typedLists are the API server's Lists of the kinds Read takes, whose
+// items carry no apiVersion or kind of their own.
+var typedLists = map[string]string{
+	"DeviceClassList":           "DeviceClass",
+	"ResourceClaimList":         "ResourceClaim",
+	"ResourceClaimTemplateList": "ResourceClaimTemplate",
+}
+
+// add reads one object; apiVersion and kind are a typed List's, for items
+// that have none.
+func (o *Objects) add(raw json.RawMessage, apiVersion, kind string, depth int) error {
 	var head struct {
-		APIVersion string `json:"apiVersion"`
-		Kind       string `json:"kind"`
-		Metadata   struct {
-			Namespace string `json:"namespace"`
-			Name      string `json:"name"`
-		} `json:"metadata"`
-		Items []json.RawMessage `json:"items"`
+		APIVersion string            `json:"apiVersion"`
+		Kind       string            `json:"kind"`
+		Metadata   metav1.ObjectMeta `json:"metadata"`
+		Spec       json.RawMessage   `json:"spec"`
+		Items      []json.RawMessage `json:"items"`
 	}
 	if err := json.Unmarshal(raw, &head); err != nil {
 		return fmt.Errorf("not a Kubernetes object: %w", err)
+	}
+	if head.APIVersion == "" {
+		head.APIVersion = apiVersion
+	}
+	if head.Kind == "" {
+		head.Kind = kind
 	}
 	what := head.Kind + " " + head.Metadata.Name
 	if head.Metadata.Namespace != "" {
 		what = head.Kind + " " + head.Metadata.Namespace + "/" + head.Metadata.Name
 	}
-	switch head.Kind {
-	case "List", "DeviceClassList", "ResourceClaimList", "ResourceClaimTemplateList":
+	if itemKind, typed := typedLists[head.Kind]; typed || head.Kind == "List" {
 		if depth >= maxListDepth {
 			return fmt.Errorf("%s: Lists nested more than %d deep", head.Kind, maxListDepth)
 		}
 		for i, item := range head.Items {
-			if err := o.add(item, depth+1); err != nil {
+			if err := o.add(item, head.APIVersion, itemKind, depth+1); err != nil {
 				return fmt.Errorf("%s item %d: %w", head.Kind, i, err)
 			}
 		}
 		return nil
+	}
+	switch head.Kind {
 	case "DeviceClass", "ResourceClaim", "ResourceClaimTemplate":
+	case "":
+		return errors.New("no kind")
 	default:
 		o.Skipped++
 		return nil
 	}
-	if !strings.HasPrefix(head.APIVersion, "resource.k8s.io/") {
+	switch {
+	case head.APIVersion == "":
+		return fmt.Errorf("%s: no apiVersion", what)
+	case !strings.HasPrefix(head.APIVersion, "resource.k8s.io/"):
 		o.Skipped++ // another group's kind of the same name
 		return nil
-	}
-	if !served(head.APIVersion) {
+	case !slices.Contains(servedVersions, head.APIVersion):
 		return fmt.Errorf("%s: apiVersion %s is not read (only %s): get the object from an API server of Kubernetes 1.34 or later, whose kubectl get writes resource.k8s.io/v1", what, head.APIVersion, strings.Join(servedVersions, ", "))
-	}
-	if head.Metadata.Name == "" {
+	case head.Metadata.Name == "":
 		return fmt.Errorf("%s: no metadata.name", head.Kind)
 	}
-	var meta struct {
-		Metadata metav1.ObjectMeta `json:"metadata"`
-		Spec     json.RawMessage   `json:"spec"`
-	}
-	if err := json.Unmarshal(raw, &meta); err != nil {
-		return fmt.Errorf("%s: %w", what, err)
-	}
-	if head.APIVersion == "resource.k8s.io/v1beta1" && head.Kind != "DeviceClass" && len(meta.Spec) > 0 {
-		spec, err := v1beta1Requests(meta.Spec, head.Kind == "ResourceClaimTemplate")
-		if err != nil {
+	spec := head.Spec
+	if head.APIVersion == "resource.k8s.io/v1beta1" && head.Kind != "DeviceClass" && len(spec) > 0 {
+		var err error
+		if spec, err = v1beta1Requests(spec, head.Kind == "ResourceClaimTemplate"); err != nil {
 			return fmt.Errorf("%s: spec: %w", what, err)
 		}
-		meta.Spec = spec
 	}
 	switch head.Kind {
 	case "DeviceClass":
-		c := &resourceapi.DeviceClass{ObjectMeta: meta.Metadata}
-		if err := strictSpec(meta.Spec, &c.Spec); err != nil {
+		c := &resourceapi.DeviceClass{ObjectMeta: head.Metadata}
+		unknown, err := decodeSpec(spec, &c.Spec)
+		if err != nil {
 			return fmt.Errorf("%s: %w", what, err)
 		}
-		o.Classes = append(o.Classes, c)
+		o.Classes = append(o.Classes, Class{Class: c, Err: unknown})
 	case "ResourceClaim":
-		c := &resourceapi.ResourceClaim{ObjectMeta: meta.Metadata}
-		if err := strictSpec(meta.Spec, &c.Spec); err != nil {
+		c := &resourceapi.ResourceClaim{ObjectMeta: head.Metadata}
+		unknown, err := decodeSpec(spec, &c.Spec)
+		if err != nil {
 			return fmt.Errorf("%s: %w", what, err)
 		}
-		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Namespace: c.Namespace, Name: c.Name, Claim: c})
+		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Claim: c, Err: unknown})
 	case "ResourceClaimTemplate":
-		var spec resourceapi.ResourceClaimTemplateSpec
-		if err := strictSpec(meta.Spec, &spec); err != nil {
+		var t resourceapi.ResourceClaimTemplateSpec
+		unknown, err := decodeSpec(spec, &t)
+		if err != nil {
 			return fmt.Errorf("%s: %w", what, err)
 		}
-		c := &resourceapi.ResourceClaim{Spec: spec.Spec}
-		c.Namespace, c.Name = meta.Metadata.Namespace, meta.Metadata.Name
-		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Namespace: c.Namespace, Name: c.Name, Claim: c})
+		c := &resourceapi.ResourceClaim{Spec: t.Spec}
+		c.Namespace, c.Name = head.Metadata.Namespace, head.Metadata.Name
+		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Claim: c, Err: unknown})
 	}
 	return nil
 }
@@ -181,7 +207,7 @@ func v1beta1Requests(spec json.RawMessage, template bool) (json.RawMessage, erro
 	if template {
 		claim = nil // Unmarshal would merge into top
 		if err := json.Unmarshal(top["spec"], &claim); err != nil || claim == nil {
-			return spec, nil // left for strictSpec to refuse, naming the field
+			return spec, nil // left for decodeSpec to refuse, naming the field
 		}
 	}
 	var devices map[string]json.RawMessage
@@ -192,8 +218,18 @@ func v1beta1Requests(spec json.RawMessage, template bool) (json.RawMessage, erro
 	if err := json.Unmarshal(devices["requests"], &requests); err != nil {
 		return spec, nil
 	}
-	for i, r := range requests {
-		if r == nil || r["firstAvailable"] != nil || r["exactly"] != nil {
+	for _, r := range requests {
+		if r == nil || !absent(r["exactly"]) {
+			continue
+		}
+		if !absent(r["firstAvailable"]) {
+			// What Go writes for a v1beta1 request with subrequests: its own
+			// fields empty (deviceClassName has no omitempty), not unknown.
+			for _, f := range v1beta1Fields {
+				if v, ok := r[f]; ok && (absent(v) || string(bytes.TrimSpace(v)) == `""`) {
+					delete(r, f)
+				}
+			}
 			continue
 		}
 		exactly := map[string]json.RawMessage{}
@@ -208,7 +244,6 @@ func v1beta1Requests(spec json.RawMessage, template bool) (json.RawMessage, erro
 			return nil, err
 		}
 		r["exactly"] = b
-		requests[i] = r
 	}
 	var err error
 	if devices["requests"], err = json.Marshal(requests); err != nil {
@@ -225,27 +260,30 @@ func v1beta1Requests(spec json.RawMessage, template bool) (json.RawMessage, erro
 	return json.Marshal(top)
 }
 
-func served(v string) bool {
-	for _, s := range servedVersions {
-		if v == s {
-			return true
-		}
-	}
-	return false
+// absent: a field not given, null, or an empty list.
+func absent(v json.RawMessage) bool {
+	t := string(bytes.TrimSpace(v))
+	return t == "" || t == "null" || t == "[]"
 }
 
-// strictSpec decodes an object's spec into v, refusing a field v has not:
-// a misspelt selector, or a field of a later Kubernetes than this build's,
-// would otherwise be dropped and the claim checked without it. Metadata and
-// status are read leniently: the check uses neither.
-func strictSpec(raw json.RawMessage, v any) error {
+// decodeSpec decodes an object's spec into v as the API server reads it
+// (field names case-sensitive). A field v has not is not dropped silently:
+// unknown says which, with its path (a misspelt selector, or a field of a
+// later Kubernetes than this build's). err is a spec that cannot be read.
+func decodeSpec(raw json.RawMessage, v any) (unknown, err error) {
 	if len(raw) == 0 {
-		return nil
+		return nil, nil
 	}
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
-		return fmt.Errorf("spec: %w", err)
+	strict, err := sigsjson.UnmarshalStrict(raw, v)
+	if err != nil {
+		return nil, fmt.Errorf("spec: %w", err)
 	}
-	return nil
+	if len(strict) > 0 {
+		msgs := make([]string, len(strict))
+		for i, e := range strict {
+			msgs[i] = e.Error()
+		}
+		return fmt.Errorf("spec: %s", strings.Join(msgs, "; ")), nil
+	}
+	return nil, nil
 }

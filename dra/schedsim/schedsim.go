@@ -2,7 +2,8 @@
 // publishes, with the kube-scheduler's own allocator and CEL compiler
 // (k8s.io/dynamic-resource-allocation/structured). Tests and benchmarks use it
 // to check that claims as users write them allocate on gpu-agent's devices,
-// and to see which devices the scheduler picks.
+// and to see which devices the scheduler picks; `gpu-agent config validate
+// --claims` to check a cluster's claims (Read) against a config.
 package schedsim
 
 import (
@@ -163,4 +164,68 @@ func Default(c *resourceapi.ResourceClaim) {
 			def(&r.FirstAvailable[j].AllocationMode, &r.FirstAvailable[j].Count)
 		}
 	}
+}
+
+// Validate refuses a claim the API server would not store in the ways the
+// allocator, which trusts the API server's validation, cannot take: a
+// request without exactly one of exactly and firstAvailable, a count out of
+// range, a request without a name or a class. Call it after Default.
+func Validate(c *resourceapi.ResourceClaim) error {
+	reqs := c.Spec.Devices.Requests
+	if len(reqs) > resourceapi.DeviceRequestsMaxSize {
+		return fmt.Errorf("%d requests, more than %d", len(reqs), resourceapi.DeviceRequestsMaxSize)
+	}
+	names := sets.New[string]()
+	for i, r := range reqs {
+		if r.Name == "" {
+			return fmt.Errorf("request %d: no name", i)
+		}
+		if names.Has(r.Name) {
+			return fmt.Errorf("request %s: the name is given twice", r.Name)
+		}
+		names.Insert(r.Name)
+		switch {
+		case (r.Exactly == nil) == (len(r.FirstAvailable) == 0):
+			return fmt.Errorf("request %s: want exactly one of exactly and firstAvailable", r.Name)
+		case r.Exactly != nil:
+			if err := validateMode(r.Exactly.DeviceClassName, r.Exactly.AllocationMode, r.Exactly.Count); err != nil {
+				return fmt.Errorf("request %s: %w", r.Name, err)
+			}
+		case len(r.FirstAvailable) > resourceapi.FirstAvailableDeviceRequestMaxSize:
+			return fmt.Errorf("request %s: %d subrequests, more than %d", r.Name, len(r.FirstAvailable), resourceapi.FirstAvailableDeviceRequestMaxSize)
+		}
+		subs := sets.New[string]()
+		for j, s := range r.FirstAvailable {
+			if s.Name == "" {
+				return fmt.Errorf("request %s: subrequest %d: no name", r.Name, j)
+			}
+			if subs.Has(s.Name) {
+				return fmt.Errorf("request %s/%s: the name is given twice", r.Name, s.Name)
+			}
+			subs.Insert(s.Name)
+			if err := validateMode(s.DeviceClassName, s.AllocationMode, s.Count); err != nil {
+				return fmt.Errorf("request %s/%s: %w", r.Name, s.Name, err)
+			}
+		}
+	}
+	return nil
+}
+
+func validateMode(class string, mode resourceapi.DeviceAllocationMode, count int64) error {
+	if class == "" {
+		return errors.New("no deviceClassName")
+	}
+	switch mode {
+	case resourceapi.DeviceAllocationModeExactCount:
+		if count < 1 || count > resourceapi.AllocationResultsMaxSize {
+			return fmt.Errorf("count %d, want 1 to %d", count, resourceapi.AllocationResultsMaxSize)
+		}
+	case resourceapi.DeviceAllocationModeAll:
+		if count != 0 {
+			return fmt.Errorf("count %d with allocationMode All", count)
+		}
+	default:
+		return fmt.Errorf("allocationMode %q, want ExactCount or All", mode)
+	}
+	return nil
 }
