@@ -110,7 +110,10 @@ func checkClaims(ctx context.Context, nodeName string, pool *devicemodel.Pool, o
 	first := map[string]int{} // spec → its outcome
 	for _, c := range objs.Claims {
 		key, err := json.Marshal(c.Claim.Spec)
-		if err == nil && c.Err == nil {
+		if err == nil {
+			if c.Err != nil {
+				key = append(key, c.Err.Error()...)
+			}
 			if i, ok := first[string(key)]; ok {
 				check.outcomes[i].same = append(check.outcomes[i].same, c)
 				continue
@@ -125,7 +128,7 @@ func checkClaims(ctx context.Context, nodeName string, pool *devicemodel.Pool, o
 func checkClaim(ctx context.Context, node *schedsim.Node, c schedsim.Claim, classes map[string]schedsim.Class) (o claimOutcome) {
 	o = claimOutcome{claim: c}
 	if c.Err != nil {
-		o.kind, o.err = claimNotChecked, fmt.Errorf("read without what this build (Kubernetes 1.36) does not know: %w", c.Err)
+		o.kind, o.err = claimNotChecked, fmt.Errorf("not read whole (a field misspelt, of a later Kubernetes than this build's 1.36, or given twice): %w", c.Err)
 		return o
 	}
 	claim := c.Claim.DeepCopy()
@@ -141,7 +144,7 @@ func checkClaim(ctx context.Context, node *schedsim.Node, c schedsim.Claim, clas
 		case !ok:
 			missing = append(missing, name)
 		case cl.Err != nil:
-			o.kind, o.err = claimNotChecked, fmt.Errorf("DeviceClass %s read without what this build (Kubernetes 1.36) does not know: %w", name, cl.Err)
+			o.kind, o.err = claimNotChecked, fmt.Errorf("DeviceClass %s not read whole (a field misspelt, of a later Kubernetes than this build's 1.36, or given twice): %w", name, cl.Err)
 			return o
 		}
 	}
@@ -203,7 +206,7 @@ func writeClaims(stdout, stderr io.Writer, file, nodeName, where string, objs sc
 	if objs.Skipped > 0 {
 		fmt.Fprintf(stdout, ", %d other %s not read", objs.Skipped, plural(objs.Skipped, "object", "objects"))
 	}
-	fmt.Fprintf(stdout, "), each allocated alone on %s by the kube-scheduler's allocator:\n", where)
+	fmt.Fprintf(stdout, "), each allocated alone, by the kube-scheduler's allocator, on %s:\n", where)
 	for _, name := range check.replaced {
 		fmt.Fprintf(stdout, "  DeviceClass %s is given more than once with different specs: the last one given is used\n", name)
 	}
@@ -222,10 +225,10 @@ func writeClaims(stdout, stderr io.Writer, file, nodeName, where string, objs sc
 			what = "does not fit this node"
 		case claimBroken:
 			what = fmt.Sprintf("CANNOT BE EVALUATED here: %v", o.err)
-			fmt.Fprintf(stderr, "warning: %s: on %s: %s cannot be evaluated against the devices this config publishes: %v\n", file, nodeName, o.claim, o.err)
+			fmt.Fprintf(stderr, "warning: %s: on %s: %s cannot be evaluated against the devices this config publishes: %v%s\n", file, nodeName, o.claim, o.err, sameSpec(o.same))
 		case claimNotChecked:
 			what = fmt.Sprintf("NOT CHECKED: %v", o.err)
-			fmt.Fprintf(stderr, "warning: %s: on %s: %s not checked: %v\n", file, nodeName, o.claim, o.err)
+			fmt.Fprintf(stderr, "warning: %s: on %s: %s not checked: %v%s\n", file, nodeName, o.claim, o.err, sameSpec(o.same))
 		}
 		if o.kind == claimBroken || o.kind == claimNotChecked {
 			warnings++

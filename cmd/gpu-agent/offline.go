@@ -410,7 +410,7 @@ func validate(ctx context.Context, file string, nf *nodeFlags, s *selection, fs 
 	if claims != nil {
 		where := "the node as the config would publish it"
 		if sel.MIGLayout != nil && be.Sim == nil {
-			where = "the node as it is now, not as the layout would make it (--backend sim:PROFILE tries the layout)"
+			where = "the node's devices as they are now, not as the MIG layout would make them (--backend sim:PROFILE tries it)"
 		}
 		s.warnings += writeClaims(stdout, stderr, file, be.Name, where, *claims, checkClaims(ctx, s.node, pool, *claims))
 	}

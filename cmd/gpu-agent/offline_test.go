@@ -721,7 +721,7 @@ func TestValidateClaims(t *testing.T) {
 			if code != 0 {
 				t.Fatalf("exit %d, want 0 (warnings only):\n%s%s", code, out, stderr)
 			}
-			head := `^Claims \(--claims: 7 claims, 2 DeviceClasses\), each allocated alone on the node as the config would publish it by the kube-scheduler's allocator:$`
+			head := `^Claims \(--claims: 7 claims, 2 DeviceClasses\), each allocated alone, by the kube-scheduler's allocator, on the node as the config would publish it:$`
 			for _, l := range append([]string{head}, tt.lines...) {
 				if !regexp.MustCompile(`(?m)` + l).MatchString(out) {
 					t.Errorf("output has no line matching %s:\n%s", l, out)
@@ -770,7 +770,7 @@ spec: {devices: {requests: [{name: gpu, exactly: {deviceClassName: gpu.nvidia.co
 	}
 	for _, l := range []string{
 		`^  DeviceClass gpu.nvidia.com is given more than once with different specs: the last one given is used$`,
-		`^  ResourceClaim default/later: NOT CHECKED: read without what this build \(Kubernetes 1.36\) does not know: spec: unknown field "devices.requests\[0\].exactly.derivedAttributes"$`,
+		`^  ResourceClaim default/later: NOT CHECKED: not read whole \(a field misspelt, of a later Kubernetes than this build's 1.36, or given twice\): spec: unknown field "devices.requests\[0\].exactly.derivedAttributes"$`,
 		`^  ResourceClaim default/one-gpu: allocates gpu: gpu-0$`,
 	} {
 		if !regexp.MustCompile(`(?m)` + l).MatchString(out) {

@@ -28,9 +28,10 @@ type Objects struct {
 	Skipped int
 }
 
-// Class is a DeviceClass as read. Err, when set, says which fields of its
-// spec this build does not know: the class was read without them, so a
-// check that used it would not be the API server's.
+// Class is a DeviceClass as read. Err, when set, says which fields were not
+// read, with their paths: unknown to this build (misspelt, or of a later
+// Kubernetes) or given twice. A check that used the class would not be the
+// API server's.
 type Class struct {
 	Class *resourceapi.DeviceClass
 	Err   error
@@ -111,9 +112,13 @@ func (o *Objects) add(raw json.RawMessage, apiVersion, kind string, depth int) e
 		Kind       string            `json:"kind"`
 		Metadata   metav1.ObjectMeta `json:"metadata"`
 		Spec       json.RawMessage   `json:"spec"`
+		Status     json.RawMessage   `json:"status"`
 		Items      []json.RawMessage `json:"items"`
 	}
-	if err := json.Unmarshal(raw, &head); err != nil {
+	// Field names are case-sensitive, as the API server reads them; what
+	// the object has beside these (a misspelt spec) is said with the spec's.
+	strict, err := sigsjson.UnmarshalStrict(raw, &head)
+	if err != nil {
 		return fmt.Errorf("not a Kubernetes object: %w", err)
 	}
 	if head.APIVersion == "" {
@@ -130,8 +135,12 @@ func (o *Objects) add(raw json.RawMessage, apiVersion, kind string, depth int) e
 		if depth >= maxListDepth {
 			return fmt.Errorf("%s: Lists nested more than %d deep", head.Kind, maxListDepth)
 		}
+		itemVersion := "" // a plain List's items name their own
+		if typed {
+			itemVersion = head.APIVersion
+		}
 		for i, item := range head.Items {
-			if err := o.add(item, head.APIVersion, itemKind, depth+1); err != nil {
+			if err := o.add(item, itemVersion, itemKind, depth+1); err != nil {
 				return fmt.Errorf("%s item %d: %w", head.Kind, i, err)
 			}
 		}
@@ -157,36 +166,56 @@ func (o *Objects) add(raw json.RawMessage, apiVersion, kind string, depth int) e
 		return fmt.Errorf("%s: no metadata.name", head.Kind)
 	}
 	spec := head.Spec
-	if head.APIVersion == "resource.k8s.io/v1beta1" && head.Kind != "DeviceClass" && len(spec) > 0 {
+	v1beta1 := head.APIVersion == "resource.k8s.io/v1beta1" && head.Kind != "DeviceClass"
+	if v1beta1 && len(spec) > 0 {
 		var err error
 		if spec, err = v1beta1Requests(spec, head.Kind == "ResourceClaimTemplate"); err != nil {
 			return fmt.Errorf("%s: spec: %w", what, err)
 		}
 	}
+	var target any
+	var claim *resourceapi.ResourceClaim
+	var tpl resourceapi.ResourceClaimTemplateSpec
+	class := &resourceapi.DeviceClass{ObjectMeta: head.Metadata}
 	switch head.Kind {
 	case "DeviceClass":
-		c := &resourceapi.DeviceClass{ObjectMeta: head.Metadata}
-		unknown, err := decodeSpec(spec, &c.Spec)
-		if err != nil {
-			return fmt.Errorf("%s: %w", what, err)
-		}
-		o.Classes = append(o.Classes, Class{Class: c, Err: unknown})
+		target = &class.Spec
 	case "ResourceClaim":
-		c := &resourceapi.ResourceClaim{ObjectMeta: head.Metadata}
-		unknown, err := decodeSpec(spec, &c.Spec)
-		if err != nil {
-			return fmt.Errorf("%s: %w", what, err)
-		}
-		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Claim: c, Err: unknown})
+		claim = &resourceapi.ResourceClaim{ObjectMeta: head.Metadata}
+		target = &claim.Spec
 	case "ResourceClaimTemplate":
-		var t resourceapi.ResourceClaimTemplateSpec
-		unknown, err := decodeSpec(spec, &t)
+		target = &tpl
+	}
+	if len(spec) > 0 {
+		more, err := sigsjson.UnmarshalStrict(spec, target)
 		if err != nil {
-			return fmt.Errorf("%s: %w", what, err)
+			return fmt.Errorf("%s: spec: %w", what, err)
 		}
-		c := &resourceapi.ResourceClaim{Spec: t.Spec}
+		for _, e := range more {
+			if v1beta1 {
+				// The request's fields are under exactly only as rewritten.
+				e = errors.New(strings.ReplaceAll(e.Error(), ".exactly.", "."))
+			}
+			strict = append(strict, fmt.Errorf("spec: %w", e))
+		}
+	}
+	var notRead error
+	if len(strict) > 0 {
+		msgs := make([]string, len(strict))
+		for i, e := range strict {
+			msgs[i] = e.Error()
+		}
+		notRead = errors.New(strings.Join(msgs, "; "))
+	}
+	switch head.Kind {
+	case "DeviceClass":
+		o.Classes = append(o.Classes, Class{Class: class, Err: notRead})
+	case "ResourceClaim":
+		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Claim: claim, Err: notRead})
+	case "ResourceClaimTemplate":
+		c := &resourceapi.ResourceClaim{Spec: tpl.Spec}
 		c.Namespace, c.Name = head.Metadata.Namespace, head.Metadata.Name
-		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Claim: c, Err: unknown})
+		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Claim: c, Err: notRead})
 	}
 	return nil
 }
@@ -264,26 +293,4 @@ func v1beta1Requests(spec json.RawMessage, template bool) (json.RawMessage, erro
 func absent(v json.RawMessage) bool {
 	t := string(bytes.TrimSpace(v))
 	return t == "" || t == "null" || t == "[]"
-}
-
-// decodeSpec decodes an object's spec into v as the API server reads it
-// (field names case-sensitive). A field v has not is not dropped silently:
-// unknown says which, with its path (a misspelt selector, or a field of a
-// later Kubernetes than this build's). err is a spec that cannot be read.
-func decodeSpec(raw json.RawMessage, v any) (unknown, err error) {
-	if len(raw) == 0 {
-		return nil, nil
-	}
-	strict, err := sigsjson.UnmarshalStrict(raw, v)
-	if err != nil {
-		return nil, fmt.Errorf("spec: %w", err)
-	}
-	if len(strict) > 0 {
-		msgs := make([]string, len(strict))
-		for i, e := range strict {
-			msgs[i] = e.Error()
-		}
-		return fmt.Errorf("spec: %s", strings.Join(msgs, "; ")), nil
-	}
-	return nil, nil
 }

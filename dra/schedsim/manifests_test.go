@@ -100,6 +100,16 @@ metadata: {name: a}
 			wantErr: "ResourceClaim a: no apiVersion",
 		},
 		{
+			name: "a plain List's item without apiVersion",
+			in: `apiVersion: v1
+kind: List
+items:
+- kind: ResourceClaim
+  metadata: {name: a}
+`,
+			wantErr: "List item 0: ResourceClaim a: no apiVersion",
+		},
+		{
 			name:    "not YAML",
 			in:      "{{{",
 			wantErr: "test: document 1:",
@@ -169,6 +179,16 @@ kind: DeviceClass
 metadata: {name: later}
 spec: {selectors: [], derivedAttributes: []}
 ---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: sepc, namespace: ns}
+sepc: {devices: {requests: [{name: gpu, exactly: {deviceClassName: gpu.nvidia.com}}]}}
+---
+apiVersion: resource.k8s.io/v1beta1
+kind: ResourceClaim
+metadata: {name: old, namespace: ns}
+spec: {devices: {requests: [{name: gpu, deviceClassName: gpu.nvidia.com, selectors: [{cell: {}}]}]}}
+---
 ` + claimDoc
 	objs, err := Read(strings.NewReader(in), "test")
 	if err != nil {
@@ -177,6 +197,8 @@ spec: {selectors: [], derivedAttributes: []}
 	want := map[string]string{
 		"ResourceClaim ns/typo":    `unknown field "devices.requests[0].exactly.deviceClass"`,
 		"ResourceClaim ns/capital": `unknown field "devices.requests[0].exactly.DeviceClassName"`,
+		"ResourceClaim ns/sepc":    `unknown field "sepc"`,
+		"ResourceClaim ns/old":     `spec: unknown field "devices.requests[0].selectors[0].cell"`,
 		"ResourceClaim ns/one":     "",
 	}
 	if len(objs.Claims) != len(want) {
@@ -296,8 +318,8 @@ func TestValidate(t *testing.T) {
 		{"no name", []resourceapi.DeviceRequest{{Exactly: exactly("c", "", 0)}}, "request 0: no name"},
 		{"twice", []resourceapi.DeviceRequest{{Name: "a", Exactly: exactly("c", "", 0)}, {Name: "a", Exactly: exactly("c", "", 0)}}, "request a: the name is given twice"},
 		{"no class", []resourceapi.DeviceRequest{{Name: "a", Exactly: exactly("", "", 0)}}, "request a: no deviceClassName"},
-		{"negative", []resourceapi.DeviceRequest{{Name: "a", Exactly: exactly("c", "", -1)}}, "request a: count -1, want 1 to 32"},
-		{"too many", []resourceapi.DeviceRequest{{Name: "a", Exactly: exactly("c", "", 33)}}, "count 33"},
+		{"negative", []resourceapi.DeviceRequest{{Name: "a", Exactly: exactly("c", "", -1)}}, "request a: count -1, want at least 1"},
+		{"more than a claim gets: the allocator says so", []resourceapi.DeviceRequest{{Name: "a", Exactly: exactly("c", "", 33)}}, ""},
 		{"count with All", []resourceapi.DeviceRequest{{Name: "a", Exactly: exactly("c", resourceapi.DeviceAllocationModeAll, 2)}}, "count 2 with allocationMode All"},
 		{"mode", []resourceapi.DeviceRequest{{Name: "a", Exactly: exactly("c", "Some", 1)}}, `allocationMode "Some"`},
 		{"subrequest", []resourceapi.DeviceRequest{{Name: "a", FirstAvailable: []resourceapi.DeviceSubRequest{{Name: "s", DeviceClassName: "c", Count: -3}}}}, "request a/s: count -3"},

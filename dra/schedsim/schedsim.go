@@ -168,8 +168,9 @@ func Default(c *resourceapi.ResourceClaim) {
 
 // Validate refuses a claim the API server would not store in the ways the
 // allocator, which trusts the API server's validation, cannot take: a
-// request without exactly one of exactly and firstAvailable, a count out of
-// range, a request without a name or a class. Call it after Default.
+// request without exactly one of exactly and firstAvailable, a count below
+// 1, a request without a name or a class. It is not the API server's whole
+// validation. Call it after Default.
 func Validate(c *resourceapi.ResourceClaim) error {
 	reqs := c.Spec.Devices.Requests
 	if len(reqs) > resourceapi.DeviceRequestsMaxSize {
@@ -217,8 +218,10 @@ func validateMode(class string, mode resourceapi.DeviceAllocationMode, count int
 	}
 	switch mode {
 	case resourceapi.DeviceAllocationModeExactCount:
-		if count < 1 || count > resourceapi.AllocationResultsMaxSize {
-			return fmt.Errorf("count %d, want 1 to %d", count, resourceapi.AllocationResultsMaxSize)
+		// Above the claim's limit of 32 the allocator says so itself, and
+		// a firstAvailable subrequest too large is passed over for the next.
+		if count < 1 {
+			return fmt.Errorf("count %d, want at least 1", count)
 		}
 	case resourceapi.DeviceAllocationModeAll:
 		if count != 0 {
