@@ -35,22 +35,21 @@ func readClaimFiles(paths []string, stdin io.Reader) (schedsim.Objects, error) {
 	var all schedsim.Objects
 	readStdin := false
 	for _, p := range paths {
-		var r io.Reader
-		name := p
+		var objs schedsim.Objects
+		var err error
 		if p == "-" {
 			if readStdin {
 				return all, errors.New("--claims -: standard input given twice")
 			}
-			readStdin, r, name = true, stdin, "standard input"
+			readStdin = true
+			objs, err = schedsim.Read(stdin, "standard input")
 		} else {
-			f, err := os.Open(p)
-			if err != nil {
-				return all, fmt.Errorf("--claims: %w", err)
+			var f *os.File
+			if f, err = os.Open(p); err == nil {
+				objs, err = schedsim.Read(f, p)
+				f.Close()
 			}
-			defer f.Close()
-			r = f
 		}
-		objs, err := schedsim.Read(r, name)
 		if err != nil {
 			return all, fmt.Errorf("--claims: %w", err)
 		}

@@ -166,7 +166,7 @@ func readNVIDIA(t *testing.T, repo string) (classes []*resourceapi.DeviceClass, 
 			}
 			classes = append(classes, c)
 		case "ResourceClaim", "ResourceClaimTemplate":
-			if v := meta.APIVersion; v != "resource.k8s.io/v1" && v != "resource.k8s.io/v1beta2" && v != "resource.k8s.io/v1beta1" {
+			if v := meta.APIVersion; !schedsim.Served(v) {
 				// Read as v1 only to be listed: no Kubernetes we support
 				// serves it.
 				c := &resourceapi.ResourceClaim{}

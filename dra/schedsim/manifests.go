@@ -46,11 +46,14 @@ type Claim struct {
 	Err   error
 }
 
-func (c Claim) String() string {
-	if c.Claim.Namespace == "" {
-		return c.Kind + " " + c.Claim.Name
+func (c Claim) String() string { return named(c.Kind, c.Claim.Namespace, c.Claim.Name) }
+
+// named is how messages name an object: kind, then namespace/name.
+func named(kind, namespace, name string) string {
+	if namespace == "" {
+		return kind + " " + name
 	}
-	return c.Kind + " " + c.Claim.Namespace + "/" + c.Claim.Name
+	return kind + " " + namespace + "/" + name
 }
 
 // servedVersions are the resource.k8s.io versions whose DeviceClasses and
@@ -58,6 +61,9 @@ func (c Claim) String() string {
 // v1beta1's too but for a request's own fields, which v1 moved under
 // exactly (v1beta1Requests).
 var servedVersions = []string{"resource.k8s.io/v1", "resource.k8s.io/v1beta2", "resource.k8s.io/v1beta1"}
+
+// Served says whether Read takes DeviceClasses and claims of apiVersion.
+func Served(apiVersion string) bool { return slices.Contains(servedVersions, apiVersion) }
 
 // Read reads YAML or JSON documents from r: DeviceClasses, ResourceClaims
 // and ResourceClaimTemplates, alone or in a List (what `kubectl get
@@ -127,10 +133,7 @@ func (o *Objects) add(raw json.RawMessage, apiVersion, kind string, depth int) e
 	if head.Kind == "" {
 		head.Kind = kind
 	}
-	what := head.Kind + " " + head.Metadata.Name
-	if head.Metadata.Namespace != "" {
-		what = head.Kind + " " + head.Metadata.Namespace + "/" + head.Metadata.Name
-	}
+	what := named(head.Kind, head.Metadata.Namespace, head.Metadata.Name)
 	if itemKind, typed := typedLists[head.Kind]; typed || head.Kind == "List" {
 		if depth >= maxListDepth {
 			return fmt.Errorf("%s: Lists nested more than %d deep", head.Kind, maxListDepth)
@@ -160,7 +163,7 @@ func (o *Objects) add(raw json.RawMessage, apiVersion, kind string, depth int) e
 	case !strings.HasPrefix(head.APIVersion, "resource.k8s.io/"):
 		o.Skipped++ // another group's kind of the same name
 		return nil
-	case !slices.Contains(servedVersions, head.APIVersion):
+	case !Served(head.APIVersion):
 		return fmt.Errorf("%s: apiVersion %s is not read (only %s): get the object from an API server of Kubernetes 1.34 or later, whose kubectl get writes resource.k8s.io/v1", what, head.APIVersion, strings.Join(servedVersions, ", "))
 	case head.Metadata.Name == "":
 		return fmt.Errorf("%s: no metadata.name", head.Kind)
@@ -173,51 +176,61 @@ func (o *Objects) add(raw json.RawMessage, apiVersion, kind string, depth int) e
 			return fmt.Errorf("%s: spec: %w", what, err)
 		}
 	}
-	var target any
-	var claim *resourceapi.ResourceClaim
-	var tpl resourceapi.ResourceClaimTemplateSpec
-	class := &resourceapi.DeviceClass{ObjectMeta: head.Metadata}
 	switch head.Kind {
 	case "DeviceClass":
-		target = &class.Spec
-	case "ResourceClaim":
-		claim = &resourceapi.ResourceClaim{ObjectMeta: head.Metadata}
-		target = &claim.Spec
-	case "ResourceClaimTemplate":
-		target = &tpl
-	}
-	if len(spec) > 0 {
-		more, err := sigsjson.UnmarshalStrict(spec, target)
+		c := &resourceapi.DeviceClass{ObjectMeta: head.Metadata}
+		notRead, err := readSpec(spec, &c.Spec, v1beta1, strict)
 		if err != nil {
-			return fmt.Errorf("%s: spec: %w", what, err)
+			return fmt.Errorf("%s: %w", what, err)
 		}
-		for _, e := range more {
-			if v1beta1 {
-				// The request's fields are under exactly only as rewritten.
-				e = errors.New(strings.ReplaceAll(e.Error(), ".exactly.", "."))
-			}
-			strict = append(strict, fmt.Errorf("spec: %w", e))
-		}
-	}
-	var notRead error
-	if len(strict) > 0 {
-		msgs := make([]string, len(strict))
-		for i, e := range strict {
-			msgs[i] = e.Error()
-		}
-		notRead = errors.New(strings.Join(msgs, "; "))
-	}
-	switch head.Kind {
-	case "DeviceClass":
-		o.Classes = append(o.Classes, Class{Class: class, Err: notRead})
+		o.Classes = append(o.Classes, Class{Class: c, Err: notRead})
 	case "ResourceClaim":
-		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Claim: claim, Err: notRead})
+		c := &resourceapi.ResourceClaim{ObjectMeta: head.Metadata}
+		notRead, err := readSpec(spec, &c.Spec, v1beta1, strict)
+		if err != nil {
+			return fmt.Errorf("%s: %w", what, err)
+		}
+		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Claim: c, Err: notRead})
 	case "ResourceClaimTemplate":
-		c := &resourceapi.ResourceClaim{Spec: tpl.Spec}
+		var t resourceapi.ResourceClaimTemplateSpec
+		notRead, err := readSpec(spec, &t, v1beta1, strict)
+		if err != nil {
+			return fmt.Errorf("%s: %w", what, err)
+		}
+		c := &resourceapi.ResourceClaim{Spec: t.Spec}
 		c.Namespace, c.Name = head.Metadata.Namespace, head.Metadata.Name
 		o.Claims = append(o.Claims, Claim{Kind: head.Kind, Claim: c, Err: notRead})
 	}
 	return nil
+}
+
+// readSpec decodes an object's spec into target, field names
+// case-sensitive. err is a spec that cannot be read; notRead joins what was
+// not read, the object's own (outside, from its head) and its spec's, each
+// with its path (of the v1beta1 object as written, not as rewritten).
+func readSpec(spec json.RawMessage, target any, v1beta1 bool, outside []error) (notRead, err error) {
+	msgs := make([]string, 0, len(outside))
+	for _, e := range outside {
+		msgs = append(msgs, e.Error())
+	}
+	if len(spec) > 0 {
+		inSpec, err := sigsjson.UnmarshalStrict(spec, target)
+		if err != nil {
+			return nil, fmt.Errorf("spec: %w", err)
+		}
+		for _, e := range inSpec {
+			m := e.Error()
+			if v1beta1 {
+				// The request's fields are under exactly only as rewritten.
+				m = strings.ReplaceAll(m, ".exactly.", ".")
+			}
+			msgs = append(msgs, "spec: "+m)
+		}
+	}
+	if len(msgs) == 0 {
+		return nil, nil
+	}
+	return errors.New(strings.Join(msgs, "; ")), nil
 }
 
 // v1beta1Fields are a v1beta1 request's fields that v1 holds under
@@ -236,7 +249,7 @@ func v1beta1Requests(spec json.RawMessage, template bool) (json.RawMessage, erro
 	if template {
 		claim = nil // Unmarshal would merge into top
 		if err := json.Unmarshal(top["spec"], &claim); err != nil || claim == nil {
-			return spec, nil // left for decodeSpec to refuse, naming the field
+			return spec, nil // left for readSpec to refuse, naming the field
 		}
 	}
 	var devices map[string]json.RawMessage
